@@ -1,0 +1,407 @@
+"""StreamingLLM attention sinks as a transformers v5 cache.
+
+The cache keeps a pinned head (the attention sinks, or the whole system prompt) and a
+window of recent tokens. When a forward pass would overflow it, `evict_for_space` drops a
+block from the middle, right after the pinned head, and re-rotates the keys that follow
+the gap so that the cache reads as if those tokens had always sat at their new, smaller
+positions. Positions therefore never leave ``[0, capacity)``: transformers derives the
+position ids of new tokens from `get_seq_length()`, which is the physical length here.
+
+Llama-family attention applies RoPE before ``cache.update``, so cached keys are already
+rotated; moving a key from position ``p`` to ``p - d`` is a pure rotation by
+``-d * inv_freq`` (no ``attention_scaling``: the cached key already carries it once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import Cache
+from transformers.cache_utils import DynamicLayer
+
+from chatbot.errors import StreamingUnsupportedError
+
+__all__ = [
+    "CacheLayout",
+    "SinkCache",
+    "SinkLayer",
+    "StreamingUnsupportedError",
+    "check_streaming_support",
+    "rotate_keys",
+    "rotation_for_shift",
+]
+
+
+def rotation_for_shift(shift: int, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cos and sin that move a rotated key back by `shift` positions.
+
+    Args:
+        shift: how many positions the keys move towards the start (> 0).
+        inv_freq: the model's rotary inverse frequencies, ``[head_dim // 2]``.
+
+    Returns:
+        ``(cos, sin)`` in float32, each ``[head_dim]`` (frequencies duplicated as
+        ``[freqs, freqs]``, the rotate_half layout of Llama).
+    """
+    angle = -float(shift) * inv_freq.to(torch.float32)  # [head_dim // 2]
+    emb = torch.cat((angle, angle), dim=-1)  # [head_dim]
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate cached keys ``[B, H, S, D]`` by the angles in `cos`/`sin` ``[D]``.
+
+    The product is taken in float32 (bf16 rotations drift) and cast back to the keys' dtype.
+    """
+    k32 = keys.to(torch.float32)
+    cos = cos.to(k32.device)
+    sin = sin.to(k32.device)
+    return (k32 * cos + _rotate_half(k32) * sin).to(keys.dtype)
+
+
+class SinkLayer(DynamicLayer):
+    """One decoder layer of a `SinkCache`: a `DynamicLayer` that can cut out a block.
+
+    Tensors are ``[batch, kv_heads, seq, head_dim]`` on the device of the layer's first
+    update (lazy initialisation, as `DynamicLayer`).
+    """
+
+    def drop(self, start: int, end: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Remove positions ``[start, end)`` and re-rotate the keys after them.
+
+        Args:
+            start: first physical index removed.
+            end: one past the last index removed.
+            cos: float32 ``[head_dim]`` rotation for the keys after the gap.
+            sin: float32 ``[head_dim]``.
+        """
+        if not self.is_initialized or end <= start or self.keys is None or self.keys.numel() == 0:
+            return
+        tail_keys = rotate_keys(self.keys[..., end:, :], cos, sin)
+        self.keys = torch.cat([self.keys[..., :start, :], tail_keys], dim=-2)
+        self.values = torch.cat([self.values[..., :start, :], self.values[..., end:, :]], dim=-2)
+
+    @property
+    def nbytes(self) -> int:
+        if not self.is_initialized or self.keys is None:
+            return 0
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """A snapshot of where a `SinkCache` stands, in tokens."""
+
+    pinned: int
+    recent: int
+    capacity: int
+    length: int
+    evicted_total: int
+
+
+class SinkCache(Cache):
+    """Attention-sink (StreamingLLM) cache: pinned head + recent window, re-rotated on eviction.
+
+    Call `evict_for_space(n)` before every forward pass of ``n`` tokens; it returns the
+    physical slice it removed so the caller can drop the same token ids.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        inv_freq: torch.Tensor,
+        start_size: int = 4,
+        recent_size: int = 2000,
+        evict_block: int = 64,
+    ) -> None:
+        """
+        Args:
+            num_layers: decoder layers of the model (one `SinkLayer` each).
+            inv_freq: rotary inverse frequencies ``[head_dim // 2]`` (with rope scaling applied).
+            start_size: attention-sink tokens always kept at the start (0: plain sliding window).
+            recent_size: tokens of the recent window.
+            evict_block: evictions drop a multiple of this many tokens, so re-rotation
+                (a copy of the whole cache) happens once per block instead of every token.
+
+        Raises:
+            ValueError: for a non-positive `num_layers`, `recent_size` or `evict_block`,
+                or a negative `start_size`.
+        """
+        if num_layers <= 0:
+            raise ValueError(f"num_layers must be positive, got {num_layers}")
+        if start_size < 0:
+            raise ValueError(f"start_size must be >= 0, got {start_size}")
+        if recent_size <= 0:
+            raise ValueError(f"recent_size must be positive, got {recent_size}")
+        if evict_block <= 0:
+            raise ValueError(f"evict_block must be positive, got {evict_block}")
+        super().__init__(layers=[SinkLayer() for _ in range(num_layers)])
+        self.inv_freq = inv_freq.detach().to(torch.float32).flatten()
+        self.start_size = start_size
+        self.recent_size = recent_size
+        self.evict_block = evict_block
+        self._pinned = start_size
+        self.evicted_total = 0
+
+    @classmethod
+    def for_model(
+        cls,
+        model: Any,
+        start_size: int = 4,
+        recent_size: int = 2000,
+        evict_block: int = 64,
+    ) -> SinkCache:
+        """Build a cache for `model` after checking that it can stream.
+
+        Raises:
+            StreamingUnsupportedError: the model's positions cannot be re-rotated
+                (see `check_streaming_support`).
+        """
+        check_streaming_support(model, capacity=start_size + recent_size)
+        rotary = _find_rotary(model)
+        assert rotary is not None  # check_streaming_support refused otherwise
+        config = model.config.get_text_config(decoder=True)
+        return cls(
+            num_layers=config.num_hidden_layers,
+            inv_freq=rotary.inv_freq,
+            start_size=start_size,
+            recent_size=recent_size,
+            evict_block=evict_block,
+        )
+
+    # --- layout -----------------------------------------------------------------------
+
+    @property
+    def pinned(self) -> int:
+        """Tokens at the start that are never evicted."""
+        return self._pinned
+
+    @property
+    def capacity(self) -> int:
+        """Most tokens the cache holds after `evict_for_space`: pinned + recent_size."""
+        return self._pinned + self.recent_size
+
+    def pin(self, n_tokens: int) -> None:
+        """Keep the first `n_tokens` (e.g. the system prompt) forever, like llama.cpp ``--keep``.
+
+        The pinned region never shrinks below `start_size`; capacity grows with it.
+
+        Raises:
+            ValueError: for a negative `n_tokens`.
+        """
+        if n_tokens < 0:
+            raise ValueError(f"cannot pin a negative number of tokens ({n_tokens})")
+        self._pinned = max(self.start_size, n_tokens)
+
+    def layout(self) -> CacheLayout:
+        return CacheLayout(
+            pinned=self._pinned,
+            recent=self.recent_size,
+            capacity=self.capacity,
+            length=self.get_seq_length(),
+            evicted_total=self.evicted_total,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the keys and values of all layers."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    # --- eviction ---------------------------------------------------------------------
+
+    def evict_for_space(self, num_coming: int) -> tuple[int, int] | None:
+        """Make room for `num_coming` tokens before a forward pass.
+
+        Drops a block right after the pinned region: at least what is needed, rounded up
+        to a multiple of `evict_block`, but never more than the unpinned tokens present.
+        Keys after the block are re-rotated so positions stay contiguous.
+
+        Args:
+            num_coming: tokens the next forward pass will add.
+
+        Returns:
+            ``(start, end)``, the physical slice removed (delete the same slice from the
+            list of token ids in the cache), or None if nothing had to go.
+
+        Raises:
+            ValueError: if the tokens cannot fit even after evicting every unpinned token,
+                which happens when `num_coming` > `recent_size`; callers feed in chunks.
+        """
+        if num_coming < 0:
+            raise ValueError(f"num_coming must be >= 0, got {num_coming}")
+        length = self.get_seq_length()
+        needed = length + num_coming - self.capacity
+        if needed <= 0:
+            return None
+        if num_coming > self.recent_size:
+            raise ValueError(
+                f"{num_coming} tokens cannot enter a sink cache with recent_size={self.recent_size}; "
+                f"feed them in chunks of at most {self.recent_size}"
+            )
+        evictable = length - self._pinned
+        assert needed <= evictable, (needed, evictable)  # follows from num_coming <= recent_size
+        block = -(-needed // self.evict_block) * self.evict_block
+        n_drop = min(block, evictable)
+        start, end = self._pinned, self._pinned + n_drop
+        cos, sin = rotation_for_shift(n_drop, self.inv_freq)
+        for layer in self.layers:
+            layer.drop(start, end, cos, sin)
+        self.evicted_total += n_drop
+        return start, end
+
+    # --- Cache overrides --------------------------------------------------------------
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove tokens from the tail (negative count, as `DynamicLayer.crop`)."""
+        super().crop(tokens_to_remove)
+        # A pin that reaches past the new end would pin whatever comes next.
+        self._pinned = min(self._pinned, max(self.start_size, self.get_seq_length()))
+
+    def reset(self) -> None:
+        """Empty every layer, forget evictions and drop the pin back to `start_size`."""
+        super().reset()
+        self.evicted_total = 0
+        self._pinned = self.start_size
+
+    def __repr__(self) -> str:
+        lay = self.layout()
+        return (
+            f"SinkCache(layers={len(self.layers)}, pinned={lay.pinned}, recent={lay.recent}, "
+            f"length={lay.length}, evicted_total={lay.evicted_total})"
+        )
+
+
+# --- support check ------------------------------------------------------------------------
+
+# model_type -> how it encodes positions, for models that cannot be re-rotated.
+_NO_ROPE = {
+    "gpt2": "learned absolute positions",
+    "gpt_neo": "learned absolute positions",
+    "gpt_bigcode": "learned absolute positions",
+    "opt": "learned absolute positions",
+    "biogpt": "learned absolute positions",
+    "xglm": "sinusoidal absolute positions",
+    "bloom": "ALiBi attention biases",
+    "mpt": "ALiBi attention biases",
+    "jais": "ALiBi attention biases",
+}
+# Rotary, but pairs (x0, x1), (x2, x3)... instead of the rotate_half halves we re-rotate.
+_INTERLEAVED_ROPE = {"gptj", "codegen"}
+
+
+def _find_rotary(model: Any) -> Any | None:
+    candidates = [getattr(model, "model", None), getattr(model, "base_model", None), model]
+    for module in candidates:
+        rotary = getattr(module, "rotary_emb", None) if module is not None else None
+        if rotary is not None:
+            return rotary
+    return None
+
+
+def _rope_parameter_dicts(config: Any) -> list[dict[str, Any]]:
+    """The rope parameter dicts of a v5 config: one flat dict, or one per layer type."""
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict) or not params:
+        return []
+    nested = [value for value in params.values() if isinstance(value, dict)]
+    return nested or [params]
+
+
+def check_streaming_support(model_or_config: Any, capacity: int | None = None) -> None:
+    """Refuse models whose cached keys cannot be moved to new positions.
+
+    Args:
+        model_or_config: a loaded model (checked for a ``rotary_emb`` with ``inv_freq``
+            whose size matches the head dim) or a bare `PretrainedConfig`.
+        capacity: start + recent of the intended cache; a sliding-window model is accepted
+            when the whole cache fits in its window (the window mask then never bites).
+
+    Raises:
+        StreamingUnsupportedError: with a message naming the reason.
+    """
+    is_model = hasattr(model_or_config, "config") and not hasattr(model_or_config, "to_dict")
+    config = model_or_config.config if is_model else model_or_config
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    model_type = getattr(config, "model_type", "") or "this model"
+    need = "--enable-streaming needs rotary position embeddings"
+
+    if model_type in _NO_ROPE:
+        raise StreamingUnsupportedError(f"{need}; {model_type} uses {_NO_ROPE[model_type]}")
+    if model_type == "falcon" and getattr(config, "alibi", False):
+        raise StreamingUnsupportedError(f"{need}; this falcon model uses ALiBi attention biases")
+    if model_type in _INTERLEAVED_ROPE:
+        raise StreamingUnsupportedError(
+            f"--enable-streaming re-rotates keys in the Llama (rotate_half) layout; "
+            f"{model_type} uses interleaved rotary embeddings"
+        )
+    if getattr(config, "qk_rope_head_dim", None):
+        raise StreamingUnsupportedError(
+            f"--enable-streaming cannot re-rotate {model_type} keys: only part of each key "
+            "is rotary (multi-head latent attention)"
+        )
+
+    rope_dicts = _rope_parameter_dicts(config)
+    if not rope_dicts and getattr(config, "rope_theta", None) is None and not is_model:
+        raise StreamingUnsupportedError(f"{need}; the {model_type} config declares none")
+
+    factors = [getattr(config, "partial_rotary_factor", None)] + [
+        d.get("partial_rotary_factor") for d in rope_dicts
+    ]
+    partial = [f for f in factors if f is not None and float(f) < 1.0]
+    if partial:
+        raise StreamingUnsupportedError(
+            f"--enable-streaming needs rotary embeddings on the whole head; {model_type} "
+            f"rotates only a part (partial_rotary_factor={partial[0]})"
+        )
+    if any(d.get("mrope_section") for d in rope_dicts) or any(
+        str(d.get(key, "")).startswith("mrope") for d in rope_dicts for key in ("rope_type", "type")
+    ):
+        raise StreamingUnsupportedError(
+            f"--enable-streaming cannot re-rotate {model_type} keys: it uses multimodal "
+            "rotary embeddings (mrope_section)"
+        )
+
+    layer_types = getattr(config, "layer_types", None) or []
+    other_types = sorted({t for t in layer_types if t != "full_attention"})
+    if other_types:
+        raise StreamingUnsupportedError(
+            f"--enable-streaming needs full attention in every layer; {model_type} has "
+            f"{', '.join(other_types)} layers"
+        )
+    sliding_window = getattr(config, "sliding_window", None)
+    if sliding_window is not None and getattr(config, "use_sliding_window", True):
+        if capacity is None or capacity > sliding_window:
+            raise StreamingUnsupportedError(
+                f"--enable-streaming needs full attention; {model_type} uses a sliding "
+                f"window of {sliding_window} tokens"
+                + ("" if capacity is None else f" (smaller than the cache's {capacity} tokens)")
+            )
+
+    if is_model:
+        rotary = _find_rotary(model_or_config)
+        if rotary is None:
+            raise StreamingUnsupportedError(
+                f"{need}; no rotary embedding module found on {type(model_or_config).__name__}"
+            )
+        inv_freq = getattr(rotary, "inv_freq", None)
+        if not isinstance(inv_freq, torch.Tensor):
+            raise StreamingUnsupportedError(
+                f"--enable-streaming cannot read the rotary frequencies of {model_type} "
+                "(per-layer-type or non-standard rotary embedding)"
+            )
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads
+        )
+        if inv_freq.numel() * 2 != head_dim:
+            raise StreamingUnsupportedError(
+                f"--enable-streaming needs rotary embeddings on the whole head; {model_type} "
+                f"rotates {inv_freq.numel() * 2} of {head_dim} dims"
+            )

@@ -1,0 +1,226 @@
+"""Long-text perplexity of four cache set-ups, as in StreamingLLM's eval_long_ppl.py.
+
+Every set-up reads the text one token per step and scores the next token:
+
+- ``dense``: full history in a `DynamicCache` (the reference; memory grows without bound);
+- ``window``: sliding window of start+recent tokens, re-rotated, no attention sinks;
+- ``sinks``: StreamingLLM, ``start_size`` sinks + ``recent_size`` recent tokens;
+- ``recompute``: sliding window with recomputation: each step re-encodes the last
+  start+recent tokens from scratch at positions 0.. (exact for a window, and slow).
+
+The computing functions return numbers only; `format_table` and `write_plot` present them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from chatbot.engine.sink_cache import SinkCache
+from chatbot.errors import ConfigError
+
+__all__ = [
+    "SETUPS",
+    "format_table",
+    "run_eval_ppl",
+    "run_eval_ppl_ids",
+    "write_plot",
+]
+
+SETUPS = ("dense", "window", "sinks", "recompute")
+
+Progress = Callable[[str, int, int], None]
+"""progress(setup, steps_done, steps_total), called after every step."""
+
+
+def run_eval_ppl(
+    model: Any,
+    tokenizer: Any,
+    text: str,
+    num_tokens: int = 4000,
+    start_size: int = 4,
+    recent_size: int = 252,
+    setups: Sequence[str] = SETUPS,
+    progress: Progress | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Tokenize `text` and run `run_eval_ppl_ids` on its first `num_tokens` tokens.
+
+    Raises:
+        ConfigError: the text has fewer than 2 tokens, or a set-up name is unknown.
+        StreamingUnsupportedError: "window" or "sinks" asked of a model that cannot stream.
+    """
+    ids = tokenizer(text, return_tensors="pt").input_ids[0, :num_tokens]
+    return run_eval_ppl_ids(
+        model, ids, start_size=start_size, recent_size=recent_size, setups=setups, progress=progress
+    )
+
+
+def run_eval_ppl_ids(
+    model: Any,
+    ids: torch.Tensor | Sequence[int],
+    start_size: int = 4,
+    recent_size: int = 252,
+    setups: Sequence[str] = SETUPS,
+    progress: Progress | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Score every next token of `ids`, feeding one token per step, for each set-up.
+
+    Args:
+        model: a causal LM taking ``input_ids`` and ``cache``.
+        ids: the token ids (1-D); ``len(ids) - 1`` tokens are scored.
+        start_size: attention sinks of "sinks".
+        recent_size: recent window of "sinks"; "window" and "recompute" keep
+            ``start_size + recent_size`` tokens, the same budget without sinks.
+        setups: any of "dense", "window", "sinks", "recompute", run in this order.
+        progress: optional callback ``(setup, done, total)``.
+
+    Returns:
+        ``{setup: {"ppl", "tokens_per_s", "wall_s", "nll", "cache_tokens"}}`` where ``nll``
+        is the list of per-token negative log-likelihoods (natural log) and
+        ``cache_tokens`` the most tokens the set-up attended to in one step.
+
+    Raises:
+        ConfigError: fewer than 2 ids, a bad size, or an unknown set-up name.
+        StreamingUnsupportedError: "window" or "sinks" asked of a model that cannot stream.
+    """
+    unknown = [s for s in setups if s not in SETUPS]
+    if unknown:
+        raise ConfigError(f"unknown eval set-up {unknown[0]!r}; choose from {', '.join(SETUPS)}")
+    if start_size < 0 or recent_size <= 0:
+        raise ConfigError(f"need start_size >= 0 and recent_size > 0, got {start_size}, {recent_size}")
+    device = _model_device(model)
+    ids = torch.as_tensor(ids, dtype=torch.long).flatten().to(device)
+    if ids.numel() < 2:
+        raise ConfigError(f"the text must have at least 2 tokens to score, it has {ids.numel()}")
+
+    results: dict[str, dict[str, Any]] = {}
+    for setup in setups:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            if setup == "recompute":
+                nll, cache_tokens = _run_recompute(model, ids, start_size + recent_size, setup, progress)
+            else:
+                cache = _make_cache(model, setup, start_size, recent_size)
+                nll, cache_tokens = _run_cached(model, ids, cache, setup, progress)
+        wall_s = time.perf_counter() - start
+        nll_list = nll.tolist()
+        results[setup] = {
+            "ppl": math.exp(sum(nll_list) / len(nll_list)),
+            "tokens_per_s": len(nll_list) / wall_s if wall_s > 0 else float("inf"),
+            "wall_s": wall_s,
+            "nll": nll_list,
+            "cache_tokens": cache_tokens,
+        }
+    return results
+
+
+def _model_device(model: Any) -> torch.device:
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    return next(model.parameters()).device
+
+
+def _make_cache(model: Any, setup: str, start_size: int, recent_size: int) -> DynamicCache | SinkCache:
+    if setup == "dense":
+        return DynamicCache()
+    if setup == "window":
+        return SinkCache.for_model(model, start_size=0, recent_size=start_size + recent_size, evict_block=1)
+    return SinkCache.for_model(model, start_size=start_size, recent_size=recent_size, evict_block=1)
+
+
+def _next_token_nll(logits: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    # logits [1, S, V] -> NLL of `label` under the last position, kept on device (no sync).
+    logprobs = torch.log_softmax(logits[0, -1].float(), dim=-1)
+    return -logprobs[label]
+
+
+def _run_cached(
+    model: Any,
+    ids: torch.Tensor,
+    cache: DynamicCache | SinkCache,
+    setup: str,
+    progress: Progress | None,
+) -> tuple[torch.Tensor, int]:
+    steps = ids.numel() - 1
+    inputs = ids.view(-1, 1, 1)  # [N, 1, 1]: inputs[t] is a [B=1, S=1] batch
+    evict = cache.evict_for_space if isinstance(cache, SinkCache) else None
+    nll = torch.empty(steps, device=ids.device)
+    for t in range(steps):
+        if evict is not None:
+            evict(1)
+        logits = model(input_ids=inputs[t], cache=cache, use_cache=True).logits
+        nll[t] = _next_token_nll(logits, ids[t + 1])
+        if progress is not None:
+            progress(setup, t + 1, steps)
+    attended = cache.get_seq_length() if isinstance(cache, SinkCache) else steps
+    return nll.cpu(), attended
+
+
+def _run_recompute(
+    model: Any,
+    ids: torch.Tensor,
+    window: int,
+    setup: str,
+    progress: Progress | None,
+) -> tuple[torch.Tensor, int]:
+    steps = ids.numel() - 1
+    nll = torch.empty(steps, device=ids.device)
+    batch = ids.view(1, -1)  # [1, N]
+    for t in range(steps):
+        lo = max(0, t + 1 - window)
+        logits = model(input_ids=batch[:, lo : t + 1], cache=DynamicCache(), use_cache=True).logits
+        nll[t] = _next_token_nll(logits, ids[t + 1])
+        if progress is not None:
+            progress(setup, t + 1, steps)
+    return nll.cpu(), min(window, steps)
+
+
+# --- presentation -----------------------------------------------------------------------
+
+
+def format_table(result: dict[str, dict[str, Any]]) -> str:
+    """A plain-text table: set-up, perplexity, tokens/s, wall time, tokens attended."""
+    header = f"{'set-up':<10} {'ppl':>10} {'tok/s':>9} {'wall s':>9} {'kv tokens':>10}"
+    lines = [header, "-" * len(header)]
+    for name, row in result.items():
+        lines.append(
+            f"{name:<10} {row['ppl']:>10.3f} {row['tokens_per_s']:>9.2f} "
+            f"{row['wall_s']:>9.1f} {row.get('cache_tokens', 0):>10d}"
+        )
+    return "\n".join(lines)
+
+
+def write_plot(result: dict[str, dict[str, Any]], path: str | Path, title: str | None = None) -> Path:
+    """Draw the running mean log-perplexity of each set-up against position, as a PNG.
+
+    Returns:
+        The path written.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 4.5), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for name, row in result.items():
+        nll = torch.tensor(row["nll"], dtype=torch.float64)
+        running = torch.cumsum(nll, 0) / torch.arange(1, nll.numel() + 1)
+        positions = torch.arange(1, nll.numel() + 1)
+        ax.plot(positions.numpy(), running.numpy(), label=f"{name} (ppl {row['ppl']:.2f})", linewidth=1.2)
+    ax.set_xlabel("tokens read")
+    ax.set_ylabel("running mean log perplexity (nats)")
+    ax.set_title(title or "Long-text perplexity, one token per step")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    return path
