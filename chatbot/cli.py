@@ -1,0 +1,189 @@
+"""The `chatbot` command: flags -> config -> session -> terminal or measurement.
+
+This is the only place where errors become messages: a ChatbotError or a bad flag prints one
+line and exits with status 2; `--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from typer.exceptions import Abort, Exit, TyperException
+from rich.console import Console
+
+from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
+from chatbot.errors import ChatbotError
+
+app = typer.Typer(
+    name="chatbot",
+    help="Chat with a local language model in the terminal.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+bench_app = typer.Typer(help="Benchmarks that print figures side by side.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+_DEBUG = False
+
+ModelOpt = Annotated[
+    str | None,
+    typer.Option("--model", "-m", help="A transformers folder, a .gguf file or a hub id (default: the embedded SmolLM2-135M-Instruct)."),
+]
+DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")]
+DtypeOpt = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")]
+ThreadsOpt = Annotated[int | None, typer.Option(help="CPU threads (default: torch's choice, the physical cores).", min=1)]
+JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the figures to this JSON file.")]
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _load(model: str | None, device: str, dtype: str, quiet: bool = False) -> Any:
+    from chatbot.models.loader import load_model
+
+    err = Console(stderr=True)
+    if not quiet and sys.stderr.isatty():
+        with err.status("loading model…"):
+            return load_model(model, device=device, dtype=dtype)
+    return load_model(model, device=device, dtype=dtype)
+
+
+@app.command()
+def run(
+    model: ModelOpt = None,
+    system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
+    temperature: Annotated[float | None, typer.Option(help="Sampling temperature; 0 is greedy.")] = None,
+    top_p: Annotated[float | None, typer.Option(help="Nucleus sampling mass (0, 1].")] = None,
+    top_k: Annotated[int | None, typer.Option(help="Sample among the k likeliest tokens; 0 turns it off.")] = None,
+    repetition_penalty: Annotated[float | None, typer.Option(help="Penalty for tokens already in the conversation; 1 turns it off.")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(help="Most tokens per answer.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Random seed for reproducible sampling.")] = None,
+    greedy: Annotated[bool, typer.Option(help="Always pick the likeliest token (same as --temperature 0).")] = False,
+    stream_interval: Annotated[int, typer.Option(help="Show text every N tokens.")] = 1,
+    prefill_chunk: Annotated[int, typer.Option(help="Prefill long inputs in chunks of this many tokens.")] = 512,
+    enable_streaming: Annotated[bool, typer.Option(help="Attention sinks + recent window: chat forever in bounded memory.")] = False,
+    start_size: Annotated[int, typer.Option(help="Attention-sink tokens kept at the start (with --enable-streaming).")] = 4,
+    recent_size: Annotated[int | None, typer.Option(help="Recent tokens kept (with --enable-streaming; default: a quarter of the context, at most 2000).")] = None,
+    keep_system: Annotated[bool | None, typer.Option(help="Pin the system prompt in the streaming cache (default: on when --system is set).")] = None,
+    max_context: Annotated[int | None, typer.Option(help="Most tokens the conversation may hold (default: the model's context).")] = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    threads: ThreadsOpt = None,
+    plain: Annotated[bool, typer.Option(help="Print raw text instead of rendered Markdown.")] = False,
+    no_stats: Annotated[bool, typer.Option("--no-stats", help="Hide the stats line after each answer.")] = False,
+    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
+) -> None:
+    """Chat with a model. Reads one message per line when stdin is not a terminal."""
+    global _DEBUG
+    _DEBUG = debug
+    overrides = {
+        "temperature": 0.0 if greedy else temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "repetition_penalty": repetition_penalty,
+        "max_new_tokens": max_new_tokens,
+        "seed": seed,
+        "stream_interval": stream_interval,
+    }
+    # Check every value before the (slow) model load.
+    SamplingConfig(**{k: v for k, v in overrides.items() if v is not None}).validated()
+    engine_cfg = EngineConfig(
+        prefill_chunk=prefill_chunk,
+        enable_streaming=enable_streaming,
+        start_size=start_size,
+        recent_size=recent_size,
+        keep_system=keep_system,
+        max_context=max_context,
+    ).validated()
+    _set_threads(threads)
+
+    from chatbot.engine.generate import Engine
+    from chatbot.session import ChatSession, sampling_from_model
+    from chatbot.terminal.repl import Repl
+    from chatbot.terminal.repl import run as run_repl
+
+    loaded = _load(model, device, dtype)
+    sampling = sampling_from_model(loaded.model, **overrides)
+    engine = Engine(loaded.model, loaded.tokenizer, max_context=max_context)
+    session = ChatSession(engine, ChatConfig(system=system, sampling=sampling, engine=engine_cfg))
+
+    interactive = sys.stdin.isatty()
+    out = Console(soft_wrap=True, highlight=False)
+    info = out if (interactive and sys.stdout.isatty()) else Console(stderr=True, highlight=False, soft_wrap=True)
+    repl = Repl(session, loaded, out, plain=plain or not sys.stdout.isatty(), show_stats=not no_stats, info=info)
+    for note in loaded.notes:
+        repl.note(note)
+    if interactive:
+        d = loaded.describe()
+        repl.note(" · ".join(f"{d[k]}" for k in ("model", "parameters", "dtype", "device")) + f" · context {d['context']} · loaded in {d['load time']}")
+    run_repl(repl, interactive)
+
+
+@bench_app.command("turns")
+def bench_turns(
+    conversation: Annotated[Path | None, typer.Option(help='A JSON file {"turns": [...]} (default: the shipped twelve-turn chat).')] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="New tokens per turn (greedy).", min=1)] = 64,
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    threads: ThreadsOpt = None,
+    json_out: JsonOpt = None,
+) -> None:
+    """Persistent cache against re-encoding the whole history every turn."""
+    from chatbot.measure.bench import load_conversation, run_turns_bench
+    from chatbot.measure.report import print_turns, write_json
+
+    turns = load_conversation(conversation)
+    _set_threads(threads)
+    loaded = _load(model, device, dtype)
+    result = run_turns_bench(loaded, turns, max_new_tokens)
+    print_turns(Console(), result)
+    if json_out:
+        write_json(json_out, result)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the app and turn every error into one line."""
+    command = typer.main.get_command(app)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    try:
+        command.main(args=argv, prog_name="chatbot", standalone_mode=False)
+    except Exit as exc:
+        sys.exit(exc.exit_code)
+    except TyperException as exc:
+        ctx = getattr(exc, "ctx", None)
+        if type(exc).__name__ == "NoArgsIsHelpError" and ctx is not None:
+            print(ctx.get_help())
+            sys.exit(2)
+        where = ctx.command_path if ctx is not None else "chatbot"
+        message = " ".join(exc.format_message().split())
+        err.print(f"{where}: {message} (see: {where} --help)", markup=False)
+        sys.exit(2)
+    except Abort:
+        sys.exit(130)
+    except ChatbotError as exc:
+        if _DEBUG or os.environ.get("CHATBOT_DEBUG"):
+            raise
+        err.print(f"chatbot: error: {exc}", markup=False)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as exc:
+        if _DEBUG or os.environ.get("CHATBOT_DEBUG"):
+            raise
+        err.print(f"chatbot: internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)", markup=False)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

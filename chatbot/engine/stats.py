@@ -1,0 +1,88 @@
+"""Per-turn timing and memory figures, as numbers; only the renderer formats them."""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class TurnStats:
+    """What one turn cost.
+
+    `context_tokens` are the tokens prefilled this turn (only what the conversation gained);
+    `token_latencies_s` holds one entry per generated token after the first.
+    """
+
+    context_tokens: int = 0
+    context_time_s: float = 0.0
+    ttft_s: float = 0.0
+    generated_tokens: int = 0
+    decode_time_s: float = 0.0
+    token_latencies_s: list[float] = field(default_factory=list)
+    cache_tokens: int = 0
+    cache_capacity: int | None = None
+    sinks: int = 0
+    evicted_total: int = 0
+    peak_memory_bytes: int = 0
+    finish_reason: str = ""
+
+    @property
+    def decode_tps(self) -> float:
+        n = len(self.token_latencies_s)
+        return n / self.decode_time_s if self.decode_time_s > 0 else 0.0
+
+    @property
+    def ms_per_token_mean(self) -> float:
+        return 1000 * statistics.fmean(self.token_latencies_s) if self.token_latencies_s else 0.0
+
+    def ms_per_token_quantile(self, q: float) -> float:
+        lat = sorted(self.token_latencies_s)
+        if not lat:
+            return 0.0
+        return 1000 * lat[min(len(lat) - 1, int(q * len(lat)))]
+
+    @property
+    def ms_per_token_p50(self) -> float:
+        return self.ms_per_token_quantile(0.5)
+
+    @property
+    def ms_per_token_p90(self) -> float:
+        return self.ms_per_token_quantile(0.9)
+
+    def as_dict(self) -> dict[str, float | int | str | None]:
+        return {
+            "context_tokens": self.context_tokens,
+            "context_time_s": round(self.context_time_s, 4),
+            "ttft_s": round(self.ttft_s, 4),
+            "generated_tokens": self.generated_tokens,
+            "decode_tps": round(self.decode_tps, 2),
+            "ms_per_token_mean": round(self.ms_per_token_mean, 2),
+            "ms_per_token_p50": round(self.ms_per_token_p50, 2),
+            "ms_per_token_p90": round(self.ms_per_token_p90, 2),
+            "cache_tokens": self.cache_tokens,
+            "cache_capacity": self.cache_capacity,
+            "evicted_total": self.evicted_total,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "finish_reason": self.finish_reason,
+        }
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work so that a timer read after it is honest."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak accelerator memory on a GPU; the process's peak resident set on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)

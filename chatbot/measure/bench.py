@@ -1,0 +1,69 @@
+"""Benchmarks as functions that return figures; the CLI prints them."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from chatbot.config import ChatConfig, SamplingConfig
+from chatbot.engine.generate import Engine
+from chatbot.errors import ConfigError
+from chatbot.models.loader import LoadedModel
+from chatbot.session import ChatSession
+
+
+def load_conversation(path: Path | None) -> list[str]:
+    """User turns from `{"turns": [...]}`; None means the conversation shipped with us.
+
+    Raises:
+        ConfigError: the file is missing or not in that format.
+    """
+    try:
+        if path is None:
+            text = resources.files("chatbot").joinpath("data/conversation.json").read_text()
+        else:
+            text = Path(path).read_text()
+        turns = json.loads(text)["turns"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f'cannot read conversation {path}: expected {{"turns": ["...", ...]}} ({exc})') from None
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+        raise ConfigError(f"{path}: turns must be a non-empty list of non-empty strings")
+    return turns
+
+
+def _play(session: ChatSession, turns: list[str], reencode: bool) -> list[dict[str, Any]]:
+    rows = []
+    for text in turns:
+        if reencode:
+            session.drop_cache()
+        stats = None
+        for chunk in session.send(text):
+            stats = chunk.stats or stats
+        assert stats is not None
+        rows.append({"prefill_tokens": stats.context_tokens, "ttft_s": stats.ttft_s,
+                     "decode_tps": stats.decode_tps, "cache_tokens": stats.cache_tokens})
+    return rows
+
+
+def run_turns_bench(loaded: LoadedModel, turns: list[str], max_new_tokens: int = 64) -> dict[str, Any]:
+    """Play the user turns twice, greedy: on the persistent cache, and re-encoding the
+    whole history every turn (what `transformers chat` and friends do)."""
+    engine = Engine(loaded.model, loaded.tokenizer)
+    sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=max_new_tokens)
+    results = {}
+    for mode in ("persistent", "reencode"):
+        session = ChatSession(engine, ChatConfig(sampling=sampling))
+        results[mode] = _play(session, turns, reencode=(mode == "reencode"))
+    last_p, last_r = results["persistent"][-1], results["reencode"][-1]
+    return {
+        "model": loaded.name,
+        "max_new_tokens": max_new_tokens,
+        "turns": [
+            {"turn": i + 1, "persistent": p, "reencode": r}
+            for i, (p, r) in enumerate(zip(results["persistent"], results["reencode"]))
+        ],
+        "ratio_last_turn": last_r["ttft_s"] / last_p["ttft_s"] if last_p["ttft_s"] else None,
+        "prefill_ratio_last_turn": last_r["prefill_tokens"] / max(1, last_p["prefill_tokens"]),
+    }

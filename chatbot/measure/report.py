@@ -1,0 +1,48 @@
+"""Printing and saving benchmark figures (Rich tables, JSON)."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+
+def machine_info() -> dict[str, Any]:
+    import os
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def write_json(path: Path, result: dict[str, Any]) -> None:
+    data = dict(result)
+    data.setdefault("machine", machine_info())
+    Path(path).write_text(json.dumps(data, indent=1))
+
+
+def print_turns(console: Console, result: dict[str, Any]) -> None:
+    table = Table(title=f"multi-turn chat, {result['model']}, greedy, {result['max_new_tokens']} new tokens per turn")
+    for col in ("turn", "prefill tok (persistent)", "first token s (persistent)",
+                "prefill tok (re-encode)", "first token s (re-encode)", "ratio"):
+        table.add_column(col, justify="right")
+    for row in result["turns"]:
+        p, r = row["persistent"], row["reencode"]
+        ratio = r["ttft_s"] / p["ttft_s"] if p["ttft_s"] else float("nan")
+        table.add_row(str(row["turn"]), f"{p['prefill_tokens']:,}", f"{p['ttft_s']:.3f}",
+                      f"{r['prefill_tokens']:,}", f"{r['ttft_s']:.3f}", f"{ratio:.1f}x")
+    console.print(table)
+    console.print(
+        f"last turn: time to first token {result['ratio_last_turn']:.1f}x faster with the persistent cache; "
+        f"{result['prefill_ratio_last_turn']:.1f}x fewer tokens prefilled"
+    )

@@ -1,0 +1,148 @@
+"""Engine on a tiny random Llama, compared with full recomputation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from chatbot.config import ChatConfig, SamplingConfig
+from chatbot.engine.generate import Engine
+from chatbot.errors import ContextFullError
+from chatbot.session import ChatSession
+
+GREEDY = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=12)
+
+
+def full_logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+def greedy_by_recompute(model, ids, n, stop=()):
+    ids = list(ids)
+    out = []
+    for _ in range(n):
+        tok = int(full_logits(model, ids)[-1].argmax())
+        if tok in stop:
+            break
+        out.append(tok)
+        ids.append(tok)
+    return out
+
+
+def test_prefill_in_pieces_matches_one_forward(tiny_engine, tiny_model):
+    torch.manual_seed(1)
+    ids = torch.randint(3, 300, (90,)).tolist()
+    cache = tiny_engine.new_cache()
+    # Three "turns" of different sizes, the middle one chunked.
+    tiny_engine.prefill(cache, ids[:30])
+    tiny_engine.prefill(cache, ids[30:70], prefill_chunk=7)
+    last = tiny_engine.prefill(cache, ids[70:])
+    ref = full_logits(tiny_model, ids)[-1]
+    assert torch.allclose(last, ref, atol=1e-4)
+    assert cache.get_seq_length() == 90
+
+
+def test_greedy_decode_with_cache_equals_recompute(tiny_engine, tiny_model):
+    prompt = list(range(5, 25))
+    chunks = list(tiny_engine.generate(tiny_engine.new_cache(), prompt, GREEDY))
+    got = [t for c in chunks for t in c.token_ids]
+    assert got == greedy_by_recompute(tiny_model, prompt, GREEDY.max_new_tokens)
+    assert chunks[-1].finish_reason == "length"
+    assert chunks[-1].stats.generated_tokens == GREEDY.max_new_tokens
+
+
+def test_stop_token_ends_answer_and_is_not_fed(tiny_engine, tiny_model):
+    prompt = list(range(5, 25))
+    free = greedy_by_recompute(tiny_model, prompt, 8)
+    stop = free[3]
+    cache = tiny_engine.new_cache()
+    chunks = list(tiny_engine.generate(cache, prompt, GREEDY, stop_ids=[stop]))
+    got = [t for c in chunks for t in c.token_ids]
+    assert got == free[: free.index(stop)]
+    assert chunks[-1].finish_reason == "stop"
+    # The prompt and the answer tokens before the stop are in the cache; the stop is not.
+    assert cache.get_seq_length() == len(prompt) + len(got)
+
+
+def test_max_new_tokens_and_stream_interval(tiny_engine):
+    sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=7, stream_interval=3)
+    chunks = list(tiny_engine.generate(tiny_engine.new_cache(), list(range(5, 15)), sampling))
+    sizes = [len(c.token_ids) for c in chunks]
+    assert sum(sizes) == 7
+    assert sizes[:2] == [3, 3]
+    assert chunks[-1].finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible(tiny_engine):
+    sampling = SamplingConfig(temperature=50.0, top_k=200, top_p=0.99, max_new_tokens=10)
+    runs = []
+    for _ in range(2):
+        g = torch.Generator().manual_seed(7)
+        chunks = tiny_engine.generate(tiny_engine.new_cache(), list(range(5, 15)), sampling, generator=g)
+        runs.append([t for c in chunks for t in c.token_ids])
+    assert runs[0] == runs[1]
+    g = torch.Generator().manual_seed(8)
+    other = [t for c in tiny_engine.generate(tiny_engine.new_cache(), list(range(5, 15)), sampling, generator=g)
+             for t in c.token_ids]
+    assert other != runs[0]
+
+
+def test_repetition_penalty_changes_greedy_choice(tiny_engine, tiny_model):
+    prompt = list(range(5, 25))
+    plain = [t for c in tiny_engine.generate(tiny_engine.new_cache(), prompt, GREEDY) for t in c.token_ids]
+    strong = SamplingConfig(temperature=0.0, repetition_penalty=50.0, max_new_tokens=12)
+    penal = [t for c in tiny_engine.generate(tiny_engine.new_cache(), prompt, strong) for t in c.token_ids]
+    # With a huge penalty no token of the prompt or the answer so far is ever picked again.
+    seen = set(prompt)
+    for t in penal:
+        assert t not in seen
+        seen.add(t)
+    assert penal != plain
+
+
+def test_context_full_is_raised_before_any_work(tiny_model, tiny_tokenizer):
+    engine = Engine(tiny_model, tiny_tokenizer, max_context=40)
+    cache = engine.new_cache()
+    engine.prefill(cache, list(range(5, 35)))
+    with pytest.raises(ContextFullError, match="context full"):
+        next(engine.generate(cache, list(range(5, 20)), GREEDY))
+    assert cache.get_seq_length() == 30
+
+
+def test_session_prefills_only_new_tokens(tiny_engine, tiny_model, tiny_tokenizer):
+    session = ChatSession(tiny_engine, ChatConfig(system="Be brief.", sampling=GREEDY))
+    for text in ["Hello there!", "How are you today?", "Café 🙂 日本語"]:
+        # Not yet in the cache: the last answer token (not fed when max_new_tokens ends
+        # the answer) and the template's "<|im_end|>\n" after it.
+        pending = session.pending_ids
+        assert len(pending) <= 3
+        stats = [c.stats for c in session.send(text) if c.stats][0]
+        prompt_seg = session.segments[session.turns[-1].first_segment]
+        assert prompt_seg.kind == "prompt" and "<|im_start|>user" in prompt_seg.text
+        assert stats.context_tokens == len(pending) + len(prompt_seg.ids)
+        assert stats.context_tokens < len(session.all_ids)
+    # The cache holds exactly the ids the session says it holds.
+    assert session.cache.get_seq_length() == len(session.cache_ids) == session.n_fed
+    # And its logits equal a fresh forward pass over those ids.
+    ids = session.cache_ids
+    logits = tiny_engine.prefill(session.cache, session.pending_ids) if session.pending_ids else None
+    if logits is not None:
+        ref = full_logits(tiny_model, ids + session.pending_ids)[-1]
+        assert torch.allclose(logits, ref, atol=1e-4)
+
+
+def test_cache_crop_repairs_uneven_layers(tiny_engine):
+    cache = tiny_engine.new_cache()
+    tiny_engine.prefill(cache, list(range(5, 25)))
+    # Simulate a forward pass interrupted after layer 0.
+    k = cache.layers[0].keys[:, :, -1:, :].clone()
+    cache.layers[0].update(k, k)
+    assert cache.layers[0].get_seq_length() == 21
+    tiny_engine.crop(cache, 20)
+    assert [layer.get_seq_length() for layer in cache.layers] == [20, 20]
+
+
+def test_dynamic_cache_is_the_default(tiny_engine):
+    assert isinstance(tiny_engine.new_cache(), DynamicCache)
