@@ -87,7 +87,23 @@ class ChatSession:
         from chatbot.engine.sink_cache import SinkCache
 
         recent = ec.recent_size or default_recent_size(self.engine.max_context)
-        return SinkCache.for_model(self.engine.model, ec.start_size, recent)
+        cache = SinkCache.for_model(self.engine.model, ec.start_size, recent)
+        keep = ec.keep_system if ec.keep_system is not None else bool(self.system)
+        if keep:
+            cache.pin(self.system_prompt_tokens())
+        return cache
+
+    def system_prompt_tokens(self) -> int:
+        """How many tokens the rendered system prompt takes at the start of the conversation."""
+        if not self.system:
+            return 0
+        msgs = [{"role": "system", "content": self.system}]
+        try:
+            sys_text = self.render(msgs, False)
+            full = self.render([*msgs, {"role": "user", "content": "x"}], False)
+        except Exception:  # a template that cannot render a lone system message
+            return 0
+        return len(self.encode(sys_text)) if full.startswith(sys_text) else 0
 
     def _seed_generator(self) -> None:
         if self.sampling.seed is not None:
