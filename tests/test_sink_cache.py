@@ -241,6 +241,19 @@ def test_chunked_feeding_keeps_layer0_keys_equal_to_fresh_keys():
     assert not torch.allclose(cache.layers[1].keys, ref_cache.layers[1].keys, atol=1e-5)
 
 
+def test_bf16_cache_stays_bf16_and_close_to_fresh_keys():
+    model = tiny_llama(num_layers=1).to(torch.bfloat16)
+    cache = SinkCache.for_model(model, start_size=4, recent_size=16, evict_block=2)
+    _, kept = feed_streaming(model, cache, random_ids(60))
+    assert cache.evicted_total >= 40  # every kept key was re-rotated many times
+    assert cache.layers[0].keys.dtype == torch.bfloat16
+    assert cache.inv_freq.dtype == torch.float32
+    _, ref_cache = fresh_logits_and_cache(model, kept)
+    ref = ref_cache.layers[0].keys.float()
+    err = (cache.layers[0].keys.float() - ref).abs().max().item()
+    assert err <= 0.02 * ref.abs().max().item()
+
+
 def test_ten_windows_token_by_token_stay_inside_the_window():
     model = tiny_llama(num_layers=2)
     start, recent = 4, 12
