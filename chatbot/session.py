@@ -5,13 +5,31 @@ them. Prompt segments (template text, system and user messages) are tokenized by
 segments keep the ids the model generated. Concatenated, the segments' text is the
 conversation as the chat template renders it, and their ids are what the cache has seen.
 Each turn prefills only the ids the cache has not seen yet.
+
+Invariant, after every method returns (and after an interrupt), once the conversation has
+a turn or a system prompt segment (a new or reset session may have no segments yet):
+
+- ``tokenizer.decode(all_ids) == rendered == render(messages(), add_generation_prompt=False)``;
+- the first `n_fed` ids of `all_ids` went through the cache; `cache_ids` is what the cache
+  holds now (the same ids unless a bounded cache evicted some), and its length is the
+  cache's length.
+
+Per turn the segments are: the prompt (template text and the user's message), the answer,
+and the template's closing text after it (e.g. ``<|im_end|>\\n``), which stays pending until
+the next turn feeds it. That layout is what lets `undo`, `retry` and `continue_answer` cut
+the cache back instead of re-encoding.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +37,12 @@ import torch
 from chatbot.config import ChatConfig, SamplingConfig
 from chatbot.engine.generate import Engine, GenerationChunk
 from chatbot.engine.stats import TurnStats
-from chatbot.errors import ChatbotError
+from chatbot.errors import ChatbotError, ConfigError
+
+SAVE_FORMAT = "chatbot-session"
+SAVE_VERSION = 1
+
+ProgressCallback = Callable[[int, int], None]  # (tokens done, tokens in all)
 
 
 @dataclass
@@ -39,7 +62,16 @@ class Turn:
     answer: str
     stats: TurnStats
     interrupted: bool = False
-    first_segment: int = 0  # index of the turn's first segment
+    first_segment: int = 0  # index of the turn's prompt segment; -1 when unknown
+    evicted_before: int = 0  # the cache's evicted_total when the turn started
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "user": self.user,
+            "answer": self.answer,
+            "interrupted": self.interrupted,
+            "stats": stats_to_dict(self.stats),
+        }
 
 
 @dataclass
@@ -54,13 +86,92 @@ class CacheLayout:
     oldest_text: str
 
 
+def stats_to_dict(stats: TurnStats) -> dict[str, Any]:
+    """Every field of a TurnStats (lossless, unlike `TurnStats.as_dict`)."""
+    return dataclasses.asdict(stats)
+
+
+def stats_from_dict(data: Any) -> TurnStats:
+    """A TurnStats from `stats_to_dict` output; unknown keys and bad values are ignored."""
+    stats = TurnStats()
+    if not isinstance(data, dict):
+        return stats
+    for f in dataclasses.fields(TurnStats):
+        value = data.get(f.name)
+        if value is None:
+            continue
+        default = getattr(stats, f.name)
+        if isinstance(default, list):
+            if isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
+                setattr(stats, f.name, [float(v) for v in value])
+        elif isinstance(default, str):
+            setattr(stats, f.name, str(value))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            setattr(stats, f.name, type(default)(value) if default is not None else value)
+    return stats
+
+
+def merge_stats(first: TurnStats, more: TurnStats) -> TurnStats:
+    """The figures of an answer generated in two parts (`continue_answer`)."""
+    return TurnStats(
+        context_tokens=first.context_tokens + more.context_tokens,
+        context_time_s=first.context_time_s + more.context_time_s,
+        ttft_s=first.ttft_s,
+        generated_tokens=first.generated_tokens + more.generated_tokens,
+        decode_time_s=first.decode_time_s + more.decode_time_s,
+        token_latencies_s=[*first.token_latencies_s, *more.token_latencies_s],
+        cache_tokens=more.cache_tokens,
+        cache_capacity=more.cache_capacity,
+        sinks=more.sinks,
+        evicted_total=more.evicted_total,
+        peak_memory_bytes=max(first.peak_memory_bytes, more.peak_memory_bytes),
+        finish_reason=more.finish_reason,
+    )
+
+
+class _FeedLog:
+    """Keeps `cache_ids` in step with the cache while the engine feeds it, and checks
+    afterwards that nothing was torn by an interrupt.
+
+    Each callback changes `cache_ids` in one statement, so a KeyboardInterrupt between two
+    of them leaves a state `settle` can recognise; if it cannot vouch for the cache, the
+    caller empties it (the conversation is kept, the next turn re-encodes).
+    """
+
+    def __init__(self, session: ChatSession) -> None:
+        self.session = session
+        self.length_before = len(session.cache_ids)
+        self.evicted_before = session.evicted_total
+        self.fed: list[int] = []
+        self.evicted = 0
+
+    def on_fed(self, ids: Sequence[int]) -> None:
+        self.session.cache_ids.extend(ids)
+        self.fed.extend(ids)
+
+    def on_evict(self, start: int, end: int) -> None:
+        del self.session.cache_ids[start:end]
+        self.evicted += end - start
+
+    def settle(self) -> bool:
+        """Cut the cache back to the ids we know it holds; True when it is sound."""
+        s = self.session
+        s.engine.crop(s.cache, len(s.cache_ids))
+        lengths = {layer.get_seq_length() for layer in s.cache.layers}
+        return (
+            lengths <= {len(s.cache_ids)}
+            and s.cache.get_seq_length() == len(s.cache_ids)
+            and s.evicted_total - self.evicted_before == self.evicted
+            and len(s.cache_ids) - self.length_before + self.evicted == len(self.fed)
+        )
+
+
 class ChatSession:
     """Messages, the token ids in the cache, and `send()` that streams an answer.
 
     Args:
         engine: the model runner.
         config: system prompt, sampling and engine settings.
-        cache: a cache to continue (default: a new one from `make_cache`).
     """
 
     def __init__(self, engine: Engine, config: ChatConfig | None = None) -> None:
@@ -140,21 +251,29 @@ class ChatSession:
 
     # -- text and ids ---------------------------------------------------------------------
 
+    def _system_messages(self) -> list[dict[str, str]]:
+        return [{"role": "system", "content": self.system}] if self.system else []
+
     def messages(self) -> list[dict[str, str]]:
         """The conversation as role/content records, system prompt first when set."""
-        msgs = [{"role": "system", "content": self.system}] if self.system else []
+        msgs = self._system_messages()
         for t in self.turns:
             msgs.append({"role": "user", "content": t.user})
             msgs.append({"role": "assistant", "content": t.answer})
         return msgs
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        if not messages and not add_generation_prompt:
+            return ""
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     @property
     def rendered(self) -> str:
@@ -172,10 +291,23 @@ class ChatSession:
     def evicted_total(self) -> int:
         return int(getattr(self.cache, "evicted_total", 0))
 
+    @property
+    def capacity(self) -> int:
+        """The most tokens the cache holds: the window of a bounded cache, else the context."""
+        return int(getattr(self.cache, "capacity", 0) or self.engine.max_context)
+
+    @property
+    def conversation_tokens(self) -> int:
+        """Tokens in the cache plus those waiting to enter it (the context meter)."""
+        return len(self.cache_ids) + len(self.all_ids) - self.n_fed
+
     # -- a turn ---------------------------------------------------------------------------
 
     def send(self, text: str, sampling: SamplingConfig | None = None) -> Iterator[GenerationChunk]:
         """Add a user message and stream the answer.
+
+        Nothing changes until the first chunk is asked for; an answer cut short (Ctrl-C,
+        `close()`) is kept as far as it got, closed with the template's end-of-turn text.
 
         Args:
             text: the user's message.
@@ -185,11 +317,17 @@ class ChatSession:
             GenerationChunk; the last one has the finish reason and stats.
 
         Raises:
+            ChatbotError: an empty message.
             ContextFullError: the message does not fit; nothing is changed.
             KeyboardInterrupt: re-raised after the partial answer has been kept.
         """
         if not text.strip():
             raise ChatbotError("empty message")
+        return self._send(text, sampling or self.sampling)
+
+    def _send(self, text: str, sampling: SamplingConfig) -> Iterator[GenerationChunk]:
+        if self.segments or self.turns:
+            self._ensure_consistent()
         msgs = [*self.messages(), {"role": "user", "content": text}]
         full = self.render(msgs, add_generation_prompt=True)
         prefix = self.rendered
@@ -198,31 +336,30 @@ class ChatSession:
             # start over from a fresh tokenization of the whole conversation.
             self._forget_cache()
             self.segments = []
+            for t in self.turns:
+                t.first_segment = -1
             prefix = ""
         prompt = Segment("prompt", full[len(prefix) :], self.encode(full[len(prefix) :]))
-        return self._answer(text, prompt, sampling or self.sampling)
+        yield from self._answer(text, prompt, sampling)
 
     def _answer(
-        self, user: str, prompt: Segment | None, sampling: SamplingConfig, resume: Turn | None = None
+        self,
+        user: str,
+        prompt: Segment | None,
+        sampling: SamplingConfig,
+        resume: Turn | None = None,
+        extend: bool = False,
     ) -> Iterator[GenerationChunk]:
-        segments_before = len(self.segments)
+        """Feed what is pending (plus `prompt`) and stream the answer.
+
+        `resume` regenerates (or, with `extend`, lengthens) the answer of an existing turn.
+        """
+        first_segment = len(self.segments)
+        evicted_before = self.evicted_total
         new_ids = self.pending_ids + (prompt.ids if prompt else [])
-        n_new = len(new_ids)
-        fed_new = 0
-        answer_fed: list[int] = []
-
-        def on_fed(ids: Sequence[int]) -> None:
-            nonlocal fed_new
-            self.cache_ids.extend(ids)
-            for tid in ids:
-                if fed_new < n_new:
-                    fed_new += 1
-                else:
-                    answer_fed.append(tid)
-
-        def on_evict(start: int, end: int) -> None:
-            del self.cache_ids[start:end]
-
+        if prompt is not None:
+            self.segments.append(prompt)
+        log = _FeedLog(self)
         chunks = self.engine.generate(
             self.cache,
             new_ids,
@@ -230,73 +367,72 @@ class ChatSession:
             history_ids=self.cache_ids,
             stop_ids=self.stop_ids,
             prefill_chunk=self.config.engine.prefill_chunk,
-            on_evict=on_evict,
-            on_fed=on_fed,
+            on_evict=log.on_evict,
+            on_fed=log.on_fed,
             generator=self.generator,
         )
-        answer_ids: list[int] = []
+        shown: list[int] = []
         stats: TurnStats | None = None
-        started = False
         finished = False
         try:
             for chunk in chunks:
-                if not started:
-                    started = True
-                    if prompt is not None:
-                        self.segments.append(prompt)
-                answer_ids.extend(chunk.token_ids)
+                shown.extend(chunk.token_ids)
                 if chunk.stats is not None:
                     stats = chunk.stats
                 yield chunk
             finished = True
-        except (KeyboardInterrupt, GeneratorExit):
-            if not started and prompt is not None and fed_new > 0:
-                self.segments.append(prompt)
-                started = True
-            raise
         finally:
-            if started or fed_new > 0:
-                self._close_turn(user, prompt, answer_ids if finished else answer_fed, stats,
-                                 fed_new, n_new, answer_fed, finished, segments_before, resume)
+            chunks.close()
+            sound = log.settle()
+            if not (finished or resume is not None or log.fed):
+                # Stopped before anything reached the cache: the turn never happened.
+                if prompt is not None:
+                    self.segments.pop()
+                if not sound:
+                    self._forget_cache()
             else:
-                # Interrupted before anything reached the cache: the turn never happened.
-                self.engine.crop(self.cache, len(self.cache_ids))
+                if sound:
+                    self.n_fed += len(log.fed)
+                else:
+                    self._forget_cache()
+                answer_fed = log.fed[len(new_ids) :] if sound else []
+                answer_ids = shown if finished or len(shown) >= len(answer_fed) else answer_fed
+                if stats is None:
+                    stats = TurnStats(
+                        context_tokens=min(len(log.fed), len(new_ids)),
+                        generated_tokens=len(answer_ids),
+                        finish_reason="interrupted",
+                        cache_tokens=len(self.cache_ids),
+                        cache_capacity=self.capacity,
+                        evicted_total=self.evicted_total,
+                    )
+                self._close_turn(user, answer_ids, stats, finished, first_segment, evicted_before, resume, extend)
 
     def _close_turn(
         self,
         user: str,
-        prompt: Segment | None,
         answer_ids: list[int],
-        stats: TurnStats | None,
-        fed_new: int,
-        n_new: int,
-        answer_fed: list[int],
+        stats: TurnStats,
         finished: bool,
-        segments_before: int,
+        first_segment: int,
+        evicted_before: int,
         resume: Turn | None,
+        extend: bool,
     ) -> None:
-        """Record the exchange and queue the template's end-of-turn text.
-
-        On an interrupt the cache may be uneven (a forward pass cut short): it is cut back
-        to the tokens we know it holds, and the answer is what reached the cache.
-        """
-        self.engine.crop(self.cache, len(self.cache_ids))
-        self.n_fed += fed_new + len(answer_fed)
-        # Interrupted during the prefill, the rest of the prompt simply stays pending.
-        answer_text = self.tokenizer.decode(answer_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        if stats is None:
-            stats = TurnStats(context_tokens=fed_new, generated_tokens=len(answer_ids), finish_reason="interrupted")
-            stats.cache_tokens = len(self.cache_ids)
-            stats.evicted_total = self.evicted_total
+        """Record the exchange and queue the template's end-of-turn text (not fed yet)."""
+        if extend and self.segments and self.segments[-1].kind == "answer":
+            old = self.segments.pop()
+            answer_ids = [*old.ids, *answer_ids]
+        answer_text = self.decode(answer_ids)
         if resume is not None:
-            resume.answer += answer_text
+            resume.answer = answer_text
             resume.interrupted = not finished
-            turn = resume
+            resume.stats = merge_stats(resume.stats, stats) if extend else stats
         else:
-            turn = Turn(user, answer_text, stats, interrupted=not finished, first_segment=segments_before)
-            self.turns.append(turn)
-        if resume is not None:
-            turn.stats = stats
+            self.turns.append(
+                Turn(user, answer_text, stats, interrupted=not finished, first_segment=first_segment,
+                     evicted_before=min(evicted_before, self.evicted_total))
+            )
         self.segments.append(Segment("answer", answer_text, list(answer_ids)))
         # The template's closing text after the answer (e.g. "<|im_end|>\n").
         expected = self.rendered
@@ -305,31 +441,317 @@ class ChatSession:
             suffix = after[len(expected) :]
             if suffix:
                 self.segments.append(Segment("prompt", suffix, self.encode(suffix)))
+        else:
+            # The template does not render the answer as generated (e.g. it trims it).
+            self._rebuild_segments()
+
+    # -- the cache --------------------------------------------------------------------------
 
     def _forget_cache(self) -> None:
-        self.cache.reset() if hasattr(self.cache, "reset") else None
+        """Empty the cache; every id of the conversation becomes pending."""
+        if hasattr(self.cache, "reset"):
+            self.cache.reset()
         self.cache = self.make_cache()
         self.cache_ids = []
         self.n_fed = 0
+        for turn in self.turns:  # a new cache has evicted nothing yet
+            turn.evicted_before = 0
+
+    def _rebuild_segments(self) -> None:
+        """Tokenize the whole conversation afresh, turn by turn, and empty the cache.
+
+        Answers are re-tokenized too (the generated ids are gone with the cache). When the
+        template cannot be split turn by turn, the conversation is one prompt segment and
+        undo/retry fall back to re-encoding.
+        """
+        self._forget_cache()
+        segments: list[Segment] = []
+        text = ""
+        msgs = self._system_messages()
+        if msgs:
+            sys_text = self.render(msgs, False)
+            probe = self.render([*msgs, {"role": "user", "content": "x"}], True)
+            if sys_text and probe.startswith(sys_text):
+                segments.append(Segment("prompt", sys_text, self.encode(sys_text)))
+                text = sys_text
+        ok = True
+        for turn in self.turns:
+            msgs = [*msgs, {"role": "user", "content": turn.user}]
+            full = self.render(msgs, True)
+            msgs = [*msgs, {"role": "assistant", "content": turn.answer}]
+            after = self.render(msgs, False)
+            if not full.startswith(text) or not after.startswith(full + turn.answer):
+                ok = False
+                break
+            turn.first_segment = len(segments)
+            turn.evicted_before = 0
+            prompt = full[len(text) :]
+            segments.append(Segment("prompt", prompt, self.encode(prompt)))
+            segments.append(Segment("answer", turn.answer, self.encode(turn.answer)))
+            suffix = after[len(full) + len(turn.answer) :]
+            if suffix:
+                segments.append(Segment("prompt", suffix, self.encode(suffix)))
+            text = after
+        if not ok:
+            whole = self.render(self.messages(), False)
+            segments = [Segment("prompt", whole, self.encode(whole))] if whole else []
+            for turn in self.turns:
+                turn.first_segment = -1
+        self.segments = segments
+
+    def _ensure_consistent(self) -> None:
+        if self.rendered != self.render(self.messages(), False):
+            self._rebuild_segments()
+
+    def _truncate(self, n_segments: int, keep: int, evicted_before: int) -> None:
+        """Keep `segments[:n_segments]` and at most `keep` ids of them in the cache.
+
+        The cache is cut back (no re-encoding) when nothing was evicted since the cut point
+        entered it; otherwise it is emptied and the next turn re-encodes.
+        """
+        self.segments = self.segments[:n_segments]
+        target = max(0, min(self.n_fed, keep, len(self.all_ids)))
+        cut = self.n_fed - target
+        if cut == 0:
+            return
+        pinned = int(getattr(self.cache, "pinned", 0)) if self.evicted_total else 0
+        if self.evicted_total != evicted_before or cut > len(self.cache_ids) - pinned:
+            self._forget_cache()
+            return
+        del self.cache_ids[len(self.cache_ids) - cut :]
+        self.engine.crop(self.cache, len(self.cache_ids))
+        self.n_fed = target
+
+    def _turn_start(self, turn: Turn) -> int:
+        """Index of the turn's prompt segment, rebuilding the segments if it is unknown."""
+        fs = turn.first_segment
+        valid = 0 <= fs < len(self.segments) and self.segments[fs].kind == "prompt"
+        if not valid or self.rendered != self.render(self.messages(), False):
+            self._rebuild_segments()
+            fs = turn.first_segment
+        return fs
 
     # -- commands ---------------------------------------------------------------------------
 
     def drop_cache(self) -> None:
         """Empty the cache but keep the conversation: the next turn re-encodes all of it."""
         self._forget_cache()
-        self.segments = []
+        self._ensure_consistent()
 
     def reset(self) -> None:
         """Forget the conversation and empty the cache; keep the system prompt and settings."""
+        self.turns = []
         self._forget_cache()
         self.segments = []
-        self.turns = []
+
+    def undo(self) -> Turn:
+        """Drop the last exchange; the cache is cut back to where it was before it.
+
+        Returns:
+            the turn that was removed.
+
+        Raises:
+            ChatbotError: there is nothing to undo.
+        """
+        if not self.turns:
+            raise ChatbotError("nothing to undo")
+        turn = self.turns[-1]
+        fs = self._turn_start(turn)
+        self.turns.pop()
+        if fs < 0:
+            self._rebuild_segments()
+            return turn
+        keep = sum(len(s.ids) for s in self.segments[:fs])
+        self._truncate(fs, keep, turn.evicted_before)
+        self._ensure_consistent()
+        return turn
+
+    def retry(self, sampling: SamplingConfig | None = None) -> Iterator[GenerationChunk]:
+        """Regenerate the last answer from the end of its prompt (the cache is cut back there).
+
+        Args:
+            sampling: settings for this try only (default: the session's).
+
+        Yields:
+            GenerationChunk, as `send`.
+
+        Raises:
+            ChatbotError: there is no answer to retry.
+        """
+        if not self.turns:
+            raise ChatbotError("nothing to retry")
+        return self._retry(sampling or self.sampling)
+
+    def _retry(self, sampling: SamplingConfig) -> Iterator[GenerationChunk]:
+        turn = self.turns[-1]
+        fs = self._turn_start(turn)
+        if fs < 0:
+            # No cut point: regenerate from a fresh encoding of the history before it.
+            self._forget_cache()
+            whole = self.render(self.messages()[:-1], True)
+            self.segments = [Segment("prompt", whole, self.encode(whole))]
+            for t in self.turns:
+                t.first_segment = -1
+            turn.first_segment = 0
+        else:
+            prompt_end = sum(len(s.ids) for s in self.segments[: fs + 1])
+            # Keep the prompt in the cache but its last token: re-feeding that one token gives
+            # the logits of the first answer token without re-encoding anything else.
+            self._truncate(fs + 1, prompt_end - 1, turn.evicted_before)
+        turn.answer = ""
+        turn.evicted_before = self.evicted_total
+        yield from self._answer(turn.user, None, sampling, resume=turn)
+
+    def can_continue(self) -> bool:
+        t = self.turns[-1] if self.turns else None
+        return t is not None and (t.interrupted or t.stats.finish_reason in ("length", "interrupted"))
+
+    def continue_answer(self, sampling: SamplingConfig | None = None) -> Iterator[GenerationChunk]:
+        """Resume the last answer where it stopped (after Ctrl-C or `max_new_tokens`).
+
+        The end-of-turn text that closed the answer has not entered the cache yet: it is
+        dropped and generation goes on from the answer's last token.
+
+        Yields:
+            GenerationChunk, as `send`; the text is only the new part.
+
+        Raises:
+            ChatbotError: there is no answer, or it ended by itself.
+        """
+        if not self.turns:
+            raise ChatbotError("nothing to continue")
+        if not self.can_continue():
+            raise ChatbotError("the last answer ended by itself; /retry asks for a new one")
+        return self._continue(sampling or self.sampling)
+
+    def _continue(self, sampling: SamplingConfig) -> Iterator[GenerationChunk]:
+        turn = self.turns[-1]
+        fs = self._turn_start(turn)
+        if fs < 0 or fs + 1 >= len(self.segments) or self.segments[fs + 1].kind != "answer":
+            raise ChatbotError("cannot continue: the template does not keep answers apart")
+        answer_end = sum(len(s.ids) for s in self.segments[: fs + 2])
+        self._truncate(fs + 2, answer_end, turn.evicted_before)
+        if not self.pending_ids:
+            # Everything is in the cache: re-feed the last token for the next logits.
+            self._truncate(len(self.segments), self.n_fed - 1, self.evicted_total)
+        turn.evicted_before = min(turn.evicted_before, self.evicted_total)
+        yield from self._answer(turn.user, None, sampling, resume=turn, extend=True)
+
+    def set_system(self, text: str | None, on_progress: ProgressCallback | None = None) -> int:
+        """Replace the system prompt (None or "" removes it) and re-encode the conversation once.
+
+        Returns:
+            the number of tokens encoded.
+
+        Raises:
+            ContextFullError: the conversation no longer fits (it is kept, not encoded).
+        """
+        self.system = text if text and text.strip() else None
+        self._rebuild_segments()
+        return self.prefill_pending(on_progress)
+
+    def prefill_pending(self, on_progress: ProgressCallback | None = None) -> int:
+        """Feed every pending id into the cache now, in chunks (e.g. after a load).
+
+        Interrupted, it keeps what was fed; the rest stays pending for the next turn.
+
+        Returns:
+            the number of tokens fed.
+
+        Raises:
+            ContextFullError: the pending ids do not fit in a growing cache.
+        """
+        ids = self.pending_ids
+        if not ids:
+            return 0
+        self.engine.check_room(self.cache, len(ids))
+        chunk = self.engine.chunk_size(self.cache, self.config.engine.prefill_chunk)
+        log = _FeedLog(self)
+        total = len(ids)
+        try:
+            for start in range(0, total, chunk):
+                piece = ids[start : start + chunk]
+                self.engine.prefill(self.cache, piece, chunk, log.on_evict, 0, log.on_fed)
+                if on_progress is not None:
+                    on_progress(min(start + chunk, total), total)
+        finally:
+            if log.settle():
+                self.n_fed += len(log.fed)
+            else:
+                self._forget_cache()
+        return len(log.fed)
 
     def set_sampling(self, sampling: SamplingConfig) -> None:
         reseed = sampling.seed != self.sampling.seed
         self.sampling = sampling
         if reseed:
             self._seed_generator()
+
+    # -- saving and loading -----------------------------------------------------------------
+
+    def to_dict(self, model: str | None = None) -> dict[str, Any]:
+        """The conversation as plain data: messages, system prompt, settings, per-turn stats."""
+        return {
+            "format": SAVE_FORMAT,
+            "version": SAVE_VERSION,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "model": model,
+            "system": self.system,
+            "settings": self.sampling.as_dict(),
+            "messages": self.messages(),
+            "turns": [t.as_dict() for t in self.turns],
+        }
+
+    def restore(self, data: Any, on_progress: ProgressCallback | None = None, encode: bool = True) -> int:
+        """Replace the conversation with saved data (`to_dict` output, or a bare
+        `{"messages": [...]}`) and re-encode it in chunks.
+
+        Returns:
+            the number of tokens encoded.
+
+        Raises:
+            ConfigError: the data is not a conversation (nothing is changed).
+            ContextFullError: it does not fit in the context (it is kept, not encoded).
+        """
+        system, sampling, turns = parse_saved(data, self.sampling)
+        self.system = system
+        self.turns = turns
+        self.set_sampling(sampling)
+        self._rebuild_segments()
+        return self.prefill_pending(on_progress) if encode else 0
+
+    def save(self, path: str | os.PathLike[str], model: str | None = None) -> Path:
+        """Write `to_dict` as JSON (atomically: a crash never leaves half a file).
+
+        Raises:
+            ChatbotError: the file cannot be written.
+        """
+        target = Path(path).expanduser()
+        data = json.dumps(self.to_dict(model), ensure_ascii=False, indent=1)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(data + "\n")
+            os.replace(tmp, target)
+        except OSError as exc:
+            raise ChatbotError(f"cannot save to {target}: {exc.strerror or exc}") from None
+        return target
+
+    def load(self, path: str | os.PathLike[str], on_progress: ProgressCallback | None = None) -> dict[str, Any]:
+        """Read a file written by `save` and continue that conversation.
+
+        Returns:
+            the file's data (for its model name and stats).
+
+        Raises:
+            ChatbotError: the file cannot be read or is not a saved chat.
+        """
+        data = read_saved(path)
+        self.restore(data, on_progress)
+        return data
+
+    # -- reports ----------------------------------------------------------------------------
 
     def cache_layout(self) -> CacheLayout:
         layout = getattr(self.cache, "layout", None)
@@ -340,8 +762,7 @@ class ChatSession:
             tail = self.cache_ids[pinned : pinned + 24]
             oldest = self.tokenizer.decode(tail, skip_special_tokens=True).strip()
         length = len(self.cache_ids)
-        capacity = int(getattr(self.cache, "capacity", 0) or self.engine.max_context)
-        return CacheLayout(length, capacity, pinned, length - pinned, self.evicted_total, oldest)
+        return CacheLayout(length, self.capacity, pinned, length - pinned, self.evicted_total, oldest)
 
     def summary(self) -> dict[str, Any]:
         """Totals over all turns, for /stats."""
@@ -356,6 +777,68 @@ class ChatSession:
             "decode_tps": lat / dec if dec else 0.0,
             "cache_tokens": len(self.cache_ids),
         }
+
+
+def read_saved(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The JSON of a saved chat.
+
+    Raises:
+        ChatbotError: the file cannot be read or is not JSON.
+    """
+    p = Path(path).expanduser()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ChatbotError(f"no such file: {p}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ChatbotError(f"cannot read {p}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ChatbotError(f"{p} is not a saved chat (invalid JSON: {exc})") from None
+    if not isinstance(data, dict):
+        raise ChatbotError(f"{p} is not a saved chat (expected a JSON object)")
+    return data
+
+
+def parse_saved(data: Any, base: SamplingConfig) -> tuple[str | None, SamplingConfig, list[Turn]]:
+    """System prompt, settings and turns from saved data; `base` fills missing settings.
+
+    Raises:
+        ConfigError: the data is not a conversation.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError("a saved chat is a JSON object with messages")
+    system = data.get("system")
+    turns: list[Turn] = []
+    if isinstance(data.get("turns"), list):
+        for i, t in enumerate(data["turns"]):
+            if not isinstance(t, dict) or not isinstance(t.get("user"), str) or not isinstance(t.get("answer"), str):
+                raise ConfigError(f"turn {i + 1}: expected user and answer text")
+            turns.append(Turn(t["user"], t["answer"], stats_from_dict(t.get("stats")), bool(t.get("interrupted"))))
+    elif isinstance(data.get("messages"), list):
+        msgs = data["messages"]
+        if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs):
+            raise ConfigError("messages must be objects with role and content")
+        if msgs and msgs[0].get("role") == "system":
+            system = msgs[0]["content"]
+            msgs = msgs[1:]
+        if len(msgs) % 2 or any(
+            m.get("role") != ("user" if i % 2 == 0 else "assistant") for i, m in enumerate(msgs)
+        ):
+            raise ConfigError("messages must alternate user and assistant, after an optional system message")
+        turns = [Turn(u["content"], a["content"], TurnStats()) for u, a in zip(msgs[::2], msgs[1::2])]
+    else:
+        raise ConfigError("a saved chat needs a list of turns or messages")
+    if system is not None and not isinstance(system, str):
+        raise ConfigError("system must be text")
+    sampling = base
+    settings = data.get("settings")
+    if isinstance(settings, dict):
+        for key, value in settings.items():
+            if key in SamplingConfig.RANGES:
+                sampling = sampling.with_value(key, "none" if value is None and key == "seed" else value)
+    return (system or None), sampling, turns
 
 
 def default_recent_size(max_context: int) -> int:
@@ -382,5 +865,3 @@ def sampling_from_model(model: Any, **overrides: Any) -> SamplingConfig:
                 values[key] = v
     values.update({k: v for k, v in overrides.items() if v is not None})
     return dataclasses.replace(base, **values).validated()
-
-
