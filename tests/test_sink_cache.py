@@ -12,6 +12,7 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
+    MistralForCausalLM,
     PhiConfig,
     Qwen2Config,
 )
@@ -317,6 +318,33 @@ def test_sliding_window_larger_than_the_cache_is_accepted():
     with pytest.raises(StreamingUnsupportedError):
         check_streaming_support(config, capacity=8192)
     check_streaming_support(Qwen2Config(num_hidden_layers=2, use_sliding_window=False, sliding_window=4096))
+
+
+def test_sliding_window_model_streams_when_the_cache_fits_its_window():
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        sliding_window=32,
+    )
+    model = MistralForCausalLM(config).eval()
+    with pytest.raises(StreamingUnsupportedError, match="sliding window of 32"):
+        SinkCache.for_model(model, start_size=4, recent_size=40)
+    cache = SinkCache.for_model(model, start_size=4, recent_size=20, evict_block=4)
+    assert cache.max_capacity == 32
+    cache.pin(12)
+    with pytest.raises(StreamingUnsupportedError, match="sliding window of 32"):
+        cache.pin(13)
+    assert cache.pinned == 12
+    logits, kept = feed_streaming(model, cache, random_ids(80))
+    assert cache.evicted_total > 0
+    ref, _ = fresh_logits_and_cache(model, kept)
+    assert torch.allclose(logits[0, -1], ref[0, -1], atol=1e-5)
 
 
 def test_refuses_mrope():

@@ -149,6 +149,8 @@ class SinkCache(Cache):
         self.evict_block = evict_block
         self._pinned = start_size
         self.evicted_total = 0
+        # Set by `for_model` for a sliding-window model: the cache must fit in its window.
+        self.max_capacity: int | None = None
 
     @classmethod
     def for_model(
@@ -168,13 +170,15 @@ class SinkCache(Cache):
         rotary = _find_rotary(model)
         assert rotary is not None  # check_streaming_support refused otherwise
         config = model.config.get_text_config(decoder=True)
-        return cls(
+        cache = cls(
             num_layers=config.num_hidden_layers,
             inv_freq=rotary.inv_freq,
             start_size=start_size,
             recent_size=recent_size,
             evict_block=evict_block,
         )
+        cache.max_capacity = _sliding_window(config)
+        return cache
 
     # --- layout -----------------------------------------------------------------------
 
@@ -195,10 +199,18 @@ class SinkCache(Cache):
 
         Raises:
             ValueError: for a negative `n_tokens`.
+            StreamingUnsupportedError: the pinned tokens plus the recent window would no
+                longer fit in the model's sliding window (see `max_capacity`).
         """
         if n_tokens < 0:
             raise ValueError(f"cannot pin a negative number of tokens ({n_tokens})")
-        self._pinned = max(self.start_size, n_tokens)
+        pinned = max(self.start_size, n_tokens)
+        if self.max_capacity is not None and pinned + self.recent_size > self.max_capacity:
+            raise StreamingUnsupportedError(
+                f"keeping {pinned} tokens plus a recent window of {self.recent_size} exceeds the "
+                f"model's sliding window of {self.max_capacity} tokens; lower --recent-size"
+            )
+        self._pinned = pinned
 
     def layout(self) -> CacheLayout:
         return CacheLayout(
@@ -314,6 +326,14 @@ def _rope_parameter_dicts(config: Any) -> list[dict[str, Any]]:
     return nested or [params]
 
 
+def _sliding_window(config: Any) -> int | None:
+    """The window of a model whose full-attention layers still mask beyond it (Mistral)."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or not getattr(config, "use_sliding_window", True):
+        return None
+    return int(window)
+
+
 def check_streaming_support(model_or_config: Any, capacity: int | None = None) -> None:
     """Refuse models whose cached keys cannot be moved to new positions.
 
@@ -376,8 +396,8 @@ def check_streaming_support(model_or_config: Any, capacity: int | None = None) -
             f"--enable-streaming needs full attention in every layer; {model_type} has "
             f"{', '.join(other_types)} layers"
         )
-    sliding_window = getattr(config, "sliding_window", None)
-    if sliding_window is not None and getattr(config, "use_sliding_window", True):
+    sliding_window = _sliding_window(config)
+    if sliding_window is not None:
         if capacity is None or capacity > sliding_window:
             raise StreamingUnsupportedError(
                 f"--enable-streaming needs full attention; {model_type} uses a sliding "
