@@ -81,6 +81,7 @@ def run(
     threads: ThreadsOpt = None,
     plain: Annotated[bool, typer.Option(help="Print raw text instead of rendered Markdown.")] = False,
     no_stats: Annotated[bool, typer.Option("--no-stats", help="Hide the stats line after each answer.")] = False,
+    resume: Annotated[str | None, typer.Option(help="Continue a logged session: its id (or the start of it), or 'last' (the default when no value is given).")] = None,
     debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
 ) -> None:
     """Chat with a model. Reads one message per line when stdin is not a terminal."""
@@ -110,8 +111,10 @@ def run(
     from chatbot.engine.generate import Engine
     from chatbot.session import ChatSession, sampling_from_model
     from chatbot.terminal.repl import Repl
+    from chatbot.terminal.repl import resolve_resume
     from chatbot.terminal.repl import run as run_repl
 
+    resume_path = resolve_resume(resume)
     loaded = _load(model, device, dtype)
     sampling = sampling_from_model(loaded.model, **overrides)
     engine = Engine(loaded.model, loaded.tokenizer, max_context=max_context)
@@ -126,7 +129,19 @@ def run(
     if interactive:
         d = loaded.describe()
         repl.note(" · ".join(f"{d[k]}" for k in ("model", "parameters", "dtype", "device")) + f" · context {d['context']} · loaded in {d['load time']}")
+    repl.start_log(resume_path, overrides={k: v for k, v in overrides.items() if v is not None and k != "stream_interval"},
+                   system=system)
     run_repl(repl, interactive)
+
+
+@app.command()
+def sessions(
+    limit: Annotated[int, typer.Option(help="Show at most this many, newest first.", min=1)] = 20,
+) -> None:
+    """List the logged chat sessions (resume one with: chatbot run --resume ID)."""
+    from chatbot.terminal.session_log import print_sessions
+
+    print_sessions(Console(highlight=False), limit)
 
 
 @bench_app.command("turns")
@@ -152,12 +167,23 @@ def bench_turns(
         write_json(json_out, result)
 
 
+def _optional_values(args: list[str]) -> list[str]:
+    """`--resume` with no value (last, or before another option) means `--resume last`."""
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        out.append(arg)
+        if arg == "--resume" and (i + 1 == len(args) or args[i + 1].startswith("-")):
+            out.append("last")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app and turn every error into one line."""
     command = typer.main.get_command(app)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
+    args = _optional_values(list(sys.argv[1:] if argv is None else argv))
     try:
-        command.main(args=argv, prog_name="chatbot", standalone_mode=False)
+        command.main(args=args, prog_name="chatbot", standalone_mode=False)
     except Exit as exc:
         sys.exit(exc.exit_code)
     except TyperException as exc:

@@ -87,8 +87,14 @@ class CacheLayout:
 
 
 def stats_to_dict(stats: TurnStats) -> dict[str, Any]:
-    """Every field of a TurnStats (lossless, unlike `TurnStats.as_dict`)."""
-    return dataclasses.asdict(stats)
+    """Every field of a TurnStats (unlike `TurnStats.as_dict`), times to the microsecond."""
+    data = dataclasses.asdict(stats)
+    for key, value in data.items():
+        if isinstance(value, float):
+            data[key] = round(value, 6)
+        elif isinstance(value, list):
+            data[key] = [round(v, 6) for v in value]
+    return data
 
 
 def stats_from_dict(data: Any) -> TurnStats:

@@ -256,7 +256,8 @@ def test_save_and_load_round_trip(tiny_engine, tmp_path):
     t.load(path, on_progress=lambda d, n: progress.append(d))
     assert t.messages() == s.messages() and t.system == "Be brief."
     assert t.sampling.max_new_tokens == 7 and t.sampling.seed == 5
-    assert [x.stats.token_latencies_s for x in t.turns] == [x.stats.token_latencies_s for x in s.turns]
+    assert [x.stats.token_latencies_s for x in t.turns] == [
+        [round(v, 6) for v in x.stats.token_latencies_s] for x in s.turns]
     assert progress == sorted(progress) and progress[-1] == len(t.all_ids) == t.n_fed
     assert_invariant(t)
     answer(t.send("More"))

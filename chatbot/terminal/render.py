@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import IO, Any
 
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.markdown import Markdown
 from rich.table import Table
@@ -60,16 +61,95 @@ def stats_table(turns: list[Any], summary: dict[str, Any]) -> Table:
     return table
 
 
+THINK_OPEN = re.compile(r"<(think|thinking|reasoning)>")
+
+
+def split_thinking(text: str) -> list[tuple[str, bool]]:
+    """Cut text into (part, is_thinking) pieces; the tags stay in the thinking parts.
+
+    A tag that is still open (the answer is streaming) makes the rest thinking.
+    """
+    parts: list[tuple[str, bool]] = []
+    pos = 0
+    while pos < len(text):
+        m = THINK_OPEN.search(text, pos)
+        if m is None:
+            parts.append((text[pos:], False))
+            break
+        if m.start() > pos:
+            parts.append((text[pos : m.start()], False))
+        close = f"</{m.group(1)}>"
+        end = text.find(close, m.end())
+        end = len(text) if end < 0 else end + len(close)
+        parts.append((text[m.start() : end], True))
+        pos = end
+    return parts
+
+
+def answer_renderable(text: str) -> RenderableType:
+    """Markdown with code highlighted; thinking parts dimmed (shown, not swallowed)."""
+    pieces: list[RenderableType] = []
+    for part, thinking in split_thinking(text):
+        if thinking:
+            pieces.append(Text(part.strip("\n"), style="dim italic"))
+        elif part.strip():
+            pieces.append(Markdown(part, code_theme="monokai"))
+    return Group(*pieces) if len(pieces) != 1 else pieces[0]
+
+
+def meter_style(used: int, capacity: int) -> str:
+    """The context meter's colour: green, then yellow past 60 %, red past 85 %."""
+    frac = used / capacity if capacity else 0.0
+    return "red" if frac >= 0.85 else "yellow" if frac >= 0.6 else "green"
+
+
+def sampling_brief(s: Any) -> str:
+    if s.greedy:
+        text = "greedy"
+    else:
+        text = f"temp {s.temperature:g} · top-p {s.top_p:g} · top-k {s.top_k}"
+    if s.repetition_penalty != 1.0:
+        text += f" · rep {s.repetition_penalty:g}"
+    text += f" · max {s.max_new_tokens}"
+    if s.seed is not None:
+        text += f" · seed {s.seed}"
+    return text
+
+
+def history_renderable(turns: list[Any], system: str | None, markdown: bool = True) -> RenderableType:
+    """The conversation so far, for /history."""
+    items: list[RenderableType] = []
+    if system:
+        items.append(Text.assemble(("system  ", "bold magenta"), (system, "magenta")))
+    for i, t in enumerate(turns, 1):
+        items.append(Text.assemble((f"[{i}] you  ", "bold cyan"), t.user))
+        mark = "  [interrupted]" if t.interrupted else ""
+        items.append(Text.assemble((f"[{i}] bot{mark}", "bold green")))
+        items.append(answer_renderable(t.answer) if markdown else Text(t.answer))
+    if not items:
+        items.append(Text("(no messages yet)", style="dim"))
+    return Group(*items)
+
+
+def key_value_table(title: str, rows: dict[str, str]) -> Table:
+    table = Table(show_header=False, title=title)
+    for k, v in rows.items():
+        table.add_row(k, v)
+    return table
+
+
 class PlainAnswer:
     """Raw text as it arrives (pipes, --plain)."""
 
     def __init__(self, out: IO[str] | None = None) -> None:
         self.out = out or sys.stdout
+        self.text = ""
 
     def __enter__(self) -> PlainAnswer:
         return self
 
     def add(self, text: str) -> None:
+        self.text += text
         self.out.write(text)
         self.out.flush()
 
@@ -79,12 +159,27 @@ class PlainAnswer:
 
 
 class MarkdownAnswer:
-    """Markdown re-rendered in place while tokens arrive (Rich Live)."""
+    """Markdown re-rendered in place while tokens arrive (Rich Live).
+
+    The Markdown is parsed when the screen refreshes (12 times a second), not per token.
+    While streaming, an answer taller than the screen shows its end; when it is done the
+    whole answer is printed.
+    """
 
     def __init__(self, console: Console) -> None:
         self.console = console
         self.text = ""
-        self.live = Live(Text(""), console=console, refresh_per_second=12, vertical_overflow="visible")
+        self._rendered_text: str | None = None
+        self._renderable: RenderableType = Text("")
+        self.live = Live(console=console, refresh_per_second=12, vertical_overflow="crop",
+                         get_renderable=self._get_renderable)
+
+    def _get_renderable(self) -> RenderableType:
+        text = self.text
+        if text != self._rendered_text:
+            self._renderable = answer_renderable(text) if text.strip() else Text("")
+            self._rendered_text = text
+        return self._renderable
 
     def __enter__(self) -> MarkdownAnswer:
         self.live.__enter__()
@@ -92,8 +187,6 @@ class MarkdownAnswer:
 
     def add(self, text: str) -> None:
         self.text += text
-        self.live.update(Markdown(self.text, code_theme="monokai"))
 
     def __exit__(self, *exc: object) -> None:
-        self.live.update(Markdown(self.text, code_theme="monokai"))
         self.live.__exit__(None, None, None)

@@ -1,34 +1,131 @@
-"""The chat loop: a prompt_toolkit prompt on a terminal, one message per line on a pipe."""
+"""The chat loop: a prompt_toolkit prompt on a terminal, one message per line on a pipe.
+
+Ctrl-C while an answer is being computed (prefill or decode) stops it: the engine raises
+KeyboardInterrupt between two operations, the session keeps what reached the cache, and
+the prompt comes back. Every turn and every command that changes the conversation is
+appended to the session log before the next prompt.
+"""
 
 from __future__ import annotations
 
-import os
+import contextlib
+import signal
 import sys
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
+from prompt_toolkit import PromptSession
+from prompt_toolkit.completion import CompleteEvent, Completer, Completion, PathCompleter
+from prompt_toolkit.document import Document
+from prompt_toolkit.history import FileHistory, History, InMemoryHistory
+from prompt_toolkit.key_binding import KeyBindings
 from rich.console import Console
-from rich.table import Table
+from rich.progress import BarColumn, Progress, TextColumn
 
 from chatbot.errors import ChatbotError
 from chatbot.models.loader import LoadedModel
-from chatbot.session import ChatSession
-from chatbot.terminal.commands import Command, help_text, is_command, parse_command
-from chatbot.terminal.render import MarkdownAnswer, PlainAnswer, format_stats_line, stats_table
+from chatbot.session import ChatSession, Turn
+from chatbot.terminal.commands import (
+    CLEAR_FLAG,
+    Command,
+    complete,
+    help_text,
+    is_command,
+    parse_command,
+    settings_text,
+)
+from chatbot.terminal.render import (
+    MarkdownAnswer,
+    PlainAnswer,
+    format_stats_line,
+    history_renderable,
+    key_value_table,
+    meter_style,
+    sampling_brief,
+    stats_table,
+)
+from chatbot.terminal.session_log import SessionLog, data_dir, find_session, replay
 
 MAX_MESSAGE_CHARS = 200_000
+BLOCK = '"""'
+KEYS_HELP = """keys:
+  Enter          send            Alt+Enter (or Esc, Enter)  new line
+  \"\"\" on a line  open/close a multi-line block; a paste keeps its lines in one message
+  Ctrl-C         stop the answer (it is kept; /continue goes on) or clear the line
+  Ctrl-D         leave            Tab  complete commands and settings
+  //text         send a message that starts with a slash"""
 
-
-def data_dir() -> Path:
-    """`$XDG_DATA_HOME/chatbot` (default `~/.local/share/chatbot`)."""
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
-    return Path(base) / "chatbot"
+__all__ = ["Repl", "data_dir", "clean_message", "read_lines", "run", "BlockReader"]
 
 
 def clean_message(text: str) -> str:
     """Drop control characters that a terminal or pipe let through (keep newline and tab)."""
-    return "".join(ch for ch in text if ch in "\n\t" or (ord(ch) >= 32 and ord(ch) != 127))
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return "".join(ch for ch in text if ch in "\n\t" or (ord(ch) >= 32 and not 127 <= ord(ch) < 160))
+
+
+class BlockReader:
+    '''Joins the lines of a `"""` block into one message.
+
+    A line starting with `"""` opens a block (text after the quotes is its first line); the
+    first line ending with `"""` closes it. Other lines pass through unchanged.
+    '''
+
+    def __init__(self) -> None:
+        self.lines: list[str] | None = None
+
+    @property
+    def is_open(self) -> bool:
+        return self.lines is not None
+
+    def feed(self, line: str) -> str | None:
+        """Return a complete message, or None while a block is still open."""
+        if self.lines is None:
+            stripped = line.strip()
+            if not stripped.startswith(BLOCK):
+                return line
+            rest = stripped[len(BLOCK) :]
+            if rest.endswith(BLOCK):
+                return rest[: -len(BLOCK)]
+            self.lines = [rest] if rest else []
+            return None
+        if line.rstrip().endswith(BLOCK):
+            self.lines.append(line.rstrip()[: -len(BLOCK)])
+            return self.close()
+        self.lines.append(line)
+        return None
+
+    def close(self) -> str:
+        """End the block now (end of input): what it has so far."""
+        lines, self.lines = self.lines or [], None
+        while lines and not lines[-1].strip():
+            lines.pop()
+        return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def interrupt_once() -> Iterator[None]:
+    """While inside, the first Ctrl-C raises KeyboardInterrupt and later ones are ignored,
+    so that a second press cannot tear the clean-up of the first."""
+    fired = False
+
+    def handler(signum: int, frame: Any) -> None:
+        nonlocal fired
+        if not fired:
+            fired = True
+            raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class Repl:
@@ -37,10 +134,11 @@ class Repl:
     Args:
         session: the conversation.
         loaded: the model, for the banner and /model.
-        console: where Rich output goes (stdout on a terminal).
+        console: where answers go (stdout).
         plain: print raw text instead of live Markdown.
         show_stats: print the stats line after each answer.
         info: where notes and stats go (stderr when stdout is a pipe).
+        log: the session log (None: no log).
     """
 
     def __init__(
@@ -51,6 +149,7 @@ class Repl:
         plain: bool = False,
         show_stats: bool = True,
         info: Console | None = None,
+        log: SessionLog | None = None,
     ) -> None:
         self.session = session
         self.loaded = loaded
@@ -58,23 +157,153 @@ class Repl:
         self.info = info or console
         self.plain = plain
         self.show_stats = show_stats
+        self.log = log
         self.running = True
+        self.blocks = BlockReader()
         self.handlers: dict[str, Callable[[Command], None]] = {
-            "help": lambda c: self.info.print(help_text(), highlight=False, markup=False),
+            "help": self._help,
             "exit": self._exit,
             "reset": self._reset,
+            "undo": self._undo,
+            "retry": self._retry,
+            "continue": self._continue,
+            "system": self._system,
+            "set": self._set,
+            "save": self._save,
+            "load": self._load,
+            "history": self._history,
             "stats": self._stats,
+            "model": self._model,
             "cache": self._cache,
         }
 
+    # -- the session log ---------------------------------------------------------------
+
+    def start_log(self, resume: Path | None = None, directory: Path | None = None,
+                  overrides: dict[str, Any] | None = None, system: str | None = None) -> None:
+        """Log this chat; with `resume`, first restore the logged session and append to it.
+
+        Args:
+            resume: a session log to continue (from `find_session`).
+            directory: where new logs go (default: the data directory).
+            overrides: sampling settings given on the command line; they win over the log's.
+            system: a system prompt given on the command line; it wins over the log's.
+        """
+        if resume is not None:
+            state = replay(resume)
+            if system:
+                state["system"] = system
+            if overrides:
+                state["settings"] = {**(state.get("settings") or {}), **overrides}
+            self.note(f"resuming session {state['id']} ({len(state['turns'])} turns)")
+            if state.get("model") and state["model"] != self.loaded.name:
+                self.note(f"that session was with {state['model']}; continuing with {self.loaded.name}")
+            self._restore(state)
+            self.log = SessionLog(resume, self._log_header(), warn=self.note)
+            self.log.write("resume", model=self.loaded.name, system=self.session.system,
+                           settings=self.session.sampling.as_dict())
+            if self.session.turns:
+                self.info.print(history_renderable(self.session.turns[-2:], None, markdown=not self.plain))
+        else:
+            self.log = SessionLog.create(self._log_header(), directory, warn=self.note)
+
+    def _log_header(self) -> dict[str, Any]:
+        return {"model": self.loaded.name, "system": self.session.system,
+                "settings": self.session.sampling.as_dict()}
+
+    def _log(self, event: str, **fields: Any) -> None:
+        if self.log is not None:
+            self.log.write(event, **fields)
+
+    def _log_turn(self, turn: Turn, replace: bool) -> None:
+        self._log("turn", replace=replace, **turn.as_dict())
+
     # -- commands ----------------------------------------------------------------------
+
+    def _help(self, _: Command) -> None:
+        self.info.print(help_text() + "\n\n" + KEYS_HELP, highlight=False, markup=False)
 
     def _exit(self, _: Command) -> None:
         self.running = False
 
     def _reset(self, _: Command) -> None:
         self.session.reset()
+        self._log("reset")
         self.note("conversation cleared (the system prompt is kept)")
+
+    def _undo(self, _: Command) -> None:
+        turn = self.session.undo()
+        self._log("undo")
+        self.note(f"removed: {_brief(turn.user)} → {_brief(turn.answer)}")
+
+    def _retry(self, command: Command) -> None:
+        sampling = self.session.sampling
+        for key, value in command.values.items():
+            sampling = sampling.with_value(key, "none" if value is None else value)
+        chunks = self.session.retry(sampling if command.values else None)
+        self._stream(chunks, self.session.turns[-1], replace=True)
+
+    def _continue(self, _: Command) -> None:
+        chunks = self.session.continue_answer()
+        self._stream(chunks, self.session.turns[-1], replace=True)
+
+    def _system(self, command: Command) -> None:
+        if not command.arg:
+            self.note(f"system prompt: {self.session.system}" if self.session.system else
+                      "no system prompt; /system TEXT sets one")
+            return
+        text = None if command.arg == CLEAR_FLAG else command.arg
+        try:
+            with self._progress("re-encoding") as progress, interrupt_once():
+                n = self.session.set_system(text, progress)
+        except KeyboardInterrupt:
+            n = -1
+        finally:
+            self._log("system", system=self.session.system)
+        if n < 0:
+            self.note("stopped; the rest is encoded with the next message")
+        else:
+            what = "system prompt removed" if text is None else "system prompt set"
+            self.note(f"{what}; re-encoded {n:,} tokens")
+
+    def _set(self, command: Command) -> None:
+        if not command.values:
+            self.info.print(settings_text(self.session.sampling), highlight=False, markup=False)
+            return
+        sampling = self.session.sampling
+        for key, value in command.values.items():
+            sampling = sampling.with_value(key, "none" if value is None else value)
+        self.session.set_sampling(sampling)
+        self._log("settings", settings=sampling.as_dict())
+        self.note(", ".join(f"{k} = {'random' if v is None else v}" for k, v in command.values.items()))
+
+    def _save(self, command: Command) -> None:
+        path = Path(command.arg).expanduser() if command.arg else (
+            data_dir() / "saved" / time.strftime("chat-%Y%m%d-%H%M%S.json"))
+        written = self.session.save(path, model=self.loaded.name)
+        self.note(f"saved {len(self.session.turns)} turns to {written}")
+
+    def _load(self, command: Command) -> None:
+        from chatbot.session import read_saved
+
+        data = read_saved(command.arg)
+        self._restore(data)
+        self._log("load", state=self.session.to_dict(self.loaded.name))
+        model = data.get("model")
+        if model and model != self.loaded.name:
+            self.note(f"that chat was with {model}; continuing with {self.loaded.name}")
+
+    def _restore(self, data: dict[str, Any]) -> None:
+        try:
+            with self._progress("encoding the history") as progress, interrupt_once():
+                n = self.session.restore(data, progress)
+            self.note(f"loaded {len(self.session.turns)} turns ({n:,} tokens encoded)")
+        except KeyboardInterrupt:
+            self.note(f"loaded {len(self.session.turns)} turns; encoding stopped, the rest is "
+                      "encoded with the next message")
+
+    def _history(self, _: Command) -> None:
+        self.info.print(history_renderable(self.session.turns, self.session.system, markdown=not self.plain))
 
     def _stats(self, _: Command) -> None:
         if not self.session.turns:
@@ -82,15 +311,25 @@ class Repl:
             return
         self.info.print(stats_table(self.session.turns, self.session.summary()))
 
+    def _model(self, _: Command) -> None:
+        rows = dict(self.loaded.describe())
+        s = self.session
+        rows["context limit"] = f"{s.engine.max_context:,} tokens"
+        rows["cache"] = f"{len(s.cache_ids):,} / {s.capacity:,} tokens" + (
+            " (attention sinks + recent window)" if hasattr(s.cache, "evict_for_space") else "")
+        rows["sampling"] = sampling_brief(s.sampling)
+        self.info.print(key_value_table("model", rows))
+
     def _cache(self, _: Command) -> None:
         lay = self.session.cache_layout()
-        table = Table(show_header=False, title="cache")
-        table.add_row("tokens", f"{lay.length:,} / {lay.capacity:,}")
-        table.add_row("pinned (sinks, system)", f"{lay.pinned:,}")
-        table.add_row("recent", f"{lay.recent:,}")
-        table.add_row("evicted so far", f"{lay.evicted_total:,}")
-        table.add_row("oldest text in window", lay.oldest_text[:80] or "-")
-        self.info.print(table)
+        self.info.print(key_value_table("cache", {
+            "tokens": f"{lay.length:,} / {lay.capacity:,}",
+            "pending (enter with the next message)": f"{len(self.session.pending_ids):,}",
+            "pinned (sinks, system)": f"{lay.pinned:,}",
+            "recent": f"{lay.recent:,}",
+            "evicted so far": f"{lay.evicted_total:,}",
+            "oldest text in window": lay.oldest_text[:80] or "-",
+        }))
 
     # -- output ------------------------------------------------------------------------
 
@@ -100,6 +339,22 @@ class Repl:
     def error(self, text: str) -> None:
         self.info.print(f"error: {text}", style="red", highlight=False, markup=False)
 
+    @contextlib.contextmanager
+    def _progress(self, what: str) -> Iterator[Callable[[int, int], None] | None]:
+        """A progress bar for long encodes on a terminal; nothing on a pipe."""
+        if not self.info.is_terminal:
+            yield None
+            return
+        progress = Progress(TextColumn(what), BarColumn(), TextColumn("{task.completed:,}/{task.total:,} tokens"),
+                            console=self.info, transient=True)
+        task = progress.add_task(what, total=None)
+
+        def update(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        with progress:
+            yield update
+
     # -- one line of input -------------------------------------------------------------
 
     def handle(self, line: str) -> None:
@@ -107,7 +362,7 @@ class Repl:
         line = clean_message(line)
         if not line.strip():
             return
-        if is_command(line):
+        if is_command(line) and "\n" not in line.strip():
             try:
                 command = parse_command(line)
                 self.handlers[command.name](command)
@@ -116,6 +371,7 @@ class Repl:
             return
         if line.startswith("//"):
             line = line[1:]
+        line = line.strip("\n").rstrip()
         if len(line) > MAX_MESSAGE_CHARS:
             self.error(f"message too long ({len(line):,} characters; the limit is {MAX_MESSAGE_CHARS:,})")
             return
@@ -127,39 +383,65 @@ class Repl:
         except ChatbotError as exc:
             self.error(str(exc))
             return
+        self._stream(chunks, None, replace=False)
+
+    def _stream(self, chunks: Iterator[Any], turn: Turn | None, replace: bool) -> None:
+        """Show an answer as it arrives; log the turn it produced (also when cut short)."""
+        turns_before = len(self.session.turns)
         answer = PlainAnswer(self.console.file) if self.plain else MarkdownAnswer(self.console)
         stats = None
-        try:
-            with answer:
-                for chunk in chunks:
-                    if chunk.text:
-                        answer.add(chunk.text)
-                    stats = chunk.stats or stats
-        except KeyboardInterrupt:
-            chunks.close()
-            self.note("[interrupted: the partial answer is kept]")
-            return
-        except ChatbotError as exc:
-            self.error(str(exc))
-            return
-        if stats is not None and self.show_stats:
+        problem: str | None = None
+        with interrupt_once():
+            try:
+                with answer:
+                    for chunk in chunks:
+                        if chunk.text:
+                            answer.add(chunk.text)
+                        stats = chunk.stats or stats
+            except KeyboardInterrupt:
+                chunks.close()  # type: ignore[attr-defined]
+                problem = "interrupted"
+            except ChatbotError as exc:
+                chunks.close()  # type: ignore[attr-defined]
+                problem = str(exc)
+        changed = turn if turn is not None else (
+            self.session.turns[-1] if len(self.session.turns) > turns_before else None)
+        if changed is not None:
+            self._log_turn(changed, replace)
+        if problem == "interrupted":
+            self.note("[interrupted: the partial answer is kept; /continue goes on]")
+        elif problem is not None:
+            self.error(problem)
+        elif stats is not None and self.show_stats:
             self.note(format_stats_line(stats))
 
     # -- loops -------------------------------------------------------------------------
 
     def run_lines(self, lines: Iterable[str]) -> None:
-        """One message or command per line (a pipe); stops at the end or /exit."""
+        """One message or command per line (a pipe), `\"\"\"` blocks joined; stops at the end
+        or /exit."""
         for line in lines:
-            self.handle(line.rstrip("\r\n"))
+            message = self.blocks.feed(line.rstrip("\r\n"))
+            if message is not None:
+                self.handle(message)
             if not self.running:
-                break
+                return
+        if self.blocks.is_open:
+            self.handle(self.blocks.close())
 
-    def run_terminal(self) -> None:
-        """The interactive prompt: Ctrl-C clears the line or stops an answer, Ctrl-D exits."""
-        from prompt_toolkit import PromptSession
-        from prompt_toolkit.history import FileHistory, InMemoryHistory
+    def toolbar(self) -> list[tuple[str, str]]:
+        s = self.session
+        used, cap = s.conversation_tokens, s.capacity
+        colour = {"green": "ansigreen", "yellow": "ansiyellow", "red": "ansired"}[meter_style(used, cap)]
+        return [
+            ("", f" {self.loaded.name} · "),
+            (f"bold {colour}", f"cache {used:,}/{cap:,}"),
+            ("", f" · {sampling_brief(s.sampling)} · /help"),
+        ]
 
-        history: FileHistory | InMemoryHistory
+    def make_prompt(self, input: Any = None, output: Any = None) -> PromptSession[str]:
+        """The prompt_toolkit session: history, completion, keys, toolbar."""
+        history: History
         try:
             path = data_dir() / "history"
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -168,23 +450,94 @@ class Repl:
         except OSError as exc:
             self.note(f"warning: cannot keep input history ({exc.strerror}); going on without it")
             history = InMemoryHistory()
-        prompt: PromptSession[str] = PromptSession(history=history)
-        self.note("type a message; /help for commands; Ctrl-D to exit")
+
+        keys = KeyBindings()
+
+        @keys.add("escape", "enter")
+        def _newline(event: Any) -> None:
+            event.current_buffer.insert_text("\n")
+
+        @keys.add("c-c")
+        def _interrupt(event: Any) -> None:
+            buffer = event.current_buffer
+            if buffer.text:
+                buffer.reset()
+            else:
+                event.app.exit(exception=KeyboardInterrupt())
+
+        session: PromptSession[str] = PromptSession(
+            history=history,
+            completer=SlashCompleter(),
+            complete_while_typing=False,
+            key_bindings=keys,
+            bottom_toolbar=self.toolbar,
+            prompt_continuation=lambda width, line_number, wrap_count: "… ".rjust(width),
+            enable_history_search=False,
+            input=input,
+            output=output,
+        )
+        return session
+
+    def run_terminal(self, input: Any = None, output: Any = None) -> None:
+        """The interactive prompt: Ctrl-C clears the line or stops an answer, Ctrl-D exits."""
+        prompt = self.make_prompt(input, output)
+        self.note("type a message; /help for commands and keys; Ctrl-D to exit")
         while self.running:
             try:
-                line = prompt.prompt("> ")
+                line = prompt.prompt("… " if self.blocks.is_open else "> ")
             except KeyboardInterrupt:
-                self.note("(Ctrl-D or /exit to leave)")
+                if self.blocks.is_open:
+                    self.blocks.close()
+                    self.note("(block discarded)")
+                else:
+                    self.note("(Ctrl-D or /exit to leave)")
                 continue
             except EOFError:
+                if self.blocks.is_open:
+                    self.handle(self.blocks.close())
                 break
-            self.handle(line)
+            message = self.blocks.feed(line)
+            if message is not None:
+                self.handle(message)
+
+
+class SlashCompleter(Completer):
+    """Tab completion of slash-commands, settings and file names."""
+
+    def __init__(self) -> None:
+        self.paths = PathCompleter(expanduser=True)
+
+    def get_completions(self, document: Document, complete_event: CompleteEvent) -> Iterator[Completion]:
+        line = document.text_before_cursor
+        if "\n" in line:
+            return
+        candidates, start, kind = complete(line)
+        if kind == "path":
+            sub = Document(line[start:], len(line) - start)
+            yield from self.paths.get_completions(sub, complete_event)
+            return
+        for c in candidates:
+            yield Completion(c, start_position=start - len(line))
+
+
+def _brief(text: str, n: int = 40) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= n else flat[: n - 1] + "…"
 
 
 def read_lines(stream: IO[bytes]) -> Iterable[str]:
     """Lines of a byte stream as text; invalid UTF-8 becomes U+FFFD instead of an error."""
     for raw in stream:
         yield raw.decode("utf-8", errors="replace")
+
+
+def resolve_resume(ref: str | None) -> Path | None:
+    """The session log `--resume REF` means (None: no resume).
+
+    Raises:
+        ChatbotError: no such session.
+    """
+    return None if ref is None else find_session(ref)
 
 
 def run(repl: Repl, interactive: bool) -> None:

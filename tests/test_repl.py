@@ -1,0 +1,369 @@
+"""The REPL on the tiny model: prompt_toolkit pipe input, every command, multi-line input,
+interrupts, garbage, the session log and resume; a few pexpect runs of the real command."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from prompt_toolkit.document import Document
+from prompt_toolkit.input import create_pipe_input
+from prompt_toolkit.output import DummyOutput
+from rich.console import Console
+
+from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
+from chatbot.engine.generate import Engine
+from chatbot.models.loader import LoadedModel
+from chatbot.session import ChatSession
+from chatbot.terminal import session_log
+from chatbot.terminal.commands import COMMANDS
+from chatbot.terminal.render import answer_renderable, split_thinking
+from chatbot.terminal.repl import BlockReader, Repl, SlashCompleter, clean_message, read_lines
+from test_session import Interrupter, assert_invariant
+
+SAMPLING = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=8)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class Chat:
+    """A Repl on the tiny model whose output lands in strings."""
+
+    def __init__(self, model, tokenizer, log_dir: Path | None, plain: bool = True, terminal: bool = False,
+                 system: str | None = None, **engine_cfg) -> None:
+        self.loaded = LoadedModel(model, tokenizer, "tiny-llama", "test", "folder")
+        engine = Engine(model, tokenizer)
+        self.session = ChatSession(engine, ChatConfig(system=system, sampling=SAMPLING, engine=EngineConfig(**engine_cfg)))
+        self.out, self.err = io.StringIO(), io.StringIO()
+        console = Console(file=self.out, width=120, force_terminal=terminal, color_system=None, highlight=False)
+        info = Console(file=self.err, width=120, force_terminal=False, highlight=False, soft_wrap=True)
+        self.repl = Repl(self.session, self.loaded, console, plain=plain, info=info)
+        if log_dir is not None:
+            self.repl.start_log(directory=log_dir)
+        self.checked = 0
+        inner = self.repl.handle
+
+        def handle(line: str) -> None:
+            inner(line)
+            assert_invariant(self.session)
+            self.checked += 1
+
+        self.repl.handle = handle  # type: ignore[method-assign]
+
+    def keys(self, text: str) -> None:
+        """Type `text` at the prompt (then Ctrl-D)."""
+        with create_pipe_input() as inp:
+            inp.send_text(text + "\x04")
+            self.repl.run_terminal(input=inp, output=DummyOutput())
+
+    def lines(self, *lines: str) -> None:
+        self.repl.run_lines(lines)
+
+
+@pytest.fixture
+def chat(tiny_model, tiny_tokenizer, tmp_path):
+    return Chat(tiny_model, tiny_tokenizer, tmp_path / "sessions")
+
+
+def test_every_command_has_a_handler(chat):
+    assert set(chat.repl.handlers) == set(COMMANDS)
+
+
+def test_scripted_session_uses_every_command(tiny_model, tiny_tokenizer, tmp_path):
+    c = Chat(tiny_model, tiny_tokenizer, tmp_path / "sessions", system="Be brief.")
+    save = tmp_path / "chat.json"
+    hook = None
+    inner = c.repl.handle
+
+    def handle(line: str) -> None:  # Ctrl-C in the middle of the answer to "stop me"
+        nonlocal hook
+        if "stop me" in line:
+            hook = Interrupter(tiny_model, layer=1, at=4)
+        try:
+            inner(line)
+        finally:
+            if hook is not None:
+                hook.remove()
+                hook = None
+
+    c.repl.handle = handle  # type: ignore[method-assign]
+    script = [
+        "/help",
+        "Hello there!",
+        "first line\x1b\rsecond line",  # Alt+Enter: a new line in the same message
+        '"""', "block one", "", "block two", '"""',  # a """ block
+        "\x1b[200~pasted\nlines\x1b[201~",  # bracketed paste
+        "/set",
+        "/set temperature 0.5 seed 3",
+        "/set temperature hot",
+        "/retry temperature=0",
+        "/undo",
+        "stop me " * 6,
+        "/continue",
+        "/history",
+        "/stats",
+        "/model",
+        "/cache",
+        "/system You are a tiny test model.",
+        "/system",
+        f"/save {save}",
+        "/reset",
+        f"/load {save}",
+        "/retyr",
+        "//slash message",
+        "/exit",
+        "never sent",
+    ]
+    c.keys("\r".join(script) + "\r")
+    out, err = c.out.getvalue(), c.err.getvalue()
+    s = c.session
+    users = [t.user for t in s.turns]
+    # /undo removed the pasted message.
+    assert users == ["Hello there!", "first line\nsecond line", "block one\n\nblock two",
+                     ("stop me " * 6).strip(), "/slash message"]
+    assert "never sent" not in out + err
+    assert "/continue" in err and "Alt+Enter" in err  # /help
+    assert "temperature must be a number" in err
+    assert "temperature = 0.5, seed = 3" in err
+    assert "removed: pasted lines" in err
+    assert "[interrupted: the partial answer is kept; /continue goes on]" in err
+    assert s.turns[3].stats.finish_reason != "interrupted" and not s.turns[3].interrupted  # continued
+    assert "[1] you  Hello there!" in err  # /history
+    assert "context limit" in err and "tiny-llama" in err  # /model
+    assert "system prompt set; re-encoded" in err and "system prompt: You are a tiny test model." in err
+    assert f"saved 4 turns to {save}" in err
+    assert "conversation cleared" in err and "loaded 4 turns" in err
+    assert "did you mean /retry?" in err
+    assert err.count("error:") == 2 and "Traceback" not in err
+    assert len(re.findall(r"^context \d+ tok", err, re.M)) >= 7
+    saved = json.loads(save.read_text())
+    assert saved["system"] == "You are a tiny test model." and saved["model"] == "tiny-llama"
+    assert saved["settings"]["temperature"] == 0.5 and saved["settings"]["seed"] == 3
+    assert [t["user"] for t in saved["turns"]] == users[:4]
+    assert saved["turns"][3]["stats"]["generated_tokens"] > 8  # interrupted, then continued
+    # The session log replays to the same conversation.
+    state = session_log.replay(c.repl.log.path)
+    assert [(t["user"], t["answer"]) for t in state["turns"]] == [(t.user, t.answer) for t in s.turns]
+    assert state["system"] == s.system and state["settings"] == s.sampling.as_dict()
+    assert c.checked >= len(script) - 6
+
+
+def test_ctrl_c_at_the_prompt(chat):
+    chat.keys("some text\x03/stats\r\x03")
+    err = chat.err.getvalue()
+    assert "no turns yet" in err  # the typed text was cleared, not sent
+    assert err.count("(Ctrl-D or /exit to leave)") == 1
+    assert chat.session.turns == []
+
+
+def test_ctrl_c_discards_an_open_block(chat):
+    chat.keys('"""\rhalf a block\r\x03hello\r')
+    assert [t.user for t in chat.session.turns] == ["hello"]
+    assert "(block discarded)" in chat.err.getvalue()
+
+
+def test_eof_sends_an_open_block(chat):
+    chat.lines('"""first', "second")
+    assert [t.user for t in chat.session.turns] == ["first\nsecond"]
+
+
+def test_block_reader():
+    b = BlockReader()
+    assert b.feed("plain") == "plain"
+    assert b.feed('"""one line"""') == "one line"
+    assert b.feed('"""') is None and b.is_open
+    assert b.feed("  indented") is None
+    assert b.feed('end"""') == "  indented\nend"
+    assert not b.is_open
+
+
+def test_interrupt_is_logged_and_continue_goes_on(chat, tiny_model):
+    hook = Interrupter(tiny_model, layer=0, at=5)
+    try:
+        chat.lines("The quick brown fox jumps over the lazy dog.")
+    finally:
+        hook.remove()
+    assert chat.session.turns[-1].interrupted
+    events = list(session_log.read_events(chat.repl.log.path))
+    assert events[-1]["event"] == "turn" and events[-1]["interrupted"] is True
+    chat.lines("/continue")
+    assert not chat.session.turns[-1].interrupted
+    events = list(session_log.read_events(chat.repl.log.path))
+    assert events[-1]["replace"] is True and events[-1]["answer"] == chat.session.turns[-1].answer
+
+
+def test_interrupt_during_prefill_keeps_the_message(tiny_model, tiny_tokenizer, tmp_path):
+    c = Chat(tiny_model, tiny_tokenizer, tmp_path, prefill_chunk=4)
+    hook = Interrupter(tiny_model, layer=1, at=3)
+    try:
+        c.lines("How are you today? I am fine, thank you.")
+    finally:
+        hook.remove()
+    t = c.session.turns[-1]
+    assert t.interrupted and t.answer == "" and 0 < c.session.n_fed < len(c.session.all_ids)
+    c.lines("/continue")
+    assert c.session.turns[-1].answer and not c.session.turns[-1].interrupted
+
+
+def test_garbage_input_from_a_pipe(chat):
+    raw = (
+        b"\xff\xfe invalid \xc3\x28 utf-8\n"
+        b"control \x00\x07\x1b[31m chars\x7f\n"
+        + b"A" * 250_000 + b"\n"
+        + bytes(range(256)) + b"\n"  # a binary paste: too long for the tiny context
+        + bytes(range(128, 160)) + b"\x00\x01 ok\n"
+        + b"/set temperature \xff\n/set nonsense\n/set\x00 top_k -1\n/set top_p 2 3\n"
+        + b"\n   \n\t\n"
+        + b"still here\n"
+    )
+    chat.repl.run_lines(read_lines(io.BytesIO(raw)))
+    err = chat.err.getvalue()
+    assert "Traceback" not in err
+    assert "message too long (250,000 characters" in err
+    assert "unknown setting 'nonsense'" in err and "top_k must be an integer ≥ 0" in err
+    assert "top_p must be" in err and "temperature must be" in err
+    assert "error: context full" in err
+    users = [t.user for t in chat.session.turns]
+    assert users[0] == "\ufffd\ufffd invalid \ufffd( utf-8"
+    assert users[1] == "control [31m chars"
+    assert users[2] == "\ufffd" * 32 + " ok"
+    assert users[-1] == "still here" and len(users) == 4
+    assert all(ord(ch) >= 32 or ch in "\n\t" for u in users for ch in u)
+
+
+def test_clean_message():
+    assert clean_message("a\r\nb\rc\x00d\x9be\tf") == "a\nb\ncde\tf"
+
+
+def test_message_longer_than_the_context(tiny_model, tiny_tokenizer, tmp_path):
+    c = Chat(tiny_model, tiny_tokenizer, None)
+    c.lines("Hello " * 600, "Hi")
+    err = c.err.getvalue()
+    assert "context full" in err and "Traceback" not in err
+    assert [t.user for t in c.session.turns] == ["Hi"]
+
+
+def test_resume_a_logged_session(tiny_model, tiny_tokenizer, tmp_path):
+    logs = tmp_path / "sessions"
+    first = Chat(tiny_model, tiny_tokenizer, logs, system="Be brief.")
+    first.lines("Hello there!", "/set max_new_tokens 5", "How are you?", "/undo", "Café 🙂")
+    path = session_log.find_session("last", logs)
+    assert path == first.repl.log.path
+    second = Chat(tiny_model, tiny_tokenizer, None)
+    second.repl.start_log(resume=path)
+    s = second.session
+    assert [t.user for t in s.turns] == ["Hello there!", "Café 🙂"]
+    assert [t.answer for t in s.turns] == [t.answer for t in first.session.turns]
+    assert s.system == "Be brief." and s.sampling.max_new_tokens == 5
+    assert_invariant(s)
+    assert "resuming session" in second.err.getvalue()
+    second.lines("One more")
+    assert [t["user"] for t in session_log.replay(path)["turns"]] == ["Hello there!", "Café 🙂", "One more"]
+    infos = session_log.list_sessions(logs)
+    assert len(infos) == 1 and infos[0].turns == 3 and infos[0].first_words == "Hello there!"
+    assert session_log.find_session(path.name[:10], logs) == path
+    with pytest.raises(Exception, match="no session"):
+        session_log.find_session("nope", logs)
+
+
+def test_torn_log_line_is_skipped(chat):
+    chat.lines("Hello there!")
+    with open(chat.repl.log.path, "a") as f:
+        f.write('{"event": "turn", "user": "half')
+    assert len(session_log.replay(chat.repl.log.path)["turns"]) == 1
+
+
+def test_unwritable_directories_warn_and_chat_goes_on(tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where a directory should be")
+    monkeypatch.setenv("XDG_DATA_HOME", str(blocked))
+    c = Chat(tiny_model, tiny_tokenizer, blocked / "sessions")
+    c.keys("Hello\rAgain\r/save\r")
+    err = c.err.getvalue()
+    assert "warning: cannot keep input history" in err
+    assert err.count("warning: cannot write the session log") == 1
+    assert "error: cannot save to" in err
+    assert [t.user for t in c.session.turns] == ["Hello", "Again"]
+
+
+def test_markdown_rendering_on_a_terminal(tiny_model, tiny_tokenizer):
+    c = Chat(tiny_model, tiny_tokenizer, None, plain=False, terminal=True)
+    c.lines("Hello there!")
+    assert c.session.turns and "context" in c.err.getvalue()
+    console = Console(file=io.StringIO(), width=60, force_terminal=True, color_system="truecolor")
+    console.print(answer_renderable("<think>pondering</think>\n**bold** and `code`\n```python\nx = 1\n```"))
+    text = console.file.getvalue()
+    assert "\x1b[2;3m<think>pondering</think>" in text  # dimmed, not swallowed
+    assert "**" not in text and "x = 1" in re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
+def test_split_thinking():
+    assert split_thinking("a<think>b</think>c") == [("a", False), ("<think>b</think>", True), ("c", False)]
+    assert split_thinking("<thinking>still going") == [("<thinking>still going", True)]
+    assert split_thinking("no tags") == [("no tags", False)]
+
+
+def test_toolbar_and_completer(chat):
+    chat.lines("Hello there!")
+    bar = "".join(text for _, text in chat.repl.toolbar())
+    assert "tiny-llama" in bar and f"cache {chat.session.conversation_tokens:,}/512" in bar and "greedy" in bar
+    comp = SlashCompleter()
+    got = [c.text for c in comp.get_completions(Document("/con"), None)]
+    assert got == ["/continue"]
+    got = [c.text for c in comp.get_completions(Document("/set max"), None)]
+    assert got == ["max_new_tokens"]
+
+
+# -- the real command (slow) ---------------------------------------------------------------
+
+CHATBOT = str(Path(sys.executable).with_name("chatbot"))
+
+
+@pytest.mark.slow
+def test_real_chat_interrupt_continue_and_resume(tmp_path):
+    pexpect = pytest.importorskip("pexpect")
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path), "TERM": "xterm", "COLUMNS": "100", "LINES": "40"}
+    child = pexpect.spawn(CHATBOT, ["run", "--temperature", "0", "--max-new-tokens", "400", "--threads", "1"],
+                          env=env, encoding="utf-8", timeout=180, dimensions=(40, 100))
+    try:
+        child.expect("Ctrl-D to exit")
+        child.expect("> ")
+        child.sendline("Write a long story about a dragon.")
+        child.expect(r"[A-Za-z]{3}", timeout=180)  # the answer has started
+        child.sendintr()
+        child.expect(r"interrupted: the partial answer is kept", timeout=10)
+        child.expect("> ")
+        child.sendline("/history")
+        child.expect(r"\[interrupted\]")
+        child.sendline("/undo")
+        child.expect("removed: Write a long story")
+        child.sendline("/set max_new_tokens 8")
+        child.expect("max_new_tokens = 8")
+        child.sendline("Say hi.")
+        child.expect(r"context \d+ tok .* cache \d+", timeout=180)
+        child.sendeof()
+        child.expect(pexpect.EOF, timeout=30)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+    # The log has the exchange; --resume brings it back (piped, plain).
+    import subprocess
+
+    proc = subprocess.run([CHATBOT, "run", "--resume", "--max-new-tokens", "4"], input="/history\n",
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "resuming session" in proc.stderr and "Say hi." in proc.stderr
+    listing = subprocess.run([CHATBOT, "sessions"], capture_output=True, text=True, env=env, timeout=60)
+    assert "Say hi." in listing.stdout and "SmolLM2" in listing.stdout
