@@ -30,6 +30,9 @@ from chatbot.errors import ContextFullError
 
 EvictCallback = Callable[[int, int], None]
 FedCallback = Callable[[Sequence[int]], None]
+# transformers' StoppingCriteria(List) or any callable of the same shape:
+# (ids [1, n] incl. the new token, scores [1, vocab]) -> bool or BoolTensor [1].
+StopCallback = Callable[[torch.Tensor, torch.Tensor], Any]
 
 
 @dataclass(frozen=True)
@@ -179,6 +182,8 @@ class Engine:
         on_evict: EvictCallback | None = None,
         on_fed: FedCallback | None = None,
         generator: torch.Generator | None = None,
+        logits_processor: LogitsProcessorList | None = None,
+        stopping_criteria: StopCallback | None = None,
     ) -> Iterator[GenerationChunk]:
         """Prefill `new_ids`, then sample an answer token by token.
 
@@ -192,6 +197,12 @@ class Engine:
             on_fed: told of the token ids that entered the cache, in order, after any
                 eviction that made room for them.
             generator: the random generator for sampling (seeded by the caller).
+            logits_processor: used instead of the processors built from `sampling`
+                (`sampling.greedy` still chooses argmax over sampling).
+            stopping_criteria: asked after each answer token, with all ids so far
+                (history, new ids and answer, ``[1, n]``) and the scores; a true answer
+                ends the turn with "stop". That token stays in the answer (as in
+                transformers) and, like the last token of any answer, is not fed.
 
         Yields:
             GenerationChunk, every `sampling.stream_interval` tokens; the last one carries
@@ -202,7 +213,7 @@ class Engine:
         """
         self.check_room(cache, len(new_ids))
         stats = TurnStats(context_tokens=len(new_ids))
-        processors = build_logits_processor(sampling)
+        processors = build_logits_processor(sampling) if logits_processor is None else logits_processor
         stop = set(stop_ids)
         detok = IncrementalDetokenizer(self.tokenizer)
         bounded = hasattr(cache, "evict_for_space")
@@ -251,6 +262,11 @@ class Engine:
             if len(pending) >= sampling.stream_interval:
                 yield GenerationChunk(pending_text, tuple(pending))
                 pending, pending_text = [], ""
+            if stopping_criteria is not None:
+                hit = stopping_criteria(seen[:, :n_seen], scores)
+                if bool(hit.all()) if isinstance(hit, torch.Tensor) else bool(hit):
+                    finish = "stop"
+                    break
             if i + 1 == sampling.max_new_tokens:
                 break
             if not bounded and self.cache_length(cache) + 1 >= self.max_context:
