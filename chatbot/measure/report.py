@@ -46,3 +46,26 @@ def print_turns(console: Console, result: dict[str, Any]) -> None:
         f"last turn: time to first token {result['ratio_last_turn']:.1f}x faster with the persistent cache; "
         f"{result['prefill_ratio_last_turn']:.1f}x fewer tokens prefilled"
     )
+
+
+def read_text(path: Path) -> str:
+    """A text file for a benchmark, with a clear error when it cannot be read."""
+    from chatbot.errors import ConfigError
+
+    try:
+        return Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+
+
+def print_streaming(console: Console, result: dict[str, Any]) -> None:
+    for run in result["runs"]:
+        table = Table(title=f"{result['model']}: {result['start_size']} sinks + {run['recent_size']} recent (window {run['window']})")
+        for col in ("window passed", "tokens passed", "decode tok/s", "cache tokens", "cache MB", "recompute tok/s", "speed-up"):
+            table.add_column(col, justify="right")
+        for m in run["marks"]:
+            table.add_row(f"{m['multiple']}x", f"{m['tokens_passed']:,}", f"{m['decode_tps']:.1f}",
+                          f"{m['cache_tokens']:,}", f"{m['cache_bytes'] / 1e6:.1f}", f"{m['recompute_tps']:.2f}",
+                          f"{m['decode_tps'] / m['recompute_tps']:.1f}x")
+        console.print(table)
+        console.print(f"at {run['marks'][-1]['multiple']}x the window: {run['speedup_vs_recompute']:.1f}x faster than sliding window with recomputation")
