@@ -380,8 +380,13 @@ class ChatSession:
         shown: list[int] = []
         stats: TurnStats | None = None
         finished = False
+        # Chunk arrival times: the figures of an answer cut short (the engine's own stats
+        # come with the last chunk only).
+        t0 = time.perf_counter()
+        times: list[tuple[float, int]] = []
         try:
             for chunk in chunks:
+                times.append((time.perf_counter(), len(chunk.token_ids)))
                 shown.extend(chunk.token_ids)
                 if chunk.stats is not None:
                     stats = chunk.stats
@@ -404,15 +409,27 @@ class ChatSession:
                 answer_fed = log.fed[len(new_ids) :] if sound else []
                 answer_ids = shown if finished or len(shown) >= len(answer_fed) else answer_fed
                 if stats is None:
-                    stats = TurnStats(
-                        context_tokens=min(len(log.fed), len(new_ids)),
-                        generated_tokens=len(answer_ids),
-                        finish_reason="interrupted",
-                        cache_tokens=len(self.cache_ids),
-                        cache_capacity=self.capacity,
-                        evicted_total=self.evicted_total,
-                    )
+                    stats = self._interrupted_stats(min(len(log.fed), len(new_ids)), len(answer_ids), t0, times)
                 self._close_turn(user, answer_ids, stats, finished, first_segment, evicted_before, resume, extend)
+
+    def _interrupted_stats(self, context: int, generated: int, t0: float, times: list[tuple[float, int]]) -> TurnStats:
+        """Approximate figures for an answer cut short, from the chunks' arrival times."""
+        latencies: list[float] = []
+        for (prev, _), (now, n) in zip(times, times[1:]):
+            latencies.extend([(now - prev) / n] * n if n else [])
+        first = times[0][0] - t0 if times else 0.0
+        return TurnStats(
+            context_tokens=context,
+            context_time_s=first,
+            ttft_s=first,
+            generated_tokens=generated,
+            decode_time_s=sum(latencies),
+            token_latencies_s=latencies,
+            cache_tokens=len(self.cache_ids),
+            cache_capacity=self.capacity,
+            evicted_total=self.evicted_total,
+            finish_reason="interrupted",
+        )
 
     def _close_turn(
         self,

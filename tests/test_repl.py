@@ -332,38 +332,44 @@ CHATBOT = str(Path(sys.executable).with_name("chatbot"))
 
 
 @pytest.mark.slow
-def test_real_chat_interrupt_continue_and_resume(tmp_path):
+def test_real_chat_interrupt_and_resume(tmp_path):
+    """The real command in a terminal: Ctrl-C stops an answer at once and keeps it; the
+    session log brings the chat back with --resume; `chatbot sessions` lists it."""
+    import subprocess
+    import time
+
     pexpect = pytest.importorskip("pexpect")
-    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path), "TERM": "xterm", "COLUMNS": "100", "LINES": "40"}
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path), "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1"}
     child = pexpect.spawn(CHATBOT, ["run", "--temperature", "0", "--max-new-tokens", "400", "--threads", "1"],
-                          env=env, encoding="utf-8", timeout=180, dimensions=(40, 100))
+                          env=env, encoding="utf-8", timeout=240, dimensions=(30, 100))
     try:
         child.expect("Ctrl-D to exit")
-        child.expect("> ")
+        child.expect(">")
         child.sendline("Write a long story about a dragon.")
-        child.expect(r"[A-Za-z]{3}", timeout=180)  # the answer has started
+        time.sleep(4)  # in the prefill or the decode, depending on the machine
+        sent = time.perf_counter()
         child.sendintr()
-        child.expect(r"interrupted: the partial answer is kept", timeout=10)
-        child.expect("> ")
+        child.expect("interrupted: the partial answer is kept", timeout=20)
+        assert time.perf_counter() - sent < 5
+        child.expect(">")
         child.sendline("/history")
         child.expect(r"\[interrupted\]")
-        child.sendline("/undo")
-        child.expect("removed: Write a long story")
+        child.expect(">")
         child.sendline("/set max_new_tokens 8")
         child.expect("max_new_tokens = 8")
+        child.expect(">")
         child.sendline("Say hi.")
-        child.expect(r"context \d+ tok .* cache \d+", timeout=180)
-        child.sendeof()
+        child.expect(r"context \d+ tok .* cache \d+", timeout=240)
+        child.expect(">")
+        time.sleep(0.5)
+        child.send("\x04")  # Ctrl-D at the prompt
         child.expect(pexpect.EOF, timeout=30)
     finally:
         child.close(force=True)
     assert child.exitstatus == 0
-    # The log has the exchange; --resume brings it back (piped, plain).
-    import subprocess
-
     proc = subprocess.run([CHATBOT, "run", "--resume", "--max-new-tokens", "4"], input="/history\n",
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert "resuming session" in proc.stderr and "Say hi." in proc.stderr
+    assert "resuming session" in proc.stderr and "Say hi." in proc.stderr and "[interrupted]" in proc.stderr
     listing = subprocess.run([CHATBOT, "sessions"], capture_output=True, text=True, env=env, timeout=60)
-    assert "Say hi." in listing.stdout and "SmolLM2" in listing.stdout
+    assert "Write a long story" in listing.stdout and "SmolLM2" in listing.stdout

@@ -206,20 +206,20 @@ def find_session(ref: str, directory: Path | None = None) -> Path:
 
 
 def print_sessions(console: Any, limit: int = 20, directory: Path | None = None) -> None:
-    """`chatbot sessions`: a table of the newest logged sessions."""
-    from rich.table import Table
-
+    """`chatbot sessions`: the newest logged sessions, one line each (easy to grep)."""
     directory = directory or sessions_dir()
     infos = list_sessions(directory)
     if not infos:
         console.print(f"no logged sessions in {directory}", markup=False)
         return
-    table = Table(title=f"sessions in {directory}", title_justify="left")
-    for col in ("id", "date", "model", "turns", "first words"):
-        table.add_column(col, justify="right" if col == "turns" else "left", no_wrap=col in ("id", "date"))
-    for info in infos[:limit]:
-        table.add_row(info.id, info.created, info.model, str(info.turns), info.first_words)
-    console.print(table)
+    shown = infos[:limit]
+    width = max(len(i.model) for i in shown)
+    console.print(f"{'id':<20}  {'date':<16}  {'model':<{width}}  turns  first words", style="bold",
+                  markup=False, soft_wrap=True)
+    for i in shown:
+        console.print(f"{i.id:<20}  {i.created:<16}  {i.model:<{width}}  {i.turns:>5}  {i.first_words}",
+                      markup=False, soft_wrap=True)
     if len(infos) > limit:
         console.print(f"… and {len(infos) - limit} older (--limit)", markup=False, style="dim")
-    console.print("resume one with: chatbot run --resume ID (or --resume for the last)", markup=False, style="dim")
+    console.print(f"in {directory}; resume one with: chatbot run --resume ID (or --resume for the last)",
+                  markup=False, style="dim", soft_wrap=True)
