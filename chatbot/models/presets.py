@@ -1,0 +1,359 @@
+"""Presets: small YAML files that name a model and how to chat with it.
+
+A preset sets any of the `chatbot run` settings; flags given on the command line override
+it, and what is left comes from the built-in defaults. The layout (all keys optional):
+
+    description: one line for `chatbot models`
+    model: Qwen/Qwen2.5-1.5B-Instruct   # hub id, folder, .gguf file; null: the default model
+    revision: main
+    trust_remote_code: false
+    template: auto                      # auto, a fallback name, or a .jinja file
+    system: You are a helpful assistant.
+    device: auto
+    dtype: auto
+    quantize: null                      # 4bit or 8bit
+    device_map: null
+    max_memory: null
+    max_context: null
+    sampling: {temperature: 0.7, top_p: 0.9, top_k: 50, repetition_penalty: 1.1,
+               max_new_tokens: 512, seed: null}
+    streaming: {enable: false, start_size: 4, recent_size: null, keep_system: null}
+
+Relative paths in `model` and `template` are taken from the preset file's folder. Unknown
+keys and bad values are refused with the file, the key and the allowed values.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from chatbot.config import EngineConfig, Range, SamplingConfig
+from chatbot.errors import ConfigError
+from chatbot.models.quantize import QUANTIZE_CHOICES
+from chatbot.models.templates import TEMPLATES
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+# Every setting a preset or a flag can give, with its built-in default.
+DEFAULTS: dict[str, Any] = {
+    "model": None,
+    "revision": None,
+    "trust_remote_code": False,
+    "template": "auto",
+    "system": None,
+    "device": "auto",
+    "dtype": "auto",
+    "quantize": None,
+    "device_map": None,
+    "max_memory": None,
+    "max_context": None,
+    **{f.name: f.default for f in SamplingConfig.__dataclass_fields__.values()},
+    "enable_streaming": False,
+    "start_size": 4,
+    "recent_size": None,
+    "keep_system": None,
+}
+SAMPLING_KEYS = tuple(SamplingConfig.RANGES)
+_TOP_KEYS = (
+    "description", "model", "revision", "trust_remote_code", "template", "system", "device",
+    "dtype", "quantize", "device_map", "max_memory", "max_context", "sampling", "streaming",
+)
+# streaming.<key> -> setting name
+_STREAMING_KEYS = {
+    "enable": "enable_streaming",
+    "start_size": "start_size",
+    "recent_size": "recent_size",
+    "keep_system": "keep_system",
+}
+
+
+@dataclass
+class Preset:
+    """A parsed preset: its name, file and the settings it gives."""
+
+    name: str
+    path: Path | None
+    description: str = ""
+    values: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Settings:
+    """The effective settings of a run and where each came from ("default", "preset", "flag")."""
+
+    values: dict[str, Any]
+    origin: dict[str, str]
+    preset: Preset | None = None
+
+    def __getitem__(self, key: str) -> Any:
+        return self.values[key]
+
+    def sampling_overrides(self) -> dict[str, Any]:
+        """Sampling values that a preset or a flag set (the model's own defaults fill the rest)."""
+        return {k: self.values[k] for k in SAMPLING_KEYS if self.origin[k] != "default"}
+
+    def run_values(self) -> dict[str, Any]:
+        """Every setting, with None for sampling values nobody set (so that the model's
+        generation_config can supply them)."""
+        out = dict(self.values)
+        for k in SAMPLING_KEYS:
+            if self.origin[k] == "default" and k != "stream_interval":
+                out[k] = None
+        return out
+
+    def engine_config(self, prefill_chunk: int = 512) -> EngineConfig:
+        """Raises ConfigError for values out of range."""
+        v = self.values
+        return EngineConfig(
+            prefill_chunk=prefill_chunk,
+            enable_streaming=bool(v["enable_streaming"]),
+            start_size=v["start_size"],
+            recent_size=v["recent_size"],
+            keep_system=v["keep_system"],
+            max_context=v["max_context"],
+        ).validated()
+
+    def as_yaml(self) -> str:
+        """The settings in preset layout, each line commented with its origin: the output
+        of `chatbot config show` is itself a valid `--config` file."""
+        import yaml
+
+        def line(key: str, value: Any, name: str, indent: str = "") -> str:
+            dumped = yaml.safe_dump({key: value}, default_flow_style=True, width=1 << 16).strip()
+            dumped = dumped.removeprefix("{").removesuffix("}")
+            origin = self.origin[name]
+            if value is None and name in SAMPLING_KEYS and origin == "default":
+                origin = "default: the model's generation_config, else the built-in value"
+            if origin == "preset" and self.preset is not None:
+                origin = f"preset {self.preset.name}"
+            return f"{indent}{dumped}  # {origin}"
+
+        out = []
+        if self.preset is not None:
+            where = f" ({self.preset.path})" if self.preset.path else ""
+            out.append(f"# preset: {self.preset.name}{where}")
+            if self.preset.description:
+                out.append(f"description: {yaml.safe_dump(self.preset.description, width=1 << 16).strip().removesuffix('...').strip()}")
+        for key in _TOP_KEYS:
+            if key in ("description", "sampling", "streaming"):
+                continue
+            out.append(line(key, self.values[key], key))
+        out.append("sampling:")
+        out += [line(k, self.values[k], k, "  ") for k in SAMPLING_KEYS]
+        out.append("streaming:")
+        out += [line(k, self.values[name], name, "  ") for k, name in _STREAMING_KEYS.items()]
+        return "\n".join(out) + "\n"
+
+
+# -- finding and reading presets --------------------------------------------------------------
+
+def preset_dirs() -> list[Path]:
+    """Where presets are looked up, first match wins: $CHATBOT_PRESETS, the user's
+    `$XDG_CONFIG_HOME/chatbot/presets`, then the `configs/` folder shipped with the code."""
+    dirs = []
+    if os.environ.get("CHATBOT_PRESETS"):
+        dirs.append(Path(os.environ["CHATBOT_PRESETS"]).expanduser())
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    dirs.append(Path(base) / "chatbot" / "presets")
+    dirs.append(Path(__file__).resolve().parents[2] / "configs")
+    return dirs
+
+
+def list_presets() -> list[Preset]:
+    """Every preset found, by name; a broken file is listed with its error as description."""
+    found: dict[str, Preset] = {}
+    for d in preset_dirs():
+        if not d.is_dir():
+            continue
+        for path in sorted(d.iterdir()):
+            if path.suffix not in (".yaml", ".yml") or path.stem.lower() in found:
+                continue
+            try:
+                found[path.stem.lower()] = load_preset_file(path)
+            except ConfigError as exc:
+                found[path.stem.lower()] = Preset(path.stem, path, f"(broken: {exc})")
+    return sorted(found.values(), key=lambda p: (p.name != "default", p.name))
+
+
+def find_preset(name: str) -> Preset:
+    """The preset called `name` (its file name without .yaml, any case).
+
+    Raises:
+        ConfigError: no such preset (the message lists the ones there are).
+    """
+    key = name.lower().removesuffix(".yaml").removesuffix(".yml")
+    for d in preset_dirs():
+        for suffix in (".yaml", ".yml"):
+            if not d.is_dir():
+                continue
+            for path in d.iterdir():
+                if path.suffix == suffix and path.stem.lower() == key:
+                    return load_preset_file(path)
+    names = ", ".join(p.name for p in list_presets()) or "none found"
+    raise ConfigError(f"no preset named {name!r}; presets: {names} (or give a file with --config)")
+
+
+def load_preset_file(path: str | Path) -> Preset:
+    """Read and check a preset file.
+
+    Raises:
+        ConfigError: unreadable file, bad YAML, unknown keys or bad values (naming the file
+            and the key).
+    """
+    import yaml
+
+    path = Path(path).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read preset {path}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" (line {mark.line + 1})" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError(f"{path}{at}: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a preset is a mapping of keys to values, got {type(data).__name__}")
+    return Preset(path.stem, path, str(data.get("description") or ""), parse_preset(data, path))
+
+
+def parse_preset(data: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
+    """Check a preset mapping and flatten it into setting names.
+
+    Raises:
+        ConfigError: naming the file, the key and the allowed values.
+    """
+    where = str(path) if path else "preset"
+    base = path.parent if path else Path.cwd()
+
+    def fail(key: str, allowed: str, value: Any) -> ConfigError:
+        return ConfigError(f"{where}: {key} must be {allowed}, got {value!r}")
+
+    unknown = [k for k in data if k not in _TOP_KEYS]
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; keys: {', '.join(_TOP_KEYS)}")
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in ("description", "sampling", "streaming"):
+            continue
+        if key in ("trust_remote_code",):
+            if not isinstance(value, bool):
+                raise fail(key, "true or false", value)
+        elif key == "dtype":
+            if value not in DTYPES:
+                raise fail(key, "one of " + ", ".join(DTYPES), value)
+        elif key == "device":
+            if not isinstance(value, str) or not _DEVICE.match(value):
+                raise fail(key, "auto, cpu, cuda, cuda:N or mps", value)
+        elif key == "quantize":
+            if value is not None and value not in QUANTIZE_CHOICES:
+                raise fail(key, "null, 4bit or 8bit", value)
+        elif key == "template":
+            if not isinstance(value, str):
+                raise fail(key, "auto, " + ", ".join(TEMPLATES) + " or a .jinja file", value)
+            if value != "auto" and value not in TEMPLATES:
+                if not value.endswith((".jinja", ".j2")):
+                    raise fail(key, "auto, " + ", ".join(TEMPLATES) + " or a .jinja file", value)
+                value = str((base / Path(value).expanduser()).resolve())
+        elif key == "model":
+            if value is not None and not isinstance(value, str):
+                raise fail(key, "a hub id, a folder, a .gguf file or null (the default model)", value)
+            if isinstance(value, str) and value.startswith((".", "~")):
+                value = str((base / Path(value).expanduser()).resolve())
+        elif key == "max_context":
+            if value is not None:
+                value = _range_check(where, key, Range(int, 16), value)
+        elif key == "max_memory":
+            if value is not None and not isinstance(value, (str, dict)):
+                raise fail(key, 'a string like "0=20GiB,cpu=64GiB" or a mapping', value)
+        elif key == "device_map":
+            if value is not None and not isinstance(value, (str, dict)):
+                raise fail(key, "auto, balanced, sequential or a mapping of module -> device", value)
+        elif value is not None and not isinstance(value, str):  # revision, system
+            raise fail(key, "a string", value)
+        out[key] = value
+
+    sampling = data.get("sampling") or {}
+    if not isinstance(sampling, dict):
+        raise fail("sampling", "a mapping", sampling)
+    for key, value in sampling.items():
+        if key not in SAMPLING_KEYS:
+            raise ConfigError(f"{where}: unknown key 'sampling.{key}'; keys: {', '.join(SAMPLING_KEYS)}")
+        if value is None:  # unset: the model's generation_config (or the built-in default) decides
+            continue
+        out[key] = _range_check(where, f"sampling.{key}", SamplingConfig.RANGES[key], value)
+
+    streaming = data.get("streaming") or {}
+    if not isinstance(streaming, dict):
+        raise fail("streaming", "a mapping", streaming)
+    for key, value in streaming.items():
+        if key not in _STREAMING_KEYS:
+            raise ConfigError(f"{where}: unknown key 'streaming.{key}'; keys: {', '.join(_STREAMING_KEYS)}")
+        name = _STREAMING_KEYS[key]
+        if key in ("enable", "keep_system"):
+            if not isinstance(value, bool) and not (key == "keep_system" and value is None):
+                raise fail(f"streaming.{key}", "true or false" + (" or null" if key == "keep_system" else ""), value)
+        elif value is not None or key == "start_size":
+            low = 0 if key == "start_size" else 16
+            value = _range_check(where, f"streaming.{key}", Range(int, low), value)
+        out[name] = value
+    return out
+
+
+def _range_check(where: str, key: str, rng: Range, value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ConfigError(f"{where}: {key} must be {rng.describe()}, got {value!r}")
+    try:
+        return rng.check(key, value)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+# -- merging ----------------------------------------------------------------------------------
+
+def resolve_settings(preset: Preset | None, flags: dict[str, Any], explicit: set[str]) -> Settings:
+    """Defaults, then the preset, then the flags given on the command line.
+
+    Args:
+        preset: from --preset or --config, or None.
+        flags: the values of the command's options (given or defaulted) by setting name.
+        explicit: the names of the options the user gave.
+    """
+    values = dict(DEFAULTS)
+    origin = dict.fromkeys(DEFAULTS, "default")
+    for key, value in flags.items():
+        if key in values and key not in explicit:
+            values[key] = value  # the command's own default (same as DEFAULTS, normally)
+    if preset is not None:
+        for key, value in preset.values.items():
+            values[key] = value
+            origin[key] = "preset"
+    for key in explicit:
+        if key in flags:
+            values[key] = flags[key]
+            origin[key] = "flag"
+    return Settings(values, origin, preset)
+
+
+def select_preset(preset: str | None, config: str | Path | None) -> Preset | None:
+    """The preset of `--preset NAME` or `--config FILE` (not both).
+
+    Raises:
+        ConfigError: both given, or the preset cannot be found or read.
+    """
+    if preset and config:
+        raise ConfigError("give --preset or --config, not both")
+    if config:
+        return load_preset_file(config)
+    if preset:
+        return find_preset(preset)
+    return None

@@ -1,0 +1,322 @@
+"""Chat templates: the tokenizer's own, or a named fallback for models that ship none.
+
+A fallback is a Jinja template set as `tokenizer.chat_template`, so everything downstream
+renders through `apply_chat_template` whatever the source. Each template knows the texts
+that end an assistant turn (its stop strings); the ones that are a single token of the
+model's vocabulary (and the tokenizer's EOS where the template closes turns with it) are
+added to `model.generation_config.eos_token_id`, where the session looks for stop ids.
+
+The fallbacks are written to be *prefix-stable*: rendering a conversation with the
+generation prompt, then appending the answer exactly as the model produced it, gives the
+same text as rendering the conversation with that answer. That is what lets the session
+keep its cache from turn to turn. So assistant messages are not stripped, and a separating
+space is written only when the answer does not already start with one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from chatbot.errors import ConfigError
+
+# Pieces shared by the templates below (Jinja, whitespace-controlled to one line of output).
+_SPLIT_SYSTEM = (
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set system = messages[0]['content'] -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set system = none -%}{%- set loop_messages = messages -%}{%- endif -%}"
+)
+_BOS = "{%- if bos_token -%}{{ bos_token }}{%- endif -%}"
+_EOS = "{%- if eos_token -%}{{ eos_token }}{%- endif -%}"
+# A space before an answer, unless the model's answer already starts with one.
+_SP = "{%- if not message['content'].startswith(' ') -%}{{ ' ' }}{%- endif -%}"
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A named conversation layout.
+
+    Attributes:
+        name: what `--template` and presets call it.
+        description: one line for `chatbot models` and the docs.
+        jinja: the template, rendered by `tokenizer.apply_chat_template`.
+        stop_strings: texts that end an assistant turn (the first is the turn's closing text).
+        system: whether the layout has a place for a system prompt.
+    """
+
+    name: str
+    description: str
+    jinja: str
+    stop_strings: tuple[str, ...]
+    system: bool = True
+
+
+CHATML = ChatTemplate(
+    "chatml",
+    "ChatML: <|im_start|>role ... <|im_end|> (Qwen, SmolLM, many fine-tunes)",
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}",
+    ("<|im_end|>", "<|im_start|>"),
+)
+
+LLAMA2 = ChatTemplate(
+    "llama2",
+    "Llama-2-chat: <s>[INST] <<SYS>>...<</SYS>> user [/INST] answer </s>",
+    _SPLIT_SYSTEM
+    + "{%- for message in loop_messages -%}"
+    "{%- if message['role'] == 'user' -%}"
+    + _BOS
+    + "{{ '[INST] ' }}"
+    "{%- if loop.first and system is not none -%}{{ '<<SYS>>\n' + system + '\n<</SYS>>\n\n' }}{%- endif -%}"
+    "{{ message['content'] + ' [/INST]' }}"
+    "{%- elif message['role'] == 'assistant' -%}"
+    + _SP
+    + "{{ message['content'] + ' ' }}"
+    + _EOS
+    + "{%- endif -%}{%- endfor -%}",
+    ("</s>", "[INST]"),
+)
+
+MISTRAL = ChatTemplate(
+    "mistral",
+    "Mistral-instruct: <s>[INST] user [/INST] answer</s> (system prompt joined to the first message)",
+    _SPLIT_SYSTEM
+    + _BOS
+    + "{%- for message in loop_messages -%}"
+    "{%- if message['role'] == 'user' -%}"
+    "{{ '[INST] ' }}"
+    "{%- if loop.first and system is not none -%}{{ system + '\n\n' }}{%- endif -%}"
+    "{{ message['content'] + ' [/INST]' }}"
+    "{%- elif message['role'] == 'assistant' -%}"
+    + _SP
+    + "{{ message['content'] }}"
+    + _EOS
+    + "{%- endif -%}{%- endfor -%}",
+    ("</s>", "[INST]"),
+)
+
+LLAMA3 = ChatTemplate(
+    "llama3",
+    "Llama-3-instruct: <|start_header_id|>role<|end_header_id|> ... <|eot_id|>",
+    _BOS
+    + "{%- for message in messages -%}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] + '<|eot_id|>' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif -%}",
+    ("<|eot_id|>", "<|start_header_id|>"),
+)
+
+VICUNA_SYSTEM = (
+    "A chat between a curious user and an artificial intelligence assistant. "
+    "The assistant gives helpful, detailed, and polite answers to the user's questions."
+)
+
+VICUNA = ChatTemplate(
+    "vicuna",
+    "Vicuna v1.1 (FastChat): SYSTEM USER: ... ASSISTANT: ...</s>",
+    _SPLIT_SYSTEM
+    + _BOS
+    + "{{ (system if system is not none else '" + VICUNA_SYSTEM.replace("'", "\\'") + "') + ' ' }}"
+    "{%- for message in loop_messages -%}"
+    "{%- if message['role'] == 'user' -%}{{ 'USER: ' + message['content'] + ' ' }}"
+    "{%- elif message['role'] == 'assistant' -%}{{ 'ASSISTANT:' }}" + _SP + "{{ message['content'] }}" + _EOS
+    + "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ 'ASSISTANT:' }}{%- endif -%}",
+    ("</s>", "USER:"),
+)
+
+# ColossalAI's Colossal-LLaMA `get_prompt_template` (roles "", "Human", "Assistant"): the
+# system message as "<s>{system}\n\n", then "Human: <s>{msg}</s>Assistant: <s>{msg}</s>",
+# ending with "Assistant: <s>". Its tokenizer call adds one more BOS in front.
+COLOSSAL = ChatTemplate(
+    "colossal",
+    "Colossal-LLaMA: <s>SYSTEM\\n\\nHuman: <s>...</s>Assistant: <s>...</s>",
+    _BOS
+    + "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}" + _BOS + "{{ message['content'] + '\n\n' }}"
+    "{%- elif message['role'] == 'user' -%}{{ 'Human: ' }}" + _BOS + "{{ message['content'] }}" + _EOS
+    + "{%- elif message['role'] == 'assistant' -%}{{ 'Assistant: ' }}" + _BOS + "{{ message['content'] }}" + _EOS
+    + "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ 'Assistant: ' }}" + _BOS + "{%- endif -%}",
+    ("</s>", "Human:"),
+)
+
+PLAIN = ChatTemplate(
+    "plain",
+    "plain text for base (non-chat) models: User: ... / Assistant: ...",
+    _BOS
+    + "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}{{ message['content'] + '\n\n' }}"
+    "{%- elif message['role'] == 'user' -%}{{ 'User: ' + message['content'] + '\n' }}"
+    "{%- elif message['role'] == 'assistant' -%}{{ 'Assistant:' }}" + _SP + "{{ message['content'] + '\n' }}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ 'Assistant:' }}{%- endif -%}",
+    ("\nUser:",),
+)
+
+TEMPLATES: dict[str, ChatTemplate] = {
+    t.name: t for t in (CHATML, LLAMA2, LLAMA3, MISTRAL, VICUNA, COLOSSAL, PLAIN)
+}
+TEMPLATE_CHOICES = ("auto", *TEMPLATES)
+
+# Special tokens that give a template away when a tokenizer ships none.
+_SIGNATURES = (
+    (("<|im_start|>", "<|im_end|>"), CHATML),
+    (("<|start_header_id|>", "<|eot_id|>"), LLAMA3),
+)
+
+
+@dataclass
+class TemplateInfo:
+    """Which template a loaded model chats with, and what ends its turns."""
+
+    name: str  # "tokenizer" or a fallback's name, or a file's name
+    source: str  # "tokenizer", "preset/flag", "guessed", "file", "base model"
+    stop_strings: tuple[str, ...] = ()
+    stop_ids: list[int] = field(default_factory=list)
+    warning: str | None = None
+
+    def label(self) -> str:
+        return self.name if self.source in ("tokenizer", "preset/flag") else f"{self.name} ({self.source})"
+
+
+def template_by_name(name: str) -> ChatTemplate:
+    """Raises ConfigError for an unknown name."""
+    if name not in TEMPLATES:
+        raise ConfigError(f"unknown template {name!r}; templates: {', '.join(TEMPLATE_CHOICES)}, or a .jinja file")
+    return TEMPLATES[name]
+
+
+def check_template_choice(value: str | None) -> None:
+    """Refuse an unknown template before anything slow happens.
+
+    Raises:
+        ConfigError: neither auto, a known name, nor an existing .jinja file.
+    """
+    if value in (None, "auto") or value in TEMPLATES:
+        return
+    path = Path(value).expanduser()
+    if path.is_file():
+        return
+    if value.endswith((".jinja", ".j2")):
+        raise ConfigError(f"template file {value} does not exist")
+    template_by_name(value)
+
+
+def _single_token_id(tokenizer: Any, text: str) -> int | None:
+    try:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    except Exception:
+        return None
+    return int(ids[0]) if len(ids) == 1 else None
+
+
+def _vocab_has(tokenizer: Any, token: str) -> bool:
+    try:
+        return token in tokenizer.get_vocab()
+    except Exception:
+        return False
+
+
+def apply_template(tokenizer: Any, model: Any | None = None, requested: str | None = "auto") -> TemplateInfo:
+    """Give the tokenizer the template to chat with, and register the template's stop ids.
+
+    Args:
+        tokenizer: the model's tokenizer; its `chat_template` may be replaced.
+        model: the model, whose `generation_config.eos_token_id` gains the stop ids.
+        requested: "auto" (the tokenizer's own, else one guessed from its special tokens,
+            else "plain" with a warning), a template name, or a path to a .jinja file.
+
+    Raises:
+        ConfigError: an unknown template name or an unreadable file.
+    """
+    requested = requested or "auto"
+    own = getattr(tokenizer, "chat_template", None)
+    template: ChatTemplate | None = None
+    if requested == "auto":
+        if own:
+            info = TemplateInfo("tokenizer", "tokenizer")
+        else:
+            for tokens, candidate in _SIGNATURES:
+                if all(_vocab_has(tokenizer, t) for t in tokens):
+                    template = candidate
+                    info = TemplateInfo(candidate.name, "guessed")
+                    break
+            else:
+                template = PLAIN
+                info = TemplateInfo(
+                    "plain",
+                    "base model",
+                    warning="the model has no chat template (a base model?): using a plain "
+                    "User:/Assistant: layout; pick one with --template",
+                )
+    elif requested in TEMPLATES:
+        template = TEMPLATES[requested]
+        info = TemplateInfo(template.name, "preset/flag")
+    elif requested.endswith((".jinja", ".j2")) or Path(requested).expanduser().is_file():
+        path = Path(requested).expanduser()
+        try:
+            tokenizer.chat_template = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read template file {path}: {exc.strerror or exc}") from None
+        info = TemplateInfo(path.name, "file")
+    else:
+        template_by_name(requested)  # raises with the list of names
+        raise AssertionError("unreachable")
+    if template is not None:
+        tokenizer.chat_template = template.jinja
+        info.stop_strings = template.stop_strings
+    info.stop_ids = _stop_ids_for(tokenizer, info.stop_strings)
+    if model is not None and info.stop_ids:
+        _add_eos_ids(model, info.stop_ids)
+    return info
+
+
+def _stop_ids_for(tokenizer: Any, stop_strings: tuple[str, ...]) -> list[int]:
+    ids: list[int] = []
+    for text in stop_strings:
+        if text == "</s>" and tokenizer.eos_token and tokenizer.eos_token != "</s>":
+            text = tokenizer.eos_token  # the template writes `eos_token`, whatever it is
+        tid = _single_token_id(tokenizer, text)
+        if tid is not None and tid not in ids:
+            ids.append(tid)
+    return ids
+
+
+def _add_eos_ids(model: Any, ids: list[int]) -> None:
+    gc = getattr(model, "generation_config", None)
+    if gc is None:
+        return
+    current = gc.eos_token_id
+    merged = [] if current is None else [current] if isinstance(current, int) else list(current)
+    merged += [i for i in ids if i not in merged]
+    gc.eos_token_id = merged
+
+
+def check_template(tokenizer: Any, system: str | None, name: str = "this model") -> None:
+    """Render a short conversation (with the system prompt, when there is one).
+
+    Raises:
+        ConfigError: the template fails to render, refuses a system prompt, or drops it.
+    """
+    msgs = [{"role": "user", "content": "Hello"}]
+    if system:
+        msgs.insert(0, {"role": "system", "content": system})
+    try:
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:
+        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+        if system:
+            raise ConfigError(
+                f"the chat template of {name} cannot render a system prompt ({reason}): "
+                "drop --system, or pick a template with one, e.g. --template chatml"
+            ) from None
+        raise ConfigError(f"the chat template of {name} does not render ({reason}): pick one with --template") from None
+    if system and system.strip() not in text:
+        raise ConfigError(
+            f"the chat template of {name} drops the system prompt: drop --system, or pick a "
+            "template with one, e.g. --template chatml"
+        )
