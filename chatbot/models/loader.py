@@ -597,7 +597,7 @@ def load_model(
     start = time.perf_counter()
     dev = pick_device(device)
     if quantize:
-        torch_dtype = compute_dtype(dtype, dev)
+        torch_dtype = compute_dtype(quantize, dtype, dev)
         if dtype != "auto":
             pick_dtype(dtype, dev)  # validates the name
         check_quantization(quantize, dev, torch_dtype)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import logging
 import warnings
 from typing import Any
 
@@ -32,20 +33,24 @@ def bnb_version() -> str | None:
         return None
 
 
-def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """The dtype 4-bit layers compute in and the unquantized layers are stored in.
+def compute_dtype(mode: str, dtype: str, device: torch.device) -> torch.dtype:
+    """The dtype quantized layers compute in and the unquantized layers are stored in.
 
-    An explicit --dtype wins; auto picks bfloat16 where the device has it, else float16
-    (the NF4 recipe of QLoRA: 16-bit compute over 4-bit storage).
+    An explicit --dtype wins. auto: on GPUs, 4-bit computes in bfloat16 where the device has
+    it, else float16 (QLoRA's NF4 recipe), and 8-bit in float16 (LLM.int8 casts its inputs
+    to float16 anyway). On the CPU both keep float32, which prefills several times faster
+    than bfloat16 there (see docs/models.md).
     """
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype in table:
         return table[dtype]
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if mode == "4bit" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float16
     if device.type == "mps":
         return torch.float16
-    return torch.bfloat16
+    return torch.float32
 
 
 def _probe(mode: str, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -105,11 +110,27 @@ def check_quantization(mode: str, device: torch.device, dtype: torch.dtype) -> N
         )
 
 
+class _DropInt8Casts(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("MatMul8bitLt: inputs will be cast")
+
+
+def _quiet_int8_casts() -> None:
+    """bitsandbytes logs a warning on *every* 8-bit matmul whose input is not float16 (on
+    the CPU: every layer of every step, in the middle of the answer). The cast is how
+    LLM.int8 works (docs/models.md says so); drop the message."""
+    log = logging.getLogger("bitsandbytes.autograd._functions")
+    if not any(isinstance(f, _DropInt8Casts) for f in log.filters):
+        log.addFilter(_DropInt8Casts())
+
+
 def bnb_config(mode: str, dtype: torch.dtype) -> Any:
     """The BitsAndBytesConfig for a mode: 4-bit NF4 with double quantization and 16-bit
     compute (or what --dtype asks), or 8-bit LLM.int8 with the usual outlier threshold."""
     from transformers import BitsAndBytesConfig
 
+    if mode == "8bit":
+        _quiet_int8_casts()
     if mode == "4bit":
         return BitsAndBytesConfig(
             load_in_4bit=True,
