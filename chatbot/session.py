@@ -481,13 +481,13 @@ class ChatSession:
             turn.evicted_before = 0
 
     def _rebuild_segments(self) -> None:
-        """Tokenize the whole conversation afresh, turn by turn, and empty the cache.
+        """Tokenize the whole conversation afresh, turn by turn; the cache keeps only the
+        ids it shares with the new tokenization (a bounded cache is emptied).
 
-        Answers are re-tokenized too (the generated ids are gone with the cache). When the
-        template cannot be split turn by turn, the conversation is one prompt segment and
-        undo/retry fall back to re-encoding.
+        Answers are re-tokenized too. When the template cannot be split turn by turn, the
+        conversation is one prompt segment and undo/retry fall back to re-encoding.
         """
-        self._forget_cache()
+        old_fed = self.all_ids[: self.n_fed]
         segments: list[Segment] = []
         text = ""
         msgs = self._system_messages()
@@ -521,6 +521,26 @@ class ChatSession:
             for turn in self.turns:
                 turn.first_segment = -1
         self.segments = segments
+        self._keep_common_prefix(old_fed)
+
+    def _keep_common_prefix(self, old_fed: list[int]) -> None:
+        """Cut the cache back to the longest prefix of `old_fed` (what it held) that the
+        conversation still starts with; empty it when that cannot be done safely."""
+        new = self.all_ids
+        keep = 0
+        for a, b in zip(old_fed, new):
+            if a != b:
+                break
+            keep += 1
+        bounded = hasattr(self.cache, "evict_for_space")
+        if keep == 0 or bounded or self.evicted_total or self.cache_ids != old_fed:
+            self._forget_cache()
+            return
+        del self.cache_ids[keep:]
+        self.engine.crop(self.cache, keep)
+        self.n_fed = keep
+        for turn in self.turns:
+            turn.evicted_before = 0
 
     def _ensure_consistent(self) -> None:
         if self.rendered != self.render(self.messages(), False):
