@@ -72,11 +72,17 @@ class Engine:
         model: a transformers causal LM (any device map).
         tokenizer: its tokenizer.
         max_context: the most tokens the cache may hold (the model's trained context).
+        decoder: a one-token step that replaces the model's forward pass while decoding
+            (`chatbot.engine.fast.FastDecoder`); prefill stays with the model.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, max_context: int | None = None) -> None:
+    def __init__(
+        self, model: Any, tokenizer: Any, max_context: int | None = None, decoder: Any | None = None
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        # A fast one-token step (chatbot.engine.fast.FastDecoder); None: transformers decodes.
+        self.decoder = decoder
         self.device = model.get_input_embeddings().weight.device
         trained = getattr(model.config, "max_position_embeddings", None) or 2048
         self.max_context = max_context or trained
@@ -85,6 +91,8 @@ class Engine:
 
     def new_cache(self) -> Cache:
         """A growing cache with one layer per decoder layer (each on its layer's device)."""
+        if self.decoder is not None:
+            return self.decoder.new_cache()
         return DynamicCache(config=self.model.config)
 
     @staticmethod
@@ -114,6 +122,8 @@ class Engine:
             removed = evict(ids.shape[1] + reserve)
             if removed is not None and on_evict is not None:
                 on_evict(*removed)
+        if self.decoder is not None and ids.shape[1] == 1:
+            return self.decoder.decode(cache, int(ids[0, 0]))
         out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1].float()
 
@@ -154,6 +164,8 @@ class Engine:
         """
         if not ids:
             raise ValueError("prefill needs at least one token")
+        if self.decoder is not None:
+            self.decoder.prepare(cache)  # the fast path keeps the cache in its own layers
         step = self.chunk_size(cache, prefill_chunk)
         recent = getattr(cache, "recent_size", None)
         tensor = torch.tensor([list(ids)], dtype=torch.long, device=self.device)

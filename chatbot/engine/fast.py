@@ -1,0 +1,467 @@
+"""The fast decode path on the CPU: one native call per token, on a cache written in place.
+
+transformers spends about half of a one-token forward pass in Python and framework code
+(masks, position ids, ~700 small ops for a 30-layer model), and its float32 matrix-vector
+products reach well under half of the memory bandwidth. Here, prefill stays with
+transformers (its batched float32 matmuls are fast), and every decoded token is one call
+into `kernels.c`, which runs the whole forward pass for one token in one OpenMP region.
+
+The weights are packed once per model, in one of these formats (`DecodeOptions.weights`):
+
+- ``f32``: float32, the model as loaded (outputs equal the reference up to rounding);
+- ``auto``: per matrix, the smallest format that holds it exactly: Q4_1/Q8_0 for a model
+  converted from such a GGUF (the default model), bfloat16 for a bf16 checkpoint, else float32;
+  lossless, so the same answers as ``f32``;
+- ``int8``: Q8_0 everywhere (int8, one scale per 32 weights), lossy;
+- ``int4``: Q4_1 for the layers and Q8_0 for the embedding / lm_head (as llama.cpp's Q4_1
+  files), lossy on a model that was not quantized that way already.
+
+Activations stay float32 in every format, so prefill (transformers, float32) and decode see
+the same model up to the weight rounding.
+
+The cache: every layer of a transformers cache (`DynamicCache` or our `SinkCache`) is
+replaced by a `BufferLayer`, which keeps keys and values in a preallocated buffer
+``[1, kv_heads, capacity, head_dim]`` and writes new tokens in place, gpt-fast style. It is
+still a transformers cache layer (prefill, `crop`, `reset` work as before), and it implements
+the sink cache's `drop` in place, so `--enable-streaming` (eviction and re-rotation) keeps
+working on the fast path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache
+
+from chatbot.engine import kernels
+from chatbot.engine.sink_cache import SinkLayer, rotate_keys
+from chatbot.errors import ChatbotError
+
+LEVELS = ("off", "f32", "auto", "int8", "int4")
+"""Optimization levels: ``off`` is plain transformers; the others pick the weight format."""
+
+_SUPPORTED_TYPES = {"llama", "mistral"}
+_SUPPORTED_ROPE = {"default", "linear", "llama3", "yarn"}
+_versions = itertools.count(1)
+
+
+class FastPathUnavailable(ChatbotError):
+    """The fast decode path cannot run this model here; the engine falls back to transformers."""
+
+
+# --- the cache ---------------------------------------------------------------------------
+
+
+class BufferLayer(SinkLayer):
+    """A cache layer whose keys and values live in a preallocated buffer, written in place.
+
+    `keys` / `values` are views of the first `length` positions, so code written for
+    `DynamicLayer` reads them as before. The buffer grows by doubling when full (a copy,
+    amortized); `version` changes whenever it is reallocated, so holders of raw pointers
+    know to refresh them.
+    """
+
+    MIN_CAPACITY = 256
+
+    def __init__(self) -> None:
+        self._k: torch.Tensor | None = None  # [B, H, capacity, D]
+        self._v: torch.Tensor | None = None
+        self.length = 0
+        self.version = 0
+        super().__init__()
+
+    # Views of the filled part; assigning a tensor replaces the contents.
+    @property
+    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
+        return None if self._k is None else self._k[:, :, : self.length]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._assign("_k", value)
+
+    @property
+    def values(self) -> torch.Tensor | None:  # type: ignore[override]
+        return None if self._v is None else self._v[:, :, : self.length]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._assign("_v", value)
+
+    def _assign(self, name: str, value: torch.Tensor | None) -> None:
+        if value is None:
+            setattr(self, name, None)
+            if self._k is None and self._v is None:
+                self.length = 0
+            return
+        n = value.shape[-2]
+        cap = max(self.capacity, self._grown(n))
+        buf = value.new_zeros(*value.shape[:-2], cap, value.shape[-1])
+        buf[:, :, :n] = value
+        setattr(self, name, buf)
+        self.length = n
+        self.version = next(_versions)
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._k is None else self._k.shape[-2]
+
+    def _grown(self, needed: int) -> int:
+        cap = max(self.capacity, self.MIN_CAPACITY)
+        while cap < needed:
+            cap *= 2
+        return cap
+
+    def reserve(self, needed: int, like: torch.Tensor | None = None) -> None:
+        """Make room for `needed` positions (reallocating, and copying what is held)."""
+        if self._k is not None and self.capacity >= needed:
+            return
+        ref = self._k if self._k is not None else like
+        assert ref is not None, "reserve() before the first update needs a tensor to copy the shape from"
+        cap = self._grown(needed)
+        shape = (*ref.shape[:-2], cap, ref.shape[-1])
+        k, v = ref.new_zeros(shape), ref.new_zeros(shape)
+        if self._k is not None and self._v is not None:
+            k[:, :, : self.length] = self._k[:, :, : self.length]
+            v[:, :, : self.length] = self._v[:, :, : self.length]
+        self._k, self._v = k, v
+        self.version = next(_versions)
+
+    # -- CacheLayerMixin ------------------------------------------------------------------
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        self.reserve(self.length + n, like=key_states)
+        assert self._k is not None and self._v is not None
+        self._k[:, :, self.length : self.length + n] = key_states
+        self._v[:, :, self.length : self.length + n] = value_states
+        self.length += n
+        return self._k[:, :, : self.length], self._v[:, :, : self.length]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count of tokens to remove from the end")
+        self.length = max(0, self.length + tokens_to_remove)
+
+    def reset(self) -> None:
+        # Keep the buffers: the next conversation reuses them.
+        self.length = 0
+
+    def drop(self, start: int, end: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Remove positions ``[start, end)`` in place and re-rotate the keys after them."""
+        if self._k is None or self._v is None or end <= start:
+            return
+        n = self.length
+        end = min(end, n)
+        moved = n - end
+        if moved > 0:
+            self._k[:, :, start : start + moved] = rotate_keys(self._k[:, :, end:n], cos, sin)
+            self._v[:, :, start : start + moved] = self._v[:, :, end:n].clone()
+        self.length = n - (end - start)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the preallocated buffers (what the layer holds, filled or not)."""
+        if self._k is None or self._v is None:
+            return 0
+        return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()
+
+
+def adopt_layers(cache: Cache) -> bool:
+    """Swap every layer of `cache` for a `BufferLayer` holding the same keys and values.
+
+    Returns:
+        True if the cache now holds only buffer layers (False: a layer kind we cannot take
+        over, e.g. a sliding-window layer; the cache is left unchanged).
+    """
+    layers = cache.layers
+    if all(type(layer) is BufferLayer for layer in layers):
+        return True
+    if not all(type(layer).__name__ in ("DynamicLayer", "SinkLayer", "BufferLayer") for layer in layers):
+        return False
+    for i, layer in enumerate(layers):
+        if type(layer) is BufferLayer:
+            continue
+        new = BufferLayer()
+        keys, values = layer.keys, layer.values
+        if layer.is_initialized and keys is not None and values is not None and keys.numel() > 0:
+            new.lazy_initialization(keys, values)
+            new.reserve(keys.shape[-2], like=keys)
+            new.update(keys, values)
+        layers[i] = new
+    return True
+
+
+# --- the decoder ---------------------------------------------------------------------------
+
+
+@dataclass
+class DecodeInfo:
+    """What the fast path runs with, for banners and benchmarks."""
+
+    level: str
+    formats: dict[str, int]  # weight format -> number of matrices
+    weight_bytes: int
+    threads: int
+
+
+def _check_model(model: Any) -> Any:
+    """The text config of a model the kernels can run, or FastPathUnavailable."""
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    kind = getattr(config, "model_type", "?")
+    if kind not in _SUPPORTED_TYPES:
+        raise FastPathUnavailable(f"no fast decode for {kind} models (only {', '.join(sorted(_SUPPORTED_TYPES))})")
+    device = model.get_input_embeddings().weight.device
+    if device.type != "cpu":
+        raise FastPathUnavailable(f"the fast decode path runs on the CPU; this model is on {device}")
+    dtype = model.get_input_embeddings().weight.dtype
+    if dtype != torch.float32:
+        raise FastPathUnavailable(f"the fast decode path needs a float32 model on the CPU, not {dtype}")
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        raise FastPathUnavailable("no fast decode for attention or MLP biases")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise FastPathUnavailable(f"no fast decode for the {config.hidden_act} activation")
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
+    if rope_type not in _SUPPORTED_ROPE:
+        raise FastPathUnavailable(f"no fast decode for {rope_type} rotary embeddings")
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True):
+        raise FastPathUnavailable("no fast decode for sliding-window attention")
+    return config
+
+
+class FastDecoder:
+    """Decodes one token per native call, on a cache of `BufferLayer`s.
+
+    Args:
+        model: a Llama-family transformers causal LM, float32, on the CPU.
+        level: one of `LEVELS` but ``off``: how the weights are packed.
+        threads: OpenMP threads for the kernels (default: torch's thread count, read at
+            every call, so `torch.set_num_threads` applies).
+
+    Raises:
+        FastPathUnavailable: the model or the platform is not supported (the reason says which).
+    """
+
+    def __init__(self, model: Any, level: str = "auto", threads: int | None = None) -> None:
+        if level not in LEVELS or level == "off":
+            raise ValueError(f"level must be one of {', '.join(LEVELS[1:])}, got {level!r}")
+        config = _check_model(model)
+        try:
+            self.lib = kernels.load_library()
+        except kernels.KernelsUnavailable as exc:
+            raise FastPathUnavailable(str(exc)) from None
+        self.model = model
+        self.level = level
+        self.threads = threads
+        inner = model.model
+        n_layers = config.num_hidden_layers
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self.vocab = model.get_output_embeddings().weight.shape[0]
+
+        pack = self._packer(level)
+        with torch.no_grad():
+            embed_w = model.get_input_embeddings().weight
+            head_w = model.get_output_embeddings().weight
+            self.embed = pack(embed_w, "embed")
+            tied = head_w.data_ptr() == embed_w.data_ptr()
+            self.lm_head = self.embed if tied else pack(head_w, "embed")
+            self.wqkv, self.wo, self.wgu, self.wdown = [], [], [], []
+            self.attn_norm, self.ffn_norm = [], []
+            for layer in inner.layers:
+                att, mlp = layer.self_attn, layer.mlp
+                qkv = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight], dim=0)
+                self.wqkv.append(pack(qkv, "layer"))
+                self.wo.append(pack(att.o_proj.weight, "layer"))
+                self.wgu.append(pack(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], dim=0), "layer"))
+                self.wdown.append(pack(mlp.down_proj.weight, "layer"))
+                self.attn_norm.append(layer.input_layernorm.weight.detach().float().contiguous())
+                self.ffn_norm.append(layer.post_attention_layernorm.weight.detach().float().contiguous())
+            self.final_norm = inner.norm.weight.detach().float().contiguous()
+            rotary = inner.rotary_emb
+            self.inv_freq = rotary.inv_freq.detach().float()
+            self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        self.eps = float(getattr(inner.layers[0].input_layernorm, "variance_epsilon", config.rms_norm_eps))
+        self.attn_scale = float(getattr(inner.layers[0].self_attn, "scaling", head_dim**-0.5))
+        self.dims = (n_layers, config.hidden_size, heads, kv_heads, head_dim, config.intermediate_size)
+
+        self._mats = {
+            name: (Mat * n_layers)(*[p.as_struct() for p in packed])
+            for name, packed, Mat in [
+                ("wqkv", self.wqkv, kernels.Mat),
+                ("wo", self.wo, kernels.Mat),
+                ("wgu", self.wgu, kernels.Mat),
+                ("wdown", self.wdown, kernels.Mat),
+            ]
+        }
+        self._embed_struct = self.embed.as_struct()
+        self._head_struct = self.lm_head.as_struct()
+        ptrs = ctypes.c_void_p * n_layers
+        self._attn_norm = ptrs(*[t.data_ptr() for t in self.attn_norm])
+        self._ffn_norm = ptrs(*[t.data_ptr() for t in self.ffn_norm])
+        self._kptrs = ptrs()
+        self._vptrs = ptrs()
+        self._cache_key: tuple[int, ...] = ()
+        self._rope_cos = self._rope_sin = torch.empty(0)
+        self._scratch = torch.empty(0)
+        self.struct = kernels.ModelStruct(
+            n_layers=n_layers, dim=config.hidden_size, n_heads=heads, n_kv_heads=kv_heads,
+            head_dim=head_dim, ffn_dim=config.intermediate_size, vocab=self.vocab, n_threads=1,
+            eps=self.eps, attn_scale=self.attn_scale, rope_len=0, cap=0,
+            embed=ctypes.pointer(self._embed_struct), lm_head=ctypes.pointer(self._head_struct),
+            final_norm=self.final_norm.data_ptr(), attn_norm=self._attn_norm, ffn_norm=self._ffn_norm,
+            wqkv=self._mats["wqkv"], wo=self._mats["wo"], wgu=self._mats["wgu"], wdown=self._mats["wdown"],
+            kcache=self._kptrs, vcache=self._vptrs,
+        )  # fmt: skip
+        self._ensure_rope(int(getattr(config, "max_position_embeddings", 2048) or 2048))
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _packer(level: str) -> Any:
+        def pack(w: torch.Tensor, role: str) -> kernels.PackedMatrix:
+            w = w.detach().to(torch.float32)
+            if level == "f32" or w.shape[1] % kernels.QK:
+                return kernels.pack_f32(w)
+            if level == "auto":
+                return kernels.pack_lossless(w)
+            if level == "int8" or role == "embed":
+                return kernels.pack_q8_0(w)
+            return kernels.pack_q4_1(w)
+
+        return pack
+
+    def _ensure_rope(self, length: int) -> None:
+        """cos/sin tables for positions [0, length), computed as transformers does."""
+        if length <= self.struct.rope_len:
+            return
+        length = max(length, 2 * self.struct.rope_len)
+        freqs = torch.arange(length, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        self._rope_cos = (freqs.cos() * self.rope_scaling).contiguous()
+        self._rope_sin = (freqs.sin() * self.rope_scaling).contiguous()
+        self.struct.rope_cos = self._rope_cos.data_ptr()
+        self.struct.rope_sin = self._rope_sin.data_ptr()
+        self.struct.rope_len = length
+
+    def info(self) -> DecodeInfo:
+        mats = [self.embed, *self.wqkv, *self.wo, *self.wgu, *self.wdown]
+        if self.lm_head is not self.embed:
+            mats.append(self.lm_head)
+        formats: dict[str, int] = {}
+        for p in mats:
+            formats[p.format_name] = formats.get(p.format_name, 0) + 1
+        return DecodeInfo(self.level, formats, sum(p.nbytes for p in mats), self._threads())
+
+    def _threads(self) -> int:
+        return self.threads or torch.get_num_threads()
+
+    # -- caches ---------------------------------------------------------------------------
+
+    def new_cache(self) -> Cache:
+        """An empty growing cache made of `BufferLayer`s."""
+        cache = DynamicCache(config=self.model.config)
+        adopt_layers(cache)
+        return cache
+
+    def prepare(self, cache: Cache) -> None:
+        """Take over `cache`'s layers (a no-op once done).
+
+        Raises:
+            FastPathUnavailable: a layer kind the kernels cannot read.
+        """
+        if not adopt_layers(cache):
+            raise FastPathUnavailable("the fast decode path cannot take over this cache's layers")
+
+    def _bind_cache(self, layers: Sequence[BufferLayer], needed: int) -> None:
+        """Give every layer room for `needed` positions in buffers of one common capacity,
+        and point the kernels at them."""
+        cap = max(layer.capacity for layer in layers)
+        if cap < needed or any(layer.capacity != cap for layer in layers):
+            # Capacities are all MIN_CAPACITY * 2**k, so growing each to `target` evens them.
+            first = next(layer for layer in layers if layer._k is not None)
+            target = first._grown(max(needed, cap))
+            for layer in layers:
+                layer.reserve(target, like=first._k)
+                layer.is_initialized = True
+        key = tuple(layer.version for layer in layers)
+        if key == self._cache_key:
+            return
+        for i, layer in enumerate(layers):
+            assert layer._k is not None and layer._v is not None
+            self._kptrs[i] = layer._k.data_ptr()
+            self._vptrs[i] = layer._v.data_ptr()
+        cap = layers[0].capacity
+        self.struct.cap = cap
+        heads = self.struct.n_heads
+        floats = int(self.lib.chatbot_scratch_floats(ctypes.byref(self.struct)))
+        if self._scratch.numel() < floats:
+            self._scratch = torch.empty(floats + 64 * heads, dtype=torch.float32)
+            self.struct.scratch = self._scratch.data_ptr()
+        self._cache_key = key
+
+    # -- decoding -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def decode(self, cache: Cache, token: int) -> torch.Tensor:
+        """Feed one token at the end of `cache`; return the logits after it.
+
+        Args:
+            cache: a cache whose layers are `BufferLayer`s (see `prepare`), holding at
+                least one token already (prefill goes through transformers).
+            token: the token id.
+
+        Returns:
+            float32 logits ``[vocab]``.
+        """
+        layers = cache.layers
+        if type(layers[0]) is not BufferLayer:
+            self.prepare(cache)
+            layers = cache.layers
+        pos = layers[0].length
+        if layers[0]._k is None:
+            raise ValueError("decode needs a prefilled cache")
+        if any(layer.length != pos for layer in layers):
+            raise ValueError("cache layers hold different numbers of tokens; crop it first")
+        self._bind_cache(layers, pos + 1)  # type: ignore[arg-type]
+        self._ensure_rope(pos + 1)
+        self.struct.n_threads = self._threads()
+        logits = torch.empty(self.vocab, dtype=torch.float32)
+        if self.lib.chatbot_decode(ctypes.byref(self.struct), int(token), pos, logits.data_ptr()) != 0:
+            raise ValueError(f"token {token} or position {pos} out of range for the fast decoder")
+        for layer in layers:
+            layer.length = pos + 1  # type: ignore[attr-defined]
+        return logits
+
+
+def make_decoder(model: Any, level: str, threads: int | None = None) -> tuple[FastDecoder | None, str | None]:
+    """The decoder for `level`, or None with the reason when it cannot run (``off`` gives
+    None and no reason).
+
+    Raises:
+        ValueError: an unknown level.
+    """
+    if level not in LEVELS:
+        raise ValueError(f"unknown optimization level {level!r}; choose from {', '.join(LEVELS)}")
+    if level == "off":
+        return None, None
+    try:
+        return FastDecoder(model, level, threads), None
+    except FastPathUnavailable as exc:
+        return None, f"fast decode off: {exc}"

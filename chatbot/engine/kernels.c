@@ -1,0 +1,527 @@
+/* One-token decode of a Llama-family model on the CPU, for chatbot/engine/fast.py.
+ *
+ * Built at first use with the system C compiler (-O3 -march=native -fopenmp) and loaded
+ * through ctypes; every tensor is owned by torch on the Python side and passed as a
+ * pointer. One call runs the whole forward pass of one token inside one OpenMP parallel
+ * region, so a decode step costs one Python->C transition instead of ~700 torch ops.
+ *
+ * Weight formats (rows of a [N, K] matrix, K a multiple of 32 for the block formats):
+ *   F32   float32 [N, K]
+ *   BF16  bfloat16 [N, K]
+ *   Q8_0  blocks of 32: fp16 scale d, 32 int8 q       w = d * q          (ggml's Q8_0)
+ *   Q4_1  blocks of 32: fp16 d, fp16 m, 16 bytes      w = d * q + m      (ggml's Q4_1)
+ *         byte j holds q[j] in its low nibble and q[j + 16] in its high nibble.
+ * Activations stay float32 throughout; a block dot product converts the weights to
+ * float32 in registers, so a weight that is exactly representable gives the float32
+ * result (up to summation order).
+ *
+ * Cache: per layer, keys and values as [n_kv_heads, cap, head_dim] float32 (batch 1), the
+ * layout of a transformers cache tensor [1, H, S, D] with a preallocated S = cap.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define CB_AVX2 1
+#endif
+
+#define QK 32
+
+enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_Q8_0 = 2, FMT_Q4_1 = 3 };
+
+typedef struct {
+    uint16_t d;
+    int8_t qs[QK];
+} block_q8_0; /* 34 bytes */
+
+typedef struct {
+    uint16_t d, m;
+    uint8_t qs[QK / 2];
+} block_q4_1; /* 20 bytes */
+
+typedef struct {
+    const void *data;
+    int32_t fmt;
+    int32_t rows;
+    int32_t cols;
+    int32_t pad_;
+} Mat;
+
+typedef struct {
+    int32_t n_layers, dim, n_heads, n_kv_heads, head_dim, ffn_dim, vocab, n_threads;
+    float eps, attn_scale;
+    int32_t rope_len, cap;
+    const float *rope_cos; /* [rope_len, head_dim / 2] */
+    const float *rope_sin;
+    const Mat *embed;      /* [vocab, dim], rows looked up */
+    const Mat *lm_head;    /* [vocab, dim] */
+    const float *final_norm;
+    const float *const *attn_norm; /* per layer [dim] */
+    const float *const *ffn_norm;
+    const Mat *wqkv;  /* per layer [(H + 2 Hkv) D, dim]: q, k, v stacked */
+    const Mat *wo;    /* [dim, H D] */
+    const Mat *wgu;   /* [2 F, dim]: gate, up stacked */
+    const Mat *wdown; /* [dim, F] */
+    float *const *kcache; /* per layer [Hkv, cap, D] */
+    float *const *vcache;
+    float *scratch; /* see scratch_floats() */
+} Model;
+
+/* ---------------------------------------------------------------- scalar helpers */
+
+static inline float fp16_to_f32(uint16_t h) {
+#ifdef CB_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline uint16_t f32_to_fp16(float f) {
+#ifdef CB_AVX2
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    /* round to nearest even; overflow to inf; subnormals kept */
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000;
+    x &= 0x7fffffff;
+    if (x >= 0x7f800000) return (uint16_t)(sign | 0x7c00 | (x > 0x7f800000 ? 0x200 : 0));
+    if (x >= 0x477ff000) return (uint16_t)(sign | 0x7c00);
+    if (x < 0x38800000) { /* subnormal or zero in fp16 */
+        float a;
+        memcpy(&a, &x, 4);
+        return (uint16_t)(sign | (uint32_t)nearbyintf(a * 16777216.0f)); /* a / 2^-24 */
+    }
+    const uint32_t mant_odd = (x >> 13) & 1;
+    x += 0xc8000fff + mant_odd; /* rebias exponent (-112 << 23) and round */
+    return (uint16_t)(sign | (x >> 13));
+#endif
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+#ifdef CB_AVX2
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* exp for x <= 0 (softmax after subtracting the max); Cephes-style, ~1 ulp. */
+static inline __m256 exp256(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
+    x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+    fx = _mm256_floor_ps(fx);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 z = _mm256_mul_ps(x, x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, z, x);
+    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+}
+#endif
+
+/* ---------------------------------------------------------------- row dot products */
+
+static float dot_f32(const float *w, const float *x, int k) {
+    int i = 0;
+    float s = 0.0f;
+#ifdef CB_AVX2
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (; i + 32 <= k; i += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 16), _mm256_loadu_ps(x + i + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 24), _mm256_loadu_ps(x + i + 24), a3);
+    }
+    for (; i + 8 <= k; i += 8)
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a0);
+    s = hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#endif
+    for (; i < k; i++) s += w[i] * x[i];
+    return s;
+}
+
+static float dot_bf16(const uint16_t *w, const float *x, int k) {
+    int i = 0;
+    float s = 0.0f;
+#ifdef CB_AVX2
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (; i + 16 <= k; i += 16) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(w + i));
+        __m256i lo = _mm256_cvtepu16_epi32(_mm256_castsi256_si128(v));
+        __m256i hi = _mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1));
+        a0 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(hi, 16)), _mm256_loadu_ps(x + i + 8), a1);
+    }
+    s = hsum256(_mm256_add_ps(a0, a1));
+#endif
+    for (; i < k; i++) s += bf16_to_f32(w[i]) * x[i];
+    return s;
+}
+
+static float dot_q8_0(const block_q8_0 *b, const float *x, int k) {
+    const int nb = k / QK;
+    float s = 0.0f;
+#ifdef CB_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (int j = 0; j < nb; j++, x += QK) {
+        __m128i lo = _mm_loadu_si128((const __m128i *)b[j].qs);
+        __m128i hi = _mm_loadu_si128((const __m128i *)(b[j].qs + 16));
+        __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+        __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+        __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+        __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+        __m256 p = _mm256_mul_ps(w0, _mm256_loadu_ps(x));
+        p = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), p);
+        p = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + 16), p);
+        p = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x + 24), p);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(b[j].d)), p, acc);
+    }
+    s = hsum256(acc);
+#else
+    for (int j = 0; j < nb; j++, x += QK) {
+        float p = 0.0f;
+        for (int i = 0; i < QK; i++) p += (float)b[j].qs[i] * x[i];
+        s += fp16_to_f32(b[j].d) * p;
+    }
+#endif
+    return s;
+}
+
+/* xsum[j]: the sum of x over block j, for the min term of Q4_1. */
+static float dot_q4_1(const block_q4_1 *b, const float *x, const float *xsum, int k) {
+    const int nb = k / QK;
+    float s = 0.0f, ms = 0.0f;
+#ifdef CB_AVX2
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    __m256 acc = _mm256_setzero_ps();
+    for (int j = 0; j < nb; j++, x += QK) {
+        __m128i v = _mm_loadu_si128((const __m128i *)b[j].qs);
+        __m128i lo = _mm_and_si128(v, m4);
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+        __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+        __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+        __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+        __m256 p = _mm256_mul_ps(w0, _mm256_loadu_ps(x));
+        p = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), p);
+        p = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + 16), p);
+        p = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x + 24), p);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(b[j].d)), p, acc);
+        ms += fp16_to_f32(b[j].m) * xsum[j];
+    }
+    s = hsum256(acc);
+#else
+    for (int j = 0; j < nb; j++, x += QK) {
+        float p = 0.0f;
+        for (int i = 0; i < QK / 2; i++)
+            p += (float)(b[j].qs[i] & 0x0f) * x[i] + (float)(b[j].qs[i] >> 4) * x[i + 16];
+        s += fp16_to_f32(b[j].d) * p;
+        ms += fp16_to_f32(b[j].m) * xsum[j];
+    }
+#endif
+    return s + ms;
+}
+
+static size_t row_bytes(const Mat *m) {
+    switch (m->fmt) {
+    case FMT_F32: return (size_t)m->cols * 4;
+    case FMT_BF16: return (size_t)m->cols * 2;
+    case FMT_Q8_0: return (size_t)(m->cols / QK) * sizeof(block_q8_0);
+    default: return (size_t)(m->cols / QK) * sizeof(block_q4_1);
+    }
+}
+
+static inline float dot_row(const Mat *m, int n, const float *x, const float *xsum) {
+    const char *row = (const char *)m->data + (size_t)n * row_bytes(m);
+    switch (m->fmt) {
+    case FMT_F32: return dot_f32((const float *)row, x, m->cols);
+    case FMT_BF16: return dot_bf16((const uint16_t *)row, x, m->cols);
+    case FMT_Q8_0: return dot_q8_0((const block_q8_0 *)row, x, m->cols);
+    default: return dot_q4_1((const block_q4_1 *)row, x, xsum, m->cols);
+    }
+}
+
+/* Block sums of x, needed by Q4_1; run by one thread. */
+static void block_sums(const float *x, int k, float *xsum) {
+    for (int j = 0; j < k / QK; j++) {
+        float s = 0.0f;
+        for (int i = 0; i < QK; i++) s += x[j * QK + i];
+        xsum[j] = s;
+    }
+}
+
+/* y = W x; to be called by every thread of a parallel region (rows are shared out). */
+static void matvec_par(const Mat *m, const float *x, const float *xsum, float *y) {
+#pragma omp for schedule(static)
+    for (int n = 0; n < m->rows; n++) y[n] = dot_row(m, n, x, xsum);
+}
+
+static void embed_row(const Mat *m, int token, float *out) {
+    const char *row = (const char *)m->data + (size_t)token * row_bytes(m);
+    const int k = m->cols;
+    switch (m->fmt) {
+    case FMT_F32: memcpy(out, row, (size_t)k * 4); break;
+    case FMT_BF16:
+        for (int i = 0; i < k; i++) out[i] = bf16_to_f32(((const uint16_t *)row)[i]);
+        break;
+    case FMT_Q8_0: {
+        const block_q8_0 *b = (const block_q8_0 *)row;
+        for (int j = 0; j < k / QK; j++) {
+            const float d = fp16_to_f32(b[j].d);
+            for (int i = 0; i < QK; i++) out[j * QK + i] = d * (float)b[j].qs[i];
+        }
+        break;
+    }
+    default: {
+        const block_q4_1 *b = (const block_q4_1 *)row;
+        for (int j = 0; j < k / QK; j++) {
+            const float d = fp16_to_f32(b[j].d), mn = fp16_to_f32(b[j].m);
+            for (int i = 0; i < QK / 2; i++) {
+                out[j * QK + i] = d * (float)(b[j].qs[i] & 0x0f) + mn;
+                out[j * QK + i + 16] = d * (float)(b[j].qs[i] >> 4) + mn;
+            }
+        }
+    }
+    }
+}
+
+/* transformers' LlamaRMSNorm in float32: w * (x * rsqrt(mean(x^2) + eps)). */
+static void rmsnorm(const float *x, const float *w, int n, float eps, float *out) {
+    double ss = 0.0;
+    for (int i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    const float r = 1.0f / sqrtf((float)(ss / n) + eps);
+    for (int i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+}
+
+/* rotate_half RoPE on one head, in place. */
+static void rope(float *v, const float *cs, const float *sn, int d) {
+    const int h = d / 2;
+    for (int i = 0; i < h; i++) {
+        const float a = v[i], b = v[i + h];
+        v[i] = a * cs[i] - b * sn[i];
+        v[i + h] = b * cs[i] + a * sn[i];
+    }
+}
+
+/* One head of attention over positions [0, n): softmax(q.K^T * scale) V. */
+static void attend(const float *q, const float *kc, const float *vc, int n, int d, float scale,
+                   float *sc, float *out) {
+    float mx = -INFINITY;
+    for (int t = 0; t < n; t++) {
+        sc[t] = dot_f32(kc + (size_t)t * d, q, d) * scale;
+        mx = sc[t] > mx ? sc[t] : mx;
+    }
+    float sum = 0.0f;
+    int t = 0;
+#ifdef CB_AVX2
+    __m256 vmx = _mm256_set1_ps(mx), vs = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + t), vmx));
+        _mm256_storeu_ps(sc + t, e);
+        vs = _mm256_add_ps(vs, e);
+    }
+    sum = hsum256(vs);
+#endif
+    for (; t < n; t++) {
+        sc[t] = expf(sc[t] - mx);
+        sum += sc[t];
+    }
+    const float inv = 1.0f / sum;
+    for (int i = 0; i < d; i++) out[i] = 0.0f;
+    for (t = 0; t < n; t++) {
+        const float p = sc[t] * inv;
+        const float *v = vc + (size_t)t * d;
+        int i = 0;
+#ifdef CB_AVX2
+        const __m256 vp = _mm256_set1_ps(p);
+        for (; i + 8 <= d; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_fmadd_ps(vp, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
+#endif
+        for (; i < d; i++) out[i] += p * v[i];
+    }
+}
+
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* Floats of scratch space `chatbot_decode` needs. */
+long chatbot_scratch_floats(const Model *m) {
+    const int qkv = (m->n_heads + 2 * m->n_kv_heads) * m->head_dim;
+    const int widest = m->ffn_dim > m->dim ? m->ffn_dim : m->dim;
+    return (long)m->dim * 2 + qkv + (long)m->n_heads * m->head_dim + 2L * m->ffn_dim + m->ffn_dim
+           + widest / QK + 1 + (long)m->n_heads * m->cap;
+}
+
+/* Forward one token at position `pos` (keys/values written to the caches at `pos`; the
+ * caches must hold positions [0, pos) already and have cap > pos). Logits go to `logits`
+ * [vocab]. Returns 0, or -1 for a position outside the cache or the rope table. */
+int chatbot_decode(const Model *m, int token, int pos, float *logits) {
+    if (pos < 0 || pos >= m->cap || pos >= m->rope_len || token < 0 || token >= m->embed->rows) return -1;
+    const int D = m->head_dim, H = m->n_heads, HKV = m->n_kv_heads, F = m->ffn_dim, E = m->dim;
+    const int group = H / HKV, n = pos + 1, half = D / 2;
+    float *x = m->scratch;
+    float *xn = x + E;
+    float *qkv = xn + E;
+    float *att = qkv + (H + 2 * HKV) * D;
+    float *gu = att + H * D;
+    float *hid = gu + 2 * F;
+    const int widest = F > E ? F : E;
+    float *xsum = hid + F;
+    float *scores = xsum + widest / QK + 1;
+    const float *cs = m->rope_cos + (size_t)pos * half;
+    const float *sn = m->rope_sin + (size_t)pos * half;
+
+    embed_row(m->embed, token, x);
+#pragma omp parallel num_threads(m->n_threads)
+    {
+        for (int l = 0; l < m->n_layers; l++) {
+            float *kc = m->kcache[l], *vc = m->vcache[l];
+#pragma omp single
+            {
+                rmsnorm(x, m->attn_norm[l], E, m->eps, xn);
+                block_sums(xn, E, xsum);
+            }
+            matvec_par(&m->wqkv[l], xn, xsum, qkv);
+#pragma omp single
+            {
+                for (int h = 0; h < H; h++) rope(qkv + h * D, cs, sn, D);
+                for (int h = 0; h < HKV; h++) {
+                    float *k = qkv + (H + h) * D, *v = qkv + (H + HKV + h) * D;
+                    rope(k, cs, sn, D);
+                    memcpy(kc + ((size_t)h * m->cap + pos) * D, k, (size_t)D * 4);
+                    memcpy(vc + ((size_t)h * m->cap + pos) * D, v, (size_t)D * 4);
+                }
+            }
+#pragma omp for schedule(static)
+            for (int h = 0; h < H; h++) {
+                const size_t off = (size_t)(h / group) * m->cap * D;
+                attend(qkv + h * D, kc + off, vc + off, n, D, m->attn_scale, scores + (size_t)h * m->cap,
+                       att + h * D);
+            }
+#pragma omp single
+            block_sums(att, H * D, xsum);
+            matvec_par(&m->wo[l], att, xsum, xn);
+#pragma omp single
+            {
+                for (int i = 0; i < E; i++) x[i] += xn[i];
+                rmsnorm(x, m->ffn_norm[l], E, m->eps, xn);
+                block_sums(xn, E, xsum);
+            }
+            matvec_par(&m->wgu[l], xn, xsum, gu);
+#pragma omp single
+            {
+                for (int i = 0; i < F; i++) hid[i] = silu(gu[i]) * gu[F + i];
+                block_sums(hid, F, xsum);
+            }
+            matvec_par(&m->wdown[l], hid, xsum, xn);
+#pragma omp single
+            for (int i = 0; i < E; i++) x[i] += xn[i];
+        }
+#pragma omp single
+        {
+            rmsnorm(x, m->final_norm, E, m->eps, xn);
+            block_sums(xn, E, xsum);
+        }
+        matvec_par(m->lm_head, xn, xsum, logits);
+    }
+    return 0;
+}
+
+/* y = W x for one matrix (tests and micro-benchmarks). `xsum` needs cols / 32 floats. */
+void chatbot_matvec(const Mat *m, const float *x, float *xsum, float *y, int n_threads) {
+    block_sums(x, m->cols, xsum);
+#pragma omp parallel num_threads(n_threads)
+    matvec_par(m, x, xsum, y);
+}
+
+/* Rows of W as float32 (for prefill with the same weights as decode). */
+void chatbot_dequantize(const Mat *m, float *out, int n_threads) {
+#pragma omp parallel for num_threads(n_threads) schedule(static)
+    for (int n = 0; n < m->rows; n++) embed_row(m, n, out + (size_t)n * m->cols);
+}
+
+/* Pack float32 rows [rows, cols] into Q8_0 or Q4_1 at `out`; return the largest
+ * |w - dequantized w| (0 for a matrix that was in that format already). */
+float chatbot_quantize(const float *w, int rows, int cols, int fmt, void *out, int n_threads) {
+    const int nb = cols / QK;
+    float worst = 0.0f;
+#pragma omp parallel for num_threads(n_threads) schedule(static) reduction(max : worst)
+    for (int n = 0; n < rows; n++) {
+        const float *row = w + (size_t)n * cols;
+        for (int j = 0; j < nb; j++) {
+            const float *x = row + j * QK;
+            if (fmt == FMT_Q8_0) {
+                block_q8_0 *b = (block_q8_0 *)out + (size_t)n * nb + j;
+                float amax = 0.0f;
+                for (int i = 0; i < QK; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+                b->d = f32_to_fp16(amax / 127.0f);
+                const float d = fp16_to_f32(b->d), id = d > 0.0f ? 1.0f / d : 0.0f;
+                for (int i = 0; i < QK; i++) {
+                    float q = nearbyintf(x[i] * id);
+                    q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+                    b->qs[i] = (int8_t)q;
+                    const float e = fabsf(x[i] - d * q);
+                    worst = e > worst ? e : worst;
+                }
+            } else {
+                block_q4_1 *b = (block_q4_1 *)out + (size_t)n * nb + j;
+                float lo = x[0], hi = x[0];
+                for (int i = 1; i < QK; i++) {
+                    lo = x[i] < lo ? x[i] : lo;
+                    hi = x[i] > hi ? x[i] : hi;
+                }
+                b->m = f32_to_fp16(lo);
+                b->d = f32_to_fp16((hi - lo) / 15.0f);
+                const float m = fp16_to_f32(b->m), d = fp16_to_f32(b->d);
+                const float id = d > 0.0f ? 1.0f / d : 0.0f;
+                uint8_t q[QK];
+                for (int i = 0; i < QK; i++) {
+                    float v = nearbyintf((x[i] - m) * id);
+                    v = v > 15.0f ? 15.0f : (v < 0.0f ? 0.0f : v);
+                    q[i] = (uint8_t)v;
+                    const float e = fabsf(x[i] - (d * v + m));
+                    worst = e > worst ? e : worst;
+                }
+                for (int i = 0; i < QK / 2; i++) b->qs[i] = (uint8_t)(q[i] | (q[i + 16] << 4));
+            }
+        }
+    }
+    return worst;
+}

@@ -1,0 +1,284 @@
+"""Native CPU kernels for decoding: build `kernels.c` once, load it with ctypes, pack weights.
+
+The library is compiled with the system C compiler (``cc -O3 -march=native -fopenmp``) the
+first time it is needed, in about a second, and kept in ``$XDG_CACHE_HOME/chatbot/kernels``
+under a key made of the source, the compiler and the CPU, so later runs load it at once.
+Where there is no compiler, or the build fails, `load_library` raises `KernelsUnavailable`
+and callers fall back to torch.
+
+Weight formats (see kernels.c): float32, bfloat16, and ggml's Q8_0 (int8, one fp16 scale per
+32 weights) and Q4_1 (4-bit, fp16 scale and minimum per 32 weights).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from chatbot.errors import ChatbotError
+
+SOURCE = Path(__file__).with_name("kernels.c")
+QK = 32  # weights per quantization block
+
+FMT_F32, FMT_BF16, FMT_Q8_0, FMT_Q4_1 = 0, 1, 2, 3
+FORMAT_NAMES = {FMT_F32: "f32", FMT_BF16: "bf16", FMT_Q8_0: "q8_0", FMT_Q4_1: "q4_1"}
+
+
+class KernelsUnavailable(ChatbotError):
+    """The native kernels cannot be built or loaded here (no compiler, unsupported CPU...)."""
+
+
+# --- ctypes mirrors of the C structs -------------------------------------------------------
+
+
+class Mat(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("fmt", ctypes.c_int32),
+        ("rows", ctypes.c_int32),
+        ("cols", ctypes.c_int32),
+        ("pad_", ctypes.c_int32),
+    ]
+
+
+class ModelStruct(ctypes.Structure):
+    _fields_ = [
+        ("n_layers", ctypes.c_int32),
+        ("dim", ctypes.c_int32),
+        ("n_heads", ctypes.c_int32),
+        ("n_kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("ffn_dim", ctypes.c_int32),
+        ("vocab", ctypes.c_int32),
+        ("n_threads", ctypes.c_int32),
+        ("eps", ctypes.c_float),
+        ("attn_scale", ctypes.c_float),
+        ("rope_len", ctypes.c_int32),
+        ("cap", ctypes.c_int32),
+        ("rope_cos", ctypes.c_void_p),
+        ("rope_sin", ctypes.c_void_p),
+        ("embed", ctypes.POINTER(Mat)),
+        ("lm_head", ctypes.POINTER(Mat)),
+        ("final_norm", ctypes.c_void_p),
+        ("attn_norm", ctypes.POINTER(ctypes.c_void_p)),
+        ("ffn_norm", ctypes.POINTER(ctypes.c_void_p)),
+        ("wqkv", ctypes.POINTER(Mat)),
+        ("wo", ctypes.POINTER(Mat)),
+        ("wgu", ctypes.POINTER(Mat)),
+        ("wdown", ctypes.POINTER(Mat)),
+        ("kcache", ctypes.POINTER(ctypes.c_void_p)),
+        ("vcache", ctypes.POINTER(ctypes.c_void_p)),
+        ("scratch", ctypes.c_void_p),
+    ]
+
+
+# --- building and loading --------------------------------------------------------------------
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_failure: str | None = None
+
+
+def kernels_dir() -> Path:
+    """`$XDG_CACHE_HOME/chatbot/kernels` (default `~/.cache/chatbot/kernels`)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "chatbot" / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU model and its flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))][:2]
+        return "\n".join(lines)
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+def library_path(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_identity()]).encode()
+    ).hexdigest()[:16]
+    return kernels_dir() / f"chatbot_kernels-{key}.so"
+
+
+def build(cc: str, target: Path) -> None:
+    """Compile kernels.c into `target` (atomically: a half-written file never has its name).
+
+    Raises:
+        KernelsUnavailable: the compiler failed; the message holds its first error lines.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, check=False
+        )
+        if proc.returncode != 0:
+            first = " ".join((proc.stderr or proc.stdout).strip().splitlines()[:3])
+            raise KernelsUnavailable(f"building the native kernels with {cc} failed: {first}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load_library() -> ctypes.CDLL:
+    """The kernels library, built on first use and cached on disk.
+
+    Raises:
+        KernelsUnavailable: no C compiler, a failed build, or a platform without OpenMP.
+    """
+    global _library, _failure
+    with _lock:
+        if _library is not None:
+            return _library
+        if _failure is not None:
+            raise KernelsUnavailable(_failure)
+        try:
+            if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
+                raise KernelsUnavailable(f"no native kernels for {platform.machine()}")
+            cc = _compiler()
+            if cc is None:
+                raise KernelsUnavailable("no C compiler found (set CC, or install gcc) for the native kernels")
+            path = library_path(cc)
+            if not path.is_file():
+                build(cc, path)
+            # torch is imported already, so the library's libgomp resolves to the copy torch
+            # loaded: one OpenMP runtime, one thread pool.
+            lib = ctypes.CDLL(str(path))
+        except KernelsUnavailable as exc:
+            _failure = str(exc)
+            raise
+        except OSError as exc:
+            _failure = f"cannot load the native kernels: {exc}"
+            raise KernelsUnavailable(_failure) from None
+        lib.chatbot_decode.argtypes = [ctypes.POINTER(ModelStruct), ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        lib.chatbot_decode.restype = ctypes.c_int
+        lib.chatbot_scratch_floats.argtypes = [ctypes.POINTER(ModelStruct)]
+        lib.chatbot_scratch_floats.restype = ctypes.c_long
+        lib.chatbot_matvec.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        lib.chatbot_matvec.restype = None
+        lib.chatbot_dequantize.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int]
+        lib.chatbot_dequantize.restype = None
+        lib.chatbot_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+        lib.chatbot_quantize.restype = ctypes.c_float
+        _library = lib
+        return lib
+
+
+# --- packing weights ---------------------------------------------------------------------------
+
+
+@dataclass
+class PackedMatrix:
+    """A weight matrix in one of the kernel formats; `data` owns the bytes."""
+
+    data: torch.Tensor
+    fmt: int
+    rows: int
+    cols: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    @property
+    def format_name(self) -> str:
+        return FORMAT_NAMES[self.fmt]
+
+    def as_struct(self) -> Mat:
+        return Mat(self.data.data_ptr(), self.fmt, self.rows, self.cols, 0)
+
+
+def pack_f32(w: torch.Tensor) -> PackedMatrix:
+    w = w.detach().to(torch.float32).contiguous()
+    return PackedMatrix(w, FMT_F32, *w.shape)
+
+
+def pack_bf16(w: torch.Tensor) -> PackedMatrix:
+    w16 = w.detach().to(torch.bfloat16).contiguous()
+    return PackedMatrix(w16, FMT_BF16, *w16.shape)
+
+
+def _quantize(w: torch.Tensor, fmt: int, block_bytes: int) -> tuple[PackedMatrix, float]:
+    rows, cols = w.shape
+    if cols % QK:
+        raise ValueError(f"a block format needs columns in multiples of {QK}, got {cols}")
+    w = w.detach().to(torch.float32).contiguous()
+    out = torch.empty(rows, cols // QK * block_bytes, dtype=torch.uint8)
+    err = load_library().chatbot_quantize(w.data_ptr(), rows, cols, fmt, out.data_ptr(), torch.get_num_threads())
+    return PackedMatrix(out, fmt, rows, cols), float(err)
+
+
+def pack_q8_0(w: torch.Tensor) -> PackedMatrix:
+    """ggml Q8_0: per block of 32, d = absmax / 127 (fp16) and q = round(w / d)."""
+    return _quantize(w, FMT_Q8_0, 34)[0]
+
+
+def pack_q4_1(w: torch.Tensor) -> PackedMatrix:
+    """ggml Q4_1: per block of 32, m = min, d = (max - min) / 15 (both fp16), q = round((w - m) / d)."""
+    return _quantize(w, FMT_Q4_1, 20)[0]
+
+
+PACKERS = {"f32": pack_f32, "bf16": pack_bf16, "q8_0": pack_q8_0, "q4_1": pack_q4_1}
+
+
+def unpack(p: PackedMatrix, threads: int | None = None) -> torch.Tensor:
+    """The float32 weights a packed matrix stands for ([rows, cols])."""
+    if p.fmt == FMT_F32:
+        return p.data
+    out = torch.empty(p.rows, p.cols, dtype=torch.float32)
+    lib = load_library()
+    mat = p.as_struct()
+    lib.chatbot_dequantize(ctypes.byref(mat), out.data_ptr(), threads or torch.get_num_threads())
+    return out
+
+
+def matvec(p: PackedMatrix, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+    """W x with the native kernel (x: float32 [cols]); for tests and micro-benchmarks."""
+    lib = load_library()
+    x = x.detach().to(torch.float32).contiguous()
+    y = torch.empty(p.rows, dtype=torch.float32)
+    xsum = torch.empty(p.cols // QK + 1, dtype=torch.float32)
+    mat = p.as_struct()
+    lib.chatbot_matvec(ctypes.byref(mat), x.data_ptr(), xsum.data_ptr(), y.data_ptr(), threads or torch.get_num_threads())
+    return y
+
+
+def pack_lossless(w: torch.Tensor, rtol: float = 2e-6) -> PackedMatrix:
+    """The smallest format that holds `w` exactly (up to float32 rounding): Q4_1, Q8_0, bf16
+    or float32. A model converted from a Q4_1/Q8_0 GGUF, or from bfloat16, thus decodes with
+    the weights it already had, at a fraction of the memory traffic."""
+    w = w.detach().to(torch.float32).contiguous()
+    scale = float(w.abs().max()) or 1.0
+    if w.shape[1] % QK == 0:
+        for fmt, size in ((FMT_Q4_1, 20), (FMT_Q8_0, 34)):
+            packed, err = _quantize(w, fmt, size)
+            if err <= rtol * scale:
+                return packed
+    if torch.equal(w.to(torch.bfloat16).to(torch.float32), w):
+        return pack_bf16(w)
+    return pack_f32(w)

@@ -1,0 +1,267 @@
+"""The fast decode path: native kernels, the in-place cache, and the engine on top of them.
+
+References are independent of the code under test: weights quantized by a few lines of
+torch here, logits from a full recompute with transformers, tokens from the plain engine.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
+from chatbot.engine import kernels
+from chatbot.engine.fast import BufferLayer, FastDecoder, adopt_layers, make_decoder
+from chatbot.engine.generate import Engine
+from chatbot.engine.sink_cache import SinkCache, SinkLayer, rotation_for_shift
+from chatbot.session import ChatSession
+
+GREEDY = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=64)
+
+try:
+    kernels.load_library()
+    HAVE_KERNELS = True
+except kernels.KernelsUnavailable:  # pragma: no cover - depends on the machine
+    HAVE_KERNELS = False
+needs_kernels = pytest.mark.skipif(not HAVE_KERNELS, reason="no C compiler for the native kernels")
+
+
+# --- references ----------------------------------------------------------------------------
+
+
+def ref_q8_0(w: torch.Tensor) -> torch.Tensor:
+    """Dequantized Q8_0, computed here in torch."""
+    b = w.reshape(w.shape[0], -1, 32)
+    d = (b.abs().amax(-1, keepdim=True) / 127).half().float()
+    q = torch.where(d > 0, b / d, torch.zeros_like(b)).round().clamp(-127, 127)
+    return (q * d).reshape(w.shape)
+
+
+def ref_q4_1(w: torch.Tensor) -> torch.Tensor:
+    b = w.reshape(w.shape[0], -1, 32)
+    lo, hi = b.amin(-1, keepdim=True), b.amax(-1, keepdim=True)
+    m, d = lo.half().float(), ((hi - lo) / 15).half().float()
+    q = torch.where(d > 0, (b - m) / d, torch.zeros_like(b)).round().clamp(0, 15)
+    return (q * d + m).reshape(w.shape)
+
+
+def full_logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+def greedy_by_recompute(model, ids, n):
+    ids = list(ids)
+    out = []
+    for _ in range(n):
+        tok = int(full_logits(model, ids)[-1].argmax())
+        out.append(tok)
+        ids.append(tok)
+    return out
+
+
+def answer(chunks) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+# --- kernels -------------------------------------------------------------------------------
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "q8_0", "q4_1"])
+def test_matvec_matches_dequantized_weights(fmt):
+    torch.manual_seed(0)
+    w = torch.randn(200, 96)
+    x = torch.randn(96)
+    packed = kernels.PACKERS[fmt](w)
+    deq = kernels.unpack(packed)
+    expected = {"f32": w, "bf16": w.bfloat16().float(), "q8_0": ref_q8_0(w), "q4_1": ref_q4_1(w)}[fmt]
+    assert torch.allclose(deq, expected, atol=1e-6)
+    for threads in (1, 2):
+        assert torch.allclose(kernels.matvec(packed, x, threads), deq @ x, atol=1e-4)
+
+
+@needs_kernels
+def test_lossless_packing_picks_the_format_the_weights_are_in():
+    torch.manual_seed(0)
+    w = torch.randn(64, 64)
+    assert kernels.pack_lossless(ref_q4_1(w)).format_name == "q4_1"
+    assert kernels.pack_lossless(ref_q8_0(w)).format_name == "q8_0"
+    assert kernels.pack_lossless(w.bfloat16().float()).format_name == "bf16"
+    assert kernels.pack_lossless(w).format_name == "f32"
+    assert kernels.pack_lossless(torch.randn(8, 40)).format_name == "f32"  # not whole blocks
+
+
+def test_no_compiler_means_no_fast_path(monkeypatch, tiny_model):
+    monkeypatch.setattr(kernels, "_library", None)
+    monkeypatch.setattr(kernels, "_failure", None)
+    monkeypatch.setattr(kernels, "_compiler", lambda: None)
+    with pytest.raises(kernels.KernelsUnavailable, match="no C compiler"):
+        kernels.load_library()
+    decoder, reason = make_decoder(tiny_model, "auto")
+    assert decoder is None and "no C compiler" in reason
+
+
+# --- the in-place cache ----------------------------------------------------------------------
+
+
+def test_buffer_layer_behaves_like_a_sink_layer():
+    torch.manual_seed(0)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+    ref, buf = SinkLayer(), BufferLayer()
+    for n in (5, 300, 1, 1):  # the second update forces the buffer to grow
+        k, v = torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)
+        ref.update(k, v)
+        rk, rv = buf.update(k, v)
+        assert torch.equal(rk, ref.keys) and torch.equal(rv, ref.values)
+    cos, sin = rotation_for_shift(40, inv_freq)
+    ref.drop(4, 44, cos, sin)
+    buf.drop(4, 44, cos, sin)
+    assert buf.get_seq_length() == ref.get_seq_length() == 267
+    assert torch.allclose(buf.keys, ref.keys) and torch.equal(buf.values, ref.values)
+    ref.crop(-7)
+    buf.crop(-7)
+    assert torch.equal(buf.keys, ref.keys)
+    buf.reset()
+    assert buf.get_seq_length() == 0 and buf.capacity >= 512  # buffers kept for reuse
+
+
+def test_adopting_a_filled_cache_keeps_its_contents(tiny_model):
+    cache = SinkCache.for_model(tiny_model, start_size=2, recent_size=64)
+    with torch.no_grad():
+        tiny_model(input_ids=torch.tensor([list(range(5, 35))]), cache=cache, use_cache=True)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    assert adopt_layers(cache)
+    assert all(isinstance(layer, BufferLayer) for layer in cache.layers)
+    for (k, v), layer in zip(before, cache.layers):
+        assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+    assert cache.get_seq_length() == 30 and cache.evict_for_space(40) is not None
+
+
+# --- decoding --------------------------------------------------------------------------------
+
+
+@needs_kernels
+@pytest.mark.parametrize("level", ["f32", "auto"])
+def test_fast_greedy_equals_float32_reference_for_64_tokens(tiny_model, tiny_tokenizer, level):
+    prompt = list(range(5, 25))
+    engine = Engine(tiny_model, tiny_tokenizer, decoder=FastDecoder(tiny_model, level))
+    cache = engine.new_cache()
+    got = answer(engine.generate(cache, prompt, GREEDY))
+    assert got == greedy_by_recompute(tiny_model, prompt, 64)
+    assert cache.get_seq_length() == len(prompt) + 63  # the last token is never fed
+
+
+@needs_kernels
+def test_fast_logits_match_full_recompute(tiny_model):
+    decoder = FastDecoder(tiny_model, "f32", threads=2)
+    ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    cache = decoder.new_cache()
+    with torch.no_grad():
+        tiny_model(input_ids=torch.tensor([ids[:10]]), cache=cache, use_cache=True)
+    for i in range(10, 40):
+        logits = decoder.decode(cache, ids[i])
+        assert torch.allclose(logits, full_logits(tiny_model, ids[: i + 1])[-1], atol=1e-4)
+
+
+@needs_kernels
+def test_multi_turn_session_on_the_fast_path_matches_plain_engine(tiny_model, tiny_tokenizer):
+    sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=20)
+    answers = {}
+    for name, decoder in [("plain", None), ("fast", FastDecoder(tiny_model, "f32"))]:
+        session = ChatSession(Engine(tiny_model, tiny_tokenizer, decoder=decoder), ChatConfig(sampling=sampling))
+        answers[name] = [answer(session.send(text)) for text in ("Hello there!", "How are you?", "Café 🙂")]
+        assert session.cache.get_seq_length() == len(session.cache_ids)
+    assert answers["fast"] == answers["plain"]
+
+
+@needs_kernels
+def test_streaming_eviction_and_rerotation_on_the_fast_path(tiny_model, tiny_tokenizer):
+    """A sink cache small enough to evict during decoding gives the plain engine's tokens."""
+    sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=150)
+    config = ChatConfig(sampling=sampling, engine=EngineConfig(enable_streaming=True, start_size=4, recent_size=48))
+    results = {}
+    for name, decoder in [("plain", None), ("fast", FastDecoder(tiny_model, "f32"))]:
+        session = ChatSession(Engine(tiny_model, tiny_tokenizer, decoder=decoder), config)
+        got = [answer(session.send(text)) for text in ("Hello there!", "The quick brown fox")]
+        results[name] = (got, list(session.cache_ids), session.evicted_total)
+        assert session.evicted_total > 0
+        assert session.cache.get_seq_length() == len(session.cache_ids) <= session.cache.capacity
+    assert results["fast"] == results["plain"]
+
+
+@needs_kernels
+def test_crop_after_decoding_then_continue(tiny_model, tiny_tokenizer):
+    """Cutting the cache back (undo, an interrupt) and decoding again stays exact."""
+    decoder = FastDecoder(tiny_model, "f32")
+    engine = Engine(tiny_model, tiny_tokenizer, decoder=decoder)
+    cache = engine.new_cache()
+    prompt = list(range(5, 25))
+    first = answer(engine.generate(cache, prompt, SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=10)))
+    engine.crop(cache, len(prompt) + 3)
+    history = prompt + first[:3]
+    again = answer(engine.generate(cache, [first[3]], SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=8)))
+    assert again == greedy_by_recompute(tiny_model, history + [first[3]], 8)
+
+
+# --- lossy levels ------------------------------------------------------------------------------
+
+
+def perplexity(decoder: FastDecoder, model, ids: list[int]) -> float:
+    """Next-token perplexity of `ids`, one token per decode step after the first."""
+    cache = decoder.new_cache()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids[:1]]), cache=cache, use_cache=True).logits[0, -1]
+    nll = 0.0
+    for i in range(1, len(ids)):
+        nll -= float(torch.log_softmax(logits.float(), -1)[ids[i]])
+        if i + 1 < len(ids):
+            logits = decoder.decode(cache, ids[i])
+    return math.exp(nll / (len(ids) - 1))
+
+
+@needs_kernels
+@pytest.mark.parametrize("level", ["int8", "int4"])
+def test_lossy_levels_keep_perplexity_close(tiny_model, tiny_tokenizer, level):
+    from tests.conftest import CORPUS
+
+    ids = tiny_tokenizer(" ".join(CORPUS), add_special_tokens=False)["input_ids"][:120]
+    ref = perplexity(FastDecoder(tiny_model, "f32"), tiny_model, ids)
+    lossy = perplexity(FastDecoder(tiny_model, level), tiny_model, ids)
+    # A random 2-layer model with 64-wide rows: a coarse bound; the real model is held to
+    # 3% by the slow test below.
+    assert abs(lossy / ref - 1) < 0.15, (ref, lossy)
+
+
+@pytest.mark.slow
+@needs_kernels
+@pytest.mark.parametrize("level", ["auto", "int8", "int4"])
+def test_default_model_perplexity_within_3_percent(default_model, level):
+    import json
+    from importlib import resources
+
+    turns = json.loads(resources.files("chatbot").joinpath("data/conversation.json").read_text())["turns"]
+    ids = default_model.tokenizer("\n\n".join(turns), add_special_tokens=False)["input_ids"][:256]
+    logits = full_logits(default_model.model, ids)[:-1]
+    ref = math.exp(float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))))
+    got = perplexity(FastDecoder(default_model.model, level), default_model.model, ids)
+    assert abs(got / ref - 1) < (1e-3 if level == "auto" else 0.03), (ref, got)
+
+
+# --- fallbacks ---------------------------------------------------------------------------------
+
+
+def test_unsupported_models_fall_back_with_a_reason(tiny_tokenizer):
+    from tests.conftest import make_llama
+
+    biased = make_llama(len(tiny_tokenizer), attention_bias=True)
+    decoder, reason = make_decoder(biased, "auto")
+    assert decoder is None and "bias" in reason
+    bf16 = make_llama(len(tiny_tokenizer)).to(torch.bfloat16)
+    decoder, reason = make_decoder(bf16, "auto")
+    assert decoder is None and "float32" in reason
+    assert make_decoder(bf16, "off") == (None, None)
+    with pytest.raises(ValueError, match="unknown optimization level"):
+        make_decoder(bf16, "turbo")
