@@ -72,10 +72,12 @@ def _settings(ctx: typer.Context, preset: str | None, config: Path | None) -> An
     from chatbot.models.presets import resolve_settings, select_preset
     from chatbot.models.templates import check_template_choice
 
-    chosen = select_preset(preset, config)
+    chosen = select_preset(preset, config, ctx.params.get("model"))
     # typer vendors its own click: compare the sources by name
     sources = {name: getattr(ctx.get_parameter_source(name), "name", "DEFAULT") for name in ctx.params}
     given = {name for name, source in sources.items() if source not in ("DEFAULT", "DEFAULT_MAP")}
+    if chosen is not None and not (preset or config):
+        given.discard("model")  # --model named the preset
     settings = resolve_settings(chosen, dict(ctx.params), given)
     check_template_choice(settings["template"])
     return settings

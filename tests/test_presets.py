@@ -178,3 +178,14 @@ def test_run_uses_the_preset_and_flags_override(capsys, tmp_path, monkeypatch):
     assert session.system == "Be brief."
     assert session.sampling.temperature == 0.0 and session.sampling.max_new_tokens == 3
     assert "ASSISTANT:" in session.render([{"role": "user", "content": "hi"}], True)
+
+
+def test_model_may_name_a_preset(capsys, tmp_path, monkeypatch):
+    code, out, _ = cli(capsys, "config", "show", "--model", "vicuna", "--temperature", "0.2")
+    assert code == 0
+    assert "# preset: vicuna" in out and "model: lmsys/vicuna-7b-v1.5  # preset vicuna" in out
+    # a folder of that name wins over the preset
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "vicuna").mkdir()
+    code, out, _ = cli(capsys, "config", "show", "--model", "vicuna")
+    assert "# preset" not in out and "model: vicuna  # flag" in out

@@ -632,7 +632,8 @@ def load_model(
             model, tokenizer, notes = _load_gguf(path, opts)
             name, kind, where = path.stem, "gguf", str(path)
         elif _looks_like_path(source):
-            raise ModelLoadError(f"no such file or folder: {source}")
+            hint = "" if "/" in source or source.lower().endswith(".gguf") else " (nor a preset: see chatbot models)"
+            raise ModelLoadError(f"no such file or folder: {source}{hint}")
         else:
             model, tokenizer = _load_hub(source, opts)
             name, kind, where = source, "hub", source + (f"@{revision}" if revision else "")

@@ -344,8 +344,9 @@ def resolve_settings(preset: Preset | None, flags: dict[str, Any], explicit: set
     return Settings(values, origin, preset)
 
 
-def select_preset(preset: str | None, config: str | Path | None) -> Preset | None:
-    """The preset of `--preset NAME` or `--config FILE` (not both).
+def select_preset(preset: str | None, config: str | Path | None, model: str | None = None) -> Preset | None:
+    """The preset of `--preset NAME` or `--config FILE` (not both); failing those, `--model`
+    when it names a preset rather than a path or a hub id (`--model vicuna`).
 
     Raises:
         ConfigError: both given, or the preset cannot be found or read.
@@ -356,4 +357,9 @@ def select_preset(preset: str | None, config: str | Path | None) -> Preset | Non
         return load_preset_file(config)
     if preset:
         return find_preset(preset)
+    if model and "/" not in model and not model.lower().endswith(".gguf") and not Path(model).expanduser().exists():
+        try:
+            return find_preset(model)
+        except ConfigError:
+            return None
     return None
