@@ -326,6 +326,22 @@ def test_toolbar_and_completer(chat):
     assert got == ["max_new_tokens"]
 
 
+def test_toolbar_is_drawn_under_the_prompt(chat):
+    import threading
+
+    from prompt_toolkit.data_structures import Size
+    from prompt_toolkit.output.vt100 import Vt100_Output
+
+    screen = io.StringIO()
+    screen.isatty = lambda: True  # type: ignore[method-assign]
+    output = Vt100_Output(screen, lambda: Size(rows=24, columns=100), term="xterm")
+    with create_pipe_input() as inp:
+        inp.send_text("\x1b[1;1R")  # the terminal's answer to the cursor position request
+        threading.Timer(0.5, lambda: inp.send_text("/exit\r")).start()
+        chat.repl.run_terminal(input=inp, output=output)
+    assert "tiny-llama · " in screen.getvalue() and "cache 0/512" in screen.getvalue()
+
+
 # -- the real command (slow) ---------------------------------------------------------------
 
 CHATBOT = str(Path(sys.executable).with_name("chatbot"))

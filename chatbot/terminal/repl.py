@@ -498,7 +498,10 @@ class Repl:
                 break
             message = self.blocks.feed(line)
             if message is not None:
-                self.handle(message)
+                try:
+                    self.handle(message)
+                except KeyboardInterrupt:  # a command's output cut short; answers handle their own
+                    self.note("(interrupted)")
 
 
 class SlashCompleter(Completer):
