@@ -409,3 +409,46 @@ def test_interrupted_load_keeps_the_rest_pending(tiny_engine, tiny_model, tmp_pa
     assert_invariant(t)
     answer(t.send("Go on"))
     assert_invariant(t)
+
+
+@pytest.mark.slow
+def test_commands_keep_the_invariant_on_the_default_model(default_model, tmp_path):
+    """The real tokenizer and template (ChatML, BPE with answers kept as generated)."""
+    engine = Engine(default_model.model, default_model.tokenizer)
+    s = make(engine, system="You are a concise assistant. Café ☕.",
+             sampling=SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=12))
+
+    def check():
+        assert_invariant(s, check_logits=False)
+        cache = copy.deepcopy(s.cache)
+        ids, pending = list(s.cache_ids), s.pending_ids
+        if not pending:
+            engine.crop(cache, len(ids) - 1)
+            pending, ids = ids[-1:], ids[:-1]
+        got = engine.prefill(cache, pending, prefill_chunk=10_000)
+        ref = full_logits(engine.model, ids + pending)
+        assert torch.allclose(got, ref, atol=2e-3, rtol=1e-3)
+
+    answer(s.send("Hi! Name a colour."))
+    check()
+    hook = Interrupter(engine.model, layer=10, at=5)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            answer(s.send("Count from one to twenty in words."))
+    finally:
+        hook.remove()
+    check()
+    answer(s.continue_answer())
+    check()
+    answer(s.retry(SamplingConfig(temperature=0.8, max_new_tokens=8, seed=2)))
+    check()
+    s.undo()
+    check()
+    s.set_system("Réponds en français.")
+    check()
+    answer(s.send("Merci 🙂 — 日本語で?"))
+    check()
+    path = s.save(tmp_path / "c.json")
+    s.reset()
+    s.load(path)
+    check()

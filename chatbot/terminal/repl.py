@@ -21,6 +21,7 @@ from prompt_toolkit.completion import CompleteEvent, Completer, Completion, Path
 from prompt_toolkit.document import Document
 from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
+from prompt_toolkit.output import create_output
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
@@ -480,6 +481,9 @@ class Repl:
 
     def run_terminal(self, input: Any = None, output: Any = None) -> None:
         """The interactive prompt: Ctrl-C clears the line or stops an answer, Ctrl-D exits."""
+        if output is None:
+            # With stdout in a pipe (`chatbot run | tee chat.txt`) the prompt goes to the terminal.
+            output = create_output(always_prefer_tty=True)
         prompt = self.make_prompt(input, output)
         self.note("type a message; /help for commands and keys; Ctrl-D to exit")
         while self.running:
