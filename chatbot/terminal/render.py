@@ -47,7 +47,7 @@ def stats_table(turns: list[Any], summary: dict[str, Any]) -> Table:
     table = Table(title="turns", show_footer=False)
     for col in ("#", "context tok", "context s", "first token s", "tokens", "tok/s", "ms/tok p50", "p90", "cache", "end"):
         table.add_column(col, justify="right")
-    for i, t in enumerate(turns, 1):
+    for i, t in enumerate(turns, first):
         s = t.stats
         table.add_row(
             str(i), f"{s.context_tokens:,}", f"{s.context_time_s:.2f}", f"{s.ttft_s:.2f}",
@@ -116,12 +116,12 @@ def sampling_brief(s: Any) -> str:
     return text
 
 
-def history_renderable(turns: list[Any], system: str | None, markdown: bool = True) -> RenderableType:
-    """The conversation so far, for /history."""
+def history_renderable(turns: list[Any], system: str | None, markdown: bool = True, first: int = 1) -> RenderableType:
+    """The conversation so far, for /history; turns are numbered from `first`."""
     items: list[RenderableType] = []
     if system:
         items.append(Text.assemble(("system  ", "bold magenta"), (system, "magenta")))
-    for i, t in enumerate(turns, 1):
+    for i, t in enumerate(turns, first):
         items.append(Text.assemble((f"[{i}] you  ", "bold cyan"), t.user))
         mark = "  [interrupted]" if t.interrupted else ""
         items.append(Text.assemble((f"[{i}] bot{mark}", "bold green")))

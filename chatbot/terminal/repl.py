@@ -204,7 +204,9 @@ class Repl:
             self.log.write("resume", model=self.loaded.name, system=self.session.system,
                            settings=self.session.sampling.as_dict())
             if self.session.turns:
-                self.info.print(history_renderable(self.session.turns[-2:], None, markdown=not self.plain))
+                last = self.session.turns[-2:]
+                first = len(self.session.turns) - len(last) + 1
+                self.info.print(history_renderable(last, None, markdown=not self.plain, first=first))
         else:
             self.log = SessionLog.create(self._log_header(), directory, warn=self.note)
 
