@@ -47,7 +47,7 @@ def stats_table(turns: list[Any], summary: dict[str, Any]) -> Table:
     table = Table(title="turns", show_footer=False)
     for col in ("#", "context tok", "context s", "first token s", "tokens", "tok/s", "ms/tok p50", "p90", "cache", "end"):
         table.add_column(col, justify="right")
-    for i, t in enumerate(turns, first):
+    for i, t in enumerate(turns, 1):
         s = t.stats
         table.add_row(
             str(i), f"{s.context_tokens:,}", f"{s.context_time_s:.2f}", f"{s.ttft_s:.2f}",
