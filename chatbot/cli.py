@@ -211,6 +211,37 @@ def bench_turns(
         write_json(json_out, result)
 
 
+@bench_app.command("decode")
+def bench_decode(
+    setups: Annotated[str | None, typer.Option(help="Comma-separated set-ups (default: transformers-generate, chatbot-off/f32/auto/int8/int4, and llama.cpp when llama-cpp-python is installed).")] = None,
+    rounds: Annotated[int, typer.Option(help="Runs per set-up, interleaved; figures are medians.", min=1)] = 3,
+    decode_tokens: Annotated[int, typer.Option(help="Greedy tokens decoded after a 50-token prompt.", min=2)] = 128,
+    text: Annotated[Path | None, typer.Option(help="Text the prompts are cut from (default: the shipped conversation, repeated).")] = None,
+    ppl_tokens: Annotated[int, typer.Option(help="Also measure perplexity over this many tokens of the text, through each decode path (0: skip).", min=0)] = 0,
+    gguf: Annotated[Path | None, typer.Option(help="GGUF file for llama.cpp (default: the default model's).")] = None,
+    png: Annotated[Path | None, typer.Option(help="Also draw the figures into this PNG (needs matplotlib).")] = None,
+    model: ModelOpt = None,
+    threads: ThreadsOpt = None,
+    json_out: JsonOpt = None,
+) -> None:
+    """Decode and prefill speed, time to first token and peak memory: transformers generate(),
+    our engine at each --opt level, and llama.cpp, side by side (one process per set-up)."""
+    from chatbot.measure.bench_decode import plot_decode, print_decode, run_decode_bench
+    from chatbot.measure.report import write_json
+
+    chosen = [s.strip() for s in setups.split(",") if s.strip()] if setups else None
+    err = Console(stderr=True, highlight=False)
+    result = run_decode_bench(
+        chosen, model=model, threads=threads, rounds=rounds, decode_tokens=decode_tokens, text=text,
+        ppl_tokens=ppl_tokens, gguf=gguf, progress=lambda line: err.print(f"[dim]{line}[/dim]"),
+    )
+    print_decode(Console(), result)
+    if json_out:
+        write_json(json_out, result)
+    if png:
+        plot_decode(result, png)
+
+
 config_app = typer.Typer(help="Presets and effective settings.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 

@@ -265,3 +265,23 @@ def test_unsupported_models_fall_back_with_a_reason(tiny_tokenizer):
     assert make_decoder(bf16, "off") == (None, None)
     with pytest.raises(ValueError, match="unknown optimization level"):
         make_decoder(bf16, "turbo")
+
+
+def test_thread_tuner_settles_on_the_faster_count_and_rechecks_rarely():
+    from chatbot.engine.fast import ThreadTuner
+
+    tuner = ThreadTuner(4, explore_every=8)
+    cost = {1: 0.010, 4: 0.100}  # a busy machine: four threads ten times slower
+    picks = []
+    for _ in range(400):
+        n = tuner.pick()
+        picks.append(n)
+        tuner.record(n, cost[n])
+    assert picks[:2] == [1, 4]
+    assert 1 <= picks[2:].count(4) <= 400 / 80 + 1  # re-checked about every 8 x 10 steps
+    cost = {1: 0.010, 4: 0.004}  # the machine went quiet
+    for _ in range(200):
+        n = tuner.pick()
+        tuner.record(n, cost[n])
+    assert tuner.pick() == 4
+    assert ThreadTuner(1).pick() == 1

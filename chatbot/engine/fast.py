@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -207,6 +208,53 @@ def adopt_layers(cache: Cache) -> bool:
     return True
 
 
+# --- threads ---------------------------------------------------------------------------------
+
+
+class ThreadTuner:
+    """Picks the kernels' thread count from measured step times: 1 or `most`.
+
+    Each layer of a decode step ends in a few barriers where every thread waits for the
+    others. On a quiet machine two threads nearly halve a step; on a busy one (more runnable
+    threads than cores) a descheduled thread stalls its partner at every barrier, and one
+    thread is several times faster. So both are timed as decoding goes: mostly the faster
+    one runs, and the other is tried again after `explore_every` steps times how much
+    slower it was, so that re-checking a bad choice costs at most ~1/`explore_every`.
+    """
+
+    def __init__(self, most: int, explore_every: int = 32, smoothing: float = 0.25) -> None:
+        self.candidates = sorted({1, max(1, most)})
+        self.explore_every = explore_every
+        self.smoothing = smoothing
+        self.seconds: dict[int, float] = {}
+        self.since_explore = 0
+        self.exploring: int | None = None
+
+    def pick(self) -> int:
+        for n in self.candidates:
+            if n not in self.seconds:
+                return n
+        best = min(self.candidates, key=lambda n: self.seconds[n])
+        if len(self.candidates) == 1:
+            return best
+        other = next(n for n in self.candidates if n != best)
+        self.since_explore += 1
+        if self.since_explore >= self.explore_every * self.seconds[other] / self.seconds[best]:
+            self.since_explore = 0
+            self.exploring = other
+            return other
+        return best
+
+    def record(self, threads: int, seconds: float) -> None:
+        old = self.seconds.get(threads)
+        if old is None or threads == self.exploring:
+            # A re-check replaces what is known of that count: the old figure is stale.
+            self.seconds[threads] = seconds
+            self.exploring = None
+        else:
+            self.seconds[threads] = old + self.smoothing * (seconds - old)
+
+
 # --- the decoder ---------------------------------------------------------------------------
 
 
@@ -252,8 +300,8 @@ class FastDecoder:
     Args:
         model: a Llama-family transformers causal LM, float32, on the CPU.
         level: one of `LEVELS` but ``off``: how the weights are packed.
-        threads: OpenMP threads for the kernels (default: torch's thread count, read at
-            every call, so `torch.set_num_threads` applies).
+        threads: OpenMP threads for the kernels; None: 1 or torch's thread count
+            (`torch.set_num_threads`), whichever measures faster (`ThreadTuner`).
 
     Raises:
         FastPathUnavailable: the model or the platform is not supported (the reason says which).
@@ -270,6 +318,7 @@ class FastDecoder:
         self.model = model
         self.level = level
         self.threads = threads
+        self.tuner: ThreadTuner | None = None
         inner = model.model
         n_layers = config.num_hidden_layers
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -367,10 +416,16 @@ class FastDecoder:
         formats: dict[str, int] = {}
         for p in mats:
             formats[p.format_name] = formats.get(p.format_name, 0) + 1
-        return DecodeInfo(self.level, formats, sum(p.nbytes for p in mats), self._threads())
+        threads = self.threads or torch.get_num_threads()
+        return DecodeInfo(self.level, formats, sum(p.nbytes for p in mats), threads)
 
     def _threads(self) -> int:
-        return self.threads or torch.get_num_threads()
+        if self.threads:
+            return self.threads
+        most = torch.get_num_threads()
+        if self.tuner is None or self.tuner.candidates[-1] != most:
+            self.tuner = ThreadTuner(most)
+        return self.tuner.pick()
 
     # -- caches ---------------------------------------------------------------------------
 
@@ -407,14 +462,15 @@ class FastDecoder:
             assert layer._k is not None and layer._v is not None
             self._kptrs[i] = layer._k.data_ptr()
             self._vptrs[i] = layer._v.data_ptr()
-        cap = layers[0].capacity
-        self.struct.cap = cap
-        heads = self.struct.n_heads
-        floats = int(self.lib.chatbot_scratch_floats(ctypes.byref(self.struct)))
-        if self._scratch.numel() < floats:
-            self._scratch = torch.empty(floats + 64 * heads, dtype=torch.float32)
-            self.struct.scratch = self._scratch.data_ptr()
+        self.struct.cap = layers[0].capacity
         self._cache_key = key
+
+    def _reserve_scratch(self, threads: int) -> None:
+        """Scratch space for the current cache capacity and `threads` threads."""
+        floats = int(self.lib.chatbot_scratch_floats(ctypes.byref(self.struct), threads))
+        if self._scratch.numel() < floats:
+            self._scratch = torch.empty(floats, dtype=torch.float32)
+            self.struct.scratch = self._scratch.data_ptr()
 
     # -- decoding -------------------------------------------------------------------------
 
@@ -441,10 +497,14 @@ class FastDecoder:
             raise ValueError("cache layers hold different numbers of tokens; crop it first")
         self._bind_cache(layers, pos + 1)  # type: ignore[arg-type]
         self._ensure_rope(pos + 1)
-        self.struct.n_threads = self._threads()
+        threads = self.struct.n_threads = self._threads()
+        self._reserve_scratch(threads)
         logits = torch.empty(self.vocab, dtype=torch.float32)
+        start = time.perf_counter()
         if self.lib.chatbot_decode(ctypes.byref(self.struct), int(token), pos, logits.data_ptr()) != 0:
             raise ValueError(f"token {token} or position {pos} out of range for the fast decoder")
+        if self.tuner is not None and not self.threads:
+            self.tuner.record(threads, time.perf_counter() - start)
         for layer in layers:
             layer.length = pos + 1  # type: ignore[attr-defined]
         return logits

@@ -341,34 +341,38 @@ static void rope(float *v, const float *cs, const float *sn, int d) {
     }
 }
 
-/* One head of attention over positions [0, n): softmax(q.K^T * scale) V. */
-static void attend(const float *q, const float *kc, const float *vc, int n, int d, float scale,
-                   float *sc, float *out) {
+/* One head of attention over the cached positions [0, n) and the new one:
+ * softmax(q.K^T * scale) V, with the new key and value in `k_new`, `v_new`. */
+static void attend(const float *q, const float *kc, const float *vc, const float *k_new, const float *v_new,
+                   int n, int d, float scale, float *sc, float *out) {
     float mx = -INFINITY;
     for (int t = 0; t < n; t++) {
         sc[t] = dot_f32(kc + (size_t)t * d, q, d) * scale;
         mx = sc[t] > mx ? sc[t] : mx;
     }
+    sc[n] = dot_f32(k_new, q, d) * scale;
+    mx = sc[n] > mx ? sc[n] : mx;
+    const int total = n + 1;
     float sum = 0.0f;
     int t = 0;
 #ifdef CB_AVX2
     __m256 vmx = _mm256_set1_ps(mx), vs = _mm256_setzero_ps();
-    for (; t + 8 <= n; t += 8) {
+    for (; t + 8 <= total; t += 8) {
         __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + t), vmx));
         _mm256_storeu_ps(sc + t, e);
         vs = _mm256_add_ps(vs, e);
     }
     sum = hsum256(vs);
 #endif
-    for (; t < n; t++) {
+    for (; t < total; t++) {
         sc[t] = expf(sc[t] - mx);
         sum += sc[t];
     }
     const float inv = 1.0f / sum;
     for (int i = 0; i < d; i++) out[i] = 0.0f;
-    for (t = 0; t < n; t++) {
+    for (t = 0; t < total; t++) {
         const float p = sc[t] * inv;
-        const float *v = vc + (size_t)t * d;
+        const float *v = t < n ? vc + (size_t)t * d : v_new;
         int i = 0;
 #ifdef CB_AVX2
         const __m256 vp = _mm256_set1_ps(p);
@@ -379,86 +383,112 @@ static void attend(const float *q, const float *kc, const float *vc, int n, int 
     }
 }
 
-static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+/* out = silu(g) * u over n floats (transformers' SiLU: x * sigmoid(x)). */
+static void silu_mul(const float *g, const float *u, int n, float *out) {
+    int i = 0;
+#ifdef CB_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i);
+        const __m256 e = exp256(_mm256_sub_ps(zero, x));
+        const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
 
-/* Floats of scratch space `chatbot_decode` needs. */
-long chatbot_scratch_floats(const Model *m) {
-    const int qkv = (m->n_heads + 2 * m->n_kv_heads) * m->head_dim;
-    const int widest = m->ffn_dim > m->dim ? m->ffn_dim : m->dim;
-    return (long)m->dim * 2 + qkv + (long)m->n_heads * m->head_dim + 2L * m->ffn_dim + m->ffn_dim
-           + widest / QK + 1 + (long)m->n_heads * m->cap;
+static inline int widest_input(const Model *m) {
+    const int hd = m->n_heads * m->head_dim;
+    int w = m->ffn_dim > m->dim ? m->ffn_dim : m->dim;
+    return hd > w ? hd : w;
+}
+
+/* Floats of shared scratch, then of each thread's private scratch. */
+static long shared_floats(const Model *m) {
+    const long qkv = (long)(m->n_heads + 2 * m->n_kv_heads) * m->head_dim;
+    return qkv + (long)m->n_heads * m->head_dim + 2L * m->dim + 2L * m->ffn_dim + (long)m->n_heads * m->cap;
+}
+
+static long private_floats(const Model *m) {
+    /* x, xn, xsum, hid, roped q, roped k; rounded up to whole cache lines */
+    const long n = 2L * m->dim + widest_input(m) / QK + 1 + m->ffn_dim + 2L * m->head_dim;
+    return (n + 15) / 16 * 16;
+}
+
+/* Floats of scratch space `chatbot_decode` needs with up to `max_threads` threads. */
+long chatbot_scratch_floats(const Model *m, int max_threads) {
+    return shared_floats(m) + (long)max_threads * private_floats(m) + 16;
 }
 
 /* Forward one token at position `pos` (keys/values written to the caches at `pos`; the
  * caches must hold positions [0, pos) already and have cap > pos). Logits go to `logits`
- * [vocab]. Returns 0, or -1 for a position outside the cache or the rope table. */
+ * [vocab]. Returns 0, or -1 for a position outside the cache or the rope table.
+ *
+ * Every thread keeps its own copy of the residual stream and of the small vectors derived
+ * from it (norms, block sums, SiLU): computing them twice costs less than making a thread
+ * wait for another, so a layer has only the five barriers its matrix products need.
+ * Scratch must have room for m->n_threads threads (chatbot_scratch_floats). */
 int chatbot_decode(const Model *m, int token, int pos, float *logits) {
     if (pos < 0 || pos >= m->cap || pos >= m->rope_len || token < 0 || token >= m->embed->rows) return -1;
     const int D = m->head_dim, H = m->n_heads, HKV = m->n_kv_heads, F = m->ffn_dim, E = m->dim;
-    const int group = H / HKV, n = pos + 1, half = D / 2;
-    float *x = m->scratch;
-    float *xn = x + E;
-    float *qkv = xn + E;
+    const int group = H / HKV, half = D / 2;
+    float *qkv = m->scratch; /* shared */
     float *att = qkv + (H + 2 * HKV) * D;
-    float *gu = att + H * D;
-    float *hid = gu + 2 * F;
-    const int widest = F > E ? F : E;
-    float *xsum = hid + F;
-    float *scores = xsum + widest / QK + 1;
+    float *o = att + H * D;
+    float *gu = o + E;
+    float *dn = gu + 2 * F;
+    float *scores = dn + E;
+    float *priv = m->scratch + shared_floats(m);
     const float *cs = m->rope_cos + (size_t)pos * half;
     const float *sn = m->rope_sin + (size_t)pos * half;
 
-    embed_row(m->embed, token, x);
 #pragma omp parallel num_threads(m->n_threads)
     {
+        float *x = priv + (size_t)omp_get_thread_num() * private_floats(m);
+        float *xn = x + E;
+        float *xsum = xn + E;
+        float *hid = xsum + widest_input(m) / QK + 1;
+        float *qr = hid + F;
+        float *kr = qr + D;
+        embed_row(m->embed, token, x);
         for (int l = 0; l < m->n_layers; l++) {
             float *kc = m->kcache[l], *vc = m->vcache[l];
-#pragma omp single
-            {
-                rmsnorm(x, m->attn_norm[l], E, m->eps, xn);
-                block_sums(xn, E, xsum);
-            }
+            rmsnorm(x, m->attn_norm[l], E, m->eps, xn);
+            block_sums(xn, E, xsum);
             matvec_par(&m->wqkv[l], xn, xsum, qkv);
-#pragma omp single
-            {
-                for (int h = 0; h < H; h++) rope(qkv + h * D, cs, sn, D);
-                for (int h = 0; h < HKV; h++) {
-                    float *k = qkv + (H + h) * D, *v = qkv + (H + HKV + h) * D;
-                    rope(k, cs, sn, D);
-                    memcpy(kc + ((size_t)h * m->cap + pos) * D, k, (size_t)D * 4);
-                    memcpy(vc + ((size_t)h * m->cap + pos) * D, v, (size_t)D * 4);
-                }
-            }
 #pragma omp for schedule(static)
             for (int h = 0; h < H; h++) {
-                const size_t off = (size_t)(h / group) * m->cap * D;
-                attend(qkv + h * D, kc + off, vc + off, n, D, m->attn_scale, scores + (size_t)h * m->cap,
+                const int g = h / group;
+                const size_t off = (size_t)g * m->cap * D;
+                const float *v = qkv + (H + HKV + g) * D;
+                memcpy(qr, qkv + h * D, (size_t)D * 4);
+                memcpy(kr, qkv + (H + g) * D, (size_t)D * 4);
+                rope(qr, cs, sn, D);
+                rope(kr, cs, sn, D);
+                /* Nobody reads position `pos` of this layer's cache before the next call
+                 * (attention below takes the new key and value from kr and v), so the
+                 * first head of each group stores them without a barrier. */
+                if (h % group == 0) {
+                    memcpy(kc + off + (size_t)pos * D, kr, (size_t)D * 4);
+                    memcpy(vc + off + (size_t)pos * D, v, (size_t)D * 4);
+                }
+                attend(qr, kc + off, vc + off, kr, v, pos, D, m->attn_scale, scores + (size_t)h * m->cap,
                        att + h * D);
             }
-#pragma omp single
             block_sums(att, H * D, xsum);
-            matvec_par(&m->wo[l], att, xsum, xn);
-#pragma omp single
-            {
-                for (int i = 0; i < E; i++) x[i] += xn[i];
-                rmsnorm(x, m->ffn_norm[l], E, m->eps, xn);
-                block_sums(xn, E, xsum);
-            }
-            matvec_par(&m->wgu[l], xn, xsum, gu);
-#pragma omp single
-            {
-                for (int i = 0; i < F; i++) hid[i] = silu(gu[i]) * gu[F + i];
-                block_sums(hid, F, xsum);
-            }
-            matvec_par(&m->wdown[l], hid, xsum, xn);
-#pragma omp single
-            for (int i = 0; i < E; i++) x[i] += xn[i];
-        }
-#pragma omp single
-        {
-            rmsnorm(x, m->final_norm, E, m->eps, xn);
+            matvec_par(&m->wo[l], att, xsum, o);
+            for (int i = 0; i < E; i++) x[i] += o[i];
+            rmsnorm(x, m->ffn_norm[l], E, m->eps, xn);
             block_sums(xn, E, xsum);
+            matvec_par(&m->wgu[l], xn, xsum, gu);
+            silu_mul(gu, gu + F, F, hid);
+            block_sums(hid, F, xsum);
+            matvec_par(&m->wdown[l], hid, xsum, dn);
+            for (int i = 0; i < E; i++) x[i] += dn[i];
         }
+        rmsnorm(x, m->final_norm, E, m->eps, xn);
+        block_sums(xn, E, xsum);
         matvec_par(m->lm_head, xn, xsum, logits);
     }
     return 0;

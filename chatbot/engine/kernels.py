@@ -177,7 +177,7 @@ def load_library() -> ctypes.CDLL:
             raise KernelsUnavailable(_failure) from None
         lib.chatbot_decode.argtypes = [ctypes.POINTER(ModelStruct), ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
         lib.chatbot_decode.restype = ctypes.c_int
-        lib.chatbot_scratch_floats.argtypes = [ctypes.POINTER(ModelStruct)]
+        lib.chatbot_scratch_floats.argtypes = [ctypes.POINTER(ModelStruct), ctypes.c_int]
         lib.chatbot_scratch_floats.restype = ctypes.c_long
         lib.chatbot_matvec.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         lib.chatbot_matvec.restype = None

@@ -1,0 +1,454 @@
+"""Decode and prefill speed, side by side: transformers `generate()`, our engine at each
+optimization level, and llama.cpp when llama-cpp-python is installed.
+
+Every set-up runs in its own worker process (so its peak memory is its own, and no set-up
+inherits another's threads or caches), and the set-ups take turns: round 1 runs each once,
+then round 2, and so on; the figures are medians over the rounds. On a shared machine the
+load changes from minute to minute, and interleaving spreads it evenly over the set-ups.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+PREFILL_SIZES = (50, 500, 2000)
+DECODE_PROMPT = 50  # tokens before the decoded ones: a short chat message
+LEVEL_SETUPS = ("chatbot-off", "chatbot-f32", "chatbot-auto", "chatbot-int8", "chatbot-int4")
+BASELINE = "transformers-generate"
+LLAMA_CPP = "llama.cpp"
+WORKER_TIMEOUT_S = 3600
+
+
+def llama_cpp_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def default_setups() -> list[str]:
+    setups = [BASELINE, *LEVEL_SETUPS]
+    if llama_cpp_available():
+        setups.append(LLAMA_CPP)
+    return setups
+
+
+def bench_text(path: Path | None) -> str:
+    """The text prompts are cut from: a file, or the shipped conversation repeated."""
+    if path is not None:
+        return Path(path).read_text(encoding="utf-8")
+    turns = json.loads(resources.files("chatbot").joinpath("data/conversation.json").read_text())["turns"]
+    return "\n\n".join(turns * 40)
+
+
+# --- in the worker process --------------------------------------------------------------------
+
+
+def _peak_rss_mb() -> float:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 1024 / (1024 if sys.platform == "darwin" else 1)
+
+
+def _quantiles(latencies: list[float]) -> dict[str, float]:
+    lat = sorted(latencies)
+    if not lat:
+        return {"decode_tps": 0.0, "ms_per_token_p50": 0.0, "ms_per_token_p90": 0.0}
+    return {
+        "decode_tps": len(lat) / sum(lat),
+        "ms_per_token_p50": 1000 * lat[min(len(lat) - 1, int(0.5 * len(lat)))],
+        "ms_per_token_p90": 1000 * lat[min(len(lat) - 1, int(0.9 * len(lat)))],
+    }
+
+
+def _engine_worker(loaded: Any, level: str, ids: list[int], decode_tokens: int, ppl_tokens: int) -> dict[str, Any]:
+    from chatbot.config import SamplingConfig
+    from chatbot.engine.fast import make_decoder
+    from chatbot.engine.generate import Engine
+
+    t0 = time.perf_counter()
+    decoder, reason = make_decoder(loaded.model, level)
+    setup_s = time.perf_counter() - t0
+    if reason:
+        return {"error": reason}
+    engine = Engine(loaded.model, loaded.tokenizer, decoder=decoder)
+    greedy = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=decode_tokens)
+
+    def run(prompt: list[int], n_new: int) -> Any:
+        sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=n_new)
+        stats, tokens = None, []
+        for chunk in engine.generate(engine.new_cache(), prompt, sampling):
+            tokens.extend(chunk.token_ids)
+            stats = chunk.stats or stats
+        return stats, tokens
+
+    run(ids[:16], 4)  # warm-up: first-call allocations, thread pools
+    prefill, ttft = {}, {}
+    for size in PREFILL_SIZES:
+        stats, _ = run(ids[:size], 1)
+        prefill[str(size)] = size / stats.context_time_s
+        ttft[str(size)] = stats.ttft_s
+    stats, tokens = run(ids[:DECODE_PROMPT], greedy.max_new_tokens)
+    out = {
+        **_quantiles(stats.token_latencies_s),
+        "prefill_tps": prefill,
+        "ttft_s": ttft[str(DECODE_PROMPT)] if str(DECODE_PROMPT) in ttft else stats.ttft_s,
+        "ttft_s_by_prompt": ttft,
+        "setup_s": setup_s,
+        "tokens": tokens,
+    }
+    if decoder is not None:
+        info = decoder.info()
+        out["weights"] = info.formats
+        out["weight_mb"] = info.weight_bytes / 2**20
+    if ppl_tokens:
+        out["ppl"] = _perplexity(loaded.model, decoder, ids[:ppl_tokens])
+    return out
+
+
+def _perplexity(model: Any, decoder: Any, ids: list[int]) -> float:
+    """Next-token perplexity of `ids`: through the fast decoder one token at a time (the path
+    being judged), or one transformers forward pass when there is no decoder."""
+    import torch
+
+    with torch.inference_mode():
+        if decoder is None:
+            logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+            nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum")
+            return math.exp(float(nll) / (len(ids) - 1))
+        cache = decoder.new_cache()
+        logits = model(input_ids=torch.tensor([ids[:1]]), cache=cache, use_cache=True).logits[0, -1].float()
+        nll = 0.0
+        for i in range(1, len(ids)):
+            nll -= float(torch.log_softmax(logits, -1)[ids[i]])
+            if i + 1 < len(ids):
+                logits = decoder.decode(cache, ids[i])
+        return math.exp(nll / (len(ids) - 1))
+
+
+def _generate_worker(loaded: Any, ids: list[int], decode_tokens: int, ppl_tokens: int) -> dict[str, Any]:
+    """transformers' own `generate()`, greedy, timed per token through a streamer."""
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    model = loaded.model
+
+    class Clock(BaseStreamer):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.tokens: list[int] = []
+
+        def put(self, value: Any) -> None:
+            self.times.append(time.perf_counter())
+            if len(self.times) > 1:  # the first call echoes the prompt
+                self.tokens.extend(int(t) for t in value.reshape(-1))
+
+        def end(self) -> None:
+            pass
+
+    def run(prompt: list[int], n_new: int) -> tuple[float, Clock]:
+        clock = Clock()
+        x = torch.tensor([prompt])
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=n_new, min_new_tokens=n_new,
+                do_sample=False, streamer=clock, pad_token_id=loaded.tokenizer.eos_token_id,
+            )  # fmt: skip
+        return start, clock
+
+    run(ids[:16], 4)
+    prefill, ttft = {}, {}
+    for size in PREFILL_SIZES:
+        start, clock = run(ids[:size], 1)
+        first = clock.times[1] - start  # times[0] is the prompt being echoed
+        prefill[str(size)] = size / first
+        ttft[str(size)] = first
+    start, clock = run(ids[:DECODE_PROMPT], decode_tokens)
+    latencies = [b - a for a, b in zip(clock.times[1:], clock.times[2:])]
+    out = {
+        **_quantiles(latencies),
+        "prefill_tps": prefill,
+        "ttft_s": clock.times[1] - start,
+        "ttft_s_by_prompt": ttft,
+        "tokens": clock.tokens,
+    }
+    if ppl_tokens:
+        out["ppl"] = _perplexity(model, None, ids[:ppl_tokens])
+    return out
+
+
+def _llama_cpp_worker(gguf: Path, text: str, threads: int, decode_tokens: int) -> dict[str, Any]:
+    """llama.cpp through llama-cpp-python (an optional peer), on the GGUF file itself."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    t0 = time.perf_counter()
+    llm = Llama(model_path=str(gguf), n_ctx=4096, n_batch=512, n_threads=threads, verbose=False)
+    setup_s = time.perf_counter() - t0
+    ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+
+    def prefill_s(prompt: list[int]) -> float:
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(prompt)
+        return time.perf_counter() - start
+
+    prefill_s(ids[:16])
+    prefill, ttft = {}, {}
+    for size in PREFILL_SIZES:
+        seconds = prefill_s(ids[:size])
+        prefill[str(size)] = size / seconds
+        ttft[str(size)] = seconds
+    prefill_s(ids[:DECODE_PROMPT])
+    latencies, tokens = [], []
+    for _ in range(decode_tokens):
+        start = time.perf_counter()
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tokens.append(token)
+        llm.eval([token])
+        latencies.append(time.perf_counter() - start)
+    return {
+        **_quantiles(latencies[1:]),
+        "prefill_tps": prefill,
+        "ttft_s": ttft[str(DECODE_PROMPT)],
+        "ttft_s_by_prompt": ttft,
+        "setup_s": setup_s,
+    }
+
+
+def worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Measure one set-up (run in a fresh process by `run_decode_bench`)."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    name = spec["name"]
+    text = bench_text(Path(spec["text"]) if spec.get("text") else None)
+    if name == LLAMA_CPP:
+        from chatbot.models.loader import default_gguf_path
+
+        gguf = Path(spec["gguf"]) if spec.get("gguf") else default_gguf_path()
+        out = _llama_cpp_worker(gguf, text, spec["threads"], spec["decode_tokens"])
+    else:
+        from chatbot.models.loader import load_model
+
+        loaded = load_model(spec.get("model"), device="cpu", dtype="float32")
+        ids = list(loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
+        need = max(*PREFILL_SIZES, spec.get("ppl_tokens") or 0)
+        if len(ids) < need:
+            return {"name": name, "error": f"the text has {len(ids)} tokens; {need} are needed"}
+        if name == BASELINE:
+            out = _generate_worker(loaded, ids, spec["decode_tokens"], spec.get("ppl_tokens") or 0)
+        else:
+            level = name.removeprefix("chatbot-")
+            out = _engine_worker(loaded, level, ids, spec["decode_tokens"], spec.get("ppl_tokens") or 0)
+    out["name"] = name
+    out["peak_mem_mb"] = _peak_rss_mb()
+    return out
+
+
+# --- in the parent process --------------------------------------------------------------------
+
+
+def _run_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "chatbot.measure.bench_decode", json.dumps(spec)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S, check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"name": spec["name"], "error": f"worker failed ({proc.returncode}): {tail[0]}"}
+    return json.loads(lines[-1])
+
+
+def _median_result(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return {"name": runs[0]["name"], "error": runs[0]["error"]}
+    out: dict[str, Any] = {"name": ok[0]["name"], "runs": len(ok)}
+    for key in ("decode_tps", "ttft_s", "ms_per_token_p50", "ms_per_token_p90", "peak_mem_mb", "setup_s"):
+        values = [r[key] for r in ok if key in r]
+        if values:
+            out[key] = statistics.median(values)
+    for key in ("prefill_tps", "ttft_s_by_prompt"):
+        out[key] = {size: statistics.median(r[key][size] for r in ok) for size in ok[0][key]}
+    out["decode_tps_runs"] = [r["decode_tps"] for r in ok]
+    for key in ("weights", "weight_mb", "ppl", "tokens"):
+        for r in ok:
+            if key in r:
+                out[key] = r[key]
+                break
+    return out
+
+
+def run_decode_bench(
+    setups: list[str] | None = None,
+    *,
+    model: str | None = None,
+    threads: int | None = None,
+    rounds: int = 3,
+    decode_tokens: int = 128,
+    text: Path | None = None,
+    ppl_tokens: int = 0,
+    gguf: Path | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run every set-up `rounds` times, interleaved; return medians per set-up.
+
+    Args:
+        setups: names among `default_setups()` (default: all that can run here).
+        model: what `load_model` takes (default: the embedded default model).
+        threads: CPU threads for every set-up (default: torch's choice, the physical cores).
+        rounds: how many times each set-up runs; figures are medians.
+        decode_tokens: tokens decoded after a 50-token prompt.
+        text: the text prompts are cut from (default: the shipped conversation, repeated).
+        ppl_tokens: also measure next-token perplexity over this many tokens of the text
+            (first round only; 0: skip).
+        gguf: the GGUF file for llama.cpp (default: the embedded default model's).
+        progress: told of each worker as it starts.
+
+    Returns:
+        ``{"results": [...], "machine": {...}, "settings": {...}}``; each result has
+        decode_tps, prefill_tps {"50", "500", "2000"}, ttft_s, ms_per_token_p50/p90 and
+        peak_mem_mb, or an "error".
+    """
+    import torch
+
+    from chatbot.measure.report import machine_info
+
+    setups = setups or default_setups()
+    threads = threads or torch.get_num_threads()
+    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in setups}
+    started = time.perf_counter()
+    for r in range(rounds):
+        for name in setups:
+            if progress:
+                progress(f"round {r + 1}/{rounds}: {name}")
+            spec = {
+                "name": name, "model": model, "threads": threads, "decode_tokens": decode_tokens,
+                "text": str(text) if text else None, "ppl_tokens": ppl_tokens if r == 0 else 0,
+                "gguf": str(gguf) if gguf else None,
+            }  # fmt: skip
+            runs[name].append(_run_worker(spec))
+    results = [_median_result(runs[name]) for name in setups]
+    reference = next((r.get("tokens") for r in results if r["name"] == BASELINE), None)
+    for r in results:
+        tokens = r.pop("tokens", None)
+        if reference and tokens is not None:
+            same = 0
+            for a, b in zip(tokens, reference):
+                if a != b:
+                    break
+                same += 1
+            r["same_tokens_as_baseline"] = same
+    machine = machine_info()
+    machine["torch_threads"] = threads
+    if load_before is not None:
+        machine["loadavg_start"] = [round(x, 2) for x in load_before]
+        machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    return {
+        "results": results,
+        "machine": machine,
+        "settings": {
+            "model": model or "default (SmolLM2-135M-Instruct)",
+            "rounds": rounds,
+            "decode_tokens": decode_tokens,
+            "decode_prompt_tokens": DECODE_PROMPT,
+            "prefill_sizes": list(PREFILL_SIZES),
+            "ppl_tokens": ppl_tokens,
+            "text": str(text) if text else "shipped conversation, repeated",
+            "wall_s": round(time.perf_counter() - started, 1),
+        },
+    }
+
+
+# --- output ------------------------------------------------------------------------------------
+
+
+def print_decode(console: Any, result: dict[str, Any]) -> None:
+    """A Rich table of the medians, one row per set-up."""
+    from rich.table import Table
+
+    s = result["settings"]
+    table = Table(
+        title=f"decode and prefill, {s['model']}, {result['machine']['torch_threads']} threads, "
+        f"medians of {s['rounds']} interleaved rounds"
+    )
+    sizes = [str(n) for n in s["prefill_sizes"]]
+    columns = ["set-up", "decode tok/s", "ms/token p50", "p90", *[f"prefill tok/s @{n}" for n in sizes],
+               "first token s", "peak MB", "same tokens"]  # fmt: skip
+    if s.get("ppl_tokens"):
+        columns.append(f"ppl @{s['ppl_tokens']}")
+    for col in columns:
+        table.add_column(col, justify="left" if col == "set-up" else "right")
+    for r in result["results"]:
+        if "error" in r:
+            table.add_row(r["name"], f"[dim]{r['error']}[/dim]", *[""] * (len(columns) - 2))
+            continue
+        row = [
+            r["name"],
+            f"{r['decode_tps']:.1f}",
+            f"{r['ms_per_token_p50']:.1f}",
+            f"{r['ms_per_token_p90']:.1f}",
+            *[f"{r['prefill_tps'][n]:.0f}" for n in sizes],
+            f"{r['ttft_s']:.3f}",
+            f"{r['peak_mem_mb']:.0f}",
+            str(r.get("same_tokens_as_baseline", "")),
+        ]
+        if s.get("ppl_tokens"):
+            row.append(f"{r['ppl']:.3f}" if "ppl" in r else "")
+        table.add_row(*row)
+    console.print(table)
+    m = result["machine"]
+    load = f"; load average {m['loadavg_start'][0]} -> {m['loadavg_end'][0]}" if "loadavg_start" in m else ""
+    console.print(f"[dim]{m['processor']}, {m['cpu_count']} CPUs, torch {m['torch']}{load}; "
+                  f"same tokens: greedy tokens equal to transformers' before the first difference[/dim]")  # fmt: skip
+
+
+def plot_decode(result: dict[str, Any], path: Path) -> None:
+    """Bar charts of decode and prefill speed as a PNG (needs matplotlib).
+
+    Raises:
+        ConfigError: matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from chatbot.errors import ConfigError
+
+        raise ConfigError("--png needs matplotlib: pip install 'chatbot[plot]'") from None
+    rows = [r for r in result["results"] if "error" not in r]
+    names = [r["name"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ax1.barh(names, [r["decode_tps"] for r in rows], color="tab:blue")
+    ax1.set_xlabel("decode tokens/s (higher is better)")
+    ax1.invert_yaxis()
+    sizes = result["settings"]["prefill_sizes"]
+    width = 0.8 / len(sizes)
+    for i, n in enumerate(sizes):
+        ax2.barh([j + i * width for j in range(len(rows))], [r["prefill_tps"][str(n)] for r in rows],
+                 height=width, label=f"{n} tokens")  # fmt: skip
+    ax2.set_yticks([j + width for j in range(len(rows))], names)
+    ax2.invert_yaxis()
+    ax2.set_xlabel("prefill tokens/s")
+    ax2.legend()
+    fig.suptitle(f"{result['settings']['model']}, {result['machine']['torch_threads']} threads")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    print(json.dumps(worker(json.loads(sys.argv[1]))))
