@@ -26,12 +26,12 @@ PREFILL = int(ARGS.get("prefill", 500))
 DECODE = int(ARGS.get("decode", 16))
 if "--quant" in sys.argv:
     SETUPS = {
-        "4bit/float32": dict(quantize="4bit", dtype="float32"),
-        "4bit/bfloat16": dict(quantize="4bit", dtype="bfloat16"),
-        "8bit/float32": dict(quantize="8bit", dtype="float32"),
+        "4bit/float32": {"quantize": "4bit", "dtype": "float32"},
+        "4bit/bfloat16": {"quantize": "4bit", "dtype": "bfloat16"},
+        "8bit/float32": {"quantize": "8bit", "dtype": "float32"},
     }
 else:
-    SETUPS = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16")}
+    SETUPS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"}}
 
 models = {name: load_model(None, device="cpu", **kw).model for name, kw in SETUPS.items()}
 torch.manual_seed(0)

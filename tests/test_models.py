@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -20,10 +19,11 @@ from chatbot.models import loader
 from chatbot.models.loader import load_model, parse_device_map, parse_max_memory
 from chatbot.session import ChatSession
 
-SMALL = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-)
+SMALL = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2,
+    "pad_token_id": 2,
+}
 
 
 def build(family: str, vocab: int):
@@ -452,10 +452,12 @@ def test_unknown_template_before_loading(capsys, monkeypatch):
     assert_one_line_error(capsys, "run", "--template", "alpaca", match="unknown template 'alpaca'; templates: auto")
 
 
-def test_debug_shows_the_traceback(tmp_path):
+def test_debug_shows_the_traceback(tmp_path, monkeypatch):
+    import chatbot.cli
+
+    monkeypatch.setattr(chatbot.cli, "_DEBUG", False)  # --debug sets it for the process: undo after
     with pytest.raises(ModelLoadError, match="no such file or folder"):
         main(["run", "--model", str(tmp_path / "nowhere"), "--debug"])
-    os.environ.pop("CHATBOT_DEBUG", None)
 
 
 # -- chatbot models ---------------------------------------------------------------------------

@@ -132,7 +132,7 @@ def test_config_show_rejects_bad_values_in_one_line(capsys, tmp_path):
         ("config", "show", "--template", "alpaca"),
         ("config", "show", "--top-p", "0"),
     ):
-        code, out, err = cli(capsys, *args)
+        code, _, err = cli(capsys, *args)
         assert code == 2, args
         lines = [line for line in err.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("chatbot: error: "), err

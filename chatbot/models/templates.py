@@ -209,7 +209,7 @@ def check_template_choice(value: str | None) -> None:
 def _single_token_id(tokenizer: Any, text: str) -> int | None:
     try:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    except Exception:
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot encode it: not a stop id
         return None
     return int(ids[0]) if len(ids) == 1 else None
 
@@ -217,7 +217,7 @@ def _single_token_id(tokenizer: Any, text: str) -> int | None:
 def _vocab_has(tokenizer: Any, token: str) -> bool:
     try:
         return token in tokenizer.get_vocab()
-    except Exception:
+    except Exception:  # noqa: BLE001 - tokenizers without a vocabulary dict
         return False
 
 
@@ -307,7 +307,7 @@ def check_template(tokenizer: Any, system: str | None, name: str = "this model")
         msgs.insert(0, {"role": "system", "content": system})
     try:
         text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - Jinja and raise_exception() raise anything
         reason = " ".join(str(exc).split())[:200] or type(exc).__name__
         if system:
             raise ConfigError(
@@ -320,3 +320,34 @@ def check_template(tokenizer: Any, system: str | None, name: str = "this model")
             f"the chat template of {name} drops the system prompt: drop --system, or pick a "
             "template with one, e.g. --template chatml"
         )
+
+
+class StopOnStrings:
+    """A stopping criterion for `Engine.generate(stopping_criteria=...)`: true once the
+    answer's text contains one of the template's stop strings (multi-token ones included,
+    e.g. Vicuna's "USER:"). Make one per answer: it counts the answer tokens it is asked
+    about, so the prompt's own "USER:" never matches.
+
+    The token that completes the stop string stays in the answer (as in transformers);
+    `cut(text)` gives the answer without the stop string and what follows it.
+    """
+
+    def __init__(self, tokenizer: Any, stop_strings: tuple[str, ...] | list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop_strings = tuple(s for s in stop_strings if s)
+        # a stop string spans at most one token per character; a few more for the text before it
+        self.window = max((len(s) for s in self.stop_strings), default=0) + 4
+        self.answer_tokens = 0
+
+    def __call__(self, ids: Any, scores: Any = None) -> bool:
+        self.answer_tokens += 1
+        if not self.stop_strings:
+            return False
+        n = min(self.answer_tokens, self.window)
+        tail = self.tokenizer.decode(ids[0, -n:].tolist(), skip_special_tokens=False)
+        return any(s in tail for s in self.stop_strings)
+
+    def cut(self, text: str) -> str:
+        """`text` up to the first stop string (all of it when there is none)."""
+        hits = [text.find(s) for s in self.stop_strings if s in text]
+        return text[: min(hits)] if hits else text
