@@ -50,6 +50,23 @@ ConfigOpt = Annotated[Path | None, typer.Option("--config", help="A preset file 
 
 
 
+def _check_opt(value: str) -> str:
+    from chatbot.engine.fast import LEVELS
+
+    if value not in LEVELS:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(LEVELS)}")
+    return value
+
+
+def _decoder(model: Any, opt: str) -> tuple[Any, str | None]:
+    """The fast decode step for --opt, or None and a note saying why it is off."""
+    from chatbot.engine.fast import make_decoder
+
+    decoder, reason = make_decoder(model, opt)
+    on_cpu = model.get_input_embeddings().weight.device.type == "cpu"
+    return decoder, reason if reason and (opt != "auto" or on_cpu) else None
+
+
 def _set_threads(threads: int | None) -> None:
     if threads:
         import torch
@@ -113,6 +130,7 @@ def run(
     preset: PresetOpt = None,
     config: ConfigOpt = None,
     threads: ThreadsOpt = None,
+    opt: Annotated[str, typer.Option("--opt", help="Decode path: auto (native CPU kernels, weights kept exact), f32, int8 or int4 (smaller, lossy), off (transformers).", callback=_check_opt)] = "auto",
     plain: Annotated[bool, typer.Option(help="Print raw text instead of rendered Markdown.")] = False,
     no_stats: Annotated[bool, typer.Option("--no-stats", help="Hide the stats line after each answer.")] = False,
     resume: Annotated[str | None, typer.Option(help="Continue a logged session: its id (or the start of it), or 'last' (the default when no value is given).")] = None,
@@ -159,7 +177,8 @@ def run(
     loaded = _load(model, device, dtype, **load_options)
     check_template(loaded.tokenizer, system, loaded.name)
     sampling = sampling_from_model(loaded.model, **overrides)
-    engine = Engine(loaded.model, loaded.tokenizer, max_context=max_context)
+    decoder, decoder_note = _decoder(loaded.model, opt)
+    engine = Engine(loaded.model, loaded.tokenizer, max_context=max_context, decoder=decoder)
     session = ChatSession(engine, ChatConfig(system=system, sampling=sampling, engine=engine_cfg))
 
     interactive = sys.stdin.isatty()
@@ -168,6 +187,8 @@ def run(
     repl = Repl(session, loaded, out, plain=plain or not sys.stdout.isatty(), show_stats=not no_stats, info=info)
     for note in loaded.notes:
         repl.note(note)
+    if decoder_note:
+        repl.note(decoder_note)
     if interactive:
         d = loaded.describe()
         quant = f" · {d['quantization']}" if d["quantization"] != "none" else ""

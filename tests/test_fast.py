@@ -285,3 +285,78 @@ def test_thread_tuner_settles_on_the_faster_count_and_rechecks_rarely():
         tuner.record(n, cost[n])
     assert tuner.pick() == 4
     assert ThreadTuner(1).pick() == 1
+
+
+# --- sampling ------------------------------------------------------------------------------------
+
+
+def test_fused_top_k_top_p_keeps_what_transformers_keeps():
+    from transformers.generation.logits_process import LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
+
+    from chatbot.engine.sampling import TopKTopPLogitsWarper
+
+    for trial in range(60):
+        g = torch.Generator().manual_seed(trial)
+        scores = torch.randn(2, 5000, generator=g) * (0.5 + 8 * float(torch.rand(1, generator=g)))
+        if trial % 6 == 0:
+            scores[:, :300] = scores[:, :1]  # ties at the k-th score
+        k = int(torch.randint(1, 400, (1,), generator=g))
+        p = 0.01 + 0.98 * float(torch.rand(1, generator=g))
+        chain = LogitsProcessorList([TopKLogitsWarper(k), TopPLogitsWarper(p)])
+        assert torch.equal(TopKTopPLogitsWarper(k, p)(None, scores), chain(None, scores)), (k, p)
+
+
+def test_engine_sampling_uses_the_fused_filter():
+    from chatbot.engine.generate import build_logits_processor
+    from chatbot.engine.sampling import TopKTopPLogitsWarper
+
+    names = [type(p) for p in build_logits_processor(SamplingConfig(temperature=0.7, top_k=50, top_p=0.9))]
+    assert TopKTopPLogitsWarper in names and len(names) == 3  # penalty, temperature, fused
+
+
+# --- command line ----------------------------------------------------------------------------------
+
+
+def test_run_refuses_an_unknown_opt_level_before_loading(capsys):
+    from chatbot.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--opt", "turbo"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "'turbo' is not one of off, f32, auto, int8, int4" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_bench_decode_rows_and_json(monkeypatch, tmp_path, capsys):
+    """The parent side of `chatbot bench decode`: interleaved rounds, medians, the JSON shape."""
+    from chatbot.cli import main
+    from chatbot.measure import bench_decode
+
+    order = []
+
+    def fake_worker(spec):
+        order.append(spec["name"])
+        base = {"transformers-generate": 8.0, "chatbot-auto": 30.0}[spec["name"]]
+        n = len(order)
+        return {
+            "name": spec["name"], "decode_tps": base + n, "ms_per_token_p50": 1000 / (base + n),
+            "ms_per_token_p90": 1200 / (base + n), "prefill_tps": {"50": 100.0 + n, "500": 300.0, "2000": 250.0},
+            "ttft_s": 0.5, "ttft_s_by_prompt": {"50": 0.5, "500": 1.6, "2000": 8.0}, "peak_mem_mb": 900.0,
+            "tokens": [1, 2, 3] if spec["name"] == "transformers-generate" else [1, 2, 4],
+        }  # fmt: skip
+
+    monkeypatch.setattr(bench_decode, "_run_worker", fake_worker)
+    out = tmp_path / "bench.json"
+    main(["bench", "decode", "--setups", "transformers-generate,chatbot-auto", "--rounds", "3", "--json", str(out)])
+    assert order == ["transformers-generate", "chatbot-auto"] * 3
+    import json
+
+    data = json.loads(out.read_text())
+    rows = {r["name"]: r for r in data["results"]}
+    assert rows["chatbot-auto"]["decode_tps"] == 34.0  # median of 32, 34, 36
+    assert set(rows["chatbot-auto"]["prefill_tps"]) == {"50", "500", "2000"}
+    for key in ("ttft_s", "ms_per_token_p50", "ms_per_token_p90", "peak_mem_mb"):
+        assert key in rows["chatbot-auto"]
+    assert rows["chatbot-auto"]["same_tokens_as_baseline"] == 2
+    assert "machine" in data and data["machine"]["torch_threads"] >= 1
+    assert "chatbot-auto" in capsys.readouterr().out

@@ -25,6 +25,7 @@ from transformers.generation.logits_process import (
 
 from chatbot.config import SamplingConfig
 from chatbot.engine.detokenize import IncrementalDetokenizer
+from chatbot.engine.sampling import TopKTopPLogitsWarper
 from chatbot.engine.stats import TurnStats, peak_memory_bytes, synchronize
 from chatbot.errors import ContextFullError
 
@@ -51,16 +52,20 @@ class GenerationChunk:
 
 
 def build_logits_processor(sampling: SamplingConfig) -> LogitsProcessorList:
-    """transformers' own processors for the settings: built once per turn."""
+    """transformers' processors for the settings (top-k with top-p fused into one that sorts
+    only the k candidates): built once per turn."""
     processors = LogitsProcessorList()
     if sampling.repetition_penalty != 1.0:
         processors.append(RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty))
     if not sampling.greedy:
         if sampling.temperature != 1.0:
             processors.append(TemperatureLogitsWarper(sampling.temperature))
-        if sampling.top_k > 0:
+        if sampling.top_k > 0 and sampling.top_p < 1.0:
+            # The same filter as TopK then TopP, sorting k candidates instead of the vocabulary.
+            processors.append(TopKTopPLogitsWarper(sampling.top_k, sampling.top_p))
+        elif sampling.top_k > 0:
             processors.append(TopKLogitsWarper(sampling.top_k))
-        if sampling.top_p < 1.0:
+        elif sampling.top_p < 1.0:
             processors.append(TopPLogitsWarper(sampling.top_p))
     return processors
 

@@ -384,12 +384,14 @@ def print_decode(console: Any, result: dict[str, Any]) -> None:
         f"medians of {s['rounds']} interleaved rounds"
     )
     sizes = [str(n) for n in s["prefill_sizes"]]
-    columns = ["set-up", "decode tok/s", "ms/token p50", "p90", *[f"prefill tok/s @{n}" for n in sizes],
-               "first token s", "peak MB", "same tokens"]  # fmt: skip
+    columns = ["decode\ntok/s", "ms/tok\np50", "ms/tok\np90", *[f"prefill\n@{n}" for n in sizes],
+               "TTFT\ns", "peak\nMB", "same\ntokens"]  # fmt: skip
     if s.get("ppl_tokens"):
-        columns.append(f"ppl @{s['ppl_tokens']}")
+        columns.append(f"ppl\n@{s['ppl_tokens']}")
+    table.add_column("set-up", no_wrap=True)
     for col in columns:
-        table.add_column(col, justify="left" if col == "set-up" else "right")
+        table.add_column(col, justify="right")
+    columns.insert(0, "set-up")
     for r in result["results"]:
         if "error" in r:
             table.add_row(r["name"], f"[dim]{r['error']}[/dim]", *[""] * (len(columns) - 2))
@@ -410,8 +412,10 @@ def print_decode(console: Any, result: dict[str, Any]) -> None:
     console.print(table)
     m = result["machine"]
     load = f"; load average {m['loadavg_start'][0]} -> {m['loadavg_end'][0]}" if "loadavg_start" in m else ""
-    console.print(f"[dim]{m['processor']}, {m['cpu_count']} CPUs, torch {m['torch']}{load}; "
-                  f"same tokens: greedy tokens equal to transformers' before the first difference[/dim]")  # fmt: skip
+    console.print(f"[dim]{m['processor']}, {m['cpu_count']} CPUs, torch {m['torch']}{load}. prefill: tokens/s "
+                  f"at that prompt length; TTFT: time to first token after a {s['decode_prompt_tokens']}-token "
+                  "prompt; same tokens: greedy tokens equal to transformers' before the first "
+                  "difference[/dim]")  # fmt: skip
 
 
 def plot_decode(result: dict[str, Any], path: Path) -> None:

@@ -1,0 +1,51 @@
+"""Sampling helpers that cost microseconds per token instead of milliseconds.
+
+transformers' `TopPLogitsWarper` sorts the whole vocabulary at every step (49,152 entries for
+SmolLM2: ~2 ms on a quiet core, 20 ms on a busy one, as long as the decode step itself).
+After top-k, only k entries are left to sort.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.logits_process import LogitsProcessor
+
+
+class TopKTopPLogitsWarper(LogitsProcessor):
+    """transformers' `TopKLogitsWarper(k)` followed by `TopPLogitsWarper(p)`, in one step that
+    sorts only the top-k candidates.
+
+    The kept tokens and their scores are those of the two-step chain (ties at the k-th score
+    are kept, as transformers does); only the float rounding of the cumulative probabilities
+    can differ, in their last bit.
+
+    Args:
+        top_k: keep the k highest scores (> 0).
+        top_p: then the smallest set of them whose probability reaches `top_p` (0 < p < 1).
+        min_tokens_to_keep: never keep fewer.
+    """
+
+    def __init__(self, top_k: int, top_p: float, min_tokens_to_keep: int = 1) -> None:
+        if not isinstance(top_k, int) or top_k <= 0:
+            raise ValueError(f"top_k must be a positive integer, got {top_k}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        self.top_k = max(top_k, min_tokens_to_keep)
+        self.top_p = float(top_p)
+        self.min_tokens_to_keep = min_tokens_to_keep
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        k = min(self.top_k, scores.size(-1))
+        kth = torch.topk(scores, k).values[..., -1:]  # [B, 1]
+        out = torch.full_like(scores, -float("inf"))
+        for row in range(scores.shape[0]):
+            idx = torch.nonzero(scores[row] >= kth[row], as_tuple=True)[0]  # top-k, ties included
+            cand = scores[row, idx]
+            # TopPLogitsWarper on the candidates alone (the others have probability 0).
+            sorted_logits, order = torch.sort(cand, descending=False)
+            cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            remove = cumulative <= (1 - self.top_p)
+            remove[-self.min_tokens_to_keep :] = False
+            keep = idx[order[~remove]]
+            out[row, keep] = scores[row, keep]
+        return out
