@@ -289,6 +289,31 @@ def test_hub_id_loads_from_the_local_cache_offline(tmp_path, tok, monkeypatch):
     assert [m.name for m in hub_models()] == ["tiny-org/tiny-llama"]
 
 
+def test_hub_download_falls_back_to_pytorch_weights(tmp_path, tok, monkeypatch):
+    """Online, a repo without safetensors gets its .bin weights in a second pass."""
+    import huggingface_hub
+
+    folder = tmp_path / "snap"
+    calls = []
+
+    def fake_download(repo_id, revision=None, local_files_only=False, allow_patterns=()):
+        calls.append(list(allow_patterns))
+        if "*.bin" in allow_patterns:
+            build("llama", len(tok)).save_pretrained(folder)
+            tok.save_pretrained(folder)
+        else:
+            folder.mkdir(exist_ok=True)
+            tok.save_pretrained(folder)
+            (folder / "config.json").write_text(build("llama", len(tok)).config.to_json_string())
+        return str(folder)
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    loaded = load_model("old-org/old-model", device="cpu", revision="v1")
+    assert loaded.source == "old-org/old-model@v1"
+    assert "*.safetensors" in calls[0] and "*.bin" in calls[1]
+
+
 def test_hub_id_missing_offline_is_one_line(tmp_path, capsys, monkeypatch):
     import huggingface_hub.constants as hub
 

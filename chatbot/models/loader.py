@@ -265,7 +265,7 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     except Exception as exc:  # transformers raises many kinds for a bad file
         raise ModelLoadError(f"cannot read GGUF file {gguf}: {_short(exc)}") from exc
     # The dequantized weights are plain tensors; drop the marker that forbids saving them.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -513,7 +513,7 @@ def _load_folder(folder: Path, opts: LoadOptions, where: str | None = None) -> t
         try:
             model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
             if device_map is None:
-                model.to(opts.device)
+                model.to(opts.device)  # type: ignore[arg-type]
         except ModelLoadError:
             raise
         except Exception as exc:
@@ -668,13 +668,14 @@ def _load_hub(repo_id: str, opts: LoadOptions) -> tuple[Any, Any]:
 
     offline = _hub_offline()
     at = f"{repo_id}@{opts.revision}" if opts.revision else repo_id
+    small = ["*.json", "*.model", "*.txt", "*.jinja", "*.py", "*.tiktoken"]
     try:
         folder = snapshot_download(
-            repo_id,
-            revision=opts.revision,
-            local_files_only=offline,
-            allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py", "*.tiktoken"],
+            repo_id, revision=opts.revision, local_files_only=offline, allow_patterns=[*small, "*.safetensors"]
         )
+        if not offline and not any(Path(folder).glob("*.safetensors")):
+            # Older repos (Vicuna, Colossal-LLaMA-2) ship only PyTorch pickles.
+            folder = snapshot_download(repo_id, revision=opts.revision, allow_patterns=[*small, "*.bin"])
     except Exception as exc:
         if offline:
             raise ModelLoadError(

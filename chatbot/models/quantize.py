@@ -67,6 +67,7 @@ def _probe(mode: str, device: torch.device, dtype: torch.dtype) -> str | None:
             gen = torch.Generator().manual_seed(0)
             weight = torch.randn(64, 64, generator=gen)
             x = torch.randn(2, 64, generator=gen)
+            layer: torch.nn.Module
             if mode == "4bit":
                 layer = bnb.nn.Linear4bit(64, 64, bias=False, compute_dtype=dtype, quant_type="nf4")
                 layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")
