@@ -172,6 +172,10 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def _no_bar(iterable: Any, *args: Any, **kwargs: Any) -> Any:
+    return iterable
+
+
 @contextmanager
 def _quiet_transformers():
     """Silence progress bars and info logs of a load; errors still raise."""
@@ -180,6 +184,11 @@ def _quiet_transformers():
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    # the GGUF reader has a bare tqdm bar of its own, which would fight the CLI's spinner
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    gguf_tqdm = gguf_utils.tqdm
+    gguf_utils.tqdm = _no_bar  # type: ignore[assignment]
     # accelerate warns that offloaded weights sit on the meta device: the banner says so
     acc = logging.getLogger("accelerate")
     acc_level = acc.level
@@ -192,6 +201,7 @@ def _quiet_transformers():
         hf_logging.set_verbosity(level)
         hf_logging.enable_progress_bar()
         acc.setLevel(acc_level)
+        gguf_utils.tqdm = gguf_tqdm
 
 
 def _sha256(path: Path) -> str:
