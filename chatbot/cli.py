@@ -33,7 +33,7 @@ _DEBUG = False
 
 ModelOpt = Annotated[
     str | None,
-    typer.Option("--model", "-m", help="A transformers folder, a .gguf file or a hub id (default: the embedded SmolLM2-135M-Instruct)."),
+    typer.Option("--model", "-m", help="A transformers folder, a .gguf file, a hub id or a preset name (default: the embedded SmolLM2-135M-Instruct)."),
 ]
 DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")]
 DtypeOpt = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")]
