@@ -84,6 +84,20 @@ def test_matvec_matches_dequantized_weights(fmt):
 
 
 @needs_kernels
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_integer_products_with_q8_activations(fmt):
+    """The lossy levels quantize activations per block of 32 (scale absmax / 127, float32)."""
+    torch.manual_seed(1)
+    w, x = torch.randn(200, 96), torch.randn(96)
+    b = x.reshape(-1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    xq = ((b / d).round() * d).reshape(-1)
+    packed = kernels.PACKERS[fmt](w)
+    got = kernels.matvec(packed, x, 2, act_q8=True)
+    assert torch.allclose(got, kernels.unpack(packed) @ xq, atol=1e-4)
+
+
+@needs_kernels
 def test_lossless_packing_picks_the_format_the_weights_are_in():
     torch.manual_seed(0)
     w = torch.randn(64, 64)

@@ -377,7 +377,7 @@ class FastDecoder:
             embed=ctypes.pointer(self._embed_struct), lm_head=ctypes.pointer(self._head_struct),
             final_norm=self.final_norm.data_ptr(), attn_norm=self._attn_norm, ffn_norm=self._ffn_norm,
             wqkv=self._mats["wqkv"], wo=self._mats["wo"], wgu=self._mats["wgu"], wdown=self._mats["wdown"],
-            kcache=self._kptrs, vcache=self._vptrs,
+            kcache=self._kptrs, vcache=self._vptrs, act_q8=int(level in ("int8", "int4")),
         )  # fmt: skip
         self._ensure_rope(int(getattr(config, "max_position_embeddings", 2048) or 2048))
 

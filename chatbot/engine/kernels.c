@@ -67,7 +67,9 @@ typedef struct {
     const Mat *wdown; /* [dim, F] */
     float *const *kcache; /* per layer [Hkv, cap, D] */
     float *const *vcache;
-    float *scratch; /* see scratch_floats() */
+    float *scratch; /* see chatbot_scratch_floats() */
+    int32_t act_q8; /* 1: quantize activations to Q8 blocks before Q8_0/Q4_1 products */
+    int32_t pad_;
 } Model;
 
 /* ---------------------------------------------------------------- scalar helpers */
@@ -269,29 +271,120 @@ static size_t row_bytes(const Mat *m) {
     }
 }
 
-static inline float dot_row(const Mat *m, int n, const float *x, const float *xsum) {
-    const char *row = (const char *)m->data + (size_t)n * row_bytes(m);
-    switch (m->fmt) {
-    case FMT_F32: return dot_f32((const float *)row, x, m->cols);
-    case FMT_BF16: return dot_bf16((const uint16_t *)row, x, m->cols);
-    case FMT_Q8_0: return dot_q8_0((const block_q8_0 *)row, x, m->cols);
-    default: return dot_q4_1((const block_q4_1 *)row, x, xsum, m->cols);
+/* An input vector of a matrix product, with what the block formats need of it: block sums
+ * (Q4_1 with float activations), or a Q8 copy (int8 per block of 32, a scale, and the
+ * scale times the sum of the block, as ggml's Q8_1) for integer dot products. */
+typedef struct {
+    const float *x;
+    float *xsum; /* [k / 32] */
+    int8_t *q;   /* [k] */
+    float *qd;   /* [k / 32] */
+    float *qs;   /* [k / 32] */
+    int quantized;
+} Vec;
+
+static void prepare_vec(Vec *v, const float *x, int k, int act_q8) {
+    v->x = x;
+    v->quantized = act_q8 && k % QK == 0;
+    for (int j = 0; j < k / QK; j++) {
+        const float *b = x + j * QK;
+        float s = 0.0f, amax = 0.0f;
+        for (int i = 0; i < QK; i++) {
+            s += b[i];
+            amax = fabsf(b[i]) > amax ? fabsf(b[i]) : amax;
+        }
+        v->xsum[j] = s;
+        if (v->quantized) {
+            const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+            int sum = 0;
+            for (int i = 0; i < QK; i++) {
+                const int q = (int)nearbyintf(b[i] * id);
+                v->q[j * QK + i] = (int8_t)q;
+                sum += q;
+            }
+            v->qd[j] = d;
+            v->qs[j] = d * (float)sum;
+        }
     }
 }
 
-/* Block sums of x, needed by Q4_1; run by one thread. */
-static void block_sums(const float *x, int k, float *xsum) {
-    for (int j = 0; j < k / QK; j++) {
-        float s = 0.0f;
-        for (int i = 0; i < QK; i++) s += x[j * QK + i];
-        xsum[j] = s;
+#ifdef CB_AVX2
+static inline __m256 sum_i16_pairs_ps(__m256i x) {
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(x, _mm256_set1_epi16(1)));
+}
+#endif
+
+/* Q8_0 weights . Q8 activations */
+static float dot_q8_0_q8(const block_q8_0 *b, const Vec *v, int k) {
+    const int nb = k / QK;
+#ifdef CB_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (int j = 0; j < nb; j++) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)b[j].qs);
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(v->q + j * QK));
+        /* maddubs wants unsigned x signed: move the sign of w onto x */
+        const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(b[j].d) * v->qd[j]), sum_i16_pairs_ps(p), acc);
+    }
+    return hsum256(acc);
+#else
+    float s = 0.0f;
+    for (int j = 0; j < nb; j++) {
+        int d = 0;
+        for (int i = 0; i < QK; i++) d += b[j].qs[i] * v->q[j * QK + i];
+        s += fp16_to_f32(b[j].d) * v->qd[j] * (float)d;
+    }
+    return s;
+#endif
+}
+
+/* Q4_1 weights . Q8 activations: sum over blocks of d dx sum(q qx) + m (dx sum(qx)) */
+static float dot_q4_1_q8(const block_q4_1 *b, const Vec *v, int k) {
+    const int nb = k / QK;
+    float ms = 0.0f;
+#ifdef CB_AVX2
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256 acc = _mm256_setzero_ps();
+    for (int j = 0; j < nb; j++) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)b[j].qs);
+        const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4);
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(v->q + j * QK));
+        const __m256i p = _mm256_maddubs_epi16(w, x);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(b[j].d) * v->qd[j]), sum_i16_pairs_ps(p), acc);
+        ms += fp16_to_f32(b[j].m) * v->qs[j];
+    }
+    return hsum256(acc) + ms;
+#else
+    float s = 0.0f;
+    for (int j = 0; j < nb; j++) {
+        int d = 0;
+        for (int i = 0; i < QK / 2; i++)
+            d += (b[j].qs[i] & 0x0f) * v->q[j * QK + i] + (b[j].qs[i] >> 4) * v->q[j * QK + i + 16];
+        s += fp16_to_f32(b[j].d) * v->qd[j] * (float)d;
+        ms += fp16_to_f32(b[j].m) * v->qs[j];
+    }
+    return s + ms;
+#endif
+}
+
+static inline float dot_vec(const Mat *m, int n, const Vec *v) {
+    const char *row = (const char *)m->data + (size_t)n * row_bytes(m);
+    switch (m->fmt) {
+    case FMT_F32: return dot_f32((const float *)row, v->x, m->cols);
+    case FMT_BF16: return dot_bf16((const uint16_t *)row, v->x, m->cols);
+    case FMT_Q8_0:
+        return v->quantized ? dot_q8_0_q8((const block_q8_0 *)row, v, m->cols)
+                            : dot_q8_0((const block_q8_0 *)row, v->x, m->cols);
+    default:
+        return v->quantized ? dot_q4_1_q8((const block_q4_1 *)row, v, m->cols)
+                            : dot_q4_1((const block_q4_1 *)row, v->x, v->xsum, m->cols);
     }
 }
 
 /* y = W x; to be called by every thread of a parallel region (rows are shared out). */
-static void matvec_par(const Mat *m, const float *x, const float *xsum, float *y) {
+static void matvec_par(const Mat *m, const Vec *v, float *y) {
 #pragma omp for schedule(static)
-    for (int n = 0; n < m->rows; n++) y[n] = dot_row(m, n, x, xsum);
+    for (int n = 0; n < m->rows; n++) y[n] = dot_vec(m, n, v);
 }
 
 static void embed_row(const Mat *m, int token, float *out) {
@@ -411,8 +504,10 @@ static long shared_floats(const Model *m) {
 }
 
 static long private_floats(const Model *m) {
-    /* x, xn, xsum, hid, roped q, roped k; rounded up to whole cache lines */
-    const long n = 2L * m->dim + widest_input(m) / QK + 1 + m->ffn_dim + 2L * m->head_dim;
+    /* x, xn, hid, roped q, roped k, then a Vec: xsum, qd, qs and q (int8, a quarter of the
+     * floats); rounded up to whole cache lines */
+    const int w = widest_input(m);
+    const long n = 2L * m->dim + m->ffn_dim + 2L * m->head_dim + 3L * (w / QK + 1) + w / 4 + 1;
     return (n + 15) / 16 * 16;
 }
 
@@ -447,16 +542,21 @@ int chatbot_decode(const Model *m, int token, int pos, float *logits) {
     {
         float *x = priv + (size_t)omp_get_thread_num() * private_floats(m);
         float *xn = x + E;
-        float *xsum = xn + E;
-        float *hid = xsum + widest_input(m) / QK + 1;
+        float *hid = xn + E;
         float *qr = hid + F;
         float *kr = qr + D;
+        const int nbw = widest_input(m) / QK + 1;
+        Vec vec = {0};
+        vec.xsum = kr + D;
+        vec.qd = vec.xsum + nbw;
+        vec.qs = vec.qd + nbw;
+        vec.q = (int8_t *)(vec.qs + nbw);
         embed_row(m->embed, token, x);
         for (int l = 0; l < m->n_layers; l++) {
             float *kc = m->kcache[l], *vc = m->vcache[l];
             rmsnorm(x, m->attn_norm[l], E, m->eps, xn);
-            block_sums(xn, E, xsum);
-            matvec_par(&m->wqkv[l], xn, xsum, qkv);
+            prepare_vec(&vec, xn, E, m->act_q8);
+            matvec_par(&m->wqkv[l], &vec, qkv);
 #pragma omp for schedule(static)
             for (int h = 0; h < H; h++) {
                 const int g = h / group;
@@ -476,29 +576,36 @@ int chatbot_decode(const Model *m, int token, int pos, float *logits) {
                 attend(qr, kc + off, vc + off, kr, v, pos, D, m->attn_scale, scores + (size_t)h * m->cap,
                        att + h * D);
             }
-            block_sums(att, H * D, xsum);
-            matvec_par(&m->wo[l], att, xsum, o);
+            prepare_vec(&vec, att, H * D, m->act_q8);
+            matvec_par(&m->wo[l], &vec, o);
             for (int i = 0; i < E; i++) x[i] += o[i];
             rmsnorm(x, m->ffn_norm[l], E, m->eps, xn);
-            block_sums(xn, E, xsum);
-            matvec_par(&m->wgu[l], xn, xsum, gu);
+            prepare_vec(&vec, xn, E, m->act_q8);
+            matvec_par(&m->wgu[l], &vec, gu);
             silu_mul(gu, gu + F, F, hid);
-            block_sums(hid, F, xsum);
-            matvec_par(&m->wdown[l], hid, xsum, dn);
+            prepare_vec(&vec, hid, F, m->act_q8);
+            matvec_par(&m->wdown[l], &vec, dn);
             for (int i = 0; i < E; i++) x[i] += dn[i];
         }
         rmsnorm(x, m->final_norm, E, m->eps, xn);
-        block_sums(xn, E, xsum);
-        matvec_par(m->lm_head, xn, xsum, logits);
+        prepare_vec(&vec, xn, E, m->act_q8);
+        matvec_par(m->lm_head, &vec, logits);
     }
     return 0;
 }
 
-/* y = W x for one matrix (tests and micro-benchmarks). `xsum` needs cols / 32 floats. */
-void chatbot_matvec(const Mat *m, const float *x, float *xsum, float *y, int n_threads) {
-    block_sums(x, m->cols, xsum);
+/* y = W x for one matrix (tests and micro-benchmarks); `act_q8` as in Model. `scratch`
+ * needs 3 (cols / 32 + 1) + cols / 4 + 1 floats. */
+void chatbot_matvec(const Mat *m, const float *x, float *scratch, float *y, int n_threads, int act_q8) {
+    const int nb = m->cols / QK + 1;
+    Vec vec = {0};
+    vec.xsum = scratch;
+    vec.qd = scratch + nb;
+    vec.qs = scratch + 2 * nb;
+    vec.q = (int8_t *)(scratch + 3 * nb);
+    prepare_vec(&vec, x, m->cols, act_q8);
 #pragma omp parallel num_threads(n_threads)
-    matvec_par(m, x, xsum, y);
+    matvec_par(m, &vec, y);
 }
 
 /* Rows of W as float32 (for prefill with the same weights as decode). */

@@ -79,6 +79,8 @@ class ModelStruct(ctypes.Structure):
         ("kcache", ctypes.POINTER(ctypes.c_void_p)),
         ("vcache", ctypes.POINTER(ctypes.c_void_p)),
         ("scratch", ctypes.c_void_p),
+        ("act_q8", ctypes.c_int32),
+        ("pad_", ctypes.c_int32),
     ]
 
 
@@ -179,7 +181,9 @@ def load_library() -> ctypes.CDLL:
         lib.chatbot_decode.restype = ctypes.c_int
         lib.chatbot_scratch_floats.argtypes = [ctypes.POINTER(ModelStruct), ctypes.c_int]
         lib.chatbot_scratch_floats.restype = ctypes.c_long
-        lib.chatbot_matvec.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        lib.chatbot_matvec.argtypes = [
+            ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int
+        ]
         lib.chatbot_matvec.restype = None
         lib.chatbot_dequantize.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int]
         lib.chatbot_dequantize.restype = None
@@ -257,14 +261,17 @@ def unpack(p: PackedMatrix, threads: int | None = None) -> torch.Tensor:
     return out
 
 
-def matvec(p: PackedMatrix, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
-    """W x with the native kernel (x: float32 [cols]); for tests and micro-benchmarks."""
+def matvec(p: PackedMatrix, x: torch.Tensor, threads: int | None = None, act_q8: bool = False) -> torch.Tensor:
+    """W x with the native kernel (x: float32 [cols]); for tests and micro-benchmarks.
+    `act_q8` quantizes x to int8 blocks first, as the lossy levels do."""
     lib = load_library()
     x = x.detach().to(torch.float32).contiguous()
     y = torch.empty(p.rows, dtype=torch.float32)
-    xsum = torch.empty(p.cols // QK + 1, dtype=torch.float32)
+    scratch = torch.empty(3 * (p.cols // QK + 1) + p.cols // 4 + 1, dtype=torch.float32)
     mat = p.as_struct()
-    lib.chatbot_matvec(ctypes.byref(mat), x.data_ptr(), xsum.data_ptr(), y.data_ptr(), threads or torch.get_num_threads())
+    lib.chatbot_matvec(
+        ctypes.byref(mat), x.data_ptr(), scratch.data_ptr(), y.data_ptr(), threads or torch.get_num_threads(), int(act_q8)
+    )
     return y
 
 
