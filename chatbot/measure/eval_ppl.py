@@ -209,11 +209,22 @@ def write_plot(result: dict[str, dict[str, Any]], path: str | Path, title: str |
     fig = Figure(figsize=(8, 4.5), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
+    steady: list[float] = []  # running means past the noisy first tokens, to set the y range
+    window_end = None
     for name, row in result.items():
         nll = torch.tensor(row["nll"], dtype=torch.float64)
         running = torch.cumsum(nll, 0) / torch.arange(1, nll.numel() + 1)
         positions = torch.arange(1, nll.numel() + 1)
         ax.plot(positions.numpy(), running.numpy(), label=f"{name} (ppl {row['ppl']:.2f})", linewidth=1.2)
+        steady.extend(running[max(8, nll.numel() // 10) :].tolist())
+        if name != "dense" and row.get("cache_tokens", 0) < nll.numel():
+            window_end = row["cache_tokens"]
+    if window_end is not None:
+        ax.axvline(window_end, color="grey", linestyle="--", linewidth=0.8, label="cache full")
+    if steady:
+        low, high = min(steady), max(steady)
+        pad = max(0.05, 0.15 * (high - low))
+        ax.set_ylim(low - pad, high + pad)
     ax.set_xlabel("tokens read")
     ax.set_ylabel("running mean log perplexity (nats)")
     ax.set_title(title or "Long-text perplexity, one token per step")
