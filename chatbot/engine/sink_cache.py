@@ -146,7 +146,8 @@ class SinkCache(Cache):
         self.inv_freq = inv_freq.detach().to(torch.float32).flatten()
         self.start_size = start_size
         self.recent_size = recent_size
-        self.evict_block = evict_block
+        # A block larger than a quarter of the window would throw away most of it at once.
+        self.evict_block = min(evict_block, max(1, recent_size // 4))
         self._pinned = start_size
         self.evicted_total = 0
         # Set by `for_model` for a sliding-window model: the cache must fit in its window.
