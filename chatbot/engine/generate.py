@@ -115,6 +115,9 @@ class Engine:
             extra = layer.get_seq_length() - length
             if extra > 0:
                 layer.crop(-extra)
+        if hasattr(cache, "pin"):
+            # Let a sink cache pull its pinned region back inside the new length.
+            cache.crop(0)
 
     # -- forward passes -----------------------------------------------------------------
 
