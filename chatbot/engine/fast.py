@@ -16,8 +16,10 @@ The weights are packed once per model, in one of these formats (`DecodeOptions.w
 - ``int4``: Q4_1 for the layers and Q8_0 for the embedding / lm_head (as llama.cpp's Q4_1
   files), lossy on a model that was not quantized that way already.
 
-Activations stay float32 in every format, so prefill (transformers, float32) and decode see
-the same model up to the weight rounding.
+``f32`` and ``auto`` keep activations in float32 (weights are widened in registers), so
+prefill (transformers, float32) and decode see the same model. ``int8`` and ``int4`` also
+quantize each activation vector to int8 per block of 32, as llama.cpp does, for integer
+dot products (1.7x faster kernels).
 
 The cache: every layer of a transformers cache (`DynamicCache` or our `SinkCache`) is
 replaced by a `BufferLayer`, which keeps keys and values in a preallocated buffer
@@ -329,18 +331,17 @@ class FastDecoder:
         with torch.no_grad():
             embed_w = model.get_input_embeddings().weight
             head_w = model.get_output_embeddings().weight
-            self.embed = pack(embed_w, "embed")
+            self.embed = pack("embed", embed_w)
             tied = head_w.data_ptr() == embed_w.data_ptr()
-            self.lm_head = self.embed if tied else pack(head_w, "embed")
+            self.lm_head = self.embed if tied else pack("embed", head_w)
             self.wqkv, self.wo, self.wgu, self.wdown = [], [], [], []
             self.attn_norm, self.ffn_norm = [], []
             for layer in inner.layers:
                 att, mlp = layer.self_attn, layer.mlp
-                qkv = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight], dim=0)
-                self.wqkv.append(pack(qkv, "layer"))
-                self.wo.append(pack(att.o_proj.weight, "layer"))
-                self.wgu.append(pack(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], dim=0), "layer"))
-                self.wdown.append(pack(mlp.down_proj.weight, "layer"))
+                self.wqkv.append(pack("layer", att.q_proj.weight, att.k_proj.weight, att.v_proj.weight))
+                self.wo.append(pack("layer", att.o_proj.weight))
+                self.wgu.append(pack("layer", mlp.gate_proj.weight, mlp.up_proj.weight))
+                self.wdown.append(pack("layer", mlp.down_proj.weight))
                 self.attn_norm.append(layer.input_layernorm.weight.detach().float().contiguous())
                 self.ffn_norm.append(layer.post_attention_layernorm.weight.detach().float().contiguous())
             self.final_norm = inner.norm.weight.detach().float().contiguous()
@@ -385,15 +386,16 @@ class FastDecoder:
 
     @staticmethod
     def _packer(level: str) -> Any:
-        def pack(w: torch.Tensor, role: str) -> kernels.PackedMatrix:
-            w = w.detach().to(torch.float32)
-            if level == "f32" or w.shape[1] % kernels.QK:
-                return kernels.pack_f32(w)
+        """pack(role, *row_blocks) -> one packed matrix in the level's format."""
+
+        def pack(role: str, *parts: torch.Tensor) -> kernels.PackedMatrix:
+            parts = tuple(w.detach() for w in parts)
             if level == "auto":
-                return kernels.pack_lossless(w)
-            if level == "int8" or role == "embed":
-                return kernels.pack_q8_0(w)
-            return kernels.pack_q4_1(w)
+                return kernels.pack_lossless(*parts)
+            if level == "f32" or any(w.shape[1] % kernels.QK for w in parts):
+                return kernels.stack([kernels.pack_f32(w) for w in parts])
+            fmt = kernels.FMT_Q8_0 if level == "int8" or role == "embed" else kernels.FMT_Q4_1
+            return kernels.quantize_rows(list(parts), fmt)[0]
 
         return pack
 

@@ -614,12 +614,13 @@ void chatbot_dequantize(const Mat *m, float *out, int n_threads) {
     for (int n = 0; n < m->rows; n++) embed_row(m, n, out + (size_t)n * m->cols);
 }
 
-/* Pack float32 rows [rows, cols] into Q8_0 or Q4_1 at `out`; return the largest
- * |w - dequantized w| (0 for a matrix that was in that format already). */
-float chatbot_quantize(const float *w, int rows, int cols, int fmt, void *out, int n_threads) {
+/* Pack float32 rows [rows, cols] into Q8_0 or Q4_1 at `out`. stats[0]: the largest
+ * |w - dequantized w| (0 for a matrix that was in that format already); stats[1]: the
+ * largest |w|. */
+void chatbot_quantize(const float *w, int rows, int cols, int fmt, void *out, int n_threads, float *stats) {
     const int nb = cols / QK;
-    float worst = 0.0f;
-#pragma omp parallel for num_threads(n_threads) schedule(static) reduction(max : worst)
+    float worst = 0.0f, biggest = 0.0f;
+#pragma omp parallel for num_threads(n_threads) schedule(static) reduction(max : worst, biggest)
     for (int n = 0; n < rows; n++) {
         const float *row = w + (size_t)n * cols;
         for (int j = 0; j < nb; j++) {
@@ -628,6 +629,7 @@ float chatbot_quantize(const float *w, int rows, int cols, int fmt, void *out, i
                 block_q8_0 *b = (block_q8_0 *)out + (size_t)n * nb + j;
                 float amax = 0.0f;
                 for (int i = 0; i < QK; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+                biggest = amax > biggest ? amax : biggest;
                 b->d = f32_to_fp16(amax / 127.0f);
                 const float d = fp16_to_f32(b->d), id = d > 0.0f ? 1.0f / d : 0.0f;
                 for (int i = 0; i < QK; i++) {
@@ -644,6 +646,8 @@ float chatbot_quantize(const float *w, int rows, int cols, int fmt, void *out, i
                     lo = x[i] < lo ? x[i] : lo;
                     hi = x[i] > hi ? x[i] : hi;
                 }
+                biggest = fabsf(lo) > biggest ? fabsf(lo) : biggest;
+                biggest = fabsf(hi) > biggest ? fabsf(hi) : biggest;
                 b->m = f32_to_fp16(lo);
                 b->d = f32_to_fp16((hi - lo) / 15.0f);
                 const float m = fp16_to_f32(b->m), d = fp16_to_f32(b->d);
@@ -660,5 +664,6 @@ float chatbot_quantize(const float *w, int rows, int cols, int fmt, void *out, i
             }
         }
     }
-    return worst;
+    stats[0] = worst;
+    stats[1] = biggest;
 }

@@ -187,8 +187,10 @@ def load_library() -> ctypes.CDLL:
         lib.chatbot_matvec.restype = None
         lib.chatbot_dequantize.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int]
         lib.chatbot_dequantize.restype = None
-        lib.chatbot_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-        lib.chatbot_quantize.restype = ctypes.c_float
+        lib.chatbot_quantize.argtypes = [
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p
+        ]
+        lib.chatbot_quantize.restype = None
         _library = lib
         return lib
 
@@ -227,24 +229,59 @@ def pack_bf16(w: torch.Tensor) -> PackedMatrix:
     return PackedMatrix(w16, FMT_BF16, *w16.shape)
 
 
-def _quantize(w: torch.Tensor, fmt: int, block_bytes: int) -> tuple[PackedMatrix, float]:
+BLOCK_BYTES = {FMT_Q8_0: 34, FMT_Q4_1: 20}
+
+
+def _quantize(w: torch.Tensor, fmt: int, out: torch.Tensor | None = None) -> tuple[PackedMatrix, float, float]:
+    """Pack `w` in a block format (into `out`, uint8 [rows, bytes per row], when given); also
+    return the largest rounding error and the largest |w|.
+
+    One thread: packing runs once per model load and takes well under a second, while
+    OpenMP threads on a busy machine can make it ten times slower.
+    """
     rows, cols = w.shape
     if cols % QK:
         raise ValueError(f"a block format needs columns in multiples of {QK}, got {cols}")
     w = w.detach().to(torch.float32).contiguous()
-    out = torch.empty(rows, cols // QK * block_bytes, dtype=torch.uint8)
-    err = load_library().chatbot_quantize(w.data_ptr(), rows, cols, fmt, out.data_ptr(), torch.get_num_threads())
-    return PackedMatrix(out, fmt, rows, cols), float(err)
+    if out is None:
+        out = torch.empty(rows, cols // QK * BLOCK_BYTES[fmt], dtype=torch.uint8)
+    assert out.is_contiguous() and out.shape == (rows, cols // QK * BLOCK_BYTES[fmt])
+    stats = torch.zeros(2, dtype=torch.float32)
+    load_library().chatbot_quantize(w.data_ptr(), rows, cols, fmt, out.data_ptr(), 1, stats.data_ptr())
+    return PackedMatrix(out, fmt, rows, cols), float(stats[0]), float(stats[1])
+
+
+def quantize_rows(parts: list[torch.Tensor], fmt: int) -> tuple[PackedMatrix, float]:
+    """Row blocks (q, k, v) packed one after the other into one matrix; also the largest
+    rounding error relative to each block's largest |w|."""
+    cols = parts[0].shape[1]
+    rows = sum(w.shape[0] for w in parts)
+    out = torch.empty(rows, cols // QK * BLOCK_BYTES[fmt], dtype=torch.uint8)
+    start, worst = 0, 0.0
+    for w in parts:
+        _, err, biggest = _quantize(w, fmt, out[start : start + w.shape[0]])
+        worst = max(worst, err / (biggest or 1.0))
+        start += w.shape[0]
+    return PackedMatrix(out, fmt, rows, cols), worst
 
 
 def pack_q8_0(w: torch.Tensor) -> PackedMatrix:
     """ggml Q8_0: per block of 32, d = absmax / 127 (fp16) and q = round(w / d)."""
-    return _quantize(w, FMT_Q8_0, 34)[0]
+    return _quantize(w, FMT_Q8_0)[0]
 
 
 def pack_q4_1(w: torch.Tensor) -> PackedMatrix:
     """ggml Q4_1: per block of 32, m = min, d = (max - min) / 15 (both fp16), q = round((w - m) / d)."""
-    return _quantize(w, FMT_Q4_1, 20)[0]
+    return _quantize(w, FMT_Q4_1)[0]
+
+
+def stack(parts: list[PackedMatrix]) -> PackedMatrix:
+    """Row blocks of one format as one matrix (q, k and v as one QKV matrix)."""
+    if len(parts) == 1:
+        return parts[0]
+    fmt, cols = parts[0].fmt, parts[0].cols
+    assert all(p.fmt == fmt and p.cols == cols for p in parts)
+    return PackedMatrix(torch.cat([p.data for p in parts], dim=0), fmt, sum(p.rows for p in parts), cols)
 
 
 PACKERS = {"f32": pack_f32, "bf16": pack_bf16, "q8_0": pack_q8_0, "q4_1": pack_q4_1}
@@ -275,17 +312,17 @@ def matvec(p: PackedMatrix, x: torch.Tensor, threads: int | None = None, act_q8:
     return y
 
 
-def pack_lossless(w: torch.Tensor, rtol: float = 2e-6) -> PackedMatrix:
-    """The smallest format that holds `w` exactly (up to float32 rounding): Q4_1, Q8_0, bf16
-    or float32. A model converted from a Q4_1/Q8_0 GGUF, or from bfloat16, thus decodes with
-    the weights it already had, at a fraction of the memory traffic."""
-    w = w.detach().to(torch.float32).contiguous()
-    scale = float(w.abs().max()) or 1.0
-    if w.shape[1] % QK == 0:
-        for fmt, size in ((FMT_Q4_1, 20), (FMT_Q8_0, 34)):
-            packed, err = _quantize(w, fmt, size)
-            if err <= rtol * scale:
+def pack_lossless(*parts: torch.Tensor, rtol: float = 2e-6) -> PackedMatrix:
+    """The smallest format that holds the row blocks `parts` exactly (up to float32 rounding),
+    stacked: Q4_1, Q8_0, bf16 or float32. A model converted from a Q4_1/Q8_0 GGUF, or from
+    bfloat16, thus decodes with the weights it already had, at a fraction of the memory
+    traffic."""
+    ws = [w.detach().to(torch.float32) for w in parts]
+    if all(w.shape[1] % QK == 0 for w in ws) and len({w.shape[1] for w in ws}) == 1:
+        for fmt in (FMT_Q4_1, FMT_Q8_0):
+            packed, worst = quantize_rows(ws, fmt)
+            if worst <= rtol:
                 return packed
-    if torch.equal(w.to(torch.bfloat16).to(torch.float32), w):
-        return pack_bf16(w)
-    return pack_f32(w)
+    if all(torch.equal(w.to(torch.bfloat16).to(torch.float32), w) for w in ws):
+        return stack([pack_bf16(w) for w in ws])
+    return stack([pack_f32(w) for w in ws])
