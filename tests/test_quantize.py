@@ -155,12 +155,6 @@ def test_default_model_quantized_still_answers(mode):
 
 @needs_bnb
 @pytest.mark.slow  # six CLI processes
-@pytest.mark.xfail(
-    reason="chatbot/engine/fast.py's default --opt auto path accepts bitsandbytes-quantized and "
-    "disk-offloaded models (4-bit and offload crash, 8-bit decodes garbage); its _check_model "
-    "should refuse them",
-    strict=False,
-)
 @pytest.mark.parametrize("flags", [["--quantize", "4bit"], ["--quantize", "8bit"], ["--max-memory", "cpu=300KB"]])
 def test_cli_default_decode_path_matches_transformers(flags, tiny_folder, tmp_path):
     """Through the CLI with its default decode path, a quantized or offloaded model answers

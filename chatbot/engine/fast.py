@@ -279,6 +279,11 @@ def _check_model(model: Any) -> Any:
     device = model.get_input_embeddings().weight.device
     if device.type != "cpu":
         raise FastPathUnavailable(f"the fast decode path runs on the CPU; this model is on {device}")
+    if getattr(model, "hf_quantizer", None) is not None or getattr(config, "quantization_config", None):
+        raise FastPathUnavailable("no fast decode for a quantized model (--quantize or a quantized checkpoint)")
+    devices = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
+    if len(devices) > 1 or any(p.device.type == "meta" for p in model.parameters()):
+        raise FastPathUnavailable("no fast decode for a model spread over devices or offloaded (--device-map)")
     dtype = model.get_input_embeddings().weight.dtype
     if dtype != torch.float32:
         raise FastPathUnavailable(f"the fast decode path needs a float32 model on the CPU, not {dtype}")
