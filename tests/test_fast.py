@@ -185,7 +185,9 @@ def test_multi_turn_session_on_the_fast_path_matches_plain_engine(tiny_model, ti
     sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=20)
     answers = {}
     for name, decoder in [("plain", None), ("fast", FastDecoder(tiny_model, "f32"))]:
-        session = ChatSession(Engine(tiny_model, tiny_tokenizer, decoder=decoder), ChatConfig(sampling=sampling))
+        session = ChatSession(
+            Engine(tiny_model, tiny_tokenizer, decoder=decoder), ChatConfig(sampling=sampling)
+        )
         answers[name] = [answer(session.send(text)) for text in ("Hello there!", "How are you?", "Café 🙂")]
         assert session.cache.get_seq_length() == len(session.cache_ids)
     assert answers["fast"] == answers["plain"]
@@ -195,7 +197,9 @@ def test_multi_turn_session_on_the_fast_path_matches_plain_engine(tiny_model, ti
 def test_streaming_eviction_and_rerotation_on_the_fast_path(tiny_model, tiny_tokenizer):
     """A sink cache small enough to evict during decoding gives the plain engine's tokens."""
     sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=150)
-    config = ChatConfig(sampling=sampling, engine=EngineConfig(enable_streaming=True, start_size=4, recent_size=48))
+    config = ChatConfig(
+        sampling=sampling, engine=EngineConfig(enable_streaming=True, start_size=4, recent_size=48)
+    )
     results = {}
     for name, decoder in [("plain", None), ("fast", FastDecoder(tiny_model, "f32"))]:
         session = ChatSession(Engine(tiny_model, tiny_tokenizer, decoder=decoder), config)
@@ -213,10 +217,18 @@ def test_crop_after_decoding_then_continue(tiny_model, tiny_tokenizer):
     engine = Engine(tiny_model, tiny_tokenizer, decoder=decoder)
     cache = engine.new_cache()
     prompt = list(range(5, 25))
-    first = answer(engine.generate(cache, prompt, SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=10)))
+    first = answer(
+        engine.generate(
+            cache, prompt, SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=10)
+        )
+    )
     engine.crop(cache, len(prompt) + 3)
     history = prompt + first[:3]
-    again = answer(engine.generate(cache, [first[3]], SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=8)))
+    again = answer(
+        engine.generate(
+            cache, [first[3]], SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=8)
+        )
+    )
     assert again == greedy_by_recompute(tiny_model, history + [first[3]], 8)
 
 
@@ -361,7 +373,18 @@ def test_bench_decode_rows_and_json(monkeypatch, tmp_path, capsys):
 
     monkeypatch.setattr(bench_decode, "_run_worker", fake_worker)
     out = tmp_path / "bench.json"
-    main(["bench", "decode", "--setups", "transformers-generate,chatbot-auto", "--rounds", "3", "--json", str(out)])
+    main(
+        [
+            "bench",
+            "decode",
+            "--setups",
+            "transformers-generate,chatbot-auto",
+            "--rounds",
+            "3",
+            "--json",
+            str(out),
+        ]
+    )
     assert order == ["transformers-generate", "chatbot-auto"] * 3
     import json
 
@@ -374,3 +397,18 @@ def test_bench_decode_rows_and_json(monkeypatch, tmp_path, capsys):
     assert rows["chatbot-auto"]["same_tokens_as_baseline"] == 2
     assert "machine" in data and data["machine"]["torch_threads"] >= 1
     assert "chatbot-auto" in capsys.readouterr().out
+
+
+@needs_kernels
+def test_rope_table_and_cache_grow_past_their_first_size(tiny_model):
+    decoder = FastDecoder(tiny_model, "f32")
+    decoder._rope_cos = decoder._rope_cos[:8]  # pretend the table was made for 8 positions
+    decoder.struct.rope_len = 8
+    ids = torch.randint(3, 300, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    cache = decoder.new_cache()
+    with torch.no_grad():
+        tiny_model(input_ids=torch.tensor([ids[:2]]), cache=cache, use_cache=True)
+    for i in range(2, 300):  # crosses the 256-token first buffer size too
+        logits = decoder.decode(cache, ids[i])
+    assert decoder.struct.rope_len >= 301 and cache.layers[0].capacity == 512
+    assert torch.allclose(logits, full_logits(tiny_model, ids)[-1], atol=1e-4)

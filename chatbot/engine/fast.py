@@ -36,7 +36,7 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache
@@ -192,7 +192,7 @@ def adopt_layers(cache: Cache) -> bool:
         True if the cache now holds only buffer layers (False: a layer kind we cannot take
         over, e.g. a sliding-window layer; the cache is left unchanged).
     """
-    layers = cache.layers
+    layers: list[Any] = cache.layers
     if all(type(layer) is BufferLayer for layer in layers):
         return True
     if not all(type(layer).__name__ in ("DynamicLayer", "SinkLayer", "BufferLayer") for layer in layers):
@@ -272,18 +272,28 @@ class DecodeInfo:
 
 def _check_model(model: Any) -> Any:
     """The text config of a model the kernels can run, or FastPathUnavailable."""
-    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    config = (
+        model.config.get_text_config(decoder=True)
+        if hasattr(model.config, "get_text_config")
+        else model.config
+    )
     kind = getattr(config, "model_type", "?")
     if kind not in _SUPPORTED_TYPES:
-        raise FastPathUnavailable(f"no fast decode for {kind} models (only {', '.join(sorted(_SUPPORTED_TYPES))})")
+        raise FastPathUnavailable(
+            f"no fast decode for {kind} models (only {', '.join(sorted(_SUPPORTED_TYPES))})"
+        )
     device = model.get_input_embeddings().weight.device
     if device.type != "cpu":
         raise FastPathUnavailable(f"the fast decode path runs on the CPU; this model is on {device}")
     if getattr(model, "hf_quantizer", None) is not None or getattr(config, "quantization_config", None):
-        raise FastPathUnavailable("no fast decode for a quantized model (--quantize or a quantized checkpoint)")
+        raise FastPathUnavailable(
+            "no fast decode for a quantized model (--quantize or a quantized checkpoint)"
+        )
     devices = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
     if len(devices) > 1 or any(p.device.type == "meta" for p in model.parameters()):
-        raise FastPathUnavailable("no fast decode for a model spread over devices or offloaded (--device-map)")
+        raise FastPathUnavailable(
+            "no fast decode for a model spread over devices or offloaded (--device-map)"
+        )
     dtype = model.get_input_embeddings().weight.dtype
     if dtype != torch.float32:
         raise FastPathUnavailable(f"the fast decode path needs a float32 model on the CPU, not {dtype}")
@@ -385,7 +395,8 @@ class FastDecoder:
             wqkv=self._mats["wqkv"], wo=self._mats["wo"], wgu=self._mats["wgu"], wdown=self._mats["wdown"],
             kcache=self._kptrs, vcache=self._vptrs, act_q8=int(level in ("int8", "int4")),
         )  # fmt: skip
-        self._ensure_rope(int(getattr(config, "max_position_embeddings", 2048) or 2048))
+        # Grown on demand: a 128k-context model need not hold 128k rows of cos/sin.
+        self._ensure_rope(min(4096, int(getattr(config, "max_position_embeddings", 2048) or 2048)))
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -493,16 +504,15 @@ class FastDecoder:
         Returns:
             float32 logits ``[vocab]``.
         """
-        layers = cache.layers
-        if type(layers[0]) is not BufferLayer:
+        if type(cache.layers[0]) is not BufferLayer:
             self.prepare(cache)
-            layers = cache.layers
+        layers = cast(list[BufferLayer], cache.layers)
         pos = layers[0].length
         if layers[0]._k is None:
             raise ValueError("decode needs a prefilled cache")
         if any(layer.length != pos for layer in layers):
             raise ValueError("cache layers hold different numbers of tokens; crop it first")
-        self._bind_cache(layers, pos + 1)  # type: ignore[arg-type]
+        self._bind_cache(layers, pos + 1)
         self._ensure_rope(pos + 1)
         threads = self.struct.n_threads = self._threads()
         self._reserve_scratch(threads)
@@ -513,7 +523,7 @@ class FastDecoder:
         if self.tuner is not None and not self.threads:
             self.tuner.record(threads, time.perf_counter() - start)
         for layer in layers:
-            layer.length = pos + 1  # type: ignore[attr-defined]
+            layer.length = pos + 1
         return logits
 
 

@@ -164,7 +164,9 @@ def load_library() -> ctypes.CDLL:
                 raise KernelsUnavailable(f"no native kernels for {platform.machine()}")
             cc = _compiler()
             if cc is None:
-                raise KernelsUnavailable("no C compiler found (set CC, or install gcc) for the native kernels")
+                raise KernelsUnavailable(
+                    "no C compiler found (set CC, or install gcc) for the native kernels"
+                )
             path = library_path(cc)
             if not path.is_file():
                 build(cc, path)
@@ -177,18 +179,34 @@ def load_library() -> ctypes.CDLL:
         except OSError as exc:
             _failure = f"cannot load the native kernels: {exc}"
             raise KernelsUnavailable(_failure) from None
-        lib.chatbot_decode.argtypes = [ctypes.POINTER(ModelStruct), ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        lib.chatbot_decode.argtypes = [
+            ctypes.POINTER(ModelStruct),
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        ]
         lib.chatbot_decode.restype = ctypes.c_int
         lib.chatbot_scratch_floats.argtypes = [ctypes.POINTER(ModelStruct), ctypes.c_int]
         lib.chatbot_scratch_floats.restype = ctypes.c_long
         lib.chatbot_matvec.argtypes = [
-            ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int
+            ctypes.POINTER(Mat),
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_int,
         ]
         lib.chatbot_matvec.restype = None
         lib.chatbot_dequantize.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int]
         lib.chatbot_dequantize.restype = None
         lib.chatbot_quantize.argtypes = [
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_void_p,
         ]
         lib.chatbot_quantize.restype = None
         _library = lib
@@ -232,7 +250,9 @@ def pack_bf16(w: torch.Tensor) -> PackedMatrix:
 BLOCK_BYTES = {FMT_Q8_0: 34, FMT_Q4_1: 20}
 
 
-def _quantize(w: torch.Tensor, fmt: int, out: torch.Tensor | None = None) -> tuple[PackedMatrix, float, float]:
+def _quantize(
+    w: torch.Tensor, fmt: int, out: torch.Tensor | None = None
+) -> tuple[PackedMatrix, float, float]:
     """Pack `w` in a block format (into `out`, uint8 [rows, bytes per row], when given); also
     return the largest rounding error and the largest |w|.
 
@@ -298,7 +318,9 @@ def unpack(p: PackedMatrix, threads: int | None = None) -> torch.Tensor:
     return out
 
 
-def matvec(p: PackedMatrix, x: torch.Tensor, threads: int | None = None, act_q8: bool = False) -> torch.Tensor:
+def matvec(
+    p: PackedMatrix, x: torch.Tensor, threads: int | None = None, act_q8: bool = False
+) -> torch.Tensor:
     """W x with the native kernel (x: float32 [cols]); for tests and micro-benchmarks.
     `act_q8` quantizes x to int8 blocks first, as the lossy levels do."""
     lib = load_library()
@@ -307,7 +329,12 @@ def matvec(p: PackedMatrix, x: torch.Tensor, threads: int | None = None, act_q8:
     scratch = torch.empty(3 * (p.cols // QK + 1) + p.cols // 4 + 1, dtype=torch.float32)
     mat = p.as_struct()
     lib.chatbot_matvec(
-        ctypes.byref(mat), x.data_ptr(), scratch.data_ptr(), y.data_ptr(), threads or torch.get_num_threads(), int(act_q8)
+        ctypes.byref(mat),
+        x.data_ptr(),
+        scratch.data_ptr(),
+        y.data_ptr(),
+        threads or torch.get_num_threads(),
+        int(act_q8),
     )
     return y
 

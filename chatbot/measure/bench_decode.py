@@ -71,7 +71,9 @@ def _quantiles(latencies: list[float]) -> dict[str, float]:
     }
 
 
-def _engine_worker(loaded: Any, level: str, ids: list[int], decode_tokens: int, ppl_tokens: int) -> dict[str, Any]:
+def _engine_worker(
+    loaded: Any, level: str, ids: list[int], decode_tokens: int, ppl_tokens: int
+) -> dict[str, Any]:
     from chatbot.config import SamplingConfig
     from chatbot.engine.fast import make_decoder
     from chatbot.engine.generate import Engine
@@ -86,7 +88,8 @@ def _engine_worker(loaded: Any, level: str, ids: list[int], decode_tokens: int, 
 
     def run(prompt: list[int], n_new: int) -> Any:
         sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=n_new)
-        stats, tokens = None, []
+        stats: Any = None
+        tokens: list[int] = []
         for chunk in engine.generate(engine.new_cache(), prompt, sampling):
             tokens.extend(chunk.token_ids)
             stats = chunk.stats or stats
@@ -102,7 +105,7 @@ def _engine_worker(loaded: Any, level: str, ids: list[int], decode_tokens: int, 
     out = {
         **_quantiles(stats.token_latencies_s),
         "prefill_tps": prefill,
-        "ttft_s": ttft[str(DECODE_PROMPT)] if str(DECODE_PROMPT) in ttft else stats.ttft_s,
+        "ttft_s": ttft.get(str(DECODE_PROMPT), stats.ttft_s),
         "ttft_s_by_prompt": ttft,
         "setup_s": setup_s,
         "tokens": tokens,
@@ -128,12 +131,12 @@ def _perplexity(model: Any, decoder: Any, ids: list[int]) -> float:
             return math.exp(float(nll) / (len(ids) - 1))
         cache = decoder.new_cache()
         logits = model(input_ids=torch.tensor([ids[:1]]), cache=cache, use_cache=True).logits[0, -1].float()
-        nll = 0.0
+        nll_sum = 0.0
         for i in range(1, len(ids)):
-            nll -= float(torch.log_softmax(logits, -1)[ids[i]])
+            nll_sum -= float(torch.log_softmax(logits, -1)[ids[i]])
             if i + 1 < len(ids):
                 logits = decoder.decode(cache, ids[i])
-        return math.exp(nll / (len(ids) - 1))
+        return math.exp(nll_sum / (len(ids) - 1))
 
 
 def _generate_worker(loaded: Any, ids: list[int], decode_tokens: int, ppl_tokens: int) -> dict[str, Any]:
@@ -193,7 +196,7 @@ def _generate_worker(loaded: Any, ids: list[int], decode_tokens: int, ppl_tokens
 def _llama_cpp_worker(gguf: Path, text: str, threads: int, decode_tokens: int) -> dict[str, Any]:
     """llama.cpp through llama-cpp-python (an optional peer), on the GGUF file itself."""
     import numpy as np
-    from llama_cpp import Llama
+    from llama_cpp import Llama  # type: ignore[import-not-found]
 
     t0 = time.perf_counter()
     llm = Llama(model_path=str(gguf), n_ctx=4096, n_batch=512, n_threads=threads, verbose=False)
@@ -332,23 +335,23 @@ def run_decode_bench(
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in setups}
     started = time.perf_counter()
-    for r in range(rounds):
+    for round_no in range(rounds):
         for name in setups:
             if progress:
-                progress(f"round {r + 1}/{rounds}: {name}")
+                progress(f"round {round_no + 1}/{rounds}: {name}")
             spec = {
                 "name": name, "model": model, "threads": threads, "decode_tokens": decode_tokens,
-                "text": str(text) if text else None, "ppl_tokens": ppl_tokens if r == 0 else 0,
+                "text": str(text) if text else None, "ppl_tokens": ppl_tokens if round_no == 0 else 0,
                 "gguf": str(gguf) if gguf else None,
             }  # fmt: skip
             runs[name].append(_run_worker(spec))
     results = [_median_result(runs[name]) for name in setups]
     reference = next((r.get("tokens") for r in results if r["name"] == BASELINE), None)
     for r in results:
-        tokens = r.pop("tokens", None)
-        if reference and tokens is not None:
+        decoded = r.pop("tokens", None)
+        if reference and decoded is not None:
             same = 0
-            for a, b in zip(tokens, reference):
+            for a, b in zip(decoded, reference):
                 if a != b:
                     break
                 same += 1
