@@ -49,7 +49,6 @@ PresetOpt = Annotated[str | None, typer.Option(help="A preset from configs/ by n
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="A preset file (YAML); flags override it.")]
 
 
-
 def _check_opt(value: str) -> str:
     from chatbot.engine.fast import LEVELS
 
@@ -230,6 +229,75 @@ def bench_turns(
     print_turns(Console(), result)
     if json_out:
         write_json(json_out, result)
+
+
+@bench_app.command("streaming")
+def bench_streaming(
+    text: Annotated[Path | None, typer.Option(help="A long plain-text file (default: ../shared/data/long_text.txt).")] = None,
+    recent_size: Annotated[list[int] | None, typer.Option(help="Recent window sizes to measure (repeatable).")] = None,
+    start_size: Annotated[int, typer.Option(help="Attention sinks.", min=0)] = 4,
+    decode_tokens: Annotated[int, typer.Option(help="Greedy tokens decoded at each mark.", min=2)] = 32,
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    threads: ThreadsOpt = None,
+    json_out: JsonOpt = None,
+) -> None:
+    """Decode speed and cache bytes at 1x, 4x, 16x the window, against recomputation."""
+    from chatbot.measure.bench_streaming import default_text_path, run_streaming_bench
+    from chatbot.measure.report import print_streaming, read_text, write_json
+
+    body = read_text(text or default_text_path())
+    _set_threads(threads)
+    loaded = _load(model, device, dtype)
+    sizes = tuple(recent_size or (256, 1024))
+    result = run_streaming_bench(loaded, body, sizes, start_size, decode_tokens=decode_tokens)
+    print_streaming(Console(), result)
+    if json_out:
+        write_json(json_out, result)
+
+
+@app.command("eval-ppl")
+def eval_ppl(
+    text: Annotated[Path | None, typer.Option(help="A long plain-text file (default: ../shared/data/long_text.txt).")] = None,
+    tokens: Annotated[int, typer.Option(help="Tokens to score, one per step.", min=2)] = 4000,
+    start_size: Annotated[int, typer.Option(help="Attention sinks.", min=0)] = 4,
+    recent_size: Annotated[int, typer.Option(help="Recent window.", min=1)] = 252,
+    setups: Annotated[str, typer.Option(help="Comma-separated: dense,window,sinks,recompute.")] = "dense,window,sinks,recompute",
+    plot: Annotated[Path | None, typer.Option(help="PNG of running log-perplexity (default: beside --json, or eval_ppl.png).")] = None,
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    threads: ThreadsOpt = None,
+    json_out: JsonOpt = None,
+) -> None:
+    """Perplexity of dense attention, window, window + sinks and recomputation, side by side."""
+    from rich.progress import Progress
+
+    from chatbot.measure.bench_streaming import default_text_path
+    from chatbot.measure.eval_ppl import format_table, run_eval_ppl, write_plot
+    from chatbot.measure.report import read_text, write_json
+
+    body = read_text(text or default_text_path())
+    chosen = tuple(s.strip() for s in setups.split(",") if s.strip())
+    _set_threads(threads)
+    loaded = _load(model, device, dtype)
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        tasks: dict[str, Any] = {}
+
+        def progress(setup: str, done: int, total: int) -> None:
+            if setup not in tasks:
+                tasks[setup] = bar.add_task(setup, total=total)
+            bar.update(tasks[setup], completed=done)
+
+        result = run_eval_ppl(loaded.model, loaded.tokenizer, body, tokens, start_size, recent_size, chosen, progress)
+    print(format_table(result))
+    png = plot or (json_out.with_suffix(".png") if json_out else Path("eval_ppl.png"))
+    write_plot(result, png, title=f"{loaded.name}: {tokens} tokens, {start_size} sinks + {recent_size} recent")
+    print(f"plot: {png}")
+    if json_out:
+        slim = {k: {m: v for m, v in r.items() if m != "nll"} for k, r in result.items()}
+        write_json(json_out, slim)
 
 
 @bench_app.command("decode")
