@@ -120,7 +120,11 @@ def test_two_turn_chat_with_the_streaming_cache(family, tmp_path, tok):
         enable_streaming=True, start_size=4, recent_size=16,
     )
     assert session.evicted_total > 0
-    assert session.cache.get_seq_length() == len(session.cache_ids) <= 20
+    # The system prompt is pinned (--keep-system is on with a system prompt): the window is
+    # the pinned tokens plus the 16 recent ones.
+    pinned = session.system_prompt_tokens()
+    assert session.cache.pinned == max(4, pinned)
+    assert session.cache.get_seq_length() == len(session.cache_ids) <= session.cache.pinned + 16
     assert loaded.tokenizer.decode(session.all_ids) == session.rendered
 
 
