@@ -199,15 +199,27 @@ def _llama_cpp_worker(gguf: Path, text: str, threads: int, decode_tokens: int) -
     from llama_cpp import Llama  # type: ignore[import-not-found]
 
     t0 = time.perf_counter()
-    llm = Llama(model_path=str(gguf), n_ctx=4096, n_batch=512, n_threads=threads, verbose=False)
+    llm = Llama(
+        model_path=str(gguf),
+        n_ctx=4096,
+        n_batch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
     setup_s = time.perf_counter() - t0
     ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+    vocab = llm.n_vocab()
 
     def prefill_s(prompt: list[int]) -> float:
         llm.reset()
         start = time.perf_counter()
         llm.eval(prompt)
         return time.perf_counter() - start
+
+    def last_logits() -> Any:
+        # Without logits_all, llama-cpp-python keeps no scores; the context has the last row.
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))
 
     prefill_s(ids[:16])
     prefill, ttft = {}, {}
@@ -219,7 +231,7 @@ def _llama_cpp_worker(gguf: Path, text: str, threads: int, decode_tokens: int) -
     latencies, tokens = [], []
     for _ in range(decode_tokens):
         start = time.perf_counter()
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        token = int(np.argmax(last_logits()))
         tokens.append(token)
         llm.eval([token])
         latencies.append(time.perf_counter() - start)
