@@ -126,11 +126,12 @@ def test_session_prefills_only_new_tokens(tiny_engine, tiny_model, tiny_tokenize
     # The cache holds exactly the ids the session says it holds.
     assert session.cache.get_seq_length() == len(session.cache_ids) == session.n_fed
     # And its logits equal a fresh forward pass over those ids.
-    ids = session.cache_ids
-    logits = tiny_engine.prefill(session.cache, session.pending_ids) if session.pending_ids else None
-    if logits is not None:
-        ref = full_logits(tiny_model, ids + session.pending_ids)[-1]
-        assert torch.allclose(logits, ref, atol=1e-4)
+    # The template's end-of-turn text is always queued after an answer.
+    pending = session.pending_ids
+    assert pending
+    logits = tiny_engine.prefill(session.cache, pending)
+    ref = full_logits(tiny_model, session.all_ids)[-1]
+    assert torch.allclose(logits, ref, atol=1e-4)
 
 
 def test_cache_crop_repairs_uneven_layers(tiny_engine):
