@@ -393,12 +393,23 @@ class FastDecoder:
             embed=ctypes.pointer(self._embed_struct), lm_head=ctypes.pointer(self._head_struct),
             final_norm=self.final_norm.data_ptr(), attn_norm=self._attn_norm, ffn_norm=self._ffn_norm,
             wqkv=self._mats["wqkv"], wo=self._mats["wo"], wgu=self._mats["wgu"], wdown=self._mats["wdown"],
-            kcache=self._kptrs, vcache=self._vptrs, act_q8=int(level in ("int8", "int4")),
+            kcache=self._kptrs, vcache=self._vptrs, act=self._activation_form(),
         )  # fmt: skip
         # Grown on demand: a 128k-context model need not hold 128k rows of cos/sin.
         self._ensure_rope(min(4096, int(getattr(config, "max_position_embeddings", 2048) or 2048)))
 
     # -- set-up ---------------------------------------------------------------------------
+
+    def _activation_form(self) -> int:
+        """How the inputs of Q8_0/Q4_1 products are held: int8 per block for the lossy
+        levels (llama.cpp's way), int16 per block for `auto` (2^-16 of the block's largest
+        value: the integer dot products of the block formats at ~100x less error than int8)."""
+        if self.level in ("int8", "int4"):
+            return kernels.ACT_Q8
+        mats = [self.embed, self.lm_head, *self.wqkv, *self.wo, *self.wgu, *self.wdown]
+        if any(p.fmt in (kernels.FMT_Q8_0, kernels.FMT_Q4_1) for p in mats):
+            return kernels.ACT_I16
+        return kernels.ACT_F32
 
     @staticmethod
     def _packer(level: str) -> Any:

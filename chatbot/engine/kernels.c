@@ -11,9 +11,15 @@
  *   Q8_0  blocks of 32: fp16 scale d, 32 int8 q       w = d * q          (ggml's Q8_0)
  *   Q4_1  blocks of 32: fp16 d, fp16 m, 16 bytes      w = d * q + m      (ggml's Q4_1)
  *         byte j holds q[j] in its low nibble and q[j + 16] in its high nibble.
- * Activations stay float32 throughout; a block dot product converts the weights to
- * float32 in registers, so a weight that is exactly representable gives the float32
- * result (up to summation order).
+ * Activations (the input vectors of the matrix products) take one of three forms, `act`:
+ *   ACT_F32  float32; a block dot product widens the weights to float32 in registers, so a
+ *            weight that is exactly representable gives the float32 result (up to order).
+ *   ACT_Q8   per block of 32: a float scale and int8 values (ggml's Q8 activations, as
+ *            llama.cpp runs Q4_1/Q8_0 files): integer dot products, lossy (~1/254 of the
+ *            block's largest value).
+ *   ACT_I16  per block of 32: a float scale and int16 values (|x| <= 32767): 16-bit
+ *            integer products (madd), an error of at most 1/65534 of the block's largest
+ *            value, 258x finer than ACT_Q8.
  *
  * Cache: per layer, keys and values as [n_kv_heads, cap, head_dim] float32 (batch 1), the
  * layout of a transformers cache tensor [1, H, S, D] with a preallocated S = cap.
@@ -31,6 +37,7 @@
 #define QK 32
 
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_Q8_0 = 2, FMT_Q4_1 = 3 };
+enum { ACT_F32 = 0, ACT_Q8 = 1, ACT_I16 = 2 };
 
 typedef struct {
     uint16_t d;
@@ -68,7 +75,7 @@ typedef struct {
     float *const *kcache; /* per layer [Hkv, cap, D] */
     float *const *vcache;
     float *scratch; /* see chatbot_scratch_floats() */
-    int32_t act_q8; /* 1: quantize activations to Q8 blocks before Q8_0/Q4_1 products */
+    int32_t act; /* ACT_F32, ACT_Q8 or ACT_I16: the form of the inputs of Q8_0/Q4_1 products */
     int32_t pad_;
 } Model;
 
@@ -272,20 +279,22 @@ static size_t row_bytes(const Mat *m) {
 }
 
 /* An input vector of a matrix product, with what the block formats need of it: block sums
- * (Q4_1 with float activations), or a Q8 copy (int8 per block of 32, a scale, and the
- * scale times the sum of the block, as ggml's Q8_1) for integer dot products. */
+ * (the min term of Q4_1), and for integer dot products an integer copy: ACT_Q8: int8 per
+ * block of 32 in `q`, a scale `qd` and the scale times the block's integer sum `qs` (as
+ * ggml's Q8_1); ACT_I16: int16 in `q16`, `qd` and `qs` as for ACT_Q8. */
 typedef struct {
     const float *x;
     float *xsum; /* [k / 32] */
     int8_t *q;   /* [k] */
+    int16_t *q16; /* [k] */
     float *qd;   /* [k / 32] */
     float *qs;   /* [k / 32] */
-    int quantized;
+    int act;
 } Vec;
 
-static void prepare_vec(Vec *v, const float *x, int k, int act_q8) {
+static void prepare_vec(Vec *v, const float *x, int k, int act) {
     v->x = x;
-    v->quantized = act_q8 && k % QK == 0;
+    v->act = k % QK == 0 ? act : ACT_F32;
     for (int j = 0; j < k / QK; j++) {
         const float *b = x + j * QK;
         float s = 0.0f, amax = 0.0f;
@@ -294,12 +303,22 @@ static void prepare_vec(Vec *v, const float *x, int k, int act_q8) {
             amax = fabsf(b[i]) > amax ? fabsf(b[i]) : amax;
         }
         v->xsum[j] = s;
-        if (v->quantized) {
+        if (v->act == ACT_Q8) {
             const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
             int sum = 0;
             for (int i = 0; i < QK; i++) {
                 const int q = (int)nearbyintf(b[i] * id);
                 v->q[j * QK + i] = (int8_t)q;
+                sum += q;
+            }
+            v->qd[j] = d;
+            v->qs[j] = d * (float)sum;
+        } else if (v->act == ACT_I16) {
+            const float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+            int sum = 0;
+            for (int i = 0; i < QK; i++) {
+                const int q = (int)nearbyintf(b[i] * id);
+                v->q16[j * QK + i] = (int16_t)q;
                 sum += q;
             }
             v->qd[j] = d;
@@ -367,17 +386,109 @@ static float dot_q4_1_q8(const block_q4_1 *b, const Vec *v, int k) {
 #endif
 }
 
+#ifdef CB_AVX2
+/* sum(w x) over one block as 8 float partial sums (exact: |sum| < 2^24 for Q4_1) */
+static inline __m256 q8_0_i16_block(const block_q8_0 *b, const int16_t *x) {
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->qs));
+    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b->qs + 16)));
+    const __m256i x0 = _mm256_loadu_si256((const __m256i *)x);
+    const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + 16));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1)));
+}
+
+static inline __m256 q4_1_i16_block(const block_q4_1 *b, const int16_t *x) {
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)b->qs);
+    const __m256i w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, m4));
+    const __m256i w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+    const __m256i x0 = _mm256_loadu_si256((const __m256i *)x);
+    const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + 16));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1)));
+}
+#endif
+
+/* Q8_0 weights . I16 activations: 16-bit products, summed in pairs (madd), per block. */
+static float dot_q8_0_i16(const block_q8_0 *b, const Vec *v, int k) {
+    const int nb = k / QK;
+#ifdef CB_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    /* two blocks per step into two accumulators: one chain of dependent FMAs would leave
+     * the core waiting on their latency */
+    __m256 acc1 = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 2 <= nb; j += 2) {
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(b[j].d) * v->qd[j]), q8_0_i16_block(&b[j], v->q16 + j * QK), acc);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(b[j + 1].d) * v->qd[j + 1]),
+                               q8_0_i16_block(&b[j + 1], v->q16 + (j + 1) * QK), acc1);
+    }
+    if (j < nb)
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(b[j].d) * v->qd[j]), q8_0_i16_block(&b[j], v->q16 + j * QK), acc);
+    acc = _mm256_add_ps(acc, acc1);
+    return hsum256(acc);
+#else
+    float s = 0.0f;
+    for (int j = 0; j < nb; j++) {
+        int d = 0;
+        for (int i = 0; i < QK; i++) d += b[j].qs[i] * v->q16[j * QK + i];
+        s += fp16_to_f32(b[j].d) * v->qd[j] * (float)d;
+    }
+    return s;
+#endif
+}
+
+/* Q4_1 weights . I16 activations: d dx sum(q qx) + m dx sum(qx), per block (the min term
+ * from the quantized x too, so the error is that of one consistent x). */
+static float dot_q4_1_i16(const block_q4_1 *b, const Vec *v, int k) {
+    const int nb = k / QK;
+    float ms = 0.0f;
+#ifdef CB_AVX2
+    __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float ms1 = 0.0f;
+    int j = 0;
+    for (; j + 2 <= nb; j += 2) { /* two chains, as in dot_q8_0_i16 */
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(b[j].d) * v->qd[j]), q4_1_i16_block(&b[j], v->q16 + j * QK), acc);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(b[j + 1].d) * v->qd[j + 1]),
+                               q4_1_i16_block(&b[j + 1], v->q16 + (j + 1) * QK), acc1);
+        ms += fp16_to_f32(b[j].m) * v->qs[j];
+        ms1 += fp16_to_f32(b[j + 1].m) * v->qs[j + 1];
+    }
+    if (j < nb) {
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(b[j].d) * v->qd[j]), q4_1_i16_block(&b[j], v->q16 + j * QK), acc);
+        ms += fp16_to_f32(b[j].m) * v->qs[j];
+    }
+    acc = _mm256_add_ps(acc, acc1);
+    ms += ms1;
+    return hsum256(acc) + ms;
+#else
+    float s = 0.0f;
+    for (int j = 0; j < nb; j++) {
+        int d = 0;
+        for (int i = 0; i < QK / 2; i++)
+            d += (b[j].qs[i] & 0x0f) * v->q16[j * QK + i] + (b[j].qs[i] >> 4) * v->q16[j * QK + i + 16];
+        s += fp16_to_f32(b[j].d) * v->qd[j] * (float)d;
+        ms += fp16_to_f32(b[j].m) * v->qs[j];
+    }
+    return s + ms;
+#endif
+}
+
 static inline float dot_vec(const Mat *m, int n, const Vec *v) {
     const char *row = (const char *)m->data + (size_t)n * row_bytes(m);
     switch (m->fmt) {
     case FMT_F32: return dot_f32((const float *)row, v->x, m->cols);
     case FMT_BF16: return dot_bf16((const uint16_t *)row, v->x, m->cols);
     case FMT_Q8_0:
-        return v->quantized ? dot_q8_0_q8((const block_q8_0 *)row, v, m->cols)
-                            : dot_q8_0((const block_q8_0 *)row, v->x, m->cols);
+        switch (v->act) {
+        case ACT_Q8: return dot_q8_0_q8((const block_q8_0 *)row, v, m->cols);
+        case ACT_I16: return dot_q8_0_i16((const block_q8_0 *)row, v, m->cols);
+        default: return dot_q8_0((const block_q8_0 *)row, v->x, m->cols);
+        }
     default:
-        return v->quantized ? dot_q4_1_q8((const block_q4_1 *)row, v, m->cols)
-                            : dot_q4_1((const block_q4_1 *)row, v->x, v->xsum, m->cols);
+        switch (v->act) {
+        case ACT_Q8: return dot_q4_1_q8((const block_q4_1 *)row, v, m->cols);
+        case ACT_I16: return dot_q4_1_i16((const block_q4_1 *)row, v, m->cols);
+        default: return dot_q4_1((const block_q4_1 *)row, v->x, v->xsum, m->cols);
+        }
     }
 }
 
@@ -504,10 +615,10 @@ static long shared_floats(const Model *m) {
 }
 
 static long private_floats(const Model *m) {
-    /* x, xn, hid, roped q, roped k, then a Vec: xsum, qd, qs and q (int8, a quarter of the
-     * floats); rounded up to whole cache lines */
+    /* x, xn, hid, roped q, roped k, then a Vec: xsum, qd, qs, q (int8: a quarter of the
+     * floats) and q16 (int16: half); rounded up to whole cache lines */
     const int w = widest_input(m);
-    const long n = 2L * m->dim + m->ffn_dim + 2L * m->head_dim + 3L * (w / QK + 1) + w / 4 + 1;
+    const long n = 2L * m->dim + m->ffn_dim + 2L * m->head_dim + 3L * (w / QK + 1) + (w / 4 + 1) + (w / 2 + 1);
     return (n + 15) / 16 * 16;
 }
 
@@ -551,11 +662,12 @@ int chatbot_decode(const Model *m, int token, int pos, float *logits) {
         vec.qd = vec.xsum + nbw;
         vec.qs = vec.qd + nbw;
         vec.q = (int8_t *)(vec.qs + nbw);
+        vec.q16 = (int16_t *)(vec.qs + nbw + widest_input(m) / 4 + 1);
         embed_row(m->embed, token, x);
         for (int l = 0; l < m->n_layers; l++) {
             float *kc = m->kcache[l], *vc = m->vcache[l];
             rmsnorm(x, m->attn_norm[l], E, m->eps, xn);
-            prepare_vec(&vec, xn, E, m->act_q8);
+            prepare_vec(&vec, xn, E, m->act);
             matvec_par(&m->wqkv[l], &vec, qkv);
 #pragma omp for schedule(static)
             for (int h = 0; h < H; h++) {
@@ -576,34 +688,35 @@ int chatbot_decode(const Model *m, int token, int pos, float *logits) {
                 attend(qr, kc + off, vc + off, kr, v, pos, D, m->attn_scale, scores + (size_t)h * m->cap,
                        att + h * D);
             }
-            prepare_vec(&vec, att, H * D, m->act_q8);
+            prepare_vec(&vec, att, H * D, m->act);
             matvec_par(&m->wo[l], &vec, o);
             for (int i = 0; i < E; i++) x[i] += o[i];
             rmsnorm(x, m->ffn_norm[l], E, m->eps, xn);
-            prepare_vec(&vec, xn, E, m->act_q8);
+            prepare_vec(&vec, xn, E, m->act);
             matvec_par(&m->wgu[l], &vec, gu);
             silu_mul(gu, gu + F, F, hid);
-            prepare_vec(&vec, hid, F, m->act_q8);
+            prepare_vec(&vec, hid, F, m->act);
             matvec_par(&m->wdown[l], &vec, dn);
             for (int i = 0; i < E; i++) x[i] += dn[i];
         }
         rmsnorm(x, m->final_norm, E, m->eps, xn);
-        prepare_vec(&vec, xn, E, m->act_q8);
+        prepare_vec(&vec, xn, E, m->act);
         matvec_par(m->lm_head, &vec, logits);
     }
     return 0;
 }
 
-/* y = W x for one matrix (tests and micro-benchmarks); `act_q8` as in Model. `scratch`
- * needs 3 (cols / 32 + 1) + cols / 4 + 1 floats. */
-void chatbot_matvec(const Mat *m, const float *x, float *scratch, float *y, int n_threads, int act_q8) {
+/* y = W x for one matrix (tests and micro-benchmarks); `act` as in Model. `scratch`
+ * needs 3 (cols / 32 + 1) + (cols / 4 + 1) + (cols / 2 + 1) floats. */
+void chatbot_matvec(const Mat *m, const float *x, float *scratch, float *y, int n_threads, int act) {
     const int nb = m->cols / QK + 1;
     Vec vec = {0};
     vec.xsum = scratch;
     vec.qd = scratch + nb;
     vec.qs = scratch + 2 * nb;
     vec.q = (int8_t *)(scratch + 3 * nb);
-    prepare_vec(&vec, x, m->cols, act_q8);
+    vec.q16 = (int16_t *)(scratch + 3 * nb + m->cols / 4 + 1);
+    prepare_vec(&vec, x, m->cols, act);
 #pragma omp parallel num_threads(n_threads)
     matvec_par(m, &vec, y);
 }

@@ -31,6 +31,7 @@ SOURCE = Path(__file__).with_name("kernels.c")
 QK = 32  # weights per quantization block
 
 FMT_F32, FMT_BF16, FMT_Q8_0, FMT_Q4_1 = 0, 1, 2, 3
+ACT_F32, ACT_Q8, ACT_I16 = 0, 1, 2  # the form of activations in Q8_0/Q4_1 products (kernels.c)
 FORMAT_NAMES = {FMT_F32: "f32", FMT_BF16: "bf16", FMT_Q8_0: "q8_0", FMT_Q4_1: "q4_1"}
 
 
@@ -79,7 +80,7 @@ class ModelStruct(ctypes.Structure):
         ("kcache", ctypes.POINTER(ctypes.c_void_p)),
         ("vcache", ctypes.POINTER(ctypes.c_void_p)),
         ("scratch", ctypes.c_void_p),
-        ("act_q8", ctypes.c_int32),
+        ("act", ctypes.c_int32),
         ("pad_", ctypes.c_int32),
     ]
 
@@ -318,15 +319,13 @@ def unpack(p: PackedMatrix, threads: int | None = None) -> torch.Tensor:
     return out
 
 
-def matvec(
-    p: PackedMatrix, x: torch.Tensor, threads: int | None = None, act_q8: bool = False
-) -> torch.Tensor:
+def matvec(p: PackedMatrix, x: torch.Tensor, threads: int | None = None, act: int = ACT_F32) -> torch.Tensor:
     """W x with the native kernel (x: float32 [cols]); for tests and micro-benchmarks.
-    `act_q8` quantizes x to int8 blocks first, as the lossy levels do."""
+    `act`: the form x takes in Q8_0/Q4_1 products (`ACT_F32`, `ACT_Q8`, `ACT_I16`)."""
     lib = load_library()
     x = x.detach().to(torch.float32).contiguous()
     y = torch.empty(p.rows, dtype=torch.float32)
-    scratch = torch.empty(3 * (p.cols // QK + 1) + p.cols // 4 + 1, dtype=torch.float32)
+    scratch = torch.empty(3 * (p.cols // QK + 1) + (p.cols // 4 + 1) + (p.cols // 2 + 1), dtype=torch.float32)
     mat = p.as_struct()
     lib.chatbot_matvec(
         ctypes.byref(mat),
@@ -334,7 +333,7 @@ def matvec(
         scratch.data_ptr(),
         y.data_ptr(),
         threads or torch.get_num_threads(),
-        int(act_q8),
+        int(act),
     )
     return y
 
