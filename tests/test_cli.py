@@ -3,15 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from chatbot.cli import main
-
-
-def run_main(capsys, *args):
-    with pytest.raises(SystemExit) as exc:
-        main(list(args))
-    out = capsys.readouterr()
-    return exc.value.code, out.out, out.err
+from helpers import cli
 
 
 @pytest.mark.parametrize(
@@ -27,7 +19,7 @@ def run_main(capsys, *args):
     ],
 )
 def test_bad_input_is_one_line(capsys, args, message):
-    code, out, err = run_main(capsys, *args)
+    code, out, err = cli(capsys, *args)
     assert code == 2
     assert message in err
     assert len(err.strip().splitlines()) == 1
@@ -37,18 +29,18 @@ def test_bad_input_is_one_line(capsys, args, message):
 def test_non_model_file(capsys, tmp_path):
     junk = tmp_path / "notes.txt"
     junk.write_text("not a model")
-    code, _, err = run_main(capsys, "run", "--model", str(junk))
+    code, _, err = cli(capsys, "run", "--model", str(junk))
     assert code == 2 and "is not a model" in err
 
 
 def test_folder_without_config(capsys, tmp_path):
-    code, _, err = run_main(capsys, "run", "--model", str(tmp_path))
+    code, _, err = cli(capsys, "run", "--model", str(tmp_path))
     assert code == 2 and "no config.json" in err
 
 
 def test_garbage_gguf(capsys, tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 64)
-    code, _, err = run_main(capsys, "run", "--model", str(bad))
+    code, _, err = cli(capsys, "run", "--model", str(bad))
     assert code == 2 and "cannot read GGUF file" in err
     assert len(err.strip().splitlines()) == 1

@@ -10,6 +10,7 @@ import inspect
 
 import pytest
 import torch
+from helpers import full_logits, greedy_by_recompute
 from transformers import DynamicCache, GenerationConfig
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
@@ -28,22 +29,6 @@ from chatbot.config import SamplingConfig
 from chatbot.engine.generate import Engine
 from chatbot.engine.sink_cache import SinkCache
 from chatbot.errors import ConfigError, StreamingUnsupportedError
-
-
-def full_logits(model, ids):
-    with torch.no_grad():
-        return model(input_ids=torch.tensor([ids])).logits[0].float()
-
-
-def greedy_by_recompute(model, ids, n, stop=()):
-    ids, out = list(ids), []
-    for _ in range(n):
-        tok = int(full_logits(model, ids)[-1].argmax())
-        if tok in stop:
-            break
-        out.append(tok)
-        ids.append(tok)
-    return out
 
 
 @pytest.fixture(autouse=True)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_ids_match_text, full_logits
 
 from chatbot.config import ChatConfig, SamplingConfig
 from chatbot.engine.generate import Engine
@@ -22,21 +23,7 @@ CHATBOT = str(Path(sys.executable).with_name("chatbot"))
 def assert_invariant(session: ChatSession) -> None:
     """Cached ids decode to the rendered conversation; our own spans tokenize as a fresh
     tokenization of the whole rendered text does."""
-    tok = session.tokenizer
-    rendered = session.render(session.messages(), add_generation_prompt=False)
-    assert session.rendered == rendered
-    assert tok.decode(session.all_ids, clean_up_tokenization_spaces=False) == rendered
-    fresh = tok(rendered, add_special_tokens=False, return_offsets_mapping=True)
-    offsets = fresh["offset_mapping"]
-    pos = 0
-    for seg in session.segments:
-        start, end = pos, pos + len(seg.text)
-        pos = end
-        if seg.kind != "prompt":
-            continue
-        # The fresh tokens that lie inside this span, by character offsets.
-        inside = [i for i, (a, b) in zip(fresh["input_ids"], offsets) if a >= start and b <= end and b > a]
-        assert inside == seg.ids, seg.text
+    assert_ids_match_text(session)
     # And the cache holds exactly what the session says it has fed.
     assert session.cache.get_seq_length() == len(session.cache_ids) == session.n_fed
     assert session.cache_ids == session.all_ids[: session.n_fed]
@@ -52,9 +39,8 @@ def test_multi_turn_invariant_and_logits(default_model):
     # Logits on the persistent cache equal a full recompute of the same ids.
     pending = session.pending_ids
     logits = engine.prefill(session.cache, pending)
-    with torch.no_grad():
-        ref = default_model.model(input_ids=torch.tensor([session.all_ids])).logits[0, -1]
-    assert torch.allclose(logits, ref.float(), atol=2e-3, rtol=1e-3)
+    ref = full_logits(default_model.model, session.all_ids)[-1]
+    assert torch.allclose(logits, ref, atol=2e-3, rtol=1e-3)
 
 
 def run_cli(args, stdin="", env=None):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import full_logits, greedy_by_recompute
 from transformers import DynamicCache
 
 from chatbot.config import ChatConfig, SamplingConfig
@@ -12,23 +13,6 @@ from chatbot.errors import ContextFullError
 from chatbot.session import ChatSession
 
 GREEDY = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=12)
-
-
-def full_logits(model, ids):
-    with torch.no_grad():
-        return model(input_ids=torch.tensor([ids])).logits[0].float()
-
-
-def greedy_by_recompute(model, ids, n, stop=()):
-    ids = list(ids)
-    out = []
-    for _ in range(n):
-        tok = int(full_logits(model, ids)[-1].argmax())
-        if tok in stop:
-            break
-        out.append(tok)
-        ids.append(tok)
-    return out
 
 
 def test_prefill_in_pieces_matches_one_forward(tiny_engine, tiny_model):

@@ -8,24 +8,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import tiny_llama
+from transformers import LlamaForCausalLM
 
 from chatbot.errors import ConfigError
 from chatbot.measure.eval_ppl import SETUPS, format_table, run_eval_ppl, run_eval_ppl_ids, write_plot
-
-
-def tiny_llama(num_layers: int = 2) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    return LlamaForCausalLM(config).eval()
 
 
 def random_ids(n: int, seed: int = 3) -> torch.Tensor:

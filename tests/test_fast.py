@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from helpers import full_logits, greedy_by_recompute
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
 from chatbot.engine import kernels
@@ -45,21 +46,6 @@ def ref_q4_1(w: torch.Tensor) -> torch.Tensor:
     m, d = lo.half().float(), ((hi - lo) / 15).half().float()
     q = torch.where(d > 0, (b - m) / d, torch.zeros_like(b)).round().clamp(0, 15)
     return (q * d + m).reshape(w.shape)
-
-
-def full_logits(model, ids):
-    with torch.no_grad():
-        return model(input_ids=torch.tensor([ids])).logits[0].float()
-
-
-def greedy_by_recompute(model, ids, n):
-    ids = list(ids)
-    out = []
-    for _ in range(n):
-        tok = int(full_logits(model, ids)[-1].argmax())
-        out.append(tok)
-        ids.append(tok)
-    return out
 
 
 def answer(chunks) -> list[int]:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import CHATML, make_llama, make_tokenizer
+from helpers import assert_one_line_error, cli
 
-from chatbot.cli import main
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
 from chatbot.engine.generate import Engine
 from chatbot.errors import ConfigError, ModelLoadError, StreamingUnsupportedError
@@ -72,28 +72,6 @@ def chat(loaded, turns, **engine):
         chunks = list(session.send(text))
         assert chunks[-1].finish_reason in ("stop", "length")
     return session
-
-
-def cli(capsys, *args):
-    """Run `chatbot ARGS`; the exit code (0 when main returns), stdout and stderr."""
-    code = 0
-    capsys.readouterr()  # drop what the set-up printed (progress bars of save_pretrained)
-    try:
-        main(list(args))
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def assert_one_line_error(capsys, *args, match: str) -> str:
-    code, _, err = cli(capsys, *args)
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("chatbot: error: "), err
-    assert "Traceback" not in err
-    assert match in lines[0], lines[0]
-    return lines[0]
 
 
 # -- families -----------------------------------------------------------------------------------
@@ -486,7 +464,7 @@ def test_debug_shows_the_traceback(tmp_path, monkeypatch):
 
     monkeypatch.setattr(chatbot.cli, "_DEBUG", False)  # --debug sets it for the process: undo after
     with pytest.raises(ModelLoadError, match="no such file or folder"):
-        main(["run", "--model", str(tmp_path / "nowhere"), "--debug"])
+        chatbot.cli.main(["run", "--model", str(tmp_path / "nowhere"), "--debug"])
 
 
 # -- chatbot models ---------------------------------------------------------------------------

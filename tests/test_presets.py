@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import assert_one_line_error, cli
 
-from chatbot.cli import main
 from chatbot.errors import ConfigError
 from chatbot.models.presets import (
     find_preset,
@@ -23,18 +23,6 @@ SHIPPED = {
     "default", "llama-2-chat", "llama-3-instruct", "mistral-instruct", "qwen2.5-instruct",
     "vicuna", "colossal-llama",
 }
-
-
-def cli(capsys, *args):
-    """Run `chatbot ARGS`; the exit code (0 when main returns), stdout and stderr."""
-    code = 0
-    capsys.readouterr()  # drop what the set-up printed (progress bars of save_pretrained)
-    try:
-        main(list(args))
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_shipped_presets_parse():
@@ -132,11 +120,7 @@ def test_config_show_rejects_bad_values_in_one_line(capsys, tmp_path):
         ("config", "show", "--template", "alpaca"),
         ("config", "show", "--top-p", "0"),
     ):
-        code, _, err = cli(capsys, *args)
-        assert code == 2, args
-        lines = [line for line in err.splitlines() if line.strip()]
-        assert len(lines) == 1 and lines[0].startswith("chatbot: error: "), err
-        assert "Traceback" not in err
+        assert_one_line_error(capsys, *args)
 
 
 def test_run_refuses_a_bad_preset_before_loading(capsys, tmp_path, monkeypatch):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_llama, make_tokenizer
+from helpers import assert_one_line_error
 
-from chatbot.cli import main
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
 from chatbot.engine.generate import Engine
 from chatbot.errors import ModelLoadError
@@ -19,25 +19,6 @@ from chatbot.session import ChatSession
 needs_bnb = pytest.mark.skipif(bnb_version() is None, reason="bitsandbytes is not installed")
 CPU = torch.device("cpu")
 LAYER = {"4bit": "Linear4bit", "8bit": "Linear8bitLt"}
-
-
-def cli(capsys, *args):
-    code = 0
-    capsys.readouterr()
-    try:
-        main(list(args))
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def one_line_error(capsys, *args) -> str:
-    code, _, err = cli(capsys, *args)
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("chatbot: error: "), err
-    assert "Traceback" not in err
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +73,7 @@ def test_tiny_model_quantized(mode, tiny_folder):
 def test_unsupported_combination_is_one_line(capsys, tiny_folder, monkeypatch):
     monkeypatch.setattr(quantize, "bnb_version", lambda: "0.42.0")
     monkeypatch.setattr(quantize, "_probe", lambda mode, device, dtype: "NotImplementedError: no cpu kernel")
-    line = one_line_error(capsys, "run", "--model", str(tiny_folder), "--quantize", "4bit", "--device", "cpu")
+    line = assert_one_line_error(capsys, "run", "--model", str(tiny_folder), "--quantize", "4bit", "--device", "cpu")
     assert line == (
         "chatbot: error: 4bit quantization does not run on cpu with bitsandbytes 0.42.0 "
         "(NotImplementedError: no cpu kernel); it needs CUDA, or drop --quantize"
@@ -116,12 +97,12 @@ def test_probe_failure_is_caught(monkeypatch):
 
 def test_missing_bitsandbytes_is_one_line(capsys, tiny_folder, monkeypatch):
     monkeypatch.setattr(quantize, "bnb_version", lambda: None)
-    line = one_line_error(capsys, "run", "--model", str(tiny_folder), "--quantize", "8bit")
+    line = assert_one_line_error(capsys, "run", "--model", str(tiny_folder), "--quantize", "8bit")
     assert "--quantize 8bit needs bitsandbytes: pip install" in line
 
 
 def test_unknown_mode_is_one_line(capsys, tiny_folder):
-    line = one_line_error(capsys, "run", "--model", str(tiny_folder), "--quantize", "3bit")
+    line = assert_one_line_error(capsys, "run", "--model", str(tiny_folder), "--quantize", "3bit")
     assert line == "chatbot: error: unknown --quantize '3bit': use 4bit or 8bit"
 
 

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from helpers import assert_ids_match_text, full_logits
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
 from chatbot.engine.generate import Engine
@@ -30,30 +31,13 @@ def _one_thread():
 GREEDY = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=10)
 
 
-def full_logits(model, ids):
-    with torch.no_grad():
-        return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
-
-
 def assert_invariant(session: ChatSession, check_logits: bool = True) -> None:
     """The rendered text, the ids and the cache agree; prompt spans tokenize as a fresh
     tokenization of the whole text does; the cache's logits equal a full recompute."""
-    tok = session.tokenizer
     if not session.turns and not session.segments:
         assert session.cache.get_seq_length() == len(session.cache_ids) == session.n_fed == 0
         return
-    rendered = session.render(session.messages(), add_generation_prompt=False)
-    assert session.rendered == rendered
-    assert tok.decode(session.all_ids, clean_up_tokenization_spaces=False) == rendered
-    fresh = tok(rendered, add_special_tokens=False, return_offsets_mapping=True)
-    pos = 0
-    for seg in session.segments:
-        start, end = pos, pos + len(seg.text)
-        pos = end
-        if seg.kind != "prompt":
-            continue
-        inside = [i for i, (a, b) in zip(fresh["input_ids"], fresh["offset_mapping"]) if a >= start and b <= end and b > a]
-        assert inside == seg.ids, seg.text
+    assert_ids_match_text(session)
     for turn in session.turns:
         if turn.first_segment >= 0:
             assert session.segments[turn.first_segment].kind == "prompt"
@@ -73,7 +57,7 @@ def assert_invariant(session: ChatSession, check_logits: bool = True) -> None:
         model = session.engine.model  # the model itself, not the engine's decode path
         with torch.no_grad():
             got = model(input_ids=torch.tensor([pending]), cache=cache, use_cache=True).logits[0, -1].float()
-        ref = full_logits(model, ids + pending)
+        ref = full_logits(model, ids + pending)[-1]
         assert torch.allclose(got, ref, atol=1e-3), (got - ref).abs().max()
 
 
@@ -442,7 +426,7 @@ def test_commands_keep_the_invariant_on_the_default_model(default_model, tmp_pat
             pending, ids = ids[-1:], ids[:-1]
         with torch.no_grad():
             got = engine.model(input_ids=torch.tensor([pending]), cache=cache, use_cache=True).logits[0, -1].float()
-        ref = full_logits(engine.model, ids + pending)
+        ref = full_logits(engine.model, ids + pending)[-1]
         assert torch.allclose(got, ref, atol=2e-3, rtol=1e-3)
 
     answer(s.send("Hi! Name a colour."))

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny_llama
 from transformers import (
     DynamicCache,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
-    LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     PhiConfig,
@@ -27,23 +27,6 @@ from chatbot.errors import ChatbotError, StreamingUnsupportedError
 
 HEAD_DIM = 16  # hidden 64 / 4 heads
 KV_HEADS = 2
-
-
-def tiny_llama(num_layers: int = 2, attn: str = "sdpa") -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=KV_HEADS,
-        max_position_embeddings=512,
-        attn_implementation=attn,
-    )
-    model = LlamaForCausalLM(config).eval()
-    assert model.config._attn_implementation == attn
-    return model
 
 
 def random_ids(n: int, seed: int = 1) -> torch.Tensor:
