@@ -18,6 +18,10 @@ Per turn the segments are: the prompt (template text and the user's message), th
 and the template's closing text after it (e.g. ``<|im_end|>\\n``), which stays pending until
 the next turn feeds it. That layout is what lets `undo`, `retry` and `continue_answer` cut
 the cache back instead of re-encoding.
+
+A fallback template's stop strings (e.g. Vicuna's "USER:", several tokens) end an answer
+too: the answer ends right before the stop string, the stream never shows it, and the cache
+is cut back to the answer's tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from chatbot.config import ChatConfig, SamplingConfig
 from chatbot.engine.generate import Engine, GenerationChunk
 from chatbot.engine.stats import TurnStats
 from chatbot.errors import ChatbotError, ConfigError
+from chatbot.models.templates import StopOnStrings, find_stop, held_back, stop_strings_of
 
 SAVE_FORMAT = "chatbot-session"
 SAVE_VERSION = 1
@@ -172,6 +177,34 @@ class _FeedLog:
         )
 
 
+class _StopView:
+    """What the caller of a streamed answer may see when stop strings apply: the text up to
+    the first stop string, less an end that may still grow into one (shown once it cannot,
+    or when the answer ends).
+
+    Args:
+        stop_strings: the texts that end the answer.
+        shown: the answer's text the caller has already seen (a continued answer's start).
+    """
+
+    def __init__(self, stop_strings: tuple[str, ...], shown: str = "") -> None:
+        self.stop_strings = stop_strings
+        self.text = shown
+        self.shown = len(shown)
+
+    def chunk(self, chunk: GenerationChunk) -> GenerationChunk:
+        """The chunk with only the text that may be shown now."""
+        self.text += chunk.text
+        end = find_stop(self.text, self.stop_strings)
+        if end < 0:
+            end = len(self.text)
+            if not chunk.finish_reason:
+                end -= held_back(self.text, self.stop_strings)
+        text = self.text[self.shown : end] if end > self.shown else ""
+        self.shown = max(self.shown, end)
+        return dataclasses.replace(chunk, text=text)
+
+
 class ChatSession:
     """Messages, the token ids in the cache, and `send()` that streams an answer.
 
@@ -194,6 +227,9 @@ class ChatSession:
         self.generator = torch.Generator(device=engine.device)
         self._seed_generator()
         self.stop_ids = self._stop_ids()
+        # The fallback template's stop strings, matched as text (single-token ones are stop
+        # ids too; the text match also catches them spelled out in several tokens).
+        self.stop_strings = stop_strings_of(self.tokenizer)
 
     # -- set-up -------------------------------------------------------------------------
 
@@ -359,12 +395,23 @@ class ChatSession:
         """Feed what is pending (plus `prompt`) and stream the answer.
 
         `resume` regenerates (or, with `extend`, lengthens) the answer of an existing turn.
+        With stop strings, the chunks' text stops before the first one and holds back an
+        end that may be the start of one; their ids are the tokens as generated.
         """
         first_segment = len(self.segments)
         evicted_before = self.evicted_total
         new_ids = self.pending_ids + (prompt.ids if prompt else [])
         if prompt is not None:
             self.segments.append(prompt)
+        stop: StopOnStrings | None = None
+        view: _StopView | None = None
+        if self.stop_strings:
+            stop = StopOnStrings(self.tokenizer, self.stop_strings)
+            last = self.segments[-1] if self.segments else None
+            before = last if extend and last is not None and last.kind == "answer" else None
+            if before is not None:
+                stop.answer_tokens = len(before.ids)  # a stop string may begin in the part before
+            view = _StopView(self.stop_strings, before.text if before is not None else "")
         log = _FeedLog(self)
         chunks = self.engine.generate(
             self.cache,
@@ -376,6 +423,7 @@ class ChatSession:
             on_evict=log.on_evict,
             on_fed=log.on_fed,
             generator=self.generator,
+            stopping_criteria=stop,
         )
         shown: list[int] = []
         stats: TurnStats | None = None
@@ -390,7 +438,7 @@ class ChatSession:
                 shown.extend(chunk.token_ids)
                 if chunk.stats is not None:
                     stats = chunk.stats
-                yield chunk
+                yield chunk if view is None else view.chunk(chunk)
             finished = True
         finally:
             chunks.close()
@@ -442,11 +490,27 @@ class ChatSession:
         resume: Turn | None,
         extend: bool,
     ) -> None:
-        """Record the exchange and queue the template's end-of-turn text (not fed yet)."""
+        """Record the exchange and queue the template's end-of-turn text (not fed yet).
+
+        An answer with a stop string in it ends right before it; the cache is cut back to
+        the ids that stay as generated.
+        """
         if extend and self.segments and self.segments[-1].kind == "answer":
             old = self.segments.pop()
             answer_ids = [*old.ids, *answer_ids]
         answer_text = self.decode(answer_ids)
+        at = find_stop(answer_text, self.stop_strings)
+        if at >= 0:
+            answer_text = answer_text[:at]
+            answer_ids, kept = self._ids_for_cut_answer(answer_ids, answer_text)
+            start = len(self.all_ids)
+            self.segments.append(Segment("answer", answer_text, answer_ids))
+            # Cut the stop string's tokens out of the cache (at the end of it, as /continue
+            # does); a re-encoded end of the answer is pending, like the closing text.
+            self._truncate(len(self.segments), start + kept, self.evicted_total)
+            stats.cache_tokens = len(self.cache_ids)
+        else:
+            self.segments.append(Segment("answer", answer_text, list(answer_ids)))
         if resume is not None:
             resume.answer = answer_text
             resume.interrupted = not finished
@@ -456,7 +520,6 @@ class ChatSession:
                 Turn(user, answer_text, stats, interrupted=not finished, first_segment=first_segment,
                      evicted_before=min(evicted_before, self.evicted_total))
             )
-        self.segments.append(Segment("answer", answer_text, list(answer_ids)))
         # The template's closing text after the answer (e.g. "<|im_end|>\n").
         expected = self.rendered
         after = self.render(self.messages(), add_generation_prompt=False)
@@ -467,6 +530,25 @@ class ChatSession:
         else:
             # The template does not render the answer as generated (e.g. it trims it).
             self._rebuild_segments()
+
+    def _ids_for_cut_answer(self, ids: list[int], text: str) -> tuple[list[int], int]:
+        """Ids that decode to `text`, an answer cut before a stop string, and how many of
+        them lead as generated.
+
+        The generated ids are kept as far as they decode to a prefix of the text; the rest
+        of it (a stop string that begins inside a token) is re-encoded. Should that not
+        join, the whole text is encoded afresh, keeping the ids it shares with the answer.
+        """
+        kept = len(ids)
+        while kept and not text.startswith(self.decode(ids[:kept])):
+            kept -= 1
+        new = ids[:kept] + self.encode(text[len(self.decode(ids[:kept])) :])
+        if self.decode(new) != text:
+            new = self.encode(text)
+            kept = 0
+            while kept < min(len(ids), len(new)) and ids[kept] == new[kept]:
+                kept += 1
+        return new, kept
 
     # -- the cache --------------------------------------------------------------------------
 

@@ -4,7 +4,9 @@ A fallback is a Jinja template set as `tokenizer.chat_template`, so everything d
 renders through `apply_chat_template` whatever the source. Each template knows the texts
 that end an assistant turn (its stop strings); the ones that are a single token of the
 model's vocabulary (and the tokenizer's EOS where the template closes turns with it) are
-added to `model.generation_config.eos_token_id`, where the session looks for stop ids.
+added to `model.generation_config.eos_token_id`, where the session looks for stop ids; the
+session also ends an answer on any of them written as text (`stop_strings_of`,
+`StopOnStrings`), e.g. Vicuna's "USER:", which is several tokens.
 
 The fallbacks are written to be *prefix-stable*: rendering a conversation with the
 generation prompt, then appending the answer exactly as the model produced it, gives the
@@ -275,11 +277,16 @@ def apply_template(tokenizer: Any, model: Any | None = None, requested: str | No
     return info
 
 
+def _as_written(tokenizer: Any, text: str) -> str:
+    """A stop string as the rendered text has it: `</s>` is the tokenizer's EOS, whatever it is."""
+    eos = getattr(tokenizer, "eos_token", None)
+    return eos if text == "</s>" and eos and eos != "</s>" else text
+
+
 def _stop_ids_for(tokenizer: Any, stop_strings: tuple[str, ...]) -> list[int]:
     ids: list[int] = []
     for text in stop_strings:
-        if text == "</s>" and tokenizer.eos_token and tokenizer.eos_token != "</s>":
-            text = tokenizer.eos_token  # the template writes `eos_token`, whatever it is
+        text = _as_written(tokenizer, text)
         tid = _single_token_id(tokenizer, text)
         if tid is not None and tid not in ids:
             ids.append(tid)
@@ -322,11 +329,41 @@ def check_template(tokenizer: Any, system: str | None, name: str = "this model")
         )
 
 
+def stop_strings_of(tokenizer: Any) -> tuple[str, ...]:
+    """The stop strings of the fallback template the tokenizer renders with (`apply_template`
+    set it), as the rendered text has them (`</s>` is the tokenizer's EOS); none for the
+    tokenizer's own template or a file's."""
+    current = getattr(tokenizer, "chat_template", None)
+    for template in TEMPLATES.values():
+        if current == template.jinja:
+            return tuple(dict.fromkeys(_as_written(tokenizer, s) for s in template.stop_strings))
+    return ()
+
+
+def find_stop(text: str, stop_strings: tuple[str, ...] | list[str]) -> int:
+    """Where the first stop string in `text` begins; -1 when there is none."""
+    hits = [at for at in (text.find(s) for s in stop_strings if s) if at >= 0]
+    return min(hits, default=-1)
+
+
+def held_back(text: str, stop_strings: tuple[str, ...] | list[str]) -> int:
+    """Length of the longest end of `text` that is the start of a stop string (and so may
+    still grow into one): text a stream must not show yet."""
+    longest = 0
+    for stop in stop_strings:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest
+
+
 class StopOnStrings:
     """A stopping criterion for `Engine.generate(stopping_criteria=...)`: true once the
     answer's text contains one of the template's stop strings (multi-token ones included,
     e.g. Vicuna's "USER:"). Make one per answer: it counts the answer tokens it is asked
-    about, so the prompt's own "USER:" never matches.
+    about, so the prompt's own "USER:" never matches (set `answer_tokens` to the length of
+    an answer being continued, so that its end counts too).
 
     The token that completes the stop string stays in the answer (as in transformers);
     `cut(text)` gives the answer without the stop string and what follows it.
@@ -349,5 +386,5 @@ class StopOnStrings:
 
     def cut(self, text: str) -> str:
         """`text` up to the first stop string (all of it when there is none)."""
-        hits = [text.find(s) for s in self.stop_strings if s in text]
-        return text[: min(hits)] if hits else text
+        at = find_stop(text, self.stop_strings)
+        return text[:at] if at >= 0 else text
