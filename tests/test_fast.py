@@ -48,6 +48,18 @@ def ref_q4_1(w: torch.Tensor) -> torch.Tensor:
     return (q * d + m).reshape(w.shape)
 
 
+def assert_decode_matches_recompute(decoder: FastDecoder, model, atol: float) -> None:
+    """Prefill 10 random tokens with transformers, decode 30 more natively: after each, the
+    logits equal a full recompute of the sequence so far."""
+    ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    cache = decoder.new_cache()
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids[:10]]), cache=cache, use_cache=True)
+    for i in range(10, 40):
+        logits = decoder.decode(cache, ids[i])
+        assert torch.allclose(logits, full_logits(model, ids[: i + 1])[-1], atol=atol)
+
+
 def answer(chunks) -> list[int]:
     return [t for c in chunks for t in c.token_ids]
 
@@ -71,16 +83,23 @@ def test_matvec_matches_dequantized_weights(fmt):
 
 @needs_kernels
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
-def test_integer_products_with_q8_activations(fmt):
-    """The lossy levels quantize activations per block of 32 (scale absmax / 127, float32)."""
+@pytest.mark.parametrize("act,top", [(kernels.ACT_Q8, 127), (kernels.ACT_I16, 32767)])
+def test_integer_products_with_quantized_activations(fmt, act, top):
+    """Activations quantized per block of 32 (scale absmax / top, float32): int8 for the
+    lossy levels, int16 for `auto` on block-format weights."""
     torch.manual_seed(1)
-    w, x = torch.randn(200, 96), torch.randn(96)
+    w, x = torch.randn(200, 96), torch.randn(96) * torch.rand(96) * 4
     b = x.reshape(-1, 32)
-    d = b.abs().amax(-1, keepdim=True) / 127
+    d = b.abs().amax(-1, keepdim=True) / top
     xq = ((b / d).round() * d).reshape(-1)
     packed = kernels.PACKERS[fmt](w)
-    got = kernels.matvec(packed, x, 2, act_q8=True)
-    assert torch.allclose(got, kernels.unpack(packed) @ xq, atol=1e-4)
+    deq = kernels.unpack(packed)
+    for threads in (1, 2):
+        got = kernels.matvec(packed, x, threads, act=act)
+        assert torch.allclose(got, deq @ xq, atol=1e-4)
+    if act == kernels.ACT_I16:  # 16 bits: within float32 rounding of the exact product
+        assert torch.allclose(kernels.matvec(packed, x, 2, act=act), deq @ x, atol=2e-3)
+        assert not torch.allclose(kernels.matvec(packed, x, 2, act=kernels.ACT_Q8), deq @ x, atol=2e-3)
 
 
 @needs_kernels
@@ -155,15 +174,29 @@ def test_fast_greedy_equals_float32_reference_for_64_tokens(tiny_model, tiny_tok
 
 
 @needs_kernels
-def test_fast_logits_match_full_recompute(tiny_model):
-    decoder = FastDecoder(tiny_model, "f32", threads=2)
-    ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()
-    cache = decoder.new_cache()
+def test_auto_on_block_quantized_weights_matches_recompute_and_greedy_reference(tiny_tokenizer):
+    """A model whose weights sit on the Q4_1 grid (as one converted from a Q4_1 GGUF): `auto`
+    packs them exactly and runs int16 activations; logits stay within 1e-3 of a float32
+    full recompute and 64 greedy tokens equal the reference."""
+    from tests.conftest import make_llama
+
+    model = make_llama(len(tiny_tokenizer))
     with torch.no_grad():
-        tiny_model(input_ids=torch.tensor([ids[:10]]), cache=cache, use_cache=True)
-    for i in range(10, 40):
-        logits = decoder.decode(cache, ids[i])
-        assert torch.allclose(logits, full_logits(tiny_model, ids[: i + 1])[-1], atol=1e-4)
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and p.shape[1] % 32 == 0:
+                p.copy_(ref_q4_1(p) if "embed" not in name else ref_q8_0(p))
+    decoder = FastDecoder(model, "auto")
+    assert set(decoder.info().formats) <= {"q4_1", "q8_0"}
+    assert decoder.struct.act == kernels.ACT_I16
+    assert_decode_matches_recompute(decoder, model, atol=1e-3)
+    prompt = list(range(5, 25))
+    engine = Engine(model, tiny_tokenizer, decoder=decoder)
+    assert answer(engine.generate(engine.new_cache(), prompt, GREEDY)) == greedy_by_recompute(model, prompt, 64)
+
+
+@needs_kernels
+def test_fast_logits_match_full_recompute(tiny_model):
+    assert_decode_matches_recompute(FastDecoder(tiny_model, "f32", threads=2), tiny_model, atol=1e-4)
 
 
 @needs_kernels
