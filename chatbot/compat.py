@@ -27,6 +27,7 @@ from chatbot.config import SamplingConfig
 from chatbot.engine.detokenize import IncrementalDetokenizer
 from chatbot.engine.generate import Engine
 from chatbot.engine.sink_cache import SinkCache
+from chatbot.models.templates import held_back
 
 __all__ = [
     "StreamGenerator",
@@ -510,17 +511,6 @@ class _StopFlag:
         return self.stopped
 
 
-def _held_back(text: str, stop_strings: Sequence[str]) -> int:
-    """Length of the longest end of `text` that begins some stop string (so might grow into one)."""
-    longest = 0
-    for stop in stop_strings:
-        for k in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:k]):
-                longest = k
-                break
-    return longest
-
-
 def StreamGenerator(  # noqa: N802 - TinyChat's name
     model: Any,
     tokenizer: Any,
@@ -607,7 +597,7 @@ def StreamGenerator(  # noqa: N802 - TinyChat's name
     def text(final: bool) -> str:
         shown = detok.text if cut is None else detok.text[:cut]
         if not final and cut is None:
-            shown = shown[: len(shown) - _held_back(shown, stops)]
+            shown = shown[: len(shown) - held_back(shown, stops)]
         if not echo:
             return shown
         full = tokenizer.decode(input_ids + answer, skip_special_tokens=True)
