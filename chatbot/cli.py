@@ -16,7 +16,7 @@ from typer.exceptions import Abort, Exit, TyperException
 from rich.console import Console
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
-from chatbot.errors import ChatbotError
+from chatbot.errors import ChatbotError, ConfigError
 
 app = typer.Typer(
     name="chatbot",
@@ -309,6 +309,7 @@ def bench_decode(
     ppl_tokens: Annotated[int, typer.Option(help="Also measure perplexity over this many tokens of the text, through each decode path (0: skip).", min=0)] = 0,
     gguf: Annotated[Path | None, typer.Option(help="GGUF file for llama.cpp (default: the default model's).")] = None,
     png: Annotated[Path | None, typer.Option(help="Also draw the figures into this PNG (needs matplotlib).")] = None,
+    also: Annotated[str | None, typer.Option(help="Also run these benches on the same model, into the same JSON: turns (persistent cache vs re-encoding), streaming (sink cache vs recomputation; reads --text or ../shared/data/long_text.txt).")] = None,
     model: ModelOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = None,
@@ -316,15 +317,39 @@ def bench_decode(
     """Decode and prefill speed, time to first token and peak memory: transformers generate(),
     our engine at each --opt level, and llama.cpp, side by side (one process per set-up)."""
     from chatbot.measure.bench_decode import plot_decode, print_decode, run_decode_bench
-    from chatbot.measure.report import write_json
+    from chatbot.measure.report import read_text, write_json
 
     chosen = [s.strip() for s in setups.split(",") if s.strip()] if setups else None
+    extra = [s.strip() for s in (also or "").split(",") if s.strip()]
+    unknown = sorted(set(extra) - {"turns", "streaming"})
+    if unknown:
+        raise ConfigError(f"--also: unknown bench {', '.join(unknown)}; choose from turns, streaming")
+    if "streaming" in extra:
+        from chatbot.measure.bench_streaming import default_text_path
+
+        long_text = read_text(text or default_text_path())
     err = Console(stderr=True, highlight=False)
     result = run_decode_bench(
         chosen, model=model, threads=threads, rounds=rounds, decode_tokens=decode_tokens, text=text,
         ppl_tokens=ppl_tokens, gguf=gguf, progress=lambda line: err.print(f"[dim]{line}[/dim]"),
     )
-    print_decode(Console(), result)
+    out = Console()
+    print_decode(out, result)
+    if extra:
+        from chatbot.measure.bench import load_conversation, run_turns_bench
+        from chatbot.measure.bench_streaming import run_streaming_bench
+        from chatbot.measure.report import print_streaming, print_turns
+
+        _set_threads(threads)
+        loaded = _load(model, "cpu", "auto")
+        if "turns" in extra:
+            err.print("[dim]multi-turn bench[/dim]")
+            result["turns"] = run_turns_bench(loaded, load_conversation(None))
+            print_turns(out, result["turns"])
+        if "streaming" in extra:
+            err.print("[dim]streaming bench[/dim]")
+            result["streaming"] = run_streaming_bench(loaded, long_text)
+            print_streaming(out, result["streaming"])
     if json_out:
         write_json(json_out, result)
     if png:

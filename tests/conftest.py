@@ -55,7 +55,7 @@ def make_llama(vocab_size: int, layers: int = 2, seed: int = 0, attn: str = "sdp
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    settings = dict(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
@@ -67,8 +67,8 @@ def make_llama(vocab_size: int, layers: int = 2, seed: int = 0, attn: str = "sdp
         eos_token_id=2,
         pad_token_id=2,
         tie_word_embeddings=True,
-        **overrides,
     )
+    config = LlamaConfig(**{**settings, **overrides})
     config._attn_implementation = attn
     model = LlamaForCausalLM(config)
     # Random init gives near-uniform logits; scale up so greedy choices are well separated.

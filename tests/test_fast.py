@@ -418,6 +418,36 @@ def test_bench_decode_rows_and_json(monkeypatch, tmp_path, capsys):
     assert "chatbot-auto" in capsys.readouterr().out
 
 
+def test_bench_decode_also_runs_the_turns_bench_into_the_same_json(monkeypatch, tmp_path, capsys, tiny_tokenizer):
+    """`--also turns` adds the multi-turn figures (persistent cache vs re-encoding) of the
+    same model to the decode bench's table and JSON; a bench it does not know is a one-line
+    error before anything runs."""
+    import json
+
+    from helpers import assert_one_line_error, cli
+
+    from chatbot.measure import bench_decode
+
+    ran = []
+    monkeypatch.setattr(bench_decode, "_run_worker", lambda spec: ran.append(spec) or {"name": spec["name"], "error": "skipped"})
+    assert_one_line_error(capsys, "bench", "decode", "--also", "turns,latency", match="unknown bench latency")
+    assert ran == []
+    from tests.conftest import make_llama
+
+    folder = tmp_path / "tiny"
+    make_llama(len(tiny_tokenizer), max_position_embeddings=4096).save_pretrained(folder)  # room for 12 turns
+    tiny_tokenizer.save_pretrained(folder)
+    out = tmp_path / "bench.json"
+    code, stdout, _ = cli(capsys, "bench", "decode", "--setups", "chatbot-auto", "--rounds", "1",
+                          "--also", "turns", "--model", str(folder), "--json", str(out))  # fmt: skip
+    assert code == 0
+    turns = json.loads(out.read_text())["turns"]
+    assert len(turns["turns"]) == 12  # the shipped twelve-turn conversation
+    last = turns["turns"][-1]
+    assert last["persistent"]["prefill_tokens"] < last["reencode"]["prefill_tokens"]
+    assert "multi-turn chat" in stdout
+
+
 @needs_kernels
 def test_rope_table_and_cache_grow_past_their_first_size(tiny_model):
     decoder = FastDecoder(tiny_model, "f32")

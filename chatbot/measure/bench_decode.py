@@ -393,46 +393,46 @@ def run_decode_bench(
 
 
 def print_decode(console: Any, result: dict[str, Any]) -> None:
-    """A Rich table of the medians, one row per set-up."""
+    """Rich tables of the medians, one row per set-up: decode, then prefill (two narrow
+    tables rather than one that an 80-column terminal would squeeze to ellipses)."""
     from rich.table import Table
 
     s = result["settings"]
-    table = Table(
-        title=f"decode and prefill, {s['model']}, {result['machine']['torch_threads']} threads, "
-        f"medians of {s['rounds']} interleaved rounds"
-    )
     sizes = [str(n) for n in s["prefill_sizes"]]
-    columns = ["decode\ntok/s", "ms/tok\np50", "ms/tok\np90", *[f"prefill\n@{n}" for n in sizes],
-               "TTFT\ns", "peak\nMB", "same\ntokens"]  # fmt: skip
+    title = (f"{s['model']}, {result['machine']['torch_threads']} threads, "
+             f"medians of {s['rounds']} interleaved rounds")  # fmt: skip
+    decode = Table(title=f"decode: {title}")
+    prefill = Table(title="prefill and time to first token")
+    columns = ["tok/s", "p50\nms", "p90\nms", "peak\nMB", "same\ntok"]
     if s.get("ppl_tokens"):
         columns.append(f"ppl\n@{s['ppl_tokens']}")
-    table.add_column("set-up", no_wrap=True)
-    for col in columns:
-        table.add_column(col, justify="right")
-    columns.insert(0, "set-up")
+    for table, cols in ((decode, columns), (prefill, [*[f"tok/s @{n}" for n in sizes], "TTFT s"])):
+        table.add_column("set-up", no_wrap=True)
+        for col in cols:
+            table.add_column(col, justify="right", no_wrap=True)
     for r in result["results"]:
         if "error" in r:
-            table.add_row(r["name"], f"[dim]{r['error']}[/dim]", *[""] * (len(columns) - 2))
+            decode.add_row(r["name"], f"[dim]{r['error']}[/dim]", *[""] * (len(columns) - 1))
             continue
         row = [
             r["name"],
             f"{r['decode_tps']:.1f}",
             f"{r['ms_per_token_p50']:.1f}",
             f"{r['ms_per_token_p90']:.1f}",
-            *[f"{r['prefill_tps'][n]:.0f}" for n in sizes],
-            f"{r['ttft_s']:.3f}",
             f"{r['peak_mem_mb']:.0f}",
             str(r.get("same_tokens_as_baseline", "")),
         ]
         if s.get("ppl_tokens"):
-            row.append(f"{r['ppl']:.3f}" if "ppl" in r else "")
-        table.add_row(*row)
-    console.print(table)
+            row.append(f"{r['ppl']:.4f}" if "ppl" in r else "")
+        decode.add_row(*row)
+        prefill.add_row(r["name"], *[f"{r['prefill_tps'][n]:.0f}" for n in sizes], f"{r['ttft_s']:.3f}")
+    console.print(decode)
+    console.print(prefill)
     m = result["machine"]
     load = f"; load average {m['loadavg_start'][0]} -> {m['loadavg_end'][0]}" if "loadavg_start" in m else ""
     console.print(f"[dim]{m['processor']}, {m['cpu_count']} CPUs, torch {m['torch']}{load}. prefill: tokens/s "
                   f"at that prompt length; TTFT: time to first token after a {s['decode_prompt_tokens']}-token "
-                  "prompt; same tokens: greedy tokens equal to transformers' before the first "
+                  "prompt; p50/p90 ms: per decoded token; same tok: greedy tokens equal to transformers' before the first "
                   "difference[/dim]")  # fmt: skip
 
 
