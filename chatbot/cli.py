@@ -192,7 +192,8 @@ def run(
         d = loaded.describe()
         quant = f" · {d['quantization']}" if d["quantization"] != "none" else ""
         repl.note(" · ".join(f"{d[k]}" for k in ("model", "parameters", "dtype", "device")) + quant
-                  + f" · context {d['context']} · template {d['template']} · loaded in {d['load time']}")
+                  + f" · context {d['context']} · template {d['template']} · loaded in {d['load time']}"
+                  + f" · decode: {f'native {decoder.info().activations} ({opt})' if decoder else 'transformers'}")
     repl.start_log(resume_path, overrides={k: v for k, v in overrides.items() if v is not None and k != "stream_interval"},
                    system=system)
     run_repl(repl, interactive)

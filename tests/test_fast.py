@@ -188,6 +188,7 @@ def test_auto_on_block_quantized_weights_matches_recompute_and_greedy_reference(
     decoder = FastDecoder(model, "auto")
     assert set(decoder.info().formats) <= {"q4_1", "q8_0"}
     assert decoder.struct.act == kernels.ACT_I16
+    assert "int16 activations" in decoder.info().label()  # what /model shows
     assert_decode_matches_recompute(decoder, model, atol=1e-3)
     prompt = list(range(5, 25))
     engine = Engine(model, tiny_tokenizer, decoder=decoder)

@@ -142,6 +142,7 @@ def test_scripted_session_uses_every_command(tiny_model, tiny_tokenizer, tmp_pat
     assert s.turns[3].stats.finish_reason != "interrupted" and not s.turns[3].interrupted  # continued
     assert "[1] you  Hello there!" in err  # /history
     assert "context limit" in err and "tiny-llama" in err  # /model
+    assert "transformers (model forward pass)" in err  # /model: this engine has no fast decoder
     assert "system prompt set; re-encoded" in err and "system prompt: You are a tiny test model." in err
     assert f"saved 4 turns to {save}" in err
     assert "conversation cleared" in err and "loaded 4 turns" in err

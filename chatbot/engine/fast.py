@@ -270,6 +270,14 @@ class DecodeInfo:
     formats: dict[str, int]  # weight format -> number of matrices
     weight_bytes: int
     threads: int
+    activations: str = "float32"  # the inputs of the block-format products
+
+    def label(self) -> str:
+        """One line for banners: e.g. ``native kernels (--opt auto): 120 q4_1 + 1 q8_0
+        matrices, 92 MB, int16 activations, up to 2 threads``."""
+        mats = " + ".join(f"{n} {name}" for name, n in sorted(self.formats.items(), key=lambda kv: -kv[1]))
+        return (f"native kernels (--opt {self.level}): {mats} matrices, {self.weight_bytes / 2**20:.0f} MB, "
+                f"{self.activations} activations, up to {self.threads} threads")  # fmt: skip
 
 
 def _check_model(model: Any) -> Any:
@@ -448,7 +456,8 @@ class FastDecoder:
         for p in mats:
             formats[p.format_name] = formats.get(p.format_name, 0) + 1
         threads = self.threads or torch.get_num_threads()
-        return DecodeInfo(self.level, formats, sum(p.nbytes for p in mats), threads)
+        acts = {kernels.ACT_F32: "float32", kernels.ACT_Q8: "int8", kernels.ACT_I16: "int16"}[self.struct.act]
+        return DecodeInfo(self.level, formats, sum(p.nbytes for p in mats), threads, acts)
 
     def _threads(self) -> int:
         if self.threads:

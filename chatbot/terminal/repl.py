@@ -321,6 +321,8 @@ class Repl:
         rows["cache"] = f"{len(s.cache_ids):,} / {s.capacity:,} tokens" + (
             " (attention sinks + recent window)" if hasattr(s.cache, "evict_for_space") else "")
         rows["sampling"] = sampling_brief(s.sampling)
+        decoder = s.engine.decoder
+        rows["decode"] = decoder.info().label() if decoder is not None else "transformers (model forward pass)"
         self.info.print(key_value_table("model", rows))
 
     def _cache(self, _: Command) -> None:
