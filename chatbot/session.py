@@ -19,6 +19,12 @@ and the template's closing text after it (e.g. ``<|im_end|>\\n``), which stays p
 the next turn feeds it. That layout is what lets `undo`, `retry` and `continue_answer` cut
 the cache back instead of re-encoding.
 
+Segments are encoded and decoded as they read *in* the conversation, not alone: with a
+SentencePiece tokenizer (Llama-2, Mistral, Vicuna) an answer "▁Hello" decodes alone as "Hello"
+but reads " Hello" after "[/INST]", and "USER:" encodes alone as "▁USER:" but as "USER", ":"
+after "</s>". So the answer's segment holds the space the model wrote before it, the message
+keeps the answer as shown, and the template (which writes that space) renders the two alike.
+
 A fallback template's stop strings (e.g. Vicuna's "USER:", several tokens) end an answer
 too: the answer ends right before the stop string, the stream never shows it, and the cache
 is cut back to the answer's tokens.
@@ -46,6 +52,9 @@ from chatbot.models.templates import StopOnStrings, find_stop, held_back, stop_s
 
 SAVE_FORMAT = "chatbot-session"
 SAVE_VERSION = 1
+
+# Ids of left context for decoding an answer as it reads in the conversation.
+_DECODE_CONTEXT = 8
 
 ProgressCallback = Callable[[int, int], None]  # (tokens done, tokens in all)
 
@@ -205,6 +214,37 @@ class _StopView:
         return dataclasses.replace(chunk, text=text)
 
 
+class _LeadingText:
+    """Puts back the text a continued answer's first tokens have only after the part before
+    it (the space of a SentencePiece "▁thank" after "Hello"), which the engine, decoding
+    the new tokens alone, leaves out.
+
+    Args:
+        session: the session (for its tokenizer).
+        before: the conversation's ids up to the end of the answer being continued.
+    """
+
+    def __init__(self, session: ChatSession, before: list[int]) -> None:
+        self.session = session
+        self.before = before
+        self.ids: list[int] = []
+        self.done = False
+
+    def chunk(self, chunk: GenerationChunk) -> GenerationChunk:
+        """The chunk, with the leading text in front of the first one that shows text."""
+        if self.done:
+            return chunk
+        self.ids.extend(chunk.token_ids)
+        if not chunk.text:
+            return chunk
+        self.done = True
+        alone = self.session.decode(self.ids)
+        in_context = self.session._decode_after(self.before, self.ids)
+        if in_context == alone or not in_context.endswith(alone):
+            return chunk
+        return dataclasses.replace(chunk, text=in_context[: len(in_context) - len(alone)] + chunk.text)
+
+
 class ChatSession:
     """Messages, the token ids in the cache, and `send()` that streams an answer.
 
@@ -317,6 +357,42 @@ class ChatSession:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
+    def _encode_after(self, context: str, text: str) -> list[int]:
+        """Ids for `text` as they are when it follows `context` ("" at the start).
+
+        A SentencePiece tokenizer writes "▁" before the first word of a text, so "USER:"
+        alone is "▁USER:" but "USER", ":" after "</s>": the ids of ``context + text`` past those
+        of `context` are the ones a tokenization of the whole conversation has there. Should
+        the two merge across the boundary, `text` is encoded alone.
+        """
+        if not context or not text:
+            return self.encode(text)
+        head = self.encode(context)
+        whole = self.encode(context + text)
+        return whole[len(head) :] if whole[: len(head)] == head else self.encode(text)
+
+    def _decode_after(self, before: Sequence[int], ids: Sequence[int]) -> str:
+        """The text `ids` add after the ids `before`: a SentencePiece answer "▁Hello" reads
+        " Hello" after "[/INST]", though alone it decodes as "Hello"."""
+        if not before or not ids:
+            return self.decode(ids)
+        for n in (_DECODE_CONTEXT, len(before)):
+            context = list(before[-n:])
+            head = self.decode(context)
+            whole = self.decode([*context, *ids])
+            if whole.startswith(head):
+                return whole[len(head) :]
+            if n >= len(before):
+                break
+        return self.decode(ids)
+
+    def _segment(self, kind: str, text: str, before: Sequence[Segment] | None = None) -> Segment:
+        """A segment of `text` tokenized by us, as it reads after `before` (default: the
+        conversation's segments)."""
+        before = self.segments if before is None else before
+        context = next((seg.text for seg in reversed(before) if seg.text), "")
+        return Segment(kind, text, self._encode_after(context, text))
+
     @property
     def rendered(self) -> str:
         return "".join(s.text for s in self.segments)
@@ -381,7 +457,7 @@ class ChatSession:
             for t in self.turns:
                 t.first_segment = -1
             prefix = ""
-        prompt = Segment("prompt", full[len(prefix) :], self.encode(full[len(prefix) :]))
+        prompt = self._segment("prompt", full[len(prefix) :])
         yield from self._answer(text, prompt, sampling)
 
     def _answer(
@@ -405,10 +481,11 @@ class ChatSession:
             self.segments.append(prompt)
         stop: StopOnStrings | None = None
         view: _StopView | None = None
+        last = self.segments[-1] if self.segments else None
+        before = last if extend and last is not None and last.kind == "answer" else None
+        lead = _LeadingText(self, self.all_ids) if before is not None else None
         if self.stop_strings:
             stop = StopOnStrings(self.tokenizer, self.stop_strings)
-            last = self.segments[-1] if self.segments else None
-            before = last if extend and last is not None and last.kind == "answer" else None
             if before is not None:
                 stop.answer_tokens = len(before.ids)  # a stop string may begin in the part before
             view = _StopView(self.stop_strings, before.text if before is not None else "")
@@ -438,6 +515,8 @@ class ChatSession:
                 shown.extend(chunk.token_ids)
                 if chunk.stats is not None:
                     stats = chunk.stats
+                if lead is not None:
+                    chunk = lead.chunk(chunk)
                 yield chunk if view is None else view.chunk(chunk)
             finished = True
         finally:
@@ -492,59 +571,92 @@ class ChatSession:
     ) -> None:
         """Record the exchange and queue the template's end-of-turn text (not fed yet).
 
-        An answer with a stop string in it ends right before it; the cache is cut back to
-        the ids that stay as generated.
+        The answer's segment is its text as it reads in the conversation; the turn keeps it
+        as decoded alone (what the stream showed), unless only the text in context renders
+        back. An answer with a stop string in it ends right before it; the cache is cut back
+        to the ids that stay as generated.
         """
         if extend and self.segments and self.segments[-1].kind == "answer":
             old = self.segments.pop()
             answer_ids = [*old.ids, *answer_ids]
-        answer_text = self.decode(answer_ids)
+        before = self.all_ids
+        prompt_text = self.rendered
+        answer_text = self._decode_after(before, answer_ids)
         at = find_stop(answer_text, self.stop_strings)
         if at >= 0:
             answer_text = answer_text[:at]
-            answer_ids, kept = self._ids_for_cut_answer(answer_ids, answer_text)
-            start = len(self.all_ids)
+            answer_ids, kept = self._ids_for_cut_answer(before, answer_ids, answer_text)
             self.segments.append(Segment("answer", answer_text, answer_ids))
             # Cut the stop string's tokens out of the cache (at the end of it, as /continue
             # does); a re-encoded end of the answer is pending, like the closing text.
-            self._truncate(len(self.segments), start + kept, self.evicted_total)
+            self._truncate(len(self.segments), len(before) + kept, self.evicted_total)
             stats.cache_tokens = len(self.cache_ids)
         else:
             self.segments.append(Segment("answer", answer_text, list(answer_ids)))
+        shown = self.decode(answer_ids)
         if resume is not None:
-            resume.answer = answer_text
-            resume.interrupted = not finished
-            resume.stats = merge_stats(resume.stats, stats) if extend else stats
+            turn = resume
+            turn.answer = shown
+            turn.interrupted = not finished
+            turn.stats = merge_stats(turn.stats, stats) if extend else stats
         else:
-            self.turns.append(
-                Turn(user, answer_text, stats, interrupted=not finished, first_segment=first_segment,
-                     evicted_before=min(evicted_before, self.evicted_total))
-            )
-        # The template's closing text after the answer (e.g. "<|im_end|>\n").
-        expected = self.rendered
-        after = self.render(self.messages(), add_generation_prompt=False)
-        if after.startswith(expected):
-            suffix = after[len(expected) :]
-            if suffix:
-                self.segments.append(Segment("prompt", suffix, self.encode(suffix)))
-        else:
-            # The template does not render the answer as generated (e.g. it trims it).
-            self._rebuild_segments()
+            turn = Turn(user, shown, stats, interrupted=not finished, first_segment=first_segment,
+                        evicted_before=min(evicted_before, self.evicted_total))
+            self.turns.append(turn)
+        # The template's closing text after the answer (e.g. "<|im_end|>\n"). A template that
+        # writes a space before the answer (Llama-2's "[/INST] ") renders the answer decoded
+        # alone ("Hello") as the model wrote it in context (" Hello"); one that does not needs
+        # the text in context.
+        expected = prompt_text + answer_text
+        for content in dict.fromkeys((shown, answer_text)):
+            turn.answer = content
+            after = self.render(self.messages(), add_generation_prompt=False)
+            if after.startswith(expected):
+                if len(after) > len(expected):
+                    self.segments.append(self._segment("prompt", after[len(expected) :]))
+                return
+        turn.answer = shown
+        self._reencode_answer(prompt_text)
 
-    def _ids_for_cut_answer(self, ids: list[int], text: str) -> tuple[list[int], int]:
-        """Ids that decode to `text`, an answer cut before a stop string, and how many of
-        them lead as generated.
+    def _reencode_answer(self, prompt_text: str) -> None:
+        """The template renders the last answer otherwise than the model wrote it (e.g. a
+        space before an answer that starts without one, or a trimmed end): encode the answer
+        as rendered, and keep the cache up to where its ids differ from the generated ones."""
+        after = self.render(self.messages(), add_generation_prompt=False)
+        split = None
+        if after.startswith(prompt_text):
+            split = _split_answer(after[len(prompt_text) :], self.turns[-1].answer)
+        if split is None:
+            self._rebuild_segments()
+            return
+        old_fed = self.all_ids[: self.n_fed]
+        answer_text, suffix = split
+        self.segments[-1] = self._segment("answer", answer_text, self.segments[:-1])
+        if suffix:
+            self.segments.append(self._segment("prompt", suffix))
+        keep = 0
+        for a, b in zip(old_fed, self.all_ids):
+            if a != b:
+                break
+            keep += 1
+        self._truncate(len(self.segments), keep, self.evicted_total)
+
+    def _ids_for_cut_answer(self, before: list[int], ids: list[int], text: str) -> tuple[list[int], int]:
+        """Ids that read `text` after the ids `before`, for an answer cut before a stop
+        string, and how many of them lead as generated.
 
         The generated ids are kept as far as they decode to a prefix of the text; the rest
         of it (a stop string that begins inside a token) is re-encoded. Should that not
         join, the whole text is encoded afresh, keeping the ids it shares with the answer.
         """
+        context = next((seg.text for seg in reversed(self.segments) if seg.text), "")
         kept = len(ids)
-        while kept and not text.startswith(self.decode(ids[:kept])):
+        while kept and not text.startswith(self._decode_after(before, ids[:kept])):
             kept -= 1
-        new = ids[:kept] + self.encode(text[len(self.decode(ids[:kept])) :])
-        if self.decode(new) != text:
-            new = self.encode(text)
+        head = self._decode_after(before, ids[:kept])
+        new = ids[:kept] + self._encode_after(context + head, text[len(head) :])
+        if self._decode_after(before, new) != text:
+            new = self._encode_after(context, text)
             kept = 0
             while kept < min(len(ids), len(new)) and ids[kept] == new[kept]:
                 kept += 1
@@ -566,7 +678,8 @@ class ChatSession:
         """Tokenize the whole conversation afresh, turn by turn; the cache keeps only the
         ids it shares with the new tokenization (a bounded cache is emptied).
 
-        Answers are re-tokenized too. When the template cannot be split turn by turn, the
+        Answers are re-tokenized too, as the template renders them (with the space it
+        writes before one). When the template cannot be split turn by turn, the
         conversation is one prompt segment and undo/retry fall back to re-encoding.
         """
         old_fed = self.all_ids[: self.n_fed]
@@ -577,7 +690,7 @@ class ChatSession:
             sys_text = self.render(msgs, False)
             probe = self.render([*msgs, {"role": "user", "content": "x"}], True)
             if sys_text and probe.startswith(sys_text):
-                segments.append(Segment("prompt", sys_text, self.encode(sys_text)))
+                segments.append(self._segment("prompt", sys_text, segments))
                 text = sys_text
         ok = True
         for turn in self.turns:
@@ -585,17 +698,17 @@ class ChatSession:
             full = self.render(msgs, True)
             msgs = [*msgs, {"role": "assistant", "content": turn.answer}]
             after = self.render(msgs, False)
-            if not full.startswith(text) or not after.startswith(full + turn.answer):
+            split = _split_answer(after[len(full) :], turn.answer) if after.startswith(full) else None
+            if not full.startswith(text) or split is None:
                 ok = False
                 break
+            answer, suffix = split
             turn.first_segment = len(segments)
             turn.evicted_before = 0
-            prompt = full[len(text) :]
-            segments.append(Segment("prompt", prompt, self.encode(prompt)))
-            segments.append(Segment("answer", turn.answer, self.encode(turn.answer)))
-            suffix = after[len(full) + len(turn.answer) :]
+            segments.append(self._segment("prompt", full[len(text) :], segments))
+            segments.append(self._segment("answer", answer, segments))
             if suffix:
-                segments.append(Segment("prompt", suffix, self.encode(suffix)))
+                segments.append(self._segment("prompt", suffix, segments))
             text = after
         if not ok:
             whole = self.render(self.messages(), False)
@@ -902,6 +1015,26 @@ class ChatSession:
             "decode_tps": lat / dec if dec else 0.0,
             "cache_tokens": len(self.cache_ids),
         }
+
+
+def _split_answer(rest: str, answer: str) -> tuple[str, str] | None:
+    """Where a template put an answer in `rest` (the conversation rendered after the
+    generation prompt): the answer's text there and the closing text after it; None when
+    it is not there.
+
+    Whitespace the template writes before the answer (the space after Llama-2's "[/INST]")
+    belongs to the answer: the model answers from the end of the generation prompt, and
+    writes that space itself (SentencePiece's "▁Hello").
+    """
+    if rest.startswith(answer):
+        return answer, rest[len(answer) :]
+    core = answer.strip()
+    if not core:
+        return "", rest
+    at = rest.find(core)
+    if at < 0 or rest[:at].strip():
+        return None
+    return rest[: at + len(core)], rest[at + len(core) :]
 
 
 def read_saved(path: str | os.PathLike[str]) -> dict[str, Any]:
