@@ -55,7 +55,7 @@ def make_llama(vocab_size: int, layers: int = 2, seed: int = 0, attn: str = "sdp
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    settings = dict(
+    settings = dict(  # noqa: C408 - keyword form, as LlamaConfig takes them
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
@@ -109,3 +109,13 @@ def _isolated_dirs(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("XDG_DATA_HOME", str(data))
     if "CHATBOT_TEST_CACHE" in os.environ:
         monkeypatch.setenv("XDG_CACHE_HOME", os.environ["CHATBOT_TEST_CACHE"])
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for a module's tests: the tiny model's many small forward passes
+    run fastest so (two threads spin against each other on a busy machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from prompt_toolkit.document import Document
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 from rich.console import Console
+from test_session import Interrupter, assert_invariant
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
 from chatbot.engine.generate import Engine
@@ -25,17 +25,11 @@ from chatbot.terminal import session_log
 from chatbot.terminal.commands import COMMANDS
 from chatbot.terminal.render import answer_renderable, split_thinking
 from chatbot.terminal.repl import BlockReader, Repl, SlashCompleter, clean_message, read_lines
-from test_session import Interrupter, assert_invariant
 
 SAMPLING = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=8)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Chat:

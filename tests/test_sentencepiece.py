@@ -18,7 +18,6 @@ import copy
 import json
 
 import pytest
-import torch
 from conftest import CORPUS, make_llama
 from test_session import assert_invariant
 from test_stop_strings import ScriptedEngine
@@ -31,12 +30,7 @@ MESSAGES = ["Hi there!", "How are you today?", "The quick brown fox.", "Answer b
 ANSWER = ("▁Hel", "lo", "▁thank", "▁you")  # " Hello thank you"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_sp_tokenizer():

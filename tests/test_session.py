@@ -16,16 +16,7 @@ from chatbot.engine.generate import Engine
 from chatbot.errors import ChatbotError, ContextFullError
 from chatbot.session import ChatSession
 
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The tiny model runs fastest on one thread (two threads spin against each other on a
-    busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 GREEDY = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=10)

@@ -20,13 +20,7 @@ from chatbot.engine.generate import Engine
 from chatbot.models.templates import apply_template, held_back, stop_strings_of
 from chatbot.session import ChatSession
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Script(LogitsProcessor):
