@@ -238,6 +238,7 @@ def bench_streaming(
     recent_size: Annotated[list[int] | None, typer.Option(help="Recent window sizes to measure (repeatable).")] = None,
     start_size: Annotated[int, typer.Option(help="Attention sinks.", min=0)] = 4,
     decode_tokens: Annotated[int, typer.Option(help="Greedy tokens decoded at each mark.", min=2)] = 32,
+    opt: Annotated[str, typer.Option("--opt", help="Decode path of the sink cache, as for chatbot run (recomputation always uses transformers).", callback=_check_opt)] = "auto",
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -252,7 +253,10 @@ def bench_streaming(
     _set_threads(threads)
     loaded = _load(model, device, dtype)
     sizes = tuple(recent_size or (256, 1024))
-    result = run_streaming_bench(loaded, body, sizes, start_size, decode_tokens=decode_tokens)
+    decoder, note = _decoder(loaded.model, opt)
+    if note:
+        Console(stderr=True, highlight=False).print(f"[dim]{note}[/dim]")
+    result = run_streaming_bench(loaded, body, sizes, start_size, decode_tokens=decode_tokens, decoder=decoder)
     print_streaming(Console(), result)
     if json_out:
         write_json(json_out, result)
@@ -349,7 +353,7 @@ def bench_decode(
             print_turns(out, result["turns"])
         if "streaming" in extra:
             err.print("[dim]streaming bench[/dim]")
-            result["streaming"] = run_streaming_bench(loaded, long_text)
+            result["streaming"] = run_streaming_bench(loaded, long_text, decoder=_decoder(loaded.model, "auto")[0])
             print_streaming(out, result["streaming"])
     if json_out:
         write_json(json_out, result)

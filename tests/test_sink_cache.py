@@ -335,3 +335,46 @@ def test_refuses_mrope():
     config.rope_parameters = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}
     with pytest.raises(StreamingUnsupportedError, match="mrope_section"):
         check_streaming_support(config)
+
+
+# --- chatbot bench streaming ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("opt", ["off", "f32"])
+def test_bench_streaming_cache_stays_within_the_window(tmp_path, capsys, tiny_model, tiny_tokenizer, opt):
+    """`chatbot bench streaming` feeds a text through the sink cache to 16x the window: the
+    cache holds at most the window at every mark, its bytes do not grow, and the figures
+    land in the JSON (on the transformers path and on the native one)."""
+    import json
+
+    from helpers import cli
+
+    from chatbot.engine import kernels
+    from tests.conftest import CORPUS
+
+    if opt != "off":
+        try:
+            kernels.load_library()
+        except kernels.KernelsUnavailable:  # pragma: no cover - depends on the machine
+            pytest.skip("no C compiler for the native kernels")
+    folder = tmp_path / "tiny"
+    tiny_model.save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    text = tmp_path / "long.txt"
+    text.write_text(" ".join(CORPUS * 40))
+    out = tmp_path / "streaming.json"
+    code, stdout, _ = cli(capsys, "bench", "streaming", "--model", str(folder), "--text", str(text),
+                          "--recent-size", "16", "--start-size", "4", "--decode-tokens", "4",
+                          "--opt", opt, "--json", str(out))  # fmt: skip
+    assert code == 0 and f"--opt {opt}" in stdout
+    result = json.loads(out.read_text())
+    assert result["opt"] == opt
+    (run,) = result["runs"]
+    assert run["window"] == 20
+    marks = run["marks"]
+    assert [m["multiple"] for m in marks] == [1, 4, 16]
+    assert marks[-1]["tokens_passed"] > 16 * 20
+    for m in marks:
+        assert 0 < m["cache_tokens"] <= 20
+        assert m["decode_tps"] > 0 and m["recompute_tps"] > 0
+    assert max(m["cache_bytes"] for m in marks) <= 2 * min(m["cache_bytes"] for m in marks)

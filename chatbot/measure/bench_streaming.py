@@ -51,15 +51,18 @@ def run_streaming_bench(
     multiples: tuple[int, ...] = (1, 4, 16),
     decode_tokens: int = 32,
     recompute_tokens: int = 8,
+    decoder: Any | None = None,
 ) -> dict[str, Any]:
     """For each window size, feed the text (prefilled in chunks, evicting as it goes) until
     `multiples` x the window have passed; at each mark decode `decode_tokens` greedily and
     record tokens/s and cache bytes, and decode `recompute_tokens` by recomputation.
+    `decoder`: the engine's one-token step (`chatbot.engine.fast.FastDecoder`), or None for
+    transformers; recomputation always runs the model's forward pass.
 
     Raises:
         ConfigError: the text is too short for the largest mark.
     """
-    engine = Engine(loaded.model, loaded.tokenizer)
+    engine = Engine(loaded.model, loaded.tokenizer, decoder=decoder)
     ids = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
     greedy = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=decode_tokens)
     runs = []
@@ -98,4 +101,5 @@ def run_streaming_bench(
             "marks": marks,
             "speedup_vs_recompute": last["decode_tps"] / last["recompute_tps"],
         })
-    return {"model": loaded.name, "start_size": start_size, "runs": runs}
+    level = decoder.info().level if decoder is not None else "off"
+    return {"model": loaded.name, "start_size": start_size, "opt": level, "runs": runs}

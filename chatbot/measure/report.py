@@ -60,7 +60,8 @@ def read_text(path: Path) -> str:
 
 def print_streaming(console: Console, result: dict[str, Any]) -> None:
     for run in result["runs"]:
-        table = Table(title=f"{result['model']}: {result['start_size']} sinks + {run['recent_size']} recent (window {run['window']})")
+        opt = f", --opt {result['opt']}" if "opt" in result else ""
+        table = Table(title=f"{result['model']}: {result['start_size']} sinks + {run['recent_size']} recent (window {run['window']}){opt}")
         for col in ("window passed", "tokens passed", "decode tok/s", "cache tokens", "cache MB", "recompute tok/s", "speed-up"):
             table.add_column(col, justify="right")
         for m in run["marks"]:
