@@ -384,3 +384,26 @@ def test_real_chat_interrupt_and_resume(tmp_path):
     assert "resuming session" in proc.stderr and "Say hi." in proc.stderr and "[interrupted]" in proc.stderr
     listing = subprocess.run([CHATBOT, "sessions"], capture_output=True, text=True, env=env, timeout=60)
     assert "Write a long story" in listing.stdout and "SmolLM2" in listing.stdout
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_stats_table_fits_an_80_column_terminal(streaming):
+    """/stats on a long chat: every figure shows whole at 80 columns (no Rich ellipses)."""
+    from types import SimpleNamespace
+
+    from chatbot.engine.stats import TurnStats
+    from chatbot.terminal.render import stats_table
+
+    s = TurnStats(context_tokens=12345, context_time_s=12.3, ttft_s=12.4, generated_tokens=1512,
+                  decode_time_s=15.0, token_latencies_s=[0.0123] * 1512, cache_tokens=4100,
+                  cache_capacity=4100 if streaming else None, sinks=4 if streaming else 0,
+                  evicted_total=9000 if streaming else 0, finish_reason="length")  # fmt: skip
+    summary = {"context_tokens": 24690, "generated_tokens": 3024, "decode_tps": 100.8, "cache_tokens": 4100}
+    out = io.StringIO()
+    Console(file=out, width=80, color_system=None).print(stats_table([SimpleNamespace(stats=s)] * 2, summary))
+    text = out.getvalue()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+    for figure in ("12,345", "12.30", "12.40", "1,512", "100.8", "12.3", "length", "24,690", "3,024"):
+        assert figure in text
+    assert "4,100" in text
+    assert ("4 sinks + recent, at most 4,100 tokens" in text) == streaming

@@ -44,15 +44,21 @@ def format_stats_line(stats: TurnStats) -> str:
 
 def stats_table(turns: list[Any], summary: dict[str, Any]) -> Table:
     """A Rich table of every turn so far, plus totals (for /stats)."""
-    table = Table(title="turns", show_footer=False)
-    for col in ("#", "context tok", "context s", "first token s", "tokens", "tok/s", "ms/tok p50", "p90", "cache", "end"):
-        table.add_column(col, justify="right")
+    last = turns[-1].stats if turns else None
+    window = (f" (streaming cache: {last.sinks} sinks + recent, at most {last.cache_capacity:,} tokens)"
+              if last is not None and last.sinks and last.cache_capacity else "")  # fmt: skip
+    table = Table(title=f"turns{window}", show_footer=False, caption="fed: context tokens prefilled for the turn; TTFT: time to first token; "
+                  "p50/p90: ms per new token")
+    # Two-line headers and unwrapped cells: the table fits an 80-column terminal whole.
+    for col in ("#", "fed\ntok", "fed\ns", "TTFT\ns", "new\ntok", "tok/s", "p50\nms",
+                "p90\nms", "cache", "end"):  # fmt: skip
+        table.add_column(col, justify="right", no_wrap=True)
     for i, t in enumerate(turns, 1):
         s = t.stats
         table.add_row(
             str(i), f"{s.context_tokens:,}", f"{s.context_time_s:.2f}", f"{s.ttft_s:.2f}",
             f"{s.generated_tokens:,}", f"{s.decode_tps:.1f}", f"{s.ms_per_token_p50:.1f}",
-            f"{s.ms_per_token_p90:.1f}", format_cache(s).removeprefix("cache "), s.finish_reason,
+            f"{s.ms_per_token_p90:.1f}", f"{s.cache_tokens:,}", s.finish_reason,
         )
     table.add_row(
         "all", f"{summary['context_tokens']:,}", "", "", f"{summary['generated_tokens']:,}",
