@@ -387,44 +387,45 @@ static float dot_q4_1_q8(const block_q4_1 *b, const Vec *v, int k) {
 }
 
 #ifdef CB_AVX2
-/* sum(w x) over one block as 8 float partial sums (exact: |sum| < 2^24 for Q4_1) */
-static inline __m256 q8_0_i16_block(const block_q8_0 *b, const int16_t *x) {
-    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->qs));
-    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b->qs + 16)));
+/* sum(w x) over one block of 32 as 8 float partial sums: w widened to int16 (w0: the first
+ * 16, w1: the last 16), x int16, products summed in pairs (madd) */
+static inline __m256 i16_block_sums(__m256i w0, __m256i w1, const int16_t *x) {
     const __m256i x0 = _mm256_loadu_si256((const __m256i *)x);
     const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + 16));
     return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1)));
 }
 
-static inline __m256 q4_1_i16_block(const block_q4_1 *b, const int16_t *x) {
+/* acc + d dx sum(q qx) for block j */
+static inline __m256 q8_0_i16_block(const block_q8_0 *b, const Vec *v, int j, __m256 acc) {
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b[j].qs));
+    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b[j].qs + 16)));
+    const __m256 scale = _mm256_set1_ps(fp16_to_f32(b[j].d) * v->qd[j]);
+    return _mm256_fmadd_ps(scale, i16_block_sums(w0, w1, v->q16 + j * QK), acc);
+}
+
+static inline __m256 q4_1_i16_block(const block_q4_1 *b, const Vec *v, int j, __m256 acc) {
     const __m128i m4 = _mm_set1_epi8(0x0f);
-    const __m128i raw = _mm_loadu_si128((const __m128i *)b->qs);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)b[j].qs);
     const __m256i w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, m4));
     const __m256i w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m4));
-    const __m256i x0 = _mm256_loadu_si256((const __m256i *)x);
-    const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + 16));
-    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1)));
+    const __m256 scale = _mm256_set1_ps(fp16_to_f32(b[j].d) * v->qd[j]);
+    return _mm256_fmadd_ps(scale, i16_block_sums(w0, w1, v->q16 + j * QK), acc);
 }
 #endif
 
-/* Q8_0 weights . I16 activations: 16-bit products, summed in pairs (madd), per block. */
+/* Q8_0 weights . I16 activations, per block. Two blocks per step into two accumulators:
+ * one chain of dependent FMAs would leave the core waiting on their latency. */
 static float dot_q8_0_i16(const block_q8_0 *b, const Vec *v, int k) {
     const int nb = k / QK;
 #ifdef CB_AVX2
-    __m256 acc = _mm256_setzero_ps();
-    /* two blocks per step into two accumulators: one chain of dependent FMAs would leave
-     * the core waiting on their latency */
-    __m256 acc1 = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int j = 0;
     for (; j + 2 <= nb; j += 2) {
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(b[j].d) * v->qd[j]), q8_0_i16_block(&b[j], v->q16 + j * QK), acc);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(b[j + 1].d) * v->qd[j + 1]),
-                               q8_0_i16_block(&b[j + 1], v->q16 + (j + 1) * QK), acc1);
+        acc = q8_0_i16_block(b, v, j, acc);
+        acc1 = q8_0_i16_block(b, v, j + 1, acc1);
     }
-    if (j < nb)
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(b[j].d) * v->qd[j]), q8_0_i16_block(&b[j], v->q16 + j * QK), acc);
-    acc = _mm256_add_ps(acc, acc1);
-    return hsum256(acc);
+    if (j < nb) acc = q8_0_i16_block(b, v, j, acc);
+    return hsum256(_mm256_add_ps(acc, acc1));
 #else
     float s = 0.0f;
     for (int j = 0; j < nb; j++) {
@@ -443,22 +444,14 @@ static float dot_q4_1_i16(const block_q4_1 *b, const Vec *v, int k) {
     float ms = 0.0f;
 #ifdef CB_AVX2
     __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    float ms1 = 0.0f;
     int j = 0;
     for (; j + 2 <= nb; j += 2) { /* two chains, as in dot_q8_0_i16 */
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(b[j].d) * v->qd[j]), q4_1_i16_block(&b[j], v->q16 + j * QK), acc);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(b[j + 1].d) * v->qd[j + 1]),
-                               q4_1_i16_block(&b[j + 1], v->q16 + (j + 1) * QK), acc1);
-        ms += fp16_to_f32(b[j].m) * v->qs[j];
-        ms1 += fp16_to_f32(b[j + 1].m) * v->qs[j + 1];
+        acc = q4_1_i16_block(b, v, j, acc);
+        acc1 = q4_1_i16_block(b, v, j + 1, acc1);
     }
-    if (j < nb) {
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(b[j].d) * v->qd[j]), q4_1_i16_block(&b[j], v->q16 + j * QK), acc);
-        ms += fp16_to_f32(b[j].m) * v->qs[j];
-    }
-    acc = _mm256_add_ps(acc, acc1);
-    ms += ms1;
-    return hsum256(acc) + ms;
+    if (j < nb) acc = q4_1_i16_block(b, v, j, acc);
+    for (j = 0; j < nb; j++) ms += fp16_to_f32(b[j].m) * v->qs[j];
+    return hsum256(_mm256_add_ps(acc, acc1)) + ms;
 #else
     float s = 0.0f;
     for (int j = 0; j < nb; j++) {
