@@ -40,7 +40,7 @@ COMMANDS: dict[str, CommandSpec] = {
         CommandSpec("load", "/load FILE", "replace the chat with a saved one and re-encode it", "path", required=True),
         CommandSpec("history", "/history", "show the conversation so far"),
         CommandSpec("stats", "/stats", "a table of every turn so far, with totals"),
-        CommandSpec("model", "/model", "what is loaded: name, parameters, dtype, device, quantization, context"),
+        CommandSpec("model", "/model", "what is loaded: name, parameters, dtype, device, quantization, context, decode path"),
         CommandSpec("cache", "/cache", "the cache layout: pinned and recent tokens, capacity, evictions"),
     )
 }
