@@ -168,7 +168,7 @@ def run(
     from chatbot.engine.generate import Engine
     from chatbot.models.templates import check_template
     from chatbot.session import ChatSession, sampling_from_model
-    from chatbot.terminal.repl import Repl
+    from chatbot.terminal.repl import Repl, make_consoles
     from chatbot.terminal.repl import resolve_resume
     from chatbot.terminal.repl import run as run_repl
 
@@ -181,8 +181,7 @@ def run(
     session = ChatSession(engine, ChatConfig(system=system, sampling=sampling, engine=engine_cfg))
 
     interactive = sys.stdin.isatty()
-    out = Console(soft_wrap=True, highlight=False)
-    info = out if (interactive and sys.stdout.isatty()) else Console(stderr=True, highlight=False, soft_wrap=True)
+    out, info = make_consoles(interactive)
     repl = Repl(session, loaded, out, plain=plain or not sys.stdout.isatty(), show_stats=not no_stats, info=info)
     for note in loaded.notes:
         repl.note(note)

@@ -183,17 +183,26 @@ def complete(line: str) -> tuple[list[str], int, str | None]:
     return [], len(line), None
 
 
+def help_rows() -> list[tuple[str, str]]:
+    """(usage, what it does) for every command."""
+    return [(c.usage, c.help) for c in COMMANDS.values()]
+
+
 def help_text() -> str:
     width = max(len(c.usage) for c in COMMANDS.values())
-    return "\n".join(f"{c.usage.ljust(width)}  {c.help}" for c in COMMANDS.values())
+    return "\n".join(f"{usage.ljust(width)}  {what}" for usage, what in help_rows())
 
 
-def settings_text(sampling: SamplingConfig) -> str:
-    """`/set` with no argument: every setting, its value and its allowed range."""
-    width = max(len(k) for k in SETTINGS)
-    lines = []
+def settings_rows(sampling: SamplingConfig) -> list[tuple[str, str, str]]:
+    """`/set` with no argument: (setting, value, allowed range) for every setting."""
+    rows = []
     for key in SETTINGS:
         value = getattr(sampling, key)
         shown = "random" if key == "seed" and value is None else str(value)
-        lines.append(f"{key.ljust(width)}  {shown.ljust(8)}  {SamplingConfig.RANGES[key].describe()}")
-    return "\n".join(lines)
+        rows.append((key, shown, SamplingConfig.RANGES[key].describe()))
+    return rows
+
+
+def settings_text(sampling: SamplingConfig) -> str:
+    width = max(len(k) for k in SETTINGS)
+    return "\n".join(f"{k.ljust(width)}  {v.ljust(8)}  {r}" for k, v, r in settings_rows(sampling))

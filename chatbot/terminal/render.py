@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import re
-import sys
-from typing import IO, Any
+from typing import Any
 
 from rich.console import Console, Group, RenderableType
-from rich.live import Live
 from rich.markdown import Markdown
+from rich.measure import Measurement
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
@@ -65,6 +65,52 @@ def stats_table(turns: list[Any], summary: dict[str, Any]) -> Table:
         f"{summary['decode_tps']:.1f}", "", "", f"{summary['cache_tokens']:,}", "", style="bold",
     )
     return table
+
+
+def stats_lines(turns: list[Any], summary: dict[str, Any]) -> Text:
+    """/stats for a terminal too narrow for the table: a line per turn, wrapped by words."""
+    text = Text()
+    for i, t in enumerate(turns, 1):
+        s = t.stats
+        text.append(f"turn {i}", style="bold")
+        text.append(
+            f" · fed {s.context_tokens:,} tok · {s.context_time_s:.2f} s · TTFT {s.ttft_s:.2f} s · "
+            f"{s.generated_tokens:,} new · {s.decode_tps:.1f} tok/s · p50 {s.ms_per_token_p50:.1f} ms · "
+            f"p90 {s.ms_per_token_p90:.1f} ms · cache {s.cache_tokens:,} · {s.finish_reason}\n"
+        )
+    text.append("all", style="bold")
+    text.append(
+        f" · fed {summary['context_tokens']:,} tok · {summary['generated_tokens']:,} new · "
+        f"{summary['decode_tps']:.1f} tok/s · cache {summary['cache_tokens']:,}"
+    )
+    return text
+
+
+def stats_renderable(console: Console, turns: list[Any], summary: dict[str, Any]) -> RenderableType:
+    """The /stats table where it fits the console's width whole, else one line per turn."""
+    table = stats_table(turns, summary)
+    if Measurement.get(console, console.options.update_width(10_000), table).maximum <= console.width:
+        return table
+    return stats_lines(turns, summary)
+
+
+def columns(rows: list[tuple[str, ...]], width: int) -> RenderableType:
+    """Rows of aligned columns, the last one wrapped by words; on a narrow terminal (where
+    the first columns would take half the width) each row's last cell goes below the rest."""
+    first = max((len("  ".join(row[:-1])) for row in rows), default=0)
+    if first + 2 > width // 2:
+        stacked: list[RenderableType] = []
+        for row in rows:
+            stacked.append(Text("  ".join(row[:-1]), style="bold"))
+            stacked.append(Padding(Text(row[-1]), (0, 0, 0, 4)))
+        return Group(*stacked)
+    grid = Table.grid(padding=(0, 2))
+    for i in range(len(rows[0])):
+        last = i == len(rows[0]) - 1
+        grid.add_column(no_wrap=not last, overflow="fold", ratio=1 if last else None)
+    for row in rows:
+        grid.add_row(*row)
+    return grid
 
 
 THINK_OPEN = re.compile(r"<(think|thinking|reasoning)>")
@@ -142,57 +188,3 @@ def key_value_table(title: str, rows: dict[str, str]) -> Table:
     for k, v in rows.items():
         table.add_row(k, v)
     return table
-
-
-class PlainAnswer:
-    """Raw text as it arrives (pipes, --plain)."""
-
-    def __init__(self, out: IO[str] | None = None) -> None:
-        self.out = out or sys.stdout
-        self.text = ""
-
-    def __enter__(self) -> PlainAnswer:
-        return self
-
-    def add(self, text: str) -> None:
-        self.text += text
-        self.out.write(text)
-        self.out.flush()
-
-    def __exit__(self, *exc: object) -> None:
-        self.out.write("\n")
-        self.out.flush()
-
-
-class MarkdownAnswer:
-    """Markdown re-rendered in place while tokens arrive (Rich Live).
-
-    The Markdown is parsed when the screen refreshes (12 times a second), not per token.
-    While streaming, an answer taller than the screen shows its end; when it is done the
-    whole answer is printed.
-    """
-
-    def __init__(self, console: Console) -> None:
-        self.console = console
-        self.text = ""
-        self._rendered_text: str | None = None
-        self._renderable: RenderableType = Text("")
-        self.live = Live(console=console, refresh_per_second=12, vertical_overflow="crop",
-                         get_renderable=self._get_renderable)
-
-    def _get_renderable(self) -> RenderableType:
-        text = self.text
-        if text != self._rendered_text:
-            self._renderable = answer_renderable(text) if text.strip() else Text("")
-            self._rendered_text = text
-        return self._renderable
-
-    def __enter__(self) -> MarkdownAnswer:
-        self.live.__enter__()
-        return self
-
-    def add(self, text: str) -> None:
-        self.text += text
-
-    def __exit__(self, *exc: object) -> None:
-        self.live.__exit__(None, None, None)

@@ -32,33 +32,49 @@ from chatbot.terminal.commands import (
     CLEAR_FLAG,
     Command,
     complete,
+    help_rows,
     help_text,
     is_command,
     parse_command,
+    settings_rows,
     settings_text,
 )
+from chatbot.terminal.live_answer import MarkdownAnswer, PlainAnswer
 from chatbot.terminal.render import (
-    MarkdownAnswer,
-    PlainAnswer,
+    columns,
     format_stats_line,
     history_renderable,
     key_value_table,
     meter_style,
     sampling_brief,
-    stats_table,
+    stats_renderable,
 )
 from chatbot.terminal.session_log import SessionLog, data_dir, find_session, replay
 
 MAX_MESSAGE_CHARS = 200_000
 BLOCK = '"""'
-KEYS_HELP = """keys:
-  Enter          send            Alt+Enter (or Esc, Enter)  new line
-  \"\"\" on a line  open/close a multi-line block; a paste keeps its lines in one message
-  Ctrl-C         stop the answer (it is kept; /continue goes on) or clear the line
-  Ctrl-D         leave            Tab  complete commands and settings
-  //text         send a message that starts with a slash"""
+KEYS = [
+    ("Enter", "send"),
+    ("Alt+Enter (or Esc, Enter)", "new line"),
+    ('""" on a line', "open/close a multi-line block; a paste keeps its lines in one message"),
+    ("Ctrl-C", "stop the answer (it is kept; /continue goes on) or clear the line"),
+    ("Ctrl-D", "leave"),
+    ("Tab", "complete commands and settings"),
+    ("//text", "send a message that starts with a slash"),
+]
+KEYS_HELP = "keys:\n" + "\n".join(f"  {key.ljust(26)} {what}" for key, what in KEYS)
 
-__all__ = ["Repl", "data_dir", "clean_message", "read_lines", "run", "BlockReader"]
+__all__ = ["Repl", "data_dir", "clean_message", "read_lines", "run", "BlockReader", "make_consoles"]
+
+
+def make_consoles(interactive: bool) -> tuple[Console, Console]:
+    """The consoles for answers (stdout) and for notes and stats: stdout on a terminal, else
+    stderr. On a terminal Rich wraps every line by words at the width; into a pipe or file a
+    line stays one line (the terminal, if any, wraps it)."""
+    out = Console(highlight=False, soft_wrap=not sys.stdout.isatty())
+    if interactive and sys.stdout.isatty():
+        return out, out
+    return out, Console(stderr=True, highlight=False, soft_wrap=not sys.stderr.isatty())
 
 
 def clean_message(text: str) -> str:
@@ -106,25 +122,48 @@ class BlockReader:
         return "\n".join(lines)
 
 
-@contextlib.contextmanager
-def interrupt_once() -> Iterator[None]:
-    """While inside, the first Ctrl-C raises KeyboardInterrupt and later ones are ignored,
-    so that a second press cannot tear the clean-up of the first."""
-    fired = False
+class Interrupts:
+    """The first Ctrl-C raises KeyboardInterrupt and later ones are ignored, so that a second
+    press cannot tear the clean-up of the first. Inside `deferred()` (drawing the screen) the
+    interrupt waits until the block ends, so no half-written escape sequence is left."""
 
-    def handler(signum: int, frame: Any) -> None:
-        nonlocal fired
-        if not fired:
-            fired = True
+    def __init__(self) -> None:
+        self.fired = False
+        self.pending = False
+        self.depth = 0
+
+    def handler(self, signum: int, frame: Any) -> None:
+        if self.fired:
+            return
+        self.fired = True
+        if self.depth:
+            self.pending = True
+        else:
             raise KeyboardInterrupt
 
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            if self.pending and not self.depth:
+                self.pending = False
+                raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def interrupt_once() -> Iterator[Interrupts]:
+    """While inside, Ctrl-C is handled by an `Interrupts` (see there)."""
+    interrupts = Interrupts()
     try:
-        previous = signal.signal(signal.SIGINT, handler)
+        previous = signal.signal(signal.SIGINT, interrupts.handler)
     except ValueError:  # not the main thread
-        yield
+        yield interrupts
         return
     try:
-        yield
+        yield interrupts
     finally:
         signal.signal(signal.SIGINT, previous)
 
@@ -224,7 +263,13 @@ class Repl:
     # -- commands ----------------------------------------------------------------------
 
     def _help(self, _: Command) -> None:
-        self.info.print(help_text() + "\n\n" + KEYS_HELP, highlight=False, markup=False)
+        if self.info.is_terminal:
+            self.info.print(columns(help_rows(), self.info.width))
+            self.info.print()
+            self.info.print("keys:")
+            self.info.print(columns(KEYS, self.info.width))
+        else:
+            self.info.print(help_text() + "\n\n" + KEYS_HELP, highlight=False, markup=False)
 
     def _exit(self, _: Command) -> None:
         self.running = False
@@ -271,7 +316,10 @@ class Repl:
 
     def _set(self, command: Command) -> None:
         if not command.values:
-            self.info.print(settings_text(self.session.sampling), highlight=False, markup=False)
+            if self.info.is_terminal:
+                self.info.print(columns(settings_rows(self.session.sampling), self.info.width))
+            else:
+                self.info.print(settings_text(self.session.sampling), highlight=False, markup=False)
             return
         sampling = self.session.sampling
         for key, value in command.values.items():
@@ -312,7 +360,7 @@ class Repl:
         if not self.session.turns:
             self.note("no turns yet")
             return
-        self.info.print(stats_table(self.session.turns, self.session.summary()))
+        self.info.print(stats_renderable(self.info, self.session.turns, self.session.summary()))
 
     def _model(self, _: Command) -> None:
         rows = dict(self.loaded.describe())
@@ -396,12 +444,13 @@ class Repl:
         answer = PlainAnswer(self.console.file) if self.plain else MarkdownAnswer(self.console)
         stats = None
         problem: str | None = None
-        with interrupt_once():
+        with interrupt_once() as interrupts:
             try:
                 with answer:
                     for chunk in chunks:
                         if chunk.text:
-                            answer.add(chunk.text)
+                            with interrupts.deferred():
+                                answer.add(chunk.text)
                         stats = chunk.stats or stats
             except KeyboardInterrupt:
                 chunks.close()  # type: ignore[attr-defined]

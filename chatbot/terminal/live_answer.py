@@ -1,0 +1,281 @@
+"""The answer on a terminal: append-only live Markdown.
+
+Rich `Live` re-draws its whole renderable on every refresh. An answer taller than the
+screen then either loses lines (cropped) or repeats them in the scrollback, and a line
+longer than the width is cut. So the answer is split into Markdown blocks (paragraph, list,
+code fence, table, heading, quote): a block is printed once, for good, as soon as the next
+one starts, and only the block still being written lives in the `Live` region. A block that
+grows taller than the screen has its top lines printed for good as it grows, so the live
+region always fits. Everything is wrapped by words at the width read when it is drawn, so a
+resized terminal gets later blocks at its new width and nothing printed is drawn again.
+
+Thinking parts (`<think>…</think>`) are shown dimmed, line by line; a code fence is plain
+while it is open and highlighted once it closes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import IO
+
+from markdown_it import MarkdownIt
+from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
+from rich.live import Live
+from rich.markdown import Markdown
+from rich.segment import Segment
+from rich.syntax import Syntax
+from rich.text import Text
+
+from chatbot.terminal.render import THINK_OPEN
+
+CODE_THEME = "monokai"
+THINKING_STYLE = "dim italic"
+# The parser Rich's Markdown uses, so that blocks are cut where Rich would see them.
+_PARSER = MarkdownIt().enable("strikethrough").enable("table")
+
+
+def open_block_start(text: str) -> int:
+    """Where the last top-level Markdown block of `text` starts (a character offset).
+
+    `text` holds complete lines only. The blocks before that offset can no longer change:
+    CommonMark parses line by line, and a block closed by the start of the next one never
+    opens again. A closed code fence also counts as finished: it returns len(text) then.
+    """
+    tokens = [t for t in _PARSER.parse(text) if t.level == 0 and t.map is not None and t.nesting >= 0]
+    if not tokens:
+        return 0
+    lines = text.splitlines(keepends=True)
+    last = tokens[-1]
+    assert last.map is not None
+    start, end = last.map
+    if last.type == "fence" and end - start >= 2 and end <= len(lines):
+        closing = lines[end - 1].strip()
+        if closing.startswith(last.markup) and not closing.strip(last.markup[0]):
+            return len(text)
+    return sum(len(line) for line in lines[:start])
+
+
+def _open_fence(text: str) -> tuple[str, str] | None:
+    """(code so far, info string) when `text` is one code fence that has not closed yet."""
+    tokens = [t for t in _PARSER.parse(text) if t.level == 0 and t.map is not None]
+    if len(tokens) == 1 and tokens[0].type == "fence":
+        return tokens[0].content, tokens[0].info
+    return None
+
+
+class _Lines:
+    """Already rendered lines, printed as they are (no second wrapping)."""
+
+    def __init__(self, lines: Iterable[list[Segment]], blank_first: bool = False) -> None:
+        self.lines = list(lines)
+        self.blank_first = blank_first
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        if self.blank_first:
+            yield Segment.line()
+        for line in self.lines:
+            yield from line
+            yield Segment.line()
+
+
+class MarkdownAnswer:
+    """Live Markdown for a streamed answer, printed block by block (see the module doc).
+
+    Use as a context manager; `add(text)` per piece of text. The screen is refreshed at most
+    `refresh_per_second` times a second, from `add`, so nothing runs in another thread.
+
+    Args:
+        console: a terminal console (its width and height are read for each block).
+        refresh_per_second: the most re-draws of the live block per second.
+        clock: seconds, for the refresh rate (a test or bench may pass its own).
+    """
+
+    def __init__(
+        self,
+        console: Console,
+        refresh_per_second: float = 12.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.console = console
+        self.text = ""
+        self._open = ""  # source of the block being written (not yet printed for good)
+        self._skip = 0  # rendered lines of the open block already printed for good
+        self._lead_blank_done = False  # the blank line before the open block is printed
+        self._thinking_close: str | None = None  # the closing tag while inside a thinking part
+        self._printed = False  # a block of this answer has been printed
+        self._interval = 1.0 / refresh_per_second
+        self._clock = clock
+        self._last_refresh = -1e9
+        self._tail_key: tuple[str, int, int, int] | None = None
+        self._tail = _Lines([])
+        self.live = Live(
+            console=console,
+            auto_refresh=False,
+            transient=True,
+            redirect_stdout=False,
+            redirect_stderr=False,
+            vertical_overflow="crop",
+            get_renderable=self._live_renderable,
+        )
+
+    # -- the public interface ----------------------------------------------------------
+
+    def __enter__(self) -> MarkdownAnswer:  # noqa: PYI034
+        self.live.start()
+        return self
+
+    def add(self, text: str) -> None:
+        """Take the next piece of the answer; print what it finished; refresh now and then."""
+        self.text += text
+        self._open += text
+        if "\n" in text or ">" in text:
+            self._settle()
+        self._fit()
+        now = self._clock()
+        if now - self._last_refresh >= self._interval:
+            self._last_refresh = now
+            self.live.refresh()
+
+    def __exit__(self, *exc: object) -> None:
+        """Print the rest for good (also after Ctrl-C: the partial block stays, rendered)."""
+        try:
+            self._print_and_drop(len(self._open), thinking=self._thinking_close is not None)
+        finally:
+            self.live.stop()
+
+    # -- blocks ------------------------------------------------------------------------
+
+    def _settle(self) -> None:
+        """Print every block that can no longer change; keep the open one."""
+        while True:
+            if self._thinking_close is not None:
+                end = self._open.find(self._thinking_close)
+                if end >= 0:
+                    end += len(self._thinking_close)
+                    self._print_and_drop(end, thinking=True)
+                    self._thinking_close = None
+                    self._open = self._open.lstrip("\n")
+                    continue
+                cut = self._open.rfind("\n") + 1  # complete lines of thinking are final
+                if cut:
+                    self._print_and_drop(cut, thinking=True)
+                return
+            match = THINK_OPEN.search(self._open)
+            if match is not None:
+                if self._open[: match.start()].strip():
+                    self._print_and_drop(match.start(), thinking=False)
+                else:
+                    self._drop(match.start())
+                self._thinking_close = f"</{match.group(1)}>"
+                continue
+            complete = self._open[: self._open.rfind("\n") + 1]
+            cut = open_block_start(complete) if complete.strip() else 0
+            if cut:
+                self._print_and_drop(cut, thinking=False)
+            return
+
+    def _print_and_drop(self, end: int, thinking: bool) -> None:
+        """Print `_open[:end]` for good and keep the rest open."""
+        source, rest, skip = self._open[:end], self._open[end:], self._skip
+        blank = skip == 0 and not self._lead_blank_done and not thinking
+        self._drop(end)
+        lines = self._render(source, thinking, final=True)
+        if skip > len(lines):
+            # A tall open region had its top printed already, past this block and into the
+            # next: find where the next block's own lines start in that region.
+            whole = self._render(source + rest, thinking, final=False)
+            gap = max(0, len(whole) - len(lines) - len(self._render(rest, thinking, final=False)))
+            self._skip = max(0, skip - len(lines) - gap)
+            self._lead_blank_done = True
+        self._emit(lines[skip:], blank=blank)
+
+    def _drop(self, end: int) -> None:
+        self._open = self._open[end:]
+        self._skip = 0
+        self._lead_blank_done = False
+
+    def _blank_before_open(self) -> bool:
+        """The open block's first line is still to be printed, after a blank line."""
+        return self._skip == 0 and not self._lead_blank_done and self._thinking_close is None
+
+    def _renderable(self, source: str, thinking: bool, final: bool) -> RenderableType:
+        if thinking:
+            return Text(source.rstrip("\n"), style=THINKING_STYLE)
+        fence = None if final else _open_fence(source)
+        if fence is not None:  # plain while open; Markdown highlights it once it closes
+            return Syntax(fence[0].rstrip(), "text", theme=CODE_THEME, word_wrap=True, padding=1)
+        return Markdown(source, code_theme=CODE_THEME)
+
+    def _render(self, source: str, thinking: bool, final: bool) -> list[list[Segment]]:
+        if not source.strip():
+            return []
+        options = self.console.options.update(height=None)
+        lines = self.console.render_lines(self._renderable(source, thinking, final), options, pad=False)
+        # Rich starts some blocks (lists) with an empty line; blocks are spaced here instead.
+        start, end = 0, len(lines)
+        while start < end and not lines[start]:
+            start += 1
+        while end > start and not lines[end - 1]:
+            end -= 1
+        return lines[start:end]
+
+    def _emit(self, lines: list[list[Segment]], blank: bool) -> None:
+        """Print lines for good above the live region (the state already excludes them)."""
+        if not lines:
+            return
+        # Re-draw the live region first: the print below re-draws the last one it drew.
+        self._last_refresh = self._clock()
+        self.live.refresh()
+        self.console.print(_Lines(lines, blank_first=blank and self._printed))
+        self._printed = True
+
+    # -- the live region ---------------------------------------------------------------
+
+    def _max_live_lines(self) -> int:
+        return max(3, self.console.height - 3)
+
+    def _fit(self) -> None:
+        """Print the top lines of an open block taller than the screen, so the live region
+        always fits (a region taller than the screen repeats itself in the scrollback)."""
+        limit = self._max_live_lines()
+        width = max(self.console.width, 1)
+        # A cheap upper bound first: rendering is only needed for a block that may be tall.
+        if self._open.count("\n") + 2 * len(self._open) // width + 4 <= limit:
+            return
+        lines = self._render(self._open, self._thinking_close is not None, final=False)
+        extra = len(lines) - self._skip - limit
+        if extra > 0:
+            skip, blank = self._skip, self._blank_before_open()
+            self._skip += extra
+            self._emit(lines[skip : skip + extra], blank=blank)
+
+    def _live_renderable(self) -> RenderableType:
+        key = (self._open, self._skip, self.console.width, int(self._thinking_close is not None))
+        if key != self._tail_key:
+            lines = self._render(self._open, self._thinking_close is not None, final=False)[self._skip :]
+            self._tail = _Lines(lines, blank_first=bool(lines) and self._printed and self._blank_before_open())
+            self._tail_key = key
+        return self._tail
+
+
+class PlainAnswer:
+    """Raw text as it arrives (pipes, --plain)."""
+
+    def __init__(self, out: IO[str] | None = None) -> None:
+        import sys
+
+        self.out = out or sys.stdout
+        self.text = ""
+
+    def __enter__(self) -> PlainAnswer:  # noqa: PYI034
+        return self
+
+    def add(self, text: str) -> None:
+        self.text += text
+        self.out.write(text)
+        self.out.flush()
+
+    def __exit__(self, *exc: object) -> None:
+        self.out.write("\n")
+        self.out.flush()

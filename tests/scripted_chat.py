@@ -1,0 +1,89 @@
+"""A chat on the tiny test model whose answers are scripted: the real engine, session,
+REPL and renderer, with a model that replays given Markdown token by token.
+
+Run as a program (the screen tests start it in a pseudo-terminal):
+    python tests/scripted_chat.py ANSWER.md [ANSWER2.md ...] [--delay SECONDS]
+The n-th message gets the n-th answer (the last one repeats). Each decode step sleeps
+`--delay` seconds, so a test can act in the middle of an answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from conftest import make_llama, make_tokenizer
+
+
+class ScriptedModel:
+    """Wraps a real (tiny, random) causal LM: its forward pass runs and fills the cache as
+    usual, then the logits of the last position are replaced so that the next token is the
+    script's. A prompt (more than one new token) starts the next answer of the script."""
+
+    def __init__(self, model, answers: list[list[int]], eos: int, delay: float = 0.0) -> None:
+        self.model = model
+        self.answers = answers
+        self.eos = eos
+        self.delay = delay
+        self.turn = -1
+        self.pos = 0
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, *args, **kwargs):
+        out = self.model(*args, **kwargs)
+        ids = kwargs.get("input_ids")
+        if ids is None:
+            ids = args[0]
+        if ids.shape[-1] > 1:  # a prompt: the next answer begins
+            self.turn += 1
+            self.pos = 0
+        else:
+            self.pos += 1
+            if self.delay:
+                time.sleep(self.delay)
+        script = self.answers[min(self.turn, len(self.answers) - 1)]
+        target = script[self.pos] if self.pos < len(script) else self.eos
+        logits = torch.full_like(out.logits[:, -1:, :], -1e4)
+        logits[..., target] = 1e4
+        out.logits = torch.cat([out.logits[:, :-1, :], logits], dim=1)
+        return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("answers", nargs="+", type=Path)
+    parser.add_argument("--delay", type=float, default=0.0)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    from chatbot.config import ChatConfig, SamplingConfig
+    from chatbot.engine.generate import Engine
+    from chatbot.models.loader import LoadedModel
+    from chatbot.session import ChatSession
+    from chatbot.terminal.repl import Repl, make_consoles
+    from chatbot.terminal.repl import run as run_repl
+
+    tokenizer = make_tokenizer()
+    answers = [tokenizer.encode(p.read_text(encoding="utf-8"), add_special_tokens=False) for p in args.answers]
+    model = ScriptedModel(make_llama(len(tokenizer)), answers, tokenizer.eos_token_id, args.delay)
+    engine = Engine(model, tokenizer, max_context=4096)
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=max(len(a) for a in answers) + 8)
+    session = ChatSession(engine, ChatConfig(sampling=sampling))
+    loaded = LoadedModel(model=model.model, tokenizer=tokenizer, name="scripted", source="test", kind="folder")
+    interactive = sys.stdin.isatty()
+    out, info = make_consoles(interactive)
+    repl = Repl(session, loaded, out, plain=not sys.stdout.isatty(), info=info)
+    repl.start_log()
+    run_repl(repl, interactive)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""What a person reads on a terminal: the REPL in a pseudo-terminal behind a terminal
+emulator (pyte), with a scripted model, so that the expected answer is known exactly.
+
+Each test asserts on the screen and scrollback (screen.py), not on the bytes written.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from screen import Terminal, missing_words
+
+pytest.importorskip("pyte")
+
+SCRIPT = Path(__file__).parent / "scripted_chat.py"
+
+MIXED = """\
+## A heading for the answer
+
+Here is a first paragraph that is long enough to wrap at every width we test, with \
+ordinary words, a `code span`, some **bold** and *italic* text, and a rather \
+longwordwithoutanyspacesinside that must still appear whole.
+
+- a bulleted item that also goes on for a while, so that it wraps under its bullet
+- a second item
+  with a continuation line
+
+1. first numbered step
+2. second numbered step, with more words than fit on a narrow line of forty columns
+
+```python
+def add(first, second):
+    return first + second
+```
+
+| name  | value |
+|-------|-------|
+| alpha | 1     |
+| beta  | 2     |
+
+日本語のテキストと中文文本が折り返されても読めること、emoji 🙂🚀🎉 too.
+
+> a quoted line at the end, to close the answer.
+"""
+
+
+def start(tmp_path: Path, answers: list[str], columns: int, lines: int = 24, delay: float = 0.0) -> Terminal:
+    files = []
+    for i, text in enumerate(answers):
+        path = tmp_path / f"answer{i}.md"
+        path.write_text(text, encoding="utf-8")
+        files.append(str(path))
+    argv = [sys.executable, str(SCRIPT), *files, "--delay", str(delay)]
+    term = Terminal(argv, columns=columns, lines=lines, env={"PROMPT_TOOLKIT_NO_CPR": "1"}, cwd=str(tmp_path))
+    term.wait_prompt(120)
+    return term
+
+
+def send(term: Terminal, line: str, timeout: float = 120) -> None:
+    term.type(line + "\r")
+    term.wait_prompt(timeout)
+
+
+def saved_answers(term: Terminal, tmp_path: Path) -> list[str]:
+    path = tmp_path / "saved.json"
+    send(term, "/save saved.json")
+    return [t["answer"] for t in json.loads(path.read_text(encoding="utf-8"))["turns"]]
+
+
+def readable(markdown: str) -> str:
+    """The text a reader sees of `markdown`: a code fence's language name is not shown."""
+    return re.sub(r"(?m)^(\s*)(```|~~~)[\w+-]*", r"\1", markdown)
+
+
+def after(lines: list[str], marker: str) -> list[str]:
+    """The lines after the last one that starts with `marker`."""
+    index = max(i for i, line in enumerate(lines) if line.startswith(marker))
+    return lines[index + 1 :]
+
+
+@pytest.fixture
+def terminals():
+    opened: list[Terminal] = []
+    yield opened
+    for term in opened:
+        term.close()
+
+
+@pytest.mark.parametrize("columns", [40, 80, 120])
+def test_every_word_of_the_answer_and_the_commands_is_on_screen(tmp_path, terminals, columns):
+    from chatbot.terminal.commands import help_text
+
+    term = start(tmp_path, [MIXED], columns)
+    terminals.append(term)
+    send(term, "Show me some Markdown.")
+    (answer,) = saved_answers(term, tmp_path)
+    assert answer.strip() == MIXED.strip()  # the script ran through the real engine
+    shown = after(term.lines(), "> Show me")
+    assert missing_words(readable(answer), shown) == []
+    # The stats line is wrapped by words, not cut: its last field is there.
+    assert any(re.search(r"cache [\d,]+", line) for line in shown)
+
+    send(term, "/history")
+    assert missing_words("you Show me some Markdown. bot " + readable(answer), after(term.lines(), "> /history")) == []
+    send(term, "/help")
+    assert missing_words(help_text(), after(term.lines(), "> /help")) == []
+    send(term, "/stats")
+    stats = after(term.lines(), "> /stats")
+    assert any("stop" in line for line in stats)  # the last column: how the turn ended
+    # Nothing anywhere was cropped with an ellipsis.
+    assert not [line for line in term.lines() if "…" in line]
+
+
+def test_a_closed_code_fence_is_highlighted_and_thinking_is_dimmed(tmp_path, terminals):
+    answer = "<think>\nThe user wants code.\n</think>\nHere it is:\n\n```python\ndef add(a, b):\n    return a + b\n```\n"
+    term = start(tmp_path, [answer], 80)
+    terminals.append(term)
+    send(term, "code please")
+    screen = term.screen
+    cells = {}
+    for y in range(screen.lines):
+        row = screen.buffer[y]
+        text = "".join(row[x].data for x in range(screen.columns))
+        for word in ("user", "return", "Here"):
+            if word in text and word not in cells:
+                cells[word] = row[text.index(word)]
+    assert cells["user"].italics  # thinking: dim italic
+    assert not cells["Here"].italics
+    assert cells["return"].fg != cells["Here"].fg  # a keyword in colour: highlighted
+
+
+def test_an_answer_three_screens_tall_is_in_the_scrollback_once(tmp_path, terminals):
+    items = "\n".join(f"- item{i:02d} of the list, with a few more words" for i in range(25))
+    paragraph = " ".join(f"word{i:03d}" for i in range(220))  # one block taller than the screen
+    code = "\n".join(f"line{i:02d} = {i}" for i in range(25))
+    answer = f"{items}\n\n{paragraph}\n\n```\n{code}\n```\n\nThe end.\n"
+    term = start(tmp_path, [answer], 60, lines=20)
+    terminals.append(term)
+    send(term, "a long one")
+    lines = after(term.lines(), "> a long one")
+    assert missing_words(answer, lines) == []
+    markers = re.findall(r"(?:item|word|line)\d+", answer)
+    shown = re.findall(r"(?:item|word|line)\d+", "\n".join(lines))
+    assert shown == markers  # each once, in order: nothing repeated, nothing lost
+
+
+def test_a_resize_mid_answer_draws_later_blocks_at_the_new_width(tmp_path, terminals):
+    paragraphs = [f"p{i:02d} " + " ".join(f"w{i:02d}x{j:02d}" for j in range(30)) for i in range(8)]
+    answer = "\n\n".join(paragraphs) + "\n"
+    term = start(tmp_path, [answer], 60, lines=24, delay=0.03)
+    terminals.append(term)
+    term.type("resize me\r")
+    term.wait_text("w02x05", 120)
+    term.resize(100, 24)
+    term.wait_prompt(120)
+    lines = after(term.lines(), "> resize me")
+    assert missing_words(answer, lines) == []
+    assert re.findall(r"w\d\dx\d\d", "\n".join(lines)) == re.findall(r"w\d\dx\d\d", answer)
+    last = [line for line in lines if "w07x" in line]
+    assert max(len(line) for line in last) > 60  # the last paragraph fills the wider screen
+
+
+def test_ctrl_c_in_a_code_fence_keeps_the_partial_block_on_screen(tmp_path, terminals):
+    code = "\n".join(f"value_{i:03d} = {i}" for i in range(300))
+    answer = f"Counting:\n\n```python\n{code}\n```\n"
+    term = start(tmp_path, [answer], 80, lines=24, delay=0.02)
+    terminals.append(term)
+    term.type("count\r")
+    term.wait_text("value_010", 120)
+    term.type("\x03")
+    term.wait_text("[interrupted", 60)
+    term.wait_prompt(60)
+    (partial,) = saved_answers(term, tmp_path)
+    assert "value_299" not in partial  # it was cut short
+    lines = after(term.lines(), "> count")
+    assert missing_words(readable(partial), lines) == []
+    values = re.findall(r"value_\d+", "\n".join(lines))
+    assert values == re.findall(r"value_\d+", partial)  # once each, up to where it stopped
+    # The chat goes on.
+    send(term, "/history")
+    assert any("[interrupted]" in line for line in term.lines())
