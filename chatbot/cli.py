@@ -231,6 +231,23 @@ def bench_turns(
         write_json(json_out, result)
 
 
+@bench_app.command("render")
+def bench_render(
+    tokens: Annotated[int, typer.Option(help="Pieces of the Markdown answer fed to the renderer.", min=10)] = 2000,
+    rate: Annotated[float, typer.Option(help="Decode speed the renderer must keep up with, tokens/s.", min=1)] = 150.0,
+    width: Annotated[int, typer.Option(help="Terminal columns.", min=20)] = 80,
+    json_out: JsonOpt = None,
+) -> None:
+    """The live answer renderer's own cost per token (no model, no terminal emulator)."""
+    from chatbot.measure.bench_render import run_render_bench
+    from chatbot.measure.report import print_render, write_json
+
+    result = run_render_bench(tokens, rate, width)
+    print_render(Console(), result)
+    if json_out:
+        write_json(json_out, result)
+
+
 @bench_app.command("streaming")
 def bench_streaming(
     text: Annotated[Path | None, typer.Option(help="A long plain-text file (default: ../shared/data/long_text.txt).")] = None,

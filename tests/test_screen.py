@@ -183,3 +183,12 @@ def test_ctrl_c_in_a_code_fence_keeps_the_partial_block_on_screen(tmp_path, term
     # The chat goes on.
     send(term, "/history")
     assert any("[interrupted]" in line for line in term.lines())
+
+
+def test_bench_render_prints_both_renderers(capsys):
+    from helpers import cli
+
+    code, out, _ = cli(capsys, "bench", "render", "--tokens", "300", "--width", "100")
+    assert code == 0
+    assert "append-only blocks" in out and "whole-answer Live" in out
+    assert re.search(r"\d+\.\d+%", out)  # the share of decode time

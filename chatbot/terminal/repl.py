@@ -64,7 +64,7 @@ KEYS = [
 ]
 KEYS_HELP = "keys:\n" + "\n".join(f"  {key.ljust(26)} {what}" for key, what in KEYS)
 
-__all__ = ["Repl", "data_dir", "clean_message", "read_lines", "run", "BlockReader", "make_consoles"]
+__all__ = ["BlockReader", "Repl", "clean_message", "data_dir", "make_consoles", "read_lines", "run"]
 
 
 def make_consoles(interactive: bool) -> tuple[Console, Console]:

@@ -1,0 +1,121 @@
+"""The terminal renderer's own cost per token, against the decode speed it must keep up with.
+
+A Markdown answer (paragraphs, lists, code, a table) is cut into ~2,000 token-sized pieces
+and fed to the live answer renderer as a model at `rate` tokens/s would feed it: a clock
+advances 1/rate per piece, so the screen refreshes as often as it would (12 times a second).
+Output goes to an in-memory terminal, so only our own work is timed, not the emulator's.
+Beside it, the way answers were shown before (Rich `Live` re-rendering the whole answer).
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.markdown import Markdown
+
+from chatbot.terminal.live_answer import MarkdownAnswer
+
+_SECTION = """\
+## Step {n}: what to do
+
+This paragraph explains step {n} in some detail, so that it wraps over several lines of an
+80-column terminal: the words are ordinary, with **bold**, *italic* and `inline code` mixed in.
+
+- the first point of step {n}, long enough to wrap under its bullet on a narrow screen
+- a second point
+- a third point with `code`
+
+```python
+def step_{n}(values):
+    total = 0
+    for value in values:
+        total += value * {n}
+    return total
+```
+
+| item | count |
+|------|-------|
+| a{n}  | {n}     |
+
+"""
+
+
+def answer_pieces(tokens: int) -> list[str]:
+    """About `tokens` token-sized pieces (a word with its space, or punctuation) of Markdown."""
+    pieces: list[str] = []
+    n = 1
+    while len(pieces) < tokens:
+        pieces += re.findall(r" ?\w+| ?[^\w\s]+|\s+", _SECTION.format(n=n))
+        n += 1
+    return pieces[:tokens]
+
+
+def _feed(make: Callable[[Console, Callable[[], float]], Any], pieces: list[str], rate: float, width: int,
+          height: int) -> dict[str, float]:
+    console = Console(file=io.StringIO(), force_terminal=True, width=width, height=height,
+                      color_system="truecolor", highlight=False)
+    now = [0.0]
+    per_piece = []
+    start = time.perf_counter()
+    with make(console, lambda: now[0]) as answer:
+        for piece in pieces:
+            now[0] += 1.0 / rate
+            t = time.perf_counter()
+            answer.add(piece)
+            per_piece.append(time.perf_counter() - t)
+    total = time.perf_counter() - start
+    per_piece.sort()
+    return {
+        "ms_per_token": 1000 * total / len(pieces),
+        "p99_ms": 1000 * per_piece[int(0.99 * (len(per_piece) - 1))],
+        "max_ms": 1000 * per_piece[-1],
+        "budget_share": total / (len(pieces) / rate),
+        "bytes_written": len(console.file.getvalue()),
+    }
+
+
+class _WholeAnswerLive:
+    """Answers as shown before: Rich Live re-rendering all of the Markdown at each refresh."""
+
+    def __init__(self, console: Console, clock: Callable[[], float]) -> None:
+        self.text = ""
+        self.clock = clock
+        self.last = -1e9
+        self.live = Live(console=console, auto_refresh=False, vertical_overflow="crop",
+                         get_renderable=lambda: Markdown(self.text))
+
+    def __enter__(self) -> _WholeAnswerLive:  # noqa: PYI034
+        self.live.start()
+        return self
+
+    def add(self, text: str) -> None:
+        self.text += text
+        if self.clock() - self.last >= 1 / 12:
+            self.last = self.clock()
+            self.live.refresh()
+
+    def __exit__(self, *exc: object) -> None:
+        self.live.stop()
+
+
+def run_render_bench(tokens: int = 2000, rate: float = 150.0, width: int = 80, height: int = 24,
+                     repeats: int = 3) -> dict[str, Any]:
+    """Median of `repeats` runs of each renderer over the same pieces."""
+    pieces = answer_pieces(tokens)
+    setups: dict[str, Callable[[Console, Callable[[], float]], Any]] = {
+        "append-only blocks (ours)": lambda c, clock: MarkdownAnswer(c, clock=clock),
+        "whole-answer Live (before)": _WholeAnswerLive,
+    }
+    rows = []
+    for name, make in setups.items():
+        runs = sorted((_feed(make, pieces, rate, width, height) for _ in range(repeats)),
+                      key=lambda r: r["ms_per_token"])
+        rows.append({"renderer": name, **runs[len(runs) // 2]})
+    return {"tokens": len(pieces), "rate_tok_s": rate, "width": width, "height": height,
+            "budget_ms_per_token": 1000 / rate, "rows": rows}
