@@ -19,14 +19,14 @@ pytest.importorskip("pyte")
 SCRIPT = Path(__file__).parent / "scripted_chat.py"
 
 MIXED = """\
-## A heading for the answer
+## A heading for the <answer>
 
 Here is a first paragraph that is long enough to wrap at every width we test, with \
 ordinary words, a `code span`, some **bold** and *italic* text, and a rather \
 longwordwithoutanyspacesinside that must still appear whole.
 
 - a bulleted item that also goes on for a while, so that it wraps under its bullet
-- a second item
+- a second item, with <br> and <placeholder> written by the model
   with a continuation line
 
 1. first numbered step
@@ -55,7 +55,7 @@ def start(tmp_path: Path, answers: list[str], columns: int, lines: int = 24, del
         path.write_text(text, encoding="utf-8")
         files.append(str(path))
     argv = [sys.executable, str(SCRIPT), *files, "--delay", str(delay)]
-    term = Terminal(argv, columns=columns, lines=lines, env={"PROMPT_TOOLKIT_NO_CPR": "1"}, cwd=str(tmp_path))
+    term = Terminal(argv, columns=columns, lines=lines, cwd=str(tmp_path))
     term.wait_prompt(120)
     return term
 
@@ -96,6 +96,8 @@ def test_every_word_of_the_answer_and_the_commands_is_on_screen(tmp_path, termin
 
     term = start(tmp_path, [MIXED], columns)
     terminals.append(term)
+    # The line under the prompt fits: it ends with its last field.
+    term.wait_for(lambda: term.screen_lines()[-1].endswith("/help"), 20, "the toolbar, whole")
     send(term, "Show me some Markdown.")
     (answer,) = saved_answers(term, tmp_path)
     assert answer.strip() == MIXED.strip()  # the script ran through the real engine
@@ -192,3 +194,39 @@ def test_bench_render_prints_both_renderers(capsys):
     assert code == 0
     assert "append-only blocks" in out and "whole-answer Live" in out
     assert re.search(r"\d+\.\d+%", out)  # the share of decode time
+
+
+LIST_ANSWER = (
+    "<<Python Tips for Beginners>>\n\n"
+    + "\n".join(f"{i}. **Tip {i}:** " + " ".join(f"t{i}w{j}" for j in range(40)) for i in range(1, 6))
+    + "\n"
+)
+
+
+def test_ctrl_c_while_a_full_width_line_grows_repeats_nothing(tmp_path, terminals):
+    # The terminal echoes ^C where the cursor is; at the right edge it would wrap onto a
+    # row the live region does not know about.
+    term = start(tmp_path, [LIST_ANSWER], 80, lines=24, delay=0.03)
+    terminals.append(term)
+    term.type("tips\r")
+    term.wait_text("t1w25", 120)
+    term.type("\x03")
+    term.wait_text("[interrupted", 60)
+    term.wait_prompt(60)
+    lines = after(term.lines(), "> tips")
+    assert [line for line in lines if "Beginners" in line] == ["<<Python Tips for Beginners>>"]
+    assert "^C" not in "\n".join(lines)
+    words = re.findall(r"t\dw\d+", "\n".join(lines))
+    assert words == sorted(set(words), key=words.index)  # none twice
+
+
+def test_keys_typed_during_an_answer_wait_for_the_next_prompt(tmp_path, terminals):
+    term = start(tmp_path, [LIST_ANSWER], 80, lines=24, delay=0.01)
+    terminals.append(term)
+    term.type("tips\r")
+    term.wait_text("t1w5", 120)
+    term.type("typed ahead")
+    term.wait_text("tok/s", 120)
+    term.wait_for(lambda: "> typed ahead" in term.lines(), 30, "the typed text at the prompt")
+    answer = after(term.lines(), "> tips")
+    assert [line for line in answer if "typed" in line] == ["> typed ahead"]

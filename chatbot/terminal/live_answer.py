@@ -19,20 +19,18 @@ import time
 from collections.abc import Callable, Iterable
 from typing import IO
 
-from markdown_it import MarkdownIt
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.live import Live
-from rich.markdown import Markdown
 from rich.segment import Segment
 from rich.syntax import Syntax
 from rich.text import Text
 
-from chatbot.terminal.render import THINK_OPEN
+from chatbot.terminal.render import THINK_OPEN, AnswerMarkdown, markdown_parser
 
 CODE_THEME = "monokai"
 THINKING_STYLE = "dim italic"
 # The parser Rich's Markdown uses, so that blocks are cut where Rich would see them.
-_PARSER = MarkdownIt().enable("strikethrough").enable("table")
+_PARSER = markdown_parser()
 
 
 def open_block_start(text: str) -> int:
@@ -54,6 +52,27 @@ def open_block_start(text: str) -> int:
         if closing.startswith(last.markup) and not closing.strip(last.markup[0]):
             return len(text)
     return sum(len(line) for line in lines[:start])
+
+
+def _trim(line: list[Segment]) -> list[Segment]:
+    """The line without its trailing padding (spaces with no background colour).
+
+    A line padded to the full width leaves the cursor at the right edge, where whatever
+    the terminal adds (an echoed ^C, a glyph it counts wider than Rich does) wraps onto a
+    new row that the live region does not know about, and the region is then re-drawn one
+    row too low.
+    """
+    line = list(line)
+    while line:
+        last = line[-1]
+        if last.control or (last.style is not None and last.style.bgcolor is not None):
+            break
+        text = last.text.rstrip(" ")
+        if text:
+            line[-1] = Segment(text, last.style, last.control)
+            break
+        line.pop()
+    return line
 
 
 def _open_fence(text: str) -> tuple[str, str] | None:
@@ -205,7 +224,7 @@ class MarkdownAnswer:
         fence = None if final else _open_fence(source)
         if fence is not None:  # plain while open; Markdown highlights it once it closes
             return Syntax(fence[0].rstrip(), "text", theme=CODE_THEME, word_wrap=True, padding=1)
-        return Markdown(source, code_theme=CODE_THEME)
+        return AnswerMarkdown(source, code_theme=CODE_THEME)
 
     def _render(self, source: str, thinking: bool, final: bool) -> list[list[Segment]]:
         if not source.strip():
@@ -218,7 +237,7 @@ class MarkdownAnswer:
             start += 1
         while end > start and not lines[end - 1]:
             end -= 1
-        return lines[start:end]
+        return [_trim(line) for line in lines[start:end]]
 
     def _emit(self, lines: list[list[Segment]], blank: bool) -> None:
         """Print lines for good above the live region (the state already excludes them)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from markdown_it import MarkdownIt
 from rich.console import Console, Group, RenderableType
 from rich.markdown import Markdown
 from rich.measure import Measurement
@@ -113,6 +114,20 @@ def columns(rows: list[tuple[str, ...]], width: int) -> RenderableType:
     return grid
 
 
+def markdown_parser() -> MarkdownIt:
+    """Rich's Markdown parser, with raw HTML off: a model's `<placeholder>` or `<br>` is text
+    to show, not markup for Rich to drop."""
+    return MarkdownIt("commonmark", {"html": False}).enable("strikethrough").enable("table")
+
+
+class AnswerMarkdown(Markdown):
+    """Rich Markdown that shows everything the model wrote (see `markdown_parser`)."""
+
+    def __init__(self, markup: str, code_theme: str = "monokai") -> None:
+        super().__init__(markup, code_theme=code_theme)
+        self.parsed = markdown_parser().parse(markup)
+
+
 THINK_OPEN = re.compile(r"<(think|thinking|reasoning)>")
 
 
@@ -145,7 +160,7 @@ def answer_renderable(text: str) -> RenderableType:
         if thinking:
             pieces.append(Text(part.strip("\n"), style="dim italic"))
         elif part.strip():
-            pieces.append(Markdown(part, code_theme="monokai"))
+            pieces.append(AnswerMarkdown(part))
     return Group(*pieces) if len(pieces) != 1 else pieces[0]
 
 

@@ -122,6 +122,28 @@ class BlockReader:
         return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def no_echo(stream: IO[str]) -> Iterator[None]:
+    """While inside, keys typed on the terminal are not echoed (they stay in the input for
+    the next prompt): an echoed ^C or typed-ahead text would land in the live answer and
+    shift it. Ctrl-C still interrupts. Nothing happens when `stream` is not a terminal."""
+    try:
+        import termios
+
+        fd = stream.fileno()
+        saved = termios.tcgetattr(fd)
+    except (ImportError, OSError, ValueError, AttributeError):
+        yield
+        return
+    quiet = list(saved)
+    quiet[3] &= ~(termios.ECHO | termios.ECHOCTL)
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
+
+
 class Interrupts:
     """The first Ctrl-C raises KeyboardInterrupt and later ones are ignored, so that a second
     press cannot tear the clean-up of the first. Inside `deferred()` (drawing the screen) the
@@ -444,7 +466,8 @@ class Repl:
         answer = PlainAnswer(self.console.file) if self.plain else MarkdownAnswer(self.console)
         stats = None
         problem: str | None = None
-        with interrupt_once() as interrupts:
+        quiet = contextlib.nullcontext() if self.plain else no_echo(sys.stdin)
+        with interrupt_once() as interrupts, quiet:
             try:
                 with answer:
                     for chunk in chunks:
@@ -483,15 +506,25 @@ class Repl:
         if self.blocks.is_open:
             self.handle(self.blocks.close())
 
-    def toolbar(self) -> list[tuple[str, str]]:
+    def toolbar(self, width: int | None = None) -> list[tuple[str, str]]:
+        """The line under the prompt; on a narrow terminal the less useful parts go first,
+        so that it is never cut (the cache meter stays)."""
+        if width is None:
+            from prompt_toolkit.application import get_app_or_none
+
+            app = get_app_or_none()
+            width = app.output.get_size().columns if app is not None else 80
         s = self.session
         used, cap = s.conversation_tokens, s.capacity
         colour = {"green": "ansigreen", "yellow": "ansiyellow", "red": "ansired"}[meter_style(used, cap)]
-        return [
-            ("", f" {self.loaded.name} · "),
-            (f"bold {colour}", f"cache {used:,}/{cap:,}"),
-            ("", f" · {sampling_brief(s.sampling)} · /help"),
-        ]
+        meter = (f"bold {colour}", f"cache {used:,}/{cap:,}")
+        for name, tail in ((self.loaded.name, sampling_brief(s.sampling)), (self.loaded.name, ""), ("", "")):
+            parts = [("", f" {name} · ")] if name else [("", " ")]
+            parts.append(meter)
+            parts.append(("", f" · {tail} · /help" if tail else " · /help"))
+            if sum(len(text) for _, text in parts) < width:
+                break
+        return parts
 
     def make_prompt(self, input: Any = None, output: Any = None) -> PromptSession[str]:
         """The prompt_toolkit session: history, completion, keys, toolbar."""
