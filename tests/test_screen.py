@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -230,3 +233,48 @@ def test_keys_typed_during_an_answer_wait_for_the_next_prompt(tmp_path, terminal
     term.wait_for(lambda: "> typed ahead" in term.lines(), 30, "the typed text at the prompt")
     answer = after(term.lines(), "> tips")
     assert [line for line in answer if "typed" in line] == ["> typed ahead"]
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_narrowing_a_reflowing_terminal_mid_answer_repeats_nothing(tmp_path):
+    """tmux (like most terminals) re-wraps long rows when it gets narrower, so the live
+    region takes more rows than were drawn; pyte does not, hence tmux here."""
+    paragraphs = [f"para{i} " + " ".join(f"r{i}x{j:02d}" for j in range(40)) for i in range(6)]
+    # A first answer fills the screen, as in a chat under way: the cursor is at the bottom
+    # row, where the terminal keeps it while it re-wraps the rows above.
+    (tmp_path / "first.md").write_text("\n".join(f"- line {i}" for i in range(40)) + "\n", encoding="utf-8")
+    (tmp_path / "answer.md").write_text("\n\n".join(paragraphs) + "\n", encoding="utf-8")
+    name = f"chatbot-test-{tmp_path.name}"
+    command = f"{sys.executable} {SCRIPT} first.md answer.md --delay 0.03"
+    tmux = ["tmux", "-L", name]
+    subprocess.run([*tmux, "new-session", "-d", "-s", name, "-x", "100", "-y", "30", "-c", str(tmp_path),
+                    command], check=True)
+
+    def pane() -> list[str]:
+        out = subprocess.run([*tmux, "capture-pane", "-p", "-t", name, "-S", "-"], capture_output=True, text=True)
+        return [line.rstrip() for line in out.stdout.splitlines()]
+
+    def wait(predicate, what: str, timeout: float = 120) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if predicate():
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"timed out waiting for {what}:\n" + "\n".join(pane()))
+
+    try:
+        wait(lambda: any(line == ">" for line in pane()), "the prompt")
+        subprocess.run([*tmux, "send-keys", "-t", name, "fill the screen", "Enter"], check=True)
+        wait(lambda: "tok/s" in "\n".join(pane()), "the first answer")
+        subprocess.run([*tmux, "send-keys", "-t", name, "narrow", "Enter"], check=True)
+        wait(lambda: "r1x10" in "\n".join(pane()), "the second paragraph")
+        subprocess.run([*tmux, "resize-window", "-t", name, "-x", "60", "-y", "30"], check=True)
+        wait(lambda: "tok/s" in "\n".join(after(pane(), "> narrow")), "the end of the answer")
+    finally:
+        lines = pane()
+        subprocess.run([*tmux, "kill-server"], check=False)
+    shown = "\n".join(after(lines, "> narrow"))
+    assert re.findall(r"r\dx\d\d", shown) == re.findall(r"r\dx\d\d", "\n".join(paragraphs))
+    assert [line for line in shown.splitlines() if "para" in line] == [
+        line for line in shown.splitlines() if re.match(r"para\d ", line)
+    ] and len(re.findall(r"para\d", shown)) == 6

@@ -128,6 +128,7 @@ class MarkdownAnswer:
         self._last_refresh = -1e9
         self._tail_key: tuple[str, int, int, int] | None = None
         self._tail = _Lines([])
+        self._drawn: tuple[int, list[int]] | None = None  # width and line lengths last drawn
         self.live = Live(
             console=console,
             auto_refresh=False,
@@ -153,14 +154,14 @@ class MarkdownAnswer:
         self._fit()
         now = self._clock()
         if now - self._last_refresh >= self._interval:
-            self._last_refresh = now
-            self.live.refresh()
+            self._refresh()
 
     def __exit__(self, *exc: object) -> None:
         """Print the rest for good (also after Ctrl-C: the partial block stays, rendered)."""
         try:
             self._print_and_drop(len(self._open), thinking=self._thinking_close is not None)
         finally:
+            self._after_resize()
             self.live.stop()
 
     # -- blocks ------------------------------------------------------------------------
@@ -226,10 +227,12 @@ class MarkdownAnswer:
             return Syntax(fence[0].rstrip(), "text", theme=CODE_THEME, word_wrap=True, padding=1)
         return AnswerMarkdown(source, code_theme=CODE_THEME)
 
-    def _render(self, source: str, thinking: bool, final: bool) -> list[list[Segment]]:
+    def _render(self, source: str, thinking: bool, final: bool, width: int | None = None) -> list[list[Segment]]:
         if not source.strip():
             return []
         options = self.console.options.update(height=None)
+        if width is not None:
+            options = options.update_width(width)
         lines = self.console.render_lines(self._renderable(source, thinking, final), options, pad=False)
         # Rich starts some blocks (lists) with an empty line; blocks are spaced here instead.
         start, end = 0, len(lines)
@@ -244,8 +247,7 @@ class MarkdownAnswer:
         if not lines:
             return
         # Re-draw the live region first: the print below re-draws the last one it drew.
-        self._last_refresh = self._clock()
-        self.live.refresh()
+        self._refresh()
         self.console.print(_Lines(lines, blank_first=blank and self._printed))
         self._printed = True
 
@@ -269,10 +271,39 @@ class MarkdownAnswer:
             self._skip += extra
             self._emit(lines[skip : skip + extra], blank=blank)
 
+    def _refresh(self) -> None:
+        self._last_refresh = self._clock()
+        self._after_resize()
+        self.live.refresh()
+        tail, width = self._tail, self._tail_key[2] if self._tail_key else self.console.width
+        self._drawn = (width, [1] * tail.blank_first + [Segment.get_line_length(x) for x in tail.lines])
+
+    def _after_resize(self) -> None:
+        """After the terminal got narrower, count the rows the live region now takes.
+
+        Most terminals (tmux, VTE, kitty, iTerm2, Windows Terminal) re-wrap a line longer
+        than the new width onto several rows; Rich would move up only as many rows as it
+        drew lines, leave the top of the region on screen, and draw the region again
+        below it. The lines are unpadded (see `_trim`), so their lengths tell the rows.
+        """
+        if self._drawn is None:
+            return
+        width, lengths = self._drawn
+        now = self.console.width
+        if now >= width or not lengths:
+            return
+        rows = sum(max(1, -(-length // now)) for length in lengths)
+        render = getattr(self.live, "_live_render", None)
+        if render is not None and getattr(render, "_shape", None) is not None:
+            render._shape = (now, rows)  # Rich keeps no public way to say so
+        self._drawn = (now, lengths)
+
     def _live_renderable(self) -> RenderableType:
-        key = (self._open, self._skip, self.console.width, int(self._thinking_close is not None))
+        width = self.console.width  # read once: a resize may come at any moment
+        key = (self._open, self._skip, width, int(self._thinking_close is not None))
         if key != self._tail_key:
-            lines = self._render(self._open, self._thinking_close is not None, final=False)[self._skip :]
+            lines = self._render(self._open, self._thinking_close is not None, final=False, width=width)
+            lines = lines[self._skip :]
             self._tail = _Lines(lines, blank_first=bool(lines) and self._printed and self._blank_before_open())
             self._tail_key = key
         return self._tail

@@ -9,6 +9,7 @@ appended to the session log before the next prompt.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import time
@@ -71,10 +72,13 @@ def make_consoles(interactive: bool) -> tuple[Console, Console]:
     """The consoles for answers (stdout) and for notes and stats: stdout on a terminal, else
     stderr. On a terminal Rich wraps every line by words at the width; into a pipe or file a
     line stays one line (the terminal, if any, wraps it)."""
-    out = Console(highlight=False, soft_wrap=not sys.stdout.isatty())
-    if interactive and sys.stdout.isatty():
+    # COLUMNS and LINES, where exported, are stale after a resize: on a terminal, its size.
+    environ = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    out_tty, err_tty = sys.stdout.isatty(), sys.stderr.isatty()
+    out = Console(highlight=False, soft_wrap=not out_tty, _environ=environ if out_tty else None)
+    if interactive and out_tty:
         return out, out
-    return out, Console(stderr=True, highlight=False, soft_wrap=not sys.stderr.isatty())
+    return out, Console(stderr=True, highlight=False, soft_wrap=not err_tty, _environ=environ if err_tty else None)
 
 
 def clean_message(text: str) -> str:
