@@ -251,7 +251,7 @@ def test_narrowing_a_reflowing_terminal_mid_answer_repeats_nothing(tmp_path):
                     command], check=True)
 
     def pane() -> list[str]:
-        out = subprocess.run([*tmux, "capture-pane", "-p", "-t", name, "-S", "-"], capture_output=True, text=True)
+        out = subprocess.run([*tmux, "capture-pane", "-p", "-t", name, "-S", "-"], capture_output=True, text=True, check=False)
         return [line.rstrip() for line in out.stdout.splitlines()]
 
     def wait(predicate, what: str, timeout: float = 120) -> None:
