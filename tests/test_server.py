@@ -238,7 +238,7 @@ def test_concurrent_clients_queue_and_all_complete(server):
     def one(i: int) -> None:
         c = openai.OpenAI(base_url=server, api_key="x", max_retries=0, timeout=120)
         try:
-            text, usage, finish, _ = stream_answer(c, [{"role": "user", "content": f"Hello number {i}"}],
+            _, usage, finish, _ = stream_answer(c, [{"role": "user", "content": f"Hello number {i}"}],
                                                    max_tokens=16, **GREEDY)
             results.append((finish, usage.completion_tokens))
         except Exception as exc:  # noqa: BLE001 - collected and asserted below

@@ -3,8 +3,7 @@
 Each entry is a `ChatSession` (its messages, token ids and KV cache). A request whose
 messages extend an entry's conversation continues that session, so only the new tokens are
 prefilled; one that shares the start of a conversation but differs later (a retry, an edit)
-takes that entry over, cut back to the shared turns with `undo` (the cache is cropped, not
-re-encoded). A bounded number of entries is kept, and a memory cap; the least recently used
+takes that entry over, its cache cropped to the tokens they share (not re-encoded). A bounded number of entries is kept, and a memory cap; the least recently used
 go first. A `cache_salt` (as in vLLM) keeps requests apart: only entries made with the same
 salt are reused, so a fresh salt per request turns the cache off for it.
 
@@ -199,12 +198,21 @@ class PrefixCachePool:
         return Entry(next(self._keys), session, conv.salt)
 
     def _position(self, session: ChatSession, conv: Conversation, shared: int) -> None:
-        """Cut the session back to its first `shared` turns, then add the request's later
-        finished turns (kept text; the cache keeps the ids it shares)."""
-        while len(session.turns) > shared:
-            session.undo()
-        if len(conv.turns) > shared:
-            _restore(session, conv)
+        """Make the session hold the request's finished turns, keeping what its cache shares.
+
+        A growing cache keeps the longest token prefix it shares with the request's
+        conversation (`restore` crops it there: a retry keeps everything up to the answer it
+        replaces). A bounded (sink) cache cannot be cropped into what it evicted: its turns
+        are undone one by one instead, which cuts it back when nothing was evicted since.
+        """
+        if shared == len(session.turns) == len(conv.turns):
+            return
+        if hasattr(session.cache, "evict_for_space"):
+            while len(session.turns) > shared:
+                session.undo()
+            if len(conv.turns) == shared:
+                return
+        _restore(session, conv)
 
 
 def _shared_turns(turns: list[Turn], conv: Conversation) -> int:
