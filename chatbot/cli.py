@@ -342,6 +342,8 @@ def bench_turns(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     threads: ThreadsOpt = None,
+    server: Annotated[str | None, typer.Option(help="Measure a server's prefix cache through HTTP instead (OpenAI API, e.g. http://127.0.0.1:8000/v1): the conversation with its cache, and again with it bypassed.")] = None,
+    api_key_env: Annotated[str | None, typer.Option(help="With --server: the API key's environment variable.")] = None,
     json_out: JsonOpt = None,
 ) -> None:
     """Persistent cache against re-encoding the whole history every turn."""
@@ -349,12 +351,51 @@ def bench_turns(
     from chatbot.measure.report import print_turns, write_json
 
     turns = load_conversation(conversation)
+    if server is not None:
+        from chatbot.measure.bench_http import run_http_turns_bench
+        from chatbot.measure.report import print_http_turns
+
+        err = Console(stderr=True, highlight=False)
+        result = run_http_turns_bench(server, turns, max_new_tokens, model, _api_key(api_key_env),
+                                      progress=lambda line: err.print(f"[dim]{line}[/dim]"))
+        print_http_turns(Console(), result)
+        if json_out:
+            write_json(json_out, result)
+        return
     _set_threads(threads)
     loaded = _load(model, device, dtype)
     result = run_turns_bench(loaded, turns, max_new_tokens)
     print_turns(Console(), result)
     if json_out:
         write_json(json_out, result)
+
+
+@bench_app.command("load")
+def bench_load(
+    server: Annotated[str, typer.Option(help="The server's API root, e.g. http://127.0.0.1:8000/v1.")],
+    clients: Annotated[int, typer.Option(help="Concurrent streaming clients.", min=1, max=64)] = 8,
+    duration: Annotated[float, typer.Option(help="Seconds to keep sending (requests in flight are finished).", min=1, max=3600)] = 60.0,
+    max_new_tokens: Annotated[int, typer.Option(help="New tokens per answer (greedy).", min=1)] = 32,
+    conversation: Annotated[Path | None, typer.Option(help='A JSON file {"turns": [...]} (default: the shipped twelve-turn chat).')] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="The model id on the server (default: its first).")] = None,
+    api_key_env: Annotated[str | None, typer.Option(help="The API key's environment variable.")] = None,
+    json_out: JsonOpt = None,
+) -> None:
+    """A bounded load test on a server: N clients chatting at once for a fixed time; answers,
+    errors, time to first token p50/p99 and the server's memory (chatbot serve's /health)."""
+    from chatbot.measure.bench import load_conversation
+    from chatbot.measure.bench_http import run_load_bench
+    from chatbot.measure.report import print_load, write_json
+
+    turns = load_conversation(conversation)
+    err = Console(stderr=True, highlight=False)
+    result = run_load_bench(server, turns, clients, duration, max_new_tokens, model, _api_key(api_key_env),
+                            progress=lambda line: err.print(f"[dim]{line}[/dim]"))
+    print_load(Console(), result)
+    if json_out:
+        write_json(json_out, result)
+    if result["errors"] or result["incomplete"]:
+        raise Exit(1)
 
 
 @bench_app.command("streaming")

@@ -38,7 +38,7 @@ def env(tmp_path):
 
 def run_piped(server, env, lines, *flags, timeout=180):
     args = [CHATBOT, "run", "--server", server, "--api-key-env", "TEST_REMOTE_KEY", *flags]
-    return subprocess.run(args, input="".join(f"{line}\n" for line in lines), capture_output=True, text=True,
+    return subprocess.run(args, input="".join(f"{line}\n" for line in lines), capture_output=True, text=True, check=False,
                           env=env, timeout=timeout)
 
 

@@ -310,3 +310,57 @@ def test_json_usage_shape(server):
     assert data["object"] == "chat.completion" and data["choices"][0]["message"]["role"] == "assistant"
     assert set(data["usage"]) >= {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
     assert json.loads(r.text) == data
+
+
+# -- the benches through HTTP ------------------------------------------------------------------
+
+
+def test_bench_turns_through_http(server, capsys, tmp_path):
+    """`chatbot bench turns --server`: with the prefix cache every later turn reuses the
+    conversation; with it bypassed nothing is reused; the answers are the same."""
+    from helpers import cli
+
+    conv = tmp_path / "conv.json"
+    conv.write_text(json.dumps({"turns": ["Hello there!", "How are you today?", "And the lazy dog?"]}))
+    out_json = tmp_path / "turns.json"
+    code, out, err = cli(capsys, "bench", "turns", "--server", server, "--model", "tiny", "--conversation", str(conv),
+                         "--max-new-tokens", "6", "--json", str(out_json))
+    assert code == 0, err
+    assert "faster with the prefix cache" in out and "3/3 answers" in out
+    data = json.loads(out_json.read_text())
+    rows = data["turns"]
+    assert rows[0]["prefix_cache"]["cached_tokens"] == 0
+    for prev, row in zip(rows, rows[1:]):
+        c, u = row["prefix_cache"], row["no_cache"]
+        assert c["cached_tokens"] == prev["prefix_cache"]["prompt_tokens"] + 6 - 1
+        assert u["cached_tokens"] == 0 and u["prompt_tokens"] == c["prompt_tokens"]
+    assert data["same_answers"] == 3 and data["ratio_last_turn"] > 0
+
+
+def _load(server, capsys, tmp_path, duration):
+    from helpers import cli
+
+    out_json = tmp_path / "load.json"
+    code, out, err = cli(capsys, "bench", "load", "--server", server, "--clients", "8", "--duration", str(duration),
+                         "--max-new-tokens", "8", "--json", str(out_json))
+    assert code == 0, out + err
+    data = json.loads(out_json.read_text())
+    assert data["errors"] == 0 and data["incomplete"] == 0 and data["complete"] >= 8
+    assert data["tokens"] == 8 * data["complete"]
+    assert data["ttft_p50_s"] <= data["ttft_p99_s"]
+    assert "time to first token p50 / p99" in out
+    return data
+
+
+def test_bench_load_short(server, capsys, tmp_path):
+    """8 concurrent streaming clients for a few seconds: every answer complete, no errors."""
+    data = _load(server, capsys, tmp_path, 4)
+    assert data["rss_start_bytes"] and data["rss_end_bytes"]
+
+
+@pytest.mark.slow
+def test_bench_load_60_s_rss_flat(server, capsys, tmp_path):
+    """The issue's load test: 8 clients for 60 s; the server's memory stays flat once the
+    prefix cache is full (bounded conversations)."""
+    data = _load(server, capsys, tmp_path, 60)
+    assert data["rss_end_bytes"] <= data["rss_quarter_bytes"] * 1.10, data
