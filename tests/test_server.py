@@ -8,6 +8,7 @@ the answers must match while the prefilled token counts show the cache hit.
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -330,7 +331,7 @@ def test_bench_turns_through_http(server, capsys, tmp_path):
     data = json.loads(out_json.read_text())
     rows = data["turns"]
     assert rows[0]["prefix_cache"]["cached_tokens"] == 0
-    for prev, row in zip(rows, rows[1:]):
+    for prev, row in itertools.pairwise(rows):
         c, u = row["prefix_cache"], row["no_cache"]
         assert c["cached_tokens"] == prev["prefix_cache"]["prompt_tokens"] + 6 - 1
         assert u["cached_tokens"] == 0 and u["prompt_tokens"] == c["prompt_tokens"]
@@ -364,3 +365,55 @@ def test_bench_load_60_s_rss_flat(server, capsys, tmp_path):
     prefix cache is full (bounded conversations)."""
     data = _load(server, capsys, tmp_path, 60)
     assert data["rss_end_bytes"] <= data["rss_quarter_bytes"] * 1.10, data
+
+
+# -- the pool, in this process -------------------------------------------------------------------
+
+
+def _pool(tiny_model, tiny_tokenizer, **kw):
+    from chatbot.config import EngineConfig, SamplingConfig
+    from chatbot.engine.generate import Engine
+    from chatbot.server.pool import PrefixCachePool
+
+    sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=4)
+    return PrefixCachePool(Engine(tiny_model, tiny_tokenizer), EngineConfig(), sampling, **kw)
+
+
+def _ask(pool, conv):
+    entry = pool.checkout(conv)
+    answer = "".join(c.text for c in entry.session.send(conv.user))
+    pool.checkin(entry)
+    return answer, entry
+
+
+def test_pool_keeps_the_most_recent_conversations(tiny_model, tiny_tokenizer):
+    from chatbot.server.pool import Conversation
+
+    pool = _pool(tiny_model, tiny_tokenizer, max_entries=2)
+    answers = {}
+    for name in ("a", "b", "c"):
+        answers[name], _ = _ask(pool, Conversation(None, [], f"Hello {name}"))
+    assert pool.stats.evictions == 1 and len(pool.entries) == 2
+    # "b" is still kept: its next turn is a hit that prefills only the new message
+    _, hit = _ask(pool, Conversation(None, [("Hello b", answers["b"])], "more"))
+    assert pool.stats.hits == 1
+    # "a" was evicted: a miss, the whole history prefilled
+    _, miss = _ask(pool, Conversation(None, [("Hello a", answers["a"])], "more"))
+    assert pool.stats.misses == 4
+    kept = len(hit.session.cache_ids) - hit.session.turns[-1].stats.context_tokens - 3  # less the new answer
+    assert miss.session.turns[-1].stats.context_tokens == hit.session.turns[-1].stats.context_tokens + kept
+
+
+def test_pool_memory_cap_and_off(tiny_model, tiny_tokenizer):
+    from chatbot.server.pool import Conversation
+
+    pool = _pool(tiny_model, tiny_tokenizer, max_entries=8)
+    _ask(pool, Conversation(None, [], "Hello a"))
+    one = pool.kept_bytes
+    assert one == len(next(iter(pool.entries.values())).session.cache_ids) * pool.bytes_per_token > 0
+    pool.max_bytes = int(one * 1.5)
+    _ask(pool, Conversation(None, [], "Hello b"))
+    assert len(pool.entries) == 1 and pool.kept_bytes <= pool.max_bytes
+    off = _pool(tiny_model, tiny_tokenizer, max_entries=0)
+    _ask(off, Conversation(None, [], "Hello"))
+    assert not off.entries
