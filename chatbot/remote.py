@@ -218,7 +218,11 @@ class RemoteBackend:
         try:
             yield from response
         except self.transport_errors as exc:
-            raise self.error(exc) from exc
+            if isinstance(exc, openai.APIError) and getattr(exc, "body", None) is not None:
+                raise self.error(exc) from exc  # the server's own error event
+            cause = exc.__cause__ or exc
+            raise RemoteError(f"the connection to {self.base_url} broke during the answer "
+                              f"({type(cause).__name__}: {' '.join(str(cause).split())})") from exc
         finally:
             response.close()
 

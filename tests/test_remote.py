@@ -17,7 +17,7 @@ import time
 
 import openai
 import pytest
-from serve_helpers import CHATBOT, free_port, health, running_server, save_tiny_model
+from serve_helpers import CHATBOT, PIDS, free_port, health, running_server, save_tiny_model
 
 KEY_ENV = {"TEST_REMOTE_KEY": "k3y"}
 
@@ -160,6 +160,34 @@ def test_remote_session_interrupt_retry_continue(server):
     assert session.turns[-1].answer == "".join(c.text for c in retried) and len(session.turns) == 1
     assert retried[-1].stats.generated_tokens == 5 and not retried[-1].stats.estimated
     assert session.undo().user == "Hello there!" and session.turns == []
+
+
+def test_server_dying_mid_answer(tmp_path):
+    """The server process killed while it streams: one error line's worth of RemoteError, the
+    partial answer kept (marked interrupted), and the chat goes on (the next message gets
+    'cannot reach')."""
+    import signal
+
+    from chatbot.errors import ChatbotError
+    from chatbot.remote import RemoteBackend, RemoteError, RemoteSession, remote_sampling
+
+    folder = save_tiny_model(tmp_path / "tiny")
+    with running_server("--model", str(folder), "--served-model-name", "tiny") as url:
+        backend = RemoteBackend(url)
+        backend.connect()
+        session = RemoteSession(backend, None, remote_sampling(temperature=1.0, seed=1, max_new_tokens=3500))
+        chunks = session.send("Write a very long story.")
+        got = "".join(next(chunks).text for _ in range(5))
+        os.kill(PIDS[url], signal.SIGKILL)
+        with pytest.raises(RemoteError) as caught:
+            for chunk in chunks:
+                got += chunk.text
+        assert "\n" not in str(caught.value) and "broke during the answer" in str(caught.value)
+        turn = session.turns[-1]
+        assert turn.interrupted and turn.answer == got and len(got) > 0
+        with pytest.raises(ChatbotError, match="cannot reach"):
+            list(session.send("Are you there?"))
+        assert len(session.turns) == 1  # the failed message left no turn
 
 
 def test_unreachable_server_and_bad_names(env, capsys, server):
