@@ -257,8 +257,8 @@ def serve(
     log_level: Annotated[str, typer.Option(help="uvicorn's log level: warning, info (one line per request), debug.")] = "warning",
     debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
 ) -> None:
-    """Serve the model over the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/models,
-    /health), with conversation caches kept as a prefix cache."""
+    """Serve the model over the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
+    /v1/models, /health), with conversation caches kept as a prefix cache."""
     global _DEBUG
     _DEBUG = debug
     key = _api_key(api_key_env)
@@ -286,7 +286,8 @@ def serve(
     for note in [*loaded.notes, *([decoder_note] if decoder_note else [])]:
         err.print(note, style="dim", markup=False)
     shown = "localhost" if host in ("127.0.0.1", "::1") else host
-    err.print(f"serving {name} on http://{shown}:{port}/v1 (OpenAI API: /v1/chat/completions, /v1/models; /health) · "
+    err.print(f"serving {name} on http://{shown}:{port}/v1 (OpenAI API: /v1/chat/completions, /v1/completions, "
+              "/v1/models; /health) · "
               f"one generation at a time · prefix cache {'on' if prefix_cache else 'off'}"
               + (" · API key required" if key else ""), markup=False)
     if key is None and host not in ("127.0.0.1", "::1", "localhost"):

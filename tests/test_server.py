@@ -417,3 +417,42 @@ def test_pool_memory_cap_and_off(tiny_model, tiny_tokenizer):
     off = _pool(tiny_model, tiny_tokenizer, max_entries=0)
     _ask(off, Conversation(None, [], "Hello"))
     assert not off.entries
+
+
+def test_text_completions(client, model_dir):
+    """/v1/completions: a raw prompt (no template), streamed and not, equal to the engine's
+    own greedy continuation in this process."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from chatbot.config import SamplingConfig
+    from chatbot.engine.generate import Engine
+
+    prompt = "The quick brown fox"
+    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=10, temperature=0, stream=True) if c.choices)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    engine = Engine(LlamaForCausalLM.from_pretrained(model_dir).eval(), tok)
+    ids = tok(prompt)["input_ids"]
+    expected = "".join(c.text for c in engine.generate(engine.new_cache(), ids, SamplingConfig(
+        temperature=0.0, repetition_penalty=1.0, max_new_tokens=10)))
+    assert whole.choices[0].text == streamed == expected
+    assert whole.usage.prompt_tokens == len(ids) and whole.usage.completion_tokens == 10
+    with pytest.raises(openai.BadRequestError, match="one prompt"):
+        client.completions.create(model="tiny", prompt=["a", "b"], max_tokens=2)
+
+
+def test_a_client_leaving_a_non_streamed_request_stops_it(server):
+    """Not streamed: the server notices the closed connection while it generates."""
+    before = health(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/chat/completions", timeout=httpx.Timeout(0.3, connect=5.0), json={
+            "model": "tiny", "messages": [{"role": "user", "content": "A long story, please."}],
+            "max_tokens": 3500, "temperature": 1.0, "seed": 2, "cache_salt": uuid.uuid4().hex})
+    deadline = time.monotonic() + 30
+    while health(server)["generating"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = health(server)
+    assert not after["generating"] and after["served"] == before["served"] + 1
+    grown = after["prefix_cache"]["kept_tokens"] - before["prefix_cache"]["kept_tokens"]
+    assert grown < 3000, grown  # 3,500 new tokens, had it run on

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API on FastAPI: /v1/chat/completions (server-sent events or one
-JSON answer), /v1/models, /health.
+JSON answer), /v1/completions (a raw prompt), /v1/models, /health.
 
 One worker thread owns the engine and the prefix-cache pool: requests queue for it and are
 answered one at a time (a CPU runs one generation at a time best), while the event loop
@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -87,6 +88,39 @@ class ChatRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
+class CompletionRequest(BaseModel):
+    """OpenAI's (legacy) text completion request: a raw prompt, no chat template."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str
+    prompt: str | list[str]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = 16  # the API's default
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    echo: bool = False
+
+    def text(self) -> str:
+        """The one prompt.
+
+        Raises:
+            APIError: several prompts, or echo.
+        """
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if isinstance(self.prompt, list):
+            if len(self.prompt) != 1:
+                raise APIError(400, "one prompt per request", param="prompt")
+            return self.prompt[0]
+        return self.prompt
+
+
 class APIError(Exception):
     """An OpenAI-style error answer."""
 
@@ -109,10 +143,11 @@ class APIError(Exception):
 class Job:
     """One generation: what to answer, and where its events go."""
 
-    conversation: Conversation
+    conversation: Conversation | None  # None: a raw text completion of `prompt`
     sampling: SamplingConfig
     emit: Callable[[tuple[str, Any]], None]
     cancel: threading.Event = field(default_factory=threading.Event)
+    prompt: str = ""
 
 
 class Worker:
@@ -156,8 +191,51 @@ class Worker:
                 self.busy = False
                 self.served += 1
 
+    def _complete(self, job: Job) -> None:
+        """A raw prompt on a fresh cache (no template, no prefix cache)."""
+        engine = self.pool.engine
+        ids = list(engine.tokenizer(job.prompt)["input_ids"])
+        if not ids:
+            job.emit(("error", APIError(400, "the prompt is empty", param="prompt")))
+            return
+        ec = self.pool.engine_config
+        if ec.enable_streaming:
+            from chatbot.engine.sink_cache import SinkCache
+            from chatbot.session import default_recent_size
+
+            cache = SinkCache.for_model(engine.model, ec.start_size, ec.recent_size or default_recent_size(engine.max_context))
+        else:
+            cache = engine.new_cache()
+        generator = torch.Generator(device=engine.device)
+        if job.sampling.seed is not None:
+            generator.manual_seed(job.sampling.seed)
+        eos = engine.tokenizer.eos_token_id
+        chunks = engine.generate(cache, ids, job.sampling, stop_ids=[] if eos is None else [int(eos)],
+                                 prefill_chunk=ec.prefill_chunk, generator=generator)
+        stats = None
+        try:
+            for chunk in chunks:
+                if chunk.text:
+                    job.emit(("text", chunk.text))
+                stats = chunk.stats or stats
+                if job.cancel.is_set():
+                    return
+        except ContextFullError as exc:
+            job.emit(("error", APIError(400, f"{exc}".split(":")[0] + ": the prompt does not fit the context",
+                                        param="prompt", code="context_length_exceeded")))
+            return
+        finally:
+            chunks.close()
+        assert stats is not None
+        job.emit(("done", {"finish_reason": "stop" if stats.finish_reason == "stop" else "length",
+                           "prompt_tokens": len(ids), "completion_tokens": stats.generated_tokens,
+                           "cached_tokens": 0}))
+
     def _run(self, job: Job) -> None:
         conv = job.conversation
+        if conv is None:
+            self._complete(job)
+            return
         try:
             entry = self.pool.checkout(conv)
         except ChatbotError as exc:
@@ -321,33 +399,59 @@ def create_app(
                            "not_found_error", param="model", code="model_not_found")
         conv = conversation_of(body)
         sampling = sampling_of(body, pool.sampling, None if streaming_cache else max_context)
+        return await answer(request, Job(conv, sampling, _nowhere), body.stream, body.stream_options, chat=True)
+
+    @app.post("/v1/completions")
+    async def complete(body: CompletionRequest, request: Request) -> Any:
+        if body.model != model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server has {model_name!r}",
+                           "not_found_error", param="model", code="model_not_found")
+        prompt = body.text()
+        sampling = sampling_of(body, pool.sampling, None if streaming_cache else max_context)
+        return await answer(request, Job(None, sampling, _nowhere, prompt=prompt), body.stream, body.stream_options,
+                            chat=False)
+
+    async def answer(request: Request, job: Job, stream: bool, options: StreamOptions | None, chat: bool) -> Any:
+        """Queue the job; answer with server-sent events or one JSON object."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        job = Job(conv, sampling, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        job.emit = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
         worker.submit(job)
-        # Wait for the first event (the request may queue behind others): an error before
-        # any text is still an HTTP status, and a client that leaves is noticed.
-        first = await _next_event(events, request, job)
-        if first is None:
-            return JSONResponse({}, status_code=499)
-        if first[0] == "error":
-            raise first[1]
-        rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_sse(first, events, request, job, rid, include_usage),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text: list[str] = []
-        event: tuple[str, Any] | None = first
-        while event is not None and event[0] == "text":
-            text.append(event[1])
-            event = await _next_event(events, request, job)
+        # Until the response starts, a task of ours waits for the client to go away (a
+        # streamed response then listens for that itself).
+        watcher = asyncio.create_task(_watch_disconnect(request, job))
+        try:
+            # Wait for the first event (the request may queue behind others): an error before
+            # any text is still an HTTP status.
+            first = await _next_event(events, job)
+            if first is None:
+                return JSONResponse({}, status_code=499)
+            if first[0] == "error":
+                raise first[1]
+            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+            if stream:
+                await _stop(watcher)
+                include_usage = bool(options and options.include_usage)
+                return StreamingResponse(_sse(first, events, job, rid, include_usage, chat),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            text: list[str] = []
+            event: tuple[str, Any] | None = first
+            while event is not None and event[0] == "text":
+                text.append(event[1])
+                event = await _next_event(events, job)
+        finally:
+            await _stop(watcher)
         if event is None:
             return JSONResponse({}, status_code=499)
         if event[0] == "error":
             raise event[1]
         done = event[1]
+        if not chat:
+            return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
+                    "choices": [{"index": 0, "text": "".join(text), "finish_reason": done["finish_reason"],
+                                 "logprobs": None}],
+                    "usage": _usage(done)}
         return {
             "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
@@ -355,18 +459,22 @@ def create_app(
             "usage": _usage(done),
         }
 
-    async def _sse(first: tuple[str, Any], events: asyncio.Queue[tuple[str, Any]], request: Request,
-                   job: Job, rid: str, include_usage: bool) -> AsyncIterator[str]:
+    async def _sse(first: tuple[str, Any], events: asyncio.Queue[tuple[str, Any]], job: Job, rid: str,
+                   include_usage: bool, chat: bool) -> AsyncIterator[str]:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
         def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
-            return _data({"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
-                          "model": model_name, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                                                            "logprobs": None}]})
+            choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+            choice.update({"delta": delta} if chat else {"text": delta.get("content", "")})
+            return _data({"id": rid, "object": kind, "created": int(time.time()), "model": model_name,
+                          "choices": [choice]})
         try:
-            yield chunk({"role": "assistant", "content": ""})
+            if chat:
+                yield chunk({"role": "assistant", "content": ""})
             event: tuple[str, Any] | None = first
             while event is not None and event[0] == "text":
                 yield chunk({"content": event[1]})
-                event = await _next_event(events, request, job)
+                event = await _next_event(events, job)
             if event is None:
                 return
             if event[0] == "error":
@@ -375,13 +483,17 @@ def create_app(
             done = event[1]
             yield chunk({}, done["finish_reason"])
             if include_usage:
-                yield _data({"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+                yield _data({"id": rid, "object": kind, "created": int(time.time()),
                              "model": model_name, "choices": [], "usage": _usage(done)})
             yield "data: [DONE]\n\n"
         finally:
             job.cancel.set()  # a no-op when the answer is complete; stops it when the client left
 
     return app
+
+
+def _nowhere(event: tuple[str, Any]) -> None:
+    """A job's events before `answer` connects them (never called)."""
 
 
 def _data(obj: dict[str, Any]) -> str:
@@ -397,15 +509,30 @@ def _usage(done: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-async def _next_event(events: asyncio.Queue[tuple[str, Any]], request: Request, job: Job) -> tuple[str, Any] | None:
-    """The job's next event; None (and the job cancelled) when the client has gone."""
+async def _next_event(events: asyncio.Queue[tuple[str, Any]], job: Job) -> tuple[str, Any] | None:
+    """The job's next event; None when it was cancelled (the client has gone)."""
     while True:
         try:
             return await asyncio.wait_for(events.get(), POLL_S)
         except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                job.cancel.set()
+            if job.cancel.is_set():
                 return None
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+    """Cancel the job when the client disconnects (the request body is already read, so
+    the next message from the server is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message.get("type") == "http.disconnect":
+            job.cancel.set()
+            return
+
+
+async def _stop(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def conversation_of(body: ChatRequest) -> Conversation:
@@ -442,7 +569,7 @@ def conversation_of(body: ChatRequest) -> Conversation:
     return Conversation(system, pairs, last.text(), salt=body.cache_salt)
 
 
-def sampling_of(body: ChatRequest, base: SamplingConfig, max_context: int | None) -> SamplingConfig:
+def sampling_of(body: ChatRequest | CompletionRequest, base: SamplingConfig, max_context: int | None) -> SamplingConfig:
     """The request's sampling settings over the server's defaults.
 
     Raises:
@@ -454,7 +581,8 @@ def sampling_of(body: ChatRequest, base: SamplingConfig, max_context: int | None
         raise APIError(400, "stop strings are not supported; the answer ends at the model's end of turn",
                        param="stop")
     sampling = base
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = getattr(body, "max_completion_tokens", None)
+    max_tokens = max_tokens if max_tokens is not None else body.max_tokens
     fields = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
               "repetition_penalty": body.repetition_penalty, "max_new_tokens": max_tokens, "seed": body.seed}
     for key, value in fields.items():
