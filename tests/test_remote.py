@@ -269,3 +269,25 @@ def test_against_llama_cpp_server(tmp_path, env):
     assert result.returncode == 0, result.stderr
     assert len([line for line in result.stdout.splitlines() if line.strip()]) >= 2
     assert result.stderr.count("server") >= 2 and "first token" in result.stderr
+
+
+def test_stats_from_the_stream():
+    """Figures from chunk arrival times; counts from usage, or estimated without it."""
+    from types import SimpleNamespace
+
+    from chatbot.remote import _stats
+    from chatbot.terminal.render import format_remote_stats_line
+
+    arrivals = [10.5, 10.6, 10.8, 10.9]
+    usage = SimpleNamespace(prompt_tokens=120, completion_tokens=4, total_tokens=124,
+                            prompt_tokens_details=SimpleNamespace(cached_tokens=100))
+    s = _stats(10.0, arrivals, usage, "length")
+    assert s.ttft_s == pytest.approx(0.5) and s.token_latencies_s == pytest.approx([0.1, 0.2, 0.1])
+    assert (s.prompt_tokens, s.cached_tokens, s.context_tokens, s.generated_tokens) == (120, 100, 20, 4)
+    assert s.ms_per_token_p50 == pytest.approx(100) and s.ms_per_token_p90 == pytest.approx(200)
+    line = format_remote_stats_line(s)
+    assert line.startswith("prompt 120 tok (100 cached) · first token 0.50 s · 4 tok · 7.5 tok/s · p50 100 / p90 200")
+    assert line.endswith("server · max tokens")
+    guess = _stats(10.0, arrivals, None, "stop")
+    assert guess.estimated and guess.generated_tokens == 4 and guess.cached_tokens is None
+    assert "4 tok (estimated)" in format_remote_stats_line(guess) and "prompt" not in format_remote_stats_line(guess)
