@@ -235,7 +235,7 @@ def serve(
     ctx: typer.Context,
     model: ModelOpt = None,
     host: Annotated[str, typer.Option(help="Address to listen on (127.0.0.1: this machine only).")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port.", min=0, max=65535)] = 8000,
+    port: Annotated[int, typer.Option(help="TCP port.", min=1, max=65535)] = 8000,
     api_key_env: Annotated[str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on /v1, KEY read from this environment variable.")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="The model id clients use (default: the model's name).")] = None,
     prefix_cache: Annotated[bool, typer.Option(help="Keep conversation caches between requests (a request extending one prefills only its new tokens).")] = True,
