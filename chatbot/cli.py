@@ -232,8 +232,7 @@ def _size(text: str) -> int:
 
 @app.command()
 def serve(
-    ctx: typer.Context,
-    model: ModelOpt = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="A transformers folder, a .gguf file or a hub id (default: the embedded SmolLM2-135M-Instruct).")] = None,
     host: Annotated[str, typer.Option(help="Address to listen on (127.0.0.1: this machine only).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.", min=1, max=65535)] = 8000,
     api_key_env: Annotated[str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on /v1, KEY read from this environment variable.")] = None,
