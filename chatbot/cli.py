@@ -133,11 +133,21 @@ def run(
     plain: Annotated[bool, typer.Option(help="Print raw text instead of rendered Markdown.")] = False,
     no_stats: Annotated[bool, typer.Option("--no-stats", help="Hide the stats line after each answer.")] = False,
     resume: Annotated[str | None, typer.Option(help="Continue a logged session: its id (or the start of it), or 'last' (the default when no value is given).")] = None,
+    server: Annotated[str | None, typer.Option(help="Chat with a model on an OpenAI-compatible server (vLLM, SGLang, llama-server, ollama, chatbot serve), e.g. http://127.0.0.1:8000/v1; --model names it there.")] = None,
+    api_key_env: Annotated[str | None, typer.Option(help="With --server: send the API key in this environment variable.")] = None,
     debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
 ) -> None:
     """Chat with a model. Reads one message per line when stdin is not a terminal."""
     global _DEBUG
     _DEBUG = debug
+    if server is not None:
+        overrides = {"temperature": 0.0 if greedy else temperature, "top_p": top_p, "top_k": top_k,
+                     "repetition_penalty": repetition_penalty, "max_new_tokens": max_new_tokens, "seed": seed,
+                     "stream_interval": stream_interval}
+        _run_remote(ctx, server, model, api_key_env, system, overrides, enable_streaming, plain, no_stats, resume)
+        return
+    if api_key_env is not None:
+        raise ConfigError("--api-key-env goes with --server URL")
     settings = _settings(ctx, preset, config)
     (model, system, device, dtype, temperature, top_p, top_k, repetition_penalty, max_new_tokens, seed,
      enable_streaming, start_size, recent_size, keep_system, max_context) = (settings.run_values()[k] for k in (
@@ -198,6 +208,121 @@ def run(
     run_repl(repl, interactive)
 
 
+def _api_key(var: str | None) -> str | None:
+    """The API key in the environment variable `var` (None: no key)."""
+    if var is None:
+        return None
+    key = os.environ.get(var, "").strip()
+    if not key:
+        raise ConfigError(f"--api-key-env {var}: the environment variable {var} is not set or empty")
+    return key
+
+
+def _size(text: str) -> int:
+    """Bytes from '2GiB', '512MiB', '1GB' or a plain number."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1, "": 1}
+    raw = text.strip().lower()
+    number = raw.rstrip("kmgib")
+    try:
+        return int(float(number) * units[raw[len(number):]])
+    except (ValueError, KeyError):
+        raise ConfigError(f"cannot read the size {text!r} (e.g. 2GiB, 512MiB)") from None
+
+
+@app.command()
+def serve(
+    model: Annotated[str | None, typer.Option("--model", "-m", help="A transformers folder, a .gguf file or a hub id (default: the embedded SmolLM2-135M-Instruct).")] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on (127.0.0.1: this machine only).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.", min=1, max=65535)] = 8000,
+    api_key_env: Annotated[str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on /v1, KEY read from this environment variable.")] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="The model id clients use (default: the model's name).")] = None,
+    prefix_cache: Annotated[bool, typer.Option(help="Keep conversation caches between requests (a request extending one prefills only its new tokens).")] = True,
+    cache_conversations: Annotated[int, typer.Option(help="Conversation caches kept, least recently used evicted.", min=1)] = 8,
+    cache_memory: Annotated[str, typer.Option(help="Cap on the KV cache memory kept between requests, e.g. 2GiB.")] = "2GiB",
+    temperature: Annotated[float | None, typer.Option(help="Default temperature (requests may set their own).")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(help="Default max_tokens of a request.")] = None,
+    prefill_chunk: Annotated[int, typer.Option(help="Prefill long inputs in chunks of this many tokens.")] = 512,
+    enable_streaming: Annotated[bool, typer.Option(help="Each conversation on an attention-sink cache: no context limit.")] = False,
+    start_size: Annotated[int, typer.Option(help="Attention-sink tokens (with --enable-streaming).")] = 4,
+    recent_size: Annotated[int | None, typer.Option(help="Recent tokens kept (with --enable-streaming).")] = None,
+    max_context: Annotated[int | None, typer.Option(help="Most tokens a conversation may hold (default: the model's context).")] = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    template: TemplateOpt = "auto",
+    trust_remote_code: TrustOpt = False,
+    threads: ThreadsOpt = None,
+    opt: Annotated[str, typer.Option("--opt", help="Decode path, as for chatbot run.", callback=_check_opt)] = "auto",
+    log_level: Annotated[str, typer.Option(help="uvicorn's log level: warning, info (one line per request), debug.")] = "warning",
+    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
+) -> None:
+    """Serve the model over the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
+    /v1/models, /health), with conversation caches kept as a prefix cache."""
+    global _DEBUG
+    _DEBUG = debug
+    key = _api_key(api_key_env)
+    memory = _size(cache_memory)
+    overrides = {"temperature": temperature, "max_new_tokens": max_new_tokens}
+    SamplingConfig(**{k: v for k, v in overrides.items() if v is not None}).validated()
+    engine_cfg = EngineConfig(prefill_chunk=prefill_chunk, enable_streaming=enable_streaming, start_size=start_size,
+                              recent_size=recent_size, max_context=max_context).validated()
+    _set_threads(threads)
+
+    from chatbot.engine.generate import Engine
+    from chatbot.server.app import create_app
+    from chatbot.server.app import serve as run_server
+    from chatbot.server.pool import PrefixCachePool, server_sampling
+
+    loaded = _load(model, device, dtype, template=template, trust_remote_code=trust_remote_code)
+    sampling = server_sampling(loaded.model, **overrides)
+    decoder, decoder_note = _decoder(loaded.model, opt)
+    engine = Engine(loaded.model, loaded.tokenizer, max_context=max_context, decoder=decoder)
+    pool = PrefixCachePool(engine, engine_cfg, sampling, max_entries=cache_conversations if prefix_cache else 0,
+                           max_bytes=memory)
+    name = served_model_name or loaded.name
+    application = create_app(pool, name, api_key=key, streaming_cache=enable_streaming)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    for note in [*loaded.notes, *([decoder_note] if decoder_note else [])]:
+        err.print(note, style="dim", markup=False)
+    shown = "localhost" if host in ("127.0.0.1", "::1") else host
+    err.print(f"serving {name} on http://{shown}:{port}/v1 (OpenAI API: /v1/chat/completions, /v1/completions, "
+              "/v1/models; /health) · "
+              f"one generation at a time · prefix cache {'on' if prefix_cache else 'off'}"
+              + (" · API key required" if key else ""), markup=False)
+    if key is None and host not in ("127.0.0.1", "::1", "localhost"):
+        err.print(f"warning: listening on {host} without an API key (--api-key-env VAR)", style="yellow", markup=False)
+    run_server(application, host, port, log_level=log_level)
+
+
+def _run_remote(ctx: typer.Context, server: str, model: str | None, api_key_env: str | None, system: str | None,
+                overrides: dict[str, Any], enable_streaming: bool, plain: bool, no_stats: bool,
+                resume: str | None) -> None:
+    """`chatbot run --server URL`: the REPL on a RemoteSession."""
+    if enable_streaming:
+        raise ConfigError("--enable-streaming does not apply with --server: the server manages its own context")
+    if getattr(ctx.get_parameter_source("opt"), "name", "") == "COMMANDLINE":
+        raise ConfigError("--opt does not apply with --server: the server runs the model")
+    from chatbot.remote import RemoteBackend, RemoteSession, remote_sampling
+    from chatbot.terminal.repl import Repl, resolve_resume
+    from chatbot.terminal.repl import run as run_repl
+
+    sampling = remote_sampling(**overrides)
+    resume_path = resolve_resume(resume)
+    backend = RemoteBackend(server, model, _api_key(api_key_env))
+    backend.connect()
+    session = RemoteSession(backend, system, sampling)
+    interactive = sys.stdin.isatty()
+    out = Console(soft_wrap=True, highlight=False)
+    info = out if (interactive and sys.stdout.isatty()) else Console(stderr=True, highlight=False, soft_wrap=True)
+    repl = Repl(session, backend, out, plain=plain or not sys.stdout.isatty(), show_stats=not no_stats, info=info)  # type: ignore[arg-type]
+    for note in backend.notes:
+        repl.note(note)
+    if interactive:
+        repl.note(f"{backend.name} on {backend.base_url} · the server's prefix cache keeps the conversation")
+    repl.start_log(resume_path, system=system, overrides={k: v for k, v in overrides.items()
+                                                          if v is not None and k != "stream_interval"})
+    run_repl(repl, interactive)
+
+
 @app.command()
 def sessions(
     limit: Annotated[int, typer.Option(help="Show at most this many, newest first.", min=1)] = 20,
@@ -216,6 +341,8 @@ def bench_turns(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     threads: ThreadsOpt = None,
+    server: Annotated[str | None, typer.Option(help="Measure a server's prefix cache through HTTP instead (OpenAI API, e.g. http://127.0.0.1:8000/v1): the conversation with its cache, and again with it bypassed.")] = None,
+    api_key_env: Annotated[str | None, typer.Option(help="With --server: the API key's environment variable.")] = None,
     json_out: JsonOpt = None,
 ) -> None:
     """Persistent cache against re-encoding the whole history every turn."""
@@ -223,6 +350,17 @@ def bench_turns(
     from chatbot.measure.report import print_turns, write_json
 
     turns = load_conversation(conversation)
+    if server is not None:
+        from chatbot.measure.bench_http import run_http_turns_bench
+        from chatbot.measure.report import print_http_turns
+
+        err = Console(stderr=True, highlight=False)
+        result = run_http_turns_bench(server, turns, max_new_tokens, model, _api_key(api_key_env),
+                                      progress=lambda line: err.print(f"[dim]{line}[/dim]"))
+        print_http_turns(Console(), result)
+        if json_out:
+            write_json(json_out, result)
+        return
     _set_threads(threads)
     loaded = _load(model, device, dtype)
     result = run_turns_bench(loaded, turns, max_new_tokens)
@@ -246,6 +384,34 @@ def bench_render(
     print_render(Console(), result)
     if json_out:
         write_json(json_out, result)
+
+
+@bench_app.command("load")
+def bench_load(
+    server: Annotated[str, typer.Option(help="The server's API root, e.g. http://127.0.0.1:8000/v1.")],
+    clients: Annotated[int, typer.Option(help="Concurrent streaming clients.", min=1, max=64)] = 8,
+    duration: Annotated[float, typer.Option(help="Seconds to keep sending (requests in flight are finished).", min=1, max=3600)] = 60.0,
+    max_new_tokens: Annotated[int, typer.Option(help="New tokens per answer (greedy).", min=1)] = 32,
+    conversation: Annotated[Path | None, typer.Option(help='A JSON file {"turns": [...]} (default: the shipped twelve-turn chat).')] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="The model id on the server (default: its first).")] = None,
+    api_key_env: Annotated[str | None, typer.Option(help="The API key's environment variable.")] = None,
+    json_out: JsonOpt = None,
+) -> None:
+    """A bounded load test on a server: N clients chatting at once for a fixed time; answers,
+    errors, time to first token p50/p99 and the server's memory (chatbot serve's /health)."""
+    from chatbot.measure.bench import load_conversation
+    from chatbot.measure.bench_http import run_load_bench
+    from chatbot.measure.report import print_load, write_json
+
+    turns = load_conversation(conversation)
+    err = Console(stderr=True, highlight=False)
+    result = run_load_bench(server, turns, clients, duration, max_new_tokens, model, _api_key(api_key_env),
+                            progress=lambda line: err.print(f"[dim]{line}[/dim]"))
+    print_load(Console(), result)
+    if json_out:
+        write_json(json_out, result)
+    if result["errors"] or result["incomplete"]:
+        raise Exit(1)
 
 
 @bench_app.command("streaming")

@@ -81,3 +81,44 @@ def print_render(console: Console, result: dict[str, Any]) -> None:
         table.add_row(r["renderer"], f"{r['ms_per_token']:.3f}", f"{r['p99_ms']:.2f}", f"{r['max_ms']:.1f}",
                       f"{100 * r['budget_share']:.1f}%")
     console.print(table)
+
+
+def print_http_turns(console: Console, result: dict[str, Any]) -> None:
+    """`chatbot bench turns --server`: the server's prefix cache against no cache, per turn."""
+    table = Table(title=f"multi-turn chat through HTTP, {result['model']} at {result['server']}, greedy, "
+                        f"{result['max_new_tokens']} new tokens per turn")
+    for col in ("turn", "prompt tok", "cached tok", "first token s (prefix cache)",
+                "first token s (no cache)", "ratio"):
+        table.add_column(col, justify="right")
+    for row in result["turns"]:
+        c, u = row["prefix_cache"], row["no_cache"]
+        ratio = u["ttft_s"] / c["ttft_s"] if c["ttft_s"] else float("nan")
+        cached = "-" if c["cached_tokens"] is None else f"{c['cached_tokens']:,}"
+        prompt = "-" if c["prompt_tokens"] is None else f"{c['prompt_tokens']:,}"
+        table.add_row(str(row["turn"]), prompt, cached, f"{c['ttft_s']:.3f}", f"{u['ttft_s']:.3f}", f"{ratio:.1f}x")
+    console.print(table)
+    console.print(f"last turn: time to first token {result['ratio_last_turn']:.1f}x faster with the prefix cache; "
+                  f"{result['same_answers']}/{len(result['turns'])} answers identical with and without it")
+
+
+def print_load(console: Console, result: dict[str, Any]) -> None:
+    """`chatbot bench load`: answers, errors, time to first token, server memory."""
+    def mb(v: Any) -> str:
+        return "-" if v is None else f"{v / 2**20:,.0f} MiB"
+
+    table = Table(title=f"{result['clients']} streaming clients for {result['duration_s']:.0f} s, "
+                        f"{result['model']} at {result['server']}", show_header=False)
+    rows = {
+        "answers complete": f"{result['complete']:,}",
+        "answers incomplete": f"{result['incomplete']:,}",
+        "errors": f"{result['errors']:,}",
+        "time to first token p50 / p99": f"{result['ttft_p50_s']:.2f} s / {result['ttft_p99_s']:.2f} s",
+        "tokens generated": f"{result['tokens']:,} ({result['tokens_per_s']:.1f} tok/s over all clients)",
+        "server RSS start / after 1/4 / end": " / ".join(mb(result[k]) for k in
+                                                        ("rss_start_bytes", "rss_quarter_bytes", "rss_end_bytes")),
+    }
+    for k, v in rows.items():
+        table.add_row(k, v)
+    console.print(table)
+    for line in result.get("error_samples", []):
+        console.print(f"error: {line}", markup=False)

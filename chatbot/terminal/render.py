@@ -43,6 +43,27 @@ def format_stats_line(stats: TurnStats) -> str:
     return " · ".join(parts)
 
 
+def format_remote_stats_line(stats: Any) -> str:
+    """The stats line of an answer from a server (chatbot.remote.RemoteStats), e.g.
+    `prompt 412 tok (380 cached) · first token 0.12 s · 96 tok · 24.1 tok/s · p50 40 / p90 55
+    ms/tok · server`; counts the server did not report are marked estimated."""
+    cached = getattr(stats, "cached_tokens", None)
+    estimated = getattr(stats, "estimated", False)
+    parts = []
+    if not estimated:
+        parts.append(f"prompt {getattr(stats, 'prompt_tokens', 0):,} tok"
+                     + (f" ({cached:,} cached)" if cached is not None else ""))
+    parts.append(f"first token {stats.ttft_s:.2f} s")
+    parts.append(f"{stats.generated_tokens:,} tok" + (" (estimated)" if estimated else ""))
+    if stats.token_latencies_s:
+        parts.append(f"{stats.decode_tps:.1f} tok/s")
+        parts.append(f"p50 {stats.ms_per_token_p50:.0f} / p90 {stats.ms_per_token_p90:.0f} ms/tok")
+    parts.append("server")
+    if stats.finish_reason in ("length", "interrupted"):
+        parts.append({"length": "max tokens", "interrupted": "interrupted"}[stats.finish_reason])
+    return " · ".join(parts)
+
+
 def stats_table(turns: list[Any], summary: dict[str, Any]) -> Table:
     """A Rich table of every turn so far, plus totals (for /stats)."""
     last = turns[-1].stats if turns else None

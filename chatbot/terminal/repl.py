@@ -43,6 +43,7 @@ from chatbot.terminal.commands import (
 from chatbot.terminal.live_answer import MarkdownAnswer, PlainAnswer
 from chatbot.terminal.render import (
     columns,
+    format_remote_stats_line,
     format_stats_line,
     history_renderable,
     key_value_table,
@@ -224,6 +225,8 @@ class Repl:
         self.plain = plain
         self.show_stats = show_stats
         self.log = log
+        # A server answers instead of a local model (chatbot.remote.RemoteSession).
+        self.remote = getattr(session, "backend", None)
         self.running = True
         self.blocks = BlockReader()
         self.handlers: dict[str, Callable[[Command], None]] = {
@@ -336,6 +339,8 @@ class Repl:
             self._log("system", system=self.session.system)
         if n < 0:
             self.note("stopped; the rest is encoded with the next message")
+        elif self.remote is not None:
+            self.note(f"system prompt {'removed' if text is None else 'set'} (sent with the next message)")
         else:
             what = "system prompt removed" if text is None else "system prompt set"
             self.note(f"{what}; re-encoded {n:,} tokens")
@@ -374,7 +379,9 @@ class Repl:
         try:
             with self._progress("encoding the history") as progress, interrupt_once():
                 n = self.session.restore(data, progress)
-            self.note(f"loaded {len(self.session.turns)} turns ({n:,} tokens encoded)")
+            self.note(f"loaded {len(self.session.turns)} turns" + (
+                " (the server encodes them with the next message)" if self.remote is not None else
+                f" ({n:,} tokens encoded)"))
         except KeyboardInterrupt:
             self.note(f"loaded {len(self.session.turns)} turns; encoding stopped, the rest is "
                       "encoded with the next message")
@@ -389,6 +396,11 @@ class Repl:
         self.info.print(stats_renderable(self.info, self.session.turns, self.session.summary()))
 
     def _model(self, _: Command) -> None:
+        if self.remote is not None:
+            self.remote.list_models()  # GET /v1/models now: the list may have changed
+            rows = {**self.remote.describe(), "sampling": sampling_brief(self.session.sampling)}
+            self.info.print(key_value_table("model (on the server)", rows))
+            return
         rows = dict(self.loaded.describe())
         s = self.session
         rows["context limit"] = f"{s.engine.max_context:,} tokens"
@@ -400,6 +412,17 @@ class Repl:
         self.info.print(key_value_table("model", rows))
 
     def _cache(self, _: Command) -> None:
+        if self.remote is not None:
+            last = self.session.turns[-1].stats if self.session.turns else None
+            cached = getattr(last, "cached_tokens", None)
+            self.info.print(key_value_table("cache (on the server)", {
+                "kept by": f"the server's prefix cache ({self.remote.base_url})",
+                "conversation (last usage)": f"{self.session.conversation_tokens:,} tokens",
+                "reused at the last message": "-" if last is None else
+                    "not reported by the server" if cached is None else f"{cached:,} tokens",
+                "prefilled at the last message": "-" if last is None else f"{last.context_tokens:,} tokens",
+            }))
+            return
         lay = self.session.cache_layout()
         self.info.print(key_value_table("cache", {
             "tokens": f"{lay.length:,} / {lay.capacity:,}",
@@ -494,7 +517,7 @@ class Repl:
         elif problem is not None:
             self.error(problem)
         elif stats is not None and self.show_stats:
-            self.note(format_stats_line(stats))
+            self.note(format_remote_stats_line(stats) if self.remote is not None else format_stats_line(stats))
 
     # -- loops -------------------------------------------------------------------------
 
@@ -519,10 +542,15 @@ class Repl:
             app = get_app_or_none()
             width = app.output.get_size().columns if app is not None else 80
         s = self.session
-        used, cap = s.conversation_tokens, s.capacity
-        colour = {"green": "ansigreen", "yellow": "ansiyellow", "red": "ansired"}[meter_style(used, cap)]
-        meter = (f"bold {colour}", f"cache {used:,}/{cap:,}")
-        for name, tail in ((self.loaded.name, sampling_brief(s.sampling)), (self.loaded.name, ""), ("", "")):
+        if self.remote is not None:
+            model = f"{self.remote.name} @ {self.remote.base_url}"
+            meter = ("", f"context {s.conversation_tokens:,} tok")
+        else:
+            model = self.loaded.name
+            used, cap = s.conversation_tokens, s.capacity
+            colour = {"green": "ansigreen", "yellow": "ansiyellow", "red": "ansired"}[meter_style(used, cap)]
+            meter = (f"bold {colour}", f"cache {used:,}/{cap:,}")
+        for name, tail in ((model, sampling_brief(s.sampling)), (model, ""), ("", "")):
             parts = [("", f" {name} · ")] if name else [("", " ")]
             parts.append(meter)
             parts.append(("", f" · {tail} · /help" if tail else " · /help"))

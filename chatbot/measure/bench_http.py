@@ -1,0 +1,213 @@
+"""Benchmarks through the OpenAI-compatible HTTP API (any server: chatbot serve, vLLM, SGLang,
+llama-server): the prefix cache across turns, and a bounded load test.
+
+Times are taken here, on the client: time to first token is from sending the request to
+the first chunk with text. Token counts are the server's `usage`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import openai
+
+from chatbot.errors import ChatbotError
+
+
+def _client(base_url: str, api_key: str | None, timeout: float = 600.0) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key=api_key or "none", max_retries=0,
+                         timeout=openai.Timeout(timeout, connect=5.0))
+
+
+def _model_of(client: openai.OpenAI, model: str | None) -> str:
+    try:
+        ids = [m.id for m in client.models.list().data]
+    except openai.OpenAIError as exc:
+        raise ChatbotError(f"cannot list the server's models: {exc}") from None
+    if model is None:
+        if not ids:
+            raise ChatbotError("the server lists no models; name one with --model")
+        return ids[0]
+    if model not in ids:
+        raise ChatbotError(f"the server has no model {model!r}; it has: {', '.join(ids)}")
+    return model
+
+
+def stream_once(client: openai.OpenAI, model: str, messages: list[dict[str, str]], max_tokens: int,
+                extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One greedy streamed answer: its text, time to first token, usage and finish reason."""
+    t0 = time.perf_counter()
+    ttft = None
+    text: list[str] = []
+    usage = None
+    finish = None
+    stream = client.chat.completions.create(model=model, messages=messages, stream=True,  # type: ignore[arg-type]
+                                            stream_options={"include_usage": True}, max_tokens=max_tokens,
+                                            temperature=0.0, extra_body=extra or None)
+    try:
+        for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    text.append(choice.delta.content)
+                finish = choice.finish_reason or finish
+    finally:
+        stream.close()
+    prompt = getattr(usage, "prompt_tokens", None)
+    details = getattr(usage, "prompt_tokens_details", None)
+    cached = getattr(details, "cached_tokens", None) if details is not None else None
+    return {
+        "text": "".join(text),
+        "ttft_s": ttft if ttft is not None else time.perf_counter() - t0,
+        "total_s": time.perf_counter() - t0,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "completion_tokens": getattr(usage, "completion_tokens", None),
+        "finish_reason": finish,
+    }
+
+
+def run_http_turns_bench(base_url: str, turns: list[str], max_new_tokens: int = 64, model: str | None = None,
+                         api_key: str | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Play the user turns through HTTP with the server's prefix cache (one `cache_salt` for
+    the conversation), then replay the same messages (the first play's answers) with the
+    cache bypassed (a fresh salt per request, which vLLM and chatbot serve honour)."""
+    client = _client(base_url, api_key)
+    model = _model_of(client, model)
+    salt = uuid.uuid4().hex
+    messages: list[dict[str, str]] = []
+    cached_rows = []
+    for i, user in enumerate(turns, 1):
+        messages.append({"role": "user", "content": user})
+        row = stream_once(client, model, messages, max_new_tokens, {"cache_salt": salt})
+        messages.append({"role": "assistant", "content": row["text"]})
+        cached_rows.append(row)
+        if progress:
+            progress(f"prefix cache: turn {i}/{len(turns)}: first token {row['ttft_s']:.3f} s")
+    uncached_rows = []
+    for i in range(len(turns)):
+        row = stream_once(client, model, messages[: 2 * i + 1], max_new_tokens, {"cache_salt": uuid.uuid4().hex})
+        uncached_rows.append(row)
+        if progress:
+            progress(f"cache bypassed: turn {i + 1}/{len(turns)}: first token {row['ttft_s']:.3f} s")
+
+    def slim(row: dict[str, Any]) -> dict[str, Any]:
+        prompt, cached = row["prompt_tokens"], row["cached_tokens"]
+        return {"prompt_tokens": prompt, "cached_tokens": cached,
+                "prefill_tokens": None if prompt is None else prompt - (cached or 0),
+                "ttft_s": row["ttft_s"], "completion_tokens": row["completion_tokens"]}
+
+    last_c, last_u = cached_rows[-1], uncached_rows[-1]
+    return {
+        "server": base_url,
+        "model": model,
+        "max_new_tokens": max_new_tokens,
+        "turns": [{"turn": i + 1, "prefix_cache": slim(c), "no_cache": slim(u)}
+                  for i, (c, u) in enumerate(zip(cached_rows, uncached_rows))],
+        "ratio_last_turn": last_u["ttft_s"] / last_c["ttft_s"] if last_c["ttft_s"] else None,
+        "same_answers": sum(c["text"] == u["text"] for c, u in zip(cached_rows, uncached_rows)),
+    }
+
+
+def _server_rss(base_url: str, api_key: str | None) -> int | None:
+    """The server's resident memory from chatbot serve's /health (None for other servers)."""
+    root = base_url.rstrip("/").removesuffix("/v1")
+    try:
+        data = httpx.get(f"{root}/health", timeout=5,
+                         headers={"Authorization": f"Bearer {api_key}"} if api_key else None).json()
+        return int(data["rss_bytes"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _quantile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_load_bench(base_url: str, turns: list[str], clients: int = 8, duration_s: float = 60.0,
+                   max_new_tokens: int = 32, model: str | None = None, api_key: str | None = None,
+                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """`clients` threads, each chatting through the conversation turn by turn (streamed,
+    greedy), until `duration_s` has passed; requests already sent are finished. The server's
+    RSS is sampled once a second (chatbot serve's /health).
+
+    Returns figures: answers complete and not, errors, time to first token p50/p99,
+    tokens generated, RSS at the start, after a quarter of the time, and at the end.
+    """
+    client = _client(base_url, api_key, timeout=max(120.0, duration_s * 2))
+    model = _model_of(client, model)
+    start = time.perf_counter()
+    stop_at = start + duration_s
+    lock = threading.Lock()
+    ttfts: list[float] = []
+    results = {"complete": 0, "incomplete": 0, "errors": 0, "tokens": 0}
+    error_lines: list[str] = []
+
+    def one(index: int) -> None:
+        c = _client(base_url, api_key, timeout=max(120.0, duration_s * 2))
+        salt = f"load-{index}-{uuid.uuid4().hex}"  # each client its own conversations
+        messages: list[dict[str, str]] = []
+        turn = index % len(turns)
+        while time.perf_counter() < stop_at:
+            messages.append({"role": "user", "content": turns[turn]})
+            try:
+                row = stream_once(c, model, messages, max_new_tokens, {"cache_salt": salt})
+            except (openai.OpenAIError, OSError, httpx.HTTPError) as exc:
+                with lock:
+                    results["errors"] += 1
+                    error_lines.append(f"{type(exc).__name__}: {exc}"[:200])
+                messages.pop()
+                time.sleep(0.2)
+                continue
+            done = row["finish_reason"] in ("stop", "length") and row["completion_tokens"]
+            with lock:
+                results["complete" if done else "incomplete"] += 1
+                results["tokens"] += row["completion_tokens"] or 0
+                ttfts.append(row["ttft_s"])
+            messages.append({"role": "assistant", "content": row["text"]})
+            turn += 1
+            if turn % len(turns) == 0 or len(messages) > 2 * len(turns):
+                messages, turn = [], 0  # start a new conversation
+
+    rss: list[tuple[float, int]] = []
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        now = time.perf_counter()
+        sample = _server_rss(base_url, api_key)
+        if sample is not None:
+            rss.append((now - start, sample))
+        if progress and int(now - start) % 10 == 0:
+            progress(f"{now - start:.0f} s: {results['complete']} answers, {results['errors']} errors")
+        time.sleep(1.0)
+    elapsed = time.perf_counter() - start
+
+    def rss_at(frac: float) -> int | None:
+        eligible = [v for t, v in rss if t >= frac * duration_s]
+        return eligible[0] if eligible else (rss[-1][1] if rss else None)
+
+    return {
+        "server": base_url, "model": model, "clients": clients, "duration_s": duration_s,
+        "elapsed_s": elapsed, "max_new_tokens": max_new_tokens,
+        **results,
+        "ttft_p50_s": _quantile(ttfts, 0.5), "ttft_p99_s": _quantile(ttfts, 0.99),
+        "ttft_mean_s": statistics.fmean(ttfts) if ttfts else float("nan"),
+        "tokens_per_s": results["tokens"] / elapsed if elapsed else 0.0,
+        "rss_start_bytes": rss[0][1] if rss else None,
+        "rss_quarter_bytes": rss_at(0.25),
+        "rss_end_bytes": rss[-1][1] if rss else None,
+        "error_samples": error_lines[:5],
+    }

@@ -1,0 +1,230 @@
+"""Conversation caches as a prefix cache: the server-side form of the persistent cache.
+
+Each entry is a `ChatSession` (its messages, token ids and KV cache). A request whose
+messages extend an entry's conversation continues that session, so only the new tokens are
+prefilled; one that shares the start of a conversation but differs later (a retry, an edit)
+takes that entry over, its cache cropped to the tokens they share (not re-encoded). A bounded number of entries is kept, and a memory cap; the least recently used
+go first. A `cache_salt` (as in vLLM) keeps requests apart: only entries made with the same
+salt are reused, so a fresh salt per request turns the cache off for it.
+
+Not thread-safe: one worker thread owns the pool and the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
+from chatbot.engine.generate import Engine
+from chatbot.session import ChatSession, Turn, sampling_from_model
+
+# What a request that names no setting gets, as in the OpenAI API and vLLM.
+API_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
+
+
+@dataclass
+class Conversation:
+    """A request's conversation: the system prompt, the finished exchanges before the last
+    message, and the last user message (or, with `continue_answer`, the answer to go on)."""
+
+    system: str | None
+    turns: list[tuple[str, str]]
+    user: str
+    partial_answer: str | None = None  # continue this assistant message instead of answering
+    salt: str | None = None
+
+
+@dataclass
+class Entry:
+    key: int
+    session: ChatSession
+    salt: str | None
+
+
+@dataclass
+class PoolStats:
+    """Counters for /health and the tests."""
+
+    hits: int = 0  # requests that continued or took over a kept conversation
+    misses: int = 0
+    evictions: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def server_sampling(model: Any, **overrides: Any) -> SamplingConfig:
+    """A server's default settings: the API's (temperature 1, no top-p, top-k or repetition
+    penalty) where the model's generation_config sets nothing, then the flags given.
+
+    Raises:
+        ConfigError: an override is out of range.
+    """
+    plain = SamplingConfig()
+    from_model = sampling_from_model(model)
+    values = {k: getattr(from_model, k) if getattr(from_model, k) != getattr(plain, k) else v
+              for k, v in API_DEFAULTS.items()}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return dataclasses.replace(plain, **values).validated()
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """Bytes one token takes in a KV cache of this model (keys and values, every layer)."""
+    cfg = model.config
+    cfg = getattr(cfg, "get_text_config", lambda: cfg)()
+    heads = getattr(cfg, "num_attention_heads", 1) or 1
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    layers = cfg.num_hidden_layers
+    element = model.get_input_embeddings().weight.element_size()
+    return int(2 * layers * kv_heads * head_dim * max(element, 2))
+
+
+class PrefixCachePool:
+    """Keeps up to `max_entries` conversations (and at most `max_bytes` of KV cache).
+
+    Args:
+        engine: the model runner every session uses.
+        engine_config: chunking and the streaming (sink) cache of each session.
+        sampling: the default settings of new sessions.
+        max_entries: conversations kept between requests; 0 turns the prefix cache off.
+        max_bytes: cap on the KV bytes kept (estimated from the tokens each cache holds).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        engine_config: EngineConfig,
+        sampling: SamplingConfig,
+        max_entries: int = 8,
+        max_bytes: int = 2 << 30,
+    ) -> None:
+        self.engine = engine
+        self.engine_config = engine_config
+        self.sampling = sampling
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.bytes_per_token = kv_bytes_per_token(engine.model)
+        self.entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
+        self.stats = PoolStats()
+        self._keys = itertools.count()
+
+    # -- figures ------------------------------------------------------------------------
+
+    def entry_bytes(self, entry: Entry) -> int:
+        return len(entry.session.cache_ids) * self.bytes_per_token
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(self.entry_bytes(e) for e in list(self.entries.values()))
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "enabled": self.max_entries > 0,
+            "conversations": len(self.entries),
+            "max_conversations": self.max_entries,
+            "kept_tokens": sum(len(e.session.cache_ids) for e in list(self.entries.values())),
+            "kept_bytes_estimate": self.kept_bytes,
+            "max_bytes": self.max_bytes,
+            "hits": self.stats.hits,
+            "misses": self.stats.misses,
+            "evictions": self.stats.evictions,
+        }
+
+    # -- check out and in -----------------------------------------------------------------
+
+    def checkout(self, conv: Conversation) -> Entry:
+        """A session that holds `conv`'s history (system prompt and turns): a kept one that
+        shares the most of it, cut back to what it shares, or a new one.
+
+        The entry leaves the pool until `checkin` (or `discard`).
+        """
+        best: tuple[int, int, int] | None = None  # (extends, shared turns, key)
+        for key, entry in self.entries.items():
+            s = entry.session
+            if entry.salt != conv.salt or s.system != conv.system:
+                continue
+            shared = _shared_turns(s.turns, conv)
+            extends = shared == len(s.turns)
+            # A partial match must share a turn or the first message; else it is another
+            # conversation with the same system prompt, whose cache we leave alone.
+            first_user = conv.turns[0][0] if conv.turns else conv.user
+            if not extends and shared == 0 and not (s.turns and s.turns[0].user == first_user):
+                continue
+            rank = (int(extends), shared, key)
+            if best is None or rank[:2] > best[:2]:
+                best = rank
+        if best is None:
+            self.stats.misses += 1
+            return self._new_entry(conv)
+        entry = self.entries.pop(best[2])
+        self.stats.hits += 1
+        self._position(entry.session, conv, best[1])
+        return entry
+
+    def checkin(self, entry: Entry) -> None:
+        """Keep the entry as the most recently used; evict beyond the limits."""
+        if self.max_entries <= 0:
+            return
+        self.entries[entry.key] = entry
+        self.entries.move_to_end(entry.key)
+        while len(self.entries) > self.max_entries or (len(self.entries) > 1 and self.kept_bytes > self.max_bytes):
+            _, old = self.entries.popitem(last=False)
+            old.session.reset()
+            self.stats.evictions += 1
+        if self.entries and self.kept_bytes > self.max_bytes:  # one conversation over the cap
+            _, old = self.entries.popitem(last=False)
+            old.session.reset()
+            self.stats.evictions += 1
+
+    def discard(self, entry: Entry) -> None:
+        """Drop an entry whose state is in doubt (an unexpected error)."""
+        entry.session.reset()
+
+    def clear(self) -> None:
+        for entry in self.entries.values():
+            entry.session.reset()
+        self.entries.clear()
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _new_entry(self, conv: Conversation) -> Entry:
+        config = ChatConfig(system=conv.system, sampling=self.sampling, engine=self.engine_config)
+        session = ChatSession(self.engine, config)
+        if conv.turns:
+            _restore(session, conv)
+        return Entry(next(self._keys), session, conv.salt)
+
+    def _position(self, session: ChatSession, conv: Conversation, shared: int) -> None:
+        """Make the session hold the request's finished turns, keeping what its cache shares.
+
+        A growing cache keeps the longest token prefix it shares with the request's
+        conversation (`restore` crops it there: a retry keeps everything up to the answer it
+        replaces). A bounded (sink) cache cannot be cropped into what it evicted: its turns
+        are undone one by one instead, which cuts it back when nothing was evicted since.
+        """
+        if shared == len(session.turns) == len(conv.turns):
+            return
+        if hasattr(session.cache, "evict_for_space"):
+            while len(session.turns) > shared:
+                session.undo()
+            if len(conv.turns) == shared:
+                return
+        _restore(session, conv)
+
+
+def _shared_turns(turns: list[Turn], conv: Conversation) -> int:
+    n = 0
+    for have, (user, answer) in zip(turns, conv.turns):
+        if have.user != user or have.answer != answer:
+            break
+        n += 1
+    return n
+
+
+def _restore(session: ChatSession, conv: Conversation) -> None:
+    data = {"system": conv.system, "turns": [{"user": u, "answer": a} for u, a in conv.turns],
+            "settings": session.sampling.as_dict()}
+    session.restore(data, encode=False)
