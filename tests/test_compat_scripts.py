@@ -35,7 +35,7 @@ from chatbot.compat import (
     streaming_chat,
 )
 from chatbot.engine.generate import Engine
-from chatbot.engine.sink_cache import SinkCache, rotate_keys, rotation_for_shift
+from chatbot.engine.sink_cache import rotate_keys, rotation_for_shift
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 TEXT = " ".join(["the quick brown fox jumps over the lazy dog, and then it sleeps."] * 6)
@@ -239,7 +239,7 @@ def test_eval_long_ppl_logic(model, tiny_tokenizer, start_size, recent_size):
     nlls = []
     loss_fn = CrossEntropyLoss(reduction="none")
     past_key_values = None
-    for idx in range(0, seq_len - 1):
+    for idx in range(seq_len - 1):
         input_ids = encodings.input_ids[:, idx : idx + 1]
         with torch.no_grad():
             outputs = model(input_ids, past_key_values=past_key_values, use_cache=True)
@@ -323,7 +323,7 @@ def test_colossal_stream_chat_example_logic(model, tiny_tokenizer, monkeypatch):
     for input_query in ["Hello there!", "How are you today?"]:
         first_prompt = get_prompt_template(input_query, history, roles)
         gen_len = 0
-        for response, history, past_key_values in streaming_chat(
+        for response, history, past_key_values in streaming_chat(  # noqa: B020 - the script's own form
             model, tokenizer, input_query, history=history, roles=roles, temperature=0.8, top_p=0.95,
             top_k=50, do_sample=False, length_penalty=1.2, max_new_tokens=8,
             past_key_values=past_key_values, return_past_key_values=True,
@@ -342,7 +342,7 @@ def test_colossal_stream_chat_example_logic(model, tiny_tokenizer, monkeypatch):
     assert prefilled[0] == full_first and 0 < prefilled[-1] < full_first
     # "clear" in the script: a new conversation with a None cache.
     past_key_values, history = None, []
-    for response, history, past_key_values in streaming_chat(
+    for response, history, past_key_values in streaming_chat(  # noqa: B020 - the script's own form
         model, tokenizer, "Hi", history=history, roles=roles, do_sample=False, max_new_tokens=4,
         past_key_values=past_key_values, return_past_key_values=True,
     ):
@@ -393,8 +393,7 @@ def test_tinychat_demo_logic(model, tiny_tokenizer, chunk_prefilling):
             output_text = outputs["text"]
             output_text = output_text.strip().split(" ")
             now = len(output_text) - 1
-            if now > pre:
-                pre = now
+            pre = max(pre, now)
         timing = outputs["timing"]
         generation_time_list = timing["generation_time_list"]
         assert all(isinstance(t, float) and t >= 0 for t in generation_time_list)
