@@ -411,6 +411,10 @@ def test_tinychat_demo_logic(model, tiny_tokenizer, chunk_prefilling):
                                         quant_llm=False)
         outputs, total_tokens, context_tokens = stream_output(output_stream)
         contexts.append(context_tokens)
+        if not contexts[:-1]:  # the first answer is greedy decoding of its prompt
+            ids = tokenizer(model_prompter.model_input)["input_ids"]
+            expected = greedy_by_recompute(model, ids, 10, stop={tokenizer.eos_token_id})
+            assert outputs == " ".join(tokenizer.decode(expected, skip_special_tokens=True).strip().split(" "))
         if chunk_prefilling:
             start_pos += total_tokens
         else:
