@@ -88,6 +88,11 @@ def test_evict_for_space_takes_past_key_values_and_returns_the_cache(model, tiny
     assert kv_cache.evict_for_space(None, 1) is kv_cache and kv_cache.get_seq_length() == 0
     with pytest.raises(TypeError, match="num_coming"):
         kv_cache.evict_for_space(None, 1, 2)
+    # StreamingLLM's parameter names work as keywords too.
+    assert kv_cache.evict_for_space(past_key_values=None, num_coming=1) is kv_cache
+    assert kv_cache.evict_for_space(num_coming=1) is None
+    with pytest.raises(TypeError):
+        kv_cache.evict_for_space(None, past_key_values=None)
 
 
 def test_upstream_forms_match_streamingllm_slicing_on_tensors(model, tiny_tokenizer):

@@ -232,12 +232,12 @@ class SinkCache(Cache):
     # --- eviction ---------------------------------------------------------------------
 
     @overload
-    def evict_for_space(self, num_coming: int, /) -> tuple[int, int] | None: ...
+    def evict_for_space(self, num_coming: int) -> tuple[int, int] | None: ...
 
     @overload
-    def evict_for_space(self, past_key_values: Any, num_coming: int, /) -> SinkCache: ...
+    def evict_for_space(self, past_key_values: Any, num_coming: int) -> SinkCache: ...
 
-    def evict_for_space(self, *args: Any) -> Any:
+    def evict_for_space(self, *args: Any, **kwargs: Any) -> Any:
         """Make room for the tokens of the next forward pass, in either of two forms.
 
         - ``evict_for_space(num_coming)`` (the engine's form) returns the physical
@@ -259,16 +259,21 @@ class SinkCache(Cache):
             TypeError: for another number of arguments, or a `past_key_values` that is
                 neither a cache nor per-layer ``(key, value)`` pairs.
         """
-        if len(args) == 1:
-            return self._evict(args[0])
-        if len(args) == 2:
-            cache = self.take(args[0])
-            cache._evict(args[1])
-            return cache
-        raise TypeError(
-            "evict_for_space takes (num_coming) or (past_key_values, num_coming), "
-            f"got {len(args)} arguments"
-        )
+        names = ("past_key_values", "num_coming") if len(args) + len(kwargs) == 2 else ("num_coming",)
+        given = dict(zip(names, args))
+        if len(args) > len(names) or set(kwargs) & set(given) or set(kwargs) - set(names):
+            raise TypeError(
+                "evict_for_space takes (num_coming) or (past_key_values, num_coming), got "
+                f"{len(args)} positional and {sorted(kwargs)} keyword arguments"
+            )
+        given.update(kwargs)
+        if len(given) != len(names):
+            raise TypeError(f"evict_for_space is missing {sorted(set(names) - set(given))}")
+        if len(names) == 1:
+            return self._evict(given["num_coming"])
+        cache = self.take(given["past_key_values"])
+        cache._evict(given["num_coming"])
+        return cache
 
     def _evict(self, num_coming: int) -> tuple[int, int] | None:
         if num_coming < 0:
