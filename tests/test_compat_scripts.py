@@ -282,6 +282,8 @@ def test_start_recent_kv_cache_forms(model, tiny_tokenizer):
         kv_cache.evict_range(cache, 3, 40)
     with pytest.raises(ValueError):
         StartRecentKVCache(4, 8, k_seq_dim=4)
+    with pytest.raises(TypeError, match="old positions"):  # its keys are not at 0..n-1
+        enable_streaming_llm(model, start_size=2, recent_size=8).evict_for_space(cache, 1)
     # A prefill chunk after eviction is causal within itself: equal to the banded reference.
     kv_cache = StartRecentKVCache(start_size=2, recent_size=8)
     cache = kv_cache.evict_for_space(filled_dynamic_cache(model, ids[:, :20]), 4)  # 2 + newest 4

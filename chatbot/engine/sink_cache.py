@@ -307,7 +307,9 @@ class SinkCache(Cache):
                 conversation so far, positions ``0..n-1``).
 
         Raises:
-            TypeError: for anything else, or a cache with another number of layers.
+            TypeError: for anything else, a cache with another number of layers, or one
+                whose keys are not at positions ``0..n-1`` (`StartRecentKVCache`'s, after it
+                evicted).
         """
         if past_key_values is self:
             return self
@@ -315,6 +317,10 @@ class SinkCache(Cache):
             self.reset()
             return self
         if isinstance(past_key_values, Cache):
+            if any(getattr(layer, "evicted", 0) for layer in past_key_values.layers):
+                # StartRecentKVCache's keys sit at their old positions, with a gap: taking
+                # them as positions 0..n-1 would silently misplace them.
+                raise TypeError("a cache that kept its keys at their old positions cannot be taken in")
             pairs = [(layer.keys, layer.values) for layer in past_key_values.layers]
             evicted = int(getattr(past_key_values, "evicted_total", 0))
         elif isinstance(past_key_values, (tuple, list)):
