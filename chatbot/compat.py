@@ -700,7 +700,7 @@ def _warn_unbounded_cache(model: Any, args: tuple[Any, ...], kwargs: dict[str, A
     if model in _WARNED or kwargs.get("use_cache") is False:
         return
     cache = _cache_argument(args, kwargs)
-    if isinstance(cache, SinkCache):
+    if isinstance(cache, (SinkCache, _StartRecentCache)):  # both evict
         return
     if cache is None and kwargs.get("use_cache") is None and not getattr(model.config, "use_cache", True):
         return
