@@ -120,12 +120,15 @@ def test_values_are_cut_not_rotated_and_keys_are_rotated_by_shift():
     assert torch.allclose(expected.norm(dim=-1), keys[..., 4:, :].norm(dim=-1), atol=1e-5)
 
 
-def test_too_many_incoming_tokens_raise():
+def test_more_incoming_tokens_than_the_window_keep_only_the_sinks():
+    """As StreamingLLM: every recent token goes, the sinks stay, nothing raises (issue 14)."""
+    empty = unit_cache(start_size=4, recent_size=16, evict_block=4)
+    assert empty.evict_for_space(100) is None and empty.get_seq_length() == 0
     cache = unit_cache(start_size=4, recent_size=16, evict_block=4)
-    fill(cache, 20)
-    with pytest.raises(ValueError, match="chunks"):
-        cache.evict_for_space(17)
-    assert cache.evict_for_space(16) == (4, 20)
+    keys = fill(cache, 20)
+    assert cache.evict_for_space(17) == (4, 20)
+    assert torch.equal(cache.layers[0].keys, keys[..., :4, :])
+    assert cache.evict_for_space(50) is None  # only the sinks are left
 
 
 def test_pin_raises_the_pinned_region():

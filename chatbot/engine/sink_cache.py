@@ -15,7 +15,7 @@ rotated; moving a key from position ``p`` to ``p - d`` is a pure rotation by
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import torch
 from transformers import Cache
@@ -110,7 +110,9 @@ class SinkCache(Cache):
     """Attention-sink (StreamingLLM) cache: pinned head + recent window, re-rotated on eviction.
 
     Call `evict_for_space(n)` before every forward pass of ``n`` tokens; it returns the
-    physical slice it removed so the caller can drop the same token ids.
+    physical slice it removed so the caller can drop the same token ids. StreamingLLM's
+    forms (``evict_for_space(past_key_values, n)``, ``evict_range``, calling the cache) are
+    here too: they return the cache to hand to the model.
     """
 
     def __init__(
@@ -229,45 +231,145 @@ class SinkCache(Cache):
 
     # --- eviction ---------------------------------------------------------------------
 
-    def evict_for_space(self, num_coming: int) -> tuple[int, int] | None:
-        """Make room for `num_coming` tokens before a forward pass.
+    @overload
+    def evict_for_space(self, num_coming: int) -> tuple[int, int] | None: ...
 
-        Drops a block right after the pinned region: at least what is needed, rounded up
-        to a multiple of `evict_block`, but never more than the unpinned tokens present.
-        Keys after the block are re-rotated so positions stay contiguous.
+    @overload
+    def evict_for_space(self, past_key_values: Any, num_coming: int) -> SinkCache: ...
 
-        Args:
-            num_coming: tokens the next forward pass will add.
+    def evict_for_space(self, *args: Any, **kwargs: Any) -> Any:
+        """Make room for the tokens of the next forward pass, in either of two forms.
 
-        Returns:
-            ``(start, end)``, the physical slice removed (delete the same slice from the
-            list of token ids in the cache), or None if nothing had to go.
+        - ``evict_for_space(num_coming)`` (the engine's form) returns the physical
+          ``(start, end)`` slice it removed (delete the same slice from the list of token
+          ids in the cache), or None if nothing had to go.
+        - ``evict_for_space(past_key_values, num_coming)`` (StreamingLLM's form) returns the
+          cache to hand to the model: this cache, after taking in `past_key_values` (see
+          `take`; None means a new conversation and gives this cache emptied).
+
+        Drops a block right after the pinned region: at least what is needed, rounded up to
+        a multiple of `evict_block`, but never more than the unpinned tokens present. Keys
+        after the block are re-rotated so positions stay contiguous. When `num_coming` is
+        larger than `recent_size`, every unpinned token goes and only the sinks stay, as in
+        StreamingLLM; the cache then holds more than `capacity` after the forward pass (the
+        engine feeds in chunks of at most `recent_size`, so it never gets there).
 
         Raises:
-            ValueError: if the tokens cannot fit even after evicting every unpinned token,
-                which happens when `num_coming` > `recent_size`; callers feed in chunks.
+            ValueError: for a negative `num_coming`.
+            TypeError: for another number of arguments, or a `past_key_values` that is
+                neither a cache nor per-layer ``(key, value)`` pairs.
         """
+        names = ("past_key_values", "num_coming") if len(args) + len(kwargs) == 2 else ("num_coming",)
+        given = dict(zip(names, args))
+        if len(args) > len(names) or set(kwargs) & set(given) or set(kwargs) - set(names):
+            raise TypeError(
+                "evict_for_space takes (num_coming) or (past_key_values, num_coming), got "
+                f"{len(args)} positional and {sorted(kwargs)} keyword arguments"
+            )
+        given.update(kwargs)
+        if len(given) != len(names):
+            raise TypeError(f"evict_for_space is missing {sorted(set(names) - set(given))}")
+        if len(names) == 1:
+            return self._evict(given["num_coming"])
+        cache = self.take(given["past_key_values"])
+        cache._evict(given["num_coming"])
+        return cache
+
+    def _evict(self, num_coming: int) -> tuple[int, int] | None:
         if num_coming < 0:
             raise ValueError(f"num_coming must be >= 0, got {num_coming}")
         length = self.get_seq_length()
         needed = length + num_coming - self.capacity
         if needed <= 0:
             return None
-        if num_coming > self.recent_size:
-            raise ValueError(
-                f"{num_coming} tokens cannot enter a sink cache with recent_size={self.recent_size}; "
-                f"feed them in chunks of at most {self.recent_size}"
-            )
         evictable = length - self._pinned
-        assert needed <= evictable, (needed, evictable)  # follows from num_coming <= recent_size
+        if evictable <= 0:
+            return None  # only the sinks are left: StreamingLLM keeps them whatever comes
         block = -(-needed // self.evict_block) * self.evict_block
-        n_drop = min(block, evictable)
-        start, end = self._pinned, self._pinned + n_drop
-        cos, sin = rotation_for_shift(n_drop, self.inv_freq)
+        return self._drop(self._pinned, self._pinned + min(block, evictable))
+
+    def _drop(self, start: int, end: int) -> tuple[int, int]:
+        cos, sin = rotation_for_shift(end - start, self.inv_freq)
         for layer in self.layers:
             layer.drop(start, end, cos, sin)
-        self.evicted_total += n_drop
+        self.evicted_total += end - start
         return start, end
+
+    # --- StreamingLLM's call forms (its caches were tuples handed back and forth) ----------
+
+    def take(self, past_key_values: Any) -> SinkCache:
+        """This cache, holding what `past_key_values` holds.
+
+        Args:
+            past_key_values: None (a new conversation: this cache is emptied), this cache
+                (returned as it is), or another `Cache` or per-layer ``(key, value)`` pairs
+                from the same model (their tensors are copied in, and they count as the
+                conversation so far, positions ``0..n-1``).
+
+        Raises:
+            TypeError: for anything else, a cache with another number of layers, or one
+                whose keys are not at positions ``0..n-1`` (`StartRecentKVCache`'s, after it
+                evicted).
+        """
+        if past_key_values is self:
+            return self
+        if past_key_values is None:
+            self.reset()
+            return self
+        if isinstance(past_key_values, Cache):
+            if any(getattr(layer, "evicted", 0) for layer in past_key_values.layers):
+                # StartRecentKVCache's keys sit at their old positions, with a gap: taking
+                # them as positions 0..n-1 would silently misplace them.
+                raise TypeError("a cache that kept its keys at their old positions cannot be taken in")
+            pairs = [(layer.keys, layer.values) for layer in past_key_values.layers]
+            evicted = int(getattr(past_key_values, "evicted_total", 0))
+        elif isinstance(past_key_values, (tuple, list)):
+            pairs = [(kv[0], kv[1]) for kv in past_key_values]
+            evicted = 0
+        else:
+            raise TypeError(
+                f"past_key_values must be None, a transformers Cache or per-layer (key, value) pairs, "
+                f"got {type(past_key_values).__name__}"
+            )
+        if len(pairs) != len(self.layers):
+            raise TypeError(f"past_key_values has {len(pairs)} layers, this cache {len(self.layers)}")
+        self.reset()
+        for layer, (keys, values) in zip(self.layers, pairs):
+            if keys is not None and values is not None and keys.numel():
+                layer.update(keys, values)
+        self.evicted_total = evicted
+        return self
+
+    def evict_range(self, past_key_values: Any, start: int, end: int) -> SinkCache:
+        """Remove the physical positions ``[start, end)``, as StreamingLLM's `evict_range`.
+
+        The keys after the range are re-rotated, so positions stay contiguous.
+
+        Args:
+            past_key_values: what to evict from (see `take`).
+            start: first position removed.
+            end: one past the last position removed.
+
+        Returns:
+            This cache, to hand to the model.
+
+        Raises:
+            ValueError: unless ``0 <= start <= end <= length``.
+        """
+        cache = self.take(past_key_values)
+        length = cache.get_seq_length()
+        if not 0 <= start <= end <= length:
+            raise ValueError(f"evict_range needs 0 <= start <= end <= {length}, got ({start}, {end})")
+        if end > start:
+            cache._drop(start, end)
+        return cache
+
+    def __call__(self, past_key_values: Any) -> SinkCache | None:
+        """StreamingLLM's ``kv_cache(past_key_values)`` after a forward pass: keep the sinks
+        and the newest `recent_size` tokens. None stays None, as in StreamingLLM."""
+        if past_key_values is None:
+            return None
+        return self.evict_for_space(past_key_values, 0)
 
     # --- Cache overrides --------------------------------------------------------------
 
@@ -398,13 +500,12 @@ def check_streaming_support(model_or_config: Any, capacity: int | None = None) -
             f"{', '.join(other_types)} layers"
         )
     sliding_window = _sliding_window(config)
-    if sliding_window is not None:
-        if capacity is None or capacity > sliding_window:
-            raise StreamingUnsupportedError(
-                f"--enable-streaming needs full attention; {model_type} uses a sliding "
-                f"window of {sliding_window} tokens"
-                + ("" if capacity is None else f" (smaller than the cache's {capacity} tokens)")
-            )
+    if sliding_window is not None and (capacity is None or capacity > sliding_window):
+        raise StreamingUnsupportedError(
+            f"--enable-streaming needs full attention; {model_type} uses a sliding "
+            f"window of {sliding_window} tokens"
+            + ("" if capacity is None else f" (smaller than the cache's {capacity} tokens)")
+        )
 
     if is_model:
         rotary = _find_rotary(model_or_config)
