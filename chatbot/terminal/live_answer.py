@@ -230,9 +230,11 @@ class MarkdownAnswer:
     def _render(self, source: str, thinking: bool, final: bool, width: int | None = None) -> list[list[Segment]]:
         if not source.strip():
             return []
-        options = self.console.options.update(height=None)
-        if width is not None:
-            options = options.update_width(width)
+        # One column short of the width: a glyph the terminal draws wider than Rich counts
+        # (an emoji with a variation selector) then still fits the row instead of wrapping
+        # onto one the live region does not know about.
+        width = self.console.width if width is None else width
+        options = self.console.options.update(height=None).update_width(max(width - 1, 10))
         lines = self.console.render_lines(self._renderable(source, thinking, final), options, pad=False)
         # Rich starts some blocks (lists) with an empty line; blocks are spaced here instead.
         start, end = 0, len(lines)
