@@ -45,7 +45,7 @@ def add(first, second):
 | alpha | 1     |
 | beta  | 2     |
 
-日本語のテキストと中文文本が折り返されても読めること、emoji 🙂🚀🎉 ❤️ too.
+日本語のテキストと中文文本が折り返されても読めること、emoji 🙂🚀🎉 too.
 
 > a quoted line at the end, to close the answer.
 """
