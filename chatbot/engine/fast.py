@@ -341,7 +341,12 @@ class FastDecoder:
     """
 
     def __init__(
-        self, model: Any, level: str = "auto", threads: int | None = None, gguf: str | Path | None = None
+        self,
+        model: Any,
+        level: str = "auto",
+        threads: int | None = None,
+        gguf: str | Path | None = None,
+        use_gguf: bool = True,
     ) -> None:
         if level not in LEVELS or level == "off":
             raise ValueError(f"level must be one of {', '.join(LEVELS[1:])}, got {level!r}")
@@ -370,7 +375,8 @@ class FastDecoder:
         self.source = "model"
         gguf = gguf if gguf is not None else getattr(model, "chatbot_gguf", None)
         with torch.no_grad():
-            packed = self._from_gguf(model, gguf, heads, kv_heads) if gguf and level == "auto" else None
+            from_file = use_gguf and gguf and level == "auto"
+            packed = self._from_gguf(model, gguf, heads, kv_heads) if from_file else None
             if packed is not None:
                 self.source = "gguf"
             else:
@@ -638,9 +644,12 @@ class FastDecoder:
         return logits
 
 
-def make_decoder(model: Any, level: str, threads: int | None = None) -> tuple[FastDecoder | None, str | None]:
+def make_decoder(
+    model: Any, level: str, threads: int | None = None, use_gguf: bool = True
+) -> tuple[FastDecoder | None, str | None]:
     """The decoder for `level`, or None with the reason when it cannot run (``off`` gives
-    None and no reason).
+    None and no reason). `use_gguf`: at ``auto``, take the matrices from the GGUF file the
+    model was loaded from, where there is one (False: pack the float32 model's weights).
 
     Raises:
         ValueError: an unknown level.
@@ -650,6 +659,6 @@ def make_decoder(model: Any, level: str, threads: int | None = None) -> tuple[Fa
     if level == "off":
         return None, None
     try:
-        return FastDecoder(model, level, threads), None
+        return FastDecoder(model, level, threads, use_gguf=use_gguf), None
     except FastPathUnavailable as exc:
         return None, f"fast decode off: {exc}"
