@@ -53,20 +53,36 @@ def test_dequantization_equals_ggml(kind):
     np.testing.assert_allclose(got, ref, rtol=2e-7, atol=1e-9)
 
 
+INT16_FORMATS = {"Q8_0", "Q4_1", "Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
+
+
+def int16_activations(x: np.ndarray) -> np.ndarray:
+    """x as the kernels hold it for `--opt auto`'s integer products: per block of 32, a float32
+    scale absmax / 32767 and int16 values (round half to even, as nearbyintf)."""
+    b = x.reshape(-1, 32).astype(np.float32)
+    d = (np.abs(b).max(axis=1, keepdims=True) / np.float32(32767)).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    return (np.rint(b * inv) * d).reshape(-1)
+
+
 @pytest.mark.parametrize("kind", FORMATS)
 @pytest.mark.parametrize("act", [kernels.ACT_F32, kernels.ACT_I16])
 def test_matvec_equals_float64_product_of_reference(kind, act):
-    """ACT_I16 is the activation form `--opt auto` uses; formats without an int16 product
-    take float32 activations, so they must still be exact there."""
+    """ACT_I16 is the activation form `--opt auto` uses: the block formats with an int16
+    product must equal the exact product with the int16-rounded activations; the others
+    take float32 activations and must equal the exact product with x itself."""
     data, ref = random_matrix(kind, seed=2)
     packed = kernels.from_raw(data, kernels.GGUF_FORMATS[kind], ROWS, COLS)
     x = torch.from_numpy(np.random.default_rng(3).standard_normal(COLS).astype(np.float32))
-    exact = ref.astype(np.float64) @ x.numpy().astype(np.float64)
-    bound = np.abs(ref).astype(np.float64) @ np.abs(x.numpy()).astype(np.float64)
-    tol = 2e-5 if act == kernels.ACT_I16 and kind in ("Q8_0", "Q4_1") else 2e-6
+    xs = int16_activations(x.numpy()) if act == kernels.ACT_I16 and kind in INT16_FORMATS else x.numpy()
+    exact = ref.astype(np.float64) @ xs.astype(np.float64)
+    bound = np.abs(ref).astype(np.float64) @ np.abs(xs).astype(np.float64)
     for threads in (1, 2):
         got = kernels.matvec(packed, x, threads, act=act).numpy()
-        assert np.all(np.abs(got - exact) <= tol * bound + 1e-6), kind
+        assert np.all(np.abs(got - exact) <= 2e-6 * bound + 1e-6), kind
+    if act == kernels.ACT_I16 and kind in INT16_FORMATS:  # and it is not the float32 product
+        assert not np.allclose(kernels.matvec(packed, x, 1, act=act).numpy(), ref.astype(np.float64) @ x.numpy(),
+                               rtol=0, atol=1e-7)  # fmt: skip
 
 
 def test_byte_sizes_are_ggml_block_sizes():

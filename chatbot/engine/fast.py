@@ -440,13 +440,14 @@ class FastDecoder:
     # -- set-up ---------------------------------------------------------------------------
 
     def _activation_form(self) -> int:
-        """How the inputs of Q8_0/Q4_1 products are held: int8 per block for the lossy
+        """How the inputs of the block-format products are held: int8 per block for the lossy
         levels (llama.cpp's way), int16 per block for `auto` (2^-16 of the block's largest
-        value: the integer dot products of the block formats at ~100x less error than int8)."""
+        value: the integer dot products of the block formats at ~100x less error than int8;
+        `kernels.INT16_PRODUCTS` lists the formats that have them)."""
         if self.level in ("int8", "int4"):
             return kernels.ACT_Q8
         mats = [self.embed, self.lm_head, *self._parts()]
-        if any(p.fmt in (kernels.FMT_Q8_0, kernels.FMT_Q4_1) for p in mats):
+        if any(p.fmt in kernels.INT16_PRODUCTS for p in mats):
             return kernels.ACT_I16
         return kernels.ACT_F32
 

@@ -542,6 +542,40 @@ static float dot_q45_k(int five, const uint8_t *row, const float *x, const float
     return hsum256(acc) - ms;
 }
 
+/* Q4_0 / Q5_0 / Q5_1 . float32 x: per block d * sum(q x) + (the offset term) * sum(x), with
+ * the offset -8 d (Q4_0), -16 d (Q5_0) or m (Q5_1); the 5th bits spread over lanes by srlv. */
+static float dot_q45_0(int fmt, const uint8_t *row, const float *x, const float *xsum, int k) {
+    const int nb = k / QK, bb = block_bytes(fmt), five = fmt != FMT_Q4_0, with_m = fmt == FMT_Q5_1;
+    const int qs_at = five ? 6 + 2 * with_m : 2;
+    const float off = fmt == FMT_Q4_0 ? -8.0f : -16.0f;
+    const __m256i m4 = _mm256_set1_epi32(0x0f), one = _mm256_set1_epi32(1);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 acc = _mm256_setzero_ps();
+    float ms = 0.0f;
+    for (int j = 0; j < nb; j++, row += bb, x += QK) {
+        const float d = rdh(row);
+        uint32_t qh = 0;
+        if (five) memcpy(&qh, row + 2 + 2 * with_m, 4);
+        const uint8_t *qs = row + qs_at;
+        __m256 p = _mm256_setzero_ps();
+        for (int o = 0; o < 16; o += 8) {
+            const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + o)));
+            __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_srli_epi32(w, 4);
+            if (five) {
+                const __m256i h0 = _mm256_srlv_epi32(_mm256_set1_epi32((int)(qh >> o)), lanes);
+                const __m256i h1 = _mm256_srlv_epi32(_mm256_set1_epi32((int)(qh >> (o + 16))), lanes);
+                lo = _mm256_or_si256(lo, _mm256_slli_epi32(_mm256_and_si256(h0, one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi32(_mm256_and_si256(h1, one), 4));
+            }
+            p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_loadu_ps(x + o), p);
+            p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_loadu_ps(x + 16 + o), p);
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), p, acc);
+        ms += (with_m ? rdh(row + 2) : off * d) * xsum[j];
+    }
+    return hsum256(acc) + ms;
+}
+
 /* Q6_K . float32 x: per sub-block of 16, d*sc * sum((q - 32) x). */
 static float dot_q6_k(const uint8_t *row, const float *x, int k) {
     const int nb = k / QK_K;
@@ -768,6 +802,121 @@ static float dot_q4_1_i16(const block_q4_1 *b, const Vec *v, int k) {
 #endif
 }
 
+#ifdef CB_AVX2
+/* The other block formats . I16 activations (the `auto` form): the weights' small integers
+ * widen to int16, products with the int16 activations are exact integer sums (madd), and
+ * each block's or sub-block's float scale multiplies them once. */
+
+/* 32 unsigned bytes -> 8 float partial sums of (w - zero) x over one block of 32 */
+static inline __m256 u8_block_sums(__m256i w, int zero, const int16_t *x) {
+    const __m256i z = _mm256_set1_epi16((short)zero);
+    const __m256i w0 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(w)), z);
+    const __m256i w1 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(w, 1)), z);
+    return i16_block_sums(w0, w1, x);
+}
+
+/* 16 nibble bytes -> 32 bytes: the low nibbles (elements 0-15), then the high ones (16-31) */
+static inline __m256i nibbles32(const uint8_t *qs) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0f));
+}
+
+/* 32 bits -> 32 bytes, byte i = 0x10 where bit i is set (the 5th bit of Q5_0 / Q5_1) */
+static inline __m256i bit4_from_bits(uint32_t bits) {
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)bits),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+/* Q4_0 / Q5_0 / Q5_1: d dx sum((q - zero) qx) per block, plus m dx sum(qx) for Q5_1 */
+static float dot_q45_0_i16(int fmt, const uint8_t *row, const Vec *v, int k) {
+    const int nb = k / QK, bb = block_bytes(fmt), five = fmt != FMT_Q4_0, with_m = fmt == FMT_Q5_1;
+    const int zero = fmt == FMT_Q4_0 ? 8 : (fmt == FMT_Q5_0 ? 16 : 0);
+    __m256 acc = _mm256_setzero_ps();
+    float ms = 0.0f;
+    for (int j = 0; j < nb; j++, row += bb) {
+        __m256i w = nibbles32(row + (five ? 6 + 2 * with_m : 2));
+        if (five) {
+            uint32_t qh;
+            memcpy(&qh, row + 2 + 2 * with_m, 4);
+            w = _mm256_or_si256(w, bit4_from_bits(qh));
+        }
+        const __m256 p = u8_block_sums(w, zero, v->q16 + j * QK);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(rdh(row) * v->qd[j]), p, acc);
+        if (with_m) ms += rdh(row + 2) * v->qs[j];
+    }
+    return hsum256(acc) + ms;
+}
+
+/* Q4_K / Q5_K: per sub-block of 32 (one activation block each), d sc dx sum(q qx) - dmin m dx sum(qx) */
+static float dot_q45_k_i16(int five, const uint8_t *row, const Vec *v, int k) {
+    const int nb = k / QK_K, bb = five ? 176 : 144;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps();
+    float ms = 0.0f;
+    for (int i = 0; i < nb; i++, row += bb) {
+        const float d = rdh(row), dmin = rdh(row + 2);
+        const uint8_t *scales = row + 4, *q = row + 16 + 32 * five;
+        const __m256i hbits = five ? _mm256_loadu_si256((const __m256i *)(row + 16)) : _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++, q += 32) {
+            const int b0 = i * 8 + 2 * j, b1 = b0 + 1;
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)q);
+            __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            if (five) {
+                const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j), one);
+                const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j + 1), one);
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(h0, 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(h1, 4));
+            }
+            uint8_t s0, m0, s1, m1;
+            scale_min_k4(2 * j, scales, &s0, &m0);
+            scale_min_k4(2 * j + 1, scales, &s1, &m1);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)s0 * v->qd[b0]), u8_block_sums(lo, 0, v->q16 + b0 * QK), acc);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)s1 * v->qd[b1]), u8_block_sums(hi, 0, v->q16 + b1 * QK), acc);
+            ms += dmin * ((float)m0 * v->qs[b0] + (float)m1 * v->qs[b1]);
+        }
+    }
+    return hsum256(acc) - ms;
+}
+
+/* Q6_K: per sub-block of 16, d sc dx sum((q - 32) qx); two sub-blocks per activation block */
+static float dot_q6_k_i16(const uint8_t *row, const Vec *v, int k) {
+    const int nb = k / QK_K;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30), z = _mm256_set1_epi16(32);
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++, row += 210) {
+        const float d = rdh(row + 208);
+        const int8_t *sc = (const int8_t *)(row + 192);
+        for (int n = 0; n < 2; n++) {
+            const uint8_t *ql = row + 64 * n, *qh = row + 128 + 32 * n;
+            const __m256i a = _mm256_loadu_si256((const __m256i *)ql);
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+            q[1] = _mm256_or_si256(_mm256_and_si256(b, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), _mm256_and_si256(h, m30));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4),
+                                   _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+            for (int t = 0; t < 4; t++) {
+                const int blk = i * 8 + n * 4 + t;
+                const int16_t *x = v->q16 + blk * QK;
+                const __m256i w0 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(q[t])), z);
+                const __m256i w1 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(q[t], 1)), z);
+                const __m256 p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x)));
+                const __m256 p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
+                const float dq = d * v->qd[blk];
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(dq * (float)sc[8 * n + 2 * t]), p0, acc);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(dq * (float)sc[8 * n + 2 * t + 1]), p1, acc);
+            }
+        }
+    }
+    return hsum256(acc);
+}
+#endif
+
 static inline float dot_vec(const Mat *m, int n, const Vec *v) {
     const char *row = (const char *)m->data + (size_t)n * row_bytes(m);
     switch (m->fmt) {
@@ -787,9 +936,15 @@ static inline float dot_vec(const Mat *m, int n, const Vec *v) {
         default: return dot_q4_1((const block_q4_1 *)row, v->x, v->xsum, m->cols);
         }
 #ifdef CB_AVX2
-    case FMT_Q4_K: return dot_q45_k(0, (const uint8_t *)row, v->x, v->xsum, m->cols);
-    case FMT_Q5_K: return dot_q45_k(1, (const uint8_t *)row, v->x, v->xsum, m->cols);
-    case FMT_Q6_K: return dot_q6_k((const uint8_t *)row, v->x, m->cols);
+    case FMT_Q4_K: case FMT_Q5_K:
+        if (v->act == ACT_I16) return dot_q45_k_i16(m->fmt == FMT_Q5_K, (const uint8_t *)row, v, m->cols);
+        return dot_q45_k(m->fmt == FMT_Q5_K, (const uint8_t *)row, v->x, v->xsum, m->cols);
+    case FMT_Q6_K:
+        if (v->act == ACT_I16) return dot_q6_k_i16((const uint8_t *)row, v, m->cols);
+        return dot_q6_k((const uint8_t *)row, v->x, m->cols);
+    case FMT_Q4_0: case FMT_Q5_0: case FMT_Q5_1:
+        if (v->act == ACT_I16) return dot_q45_0_i16(m->fmt, (const uint8_t *)row, v, m->cols);
+        return dot_q45_0(m->fmt, (const uint8_t *)row, v->x, v->xsum, m->cols);
 #endif
     default: return dot_generic(m->fmt, (const uint8_t *)row, v->x, m->cols);
     }

@@ -44,6 +44,9 @@ FORMAT_NAMES = {
     FMT_Q4_0: "q4_0", FMT_Q5_0: "q5_0", FMT_Q5_1: "q5_1", FMT_Q2_K: "q2_k", FMT_Q3_K: "q3_k",
     FMT_Q4_K: "q4_k", FMT_Q5_K: "q5_k", FMT_Q6_K: "q6_k",
 }  # fmt: skip
+# formats with integer products for int16 activations (ACT_I16) on AVX2; the others, and
+# every format without AVX2, multiply float32 activations
+INT16_PRODUCTS = {FMT_Q8_0, FMT_Q4_1, FMT_Q4_0, FMT_Q5_0, FMT_Q5_1, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K}
 # weights per block and bytes per block (ggml's block structs)
 BLOCK_SHAPES = {
     FMT_F32: (1, 4), FMT_BF16: (1, 2), FMT_F16: (1, 2), FMT_Q8_0: (32, 34), FMT_Q4_1: (32, 20),
