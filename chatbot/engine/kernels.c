@@ -343,7 +343,7 @@ static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m)
 }
 
 /* One block of a block format as float32 (block_len(fmt) values). */
-static void dequant_block(int fmt, const uint8_t *b, float *y) {
+static void dequant_block(int fmt, const uint8_t *restrict b, float *restrict y) {
     switch (fmt) {
     case FMT_Q8_0: {
         const float d = rdh(b);
