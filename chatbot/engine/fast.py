@@ -9,9 +9,10 @@ into `kernels.c`, which runs the whole forward pass for one token in one OpenMP 
 The weights are packed once per model, in one of these formats (`DecodeOptions.weights`):
 
 - ``f32``: float32, the model as loaded (outputs equal the reference up to rounding);
-- ``auto``: per matrix, the smallest format that holds it exactly: Q4_1/Q8_0 for a model
-  converted from such a GGUF (the default model), bfloat16 for a bf16 checkpoint, else float32;
-  the model's own weights, no extra quantization of them;
+- ``auto``: for a model loaded from a GGUF file, each matrix as the file stores it (Q4_K,
+  Q6_K, Q5_0, Q8_0, Q4_1... read from the memory-mapped file, `gguf_weights`); otherwise per
+  matrix the smallest format that holds it exactly: Q4_1/Q8_0, bfloat16 for a bf16
+  checkpoint, else float32; the model's own weights, no extra quantization of them;
 - ``int8``: Q8_0 everywhere (int8, one scale per 32 weights), lossy;
 - ``int4``: Q4_1 for the layers and Q8_0 for the embedding / lm_head (as llama.cpp's Q4_1
   files), lossy on a model that was not quantized that way already.
@@ -331,10 +332,13 @@ class FastDecoder:
     """Decodes one token per native call, on a cache of `BufferLayer`s.
 
     Args:
-        model: a Llama-family transformers causal LM, float32, on the CPU.
+        model: a llama, mistral, qwen2 or qwen3 transformers causal LM, float32, on the CPU.
         level: one of `LEVELS` but ``off``: how the weights are packed.
         threads: OpenMP threads for the kernels; None: 1 or torch's thread count
             (`torch.set_num_threads`), whichever measures faster (`ThreadTuner`).
+        gguf: the GGUF file the model was loaded from (default: the loader's note of it,
+            ``model.chatbot_gguf``); at ``auto`` its matrices are used as stored.
+        use_gguf: False packs the model's own weights even where a GGUF file is known.
 
     Raises:
         FastPathUnavailable: the model or the platform is not supported (the reason says which).
