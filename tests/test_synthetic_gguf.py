@@ -62,6 +62,9 @@ def test_q4_k_m_tensor_types_follow_llama_cpp():
     assert tensor_type("Q4_K_M", "attn_q", 5, 24, 896) == "Q5_0"
     assert tensor_type("Q4_K_M", "ffn_down", 0, 24, 896) == "Q8_0"
     assert tensor_type("Q8_0", "attn_q", 5, 24, 896) == "Q8_0"
+    assert tensor_type("Q5_K_M", "attn_q", 5, 24, 1536) == "Q5_K"
+    assert tensor_type("Q5_K_M", "attn_q", 5, 24, 896) == "Q5_1"
+    assert tensor_type("Q6_K", "ffn_up", 5, 24, 1536) == "Q6_K"
 
 
 def test_files_are_valid_gguf_with_real_blocks(files):

@@ -117,7 +117,7 @@ SHAPES: dict[str, dict[str, Shape]] = {
         "8B": Shape("Qwen3-8B", 4096, 36, 32, 8, 12288, 151936, False, head_dim=128, rope_theta=1e6),
     },
 }
-FILE_TYPES = ("Q4_K_M", "Q8_0", "Q4_0", "F16")
+FILE_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0", "F16")
 # llama.cpp's fallback when a row is not whole 256-weight super-blocks (llama_tensor_get_type)
 _K_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
@@ -144,17 +144,18 @@ def pick_shape(arch: str, params: str) -> Shape:
 
 def tensor_type(file_type: str, role: str, layer: int, n_layers: int, cols: int) -> str:
     """The type llama.cpp's quantizer gives a tensor in a `file_type` file (its main rules:
-    Q4_K_M keeps the output matrix in Q6_K and half the v / ffn_down matrices in Q6_K)."""
-    if file_type in ("Q8_0", "Q4_0", "F16"):
+    Q4_K_M / Q5_K_M keep the output matrix and about half the v / ffn_down matrices in Q6_K)."""
+    base = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}.get(file_type)
+    if base is None:
         kind = file_type
     elif role in ("output", "token_embd_tied"):
         kind = "Q6_K"
     elif role in ("attn_v", "ffn_down"):
         # llama.cpp's use_more_bits: the first and last eighth of the layers, and every third
         more = layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
-        kind = "Q6_K" if more else "Q4_K"
+        kind = "Q6_K" if more else base
     else:
-        kind = "Q4_K"
+        kind = base
     if kind in _K_FALLBACK and cols % 256:
         kind = _K_FALLBACK[kind]
     return kind
