@@ -854,7 +854,7 @@ static float dot_q45_0_i16(int fmt, const uint8_t *row, const Vec *v, int k) {
 static float dot_q45_k_i16(int five, const uint8_t *row, const Vec *v, int k) {
     const int nb = k / QK_K, bb = five ? 176 : 144;
     const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(); /* two FMA chains */
     float ms = 0.0f;
     for (int i = 0; i < nb; i++, row += bb) {
         const float d = rdh(row), dmin = rdh(row + 2);
@@ -874,18 +874,18 @@ static float dot_q45_k_i16(int five, const uint8_t *row, const Vec *v, int k) {
             scale_min_k4(2 * j, scales, &s0, &m0);
             scale_min_k4(2 * j + 1, scales, &s1, &m1);
             acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)s0 * v->qd[b0]), u8_block_sums(lo, 0, v->q16 + b0 * QK), acc);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)s1 * v->qd[b1]), u8_block_sums(hi, 0, v->q16 + b1 * QK), acc);
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)s1 * v->qd[b1]), u8_block_sums(hi, 0, v->q16 + b1 * QK), acc1);
             ms += dmin * ((float)m0 * v->qs[b0] + (float)m1 * v->qs[b1]);
         }
     }
-    return hsum256(acc) - ms;
+    return hsum256(_mm256_add_ps(acc, acc1)) - ms;
 }
 
 /* Q6_K: per sub-block of 16, d sc dx sum((q - 32) qx); two sub-blocks per activation block */
 static float dot_q6_k_i16(const uint8_t *row, const Vec *v, int k) {
     const int nb = k / QK_K;
     const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30), z = _mm256_set1_epi16(32);
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(); /* two FMA chains */
     for (int i = 0; i < nb; i++, row += 210) {
         const float d = rdh(row + 208);
         const int8_t *sc = (const int8_t *)(row + 192);
@@ -909,11 +909,11 @@ static float dot_q6_k_i16(const uint8_t *row, const Vec *v, int k) {
                 const __m256 p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
                 const float dq = d * v->qd[blk];
                 acc = _mm256_fmadd_ps(_mm256_set1_ps(dq * (float)sc[8 * n + 2 * t]), p0, acc);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(dq * (float)sc[8 * n + 2 * t + 1]), p1, acc);
+                acc1 = _mm256_fmadd_ps(_mm256_set1_ps(dq * (float)sc[8 * n + 2 * t + 1]), p1, acc1);
             }
         }
     }
-    return hsum256(acc);
+    return hsum256(_mm256_add_ps(acc, acc1));
 }
 #endif
 
