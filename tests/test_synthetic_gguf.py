@@ -152,3 +152,28 @@ def test_script_help_and_bad_size():
     assert proc.returncode == 0 and "--arch" in proc.stdout
     proc = subprocess.run([str(script), "--params", "huge"], check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--params takes a size" in proc.stderr.splitlines()[-1]
+
+
+@pytest.mark.slow
+@needs_kernels
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_streaming_on_the_files_own_blocks_equals_plain_engine(files, arch):
+    """`--enable-streaming` on the default path (K-quant matrices from the file, int16
+    activations): evicting and re-rotating with the model's rope, two turns give the plain
+    transformers engine's tokens and evictions."""
+    from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
+    from chatbot.engine.fast import FastDecoder
+    from chatbot.engine.generate import Engine
+    from chatbot.models.loader import load_model
+    from chatbot.session import ChatSession
+
+    loaded = load_model(str(files[arch]))
+    sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=100)
+    config = ChatConfig(sampling=sampling, engine=EngineConfig(enable_streaming=True, start_size=4, recent_size=48))
+    results = {}
+    for name, decoder in [("plain", None), ("fast", FastDecoder(loaded.model, "auto"))]:
+        session = ChatSession(Engine(loaded.model, loaded.tokenizer, decoder=decoder), config)
+        got = [[t for c in session.send(text) for t in c.token_ids] for text in ("Hello there!", "The quick fox")]
+        results[name] = (got, list(session.cache_ids), session.evicted_total)
+        assert session.evicted_total > 0
+    assert results["fast"] == results["plain"]
