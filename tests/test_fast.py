@@ -302,9 +302,9 @@ def test_default_model_perplexity_within_3_percent(default_model, level):
 def test_unsupported_models_fall_back_with_a_reason(tiny_tokenizer):
     from tests.conftest import make_llama
 
-    biased = make_llama(len(tiny_tokenizer), attention_bias=True)
-    decoder, reason = make_decoder(biased, "auto")
-    assert decoder is None and "bias" in reason
+    gelu = make_llama(len(tiny_tokenizer), hidden_act="gelu")
+    decoder, reason = make_decoder(gelu, "auto")
+    assert decoder is None and "gelu" in reason
     bf16 = make_llama(len(tiny_tokenizer)).to(torch.bfloat16)
     decoder, reason = make_decoder(bf16, "auto")
     assert decoder is None and "float32" in reason

@@ -9,9 +9,10 @@ into `kernels.c`, which runs the whole forward pass for one token in one OpenMP 
 The weights are packed once per model, in one of these formats (`DecodeOptions.weights`):
 
 - ``f32``: float32, the model as loaded (outputs equal the reference up to rounding);
-- ``auto``: per matrix, the smallest format that holds it exactly: Q4_1/Q8_0 for a model
-  converted from such a GGUF (the default model), bfloat16 for a bf16 checkpoint, else float32;
-  the model's own weights, no extra quantization of them;
+- ``auto``: for a model loaded from a GGUF file, each matrix as the file stores it (Q4_K,
+  Q6_K, Q5_0, Q8_0, Q4_1... read from the memory-mapped file, `gguf_weights`); otherwise per
+  matrix the smallest format that holds it exactly: Q4_1/Q8_0, bfloat16 for a bf16
+  checkpoint, else float32; the model's own weights, no extra quantization of them;
 - ``int8``: Q8_0 everywhere (int8, one scale per 32 weights), lossy;
 - ``int4``: Q4_1 for the layers and Q8_0 for the embedding / lm_head (as llama.cpp's Q4_1
   files), lossy on a model that was not quantized that way already.
@@ -38,19 +39,21 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
 from chatbot.engine import kernels
+from chatbot.engine.gguf_weights import GGUFWeights
 from chatbot.engine.sink_cache import SinkLayer, rotate_keys
 from chatbot.errors import ChatbotError
 
 LEVELS = ("off", "f32", "auto", "int8", "int4")
 """Optimization levels: ``off`` is plain transformers; the others pick the weight format."""
 
-_SUPPORTED_TYPES = {"llama", "mistral"}
+_SUPPORTED_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 _SUPPORTED_ROPE = {"default", "linear", "llama3", "yarn"}
 _versions = itertools.count(1)
 
@@ -271,6 +274,12 @@ class DecodeInfo:
     weight_bytes: int
     threads: int
     activations: str = "float32"  # the inputs of the block-format products
+    source: str = "model"  # where the packed weights come from: "model" or "gguf"
+    weights: int = 0  # number of weights in the packed matrices
+
+    @property
+    def bytes_per_weight(self) -> float:
+        return self.weight_bytes / self.weights if self.weights else 0.0
 
     def label(self) -> str:
         """One line for banners: e.g. ``native kernels (--opt auto): 120 q4_1 + 1 q8_0
@@ -307,8 +316,6 @@ def _check_model(model: Any) -> Any:
     dtype = model.get_input_embeddings().weight.dtype
     if dtype != torch.float32:
         raise FastPathUnavailable(f"the fast decode path needs a float32 model on the CPU, not {dtype}")
-    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-        raise FastPathUnavailable("no fast decode for attention or MLP biases")
     if getattr(config, "hidden_act", "silu") != "silu":
         raise FastPathUnavailable(f"no fast decode for the {config.hidden_act} activation")
     rope = getattr(config, "rope_parameters", None) or {}
@@ -325,16 +332,26 @@ class FastDecoder:
     """Decodes one token per native call, on a cache of `BufferLayer`s.
 
     Args:
-        model: a Llama-family transformers causal LM, float32, on the CPU.
+        model: a llama, mistral, qwen2 or qwen3 transformers causal LM, float32, on the CPU.
         level: one of `LEVELS` but ``off``: how the weights are packed.
         threads: OpenMP threads for the kernels; None: 1 or torch's thread count
             (`torch.set_num_threads`), whichever measures faster (`ThreadTuner`).
+        gguf: the GGUF file the model was loaded from (default: the loader's note of it,
+            ``model.chatbot_gguf``); at ``auto`` its matrices are used as stored.
+        use_gguf: False packs the model's own weights even where a GGUF file is known.
 
     Raises:
         FastPathUnavailable: the model or the platform is not supported (the reason says which).
     """
 
-    def __init__(self, model: Any, level: str = "auto", threads: int | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        level: str = "auto",
+        threads: int | None = None,
+        gguf: str | Path | None = None,
+        use_gguf: bool = True,
+    ) -> None:
         if level not in LEVELS or level == "off":
             raise ValueError(f"level must be one of {', '.join(LEVELS[1:])}, got {level!r}")
         config = _check_model(model)
@@ -352,23 +369,37 @@ class FastDecoder:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         self.vocab = model.get_output_embeddings().weight.shape[0]
 
-        pack = self._packer(level)
+        def bias(*mods: Any) -> torch.Tensor | None:
+            if all(getattr(m, "bias", None) is None for m in mods):
+                return None
+            return torch.cat([
+                m.bias.detach().float() if m.bias is not None else torch.zeros(m.weight.shape[0]) for m in mods
+            ]).contiguous()  # fmt: skip
+
+        self.source = "model"
+        gguf = gguf if gguf is not None else getattr(model, "chatbot_gguf", None)
         with torch.no_grad():
-            embed_w = model.get_input_embeddings().weight
-            head_w = model.get_output_embeddings().weight
-            self.embed = pack("embed", embed_w)
-            tied = head_w.data_ptr() == embed_w.data_ptr()
-            self.lm_head = self.embed if tied else pack("embed", head_w)
-            self.wqkv, self.wo, self.wgu, self.wdown = [], [], [], []
-            self.attn_norm, self.ffn_norm = [], []
+            from_file = use_gguf and gguf and level == "auto"
+            packed = self._from_gguf(model, gguf, heads, kv_heads) if from_file else None
+            if packed is not None:
+                self.source = "gguf"
+            else:
+                packed = self._from_model(model, level)
+            self.embed, self.lm_head, self.wqkv, self.wo, self.wgu, self.wdown = packed
+            self.attn_norm, self.ffn_norm, self.biases = [], [], []
+            self.q_norm: list[torch.Tensor] = []
+            self.k_norm: list[torch.Tensor] = []
             for layer in inner.layers:
                 att, mlp = layer.self_attn, layer.mlp
-                self.wqkv.append(pack("layer", att.q_proj.weight, att.k_proj.weight, att.v_proj.weight))
-                self.wo.append(pack("layer", att.o_proj.weight))
-                self.wgu.append(pack("layer", mlp.gate_proj.weight, mlp.up_proj.weight))
-                self.wdown.append(pack("layer", mlp.down_proj.weight))
+                self.biases.append((
+                    bias(att.q_proj, att.k_proj, att.v_proj), bias(att.o_proj),
+                    bias(mlp.gate_proj, mlp.up_proj), bias(mlp.down_proj),
+                ))  # fmt: skip
                 self.attn_norm.append(layer.input_layernorm.weight.detach().float().contiguous())
                 self.ffn_norm.append(layer.post_attention_layernorm.weight.detach().float().contiguous())
+                if getattr(att, "q_norm", None) is not None:  # qwen3
+                    self.q_norm.append(att.q_norm.weight.detach().float().contiguous())
+                    self.k_norm.append(att.k_norm.weight.detach().float().contiguous())
             self.final_norm = inner.norm.weight.detach().float().contiguous()
             rotary = inner.rotary_emb
             self.inv_freq = rotary.inv_freq.detach().float()
@@ -378,19 +409,20 @@ class FastDecoder:
         self.dims = (n_layers, config.hidden_size, heads, kv_heads, head_dim, config.intermediate_size)
 
         self._mats = {
-            name: (Mat * n_layers)(*[p.as_struct() for p in packed])
-            for name, packed, Mat in [
-                ("wqkv", self.wqkv, kernels.Mat),
-                ("wo", self.wo, kernels.Mat),
-                ("wgu", self.wgu, kernels.Mat),
-                ("wdown", self.wdown, kernels.Mat),
-            ]
+            name: (kernels.Group * n_layers)(
+                *[kernels.group_struct(parts, self.biases[i][slot]) for i, parts in enumerate(groups)]
+            )
+            for slot, (name, groups) in enumerate(
+                [("wqkv", self.wqkv), ("wo", self.wo), ("wgu", self.wgu), ("wdown", self.wdown)]
+            )
         }
         self._embed_struct = self.embed.as_struct()
         self._head_struct = self.lm_head.as_struct()
         ptrs = ctypes.c_void_p * n_layers
         self._attn_norm = ptrs(*[t.data_ptr() for t in self.attn_norm])
         self._ffn_norm = ptrs(*[t.data_ptr() for t in self.ffn_norm])
+        self._q_norm = ptrs(*[t.data_ptr() for t in self.q_norm]) if self.q_norm else None
+        self._k_norm = ptrs(*[t.data_ptr() for t in self.k_norm]) if self.k_norm else None
         self._kptrs = ptrs()
         self._vptrs = ptrs()
         self._cache_key: tuple[int, ...] = ()
@@ -404,6 +436,7 @@ class FastDecoder:
             final_norm=self.final_norm.data_ptr(), attn_norm=self._attn_norm, ffn_norm=self._ffn_norm,
             wqkv=self._mats["wqkv"], wo=self._mats["wo"], wgu=self._mats["wgu"], wdown=self._mats["wdown"],
             kcache=self._kptrs, vcache=self._vptrs, act=self._activation_form(),
+            q_norm=self._q_norm, k_norm=self._k_norm,
         )  # fmt: skip
         # Grown on demand: a 128k-context model need not hold 128k rows of cos/sin.
         self._ensure_rope(min(4096, int(getattr(config, "max_position_embeddings", 2048) or 2048)))
@@ -411,13 +444,14 @@ class FastDecoder:
     # -- set-up ---------------------------------------------------------------------------
 
     def _activation_form(self) -> int:
-        """How the inputs of Q8_0/Q4_1 products are held: int8 per block for the lossy
+        """How the inputs of the block-format products are held: int8 per block for the lossy
         levels (llama.cpp's way), int16 per block for `auto` (2^-16 of the block's largest
-        value: the integer dot products of the block formats at ~100x less error than int8)."""
+        value: the integer dot products of the block formats at ~100x less error than int8;
+        `kernels.INT16_PRODUCTS` lists the formats that have them)."""
         if self.level in ("int8", "int4"):
             return kernels.ACT_Q8
-        mats = [self.embed, self.lm_head, *self.wqkv, *self.wo, *self.wgu, *self.wdown]
-        if any(p.fmt in (kernels.FMT_Q8_0, kernels.FMT_Q4_1) for p in mats):
+        mats = [self.embed, self.lm_head, *self._parts()]
+        if any(p.fmt in kernels.INT16_PRODUCTS for p in mats):
             return kernels.ACT_I16
         return kernels.ACT_F32
 
@@ -436,6 +470,65 @@ class FastDecoder:
 
         return pack
 
+    @classmethod
+    def _from_model(cls, model: Any, level: str) -> tuple[Any, ...]:
+        """(embed, lm_head, then per layer the row blocks of qkv, o, gate/up, down), packed
+        from the model's float weights in the level's format."""
+        pack = cls._packer(level)
+        embed_w = model.get_input_embeddings().weight
+        head_w = model.get_output_embeddings().weight
+        embed = pack("embed", embed_w)
+        lm_head = embed if head_w.data_ptr() == embed_w.data_ptr() else pack("embed", head_w)
+        wqkv, wo, wgu, wdown = [], [], [], []
+        for layer in model.model.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            wqkv.append([pack("layer", att.q_proj.weight, att.k_proj.weight, att.v_proj.weight)])
+            wo.append([pack("layer", att.o_proj.weight)])
+            wgu.append([pack("layer", mlp.gate_proj.weight, mlp.up_proj.weight)])
+            wdown.append([pack("layer", mlp.down_proj.weight)])
+        return embed, lm_head, wqkv, wo, wgu, wdown
+
+    @staticmethod
+    def _from_gguf(model: Any, path: str | Path, heads: int, kv_heads: int) -> tuple[Any, ...] | None:
+        """The same matrices as `_from_model`, taken from the GGUF file the model was loaded
+        from, in their stored formats (no copy). None where the file does not hold the
+        model's weights as expected (then the model's own weights are packed instead)."""
+        try:
+            src = GGUFWeights(path)
+            tied = model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+            embed = src.matrix("token_embd.weight")
+            lm_head = embed if tied else src.matrix("output.weight")
+            wqkv, wo, wgu, wdown = [], [], [], []
+            for i in range(len(model.model.layers)):
+                b = f"blk.{i}."
+                wqkv.append([
+                    src.matrix(b + "attn_q.weight", heads), src.matrix(b + "attn_k.weight", kv_heads),
+                    src.matrix(b + "attn_v.weight"),
+                ])  # fmt: skip
+                wo.append([src.matrix(b + "attn_output.weight")])
+                wgu.append([src.matrix(b + "ffn_gate.weight"), src.matrix(b + "ffn_up.weight")])
+                wdown.append([src.matrix(b + "ffn_down.weight")])
+        except (KeyError, ValueError, OSError):
+            return None
+        # Same shapes as the model's, and the same weights where it is cheap to look: the
+        # first layer's q and k (which would show a wrong row order) and the embedding's
+        # first rows. Float32 rounding of the dequantization may differ in the last bit.
+        layer0 = model.model.layers[0]
+        pairs = [(embed, model.get_input_embeddings().weight), (lm_head, model.get_output_embeddings().weight)]
+        for i, layer in enumerate(model.model.layers):
+            att, mlp = layer.self_attn, layer.mlp
+            mods = [(wqkv[i], [att.q_proj, att.k_proj, att.v_proj]), (wo[i], [att.o_proj]),
+                    (wgu[i], [mlp.gate_proj, mlp.up_proj]), (wdown[i], [mlp.down_proj])]  # fmt: skip
+            for parts, ms in mods:
+                pairs += [(p, m.weight) for p, m in zip(parts, ms, strict=True)]
+        if any((p.rows, p.cols) != tuple(w.shape) for p, w in pairs):
+            return None
+        checks = [(wqkv[0][0], layer0.self_attn.q_proj.weight), (wqkv[0][1], layer0.self_attn.k_proj.weight)]
+        for p, w in checks:
+            if not torch.allclose(kernels.unpack(p, threads=1), w.detach().float(), rtol=1e-5, atol=1e-7):
+                return None
+        return embed, lm_head, wqkv, wo, wgu, wdown
+
     def _ensure_rope(self, length: int) -> None:
         """cos/sin tables for positions [0, length), computed as transformers does."""
         if length <= self.struct.rope_len:
@@ -448,8 +541,12 @@ class FastDecoder:
         self.struct.rope_sin = self._rope_sin.data_ptr()
         self.struct.rope_len = length
 
+    def _parts(self) -> list[kernels.PackedMatrix]:
+        """Every packed row block of the layers."""
+        return [p for groups in (self.wqkv, self.wo, self.wgu, self.wdown) for g in groups for p in g]
+
     def info(self) -> DecodeInfo:
-        mats = [self.embed, *self.wqkv, *self.wo, *self.wgu, *self.wdown]
+        mats = [self.embed, *self._parts()]
         if self.lm_head is not self.embed:
             mats.append(self.lm_head)
         formats: dict[str, int] = {}
@@ -457,7 +554,10 @@ class FastDecoder:
             formats[p.format_name] = formats.get(p.format_name, 0) + 1
         threads = self.threads or torch.get_num_threads()
         acts = {kernels.ACT_F32: "float32", kernels.ACT_Q8: "int8", kernels.ACT_I16: "int16"}[self.struct.act]
-        return DecodeInfo(self.level, formats, sum(p.nbytes for p in mats), threads, acts)
+        return DecodeInfo(
+            self.level, formats, sum(p.nbytes for p in mats), threads, acts, self.source,
+            sum(p.rows * p.cols for p in mats),
+        )  # fmt: skip
 
     def _threads(self) -> int:
         if self.threads:
@@ -549,9 +649,12 @@ class FastDecoder:
         return logits
 
 
-def make_decoder(model: Any, level: str, threads: int | None = None) -> tuple[FastDecoder | None, str | None]:
+def make_decoder(
+    model: Any, level: str, threads: int | None = None, use_gguf: bool = True
+) -> tuple[FastDecoder | None, str | None]:
     """The decoder for `level`, or None with the reason when it cannot run (``off`` gives
-    None and no reason).
+    None and no reason). `use_gguf`: at ``auto``, take the matrices from the GGUF file the
+    model was loaded from, where there is one (False: pack the float32 model's weights).
 
     Raises:
         ValueError: an unknown level.
@@ -561,6 +664,6 @@ def make_decoder(model: Any, level: str, threads: int | None = None) -> tuple[Fa
     if level == "off":
         return None, None
     try:
-        return FastDecoder(model, level, threads), None
+        return FastDecoder(model, level, threads, use_gguf=use_gguf), None
     except FastPathUnavailable as exc:
         return None, f"fast decode off: {exc}"

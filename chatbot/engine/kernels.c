@@ -36,7 +36,10 @@
 
 #define QK 32
 
-enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_Q8_0 = 2, FMT_Q4_1 = 3 };
+enum {
+    FMT_F32 = 0, FMT_BF16 = 1, FMT_Q8_0 = 2, FMT_Q4_1 = 3, FMT_F16 = 4, FMT_Q4_0 = 5, FMT_Q5_0 = 6,
+    FMT_Q5_1 = 7, FMT_Q2_K = 8, FMT_Q3_K = 9, FMT_Q4_K = 10, FMT_Q5_K = 11, FMT_Q6_K = 12
+};
 enum { ACT_F32 = 0, ACT_Q8 = 1, ACT_I16 = 2 };
 
 typedef struct {
@@ -57,6 +60,15 @@ typedef struct {
     int32_t pad_;
 } Mat;
 
+/* Row blocks of one product, each in its own format (q, k and v of a Q4_K_M file: Q4_K, Q4_K,
+ * Q6_K), with an optional bias over all rows (qwen2's q/k/v bias). */
+typedef struct {
+    Mat part[3];
+    const float *bias; /* [rows] or NULL */
+    int32_t n_parts;
+    int32_t rows;
+} Group;
+
 typedef struct {
     int32_t n_layers, dim, n_heads, n_kv_heads, head_dim, ffn_dim, vocab, n_threads;
     float eps, attn_scale;
@@ -68,15 +80,17 @@ typedef struct {
     const float *final_norm;
     const float *const *attn_norm; /* per layer [dim] */
     const float *const *ffn_norm;
-    const Mat *wqkv;  /* per layer [(H + 2 Hkv) D, dim]: q, k, v stacked */
-    const Mat *wo;    /* [dim, H D] */
-    const Mat *wgu;   /* [2 F, dim]: gate, up stacked */
-    const Mat *wdown; /* [dim, F] */
+    const Group *wqkv;  /* per layer [(H + 2 Hkv) D, dim]: q, k, v stacked */
+    const Group *wo;    /* [dim, H D] */
+    const Group *wgu;   /* [2 F, dim]: gate, up stacked */
+    const Group *wdown; /* [dim, F] */
     float *const *kcache; /* per layer [Hkv, cap, D] */
     float *const *vcache;
     float *scratch; /* see chatbot_scratch_floats() */
     int32_t act; /* ACT_F32, ACT_Q8 or ACT_I16: the form of the inputs of Q8_0/Q4_1 products */
     int32_t pad_;
+    const float *const *q_norm; /* NULL, or per layer [head_dim]: RMSNorm of each q head (qwen3) */
+    const float *const *k_norm;
 } Model;
 
 /* ---------------------------------------------------------------- scalar helpers */
@@ -269,13 +283,336 @@ static float dot_q4_1(const block_q4_1 *b, const float *x, const float *xsum, in
     return s + ms;
 }
 
-static size_t row_bytes(const Mat *m) {
-    switch (m->fmt) {
-    case FMT_F32: return (size_t)m->cols * 4;
-    case FMT_BF16: return (size_t)m->cols * 2;
-    case FMT_Q8_0: return (size_t)(m->cols / QK) * sizeof(block_q8_0);
-    default: return (size_t)(m->cols / QK) * sizeof(block_q4_1);
+/* ---------------------------------------------------------------- the other ggml formats
+ *
+ * Each decoded as ggml's dequantize_row_* defines it (and gguf-py's `quants.dequantize`):
+ *   F16   IEEE half [N, K]
+ *   Q4_0  32: fp16 d, 16 bytes of nibbles                  w = d (q - 8)
+ *   Q5_0  32: fp16 d, 32 high bits, 16 bytes of nibbles     w = d (q - 16)
+ *   Q5_1  32: fp16 d, fp16 m, 32 high bits, 16 bytes        w = d q + m
+ *   Q2_K..Q6_K  super-blocks of 256 in sub-blocks of 16 or 32 with their own 4- to 8-bit
+ *         scales (and mins); byte layouts in dequant_block below.
+ * Byte j of a 32-block's nibbles holds q[j] (low) and q[j + 16] (high), as for Q4_1.
+ */
+#define QK_K 256
+
+static inline uint16_t rd16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+static inline float rdh(const uint8_t *p) { return fp16_to_f32(rd16(p)); }
+
+/* weights per block and bytes per block of each format */
+static int block_len(int fmt) {
+    switch (fmt) {
+    case FMT_F32: case FMT_BF16: case FMT_F16: return 1;
+    case FMT_Q2_K: case FMT_Q3_K: case FMT_Q4_K: case FMT_Q5_K: case FMT_Q6_K: return QK_K;
+    default: return QK;
     }
+}
+
+static int block_bytes(int fmt) {
+    switch (fmt) {
+    case FMT_F32: return 4;
+    case FMT_BF16: case FMT_F16: return 2;
+    case FMT_Q8_0: return 34;
+    case FMT_Q4_1: return 20;
+    case FMT_Q4_0: return 18;
+    case FMT_Q5_0: return 22;
+    case FMT_Q5_1: return 24;
+    case FMT_Q2_K: return 84;
+    case FMT_Q3_K: return 110;
+    case FMT_Q4_K: return 144;
+    case FMT_Q5_K: return 176;
+    case FMT_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+/* the 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4) */
+static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
+    if (j < 4) {
+        *d = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* One block of a block format as float32 (block_len(fmt) values). */
+static void dequant_block(int fmt, const uint8_t *restrict b, float *restrict y) {
+    switch (fmt) {
+    case FMT_Q8_0: {
+        const float d = rdh(b);
+        for (int i = 0; i < QK; i++) y[i] = d * (float)(int8_t)b[2 + i];
+        break;
+    }
+    case FMT_Q4_1: {
+        const float d = rdh(b), m = rdh(b + 2);
+        for (int i = 0; i < QK / 2; i++) {
+            y[i] = d * (float)(b[4 + i] & 0x0f) + m;
+            y[i + 16] = d * (float)(b[4 + i] >> 4) + m;
+        }
+        break;
+    }
+    case FMT_Q4_0: {
+        const float d = rdh(b);
+        for (int i = 0; i < QK / 2; i++) {
+            y[i] = d * (float)((b[2 + i] & 0x0f) - 8);
+            y[i + 16] = d * (float)((b[2 + i] >> 4) - 8);
+        }
+        break;
+    }
+    case FMT_Q5_0: case FMT_Q5_1: {
+        const int one = fmt == FMT_Q5_1;
+        const float d = rdh(b), m = one ? rdh(b + 2) : 0.0f;
+        uint32_t qh;
+        memcpy(&qh, b + 2 + 2 * one, 4);
+        const uint8_t *qs = b + 6 + 2 * one;
+        for (int i = 0; i < QK / 2; i++) {
+            const int h0 = ((qh >> i) << 4) & 0x10, h1 = (qh >> (i + 12)) & 0x10;
+            const int q0 = (qs[i] & 0x0f) | h0, q1 = (qs[i] >> 4) | h1;
+            if (one) {
+                y[i] = d * (float)q0 + m;
+                y[i + 16] = d * (float)q1 + m;
+            } else {
+                y[i] = d * (float)(q0 - 16);
+                y[i + 16] = d * (float)(q1 - 16);
+            }
+        }
+        break;
+    }
+    case FMT_Q2_K: { /* scales[16] (4-bit scale | 4-bit min << 4), qs[64], d, dmin */
+        const float d = rdh(b + 80), dmin = rdh(b + 82);
+        const uint8_t *q = b + 16;
+        int is = 0;
+        for (int n = 0; n < QK_K; n += 128, q += 32) {
+            for (int shift = 0; shift < 8; shift += 2) {
+                for (int half = 0; half < 2; half++) {
+                    const uint8_t sc = b[is++];
+                    const float dl = d * (float)(sc & 0xF), ml = dmin * (float)(sc >> 4);
+                    for (int l = 0; l < 16; l++) *y++ = dl * (float)((q[l + 16 * half] >> shift) & 3) - ml;
+                }
+            }
+        }
+        break;
+    }
+    case FMT_Q3_K: { /* hmask[32], qs[64], scales[12] (16 6-bit), d */
+        const float d = rdh(b + 108);
+        const uint8_t *hm = b, *q = b + 32;
+        uint32_t aux[4];
+        memcpy(aux, b + 96, 12);
+        const uint32_t k1 = 0x03030303, k2 = 0x0f0f0f0f, tmp = aux[2];
+        aux[2] = ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4);
+        aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
+        aux[0] = (aux[0] & k2) | (((tmp >> 0) & k1) << 4);
+        aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4);
+        const int8_t *sc = (const int8_t *)aux;
+        int is = 0;
+        uint8_t m = 1;
+        for (int n = 0; n < QK_K; n += 128, q += 32) {
+            for (int shift = 0; shift < 8; shift += 2, m <<= 1) {
+                for (int half = 0; half < 2; half++) {
+                    const float dl = d * (float)(sc[is++] - 32);
+                    for (int l = 16 * half; l < 16 * half + 16; l++)
+                        *y++ = dl * (float)(((q[l] >> shift) & 3) - ((hm[l] & m) ? 0 : 4));
+                }
+            }
+        }
+        break;
+    }
+    case FMT_Q4_K: case FMT_Q5_K: { /* d, dmin, scales[12], (Q5_K: qh[32]), qs[128] */
+        const int five = fmt == FMT_Q5_K;
+        const float d = rdh(b), dmin = rdh(b + 2);
+        const uint8_t *scales = b + 4, *qh = b + 16, *q = b + 16 + 32 * five;
+        for (int j = 0; j < 4; j++, q += 32) {
+            uint8_t s0, m0, s1, m1;
+            scale_min_k4(2 * j, scales, &s0, &m0);
+            scale_min_k4(2 * j + 1, scales, &s1, &m1);
+            const float d0 = d * (float)s0, mm0 = dmin * (float)m0;
+            const float d1 = d * (float)s1, mm1 = dmin * (float)m1;
+            for (int l = 0; l < 32; l++) {
+                const int h = five ? ((qh[l] >> (2 * j)) & 1) << 4 : 0;
+                *y++ = d0 * (float)((q[l] & 0xF) + h) - mm0;
+            }
+            for (int l = 0; l < 32; l++) {
+                const int h = five ? ((qh[l] >> (2 * j + 1)) & 1) << 4 : 0;
+                *y++ = d1 * (float)((q[l] >> 4) + h) - mm1;
+            }
+        }
+        break;
+    }
+    case FMT_Q6_K: { /* ql[128], qh[64], scales[16] int8, d */
+        const float d = rdh(b + 208);
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        for (int n = 0; n < QK_K; n += 128, y += 128, ql += 64, qh += 32, sc += 8) {
+            for (int l = 0; l < 32; l++) {
+                const int is = l / 16;
+                const int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                y[l] = d * (float)sc[is] * (float)q1;
+                y[l + 32] = d * (float)sc[is + 2] * (float)q2;
+                y[l + 64] = d * (float)sc[is + 4] * (float)q3;
+                y[l + 96] = d * (float)sc[is + 6] * (float)q4;
+            }
+        }
+        break;
+    }
+    default: break;
+    }
+}
+
+/* Any block format . float32 x: each block decoded to float32, then multiplied (the
+ * reference path; also every format's dot product where no AVX2 kernel exists). */
+static float dot_generic(int fmt, const uint8_t *row, const float *x, int k) {
+    const int bl = block_len(fmt), bb = block_bytes(fmt);
+    float w[QK_K];
+    float s = 0.0f;
+#ifdef CB_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (int j = 0; j < k / bl; j++, row += bb, x += bl) {
+        dequant_block(fmt, row, w);
+        for (int i = 0; i < bl; i += 8)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), acc);
+    }
+    s = hsum256(acc);
+#else
+    for (int j = 0; j < k / bl; j++, row += bb, x += bl) {
+        dequant_block(fmt, row, w);
+        for (int i = 0; i < bl; i++) s += w[i] * x[i];
+    }
+#endif
+    return s;
+}
+
+static float dot_f16(const uint16_t *w, const float *x, int k) {
+    int i = 0;
+    float s = 0.0f;
+#ifdef CB_AVX2
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (; i + 16 <= k; i += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i))), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i + 8))),
+                             _mm256_loadu_ps(x + i + 8), a1);
+    }
+    s = hsum256(_mm256_add_ps(a0, a1));
+#endif
+    for (; i < k; i++) s += fp16_to_f32(w[i]) * x[i];
+    return s;
+}
+
+#ifdef CB_AVX2
+/* Q4_K / Q5_K . float32 x: per sub-block of 32, d*sc * sum(q x) - dmin*m * sum(x) (the
+ * block sums of x come with the Vec), so the weights are never scaled one by one. */
+static float dot_q45_k(int five, const uint8_t *row, const float *x, const float *xsum, int k) {
+    const int nb = k / QK_K, bb = five ? 176 : 144;
+    const __m256i m4 = _mm256_set1_epi32(0x0f), one = _mm256_set1_epi32(1);
+    __m256 acc = _mm256_setzero_ps();
+    float ms = 0.0f;
+    for (int i = 0; i < nb; i++, row += bb, x += QK_K, xsum += 8) {
+        const float d = rdh(row), dmin = rdh(row + 2);
+        const uint8_t *scales = row + 4, *qh = row + 16, *q = row + 16 + 32 * five;
+        for (int j = 0; j < 4; j++, q += 32) {
+            __m256 p0 = _mm256_setzero_ps(), p1 = _mm256_setzero_ps();
+            for (int l = 0; l < 32; l += 8) {
+                const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + l)));
+                __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_srli_epi32(w, 4);
+                if (five) {
+                    const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + l)));
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 2 * j), one), 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 2 * j + 1), one), 4));
+                }
+                p0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_loadu_ps(x + 64 * j + l), p0);
+                p1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_loadu_ps(x + 64 * j + 32 + l), p1);
+            }
+            uint8_t s0, m0, s1, m1;
+            scale_min_k4(2 * j, scales, &s0, &m0);
+            scale_min_k4(2 * j + 1, scales, &s1, &m1);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)s0), p0, acc);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)s1), p1, acc);
+            ms += dmin * ((float)m0 * xsum[2 * j] + (float)m1 * xsum[2 * j + 1]);
+        }
+    }
+    return hsum256(acc) - ms;
+}
+
+/* Q4_0 / Q5_0 / Q5_1 . float32 x: per block d * sum(q x) + (the offset term) * sum(x), with
+ * the offset -8 d (Q4_0), -16 d (Q5_0) or m (Q5_1); the 5th bits spread over lanes by srlv. */
+static float dot_q45_0(int fmt, const uint8_t *row, const float *x, const float *xsum, int k) {
+    const int nb = k / QK, bb = block_bytes(fmt), five = fmt != FMT_Q4_0, with_m = fmt == FMT_Q5_1;
+    const int qs_at = five ? 6 + 2 * with_m : 2;
+    const float off = fmt == FMT_Q4_0 ? -8.0f : -16.0f;
+    const __m256i m4 = _mm256_set1_epi32(0x0f), one = _mm256_set1_epi32(1);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 acc = _mm256_setzero_ps();
+    float ms = 0.0f;
+    for (int j = 0; j < nb; j++, row += bb, x += QK) {
+        const float d = rdh(row);
+        uint32_t qh = 0;
+        if (five) memcpy(&qh, row + 2 + 2 * with_m, 4);
+        const uint8_t *qs = row + qs_at;
+        __m256 p = _mm256_setzero_ps();
+        for (int o = 0; o < 16; o += 8) {
+            const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + o)));
+            __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_srli_epi32(w, 4);
+            if (five) {
+                const __m256i h0 = _mm256_srlv_epi32(_mm256_set1_epi32((int)(qh >> o)), lanes);
+                const __m256i h1 = _mm256_srlv_epi32(_mm256_set1_epi32((int)(qh >> (o + 16))), lanes);
+                lo = _mm256_or_si256(lo, _mm256_slli_epi32(_mm256_and_si256(h0, one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi32(_mm256_and_si256(h1, one), 4));
+            }
+            p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_loadu_ps(x + o), p);
+            p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_loadu_ps(x + 16 + o), p);
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), p, acc);
+        ms += (with_m ? rdh(row + 2) : off * d) * xsum[j];
+    }
+    return hsum256(acc) + ms;
+}
+
+/* Q6_K . float32 x: per sub-block of 16, d*sc * sum((q - 32) x). */
+static float dot_q6_k(const uint8_t *row, const float *x, int k) {
+    const int nb = k / QK_K;
+    const __m256i m4 = _mm256_set1_epi32(0x0f), m2 = _mm256_set1_epi32(3), off = _mm256_set1_epi32(32);
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++, row += 210) {
+        const float d = rdh(row + 208);
+        const uint8_t *ql = row, *qh = row + 128;
+        const int8_t *sc = (const int8_t *)(row + 192);
+        for (int n = 0; n < 2; n++, ql += 64, qh += 32, sc += 8, x += 128) {
+            for (int is = 0; is < 2; is++) {
+                __m256 p1 = _mm256_setzero_ps(), p2 = p1, p3 = p1, p4 = p1;
+                for (int l = 16 * is; l < 16 * is + 16; l += 8) {
+                    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + l)));
+                    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + l + 32)));
+                    const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + l)));
+#define CB_Q6(lo4, sh) _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(lo4, \
+        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, sh), m2), 4)), off))
+                    p1 = _mm256_fmadd_ps(CB_Q6(_mm256_and_si256(a, m4), 0), _mm256_loadu_ps(x + l), p1);
+                    p2 = _mm256_fmadd_ps(CB_Q6(_mm256_and_si256(b, m4), 2), _mm256_loadu_ps(x + l + 32), p2);
+                    p3 = _mm256_fmadd_ps(CB_Q6(_mm256_srli_epi32(a, 4), 4), _mm256_loadu_ps(x + l + 64), p3);
+                    p4 = _mm256_fmadd_ps(CB_Q6(_mm256_srli_epi32(b, 4), 6), _mm256_loadu_ps(x + l + 96), p4);
+#undef CB_Q6
+                }
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc[is]), p1, acc);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc[is + 2]), p2, acc);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc[is + 4]), p3, acc);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc[is + 6]), p4, acc);
+            }
+        }
+    }
+    return hsum256(acc);
+}
+#endif
+
+static size_t row_bytes(const Mat *m) {
+    return (size_t)(m->cols / block_len(m->fmt)) * (size_t)block_bytes(m->fmt);
 }
 
 /* An input vector of a matrix product, with what the block formats need of it: block sums
@@ -465,23 +802,151 @@ static float dot_q4_1_i16(const block_q4_1 *b, const Vec *v, int k) {
 #endif
 }
 
+#ifdef CB_AVX2
+/* The other block formats . I16 activations (the `auto` form): the weights' small integers
+ * widen to int16, products with the int16 activations are exact integer sums (madd), and
+ * each block's or sub-block's float scale multiplies them once. */
+
+/* 32 unsigned bytes -> 8 float partial sums of (w - zero) x over one block of 32 */
+static inline __m256 u8_block_sums(__m256i w, int zero, const int16_t *x) {
+    const __m256i z = _mm256_set1_epi16((short)zero);
+    const __m256i w0 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(w)), z);
+    const __m256i w1 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(w, 1)), z);
+    return i16_block_sums(w0, w1, x);
+}
+
+/* 16 nibble bytes -> 32 bytes: the low nibbles (elements 0-15), then the high ones (16-31) */
+static inline __m256i nibbles32(const uint8_t *qs) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0f));
+}
+
+/* 32 bits -> 32 bytes, byte i = 0x10 where bit i is set (the 5th bit of Q5_0 / Q5_1) */
+static inline __m256i bit4_from_bits(uint32_t bits) {
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)bits),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+/* Q4_0 / Q5_0 / Q5_1: d dx sum((q - zero) qx) per block, plus m dx sum(qx) for Q5_1 */
+static float dot_q45_0_i16(int fmt, const uint8_t *row, const Vec *v, int k) {
+    const int nb = k / QK, bb = block_bytes(fmt), five = fmt != FMT_Q4_0, with_m = fmt == FMT_Q5_1;
+    const int zero = fmt == FMT_Q4_0 ? 8 : (fmt == FMT_Q5_0 ? 16 : 0);
+    __m256 acc = _mm256_setzero_ps();
+    float ms = 0.0f;
+    for (int j = 0; j < nb; j++, row += bb) {
+        __m256i w = nibbles32(row + (five ? 6 + 2 * with_m : 2));
+        if (five) {
+            uint32_t qh;
+            memcpy(&qh, row + 2 + 2 * with_m, 4);
+            w = _mm256_or_si256(w, bit4_from_bits(qh));
+        }
+        const __m256 p = u8_block_sums(w, zero, v->q16 + j * QK);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(rdh(row) * v->qd[j]), p, acc);
+        if (with_m) ms += rdh(row + 2) * v->qs[j];
+    }
+    return hsum256(acc) + ms;
+}
+
+/* Q4_K / Q5_K: per sub-block of 32 (one activation block each), d sc dx sum(q qx) - dmin m dx sum(qx) */
+static float dot_q45_k_i16(int five, const uint8_t *row, const Vec *v, int k) {
+    const int nb = k / QK_K, bb = five ? 176 : 144;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(); /* two FMA chains */
+    float ms = 0.0f;
+    for (int i = 0; i < nb; i++, row += bb) {
+        const float d = rdh(row), dmin = rdh(row + 2);
+        const uint8_t *scales = row + 4, *q = row + 16 + 32 * five;
+        const __m256i hbits = five ? _mm256_loadu_si256((const __m256i *)(row + 16)) : _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++, q += 32) {
+            const int b0 = i * 8 + 2 * j, b1 = b0 + 1;
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)q);
+            __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            if (five) {
+                const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j), one);
+                const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j + 1), one);
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(h0, 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(h1, 4));
+            }
+            uint8_t s0, m0, s1, m1;
+            scale_min_k4(2 * j, scales, &s0, &m0);
+            scale_min_k4(2 * j + 1, scales, &s1, &m1);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)s0 * v->qd[b0]), u8_block_sums(lo, 0, v->q16 + b0 * QK), acc);
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)s1 * v->qd[b1]), u8_block_sums(hi, 0, v->q16 + b1 * QK), acc1);
+            ms += dmin * ((float)m0 * v->qs[b0] + (float)m1 * v->qs[b1]);
+        }
+    }
+    return hsum256(_mm256_add_ps(acc, acc1)) - ms;
+}
+
+/* Q6_K: per sub-block of 16, d sc dx sum((q - 32) qx); two sub-blocks per activation block */
+static float dot_q6_k_i16(const uint8_t *row, const Vec *v, int k) {
+    const int nb = k / QK_K;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30), z = _mm256_set1_epi16(32);
+    __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(); /* two FMA chains */
+    for (int i = 0; i < nb; i++, row += 210) {
+        const float d = rdh(row + 208);
+        const int8_t *sc = (const int8_t *)(row + 192);
+        for (int n = 0; n < 2; n++) {
+            const uint8_t *ql = row + 64 * n, *qh = row + 128 + 32 * n;
+            const __m256i a = _mm256_loadu_si256((const __m256i *)ql);
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+            q[1] = _mm256_or_si256(_mm256_and_si256(b, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), _mm256_and_si256(h, m30));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4),
+                                   _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+            for (int t = 0; t < 4; t++) {
+                const int blk = i * 8 + n * 4 + t;
+                const int16_t *x = v->q16 + blk * QK;
+                const __m256i w0 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(q[t])), z);
+                const __m256i w1 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(q[t], 1)), z);
+                const __m256 p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x)));
+                const __m256 p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
+                const float dq = d * v->qd[blk];
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(dq * (float)sc[8 * n + 2 * t]), p0, acc);
+                acc1 = _mm256_fmadd_ps(_mm256_set1_ps(dq * (float)sc[8 * n + 2 * t + 1]), p1, acc1);
+            }
+        }
+    }
+    return hsum256(_mm256_add_ps(acc, acc1));
+}
+#endif
+
 static inline float dot_vec(const Mat *m, int n, const Vec *v) {
     const char *row = (const char *)m->data + (size_t)n * row_bytes(m);
     switch (m->fmt) {
     case FMT_F32: return dot_f32((const float *)row, v->x, m->cols);
     case FMT_BF16: return dot_bf16((const uint16_t *)row, v->x, m->cols);
+    case FMT_F16: return dot_f16((const uint16_t *)row, v->x, m->cols);
     case FMT_Q8_0:
         switch (v->act) {
         case ACT_Q8: return dot_q8_0_q8((const block_q8_0 *)row, v, m->cols);
         case ACT_I16: return dot_q8_0_i16((const block_q8_0 *)row, v, m->cols);
         default: return dot_q8_0((const block_q8_0 *)row, v->x, m->cols);
         }
-    default:
+    case FMT_Q4_1:
         switch (v->act) {
         case ACT_Q8: return dot_q4_1_q8((const block_q4_1 *)row, v, m->cols);
         case ACT_I16: return dot_q4_1_i16((const block_q4_1 *)row, v, m->cols);
         default: return dot_q4_1((const block_q4_1 *)row, v->x, v->xsum, m->cols);
         }
+#ifdef CB_AVX2
+    case FMT_Q4_K: case FMT_Q5_K:
+        if (v->act == ACT_I16) return dot_q45_k_i16(m->fmt == FMT_Q5_K, (const uint8_t *)row, v, m->cols);
+        return dot_q45_k(m->fmt == FMT_Q5_K, (const uint8_t *)row, v->x, v->xsum, m->cols);
+    case FMT_Q6_K:
+        if (v->act == ACT_I16) return dot_q6_k_i16((const uint8_t *)row, v, m->cols);
+        return dot_q6_k((const uint8_t *)row, v->x, m->cols);
+    case FMT_Q4_0: case FMT_Q5_0: case FMT_Q5_1:
+        if (v->act == ACT_I16) return dot_q45_0_i16(m->fmt, (const uint8_t *)row, v, m->cols);
+        return dot_q45_0(m->fmt, (const uint8_t *)row, v->x, v->xsum, m->cols);
+#endif
+    default: return dot_generic(m->fmt, (const uint8_t *)row, v->x, m->cols);
     }
 }
 
@@ -489,6 +954,17 @@ static inline float dot_vec(const Mat *m, int n, const Vec *v) {
 static void matvec_par(const Mat *m, const Vec *v, float *y) {
 #pragma omp for schedule(static)
     for (int n = 0; n < m->rows; n++) y[n] = dot_vec(m, n, v);
+}
+
+/* y = W x + bias for a group of row blocks; called by every thread of a parallel region. */
+static void group_matvec_par(const Group *g, const Vec *v, float *y) {
+#pragma omp for schedule(static)
+    for (int n = 0; n < g->rows; n++) {
+        int p = 0, r = n;
+        while (p + 1 < g->n_parts && r >= g->part[p].rows) r -= g->part[p++].rows;
+        const float s = dot_vec(&g->part[p], r, v);
+        y[n] = g->bias ? s + g->bias[n] : s;
+    }
 }
 
 static void embed_row(const Mat *m, int token, float *out) {
@@ -499,23 +975,12 @@ static void embed_row(const Mat *m, int token, float *out) {
     case FMT_BF16:
         for (int i = 0; i < k; i++) out[i] = bf16_to_f32(((const uint16_t *)row)[i]);
         break;
-    case FMT_Q8_0: {
-        const block_q8_0 *b = (const block_q8_0 *)row;
-        for (int j = 0; j < k / QK; j++) {
-            const float d = fp16_to_f32(b[j].d);
-            for (int i = 0; i < QK; i++) out[j * QK + i] = d * (float)b[j].qs[i];
-        }
+    case FMT_F16:
+        for (int i = 0; i < k; i++) out[i] = fp16_to_f32(((const uint16_t *)row)[i]);
         break;
-    }
     default: {
-        const block_q4_1 *b = (const block_q4_1 *)row;
-        for (int j = 0; j < k / QK; j++) {
-            const float d = fp16_to_f32(b[j].d), mn = fp16_to_f32(b[j].m);
-            for (int i = 0; i < QK / 2; i++) {
-                out[j * QK + i] = d * (float)(b[j].qs[i] & 0x0f) + mn;
-                out[j * QK + i + 16] = d * (float)(b[j].qs[i] >> 4) + mn;
-            }
-        }
+        const int bl = block_len(m->fmt), bb = block_bytes(m->fmt);
+        for (int j = 0; j < k / bl; j++) dequant_block(m->fmt, (const uint8_t *)row + (size_t)j * bb, out + j * bl);
     }
     }
 }
@@ -661,7 +1126,7 @@ int chatbot_decode(const Model *m, int token, int pos, float *logits) {
             float *kc = m->kcache[l], *vc = m->vcache[l];
             rmsnorm(x, m->attn_norm[l], E, m->eps, xn);
             prepare_vec(&vec, xn, E, m->act);
-            matvec_par(&m->wqkv[l], &vec, qkv);
+            group_matvec_par(&m->wqkv[l], &vec, qkv);
 #pragma omp for schedule(static)
             for (int h = 0; h < H; h++) {
                 const int g = h / group;
@@ -669,6 +1134,10 @@ int chatbot_decode(const Model *m, int token, int pos, float *logits) {
                 const float *v = qkv + (H + HKV + g) * D;
                 memcpy(qr, qkv + h * D, (size_t)D * 4);
                 memcpy(kr, qkv + (H + g) * D, (size_t)D * 4);
+                if (m->q_norm) { /* qwen3: RMSNorm per head before the rotation */
+                    rmsnorm(qr, m->q_norm[l], D, m->eps, qr);
+                    rmsnorm(kr, m->k_norm[l], D, m->eps, kr);
+                }
                 rope(qr, cs, sn, D);
                 rope(kr, cs, sn, D);
                 /* Nobody reads position `pos` of this layer's cache before the next call
@@ -682,14 +1151,14 @@ int chatbot_decode(const Model *m, int token, int pos, float *logits) {
                        att + h * D);
             }
             prepare_vec(&vec, att, H * D, m->act);
-            matvec_par(&m->wo[l], &vec, o);
+            group_matvec_par(&m->wo[l], &vec, o);
             for (int i = 0; i < E; i++) x[i] += o[i];
             rmsnorm(x, m->ffn_norm[l], E, m->eps, xn);
             prepare_vec(&vec, xn, E, m->act);
-            matvec_par(&m->wgu[l], &vec, gu);
+            group_matvec_par(&m->wgu[l], &vec, gu);
             silu_mul(gu, gu + F, F, hid);
             prepare_vec(&vec, hid, F, m->act);
-            matvec_par(&m->wdown[l], &vec, dn);
+            group_matvec_par(&m->wdown[l], &vec, dn);
             for (int i = 0; i < E; i++) x[i] += dn[i];
         }
         rmsnorm(x, m->final_norm, E, m->eps, xn);

@@ -6,8 +6,10 @@ under a key made of the source, the compiler and the CPU, so later runs load it 
 Where there is no compiler, or the build fails, `load_library` raises `KernelsUnavailable`
 and callers fall back to torch.
 
-Weight formats (see kernels.c): float32, bfloat16, and ggml's Q8_0 (int8, one fp16 scale per
-32 weights) and Q4_1 (4-bit, fp16 scale and minimum per 32 weights).
+Weight formats (see kernels.c): float32, bfloat16, float16, and ggml's block formats as they
+are stored in GGUF files: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32 weights) and the K-quants
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (super-blocks of 256). `from_gguf` takes a tensor of a GGUF file
+as it is (memory-mapped, no copy); `pack_q8_0` / `pack_q4_1` quantize float weights.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from chatbot.errors import ChatbotError
@@ -30,9 +34,31 @@ from chatbot.errors import ChatbotError
 SOURCE = Path(__file__).with_name("kernels.c")
 QK = 32  # weights per quantization block
 
-FMT_F32, FMT_BF16, FMT_Q8_0, FMT_Q4_1 = 0, 1, 2, 3
+QK_K = 256  # weights per K-quant super-block
+
+FMT_F32, FMT_BF16, FMT_Q8_0, FMT_Q4_1, FMT_F16, FMT_Q4_0, FMT_Q5_0 = 0, 1, 2, 3, 4, 5, 6
+FMT_Q5_1, FMT_Q2_K, FMT_Q3_K, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K = 7, 8, 9, 10, 11, 12
 ACT_F32, ACT_Q8, ACT_I16 = 0, 1, 2  # the form of activations in Q8_0/Q4_1 products (kernels.c)
-FORMAT_NAMES = {FMT_F32: "f32", FMT_BF16: "bf16", FMT_Q8_0: "q8_0", FMT_Q4_1: "q4_1"}
+FORMAT_NAMES = {
+    FMT_F32: "f32", FMT_BF16: "bf16", FMT_Q8_0: "q8_0", FMT_Q4_1: "q4_1", FMT_F16: "f16",
+    FMT_Q4_0: "q4_0", FMT_Q5_0: "q5_0", FMT_Q5_1: "q5_1", FMT_Q2_K: "q2_k", FMT_Q3_K: "q3_k",
+    FMT_Q4_K: "q4_k", FMT_Q5_K: "q5_k", FMT_Q6_K: "q6_k",
+}  # fmt: skip
+# formats with integer products for int16 activations (ACT_I16) on AVX2; the others, and
+# every format without AVX2, multiply float32 activations
+INT16_PRODUCTS = {FMT_Q8_0, FMT_Q4_1, FMT_Q4_0, FMT_Q5_0, FMT_Q5_1, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K}
+# weights per block and bytes per block (ggml's block structs)
+BLOCK_SHAPES = {
+    FMT_F32: (1, 4), FMT_BF16: (1, 2), FMT_F16: (1, 2), FMT_Q8_0: (32, 34), FMT_Q4_1: (32, 20),
+    FMT_Q4_0: (32, 18), FMT_Q5_0: (32, 22), FMT_Q5_1: (32, 24), FMT_Q2_K: (256, 84),
+    FMT_Q3_K: (256, 110), FMT_Q4_K: (256, 144), FMT_Q5_K: (256, 176), FMT_Q6_K: (256, 210),
+}  # fmt: skip
+# GGUF tensor type names (gguf.GGMLQuantizationType) -> kernel format
+GGUF_FORMATS = {
+    "F32": FMT_F32, "BF16": FMT_BF16, "F16": FMT_F16, "Q8_0": FMT_Q8_0, "Q4_1": FMT_Q4_1,
+    "Q4_0": FMT_Q4_0, "Q5_0": FMT_Q5_0, "Q5_1": FMT_Q5_1, "Q2_K": FMT_Q2_K, "Q3_K": FMT_Q3_K,
+    "Q4_K": FMT_Q4_K, "Q5_K": FMT_Q5_K, "Q6_K": FMT_Q6_K,
+}  # fmt: skip
 
 
 class KernelsUnavailable(ChatbotError):
@@ -49,6 +75,17 @@ class Mat(ctypes.Structure):
         ("rows", ctypes.c_int32),
         ("cols", ctypes.c_int32),
         ("pad_", ctypes.c_int32),
+    ]
+
+
+class Group(ctypes.Structure):
+    """Row blocks of one product, each in its own format, and an optional bias."""
+
+    _fields_ = [
+        ("part", Mat * 3),
+        ("bias", ctypes.c_void_p),
+        ("n_parts", ctypes.c_int32),
+        ("rows", ctypes.c_int32),
     ]
 
 
@@ -73,15 +110,17 @@ class ModelStruct(ctypes.Structure):
         ("final_norm", ctypes.c_void_p),
         ("attn_norm", ctypes.POINTER(ctypes.c_void_p)),
         ("ffn_norm", ctypes.POINTER(ctypes.c_void_p)),
-        ("wqkv", ctypes.POINTER(Mat)),
-        ("wo", ctypes.POINTER(Mat)),
-        ("wgu", ctypes.POINTER(Mat)),
-        ("wdown", ctypes.POINTER(Mat)),
+        ("wqkv", ctypes.POINTER(Group)),
+        ("wo", ctypes.POINTER(Group)),
+        ("wgu", ctypes.POINTER(Group)),
+        ("wdown", ctypes.POINTER(Group)),
         ("kcache", ctypes.POINTER(ctypes.c_void_p)),
         ("vcache", ctypes.POINTER(ctypes.c_void_p)),
         ("scratch", ctypes.c_void_p),
         ("act", ctypes.c_int32),
         ("pad_", ctypes.c_int32),
+        ("q_norm", ctypes.POINTER(ctypes.c_void_p)),
+        ("k_norm", ctypes.POINTER(ctypes.c_void_p)),
     ]
 
 
@@ -231,6 +270,10 @@ class PackedMatrix:
         return self.data.numel() * self.data.element_size()
 
     @property
+    def bytes_per_weight(self) -> float:
+        return self.nbytes / (self.rows * self.cols)
+
+    @property
     def format_name(self) -> str:
         return FORMAT_NAMES[self.fmt]
 
@@ -306,6 +349,57 @@ def stack(parts: list[PackedMatrix]) -> PackedMatrix:
 
 
 PACKERS = {"f32": pack_f32, "bf16": pack_bf16, "q8_0": pack_q8_0, "q4_1": pack_q4_1}
+
+
+def from_raw(data: torch.Tensor, fmt: int, rows: int, cols: int) -> PackedMatrix:
+    """A matrix whose rows are stored in `fmt` exactly as ggml lays them out (`data`: its
+    bytes, [rows, bytes per row], or float32 [rows, cols] for F32); no copy is made.
+
+    Raises:
+        ValueError: `cols` is not whole blocks, or `data` has the wrong size.
+    """
+    per_block, block_bytes = BLOCK_SHAPES[fmt]
+    if cols % per_block:
+        raise ValueError(f"{FORMAT_NAMES[fmt]} rows need a multiple of {per_block} columns, got {cols}")
+    nbytes = rows * (cols // per_block) * block_bytes
+    if data.numel() * data.element_size() != nbytes:
+        raise ValueError(f"{FORMAT_NAMES[fmt]} [{rows}, {cols}] takes {nbytes} bytes, got {data.nbytes}")
+    if fmt == FMT_F32:
+        data = data.view(torch.float32).reshape(rows, cols)
+    elif data.dtype != torch.uint8:
+        data = data.view(torch.uint8).reshape(rows, -1)
+    assert data.is_contiguous()
+    return PackedMatrix(data, fmt, rows, cols)
+
+
+def from_gguf(tensor: Any, row_order: torch.Tensor | None = None) -> PackedMatrix:
+    """A 2-D tensor of a `gguf.GGUFReader` in its stored format, on the reader's memory map
+    (no copy, unless `row_order` reorders the rows: a new tensor of the same bytes).
+
+    Raises:
+        ValueError: a tensor type the kernels do not read (the name says which), or not 2-D.
+    """
+    kind = tensor.tensor_type.name
+    if kind not in GGUF_FORMATS:
+        raise ValueError(f"no kernel for {kind} tensors ({tensor.name})")
+    shape = [int(n) for n in tensor.shape]  # ggml order: columns first
+    if len(shape) != 2:
+        raise ValueError(f"{tensor.name} is not a matrix (shape {shape})")
+    cols, rows = shape
+    data = torch.from_numpy(np.ascontiguousarray(tensor.data)).view(torch.uint8).reshape(rows, -1)
+    if row_order is not None:
+        data = data.reshape(rows, -1)[row_order].contiguous()
+    return from_raw(data, GGUF_FORMATS[kind], rows, cols)
+
+
+def group_struct(parts: list[PackedMatrix], bias: torch.Tensor | None = None) -> Group:
+    """The C view of row blocks that one product stacks (q, k, v), with an optional bias."""
+    if not 1 <= len(parts) <= 3 or len({p.cols for p in parts}) != 1:
+        raise ValueError("a group holds 1 to 3 row blocks with the same number of columns")
+    mats = [p.as_struct() for p in parts] + [Mat() for _ in range(3 - len(parts))]
+    return Group(
+        (Mat * 3)(*mats), 0 if bias is None else bias.data_ptr(), len(parts), sum(p.rows for p in parts)
+    )
 
 
 def unpack(p: PackedMatrix, threads: int | None = None) -> torch.Tensor:

@@ -26,6 +26,9 @@ PREFILL_SIZES = (50, 500, 2000)
 PREFILL_REPEATS = {50: 5, 500: 3, 2000: 2}  # per worker; the median is kept
 DECODE_PROMPT = 50  # tokens before the decoded ones: a short chat message
 LEVEL_SETUPS = ("chatbot-off", "chatbot-f32", "chatbot-auto", "chatbot-int8", "chatbot-int4")
+# `auto` packed from the float32 model rather than the GGUF file's own matrices: the path
+# before GGUF packing (a K-quant matrix then decodes as float32), for before/after figures
+AUTO_FROM_MODEL = "chatbot-auto-model"
 BASELINE = "transformers-generate"
 LLAMA_CPP = "llama.cpp"
 WORKER_TIMEOUT_S = 3600
@@ -79,7 +82,8 @@ def _engine_worker(
     from chatbot.engine.generate import Engine
 
     t0 = time.perf_counter()
-    decoder, reason = make_decoder(loaded.model, level)
+    use_gguf = level != "auto-model"
+    decoder, reason = make_decoder(loaded.model, level.removesuffix("-model"), use_gguf=use_gguf)
     setup_s = time.perf_counter() - t0
     if reason:
         return {"error": reason}
@@ -114,6 +118,8 @@ def _engine_worker(
         info = decoder.info()
         out["weights"] = info.formats
         out["weight_mb"] = info.weight_bytes / 2**20
+        out["bytes_per_weight"] = info.bytes_per_weight
+        out["weights_from"] = info.source
     if ppl_tokens:
         out["ppl"] = _perplexity(loaded.model, decoder, ids[:ppl_tokens])
     return out
@@ -299,7 +305,7 @@ def _median_result(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("prefill_tps", "ttft_s_by_prompt"):
         out[key] = {size: statistics.median(r[key][size] for r in ok) for size in ok[0][key]}
     out["decode_tps_runs"] = [r["decode_tps"] for r in ok]
-    for key in ("weights", "weight_mb", "ppl", "tokens"):
+    for key in ("weights", "weight_mb", "bytes_per_weight", "weights_from", "ppl", "tokens"):
         for r in ok:
             if key in r:
                 out[key] = r[key]
@@ -344,6 +350,8 @@ def run_decode_bench(
 
     setups = setups or default_setups()
     threads = threads or torch.get_num_threads()
+    if gguf is None and model and model.lower().endswith(".gguf"):
+        gguf = Path(model)  # llama.cpp runs the very file we load
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in setups}
     started = time.perf_counter()
@@ -403,7 +411,7 @@ def print_decode(console: Any, result: dict[str, Any]) -> None:
              f"medians of {s['rounds']} interleaved rounds")  # fmt: skip
     decode = Table(title=f"decode: {title}")
     prefill = Table(title="prefill and time to first token")
-    columns = ["tok/s", "p50\nms", "p90\nms", "peak\nMB", "same\ntok"]
+    columns = ["tok/s", "p50\nms", "p90\nms", "peak\nMB", "B/\nweight", "same\ntok"]
     if s.get("ppl_tokens"):
         columns.append(f"ppl\n@{s['ppl_tokens']}")
     for table, cols in ((decode, columns), (prefill, [*[f"tok/s @{n}" for n in sizes], "TTFT s"])):
@@ -420,6 +428,7 @@ def print_decode(console: Any, result: dict[str, Any]) -> None:
             f"{r['ms_per_token_p50']:.1f}",
             f"{r['ms_per_token_p90']:.1f}",
             f"{r['peak_mem_mb']:.0f}",
+            f"{r['bytes_per_weight']:.3f}" if r.get("bytes_per_weight") else "",
             str(r.get("same_tokens_as_baseline", "")),
         ]
         if s.get("ppl_tokens"):
@@ -433,7 +442,7 @@ def print_decode(console: Any, result: dict[str, Any]) -> None:
     console.print(f"[dim]{m['processor']}, {m['cpu_count']} CPUs, torch {m['torch']}{load}. prefill: tokens/s "
                   f"at that prompt length; TTFT: time to first token after a {s['decode_prompt_tokens']}-token "
                   "prompt; p50/p90 ms: per decoded token; same tok: greedy tokens equal to transformers' before the first "
-                  "difference[/dim]")  # fmt: skip
+                  "difference; B/weight: bytes per weight of the matrices the native kernels read[/dim]")  # fmt: skip
 
 
 def plot_decode(result: dict[str, Any], path: Path) -> None:

@@ -576,6 +576,9 @@ def _load_gguf(gguf: Path, opts: LoadOptions) -> tuple[Any, Any, list[str]]:
         notes.append(f"converted copy in {target} did not load; rebuilt it")
         convert_gguf(gguf, target)
         model, tokenizer = _load_folder(target, opts, str(gguf))
+    # The fast decode path packs its matrices straight from this file, in their stored
+    # formats (chatbot.engine.gguf_weights), rather than from the float32 copy.
+    model.chatbot_gguf = str(gguf)
     return model, tokenizer, notes
 
 

@@ -1,0 +1,159 @@
+"""The weight matrices of a GGUF file in their stored formats, for the native kernels.
+
+A GGUF file holds each matrix in ggml's layout (Q4_K, Q6_K, Q8_0...), which the kernels read
+as they are: the tensors are taken from the `gguf` package's memory-mapped reader without a
+copy, so a K-quant model decodes at its native bytes per weight. One difference from the
+layout transformers uses: llama.cpp's converter permutes the rows of the q and k matrices of
+``llama`` files (to an interleaved rotary layout); transformers undoes it when it loads a GGUF,
+and so does `matrix` here, by reordering whole rows (the blocks run along a row, so this
+moves bytes and changes no weight).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import torch
+
+from chatbot.engine import kernels
+
+# GGUF metadata value types: byte sizes of the fixed-size ones (8: string, 9: array)
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+def unpermute_rows(rows: int, n_head: int) -> torch.Tensor:
+    """The row order that undoes llama.cpp's q/k permutation for `n_head` heads (as
+    transformers' `_reverse_permute_weights`, applied to row indices)."""
+    dim = rows // n_head // 2
+    return torch.arange(rows).reshape(n_head, dim, 2).transpose(1, 2).reshape(rows)
+
+
+@dataclass
+class TensorInfo:
+    """One entry of a GGUF tensor table (shape in ggml order: columns first)."""
+
+    name: str
+    shape: tuple[int, ...]
+    type_name: str
+    offset: int  # from the start of the file
+    nbytes: int
+
+
+def _read_string(f: BinaryIO) -> bytes:
+    (n,) = struct.unpack("<Q", f.read(8))
+    return f.read(n)
+
+
+def _skip_value(f: BinaryIO, kind: int) -> None:
+    if kind == _STRING:
+        f.seek(struct.unpack("<Q", f.read(8))[0], 1)
+    elif kind == _ARRAY:
+        item, count = struct.unpack("<IQ", f.read(12))
+        if item in _SCALAR_BYTES:
+            f.seek(_SCALAR_BYTES[item] * count, 1)
+        else:
+            for _ in range(count):
+                _skip_value(f, item)
+    else:
+        f.seek(_SCALAR_BYTES[kind], 1)
+
+
+def read_tensor_table(path: str | Path) -> tuple[str, list[TensorInfo]]:
+    """The architecture and tensor table of a GGUF file (v2/v3), reading nothing else.
+
+    `gguf.GGUFReader` parses every metadata value into numpy views, which takes seconds on
+    a 150k-token vocabulary; decoding needs only the tensor table, so it is read here (the
+    tests check it against GGUFReader).
+
+    Raises:
+        ValueError: not a GGUF v2/v3 file, or a tensor type gguf does not know.
+    """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    with open(path, "rb") as f:
+        magic, version = struct.unpack("<4sI", f.read(8))
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ValueError(f"{path} is not a GGUF v2/v3 file")
+        n_tensors, n_kv = struct.unpack("<QQ", f.read(16))
+        arch, alignment = "", 32
+        for _ in range(n_kv):
+            key = _read_string(f)
+            (kind,) = struct.unpack("<I", f.read(4))
+            if key == b"general.architecture" and kind == _STRING:
+                arch = _read_string(f).decode()
+            elif key == b"general.alignment" and kind == 4:
+                (alignment,) = struct.unpack("<I", f.read(4))
+            else:
+                _skip_value(f, kind)
+        raw = []
+        for _ in range(n_tensors):
+            name = _read_string(f).decode()
+            (n_dims,) = struct.unpack("<I", f.read(4))
+            shape = struct.unpack(f"<{n_dims}Q", f.read(8 * n_dims))
+            kind, offset = struct.unpack("<IQ", f.read(12))
+            raw.append((name, shape, kind, offset))
+        start = -(-f.tell() // alignment) * alignment
+    table = []
+    for name, shape, kind, offset in raw:
+        qtype = GGMLQuantizationType(kind)
+        per_block, block_bytes = GGML_QUANT_SIZES[qtype]
+        count = int(np.prod(shape))
+        table.append(TensorInfo(name, tuple(shape), qtype.name, start + offset, count // per_block * block_bytes))
+    return arch, table
+
+
+class _MappedTensor:
+    """A tensor of the table with its bytes on the file's memory map (the few attributes
+    of a GGUFReader tensor that `kernels.from_gguf` reads)."""
+
+    def __init__(self, info: TensorInfo, mm: np.memmap) -> None:
+        from gguf import GGMLQuantizationType
+
+        self.name = info.name
+        self.shape = info.shape
+        self.tensor_type = GGMLQuantizationType[info.type_name]
+        rows = int(np.prod(info.shape[1:])) if len(info.shape) > 1 else 1
+        self.data = mm[info.offset : info.offset + info.nbytes].reshape(rows, -1)
+
+
+class GGUFWeights:
+    """Matrices of a GGUF file by their GGUF names (``blk.0.attn_q.weight``...).
+
+    Args:
+        path: the .gguf file.
+
+    Raises:
+        ValueError: the file cannot be read as GGUF.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.architecture, table = read_tensor_table(path)
+        # "c": a copy-on-write map, so torch gets writable arrays; nothing writes to them,
+        # and the pages stay shared with the page cache
+        self._map = np.memmap(path, dtype=np.uint8, mode="c")
+        self.tensors: dict[str, Any] = {t.name: _MappedTensor(t, self._map) for t in table}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def type_name(self, name: str) -> str:
+        return self.tensors[name].tensor_type.name
+
+    def matrix(self, name: str, rope_heads: int | None = None) -> kernels.PackedMatrix:
+        """The matrix `name` in its stored format; `rope_heads`: for q/k matrices, the head
+        count whose llama.cpp permutation to undo (llama files only).
+
+        Raises:
+            KeyError: no such tensor.
+            ValueError: a format the kernels do not read.
+        """
+        tensor = self.tensors[name]
+        order = None
+        if rope_heads and self.architecture == "llama":
+            order = unpermute_rows(int(tensor.shape[1]), rope_heads)
+        return kernels.from_gguf(tensor, order)

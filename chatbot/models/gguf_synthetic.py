@@ -1,0 +1,318 @@
+"""Random but valid GGUF tensors and files: every byte laid out as ggml lays it out.
+
+Used by the tests of the kernels (random blocks of every format) and by
+`scripts/make-synthetic-gguf`, which writes models of a real architecture and size with
+random weights, to measure memory and speed at scales that cannot be downloaded here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# block (weights, bytes) and where the fp16 scale fields sit, with the largest integer a
+# weight's scale multiplies (so random blocks get weights of about the size asked for)
+BLOCKS: dict[str, tuple[int, int, tuple[int, ...], tuple[int, ...], float]] = {
+    # name: (weights, bytes, offsets of the fp16 scales `d`, offsets of fp16 mins, d's multiplier)
+    "Q8_0": (32, 34, (0,), (), 127.0),
+    "Q4_0": (32, 18, (0,), (), 8.0),
+    "Q4_1": (32, 20, (0,), (2,), 15.0),
+    "Q5_0": (32, 22, (0,), (), 16.0),
+    "Q5_1": (32, 24, (0,), (2,), 31.0),
+    "Q2_K": (256, 84, (80,), (82,), 15.0 * 3),
+    "Q3_K": (256, 110, (108,), (), 32.0 * 4),
+    "Q4_K": (256, 144, (0,), (2,), 63.0 * 15),
+    "Q5_K": (256, 176, (0,), (2,), 63.0 * 31),
+    "Q6_K": (256, 210, (208,), (), 128.0 * 32),
+}
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def random_blocks(kind: str, n_weights: int, rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
+    """`n_weights` weights of block type `kind` as random valid bytes (uint8 [n_blocks, bytes]):
+    every quant and sub-block scale random, the fp16 scales finite and chosen so that weights
+    stay within about ±`scale` (as a trained model's, whose weights are small)."""
+    per_block, nbytes, d_at, m_at, top = BLOCKS[kind]
+    if n_weights % per_block:
+        raise ValueError(f"{kind} needs a multiple of {per_block} weights, got {n_weights}")
+    n = n_weights // per_block
+    out = rng.integers(0, 256, size=(n, nbytes), dtype=np.uint8)
+    d = (scale / top * rng.uniform(0.25, 1.0, size=n)).astype(np.float16)
+    for at in d_at:
+        out[:, at : at + 2] = d.view(np.uint8).reshape(n, 2)
+    for at in m_at:
+        # Q4_1/Q5_1 add m; the K-quants subtract dmin * (6-bit min): both about -scale / 2
+        mins = scale * rng.uniform(0.1, 0.5, size=n) / (1.0 if kind in ("Q4_1", "Q5_1") else 63.0)
+        sign = -1.0 if kind in ("Q4_1", "Q5_1") else 1.0
+        out[:, at : at + 2] = (sign * mins).astype(np.float16).view(np.uint8).reshape(n, 2)
+    return out
+
+
+def random_floats(kind: str, shape: tuple[int, ...], rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
+    """Random weights of a float type: F32 / F16 as such, BF16 as its raw uint16 bits."""
+    w = (rng.standard_normal(shape) * scale / 3).astype(np.float32)
+    if kind == "F32":
+        return w
+    if kind == "F16":
+        return w.astype(np.float16)
+    if kind == "BF16":
+        return (w.view(np.uint32) >> 16).astype(np.uint16)
+    raise ValueError(f"not a float type: {kind}")
+
+
+# --- synthetic model files ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The dimensions of a published model (from its config.json)."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    tied: bool
+    head_dim: int = 0  # 0: hidden // heads
+    rope_theta: float = 10000.0
+
+    def params(self) -> int:
+        d = self.head_dim or self.hidden // self.heads
+        attn = self.hidden * d * (2 * self.heads + 2 * self.kv_heads)
+        per_layer = attn + 3 * self.hidden * self.ffn + 2 * self.hidden
+        return self.layers * per_layer + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+
+# Real shapes by architecture; "tiny" is for tests (every matrix whole K-quant super-blocks).
+SHAPES: dict[str, dict[str, Shape]] = {
+    "qwen2": {
+        "tiny": Shape("tiny", 256, 2, 4, 2, 512, 49152, True, rope_theta=1e6),
+        "0.5B": Shape("Qwen2.5-0.5B", 896, 24, 14, 2, 4864, 151936, True, rope_theta=1e6),
+        "1.5B": Shape("Qwen2.5-1.5B", 1536, 28, 12, 2, 8960, 151936, True, rope_theta=1e6),
+        "3B": Shape("Qwen2.5-3B", 2048, 36, 16, 2, 11008, 151936, True, rope_theta=1e6),
+        "7B": Shape("Qwen2.5-7B", 3584, 28, 28, 4, 18944, 152064, False, rope_theta=1e6),
+    },
+    "llama": {
+        "tiny": Shape("tiny", 256, 2, 4, 2, 512, 49152, True),
+        "135M": Shape("SmolLM2-135M", 576, 30, 9, 3, 1536, 49152, True, rope_theta=1e5),
+        "0.4B": Shape("SmolLM2-360M", 960, 32, 15, 5, 2560, 49152, True, rope_theta=1e5),
+        "1B": Shape("Llama-3.2-1B", 2048, 16, 32, 8, 8192, 128256, True, rope_theta=5e5),
+        "3B": Shape("Llama-3.2-3B", 3072, 28, 24, 8, 8192, 128256, True, rope_theta=5e5),
+        "8B": Shape("Llama-3.1-8B", 4096, 32, 32, 8, 14336, 128256, False, rope_theta=5e5),
+    },
+    "qwen3": {
+        # transformers reads no head size from a qwen3 GGUF and takes its default, 128
+        "tiny": Shape("tiny", 256, 2, 4, 2, 512, 49152, True, head_dim=128, rope_theta=1e6),
+        "0.6B": Shape("Qwen3-0.6B", 1024, 28, 16, 8, 3072, 151936, True, head_dim=128, rope_theta=1e6),
+        "1.7B": Shape("Qwen3-1.7B", 2048, 28, 16, 8, 6144, 151936, True, head_dim=128, rope_theta=1e6),
+        "4B": Shape("Qwen3-4B", 2560, 36, 32, 8, 9728, 151936, True, head_dim=128, rope_theta=1e6),
+        "8B": Shape("Qwen3-8B", 4096, 36, 32, 8, 12288, 151936, False, head_dim=128, rope_theta=1e6),
+    },
+}
+FILE_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0", "F16")
+# llama.cpp's fallback when a row is not whole 256-weight super-blocks (llama_tensor_get_type)
+_K_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def pick_shape(arch: str, params: str) -> Shape:
+    """The preset of `arch` named `params` ("0.5B"), or else the one nearest in size.
+
+    Raises:
+        ValueError: an unknown architecture or size.
+    """
+    if arch not in SHAPES:
+        raise ValueError(f"unknown architecture {arch!r}: choose from {', '.join(SHAPES)}")
+    shapes = SHAPES[arch]
+    if params in shapes:
+        return shapes[params]
+    try:
+        want = float(params.upper().removesuffix("B")) * (1e9 if params.upper().endswith("B") else 1)
+    except ValueError:
+        raise ValueError(f"--params takes a size such as 0.5B or one of {', '.join(shapes)}") from None
+    if params.upper().endswith("M"):
+        want = float(params.upper().removesuffix("M")) * 1e6
+    return min((s for k, s in shapes.items() if k != "tiny"), key=lambda s: abs(s.params() - want))
+
+
+def tensor_type(file_type: str, role: str, layer: int, n_layers: int, cols: int) -> str:
+    """The type llama.cpp's quantizer gives a tensor in a `file_type` file (its main rules:
+    Q4_K_M / Q5_K_M keep the output matrix and about half the v / ffn_down matrices in Q6_K)."""
+    base = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}.get(file_type)
+    if base is None:
+        kind = file_type
+    elif role in ("output", "token_embd_tied"):
+        kind = "Q6_K"
+    elif role in ("attn_v", "ffn_down"):
+        # llama.cpp's use_more_bits: the first and last eighth of the layers, and every third
+        more = layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+        kind = "Q6_K" if more else base
+    else:
+        kind = base
+    if kind in _K_FALLBACK and cols % 256:
+        kind = _K_FALLBACK[kind]
+    return kind
+
+
+def _tokenizer_fields(source: Path) -> dict[str, Any]:
+    """The tokenizer metadata of a GGUF file (the default model's: a 49k BPE with ChatML)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(source))
+    keys = ["model", "pre", "tokens", "token_type", "merges", "bos_token_id", "eos_token_id",
+            "unknown_token_id", "padding_token_id"]  # fmt: skip
+    out = {k: reader.fields[f"tokenizer.ggml.{k}"].contents() for k in keys if f"tokenizer.ggml.{k}" in reader.fields}
+    out["chat_template"] = reader.fields["tokenizer.chat_template"].contents()
+    return out
+
+
+def write_synthetic_gguf(
+    path: Path, arch: str, shape: Shape, file_type: str, seed: int = 0, tokenizer_from: Path | None = None
+) -> dict[str, Any]:
+    """Write a GGUF model file of `arch` with `shape`, random weights (fixed `seed`) in the
+    tensor types llama.cpp gives a `file_type` file, and the default model's tokenizer
+    (its vocabulary padded with unused tokens to the shape's size).
+
+    Returns:
+        A summary: parameters, bytes, tensor types and their counts.
+    """
+    import gguf
+
+    from chatbot.models.loader import default_gguf_path
+
+    if file_type not in FILE_TYPES:
+        raise ValueError(f"unknown type {file_type!r}: choose from {', '.join(FILE_TYPES)}")
+    rng = np.random.default_rng(seed)
+    tok = _tokenizer_fields(tokenizer_from or default_gguf_path())
+    tokens = list(tok["tokens"])
+    if len(tokens) > shape.vocab:
+        raise ValueError(f"the tokenizer has {len(tokens)} tokens, more than the vocabulary {shape.vocab}")
+    types = list(tok["token_type"])
+    tokens += [f"<|unused_{i}|>" for i in range(shape.vocab - len(tokens))]
+    types += [int(gguf.TokenType.UNUSED)] * (shape.vocab - len(types))
+
+    head_dim = shape.head_dim or shape.hidden // shape.heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"synthetic {shape.name}")
+    w.add_block_count(shape.layers)
+    w.add_context_length(32768)
+    w.add_embedding_length(shape.hidden)
+    w.add_feed_forward_length(shape.ffn)
+    w.add_head_count(shape.heads)
+    w.add_head_count_kv(shape.kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(shape.rope_theta)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(shape.vocab)
+    w.add_tokenizer_model(str(tok["model"]))
+    if "pre" in tok:
+        w.add_tokenizer_pre(str(tok["pre"]))
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(list(tok["merges"]))
+    for key, add in [("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id),
+                     ("unknown_token_id", w.add_unk_token_id), ("padding_token_id", w.add_pad_token_id)]:  # fmt: skip
+        if key in tok:
+            add(int(tok[key]))
+    w.add_chat_template(str(tok["chat_template"]))
+
+    # (name, rows, cols, role, layer); 1-D tensors have rows == 0
+    plan: list[tuple[str, int, int, str, int]] = [
+        ("token_embd.weight", shape.vocab, shape.hidden, "token_embd_tied" if shape.tied else "token_embd", 0)
+    ]
+    q_rows, kv_rows = shape.heads * head_dim, shape.kv_heads * head_dim
+    for i in range(shape.layers):
+        b = f"blk.{i}."
+        plan += [(b + "attn_norm.weight", 0, shape.hidden, "norm", i)]
+        plan += [(b + "attn_q.weight", q_rows, shape.hidden, "attn_q", i),
+                 (b + "attn_k.weight", kv_rows, shape.hidden, "attn_k", i),
+                 (b + "attn_v.weight", kv_rows, shape.hidden, "attn_v", i)]  # fmt: skip
+        if arch == "qwen2":
+            plan += [(b + "attn_q.bias", 0, q_rows, "bias", i), (b + "attn_k.bias", 0, kv_rows, "bias", i),
+                     (b + "attn_v.bias", 0, kv_rows, "bias", i)]  # fmt: skip
+        if arch == "qwen3":
+            plan += [(b + "attn_q_norm.weight", 0, head_dim, "norm", i), (b + "attn_k_norm.weight", 0, head_dim, "norm", i)]
+        plan += [(b + "attn_output.weight", shape.hidden, q_rows, "attn_output", i),
+                 (b + "ffn_norm.weight", 0, shape.hidden, "norm", i),
+                 (b + "ffn_gate.weight", shape.ffn, shape.hidden, "ffn_gate", i),
+                 (b + "ffn_up.weight", shape.ffn, shape.hidden, "ffn_up", i),
+                 (b + "ffn_down.weight", shape.hidden, shape.ffn, "ffn_down", i)]  # fmt: skip
+    plan.append(("output_norm.weight", 0, shape.hidden, "norm", 0))
+    if not shape.tied:
+        plan.append(("output.weight", shape.vocab, shape.hidden, "output", 0))
+
+    counts: dict[str, int] = {}
+    kinds = []
+    for name, rows, cols, role, layer in plan:
+        if rows == 0:
+            kind = "F32"
+            w.add_tensor_info(name, (cols,), np.dtype(np.float32), cols * 4)
+        else:
+            kind = tensor_type(file_type, role, layer, shape.layers, cols)
+            per_block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+            nbytes = rows * cols // per_block * block_bytes
+            # the writer takes quantized shapes in bytes per row
+            byte_shape = (rows, nbytes // rows)
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, gguf.GGMLQuantizationType[kind])
+            counts[kind] = counts.get(kind, 0) + 1
+        kinds.append(kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    # Weights of about a trained model's size: |w| up to ~0.1 in the matrices (so the logits
+    # are neither flat nor saturated), norms near 1, small biases.
+    for (name, rows, cols, role, _), kind in zip(plan, kinds, strict=True):
+        if rows == 0:
+            arr = (1.0 + 0.1 * rng.standard_normal(cols) if role == "norm" else 0.1 * rng.standard_normal(cols))
+            w.write_tensor_data(arr.astype(np.float32))
+        elif kind in BLOCKS:
+            w.write_tensor_data(random_blocks(kind, rows * cols, rng, scale=0.1).reshape(rows, -1))
+        else:
+            w.write_tensor_data(random_floats(kind, (rows, cols), rng, scale=0.1).view(np.uint8))
+    w.close()
+    return {"params": shape.params(), "bytes": path.stat().st_size, "types": counts, "shape": shape.name}
+
+
+# --- command line (scripts/make-synthetic-gguf) ---------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="make-synthetic-gguf",
+        description="Write a GGUF model file with random weights in a real architecture and size.",
+        epilog="sizes: " + "; ".join(f"{a}: {', '.join(s)}" for a, s in SHAPES.items()),
+    )
+    parser.add_argument("--arch", choices=sorted(SHAPES), default="qwen2")
+    parser.add_argument("--params", default="0.5B", help="a size such as 0.5B (the nearest real model), or tiny")
+    parser.add_argument("--type", dest="file_type", choices=FILE_TYPES, default="Q4_K_M")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("-o", "--out", type=Path, help="output file (default: synthetic-ARCH-PARAMS-TYPE.gguf)")
+    args = parser.parse_args(argv)
+    try:
+        shape = pick_shape(args.arch, args.params)
+    except ValueError as exc:
+        parser.error(str(exc))  # exits
+    out = args.out or Path(f"synthetic-{args.arch}-{args.params}-{args.file_type}.gguf")
+    start = time.perf_counter()
+    try:
+        summary = write_synthetic_gguf(out, args.arch, shape, args.file_type, seed=args.seed)
+    except (OSError, ValueError) as exc:
+        print(f"make-synthetic-gguf: error: {exc}", file=sys.stderr)
+        return 2
+    types = ", ".join(f"{n} {k}" for k, n in sorted(summary["types"].items(), key=lambda kv: -kv[1]))
+    print(f"{out}: {args.arch} shaped as {shape.name}, {summary['params'] / 1e9:.2f}B parameters, "
+          f"{summary['bytes'] / 2**20:.0f} MiB ({types} matrices) in {time.perf_counter() - start:.1f} s")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

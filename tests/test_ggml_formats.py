@@ -1,0 +1,126 @@
+"""Every ggml weight format the kernels read, against the `gguf` package's reference
+dequantization (`gguf.quants.dequantize`, a numpy transcription of ggml) on random valid
+blocks; the matrix-vector products against float64 products of that reference."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from chatbot.engine import kernels
+from chatbot.models.gguf_synthetic import BLOCKS, FLOAT_TYPES, random_blocks, random_floats
+
+try:
+    kernels.load_library()
+    HAVE_KERNELS = True
+except kernels.KernelsUnavailable:  # pragma: no cover - depends on the machine
+    HAVE_KERNELS = False
+pytestmark = pytest.mark.skipif(not HAVE_KERNELS, reason="no C compiler for the native kernels")
+
+FORMATS = [*BLOCKS, *FLOAT_TYPES]
+ROWS, COLS = 24, 512  # two K-quant super-blocks, sixteen 32-blocks per row
+
+
+def random_matrix(kind: str, seed: int, rows: int = ROWS, cols: int = COLS) -> tuple[torch.Tensor, np.ndarray]:
+    """(the kernel's bytes or float32 values, the reference float32 weights [rows, cols])."""
+    rng = np.random.default_rng(seed)
+    if kind in BLOCKS:
+        raw = random_blocks(kind, rows * cols, rng, scale=0.5).reshape(rows, -1)
+    else:
+        raw = random_floats(kind, (rows, cols), rng)
+    if kind == "BF16":
+        ref = (raw.astype(np.uint32) << 16).view(np.float32)
+    else:
+        ref = dequantize(raw.view(np.uint8) if kind in BLOCKS else raw, GGMLQuantizationType[kind])
+    data = torch.from_numpy(raw.view(np.uint8) if kind != "F32" else raw).reshape(rows, -1)
+    return data, np.asarray(ref, dtype=np.float32).reshape(rows, cols)
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_dequantization_equals_ggml(kind):
+    data, ref = random_matrix(kind, seed=1)
+    assert np.isfinite(ref).all() and np.abs(ref).max() > 0
+    packed = kernels.from_raw(data, kernels.GGUF_FORMATS[kind], ROWS, COLS)
+    got = kernels.unpack(packed).numpy()
+    # the same float32 operations in the same order as the reference: equal, or within one
+    # rounding where numpy and C group a product differently
+    np.testing.assert_allclose(got, ref, rtol=2e-7, atol=1e-9)
+
+
+INT16_FORMATS = {"Q8_0", "Q4_1", "Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
+
+
+def int16_activations(x: np.ndarray) -> np.ndarray:
+    """x as the kernels hold it for `--opt auto`'s integer products: per block of 32, a float32
+    scale absmax / 32767 and int16 values (round half to even, as nearbyintf)."""
+    b = x.reshape(-1, 32).astype(np.float32)
+    d = (np.abs(b).max(axis=1, keepdims=True) / np.float32(32767)).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    return (np.rint(b * inv) * d).reshape(-1)
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+@pytest.mark.parametrize("act", [kernels.ACT_F32, kernels.ACT_I16])
+def test_matvec_equals_float64_product_of_reference(kind, act):
+    """ACT_I16 is the activation form `--opt auto` uses: the block formats with an int16
+    product must equal the exact product with the int16-rounded activations; the others
+    take float32 activations and must equal the exact product with x itself."""
+    data, ref = random_matrix(kind, seed=2)
+    packed = kernels.from_raw(data, kernels.GGUF_FORMATS[kind], ROWS, COLS)
+    x = torch.from_numpy(np.random.default_rng(3).standard_normal(COLS).astype(np.float32))
+    xs = int16_activations(x.numpy()) if act == kernels.ACT_I16 and kind in INT16_FORMATS else x.numpy()
+    exact = ref.astype(np.float64) @ xs.astype(np.float64)
+    bound = np.abs(ref).astype(np.float64) @ np.abs(xs).astype(np.float64)
+    for threads in (1, 2):
+        got = kernels.matvec(packed, x, threads, act=act).numpy()
+        assert np.all(np.abs(got - exact) <= 2e-6 * bound + 1e-6), kind
+    if act == kernels.ACT_I16 and kind in INT16_FORMATS:  # and it is not the float32 product
+        assert not np.allclose(kernels.matvec(packed, x, 1, act=act).numpy(), ref.astype(np.float64) @ x.numpy(),
+                               rtol=0, atol=1e-7)  # fmt: skip
+
+
+def test_byte_sizes_are_ggml_block_sizes():
+    from gguf import GGML_QUANT_SIZES
+
+    for kind, fmt in kernels.GGUF_FORMATS.items():
+        assert kernels.BLOCK_SHAPES[fmt] == GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+
+
+def test_from_raw_refuses_wrong_sizes():
+    with pytest.raises(ValueError, match="multiple of 256"):
+        kernels.from_raw(torch.zeros(4, 144, dtype=torch.uint8), kernels.FMT_Q4_K, 4, 200)
+    with pytest.raises(ValueError, match="takes"):
+        kernels.from_raw(torch.zeros(4, 100, dtype=torch.uint8), kernels.FMT_Q4_K, 4, 256)
+
+
+def test_scalar_build_matches_reference(tmp_path):
+    """The portable C (no AVX2: what a CPU without it, or another architecture, runs)."""
+    cc = kernels._compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    lib_path = tmp_path / "scalar.so"
+    flags = ["-O2", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+    subprocess.run([cc, *flags, "-o", str(lib_path), str(kernels.SOURCE), "-lm"], check=True)
+    lib = ctypes.CDLL(str(lib_path))
+    x = torch.from_numpy(np.random.default_rng(4).standard_normal(COLS).astype(np.float32))
+    for kind in FORMATS:
+        data, ref = random_matrix(kind, seed=5)
+        mat = kernels.from_raw(data, kernels.GGUF_FORMATS[kind], ROWS, COLS).as_struct()
+        out = torch.empty(ROWS, COLS)
+        lib.chatbot_dequantize(ctypes.byref(mat), ctypes.c_void_p(out.data_ptr()), 1)
+        np.testing.assert_allclose(out.numpy(), ref, rtol=2e-7, atol=1e-9, err_msg=kind)
+        y = torch.empty(ROWS)
+        scratch = torch.empty(3 * (COLS // 32 + 1) + COLS // 4 + COLS // 2 + 2)
+        lib.chatbot_matvec(
+            ctypes.byref(mat), ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(scratch.data_ptr()),
+            ctypes.c_void_p(y.data_ptr()), 1, kernels.ACT_F32,
+        )  # fmt: skip
+        exact = ref.astype(np.float64) @ x.numpy().astype(np.float64)
+        bound = np.abs(ref).astype(np.float64) @ np.abs(x.numpy()).astype(np.float64)
+        assert np.all(np.abs(y.numpy() - exact) <= 2e-6 * bound + 1e-6), kind

@@ -1,0 +1,179 @@
+"""Synthetic GGUF models (`scripts/make-synthetic-gguf`): real architectures, sizes and
+ggml block layouts with random weights; loaded, decoded from their own K-quant bytes on the
+fast path, and checked token for token against transformers reading the same file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+from helpers import full_logits, greedy_by_recompute
+
+from chatbot.engine import kernels
+from chatbot.models.gguf_synthetic import SHAPES, pick_shape, tensor_type, write_synthetic_gguf
+
+ROOT = Path(__file__).resolve().parent.parent
+CHATBOT = str(Path(sys.executable).with_name("chatbot"))
+
+try:
+    kernels.load_library()
+    HAVE_KERNELS = True
+except kernels.KernelsUnavailable:  # pragma: no cover - depends on the machine
+    HAVE_KERNELS = False
+needs_kernels = pytest.mark.skipif(not HAVE_KERNELS, reason="no C compiler for the native kernels")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Tiny files of each architecture, written once for the module."""
+    folder = tmp_path_factory.mktemp("synthetic")
+    made = {}
+    for arch, kind in [("qwen2", "Q4_K_M"), ("qwen3", "Q4_K_M"), ("llama", "Q8_0")]:
+        path = folder / f"{arch}-{kind}.gguf"
+        write_synthetic_gguf(path, arch, SHAPES[arch]["tiny"], kind, seed=1)
+        made[arch] = path
+    return made
+
+
+def test_sizes_are_the_published_models():
+    assert abs(pick_shape("qwen2", "0.5B").params() / 494e6 - 1) < 0.01  # Qwen2.5-0.5B: 494M
+    assert abs(pick_shape("llama", "8B").params() / 8.03e9 - 1) < 0.01  # Llama-3.1-8B
+    assert pick_shape("qwen3", "0.6B").name == "Qwen3-0.6B"
+    assert pick_shape("qwen2", "1.6B").name == "Qwen2.5-1.5B"  # the nearest
+    with pytest.raises(ValueError, match="unknown architecture"):
+        pick_shape("gpt5", "1B")
+
+
+def test_q4_k_m_tensor_types_follow_llama_cpp():
+    assert tensor_type("Q4_K_M", "attn_q", 5, 24, 1536) == "Q4_K"
+    assert tensor_type("Q4_K_M", "output", 0, 24, 1536) == "Q6_K"
+    assert tensor_type("Q4_K_M", "attn_v", 0, 24, 1536) == "Q6_K"  # first eighth: more bits
+    assert tensor_type("Q4_K_M", "ffn_down", 10, 24, 1536) == "Q4_K"
+    assert tensor_type("Q4_K_M", "ffn_down", 23, 24, 1536) == "Q6_K"
+    # Qwen2.5-0.5B's 896 columns are not whole super-blocks: llama.cpp falls back
+    assert tensor_type("Q4_K_M", "attn_q", 5, 24, 896) == "Q5_0"
+    assert tensor_type("Q4_K_M", "ffn_down", 0, 24, 896) == "Q8_0"
+    assert tensor_type("Q8_0", "attn_q", 5, 24, 896) == "Q8_0"
+    assert tensor_type("Q5_K_M", "attn_q", 5, 24, 1536) == "Q5_K"
+    assert tensor_type("Q5_K_M", "attn_q", 5, 24, 896) == "Q5_1"
+    assert tensor_type("Q6_K", "ffn_up", 5, 24, 1536) == "Q6_K"
+
+
+def test_files_are_valid_gguf_with_real_blocks(files):
+    reader = GGUFReader(str(files["qwen2"]))
+    assert reader.fields["general.architecture"].contents() == "qwen2"
+    assert reader.fields["qwen2.embedding_length"].contents() == 256
+    names = {t.name: t for t in reader.tensors}
+    assert "blk.1.attn_q.bias" in names and "output.weight" not in names  # tied, with q/k/v bias
+    kinds = {t.tensor_type.name for t in reader.tensors}
+    assert {"Q4_K", "Q6_K", "F32"} == kinds
+    for t in reader.tensors:
+        w = dequantize(np.asarray(t.data), GGMLQuantizationType[t.tensor_type.name])
+        assert np.isfinite(w).all() and 0 < np.abs(w).max() < 2, t.name
+    assert len(reader.fields["tokenizer.ggml.tokens"].contents()) == 49152
+    qwen3 = {t.name for t in GGUFReader(str(files["qwen3"])).tensors}
+    assert "blk.0.attn_q_norm.weight" in qwen3
+
+
+@pytest.mark.slow
+@needs_kernels
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+def test_fast_path_decodes_the_files_own_blocks_like_transformers(files, arch):
+    """transformers dequantizes the file into its float32 model; our decoder reads the file's
+    Q4_K/Q6_K (or Q8_0) bytes. Logits after each native step match a full float32 recompute
+    (within the int16 rounding of the activations),
+    and the greedy tokens are equal."""
+    from chatbot.config import SamplingConfig
+    from chatbot.engine.fast import FastDecoder
+    from chatbot.engine.generate import Engine
+    from chatbot.models.loader import load_model
+
+    loaded = load_model(str(files[arch]))
+    model = loaded.model
+    decoder = FastDecoder(model, "auto")
+    info = decoder.info()
+    assert info.source == "gguf"
+    expected = {"q8_0"} if arch == "llama" else {"q4_k", "q6_k"}
+    assert set(info.formats) == expected
+    before = FastDecoder(model, "auto", use_gguf=False).info()  # packed from the float32 model
+    # the tiny model is mostly its Q6_K (0.82 B/weight) or Q8_0 (1.06) embedding; the weights
+    # packed from the float32 model are float32 (the K-quant grids are no format of theirs)
+    assert info.bytes_per_weight < (0.85 if arch != "llama" else 1.07)
+    assert before.bytes_per_weight > (3.9 if arch != "llama" else 1.0)
+    assert info.activations == "int16"  # the block products take int16 activations (2^-16 steps)
+    atol = 1e-3
+    ids = list(range(100, 130))
+    cache = decoder.new_cache()
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids[:10]]), cache=cache, use_cache=True)
+    for i in range(10, 30):
+        assert torch.allclose(decoder.decode(cache, ids[i]), full_logits(model, ids[: i + 1])[-1], atol=atol)
+    engine = Engine(model, loaded.tokenizer, decoder=decoder)
+    greedy = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=24)
+    got = [t for c in engine.generate(engine.new_cache(), ids[:12], greedy) for t in c.token_ids]
+    assert len(got) >= 8 and got == greedy_by_recompute(model, ids[:12], len(got))
+
+
+@pytest.mark.slow
+@needs_kernels
+def test_cli_chats_and_benches_a_synthetic_file(files, tmp_path):
+    env = {**os.environ}
+    proc = subprocess.run(
+        [CHATBOT, "run", "--model", str(files["qwen2"]), "--max-new-tokens", "8", "--temperature", "0"],
+        input="Hi\n", check=False, capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "fast decode off" not in proc.stderr
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [CHATBOT, "bench", "decode", "--model", str(files["qwen2"]), "--setups", "chatbot-auto,chatbot-auto-model",
+         "--rounds", "1", "--decode-tokens", "8", "--json", str(out)],
+        check=False, capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    results = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+    auto, model = results["chatbot-auto"], results["chatbot-auto-model"]
+    assert auto["weights_from"] == "gguf" and model["weights_from"] == "model"
+    assert auto["bytes_per_weight"] < 0.85 and model["bytes_per_weight"] > 3.9  # K-quants were float32
+    assert auto["decode_tps"] > 0 and "B/" in proc.stdout
+
+
+def test_script_help_and_bad_size():
+    script = ROOT / "scripts" / "make-synthetic-gguf"
+    proc = subprocess.run([str(script), "--help"], check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "--arch" in proc.stdout
+    proc = subprocess.run([str(script), "--params", "huge"], check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--params takes a size" in proc.stderr.splitlines()[-1]
+
+
+@pytest.mark.slow
+@needs_kernels
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_streaming_on_the_files_own_blocks_equals_plain_engine(files, arch):
+    """`--enable-streaming` on the default path (K-quant matrices from the file, int16
+    activations): evicting and re-rotating with the model's rope, two turns give the plain
+    transformers engine's tokens and evictions."""
+    from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
+    from chatbot.engine.fast import FastDecoder
+    from chatbot.engine.generate import Engine
+    from chatbot.models.loader import load_model
+    from chatbot.session import ChatSession
+
+    loaded = load_model(str(files[arch]))
+    sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=100)
+    config = ChatConfig(sampling=sampling, engine=EngineConfig(enable_streaming=True, start_size=4, recent_size=48))
+    results = {}
+    for name, decoder in [("plain", None), ("fast", FastDecoder(loaded.model, "auto"))]:
+        session = ChatSession(Engine(loaded.model, loaded.tokenizer, decoder=decoder), config)
+        got = [[t for c in session.send(text) for t in c.token_ids] for text in ("Hello there!", "The quick fox")]
+        results[name] = (got, list(session.cache_ids), session.evicted_total)
+        assert session.evicted_total > 0
+    assert results["fast"] == results["plain"]
