@@ -32,9 +32,13 @@ is cut back to the answer's tokens.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import itertools
 import json
 import os
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -48,6 +52,7 @@ from chatbot.config import ChatConfig, SamplingConfig
 from chatbot.engine.generate import Engine, GenerationChunk
 from chatbot.engine.stats import TurnStats
 from chatbot.errors import ChatbotError, ConfigError
+from chatbot.limits import MAX_SAVED_BYTES, expand, finite, loads_json, read_text
 from chatbot.models.templates import StopOnStrings, find_stop, held_back, stop_strings_of
 
 SAVE_FORMAT = "chatbot-session"
@@ -122,11 +127,12 @@ def stats_from_dict(data: Any) -> TurnStats:
             continue
         default = getattr(stats, f.name)
         if isinstance(default, list):
-            if isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
+            if isinstance(value, list) and len(value) <= 1_000_000 and all(finite(v) for v in value):
                 setattr(stats, f.name, [float(v) for v in value])
         elif isinstance(default, str):
-            setattr(stats, f.name, str(value))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            if isinstance(value, str):
+                setattr(stats, f.name, value)
+        elif finite(value):  # NaN / infinity in a hand-edited file are left out
             setattr(stats, f.name, type(default)(value) if default is not None else value)
     return stats
 
@@ -542,7 +548,7 @@ class ChatSession:
     def _interrupted_stats(self, context: int, generated: int, t0: float, times: list[tuple[float, int]]) -> TurnStats:
         """Approximate figures for an answer cut short, from the chunks' arrival times."""
         latencies: list[float] = []
-        for (prev, _), (now, n) in zip(times, times[1:]):
+        for (prev, _), (now, n) in itertools.pairwise(times):
             latencies.extend([(now - prev) / n] * n if n else [])
         first = times[0][0] - t0 if times else 0.0
         return TurnStats(
@@ -940,9 +946,13 @@ class ChatSession:
             "turns": [t.as_dict() for t in self.turns],
         }
 
-    def restore(self, data: Any, on_progress: ProgressCallback | None = None, encode: bool = True) -> int:
+    def restore(self, data: Any, on_progress: ProgressCallback | None = None, encode: bool = True,
+                warnings: list[str] | None = None) -> int:
         """Replace the conversation with saved data (`to_dict` output, or a bare
         `{"messages": [...]}`) and re-encode it in chunks.
+
+        Args:
+            warnings: told what was left out (settings out of range).
 
         Returns:
             the number of tokens encoded.
@@ -951,7 +961,7 @@ class ChatSession:
             ConfigError: the data is not a conversation (nothing is changed).
             ContextFullError: it does not fit in the context (it is kept, not encoded).
         """
-        system, sampling, turns = parse_saved(data, self.sampling)
+        system, sampling, turns = parse_saved(data, self.sampling, warnings)
         self.system = system
         self.turns = turns
         self.set_sampling(sampling)
@@ -964,16 +974,25 @@ class ChatSession:
         Raises:
             ChatbotError: the file cannot be written.
         """
-        target = Path(path).expanduser()
+        target = expand(path)
         data = json.dumps(self.to_dict(model), ensure_ascii=False, indent=1)
+        _check_save_target(target)
+        tmp: str | None = None
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(data + "\n")
+            target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")  # 0600
+            with os.fdopen(fd, "wb") as f:
+                f.write((data + "\n").encode("utf-8", errors="surrogatepass"))
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, target)
+            tmp = None
         except OSError as exc:
             raise ChatbotError(f"cannot save to {target}: {exc.strerror or exc}") from None
+        finally:
+            if tmp is not None:  # a failed write leaves no copy of the chat behind
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
         return target
 
     def load(self, path: str | os.PathLike[str], on_progress: ProgressCallback | None = None) -> dict[str, Any]:
@@ -995,7 +1014,8 @@ class ChatSession:
         layout = getattr(self.cache, "layout", None)
         oldest = ""
         info = layout() if callable(layout) else None
-        pinned = int(getattr(info, "pinned", 0)) if info else 0
+        # The sinks count as pinned only once the cache holds them (after /undo it may not).
+        pinned = min(int(getattr(info, "pinned", 0)) if info else 0, len(self.cache_ids))
         if self.cache_ids:
             tail = self.cache_ids[pinned : pinned + 24]
             oldest = self.tokenizer.decode(tail, skip_special_tokens=True).strip()
@@ -1043,24 +1063,18 @@ def read_saved(path: str | os.PathLike[str]) -> dict[str, Any]:
     Raises:
         ChatbotError: the file cannot be read or is not JSON.
     """
-    p = Path(path).expanduser()
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ChatbotError(f"no such file: {p}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ChatbotError(f"cannot read {p}: {getattr(exc, 'strerror', None) or exc}") from None
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise ChatbotError(f"{p} is not a saved chat (invalid JSON: {exc})") from None
+    p = expand(path)
+    text = read_text(p, MAX_SAVED_BYTES, "saved chat")
+    data = loads_json(text, f"{p}")
     if not isinstance(data, dict):
         raise ChatbotError(f"{p} is not a saved chat (expected a JSON object)")
     return data
 
 
-def parse_saved(data: Any, base: SamplingConfig) -> tuple[str | None, SamplingConfig, list[Turn]]:
-    """System prompt, settings and turns from saved data; `base` fills missing settings.
+def parse_saved(data: Any, base: SamplingConfig,
+                warnings: list[str] | None = None) -> tuple[str | None, SamplingConfig, list[Turn]]:
+    """System prompt, settings and turns from saved data; `base` fills missing settings and
+    replaces bad ones (each named in `warnings`).
 
     Raises:
         ConfigError: the data is not a conversation.
@@ -1095,8 +1109,35 @@ def parse_saved(data: Any, base: SamplingConfig) -> tuple[str | None, SamplingCo
     if isinstance(settings, dict):
         for key, value in settings.items():
             if key in SamplingConfig.RANGES:
-                sampling = sampling.with_value(key, "none" if value is None and key == "seed" else value)
+                if value is None and key != "seed":
+                    continue
+                try:
+                    sampling = sampling.with_value(key, "none" if value is None else value)
+                except ConfigError as exc:  # one bad value must not refuse the whole chat
+                    if warnings is not None:
+                        warnings.append(f"setting left as it was: {exc}")
     return (system or None), sampling, turns
+
+
+def _check_save_target(target: Path) -> None:
+    """Refuse to replace anything but a regular file (a FIFO, a device, a folder) and a
+    loop of symbolic links, before writing a byte.
+
+    Raises:
+        ChatbotError: the target is not a file a chat can be saved to.
+    """
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ChatbotError(f"cannot save to {target}: a loop of symbolic links") from None
+        raise ChatbotError(f"cannot save to {target}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+        raise ChatbotError(f"cannot save to {target}: it is {kind}")
 
 
 def default_recent_size(max_context: int) -> int:
