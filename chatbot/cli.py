@@ -70,6 +70,11 @@ def _set_threads(threads: int | None) -> None:
     if threads:
         import torch
 
+        cores = os.cpu_count() or 1
+        if threads > cores:  # more threads than cores only make them wait for each other
+            Console(stderr=True, highlight=False).print(
+                f"note: --threads {threads} is more than the {cores} cores here; using {cores}", markup=False)
+            threads = cores
         torch.set_num_threads(threads)
 
 
@@ -438,6 +443,8 @@ def _optional_values(args: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app and turn every error into one line."""
+    from chatbot.terminal.sanitize import safe_line
+
     command = typer.main.get_command(app)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     args = _optional_values(list(sys.argv[1:] if argv is None else argv))
@@ -452,21 +459,22 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(2)
         where = ctx.command_path if ctx is not None else "chatbot"
         message = " ".join(exc.format_message().split())
-        err.print(f"{where}: {message} (see: {where} --help)", markup=False)
+        err.print(safe_line(f"{where}: {message} (see: {where} --help)"), markup=False)
         sys.exit(2)
     except Abort:
         sys.exit(130)
     except ChatbotError as exc:
         if _DEBUG or os.environ.get("CHATBOT_DEBUG"):
             raise
-        err.print(f"chatbot: error: {exc}", markup=False)
+        err.print(safe_line(f"chatbot: error: {exc}"), markup=False)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as exc:
         if _DEBUG or os.environ.get("CHATBOT_DEBUG"):
             raise
-        err.print(f"chatbot: internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)", markup=False)
+        err.print(safe_line(f"chatbot: internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)"),
+                  markup=False)
         sys.exit(1)
 
 

@@ -286,6 +286,7 @@ class ChatSession:
         from chatbot.engine.sink_cache import SinkCache
 
         recent = ec.recent_size or default_recent_size(self.engine.max_context)
+        ec.check_window(ec.start_size, recent, self.engine.max_context)
         cache = SinkCache.for_model(self.engine.model, ec.start_size, recent)
         keep = ec.keep_system if ec.keep_system is not None else bool(self.system)
         if keep:

@@ -48,7 +48,7 @@ from chatbot.terminal.render import (
     sampling_brief,
     stats_table,
 )
-from chatbot.terminal.sanitize import safe_text
+from chatbot.terminal.sanitize import safe_line, safe_text
 from chatbot.terminal.session_log import FILE_MODE, SessionLog, data_dir, find_session, private_dir, replay
 
 MAX_MESSAGE_CHARS = 200_000
@@ -346,7 +346,7 @@ class Repl:
         self.info.print(safe_text(text), style="dim", highlight=False, markup=False)
 
     def error(self, text: str) -> None:
-        self.info.print(safe_text(f"error: {text}"), style="red", highlight=False, markup=False)
+        self.info.print(safe_line(f"error: {text}"), style="red", highlight=False, markup=False)
 
     @contextlib.contextmanager
     def _progress(self, what: str) -> Iterator[Callable[[int, int], None] | None]:
@@ -422,6 +422,9 @@ class Repl:
             except ChatbotError as exc:
                 chunks.close()  # type: ignore[attr-defined]
                 problem = str(exc)
+            except (RuntimeError, ValueError) as exc:  # the model or sampling failed: keep the chat
+                chunks.close()  # type: ignore[attr-defined]
+                problem = f"generation failed: {type(exc).__name__}: {exc}"
         changed = turn if turn is not None else (
             self.session.turns[-1] if len(self.session.turns) > turns_before else None)
         if changed is not None:

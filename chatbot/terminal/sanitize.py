@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["BIDI_CONTROLS", "is_safe", "safe_text"]
+__all__ = ["BIDI_CONTROLS", "is_safe", "safe_line", "safe_text"]
 
 # Explicit directional formatting characters (Unicode TR9): embeddings, overrides,
 # isolates and their terminators, plus the marks that can flip a run's order.
@@ -47,6 +47,12 @@ def safe_text(text: str) -> str:
     if not isinstance(text, str):
         text = str(text)
     return _UNSAFE.sub(_visible, text.replace("\r\n", "\n"))
+
+
+def safe_line(text: str) -> str:
+    """`safe_text` on one line: newlines shown as ␤ (an error message stays one line even
+    when a file name holds a newline)."""
+    return safe_text(text).replace("\n", "\u2424")
 
 
 def is_safe(text: str) -> bool:
