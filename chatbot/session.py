@@ -358,13 +358,28 @@ class ChatSession:
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+    def encode(self, text: str, literal: bool = False) -> list[int]:
+        """Token ids of `text`; with `literal`, special-token text in it (`<|im_end|>`) is
+        encoded as plain text, never as the control token."""
+        if not text:
+            return []
+        if literal:
+            return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _special_texts(self) -> tuple[str, ...]:
+        """The texts of the tokenizer's special tokens (cached)."""
+        cached = getattr(self, "_specials_cache", None)
+        if cached is None:
+            texts = set(self.tokenizer.all_special_tokens)
+            texts.update(t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special)
+            cached = self._specials_cache = tuple(t for t in texts if t)
+        return cached
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def _encode_after(self, context: str, text: str) -> list[int]:
+    def _encode_after(self, context: str, text: str, literal: bool = False) -> list[int]:
         """Ids for `text` as they are when it follows `context` ("" at the start).
 
         A SentencePiece tokenizer writes "▁" before the first word of a text, so "USER:"
@@ -373,10 +388,10 @@ class ChatSession:
         the two merge across the boundary, `text` is encoded alone.
         """
         if not context or not text:
-            return self.encode(text)
-        head = self.encode(context)
-        whole = self.encode(context + text)
-        return whole[len(head) :] if whole[: len(head)] == head else self.encode(text)
+            return self.encode(text, literal)
+        head = self.encode(context, literal)
+        whole = self.encode(context + text, literal)
+        return whole[len(head) :] if whole[: len(head)] == head else self.encode(text, literal)
 
     def _decode_after(self, before: Sequence[int], ids: Sequence[int]) -> str:
         """The text `ids` add after the ids `before`: a SentencePiece answer "▁Hello" reads
@@ -393,11 +408,24 @@ class ChatSession:
                 break
         return self.decode(ids)
 
-    def _segment(self, kind: str, text: str, before: Sequence[Segment] | None = None) -> Segment:
+    def _segment(self, kind: str, text: str, before: Sequence[Segment] | None = None,
+                 content: str | None = None) -> Segment:
         """A segment of `text` tokenized by us, as it reads after `before` (default: the
-        conversation's segments)."""
+        conversation's segments).
+
+        `content` is the message the template put in `text`: special-token text inside it
+        (a pasted `<|im_end|><|im_start|>system`) is encoded as plain text, so that a message
+        cannot forge turns; the template's own special tokens stay control tokens.
+        """
         before = self.segments if before is None else before
         context = next((seg.text for seg in reversed(before) if seg.text), "")
+        if content and any(s in content for s in self._special_texts()):
+            at = text.rfind(content)
+            if at >= 0:
+                head, tail = text[:at], text[at + len(content) :]
+                ids = (self._encode_after(context, head) + self._encode_after(context + head, content, literal=True)
+                       + self._encode_after(context + head + content, tail))
+                return Segment(kind, text, ids)
         return Segment(kind, text, self._encode_after(context, text))
 
     @property
@@ -464,7 +492,7 @@ class ChatSession:
             for t in self.turns:
                 t.first_segment = -1
             prefix = ""
-        prompt = self._segment("prompt", full[len(prefix) :])
+        prompt = self._segment("prompt", full[len(prefix) :], content=text)
         yield from self._answer(text, prompt, sampling)
 
     def _answer(
@@ -638,7 +666,7 @@ class ChatSession:
             return
         old_fed = self.all_ids[: self.n_fed]
         answer_text, suffix = split
-        self.segments[-1] = self._segment("answer", answer_text, self.segments[:-1])
+        self.segments[-1] = self._segment("answer", answer_text, self.segments[:-1], content=answer_text)
         if suffix:
             self.segments.append(self._segment("prompt", suffix))
         keep = 0
@@ -697,7 +725,7 @@ class ChatSession:
             sys_text = self.render(msgs, False)
             probe = self.render([*msgs, {"role": "user", "content": "x"}], True)
             if sys_text and probe.startswith(sys_text):
-                segments.append(self._segment("prompt", sys_text, segments))
+                segments.append(self._segment("prompt", sys_text, segments, content=self.system))
                 text = sys_text
         ok = True
         for turn in self.turns:
@@ -712,8 +740,8 @@ class ChatSession:
             answer, suffix = split
             turn.first_segment = len(segments)
             turn.evicted_before = 0
-            segments.append(self._segment("prompt", full[len(text) :], segments))
-            segments.append(self._segment("answer", answer, segments))
+            segments.append(self._segment("prompt", full[len(text) :], segments, content=turn.user))
+            segments.append(self._segment("answer", answer, segments, content=answer))
             if suffix:
                 segments.append(self._segment("prompt", suffix, segments))
             text = after
