@@ -509,6 +509,7 @@ class ChatSession:
         With stop strings, the chunks' text stops before the first one and holds back an
         end that may be the start of one; their ids are the tokens as generated.
         """
+        self._skip_to_window()
         first_segment = len(self.segments)
         evicted_before = self.evicted_total
         new_ids = self.pending_ids + (prompt.ids if prompt else [])
@@ -709,6 +710,35 @@ class ChatSession:
         for turn in self.turns:  # a new cache has evicted nothing yet
             turn.evicted_before = 0
 
+    def _skip_to_window(self) -> None:
+        """An emptied streaming cache is refilled with what it would hold had it never been
+        emptied: the pinned start (sinks, system prompt) and the last `recent_size` ids. The
+        ids between are counted as evicted instead of being encoded only to be evicted (after
+        /undo or /retry past an eviction, a /load, a new system prompt), so the cost is the
+        window, not the whole conversation.
+        """
+        cache = self.cache
+        if not hasattr(cache, "evict_for_space") or self.cache_ids or self.n_fed:
+            return
+        ids = self.all_ids
+        pinned, recent = int(cache.pinned), int(cache.recent_size)
+        if len(ids) <= pinned + recent:
+            return
+        if pinned:
+            log = _FeedLog(self)
+            try:
+                self.engine.prefill(cache, ids[:pinned], self.config.engine.prefill_chunk, log.on_evict, 0, log.on_fed)
+            finally:
+                if log.settle():
+                    self.n_fed += len(log.fed)
+                else:
+                    self._forget_cache()
+            if self.n_fed != pinned:
+                return
+        skipped = len(ids) - recent - pinned
+        cache.evicted_total += skipped
+        self.n_fed += skipped
+
     def _rebuild_segments(self) -> None:
         """Tokenize the whole conversation afresh, turn by turn; the cache keeps only the
         ids it shares with the new tokenization (a bounded cache is emptied).
@@ -727,24 +757,15 @@ class ChatSession:
             if sys_text and probe.startswith(sys_text):
                 segments.append(self._segment("prompt", sys_text, segments, content=self.system))
                 text = sys_text
-        ok = True
-        for turn in self.turns:
-            msgs = [*msgs, {"role": "user", "content": turn.user}]
-            full = self.render(msgs, True)
-            msgs = [*msgs, {"role": "assistant", "content": turn.answer}]
-            after = self.render(msgs, False)
-            split = _split_answer(after[len(full) :], turn.answer) if after.startswith(full) else None
-            if not full.startswith(text) or split is None:
-                ok = False
-                break
-            answer, suffix = split
+        pieces = self._turn_pieces_windowed(text) or self._turn_pieces(text)
+        ok = pieces is not None
+        for turn, (prompt, answer, suffix) in zip(self.turns, pieces or []):
             turn.first_segment = len(segments)
             turn.evicted_before = 0
-            segments.append(self._segment("prompt", full[len(text) :], segments, content=turn.user))
+            segments.append(self._segment("prompt", prompt, segments, content=turn.user))
             segments.append(self._segment("answer", answer, segments, content=answer))
             if suffix:
                 segments.append(self._segment("prompt", suffix, segments))
-            text = after
         if not ok:
             whole = self.render(self.messages(), False)
             segments = [Segment("prompt", whole, self.encode(whole))] if whole else []
@@ -752,6 +773,56 @@ class ChatSession:
                 turn.first_segment = -1
         self.segments = segments
         self._keep_common_prefix(old_fed)
+
+    def _turn_pieces(self, text: str) -> list[tuple[str, str, str]] | None:
+        """Each turn's text as (prompt, answer, closing text), found by rendering the
+        conversation up to each message: quadratic in the turns, for any template. None
+        when the template cannot be split turn by turn.
+
+        Args:
+            text: the rendered text before the first turn (the system prompt's segment).
+        """
+        msgs = self._system_messages()
+        pieces = []
+        for turn in self.turns:
+            msgs = [*msgs, {"role": "user", "content": turn.user}]
+            full = self.render(msgs, True)
+            msgs = [*msgs, {"role": "assistant", "content": turn.answer}]
+            after = self.render(msgs, False)
+            split = _split_answer(after[len(full) :], turn.answer) if after.startswith(full) else None
+            if not full.startswith(text) or split is None:
+                return None
+            pieces.append((full[len(text) :], *split))
+            text = after
+        return pieces
+
+    def _turn_pieces_windowed(self, text: str) -> list[tuple[str, str, str]] | None:
+        """As `_turn_pieces`, in time linear in the turns: each turn is rendered after only
+        the system prompt and the turn before it, and the pieces are accepted when together
+        they are exactly the whole conversation as rendered (else None: the template looks
+        further back, and `_turn_pieces` is used).
+        """
+        if len(self.turns) < 4:
+            return None  # short conversations: the exact method costs as little
+        sys_msgs = self._system_messages()
+        pieces = []
+        prev: list[dict[str, str]] = []
+        try:
+            for i, turn in enumerate(self.turns):
+                window = [*sys_msgs, *prev]
+                base = text if i == 0 else self.render(window, False)
+                user = {"role": "user", "content": turn.user}
+                full = self.render([*window, user], True)
+                after = self.render([*window, user, {"role": "assistant", "content": turn.answer}], False)
+                split = _split_answer(after[len(full) :], turn.answer) if after.startswith(full) else None
+                if not full.startswith(base) or split is None:
+                    return None
+                pieces.append((full[len(base) :], *split))
+                prev = [user, {"role": "assistant", "content": turn.answer}]
+        except Exception:  # noqa: BLE001 - a template that refuses a window: use the exact method
+            return None
+        whole = text + "".join(p + a + c for p, a, c in pieces)
+        return pieces if whole == self.render(self.messages(), False) else None
 
     def _keep_common_prefix(self, old_fed: list[int]) -> None:
         """Cut the cache back to the longest prefix of `old_fed` (what it held) that the
@@ -934,6 +1005,7 @@ class ChatSession:
         Raises:
             ContextFullError: the pending ids do not fit in a growing cache.
         """
+        self._skip_to_window()
         ids = self.pending_ids
         if not ids:
             return 0

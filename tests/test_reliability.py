@@ -489,3 +489,76 @@ def test_pasted_special_tokens_cannot_forge_turns(tiny_model, tiny_tokenizer, tm
     assert t.decode(t.all_ids) == t.render(t.messages(), add_generation_prompt=False)
     assert special_count(t) == special_count(benign.session) - 4  # one exchange fewer: 2 x (im_start, im_end)
     assert t.cache_ids == t.all_ids[: t.n_fed]
+
+
+# -- 9. linear /load, bounded re-encoding after evictions, state that reads right -------------
+
+
+def count_rendered_messages(session, monkeypatch) -> list[int]:
+    """Patch `session.render` to count the messages it is given (the cost of rendering)."""
+    seen = [0]
+    inner = session.render
+
+    def render(messages, add_generation_prompt):
+        seen[0] += len(messages)
+        return inner(messages, add_generation_prompt)
+
+    monkeypatch.setattr(session, "render", render)
+    return seen
+
+
+@pytest.mark.parametrize("system", [None, "Be brief."])
+def test_load_renders_linear_in_turns(tiny_engine, monkeypatch, system):
+    """Splitting a loaded chat into turns renders O(turns) messages, not O(turns²), and
+    gives the same segments as rendering up to every message."""
+    from chatbot.config import ChatConfig, SamplingConfig
+    from chatbot.session import ChatSession
+
+    costs = {}
+    for n in (50, 100, 200):
+        s = ChatSession(tiny_engine, ChatConfig(system=system, sampling=SamplingConfig(temperature=0)))
+        seen = count_rendered_messages(s, monkeypatch)
+        s.restore({"turns": [{"user": f"Hello {i}", "answer": f"Fine {i}."} for i in range(n)]}, encode=False)
+        costs[n] = seen[0]
+        text = s.segments[0].text if system else ""
+        assert s._turn_pieces_windowed(text) == s._turn_pieces(text)
+        assert s.rendered == s.render(s.messages(), False)
+    assert costs[200] <= 2.2 * costs[100] and costs[100] <= 2.2 * costs[50], costs
+    assert costs[200] < 20 * 200  # a few short windows per turn (quadratic: ~2 x 200²)
+
+
+def streaming_chat(model, tokenizer, **engine_cfg) -> Chat:
+    """A Chat on a streaming cache, checked after every line without comparing logits (past an
+    eviction inside a prefill chunk, the cached values saw tokens a recompute does not)."""
+    from chatbot.terminal.repl import Repl
+
+    c = Chat(model, tokenizer, None, enable_streaming=True, **engine_cfg)
+
+    def handle(line: str) -> None:
+        Repl.handle(c.repl, line)
+        assert_invariant(c.session, check_logits=False)
+
+    c.repl.handle = handle  # type: ignore[method-assign]
+    return c
+
+
+def test_undo_after_evictions_reencodes_the_window_only(tiny_model, tiny_tokenizer):
+    """With a streaming cache, /undo and /retry past an eviction refill only sinks + window
+    (the next turn's context is bounded by the window, not the conversation); /cache never
+    shows a negative recent count."""
+    c = streaming_chat(tiny_model, tiny_tokenizer, start_size=4, recent_size=48)
+    for i in range(12):
+        c.lines(f"Hello there! How are you today? {i}")
+    s = c.session
+    assert s.evicted_total > 0
+    conversation = len(s.all_ids)
+    c.lines("/undo", "/cache")
+    assert "recent" in c.err.getvalue() and "recent  -" not in c.err.getvalue()
+    lay = s.cache_layout()
+    assert lay.recent >= 0 and lay.pinned <= lay.length
+    c.lines("One more message")
+    fed = s.turns[-1].stats.context_tokens
+    assert fed <= 4 + 48 + 40, (fed, conversation)  # sinks + window + the new prompt
+    assert conversation > 3 * (4 + 48)
+    c.lines("/retry")
+    assert s.turns[-1].stats.context_tokens <= 4 + 48 + 40
