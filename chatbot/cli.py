@@ -239,7 +239,7 @@ def bench_turns(
 
 @bench_app.command("streaming")
 def bench_streaming(
-    text: Annotated[Path | None, typer.Option(help="A long plain-text file (default: ../shared/data/long_text.txt).")] = None,
+    text: Annotated[Path | None, typer.Option(help="A long plain-text file (default: the Python FAQ text shipped in the package).")] = None,
     recent_size: Annotated[list[int] | None, typer.Option(help="Recent window sizes to measure (repeatable).")] = None,
     start_size: Annotated[int, typer.Option(help="Attention sinks.", min=0)] = 4,
     decode_tokens: Annotated[int, typer.Option(help="Greedy tokens decoded at each mark.", min=2)] = 32,
@@ -269,7 +269,7 @@ def bench_streaming(
 
 @app.command("eval-ppl")
 def eval_ppl(
-    text: Annotated[Path | None, typer.Option(help="A long plain-text file (default: ../shared/data/long_text.txt).")] = None,
+    text: Annotated[Path | None, typer.Option(help="A long plain-text file (default: the Python FAQ text shipped in the package).")] = None,
     tokens: Annotated[int, typer.Option(help="Tokens to score, one per step.", min=2)] = 4000,
     start_size: Annotated[int, typer.Option(help="Attention sinks.", min=0)] = 4,
     recent_size: Annotated[int, typer.Option(help="Recent window.", min=1)] = 252,
@@ -319,7 +319,7 @@ def bench_decode(
     ppl_tokens: Annotated[int, typer.Option(help="Also measure perplexity over this many tokens of the text, through each decode path (0: skip).", min=0)] = 0,
     gguf: Annotated[Path | None, typer.Option(help="GGUF file for llama.cpp (default: the default model's).")] = None,
     png: Annotated[Path | None, typer.Option(help="Also draw the figures into this PNG (needs matplotlib).")] = None,
-    also: Annotated[str | None, typer.Option(help="Also run these benches on the same model, into the same JSON: turns (persistent cache vs re-encoding), streaming (sink cache vs recomputation; reads --text or ../shared/data/long_text.txt).")] = None,
+    also: Annotated[str | None, typer.Option(help="Also run these benches on the same model, into the same JSON: turns (persistent cache vs re-encoding), streaming (sink cache vs recomputation; reads --text or the packaged Python FAQ text).")] = None,
     model: ModelOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = None,

@@ -562,3 +562,17 @@ def test_undo_after_evictions_reencodes_the_window_only(tiny_model, tiny_tokeniz
     assert conversation > 3 * (4 + 48)
     c.lines("/retry")
     assert s.turns[-1].stats.context_tokens <= 4 + 48 + 40
+
+
+# -- 10. defaults inside the package ---------------------------------------------------------
+
+
+def test_benches_default_to_a_text_inside_the_package():
+    """eval-ppl and bench streaming run in any clone: their default text ships in the package."""
+    import chatbot
+    from chatbot.measure.bench_streaming import default_text_path
+
+    path = default_text_path()
+    assert path.is_file() and Path(chatbot.__file__).parent in path.parents
+    assert "shared" not in path.parts
+    assert len(path.read_text(encoding="utf-8")) > 100_000
