@@ -509,7 +509,13 @@ class ChatSession:
         With stop strings, the chunks' text stops before the first one and holds back an
         end that may be the start of one; their ids are the tokens as generated.
         """
-        self._skip_to_window()
+        # A Ctrl-C while the window is refilled ends the turn like one in the prefill: the
+        # finally below closes it.
+        interrupted = False
+        try:
+            self._skip_to_window()
+        except KeyboardInterrupt:
+            interrupted = True
         first_segment = len(self.segments)
         evicted_before = self.evicted_total
         new_ids = self.pending_ids + (prompt.ids if prompt else [])
@@ -546,6 +552,8 @@ class ChatSession:
         t0 = time.perf_counter()
         times: list[tuple[float, int]] = []
         try:
+            if interrupted:
+                raise KeyboardInterrupt
             for chunk in chunks:
                 times.append((time.perf_counter(), len(chunk.token_ids)))
                 shown.extend(chunk.token_ids)
