@@ -403,14 +403,18 @@ def test_save_refuses_fifos_devices_and_loops(tiny_model, tiny_tokenizer, tmp_pa
     os.mkfifo(fifo)
     loop = tmp_path / "loop"
     os.symlink(loop, loop)
-    c.lines("Hello there!", f"/save {fifo}", f"/save {loop}", "/save /dev/null", f"/save {tmp_path}")
+    # A device through a link: were the check missing, only the link would be replaced (never
+    # /dev/null itself, which a test run as root must not risk).
+    device = tmp_path / "device"
+    os.symlink("/dev/null", device)
+    c.lines("Hello there!", f"/save {fifo}", f"/save {loop}", f"/save {device}", f"/save {tmp_path}")
     err = c.err.getvalue()
     assert f"cannot save to {fifo}: it is a FIFO" in err
     assert f"cannot save to {loop}: a loop of symbolic links" in err
-    assert "cannot save to /dev/null: it is a device" in err
+    assert f"cannot save to {device}: it is a device" in err
     assert f"cannot save to {tmp_path}: it is a folder" in err
-    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and os.path.islink(loop)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "loop"]
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and os.path.islink(loop) and os.path.islink(device)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["device", "fifo", "loop"]
 
 
 def test_failed_save_leaves_no_temp_file(tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
