@@ -580,3 +580,47 @@ def test_benches_default_to_a_text_inside_the_package():
     assert path.is_file() and Path(chatbot.__file__).parent in path.parents
     assert "shared" not in path.parts
     assert len(path.read_text(encoding="utf-8")) > 100_000
+
+
+# -- the conversion cache ---------------------------------------------------------------------
+
+from test_models import tiny_gguf  # noqa: E402, F401 - the fixture
+
+
+def test_nan_in_the_converted_copy_is_rebuilt(tiny_gguf):
+    """NaN written into the converted safetensors (sizes unchanged) is noticed at load and the
+    copy rebuilt, instead of crashing every start at the first message."""
+    import torch
+
+    from chatbot.models.loader import converted_dir, load_model
+
+    path, model, tok = tiny_gguf
+    first = load_model(str(path), device="cpu")
+    x = torch.tensor([tok("Hello there!")["input_ids"]])
+    with torch.no_grad():
+        reference = first.model(x).logits  # before the damage: the weights may be mapped from the file
+    del first
+    weights = converted_dir(path) / "model.safetensors"
+    size = weights.stat().st_size
+    header = int.from_bytes(weights.read_bytes()[:8], "little")
+    with open(weights, "r+b") as f:
+        f.seek(8 + header)
+        f.write(b"\x00\x00\xc0\x7f" * 64)  # float32 NaN (bfloat16: 0 and NaN)
+    assert weights.stat().st_size == size
+    second = load_model(str(path), device="cpu")
+    assert any("NaN or infinite weights; rebuilt it" in n for n in second.notes), second.notes
+    assert all(bool(torch.isfinite(p).all()) for p in second.model.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(second.model(x).logits, reference)
+
+
+def test_unwritable_conversion_cache_converts_into_a_temporary_folder(tiny_gguf, tmp_path, monkeypatch):
+    from chatbot.models.loader import load_model
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "cache"))
+    path, model, tok = tiny_gguf
+    loaded = load_model(str(path), device="cpu")
+    assert any("cannot write the conversion cache" in n and "temporary folder" in n for n in loaded.notes)
+    assert loaded.model.config.vocab_size == model.config.vocab_size
