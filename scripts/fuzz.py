@@ -8,6 +8,7 @@ Modes (scripts/fuzz MODE [--seed N] [--n N] [--json FILE]):
   kill     kill -9 at random points (start-up, prefill, decode, log append), then --resume:
            no finished turn and no message whose answer had started may be lost
   soak     N turns with --enable-streaming --recent-size 60 in one process: RSS per turn
+  load     seconds to /load 500, 1,000, 2,000 turns (linear in the turns)
   all      pipe, repl, cmdline and kill
 
 Counts: tracebacks, "internal error" lines, hangs (time-outs), unexpected exit codes, lost
@@ -426,9 +427,39 @@ def run_soak(args: argparse.Namespace, work: Path) -> dict[str, object]:
             "rss_last_over_turn_50": round(curve[args.turns] / first, 4), "seconds": round(time.perf_counter() - t0)}
 
 
+def run_load(args: argparse.Namespace, work: Path) -> dict[str, object]:
+    """/load of 500, 1,000 and 2,000 turns on the tiny model (streaming cache, one thread):
+    seconds to split it into turns and to encode it."""
+    import torch
+    from conftest import make_llama, make_tokenizer
+
+    from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
+    from chatbot.engine.generate import Engine
+    from chatbot.session import ChatSession
+
+    torch.set_num_threads(1)
+    tok = make_tokenizer()
+    model = make_llama(len(tok), max_position_embeddings=1 << 20)
+    rows = {}
+    for n in (500, 1000, 2000):
+        engine = Engine(model, tok, max_context=1 << 20)
+        s = ChatSession(engine, ChatConfig(sampling=SamplingConfig(temperature=0.0),
+                                           engine=EngineConfig(enable_streaming=True, recent_size=64)))
+        data = {"turns": [{"user": f"Hello {i}, how are you?", "answer": "Fine, thank you."} for i in range(n)]}
+        t0 = time.perf_counter()
+        s.restore(data, encode=False)
+        split = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        fed = s.prefill_pending()
+        rows[n] = {"split_s": round(split, 2), "encode_s": round(time.perf_counter() - t0, 2),
+                   "tokens": len(s.all_ids), "fed": fed}
+        print(f"{n} turns: {rows[n]}", file=sys.stderr, flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["pipe", "repl", "cmdline", "kill", "soak", "all"])
+    parser.add_argument("mode", choices=["pipe", "repl", "cmdline", "kill", "soak", "load", "all"])
     parser.add_argument("--seed", type=int, default=16)
     parser.add_argument("--n", type=int, default=1000, help="inputs for pipe and repl")
     parser.add_argument("--kills", type=int, default=50)
