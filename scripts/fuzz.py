@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 CHATBOT = str(Path(sys.executable).with_name("chatbot"))
-STATS = re.compile(r"^context [\d,]+ tok", re.M)
+STATS = re.compile(r"^context [\d,]+ tok", re.MULTILINE)
 
 ESCAPES = ["\x1b]52;c;cHduZWQ=\x07", "\x1b]0;owned\x07", "\x1b[2J\x1b[H", "\x1b[10A", "\x9b31m", "\x07",
            "\u202egnp.exe", "\x1bP+q\x1b\\", "\x1b]8;;http://x\x1b\\link\x1b]8;;\x1b\\", "\x1bc"]
@@ -172,7 +172,7 @@ def run_pipe(args: argparse.Namespace, work: Path) -> dict[str, int]:
         cmd = [CHATBOT, "run", "--model", str(model), "--threads", "1", "--temperature", "0", "--max-new-tokens", "8"]
         try:
             proc = subprocess.run(cmd, input="\n".join(lines).encode("utf-8", "surrogatepass") + b"\n",
-                                  capture_output=True, env=env_for(data), timeout=600)
+                                  capture_output=True, env=env_for(data), timeout=600, check=False)
         except subprocess.TimeoutExpired:
             result["hangs"] += 1
             continue
@@ -300,7 +300,8 @@ def run_cmdline(args: argparse.Namespace, work: Path) -> dict[str, int]:
         argv = [a.replace("{files}", str(files)) for a in line]
         started = time.perf_counter()
         try:
-            proc = subprocess.run([CHATBOT, *argv], input=b"", capture_output=True, env=env_for(data), timeout=60)
+            proc = subprocess.run([CHATBOT, *argv], input=b"", capture_output=True, env=env_for(data), timeout=60,
+                                  check=False)
         except subprocess.TimeoutExpired:
             result["hangs"] += 1
             print("hang:", argv, file=sys.stderr)
@@ -371,7 +372,7 @@ def run_kill(args: argparse.Namespace, work: Path) -> dict[str, int]:
         result["lost_messages"] += sum(1 for m in started if m not in users)
     # the last log resumes cleanly
     proc = subprocess.run([CHATBOT, "run", "--model", str(model), "--threads", "1", "--resume", "--max-new-tokens", "2"],
-                          input=b"/history\n", capture_output=True, env=env, timeout=120)
+                          input=b"/history\n", capture_output=True, env=env, timeout=120, check=False)
     result["resume_failures"] += proc.returncode != 0
     result["tracebacks"] += proc.stderr.count(b"Traceback")
     return result

@@ -156,7 +156,7 @@ def test_loaded_file_shows_no_escape_sequences(tiny_model, tiny_tokenizer, tmp_p
 
 
 def test_error_lines_are_safe(capsys):
-    code, out, err = cli(capsys, "run", "--model", "/no/such/\x1b]0;owned\x07\nmodel")
+    code, _out, err = cli(capsys, "run", "--model", "/no/such/\x1b]0;owned\x07\nmodel")
     assert code == 2
     assert "no such file or folder: /no/such/␛]0;owned␇␤model" in err
     assert_no_controls(err)
@@ -332,7 +332,7 @@ def test_bad_config_files_are_one_line(capsys, tmp_path):
                           (bomb, "too big"), (fifo, "it is a FIFO"), (Path("/dev/zero"), "it is a device"),
                           (big, "too large"), (tmp_path, "it is a folder")]:
         started = time.perf_counter()
-        code, out, err = cli(capsys, "run", "--config", str(path))
+        code, _out, err = cli(capsys, "run", "--config", str(path))
         assert time.perf_counter() - started < 20
         assert code == 2 and message in err, (path, err)
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
@@ -347,13 +347,13 @@ def test_bad_config_files_are_one_line(capsys, tmp_path):
     (["--temperature", "1e-300"], "temperature must be 0 or at least 0.01"),
 ])
 def test_absurd_sizes_are_refused_before_loading(capsys, args, message):
-    code, out, err = cli(capsys, "run", "--enable-streaming", *args)
+    code, _out, err = cli(capsys, "run", "--enable-streaming", *args)
     assert code == 2 and message in err, err
     assert len(err.strip().splitlines()) == 1
 
 
 def test_window_larger_than_the_context(capsys, tiny_dir, empty_stdin):
-    code, out, err = cli(capsys, "run", "--model", str(tiny_dir), "--enable-streaming", "--recent-size", "600")
+    code, _out, err = cli(capsys, "run", "--model", str(tiny_dir), "--enable-streaming", "--recent-size", "600")
     assert code == 2, err
     assert "start_size + recent_size (4 + 600) must be at most the context (512 tokens)" in err
 
@@ -363,7 +363,7 @@ def test_threads_are_capped_at_the_cores(capsys, tiny_dir, empty_stdin):
 
     before = torch.get_num_threads()
     try:
-        code, out, err = cli(capsys, "run", "--model", str(tiny_dir), "--threads", "999")
+        code, _out, err = cli(capsys, "run", "--model", str(tiny_dir), "--threads", "999")
         assert code == 0, err
         cores = os.cpu_count()
         assert f"note: --threads 999 is more than the {cores} cores here; using {cores}" in err
@@ -457,7 +457,7 @@ def test_kill_9_mid_answer_keeps_the_message(tiny_dir, tmp_path):
     turns = session_log.replay(path)["turns"]
     assert [t["user"] for t in turns] == ["first message", "second message", "a long answer please"]
     assert turns[-1]["interrupted"] and not turns[0]["interrupted"]
-    out = subprocess.run([*args, "--resume", "--max-new-tokens", "2"], input=b"/history\n", capture_output=True,
+    out = subprocess.run([*args, "--resume", "--max-new-tokens", "2"], input=b"/history\n", capture_output=True, check=False,
                          env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert b"(3 turns)" in out.stderr and b"[interrupted]" in out.stderr
@@ -584,17 +584,17 @@ def test_benches_default_to_a_text_inside_the_package():
 
 # -- the conversion cache ---------------------------------------------------------------------
 
-from test_models import tiny_gguf  # noqa: E402, F401 - the fixture
+from test_models import tiny_gguf  # noqa: F401 - the fixture
 
 
-def test_nan_in_the_converted_copy_is_rebuilt(tiny_gguf):
+def test_nan_in_the_converted_copy_is_rebuilt(tiny_gguf):  # noqa: F811 - the fixture  # noqa: F811 - the fixture
     """NaN written into the converted safetensors (sizes unchanged) is noticed at load and the
     copy rebuilt, instead of crashing every start at the first message."""
     import torch
 
     from chatbot.models.loader import converted_dir, load_model
 
-    path, model, tok = tiny_gguf
+    path, _model, tok = tiny_gguf
     first = load_model(str(path), device="cpu")
     x = torch.tensor([tok("Hello there!")["input_ids"]])
     with torch.no_grad():
@@ -614,13 +614,13 @@ def test_nan_in_the_converted_copy_is_rebuilt(tiny_gguf):
         torch.testing.assert_close(second.model(x).logits, reference)
 
 
-def test_unwritable_conversion_cache_converts_into_a_temporary_folder(tiny_gguf, tmp_path, monkeypatch):
+def test_unwritable_conversion_cache_converts_into_a_temporary_folder(tiny_gguf, tmp_path, monkeypatch):  # noqa: F811  # noqa: F811
     from chatbot.models.loader import load_model
 
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "cache"))
-    path, model, tok = tiny_gguf
+    path, model, _tok = tiny_gguf
     loaded = load_model(str(path), device="cpu")
     assert any("cannot write the conversion cache" in n and "temporary folder" in n for n in loaded.notes)
     assert loaded.model.config.vocab_size == model.config.vocab_size

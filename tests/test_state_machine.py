@@ -14,9 +14,9 @@ import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
 
-from hypothesis import HealthCheck, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from hypothesis.stateful import (  # noqa: E402
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
     invariant,
@@ -24,12 +24,12 @@ from hypothesis.stateful import (  # noqa: E402
     rule,
     run_state_machine_as_test,
 )
-from test_session import Interrupter, answer, assert_invariant  # noqa: E402
+from test_session import Interrupter, answer, assert_invariant
 
-from chatbot.config import ChatConfig, EngineConfig, SamplingConfig  # noqa: E402
-from chatbot.engine.generate import Engine  # noqa: E402
-from chatbot.errors import ChatbotError  # noqa: E402
-from chatbot.session import ChatSession  # noqa: E402
+from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
+from chatbot.engine.generate import Engine
+from chatbot.errors import ChatbotError
+from chatbot.session import ChatSession
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
