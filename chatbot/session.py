@@ -290,7 +290,10 @@ class ChatSession:
         cache = SinkCache.for_model(self.engine.model, ec.start_size, recent)
         keep = ec.keep_system if ec.keep_system is not None else bool(self.system)
         if keep:
-            cache.pin(self.system_prompt_tokens())
+            # A system prompt longer than the context allows is pinned only as far as it fits
+            # beside the window; the rest is evicted like any old text.
+            room = max(ec.start_size, self.engine.max_context - recent)
+            cache.pin(min(self.system_prompt_tokens(), room))
         return cache
 
     def system_prompt_tokens(self) -> int:

@@ -624,3 +624,14 @@ def test_unwritable_conversion_cache_converts_into_a_temporary_folder(tiny_gguf,
     loaded = load_model(str(path), device="cpu")
     assert any("cannot write the conversion cache" in n and "temporary folder" in n for n in loaded.notes)
     assert loaded.model.config.vocab_size == model.config.vocab_size
+
+
+def test_huge_system_prompt_stays_within_the_context(tiny_model, tiny_tokenizer):
+    """A pinned system prompt longer than the context is pinned only as far as it fits beside
+    the window: the streaming cache never outgrows the model's positions (512 here)."""
+    c = streaming_chat(tiny_model, tiny_tokenizer, start_size=4, recent_size=48)
+    c.lines("Hello there!", "/system " + "word " * 300, "How are you?", "And now?")
+    s = c.session
+    assert s.capacity <= 512 and len(s.cache_ids) <= 512
+    assert s.cache_layout().pinned >= 400  # most of it is still pinned
+    assert len(s.turns) == 3 and "error" not in c.err.getvalue()
