@@ -331,20 +331,27 @@ def run_kill(args: argparse.Namespace, work: Path) -> dict[str, int]:
     model = tiny_model_dir(work)
     data = Path(tempfile.mkdtemp(dir=work, prefix="kill-"))
     env = env_for(data)
-    result = {"kills": 0, "lost_finished_turns": 0, "lost_messages": 0, "resume_failures": 0, "tracebacks": 0}
+    result = {"kills": 0, "lost_finished_turns": 0, "lost_messages": 0, "resume_failures": 0, "tracebacks": 0,
+              "died": 0}
     sessions = data / "chatbot" / "sessions"
     for round_ in range(args.kills):
         logs = sorted(sessions.glob("*.jsonl")) if sessions.exists() else []
         before = session_log.replay(logs[0])["turns"] if logs else []
-        cmd = [CHATBOT, "run", "--model", str(model), "--threads", "1", "--temperature", "0",
+        # Every other round on a streaming cache: the 512-token context of the tiny model fills
+        # up within a few rounds otherwise (then messages are refused, one line each).
+        streaming = ["--enable-streaming", "--recent-size", "256"] if round_ % 2 else []
+        cmd = [CHATBOT, "run", "--model", str(model), "--threads", "1", "--temperature", "0", *streaming,
                "--max-new-tokens", str(rng.choice([4, 50, 400, 2000]))] + (["--resume"] if logs else [])
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
         assert proc.stdin is not None and proc.stdout is not None
         started: list[str] = []
         for i in range(rng.randint(1, 3)):
             message = f"round {round_} message {i} {rng.random():.6f}"
-            proc.stdin.write(message.encode() + b"\n")
-            proc.stdin.flush()
+            try:
+                proc.stdin.write(message.encode() + b"\n")
+                proc.stdin.flush()
+            except BrokenPipeError:  # the chat ended by itself: that is a failure
+                break
             if rng.random() < 0.25:  # kill anywhere: start-up, resume, prefill
                 time.sleep(rng.uniform(0, 3))
                 break
@@ -353,7 +360,12 @@ def run_kill(args: argparse.Namespace, work: Path) -> dict[str, int]:
                 os.read(proc.stdout.fileno(), 1 << 16)
                 started.append(message)  # its answer is streaming: the message was logged
             time.sleep(rng.uniform(0, 0.5))
-        os.kill(proc.pid, signal.SIGKILL)
+        if proc.poll() is not None:
+            result["died"] += 1
+            print(f"round {round_}: exited {proc.returncode} before the kill:",
+                  proc.stderr.read().decode("utf-8", "replace")[-1500:], file=sys.stderr)
+        else:
+            os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         result["kills"] += 1
         logs = sorted(sessions.glob("*.jsonl"))

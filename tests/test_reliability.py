@@ -635,3 +635,16 @@ def test_huge_system_prompt_stays_within_the_context(tiny_model, tiny_tokenizer)
     assert s.capacity <= 512 and len(s.cache_ids) <= 512
     assert s.cache_layout().pinned >= 400  # most of it is still pinned
     assert len(s.turns) == 3 and "error" not in c.err.getvalue()
+
+
+def test_resume_of_a_chat_that_no_longer_fits(tiny_model, tiny_tokenizer, tmp_path):
+    """A log whose turns outgrew the context (an interrupted answer ran long) resumes with a
+    note instead of ending the program; /undo makes room and the chat goes on."""
+    long = json.dumps("word " * 40)
+    turns = [f'{{"event": "turn", "user": "question {i}", "answer": {long}, "stats": {{}}}}' for i in range(3)]
+    path = hostile_log(tmp_path / "sessions", "20260101-000009-ffff.jsonl", [START, *turns])
+    c = Chat(tiny_model, tiny_tokenizer, None)
+    c.repl.start_log(resume=path)
+    assert "loaded 3 turns, but they do not fit: context full" in c.err.getvalue()
+    c.lines("/undo", "/undo", "Hello there!")
+    assert [t.user for t in c.session.turns] == ["question 0", "Hello there!"]

@@ -25,7 +25,7 @@ from prompt_toolkit.output import create_output
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from chatbot.errors import ChatbotError
+from chatbot.errors import ChatbotError, ContextFullError
 from chatbot.limits import expand
 from chatbot.models.loader import LoadedModel
 from chatbot.session import ChatSession, Turn
@@ -308,6 +308,10 @@ class Repl:
         except KeyboardInterrupt:
             self.note(f"loaded {len(self.session.turns)} turns; encoding stopped, the rest is "
                       "encoded with the next message")
+        except ContextFullError as exc:
+            # The conversation is kept (not encoded): the user decides what to drop.
+            self.note(f"loaded {len(self.session.turns)} turns, but they do not fit: {exc}; "
+                      "/undo drops the last turn")
 
     def _history(self, _: Command) -> None:
         self.info.print(history_renderable(self.session.turns, self.session.system, markdown=not self.plain))
