@@ -648,3 +648,38 @@ def test_resume_of_a_chat_that_no_longer_fits(tiny_model, tiny_tokenizer, tmp_pa
     assert "loaded 3 turns, but they do not fit: context full" in c.err.getvalue()
     c.lines("/undo", "/undo", "Hello there!")
     assert [t.user for t in c.session.turns] == ["question 0", "Hello there!"]
+
+
+def test_messages_of_killed_processes_are_all_kept(tmp_path):
+    """Two processes killed mid-answer in a row, each resumed: both messages stay, each as its
+    own interrupted turn, and the finished turns around them are untouched."""
+    path = hostile_log(tmp_path, "20260101-000010-abcd.jsonl", [
+        START,
+        '{"event": "send", "user": "one"}', '{"event": "turn", "user": "one", "answer": "1", "stats": {}}',
+        '{"event": "send", "user": "two"}',  # killed here
+        '{"event": "resume", "model": "m"}',
+        '{"event": "send", "user": "three"}',  # killed here too
+        '{"event": "resume", "model": "m"}',
+        '{"event": "send", "user": "four"}', '{"event": "turn", "user": "four", "answer": "4", "stats": {}}',
+        '{"event": "send", "user": "five"}', '{"event": "cancel"}',  # refused (context full)
+    ])
+    turns = session_log.replay(path)["turns"]
+    assert [(t["user"], t["answer"], t["interrupted"]) for t in turns] == [
+        ("one", "1", False), ("two", "", True), ("three", "", True), ("four", "4", False)]
+
+
+def test_log_writes_are_not_torn_by_ctrl_c(tmp_path):
+    """A Ctrl-C during a log write waits until the line is on disk."""
+    log = session_log.SessionLog(tmp_path / "x.jsonl", {"model": "m"})
+    inner = session_log.private_dir
+
+    def interrupt_then_mkdir(path: Path) -> Path:
+        os.kill(os.getpid(), signal.SIGINT)  # arrives before a byte is written
+        return inner(path)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(session_log, "private_dir", interrupt_then_mkdir)
+        with pytest.raises(KeyboardInterrupt):
+            log.write("turn", user="u", answer="a")
+    events = list(session_log.read_events(tmp_path / "x.jsonl"))
+    assert [e["event"] for e in events] == ["start", "turn"]

@@ -9,9 +9,11 @@ new system prompt, ...). Replaying the events gives the conversation back; a tor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -105,6 +107,10 @@ class SessionLog:
         lines.append({"event": event, "time": _now(), **fields})
         # One write of whole lines: a crash tears at most the last line, which replay skips.
         data = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
+        with _sigint_blocked():
+            self._append(data)
+
+    def _append(self, data: str) -> None:
         try:
             private_dir(self.path.parent)
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), FILE_MODE)
@@ -118,6 +124,28 @@ class SessionLog:
             if self.warn is not None:
                 self.warn(f"warning: cannot write the session log {self.path} "
                           f"({exc.strerror or exc}); the chat goes on without it")
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """Ctrl-C waits until the event is on disk (it takes effect right after), so a key press
+    at the wrong moment cannot tear the log of a turn that is already finished. (A signal
+    mask would not do: torch's threads would take the signal.)"""
+    caught: list[int] = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    except ValueError:  # not the main thread: signals go to the main thread anyway
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            if callable(previous):
+                previous(signal.SIGINT, None)
+            elif previous != signal.SIG_IGN:
+                raise KeyboardInterrupt
 
 
 def _now() -> str:
@@ -192,9 +220,11 @@ def replay(path: Path) -> dict[str, Any]:
                 settings = ev.get("settings")
                 state.update(model=_text(ev.get("model")), system=_text(ev.get("system")),
                              settings=settings if isinstance(settings, dict) else {})
+            elif kind == "resume":
+                pending = False  # a message left by a killed process stays a turn of its own
             elif kind == "send" and _text(ev.get("user")) is not None:
-                if pending:
-                    state["turns"].pop()
+                # (a send after a send with no turn between: the first process was killed
+                # before its resume event; both messages are kept)
                 state["turns"].append({"user": _text(ev["user"]), "answer": "", "interrupted": True, "stats": {}})
                 pending = True
             elif kind == "turn" and (turn := _turn(ev)) is not None:
