@@ -335,11 +335,13 @@ def run_kill(args: argparse.Namespace, work: Path) -> dict[str, int]:
               "died": 0}
     sessions = data / "chatbot" / "sessions"
     for round_ in range(args.kills):
-        logs = sorted(sessions.glob("*.jsonl")) if sessions.exists() else []
+        # the log --resume picks (the newest); none yet when every earlier round was killed
+        # before its first write
+        logs = [session_log.find_session("last", sessions)] if session_log.list_sessions(sessions) else []
         before = session_log.replay(logs[0])["turns"] if logs else []
-        # Every other round on a streaming cache: the 512-token context of the tiny model fills
-        # up within a few rounds otherwise (then messages are refused, one line each).
-        streaming = ["--enable-streaming", "--recent-size", "256"] if round_ % 2 else []
+        # A streaming cache: the 512-token context of the tiny model would fill up within a few
+        # rounds otherwise (then messages are refused, one line each, and nothing is at stake).
+        streaming = ["--enable-streaming", "--recent-size", "256"]
         cmd = [CHATBOT, "run", "--model", str(model), "--threads", "1", "--temperature", "0", *streaming,
                "--max-new-tokens", str(rng.choice([4, 50, 400, 2000]))] + (["--resume"] if logs else [])
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
@@ -355,10 +357,20 @@ def run_kill(args: argparse.Namespace, work: Path) -> dict[str, int]:
             if rng.random() < 0.25:  # kill anywhere: start-up, resume, prefill
                 time.sleep(rng.uniform(0, 3))
                 break
-            ready, _, _ = select.select([proc.stdout], [], [], 60)
-            if ready:
-                os.read(proc.stdout.fileno(), 1 << 16)
-                started.append(message)  # its answer is streaming: the message was logged
+            # Wait for the answer's first text (a refused message, e.g. when the context is
+            # full, prints only the end of an empty answer, a newline, and is not logged).
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                ready, _, _ = select.select([proc.stdout], [], [], 1)
+                if ready:
+                    data = os.read(proc.stdout.fileno(), 1 << 16)
+                    if not data:
+                        break
+                    if data.strip():
+                        started.append(message)  # its answer is streaming: the message was logged
+                        break
+                elif proc.poll() is not None:
+                    break
             time.sleep(rng.uniform(0, 0.5))
         if proc.poll() is not None:
             result["died"] += 1
@@ -368,7 +380,7 @@ def run_kill(args: argparse.Namespace, work: Path) -> dict[str, int]:
             os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         result["kills"] += 1
-        logs = sorted(sessions.glob("*.jsonl"))
+        logs = [session_log.find_session("last", sessions)] if session_log.list_sessions(sessions) else []
         if not logs:
             result["lost_messages"] += len(started)
             continue
@@ -381,7 +393,10 @@ def run_kill(args: argparse.Namespace, work: Path) -> dict[str, int]:
         result["lost_finished_turns"] += sum(
             1 for i, t in enumerate(before) if i >= len(after) or (after[i]["user"], after[i]["answer"]) != (t["user"], t["answer"]))
         users = [t["user"] for t in after[len(before):]]
-        result["lost_messages"] += sum(1 for m in started if m not in users)
+        missing = [m for m in started if m not in users]
+        if missing:
+            print(f"round {round_}: lost {missing}; logged after the round: {users}", file=sys.stderr)
+        result["lost_messages"] += len(missing)
     # the last log resumes cleanly
     proc = subprocess.run([CHATBOT, "run", "--model", str(model), "--threads", "1", "--resume", "--max-new-tokens", "2"],
                           input=b"/history\n", capture_output=True, env=env, timeout=120, check=False)
