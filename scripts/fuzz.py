@@ -397,6 +397,8 @@ def run_kill(args: argparse.Namespace, work: Path) -> dict[str, int]:
         if missing:
             print(f"round {round_}: lost {missing}; logged after the round: {users}", file=sys.stderr)
         result["lost_messages"] += len(missing)
+        print(f"round {round_}: {len(after)} turns logged, {len(started)} answers had started", file=sys.stderr,
+              flush=True)
     # the last log resumes cleanly
     proc = subprocess.run([CHATBOT, "run", "--model", str(model), "--threads", "1", "--resume", "--max-new-tokens", "2"],
                           input=b"/history\n", capture_output=True, env=env, timeout=120, check=False)
