@@ -70,6 +70,11 @@ def _set_threads(threads: int | None) -> None:
     if threads:
         import torch
 
+        cores = os.cpu_count() or 1
+        if threads > cores:  # more threads than cores only make them wait for each other
+            Console(stderr=True, highlight=False).print(
+                f"note: --threads {threads} is more than the {cores} cores here; using {cores}", markup=False)
+            threads = cores
         torch.set_num_threads(threads)
 
 
@@ -416,7 +421,7 @@ def bench_load(
 
 @bench_app.command("streaming")
 def bench_streaming(
-    text: Annotated[Path | None, typer.Option(help="A long plain-text file (default: ../shared/data/long_text.txt).")] = None,
+    text: Annotated[Path | None, typer.Option(help="A long plain-text file (default: the Python FAQ text shipped in the package).")] = None,
     recent_size: Annotated[list[int] | None, typer.Option(help="Recent window sizes to measure (repeatable).")] = None,
     start_size: Annotated[int, typer.Option(help="Attention sinks.", min=0)] = 4,
     decode_tokens: Annotated[int, typer.Option(help="Greedy tokens decoded at each mark.", min=2)] = 32,
@@ -446,7 +451,7 @@ def bench_streaming(
 
 @app.command("eval-ppl")
 def eval_ppl(
-    text: Annotated[Path | None, typer.Option(help="A long plain-text file (default: ../shared/data/long_text.txt).")] = None,
+    text: Annotated[Path | None, typer.Option(help="A long plain-text file (default: the Python FAQ text shipped in the package).")] = None,
     tokens: Annotated[int, typer.Option(help="Tokens to score, one per step.", min=2)] = 4000,
     start_size: Annotated[int, typer.Option(help="Attention sinks.", min=0)] = 4,
     recent_size: Annotated[int, typer.Option(help="Recent window.", min=1)] = 252,
@@ -496,7 +501,7 @@ def bench_decode(
     ppl_tokens: Annotated[int, typer.Option(help="Also measure perplexity over this many tokens of the text, through each decode path (0: skip).", min=0)] = 0,
     gguf: Annotated[Path | None, typer.Option(help="GGUF file for llama.cpp (default: the default model's).")] = None,
     png: Annotated[Path | None, typer.Option(help="Also draw the figures into this PNG (needs matplotlib).")] = None,
-    also: Annotated[str | None, typer.Option(help="Also run these benches on the same model, into the same JSON: turns (persistent cache vs re-encoding), streaming (sink cache vs recomputation; reads --text or ../shared/data/long_text.txt).")] = None,
+    also: Annotated[str | None, typer.Option(help="Also run these benches on the same model, into the same JSON: turns (persistent cache vs re-encoding), streaming (sink cache vs recomputation; reads --text or the packaged Python FAQ text).")] = None,
     model: ModelOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = None,
@@ -620,6 +625,8 @@ def _optional_values(args: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app and turn every error into one line."""
+    from chatbot.terminal.sanitize import safe_line
+
     command = typer.main.get_command(app)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     args = _optional_values(list(sys.argv[1:] if argv is None else argv))
@@ -634,21 +641,22 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(2)
         where = ctx.command_path if ctx is not None else "chatbot"
         message = " ".join(exc.format_message().split())
-        err.print(f"{where}: {message} (see: {where} --help)", markup=False)
+        err.print(safe_line(f"{where}: {message} (see: {where} --help)"), markup=False)
         sys.exit(2)
     except Abort:
         sys.exit(130)
     except ChatbotError as exc:
         if _DEBUG or os.environ.get("CHATBOT_DEBUG"):
             raise
-        err.print(f"chatbot: error: {exc}", markup=False)
+        err.print(safe_line(f"chatbot: error: {exc}"), markup=False)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as exc:
         if _DEBUG or os.environ.get("CHATBOT_DEBUG"):
             raise
-        err.print(f"chatbot: internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)", markup=False)
+        err.print(safe_line(f"chatbot: internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)"),
+                  markup=False)
         sys.exit(1)
 
 

@@ -8,6 +8,9 @@ from typing import Any
 
 from chatbot.errors import ConfigError
 
+# Above any context a model has today; bounds token counts given on the command line.
+MAX_TOKENS = 1 << 24
+
 
 @dataclass(frozen=True)
 class Range:
@@ -17,6 +20,9 @@ class Range:
     low: float
     high: float | None = None
     low_inclusive: bool = True
+    # Values between `low` and this are refused (e.g. a temperature of 1e-300, which
+    # overflows the logits): `low` itself, or at least this.
+    gap_above_low: float | None = None
 
     def check(self, key: str, value: Any) -> Any:
         try:
@@ -26,11 +32,13 @@ class Range:
                 value = int(value)
             else:
                 value = float(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"{key} must be {self.describe()}, got {value!r}") from None
         if value != value or value in (float("inf"), float("-inf")):
             raise ConfigError(f"{key} must be {self.describe()}, got {value!r}")
         too_low = value < self.low if self.low_inclusive else value <= self.low
+        if self.gap_above_low is not None and self.low < value < self.gap_above_low:
+            raise ConfigError(f"{key} must be {_fmt(self.low)} or at least {_fmt(self.gap_above_low)}, got {value!r}")
         if too_low or (self.high is not None and value > self.high):
             raise ConfigError(f"{key} must be {self.describe()}, got {value!r}")
         return value
@@ -60,10 +68,10 @@ class SamplingConfig:
     stream_interval: int = 1
 
     RANGES = {
-        "temperature": Range(float, 0.0, 100.0),
+        "temperature": Range(float, 0.0, 100.0, gap_above_low=0.01),
         "top_p": Range(float, 0.0, 1.0, low_inclusive=False),
         "top_k": Range(int, 0),
-        "repetition_penalty": Range(float, 0.0, 10.0, low_inclusive=False),
+        "repetition_penalty": Range(float, 0.01, 10.0),
         "max_new_tokens": Range(int, 1, 1_000_000),
         "seed": Range(int, 0, 2**63 - 1),
         "stream_interval": Range(int, 1, 1000),
@@ -116,13 +124,35 @@ class EngineConfig:
     max_context: int | None = None  # None: the model's max_position_embeddings
 
     def validated(self) -> EngineConfig:
-        Range(int, 1).check("prefill_chunk", self.prefill_chunk)
-        Range(int, 0).check("start_size", self.start_size)
+        """Check each value alone (the model's context is checked by `check_window`).
+
+        Raises:
+            ConfigError: naming the key and the allowed range.
+        """
+        Range(int, 1, MAX_TOKENS).check("prefill_chunk", self.prefill_chunk)
+        Range(int, 0, MAX_TOKENS).check("start_size", self.start_size)
         if self.recent_size is not None:
-            Range(int, 16).check("recent_size", self.recent_size)
+            Range(int, 16, MAX_TOKENS).check("recent_size", self.recent_size)
+            if self.start_size > self.recent_size:
+                raise ConfigError(f"start_size ({self.start_size:,}) must not be larger than the recent "
+                                  f"window ({self.recent_size:,})")
         if self.max_context is not None:
-            Range(int, 16).check("max_context", self.max_context)
+            Range(int, 16, MAX_TOKENS).check("max_context", self.max_context)
         return self
+
+    def check_window(self, start_size: int, recent_size: int, max_context: int) -> None:
+        """A streaming cache must fit in the context: sinks + recent window at most
+        `max_context`, and no more sinks than the window.
+
+        Raises:
+            ConfigError: it does not fit (saying what would).
+        """
+        if start_size > recent_size:
+            raise ConfigError(f"start_size ({start_size:,}) must not be larger than the recent window "
+                              f"({recent_size:,})")
+        if start_size + recent_size > max_context:
+            raise ConfigError(f"start_size + recent_size ({start_size:,} + {recent_size:,}) must be at most the "
+                              f"context ({max_context:,} tokens); e.g. --recent-size {max(16, max_context - start_size):,}")
 
 
 @dataclass

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,7 +26,7 @@ import openai
 from chatbot.config import SamplingConfig
 from chatbot.engine.stats import TurnStats
 from chatbot.errors import ChatbotError, ConfigError
-from chatbot.session import SAVE_FORMAT, SAVE_VERSION, Turn, merge_stats, parse_saved
+from chatbot.session import SAVE_FORMAT, SAVE_VERSION, Turn, merge_stats, parse_saved, write_saved
 
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 300.0  # a long prompt on a busy CPU server may take minutes to prefill
@@ -420,33 +418,25 @@ class RemoteSession:
             "turns": [t.as_dict() for t in self.turns],
         }
 
-    def restore(self, data: Any, on_progress: ProgressCallback | None = None, encode: bool = True) -> int:
+    def restore(self, data: Any, on_progress: ProgressCallback | None = None, encode: bool = True,
+                warnings: list[str] | None = None) -> int:
         """Replace the conversation with saved data; nothing to encode here. Returns 0.
 
         Raises:
             ConfigError: the data is not a conversation (nothing is changed).
         """
-        system, sampling, turns = parse_saved(data, self.sampling)
+        system, sampling, turns = parse_saved(data, self.sampling, warnings)
         self.system, self.turns, self.sampling = system, turns, sampling
         self.last_total_tokens = 0
         return 0
 
     def save(self, path: str | os.PathLike[str], model: str | None = None) -> Path:
-        """Write `to_dict` as JSON, atomically.
+        """Write `to_dict` as JSON, as ChatSession does (`write_saved`).
 
         Raises:
             ChatbotError: the file cannot be written.
         """
-        target = Path(path).expanduser()
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(json.dumps(self.to_dict(model), ensure_ascii=False, indent=1) + "\n")
-            os.replace(tmp, target)
-        except OSError as exc:
-            raise ChatbotError(f"cannot save to {target}: {exc.strerror or exc}") from None
-        return target
+        return write_saved(path, self.to_dict(model))
 
 
 def _stats(t0: float, arrivals: list[float], usage: Any, finish: str | None) -> RemoteStats:

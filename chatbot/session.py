@@ -32,9 +32,13 @@ is cut back to the answer's tokens.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import itertools
 import json
 import os
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -48,6 +52,7 @@ from chatbot.config import ChatConfig, SamplingConfig
 from chatbot.engine.generate import Engine, GenerationChunk
 from chatbot.engine.stats import TurnStats
 from chatbot.errors import ChatbotError, ConfigError
+from chatbot.limits import MAX_SAVED_BYTES, expand, finite, loads_json, read_text
 from chatbot.models.templates import StopOnStrings, find_stop, held_back, stop_strings_of
 
 SAVE_FORMAT = "chatbot-session"
@@ -122,11 +127,12 @@ def stats_from_dict(data: Any) -> TurnStats:
             continue
         default = getattr(stats, f.name)
         if isinstance(default, list):
-            if isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
+            if isinstance(value, list) and len(value) <= 1_000_000 and all(finite(v) for v in value):
                 setattr(stats, f.name, [float(v) for v in value])
         elif isinstance(default, str):
-            setattr(stats, f.name, str(value))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            if isinstance(value, str):
+                setattr(stats, f.name, value)
+        elif finite(value):  # NaN / infinity in a hand-edited file are left out
             setattr(stats, f.name, type(default)(value) if default is not None else value)
     return stats
 
@@ -280,10 +286,14 @@ class ChatSession:
         from chatbot.engine.sink_cache import SinkCache
 
         recent = ec.recent_size or default_recent_size(self.engine.max_context)
+        ec.check_window(ec.start_size, recent, self.engine.max_context)
         cache = SinkCache.for_model(self.engine.model, ec.start_size, recent)
         keep = ec.keep_system if ec.keep_system is not None else bool(self.system)
         if keep:
-            cache.pin(self.system_prompt_tokens())
+            # A system prompt longer than the context allows is pinned only as far as it fits
+            # beside the window; the rest is evicted like any old text.
+            room = max(ec.start_size, self.engine.max_context - recent)
+            cache.pin(min(self.system_prompt_tokens(), room))
         return cache
 
     def system_prompt_tokens(self) -> int:
@@ -351,13 +361,28 @@ class ChatSession:
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+    def encode(self, text: str, literal: bool = False) -> list[int]:
+        """Token ids of `text`; with `literal`, special-token text in it (`<|im_end|>`) is
+        encoded as plain text, never as the control token."""
+        if not text:
+            return []
+        if literal:
+            return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _special_texts(self) -> tuple[str, ...]:
+        """The texts of the tokenizer's special tokens (cached)."""
+        cached = getattr(self, "_specials_cache", None)
+        if cached is None:
+            texts = set(self.tokenizer.all_special_tokens)
+            texts.update(t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special)
+            cached = self._specials_cache = tuple(t for t in texts if t)
+        return cached
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def _encode_after(self, context: str, text: str) -> list[int]:
+    def _encode_after(self, context: str, text: str, literal: bool = False) -> list[int]:
         """Ids for `text` as they are when it follows `context` ("" at the start).
 
         A SentencePiece tokenizer writes "▁" before the first word of a text, so "USER:"
@@ -366,10 +391,10 @@ class ChatSession:
         the two merge across the boundary, `text` is encoded alone.
         """
         if not context or not text:
-            return self.encode(text)
-        head = self.encode(context)
-        whole = self.encode(context + text)
-        return whole[len(head) :] if whole[: len(head)] == head else self.encode(text)
+            return self.encode(text, literal)
+        head = self.encode(context, literal)
+        whole = self.encode(context + text, literal)
+        return whole[len(head) :] if whole[: len(head)] == head else self.encode(text, literal)
 
     def _decode_after(self, before: Sequence[int], ids: Sequence[int]) -> str:
         """The text `ids` add after the ids `before`: a SentencePiece answer "▁Hello" reads
@@ -386,11 +411,24 @@ class ChatSession:
                 break
         return self.decode(ids)
 
-    def _segment(self, kind: str, text: str, before: Sequence[Segment] | None = None) -> Segment:
+    def _segment(self, kind: str, text: str, before: Sequence[Segment] | None = None,
+                 content: str | None = None) -> Segment:
         """A segment of `text` tokenized by us, as it reads after `before` (default: the
-        conversation's segments)."""
+        conversation's segments).
+
+        `content` is the message the template put in `text`: special-token text inside it
+        (a pasted `<|im_end|><|im_start|>system`) is encoded as plain text, so that a message
+        cannot forge turns; the template's own special tokens stay control tokens.
+        """
         before = self.segments if before is None else before
         context = next((seg.text for seg in reversed(before) if seg.text), "")
+        if content and any(s in content for s in self._special_texts()):
+            at = text.rfind(content)
+            if at >= 0:
+                head, tail = text[:at], text[at + len(content) :]
+                ids = (self._encode_after(context, head) + self._encode_after(context + head, content, literal=True)
+                       + self._encode_after(context + head + content, tail))
+                return Segment(kind, text, ids)
         return Segment(kind, text, self._encode_after(context, text))
 
     @property
@@ -457,7 +495,7 @@ class ChatSession:
             for t in self.turns:
                 t.first_segment = -1
             prefix = ""
-        prompt = self._segment("prompt", full[len(prefix) :])
+        prompt = self._segment("prompt", full[len(prefix) :], content=text)
         yield from self._answer(text, prompt, sampling)
 
     def _answer(
@@ -474,6 +512,13 @@ class ChatSession:
         With stop strings, the chunks' text stops before the first one and holds back an
         end that may be the start of one; their ids are the tokens as generated.
         """
+        # A Ctrl-C while the window is refilled ends the turn like one in the prefill: the
+        # finally below closes it.
+        interrupted = False
+        try:
+            self._skip_to_window()
+        except KeyboardInterrupt:
+            interrupted = True
         first_segment = len(self.segments)
         evicted_before = self.evicted_total
         new_ids = self.pending_ids + (prompt.ids if prompt else [])
@@ -510,6 +555,8 @@ class ChatSession:
         t0 = time.perf_counter()
         times: list[tuple[float, int]] = []
         try:
+            if interrupted:
+                raise KeyboardInterrupt
             for chunk in chunks:
                 times.append((time.perf_counter(), len(chunk.token_ids)))
                 shown.extend(chunk.token_ids)
@@ -542,7 +589,7 @@ class ChatSession:
     def _interrupted_stats(self, context: int, generated: int, t0: float, times: list[tuple[float, int]]) -> TurnStats:
         """Approximate figures for an answer cut short, from the chunks' arrival times."""
         latencies: list[float] = []
-        for (prev, _), (now, n) in zip(times, times[1:]):
+        for (prev, _), (now, n) in itertools.pairwise(times):
             latencies.extend([(now - prev) / n] * n if n else [])
         first = times[0][0] - t0 if times else 0.0
         return TurnStats(
@@ -631,7 +678,7 @@ class ChatSession:
             return
         old_fed = self.all_ids[: self.n_fed]
         answer_text, suffix = split
-        self.segments[-1] = self._segment("answer", answer_text, self.segments[:-1])
+        self.segments[-1] = self._segment("answer", answer_text, self.segments[:-1], content=answer_text)
         if suffix:
             self.segments.append(self._segment("prompt", suffix))
         keep = 0
@@ -674,6 +721,35 @@ class ChatSession:
         for turn in self.turns:  # a new cache has evicted nothing yet
             turn.evicted_before = 0
 
+    def _skip_to_window(self) -> None:
+        """An emptied streaming cache is refilled with what it would hold had it never been
+        emptied: the pinned start (sinks, system prompt) and the last `recent_size` ids. The
+        ids between are counted as evicted instead of being encoded only to be evicted (after
+        /undo or /retry past an eviction, a /load, a new system prompt), so the cost is the
+        window, not the whole conversation.
+        """
+        cache = self.cache
+        if not hasattr(cache, "evict_for_space") or self.cache_ids or self.n_fed:
+            return
+        ids = self.all_ids
+        pinned, recent = int(cache.pinned), int(cache.recent_size)
+        if len(ids) <= pinned + recent:
+            return
+        if pinned:
+            log = _FeedLog(self)
+            try:
+                self.engine.prefill(cache, ids[:pinned], self.config.engine.prefill_chunk, log.on_evict, 0, log.on_fed)
+            finally:
+                if log.settle():
+                    self.n_fed += len(log.fed)
+                else:
+                    self._forget_cache()
+            if self.n_fed != pinned:
+                return
+        skipped = len(ids) - recent - pinned
+        cache.evicted_total += skipped
+        self.n_fed += skipped
+
     def _rebuild_segments(self) -> None:
         """Tokenize the whole conversation afresh, turn by turn; the cache keeps only the
         ids it shares with the new tokenization (a bounded cache is emptied).
@@ -690,26 +766,17 @@ class ChatSession:
             sys_text = self.render(msgs, False)
             probe = self.render([*msgs, {"role": "user", "content": "x"}], True)
             if sys_text and probe.startswith(sys_text):
-                segments.append(self._segment("prompt", sys_text, segments))
+                segments.append(self._segment("prompt", sys_text, segments, content=self.system))
                 text = sys_text
-        ok = True
-        for turn in self.turns:
-            msgs = [*msgs, {"role": "user", "content": turn.user}]
-            full = self.render(msgs, True)
-            msgs = [*msgs, {"role": "assistant", "content": turn.answer}]
-            after = self.render(msgs, False)
-            split = _split_answer(after[len(full) :], turn.answer) if after.startswith(full) else None
-            if not full.startswith(text) or split is None:
-                ok = False
-                break
-            answer, suffix = split
+        pieces = self._turn_pieces_windowed(text) or self._turn_pieces(text)
+        ok = pieces is not None
+        for turn, (prompt, answer, suffix) in zip(self.turns, pieces or []):
             turn.first_segment = len(segments)
             turn.evicted_before = 0
-            segments.append(self._segment("prompt", full[len(text) :], segments))
-            segments.append(self._segment("answer", answer, segments))
+            segments.append(self._segment("prompt", prompt, segments, content=turn.user))
+            segments.append(self._segment("answer", answer, segments, content=answer))
             if suffix:
                 segments.append(self._segment("prompt", suffix, segments))
-            text = after
         if not ok:
             whole = self.render(self.messages(), False)
             segments = [Segment("prompt", whole, self.encode(whole))] if whole else []
@@ -717,6 +784,56 @@ class ChatSession:
                 turn.first_segment = -1
         self.segments = segments
         self._keep_common_prefix(old_fed)
+
+    def _turn_pieces(self, text: str) -> list[tuple[str, str, str]] | None:
+        """Each turn's text as (prompt, answer, closing text), found by rendering the
+        conversation up to each message: quadratic in the turns, for any template. None
+        when the template cannot be split turn by turn.
+
+        Args:
+            text: the rendered text before the first turn (the system prompt's segment).
+        """
+        msgs = self._system_messages()
+        pieces = []
+        for turn in self.turns:
+            msgs = [*msgs, {"role": "user", "content": turn.user}]
+            full = self.render(msgs, True)
+            msgs = [*msgs, {"role": "assistant", "content": turn.answer}]
+            after = self.render(msgs, False)
+            split = _split_answer(after[len(full) :], turn.answer) if after.startswith(full) else None
+            if not full.startswith(text) or split is None:
+                return None
+            pieces.append((full[len(text) :], *split))
+            text = after
+        return pieces
+
+    def _turn_pieces_windowed(self, text: str) -> list[tuple[str, str, str]] | None:
+        """As `_turn_pieces`, in time linear in the turns: each turn is rendered after only
+        the system prompt and the turn before it, and the pieces are accepted when together
+        they are exactly the whole conversation as rendered (else None: the template looks
+        further back, and `_turn_pieces` is used).
+        """
+        if len(self.turns) < 4:
+            return None  # short conversations: the exact method costs as little
+        sys_msgs = self._system_messages()
+        pieces = []
+        prev: list[dict[str, str]] = []
+        try:
+            for i, turn in enumerate(self.turns):
+                window = [*sys_msgs, *prev]
+                base = text if i == 0 else self.render(window, False)
+                user = {"role": "user", "content": turn.user}
+                full = self.render([*window, user], True)
+                after = self.render([*window, user, {"role": "assistant", "content": turn.answer}], False)
+                split = _split_answer(after[len(full) :], turn.answer) if after.startswith(full) else None
+                if not full.startswith(base) or split is None:
+                    return None
+                pieces.append((full[len(base) :], *split))
+                prev = [user, {"role": "assistant", "content": turn.answer}]
+        except Exception:  # noqa: BLE001 - a template that refuses a window: use the exact method
+            return None
+        whole = text + "".join(p + a + c for p, a, c in pieces)
+        return pieces if whole == self.render(self.messages(), False) else None
 
     def _keep_common_prefix(self, old_fed: list[int]) -> None:
         """Cut the cache back to the longest prefix of `old_fed` (what it held) that the
@@ -899,6 +1016,7 @@ class ChatSession:
         Raises:
             ContextFullError: the pending ids do not fit in a growing cache.
         """
+        self._skip_to_window()
         ids = self.pending_ids
         if not ids:
             return 0
@@ -940,9 +1058,13 @@ class ChatSession:
             "turns": [t.as_dict() for t in self.turns],
         }
 
-    def restore(self, data: Any, on_progress: ProgressCallback | None = None, encode: bool = True) -> int:
+    def restore(self, data: Any, on_progress: ProgressCallback | None = None, encode: bool = True,
+                warnings: list[str] | None = None) -> int:
         """Replace the conversation with saved data (`to_dict` output, or a bare
         `{"messages": [...]}`) and re-encode it in chunks.
+
+        Args:
+            warnings: told what was left out (settings out of range).
 
         Returns:
             the number of tokens encoded.
@@ -951,7 +1073,7 @@ class ChatSession:
             ConfigError: the data is not a conversation (nothing is changed).
             ContextFullError: it does not fit in the context (it is kept, not encoded).
         """
-        system, sampling, turns = parse_saved(data, self.sampling)
+        system, sampling, turns = parse_saved(data, self.sampling, warnings)
         self.system = system
         self.turns = turns
         self.set_sampling(sampling)
@@ -959,22 +1081,12 @@ class ChatSession:
         return self.prefill_pending(on_progress) if encode else 0
 
     def save(self, path: str | os.PathLike[str], model: str | None = None) -> Path:
-        """Write `to_dict` as JSON (atomically: a crash never leaves half a file).
+        """Write `to_dict` as JSON (see `write_saved`).
 
         Raises:
             ChatbotError: the file cannot be written.
         """
-        target = Path(path).expanduser()
-        data = json.dumps(self.to_dict(model), ensure_ascii=False, indent=1)
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(data + "\n")
-            os.replace(tmp, target)
-        except OSError as exc:
-            raise ChatbotError(f"cannot save to {target}: {exc.strerror or exc}") from None
-        return target
+        return write_saved(path, self.to_dict(model))
 
     def load(self, path: str | os.PathLike[str], on_progress: ProgressCallback | None = None) -> dict[str, Any]:
         """Read a file written by `save` and continue that conversation.
@@ -995,7 +1107,8 @@ class ChatSession:
         layout = getattr(self.cache, "layout", None)
         oldest = ""
         info = layout() if callable(layout) else None
-        pinned = int(getattr(info, "pinned", 0)) if info else 0
+        # The sinks count as pinned only once the cache holds them (after /undo it may not).
+        pinned = min(int(getattr(info, "pinned", 0)) if info else 0, len(self.cache_ids))
         if self.cache_ids:
             tail = self.cache_ids[pinned : pinned + 24]
             oldest = self.tokenizer.decode(tail, skip_special_tokens=True).strip()
@@ -1043,24 +1156,47 @@ def read_saved(path: str | os.PathLike[str]) -> dict[str, Any]:
     Raises:
         ChatbotError: the file cannot be read or is not JSON.
     """
-    p = Path(path).expanduser()
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ChatbotError(f"no such file: {p}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ChatbotError(f"cannot read {p}: {getattr(exc, 'strerror', None) or exc}") from None
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise ChatbotError(f"{p} is not a saved chat (invalid JSON: {exc})") from None
+    p = expand(path)
+    text = read_text(p, MAX_SAVED_BYTES, "saved chat")
+    data = loads_json(text, f"{p}")
     if not isinstance(data, dict):
         raise ChatbotError(f"{p} is not a saved chat (expected a JSON object)")
     return data
 
 
-def parse_saved(data: Any, base: SamplingConfig) -> tuple[str | None, SamplingConfig, list[Turn]]:
-    """System prompt, settings and turns from saved data; `base` fills missing settings.
+
+def write_saved(path: str | os.PathLike[str], data: dict[str, Any]) -> Path:
+    """Write a saved chat as JSON, atomically (a crash never leaves half a file), private to
+    the user (0600), refusing targets that are not regular files; returns the path written.
+
+    Raises:
+        ChatbotError: the file cannot be written.
+    """
+    target = expand(path)
+    text = json.dumps(data, ensure_ascii=False, indent=1)
+    _check_save_target(target)
+    tmp: str | None = None
+    try:
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")  # 0600
+        with os.fdopen(fd, "wb") as f:
+            f.write((text + "\n").encode("utf-8", errors="surrogatepass"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        tmp = None
+    except OSError as exc:
+        raise ChatbotError(f"cannot save to {target}: {exc.strerror or exc}") from None
+    finally:
+        if tmp is not None:  # a failed write leaves no copy of the chat behind
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    return target
+
+def parse_saved(data: Any, base: SamplingConfig,
+                warnings: list[str] | None = None) -> tuple[str | None, SamplingConfig, list[Turn]]:
+    """System prompt, settings and turns from saved data; `base` fills missing settings and
+    replaces bad ones (each named in `warnings`).
 
     Raises:
         ConfigError: the data is not a conversation.
@@ -1095,8 +1231,35 @@ def parse_saved(data: Any, base: SamplingConfig) -> tuple[str | None, SamplingCo
     if isinstance(settings, dict):
         for key, value in settings.items():
             if key in SamplingConfig.RANGES:
-                sampling = sampling.with_value(key, "none" if value is None and key == "seed" else value)
+                if value is None and key != "seed":
+                    continue
+                try:
+                    sampling = sampling.with_value(key, "none" if value is None else value)
+                except ConfigError as exc:  # one bad value must not refuse the whole chat
+                    if warnings is not None:
+                        warnings.append(f"setting left as it was: {exc}")
     return (system or None), sampling, turns
+
+
+def _check_save_target(target: Path) -> None:
+    """Refuse to replace anything but a regular file (a FIFO, a device, a folder) and a
+    loop of symbolic links, before writing a byte.
+
+    Raises:
+        ChatbotError: the target is not a file a chat can be saved to.
+    """
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ChatbotError(f"cannot save to {target}: a loop of symbolic links") from None
+        raise ChatbotError(f"cannot save to {target}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+        raise ChatbotError(f"cannot save to {target}: it is {kind}")
 
 
 def default_recent_size(max_context: int) -> int:

@@ -351,7 +351,8 @@ def test_real_chat_interrupt_and_resume(tmp_path):
 
     pexpect = pytest.importorskip("pexpect")
     env = {**os.environ, "XDG_DATA_HOME": str(tmp_path), "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1"}
-    child = pexpect.spawn(CHATBOT, ["run", "--temperature", "0", "--max-new-tokens", "400", "--threads", "1"],
+    # Answers long enough that the Ctrl-C 4 s in always finds one streaming, on a fast machine too.
+    child = pexpect.spawn(CHATBOT, ["run", "--temperature", "0", "--max-new-tokens", "4000", "--threads", "1"],
                           env=env, encoding="utf-8", timeout=240, dimensions=(30, 100))
     try:
         child.expect("Ctrl-D to exit")

@@ -256,7 +256,6 @@ def test_load_plain_messages_and_bad_files(tiny_engine, tmp_path):
         "empty.json": "{}",
         "badturn.json": json.dumps({"turns": [{"user": 3}]}),
         "order.json": json.dumps({"messages": [{"role": "assistant", "content": "x"}]}),
-        "badset.json": json.dumps({"messages": [], "settings": {"temperature": "hot"}}),
         "binary.json": b"\xff\xfe\x00garbage",
     }
     for name, content in bad.items():
@@ -269,6 +268,12 @@ def test_load_plain_messages_and_bad_files(tiny_engine, tmp_path):
             s.load(p)
         assert s.messages() == before
         assert_invariant(s)
+    # A bad setting does not refuse the chat: it is named and left as it was.
+    warnings: list[str] = []
+    other = make(tiny_engine)
+    other.restore({"messages": [], "settings": {"temperature": "hot", "top_k": 3}}, warnings=warnings)
+    assert other.sampling.top_k == 3 and other.sampling.temperature == GREEDY.temperature
+    assert len(warnings) == 1 and "temperature must be" in warnings[0]
     p = tmp_path / "plain.json"
     p.write_text(json.dumps({"messages": [
         {"role": "system", "content": "Sys"},

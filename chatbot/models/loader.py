@@ -7,6 +7,7 @@ by the file's content hash. A copy whose manifest does not match its files is re
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import importlib.util
 import json
@@ -558,10 +559,33 @@ def _load_error(exc: Exception, where: str, folder: Path, config: Any, opts: Loa
     return ModelLoadError(f"cannot load the model in {where}: {_short(exc)}")
 
 
+def _writable_target(target: Path, notes: list[str]) -> Path:
+    """`target`, or a folder in the system's temporary directory when the conversion cache
+    cannot be written (checked before converting, not after)."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=target.parent))
+        return target
+    except OSError as exc:
+        tmp_root = Path(tempfile.mkdtemp(prefix="chatbot-gguf-"))
+        atexit.register(shutil.rmtree, tmp_root, True)
+        notes.append(f"cannot write the conversion cache {target.parent} ({exc.strerror or exc}); "
+                     "converted into a temporary folder for this run (set XDG_CACHE_HOME)")
+        return tmp_root / target.name
+
+
+def _weights_finite(model: Any) -> bool:
+    """No NaN or infinity in the weights (damage a size check cannot see)."""
+    with torch.no_grad():
+        return all(bool(torch.isfinite(p).all()) for p in model.parameters()
+                   if p.is_floating_point() and p.device.type != "meta")
+
+
 def _load_gguf(gguf: Path, opts: LoadOptions) -> tuple[Any, Any, list[str]]:
     notes: list[str] = []
     target = converted_dir(gguf)
     if not _manifest_ok(target):
+        target = _writable_target(target, notes)
         if target.exists():
             notes.append(f"converted copy in {target} was incomplete or corrupt; rebuilt it")
         else:
@@ -574,6 +598,12 @@ def _load_gguf(gguf: Path, opts: LoadOptions) -> tuple[Any, Any, list[str]]:
             raise
         # The files passed the size check but do not load: rebuild once, then trust the error.
         notes.append(f"converted copy in {target} did not load; rebuilt it")
+        convert_gguf(gguf, target)
+        model, tokenizer = _load_folder(target, opts, str(gguf))
+    if not opts.quantize and not _weights_finite(model):
+        # Sizes match but the numbers are damaged (NaN written into the file): rebuild once.
+        notes.append(f"converted copy in {target} holds NaN or infinite weights; rebuilt it")
+        del model
         convert_gguf(gguf, target)
         model, tokenizer = _load_folder(target, opts, str(gguf))
     # The fast decode path packs its matrices straight from this file, in their stored

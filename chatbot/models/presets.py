@@ -207,13 +207,15 @@ def load_preset_file(path: str | Path) -> Preset:
     """
     import yaml
 
-    path = Path(path).expanduser()
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read preset {path}: {exc.strerror or exc}") from None
-    try:
-        data = yaml.safe_load(text)
+    from chatbot.errors import ChatbotError
+    from chatbot.limits import MAX_CONFIG_BYTES, expand, loads_yaml, read_text
+
+    path = expand(path)
+    try:  # bounded: --config /dev/zero, a FIFO or a binary file is one line, not a hang
+        text = read_text(path, MAX_CONFIG_BYTES, "preset file")
+        data = loads_yaml(text, str(path))
+    except ChatbotError as exc:
+        raise ConfigError(str(exc)) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" (line {mark.line + 1})" if mark is not None else ""

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chatbot.errors import ConfigError
+from chatbot.errors import ChatbotError, ConfigError
 
 # Pieces shared by the templates below (Jinja, whitespace-controlled to one line of output).
 _SPLIT_SYSTEM = (
@@ -259,11 +259,13 @@ def apply_template(tokenizer: Any, model: Any | None = None, requested: str | No
         template = TEMPLATES[requested]
         info = TemplateInfo(template.name, "preset/flag")
     elif requested.endswith((".jinja", ".j2")) or Path(requested).expanduser().is_file():
+        from chatbot.limits import MAX_CONFIG_BYTES, read_text
+
         path = Path(requested).expanduser()
         try:
-            tokenizer.chat_template = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"cannot read template file {path}: {exc.strerror or exc}") from None
+            tokenizer.chat_template = read_text(path, MAX_CONFIG_BYTES, "template file")
+        except ChatbotError as exc:
+            raise ConfigError(str(exc)) from None
         info = TemplateInfo(path.name, "file")
     else:
         template_by_name(requested)  # raises with the list of names

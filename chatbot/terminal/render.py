@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from chatbot.engine.stats import TurnStats
+from chatbot.terminal.sanitize import safe_text
 
 
 def format_cache(stats: TurnStats) -> str:
@@ -80,7 +81,7 @@ def stats_table(turns: list[Any], summary: dict[str, Any]) -> Table:
         table.add_row(
             str(i), f"{s.context_tokens:,}", f"{s.context_time_s:.2f}", f"{s.ttft_s:.2f}",
             f"{s.generated_tokens:,}", f"{s.decode_tps:.1f}", f"{s.ms_per_token_p50:.1f}",
-            f"{s.ms_per_token_p90:.1f}", f"{s.cache_tokens:,}", s.finish_reason,
+            f"{s.ms_per_token_p90:.1f}", f"{s.cache_tokens:,}", safe_text(s.finish_reason),
         )
     table.add_row(
         "all", f"{summary['context_tokens']:,}", "", "", f"{summary['generated_tokens']:,}",
@@ -205,15 +206,17 @@ def sampling_brief(s: Any) -> str:
 
 
 def history_renderable(turns: list[Any], system: str | None, markdown: bool = True, first: int = 1) -> RenderableType:
-    """The conversation so far, for /history; turns are numbered from `first`."""
+    """The conversation so far, for /history; turns are numbered from `first`. Every text is
+    shown with its control sequences made visible (it may come from a loaded file)."""
     items: list[RenderableType] = []
     if system:
-        items.append(Text.assemble(("system  ", "bold magenta"), (system, "magenta")))
+        items.append(Text.assemble(("system  ", "bold magenta"), (safe_text(system), "magenta")))
     for i, t in enumerate(turns, first):
-        items.append(Text.assemble((f"[{i}] you  ", "bold cyan"), t.user))
+        items.append(Text.assemble((f"[{i}] you  ", "bold cyan"), safe_text(t.user)))
         mark = "  [interrupted]" if t.interrupted else ""
         items.append(Text.assemble((f"[{i}] bot{mark}", "bold green")))
-        items.append(answer_renderable(t.answer) if markdown else Text(t.answer))
+        answer = safe_text(t.answer)
+        items.append(answer_renderable(answer) if markdown else Text(answer))
     if not items:
         items.append(Text("(no messages yet)", style="dim"))
     return Group(*items)
@@ -222,5 +225,5 @@ def history_renderable(turns: list[Any], system: str | None, markdown: bool = Tr
 def key_value_table(title: str, rows: dict[str, str]) -> Table:
     table = Table(show_header=False, title=title)
     for k, v in rows.items():
-        table.add_row(k, v)
+        table.add_row(safe_text(k), safe_text(v))
     return table

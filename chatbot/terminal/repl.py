@@ -24,9 +24,10 @@ from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 from prompt_toolkit.output import create_output
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from chatbot.errors import ChatbotError
+from chatbot.errors import ChatbotError, ContextFullError
+from chatbot.limits import expand
 from chatbot.models.loader import LoadedModel
 from chatbot.session import ChatSession, Turn
 from chatbot.terminal.commands import (
@@ -51,7 +52,8 @@ from chatbot.terminal.render import (
     sampling_brief,
     stats_renderable,
 )
-from chatbot.terminal.session_log import SessionLog, data_dir, find_session, replay
+from chatbot.terminal.sanitize import safe_line, safe_text
+from chatbot.terminal.session_log import FILE_MODE, SessionLog, data_dir, find_session, private_dir, replay
 
 MAX_MESSAGE_CHARS = 200_000
 BLOCK = '"""'
@@ -360,7 +362,7 @@ class Repl:
         self.note(", ".join(f"{k} = {'random' if v is None else v}" for k, v in command.values.items()))
 
     def _save(self, command: Command) -> None:
-        path = Path(command.arg).expanduser() if command.arg else (
+        path = expand(command.arg) if command.arg else (
             data_dir() / "saved" / time.strftime("chat-%Y%m%d-%H%M%S.json"))
         written = self.session.save(path, model=self.loaded.name)
         self.note(f"saved {len(self.session.turns)} turns to {written}")
@@ -378,13 +380,19 @@ class Repl:
     def _restore(self, data: dict[str, Any]) -> None:
         try:
             with self._progress("encoding the history") as progress, interrupt_once():
-                n = self.session.restore(data, progress)
+                n = self.session.restore(data, progress, warnings=(problems := []))
+            for problem in problems:
+                self.note(f"warning: {problem}")
             self.note(f"loaded {len(self.session.turns)} turns" + (
                 " (the server encodes them with the next message)" if self.remote is not None else
                 f" ({n:,} tokens encoded)"))
         except KeyboardInterrupt:
             self.note(f"loaded {len(self.session.turns)} turns; encoding stopped, the rest is "
                       "encoded with the next message")
+        except ContextFullError as exc:
+            # The conversation is kept (not encoded): the user decides what to drop.
+            self.note(f"loaded {len(self.session.turns)} turns, but they do not fit: {exc}; "
+                      "/undo drops the last turn")
 
     def _history(self, _: Command) -> None:
         self.info.print(history_renderable(self.session.turns, self.session.system, markdown=not self.plain))
@@ -430,16 +438,16 @@ class Repl:
             "pinned (sinks, system)": f"{lay.pinned:,}",
             "recent": f"{lay.recent:,}",
             "evicted so far": f"{lay.evicted_total:,}",
-            "oldest text in window": lay.oldest_text[:80] or "-",
+            "oldest text in window": " ".join(lay.oldest_text.split())[:80] or "-",
         }))
 
     # -- output ------------------------------------------------------------------------
 
     def note(self, text: str) -> None:
-        self.info.print(text, style="dim", highlight=False, markup=False)
+        self.info.print(safe_text(text), style="dim", highlight=False, markup=False)
 
     def error(self, text: str) -> None:
-        self.info.print(f"error: {text}", style="red", highlight=False, markup=False)
+        self.info.print(safe_line(f"error: {text}"), style="red", highlight=False, markup=False)
 
     @contextlib.contextmanager
     def _progress(self, what: str) -> Iterator[Callable[[int, int], None] | None]:
@@ -447,7 +455,8 @@ class Repl:
         if not self.info.is_terminal:
             yield None
             return
-        progress = Progress(TextColumn(what), BarColumn(), TextColumn("{task.completed:,}/{task.total:,} tokens"),
+        # The total is unknown (None) until the first update: the column must show that too.
+        progress = Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
                             console=self.info, transient=True)
         task = progress.add_task(what, total=None)
 
@@ -470,6 +479,9 @@ class Repl:
                 self.handlers[command.name](command)
             except ChatbotError as exc:
                 self.error(str(exc))
+            except (ValueError, TypeError, OverflowError, RecursionError, LookupError, OSError) as exc:
+                # A command failed in a way we did not foresee: say so and keep the chat.
+                self.error(f"{line.split()[0]} failed: {type(exc).__name__}: {exc}")
             return
         if line.startswith("//"):
             line = line[1:]
@@ -485,12 +497,17 @@ class Repl:
         except ChatbotError as exc:
             self.error(str(exc))
             return
+        # Logged before the answer: a crash or kill -9 mid-answer keeps the message.
+        self._log("send", user=text)
         self._stream(chunks, None, replace=False)
 
     def _stream(self, chunks: Iterator[Any], turn: Turn | None, replace: bool) -> None:
         """Show an answer as it arrives; log the turn it produced (also when cut short)."""
         turns_before = len(self.session.turns)
         answer = PlainAnswer(self.console.file) if self.plain else MarkdownAnswer(self.console)
+        # Model text reaches a terminal with its control sequences made visible; piped
+        # output (--plain, stdout not a terminal) keeps the model's bytes.
+        raw = self.plain and not self.console.is_terminal
         stats = None
         problem: str | None = None
         quiet = contextlib.nullcontext() if self.plain else no_echo(sys.stdin)
@@ -500,7 +517,7 @@ class Repl:
                     for chunk in chunks:
                         if chunk.text:
                             with interrupts.deferred():
-                                answer.add(chunk.text)
+                                answer.add(chunk.text if raw else safe_text(chunk.text))
                         stats = chunk.stats or stats
             except KeyboardInterrupt:
                 chunks.close()  # type: ignore[attr-defined]
@@ -508,10 +525,15 @@ class Repl:
             except ChatbotError as exc:
                 chunks.close()  # type: ignore[attr-defined]
                 problem = str(exc)
+            except (RuntimeError, ValueError) as exc:  # the model or sampling failed: keep the chat
+                chunks.close()  # type: ignore[attr-defined]
+                problem = f"generation failed: {type(exc).__name__}: {exc}"
         changed = turn if turn is not None else (
             self.session.turns[-1] if len(self.session.turns) > turns_before else None)
         if changed is not None:
             self._log_turn(changed, replace)
+        elif turn is None:
+            self._log("cancel")  # the message sent never became a turn (e.g. it did not fit)
         if problem == "interrupted":
             self.note("[interrupted: the partial answer is kept; /continue goes on]")
         elif problem is not None:
@@ -562,12 +584,14 @@ class Repl:
         """The prompt_toolkit session: history, completion, keys, toolbar."""
         history: History
         try:
-            path = data_dir() / "history"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.touch()
+            path = private_dir(data_dir()) / "history"
+            path.touch(mode=FILE_MODE)
             history = FileHistory(str(path))
         except OSError as exc:
             self.note(f"warning: cannot keep input history ({exc.strerror}); going on without it")
+            history = InMemoryHistory()
+        except ChatbotError as exc:
+            self.note(f"warning: {exc}; input history is not kept")
             history = InMemoryHistory()
 
         keys = KeyBindings()

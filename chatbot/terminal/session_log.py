@@ -9,9 +9,11 @@ new system prompt, ...). Replaying the events gives the conversation back; a tor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,15 +21,40 @@ from pathlib import Path
 from typing import Any
 
 from chatbot.errors import ChatbotError
+from chatbot.limits import bounded_lines, check_nesting
+from chatbot.terminal.sanitize import safe_text
 
 LOG_VERSION = 1
 SUFFIX = ".jsonl"
+# Logs, saved chats and the input history are the user's own: nobody else may read them.
+DIR_MODE = 0o700
+FILE_MODE = 0o600
 
 
 def data_dir() -> Path:
-    """`$XDG_DATA_HOME/chatbot` (default `~/.local/share/chatbot`)."""
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    """`$XDG_DATA_HOME/chatbot` (default `~/.local/share/chatbot`).
+
+    Raises:
+        ChatbotError: neither XDG_DATA_HOME nor a home directory is known.
+    """
+    base = os.environ.get("XDG_DATA_HOME")
+    if not base or not os.path.isabs(base):
+        home = os.path.expanduser("~")
+        if home.startswith("~") or not os.path.isabs(home):
+            raise ChatbotError("no home directory to keep chats in; set HOME or XDG_DATA_HOME")
+        base = os.path.join(home, ".local", "share")
     return Path(base) / "chatbot"
+
+
+def private_dir(path: Path) -> Path:
+    """Create `path` (and its parents) readable by the user alone; an existing folder is
+    left as it is. Returns `path`.
+
+    Raises:
+        OSError: it cannot be created.
+    """
+    path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    return path
 
 
 def sessions_dir() -> Path:
@@ -59,7 +86,14 @@ class SessionLog:
     @classmethod
     def create(cls, header: dict[str, Any], directory: Path | None = None,
                warn: Callable[[str], None] | None = None) -> SessionLog:
-        directory = directory or sessions_dir()
+        try:
+            directory = directory or sessions_dir()
+        except ChatbotError as exc:
+            log = cls(Path(os.devnull), header, warn)
+            log.enabled = False
+            if warn is not None:
+                warn(f"warning: {exc}; the chat is not logged")
+            return log
         return cls(directory / (new_session_id() + SUFFIX), header, warn)
 
     def write(self, event: str, **fields: Any) -> None:
@@ -71,11 +105,17 @@ class SessionLog:
             lines.append({"event": "start", "version": LOG_VERSION, "id": self.session_id,
                           "created": _now(), **self.header})
         lines.append({"event": event, "time": _now(), **fields})
+        # One write of whole lines: a crash tears at most the last line, which replay skips.
+        data = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
+        with _sigint_blocked():
+            self._append(data)
+
+    def _append(self, data: str) -> None:
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a", encoding="utf-8") as f:
-                for line in lines:
-                    f.write(json.dumps(line, ensure_ascii=False) + "\n")
+            private_dir(self.path.parent)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), FILE_MODE)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data.encode("utf-8", errors="surrogatepass"))
                 f.flush()
                 os.fsync(f.fileno())
             self._started = True
@@ -86,20 +126,78 @@ class SessionLog:
                           f"({exc.strerror or exc}); the chat goes on without it")
 
 
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """Ctrl-C waits until the event is on disk (it takes effect right after), so a key press
+    at the wrong moment cannot tear the log of a turn that is already finished. (A signal
+    mask would not do: torch's threads would take the signal.)"""
+    caught: list[int] = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    except ValueError:  # not the main thread: signals go to the main thread anyway
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            if callable(previous):
+                previous(signal.SIGINT, None)
+            elif previous != signal.SIG_IGN:
+                raise KeyboardInterrupt
+
+
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
+def _no_constant(name: str) -> None:
+    return None
+
+
 def read_events(path: Path) -> Iterator[dict[str, Any]]:
-    """The events of a log; lines that are not JSON objects (a torn write) are skipped."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(event, dict) and isinstance(event.get("event"), str):
-                yield event
+    """The events of a log; lines that are not JSON objects (a torn write), nest too deeply
+    or are too long are skipped. NaN and Infinity read as null.
+
+    Raises:
+        ChatbotError: the file is not a regular file or cannot be read.
+    """
+    for line in bounded_lines(path):
+        try:
+            event = json.loads(line, parse_constant=_no_constant)
+            check_nesting(event, "event")
+        except (ValueError, RecursionError, ChatbotError):
+            continue
+        if isinstance(event, dict) and isinstance(event.get("event"), str):
+            yield event
+
+
+def _text(value: Any) -> str | None:
+    """A string field of an event, or None (lone surrogates become U+FFFD)."""
+    if not isinstance(value, str):
+        return None
+    return value.encode("utf-8", errors="replace").decode("utf-8") if _has_surrogates(value) else value
+
+
+def _has_surrogates(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _turn(ev: Any) -> dict[str, Any] | None:
+    """A turn record from an event or a loaded state, or None when it is not one."""
+    if not isinstance(ev, dict):
+        return None
+    user, answer = _text(ev.get("user")), _text(ev.get("answer"))
+    if user is None or answer is None:
+        return None
+    stats = ev.get("stats")
+    return {"user": user, "answer": answer, "interrupted": bool(ev.get("interrupted")),
+            "stats": stats if isinstance(stats, dict) else {}}
 
 
 def replay(path: Path) -> dict[str, Any]:
@@ -111,30 +209,52 @@ def replay(path: Path) -> dict[str, Any]:
     state: dict[str, Any] = {"id": path.name.removesuffix(SUFFIX), "model": None, "system": None,
                              "settings": {}, "turns": []}
     seen_start = False
+    # A message sent whose answer was never logged (the process was killed): kept as a turn
+    # with an empty, interrupted answer until its "turn" event replaces it.
+    pending = False
     try:
         for ev in read_events(path):
             kind = ev["event"]
             if kind == "start":
                 seen_start = True
-                state.update(model=ev.get("model"), system=ev.get("system"), settings=ev.get("settings") or {})
-            elif kind == "turn" and isinstance(ev.get("user"), str) and isinstance(ev.get("answer"), str):
-                turn = {k: ev.get(k) for k in ("user", "answer", "interrupted", "stats")}
-                if ev.get("replace") and state["turns"]:
+                settings = ev.get("settings")
+                state.update(model=_text(ev.get("model")), system=_text(ev.get("system")),
+                             settings=settings if isinstance(settings, dict) else {})
+            elif kind == "resume":
+                pending = False  # a message left by a killed process stays a turn of its own
+            elif kind == "send" and _text(ev.get("user")) is not None:
+                # (a send after a send with no turn between: the first process was killed
+                # before its resume event; both messages are kept)
+                state["turns"].append({"user": _text(ev["user"]), "answer": "", "interrupted": True, "stats": {}})
+                pending = True
+            elif kind == "turn" and (turn := _turn(ev)) is not None:
+                if (ev.get("replace") or pending) and state["turns"]:
                     state["turns"][-1] = turn
                 else:
                     state["turns"].append(turn)
+                pending = False
+            elif kind == "cancel":
+                if pending:
+                    state["turns"].pop()
+                pending = False
             elif kind == "undo" and state["turns"]:
                 state["turns"].pop()
+                pending = False
             elif kind == "reset":
                 state["turns"] = []
-            elif kind == "system":
-                state["system"] = ev.get("system")
+                pending = False
+            elif kind == "system" and (ev.get("system") is None or isinstance(ev.get("system"), str)):
+                state["system"] = _text(ev.get("system"))
             elif kind == "settings" and isinstance(ev.get("settings"), dict):
-                state["settings"] = ev["settings"]
+                state["settings"] = {**state["settings"], **ev["settings"]}
             elif kind == "load" and isinstance(ev.get("state"), dict):
                 loaded = ev["state"]
-                state.update(system=loaded.get("system"), settings=loaded.get("settings") or {},
-                             turns=list(loaded.get("turns") or []))
+                turns = loaded.get("turns")
+                settings = loaded.get("settings")
+                state.update(system=_text(loaded.get("system")),
+                             settings=settings if isinstance(settings, dict) else {},
+                             turns=[t for t in map(_turn, turns if isinstance(turns, list) else []) if t])
+                pending = False
     except OSError as exc:
         raise ChatbotError(f"cannot read session {path}: {exc.strerror or exc}") from None
     if not seen_start:
@@ -165,8 +285,8 @@ def list_sessions(directory: Path | None = None) -> list[SessionInfo]:
     for p in paths:
         try:
             state = replay(p)
-        except ChatbotError:
-            continue
+        except (ChatbotError, ValueError, TypeError, RecursionError, MemoryError):
+            continue  # one unreadable log must not hide the others
         first = state["turns"][0]["user"] if state["turns"] else ""
         created = state["id"][:15]
         try:
@@ -210,16 +330,16 @@ def print_sessions(console: Any, limit: int = 20, directory: Path | None = None)
     directory = directory or sessions_dir()
     infos = list_sessions(directory)
     if not infos:
-        console.print(f"no logged sessions in {directory}", markup=False)
+        console.print(safe_text(f"no logged sessions in {directory}"), markup=False)
         return
     shown = infos[:limit]
     width = max(len(i.model) for i in shown)
     console.print(f"{'id':<20}  {'date':<16}  {'model':<{width}}  turns  first words", style="bold",
                   markup=False, soft_wrap=True)
     for i in shown:
-        console.print(f"{i.id:<20}  {i.created:<16}  {i.model:<{width}}  {i.turns:>5}  {i.first_words}",
-                      markup=False, soft_wrap=True)
+        line = f"{i.id:<20}  {i.created:<16}  {i.model:<{width}}  {i.turns:>5}  {i.first_words}"
+        console.print(safe_text(line), markup=False, soft_wrap=True)
     if len(infos) > limit:
         console.print(f"… and {len(infos) - limit} older (--limit)", markup=False, style="dim")
-    console.print(f"in {directory}; resume one with: chatbot run --resume ID (or --resume for the last)",
+    console.print(safe_text(f"in {directory}; resume one with: chatbot run --resume ID (or --resume for the last)"),
                   markup=False, style="dim", soft_wrap=True)
