@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from typer.exceptions import Abort, Exit, TyperException
 from rich.console import Console
+from typer.exceptions import Abort, Exit, TyperException
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
 from chatbot.errors import ChatbotError, ConfigError
@@ -183,8 +183,7 @@ def run(
     from chatbot.engine.generate import Engine
     from chatbot.models.templates import check_template
     from chatbot.session import ChatSession, sampling_from_model
-    from chatbot.terminal.repl import Repl, make_consoles
-    from chatbot.terminal.repl import resolve_resume
+    from chatbot.terminal.repl import Repl, make_consoles, resolve_resume
     from chatbot.terminal.repl import run as run_repl
 
     resume_path = resolve_resume(resume)

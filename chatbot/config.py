@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from chatbot.errors import ConfigError
 
@@ -34,7 +35,7 @@ class Range:
                 value = float(value)
         except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"{key} must be {self.describe()}, got {value!r}") from None
-        if value != value or value in (float("inf"), float("-inf")):
+        if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key} must be {self.describe()}, got {value!r}")
         too_low = value < self.low if self.low_inclusive else value <= self.low
         if self.gap_above_low is not None and self.low < value < self.gap_above_low:
@@ -67,7 +68,7 @@ class SamplingConfig:
     seed: int | None = None
     stream_interval: int = 1
 
-    RANGES = {
+    RANGES: ClassVar[dict[str, Range]] = {
         "temperature": Range(float, 0.0, 100.0, gap_above_low=0.01),
         "top_p": Range(float, 0.0, 1.0, low_inclusive=False),
         "top_k": Range(int, 0),

@@ -304,7 +304,7 @@ class ChatSession:
         try:
             sys_text = self.render(msgs, False)
             full = self.render([*msgs, {"role": "user", "content": "x"}], False)
-        except Exception:  # a template that cannot render a lone system message
+        except Exception:  # noqa: BLE001 - a template (user code) that cannot render a lone system message
             return 0
         return len(self.encode(sys_text)) if full.startswith(sys_text) else 0
 
@@ -332,7 +332,7 @@ class ChatSession:
         marker = "\u2063answer\u2063"
         try:
             text = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}], False)
-        except Exception:
+        except Exception:  # noqa: BLE001 - a template (user code) that cannot render this
             return []
         if marker not in text:
             return []

@@ -347,6 +347,7 @@ def run_kill(args: argparse.Namespace, work: Path) -> dict[str, int]:
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
         assert proc.stdin is not None and proc.stdout is not None
         started: list[str] = []
+        stats_lines = 0  # stats lines read from stderr in this round, one per answer
         for i in range(rng.randint(1, 3)):
             message = f"round {round_} message {i} {rng.random():.6f}"
             try:
@@ -359,17 +360,23 @@ def run_kill(args: argparse.Namespace, work: Path) -> dict[str, int]:
                 break
             # Wait for the answer's first text (a refused message, e.g. when the context is
             # full, prints only the end of an empty answer, a newline, and is not logged).
+            # An answer of whitespace only shows no text: its stats line (stderr) says it ran.
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
-                ready, _, _ = select.select([proc.stdout], [], [], 1)
-                if ready:
+                ready, _, _ = select.select([proc.stdout, proc.stderr], [], [], 1)
+                if proc.stdout in ready:
                     data = os.read(proc.stdout.fileno(), 1 << 16)
                     if not data:
                         break
                     if data.strip():
                         started.append(message)  # its answer is streaming: the message was logged
                         break
-                elif proc.poll() is not None:
+                if proc.stderr in ready:
+                    stats_lines += os.read(proc.stderr.fileno(), 1 << 16).count(b"first token")
+                    if stats_lines > i:  # this message's own stats line: its answer has ended
+                        started.append(message)
+                        break
+                if not ready and proc.poll() is not None:
                     break
             time.sleep(rng.uniform(0, 0.5))
         if proc.poll() is not None:
