@@ -7,6 +7,7 @@ Each test asserts on the screen and scrollback (screen.py), not on the bytes wri
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -244,7 +245,7 @@ def test_narrowing_a_reflowing_terminal_mid_answer_repeats_nothing(tmp_path):
     # row, where the terminal keeps it while it re-wraps the rows above.
     (tmp_path / "first.md").write_text("\n".join(f"- line {i}" for i in range(40)) + "\n", encoding="utf-8")
     (tmp_path / "answer.md").write_text("\n\n".join(paragraphs) + "\n", encoding="utf-8")
-    name = f"chatbot-test-{tmp_path.name}"
+    name = f"chatbot-test-{os.getpid()}-{tmp_path.name}"
     command = f"{sys.executable} {SCRIPT} first.md answer.md --delay 0.02"
     tmux = ["tmux", "-L", name]
     subprocess.run([*tmux, "new-session", "-d", "-s", name, "-x", "100", "-y", "30", "-c", str(tmp_path),
