@@ -279,3 +279,37 @@ def test_narrowing_a_reflowing_terminal_mid_answer_repeats_nothing(tmp_path):
     assert [line for line in shown.splitlines() if "para" in line] == [
         line for line in shown.splitlines() if re.match(r"para\d ", line)
     ] and len(re.findall(r"para\d", shown)) == 4
+
+
+def render_on_screen(text: str, columns: int, lines: int) -> list[str]:
+    """Feed `text` to the live answer renderer piece by piece (a clock at 100 tok/s) on a
+    terminal console; the scrollback and screen of an emulator fed what it wrote."""
+    import io
+
+    import pyte
+    from rich.console import Console
+
+    from chatbot.terminal.live_answer import MarkdownAnswer
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=columns, height=lines, color_system="truecolor")
+    now = [0.0]
+    with MarkdownAnswer(console, clock=lambda: now[0]) as answer:
+        for piece in re.findall(r"\s*\S+|\s+", text):
+            now[0] += 0.01
+            answer.add(piece)
+    screen = pyte.HistoryScreen(columns, lines, history=100_000)
+    pyte.Stream(screen).feed(out.getvalue().replace("\n", "\r\n"))
+    rows = [*screen.history.top, *(screen.buffer[y] for y in range(lines))]
+    return ["".join(row[x].data for x in range(columns)).rstrip() for row in rows]
+
+
+@pytest.mark.parametrize("lines", [8, 12, 24])
+@pytest.mark.parametrize("count", [30, 31, 60])
+def test_a_code_fence_taller_than_the_screen_is_printed_whole_and_unbroken(lines, count):
+    code = "\n".join(f"value_{i} = compute({i})  # step {i}" for i in range(count))
+    shown = render_on_screen(f"Code:\n\n```python\n{code}\n```\n\nAfter.\n", 40, lines)
+    first = next(i for i, line in enumerate(shown) if "value_0 " in line)
+    last = next(i for i, line in enumerate(shown) if f"value_{count - 1} " in line)
+    assert [line.split()[0] for line in shown[first : last + 1]] == [f"value_{i}" for i in range(count)]
+    assert [line for line in shown if line == "After."] == ["After."]

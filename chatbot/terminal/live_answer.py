@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import IO
 
+from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.live import Live
 from rich.segment import Segment
@@ -75,12 +76,21 @@ def _trim(line: list[Segment]) -> list[Segment]:
     return line
 
 
-def _open_fence(text: str) -> tuple[str, str] | None:
-    """(code so far, info string) when `text` is one code fence that has not closed yet."""
+def _fence(text: str, closed_too: bool) -> tuple[str, str] | None:
+    """(code, info string) when `text` is one code fence that has not closed yet (or, with
+    `closed_too`, one code fence)."""
     tokens = [t for t in _PARSER.parse(text) if t.level == 0 and t.map is not None]
-    if len(tokens) == 1 and tokens[0].type == "fence":
-        return tokens[0].content, tokens[0].info
-    return None
+    if len(tokens) != 1 or tokens[0].type != "fence":
+        return None
+    token = tokens[0]
+    assert token.map is not None
+    lines = text.splitlines()
+    closed = token.map[1] - token.map[0] >= 2 and token.map[1] <= len(lines) and (
+        lines[token.map[1] - 1].strip().startswith(token.markup)
+        and not lines[token.map[1] - 1].strip().strip(token.markup[0]))
+    if closed and not closed_too:
+        return None
+    return token.content, token.info
 
 
 class _Lines:
@@ -129,6 +139,7 @@ class MarkdownAnswer:
         self._tail_key: tuple[str, int, int, int] | None = None
         self._tail = _Lines([])
         self._drawn: tuple[int, list[int]] | None = None  # width and line lengths last drawn
+        self._fence_continued = False  # the open block is the rest of a code fence printed in part
         self.live = Live(
             console=console,
             auto_refresh=False,
@@ -151,7 +162,6 @@ class MarkdownAnswer:
         self._open += text
         if "\n" in text or ">" in text:
             self._settle()
-        self._fit()
         now = self._clock()
         if now - self._last_refresh >= self._interval:
             self._refresh()
@@ -198,9 +208,10 @@ class MarkdownAnswer:
     def _print_and_drop(self, end: int, thinking: bool) -> None:
         """Print `_open[:end]` for good and keep the rest open."""
         source, rest, skip = self._open[:end], self._open[end:], self._skip
-        blank = skip == 0 and not self._lead_blank_done and not thinking
+        blank = skip == 0 and not self._lead_blank_done and not thinking and not self._fence_continued
+        continued = self._fence_continued
         self._drop(end)
-        lines = self._render(source, thinking, final=True)
+        lines = self._render(source, thinking, final=True, continued=continued)
         if skip > len(lines):
             # A tall open region had its top printed already, past this block and into the
             # next: find where the next block's own lines start in that region.
@@ -214,28 +225,39 @@ class MarkdownAnswer:
         self._open = self._open[end:]
         self._skip = 0
         self._lead_blank_done = False
+        self._fence_continued = False
 
     def _blank_before_open(self) -> bool:
         """The open block's first line is still to be printed, after a blank line."""
-        return self._skip == 0 and not self._lead_blank_done and self._thinking_close is None
+        return (self._skip == 0 and not self._lead_blank_done and self._thinking_close is None
+                and not self._fence_continued)
 
-    def _renderable(self, source: str, thinking: bool, final: bool) -> RenderableType:
+    def _renderable(self, source: str, thinking: bool, final: bool, continued: bool) -> RenderableType:
         if thinking:
             return Text(source.rstrip("\n"), style=THINKING_STYLE)
-        fence = None if final else _open_fence(source)
-        if fence is not None:  # plain while open; Markdown highlights it once it closes
-            return Syntax(fence[0].rstrip(), "text", theme=CODE_THEME, word_wrap=True, padding=1)
+        fence = _fence(source, closed_too=final or continued)
+        if fence is not None and (continued or not final):
+            # Open: plain (Markdown highlights it once it closes). The rest of a fence whose
+            # top is printed already: no top padding, highlighted when final.
+            lexer = fence[1].partition(" ")[0] or "text" if final else "text"
+            padding = (0, 1, 1, 1) if continued else 1
+            return Syntax(fence[0].rstrip(), lexer, theme=CODE_THEME, word_wrap=True, padding=padding)
         return AnswerMarkdown(source, code_theme=CODE_THEME)
 
-    def _render(self, source: str, thinking: bool, final: bool, width: int | None = None) -> list[list[Segment]]:
+    def _render(self, source: str, thinking: bool, final: bool, width: int | None = None,
+                continued: bool | None = None) -> list[list[Segment]]:
         if not source.strip():
             return []
+        continued = self._fence_continued if continued is None else continued
+        return self._render_lines(self._renderable(source, thinking, final, continued), width)
+
+    def _render_lines(self, renderable: RenderableType, width: int | None = None) -> list[list[Segment]]:
         # One column short of the width: a glyph the terminal draws wider than Rich counts
         # (an emoji with a variation selector) then still fits the row instead of wrapping
         # onto one the live region does not know about.
         width = self.console.width if width is None else width
         options = self.console.options.update(height=None).update_width(max(width - 1, 10))
-        lines = self.console.render_lines(self._renderable(source, thinking, final), options, pad=False)
+        lines = self.console.render_lines(renderable, options, pad=False)
         # Rich starts some blocks (lists) with an empty line; blocks are spaced here instead.
         start, end = 0, len(lines)
         while start < end and not lines[start]:
@@ -249,7 +271,7 @@ class MarkdownAnswer:
         if not lines:
             return
         # Re-draw the live region first: the print below re-draws the last one it drew.
-        self._refresh()
+        self._redraw()
         self.console.print(_Lines(lines, blank_first=blank and self._printed))
         self._printed = True
 
@@ -266,14 +288,46 @@ class MarkdownAnswer:
         # A cheap upper bound first: rendering is only needed for a block that may be tall.
         if self._open.count("\n") + 2 * len(self._open) // width + 4 <= limit:
             return
-        lines = self._render(self._open, self._thinking_close is not None, final=False)
+        thinking = self._thinking_close is not None
+        fence = None if thinking or self._skip else _fence(self._open, closed_too=self._fence_continued)
+        if fence is not None:
+            self._fit_fence(fence[1], limit, width)
+            return
+        lines = self._render(self._open, thinking, final=False)
         extra = len(lines) - self._skip - limit
         if extra > 0:
             skip, blank = self._skip, self._blank_before_open()
             self._skip += extra
             self._emit(lines[skip : skip + extra], blank=blank)
 
+    def _fit_fence(self, info: str, limit: int, width: int) -> None:
+        """Print the top lines of an open code fence taller than the screen, highlighted (the
+        lines are complete), and keep only its rest open: re-rendering all of a long fence at
+        every refresh would cost more than decoding it."""
+        opener, _, code = self._open.partition("\n")
+        body = code.split("\n")  # the last item is the line still being written
+        inner = max(width - 4, 1)  # the width less one column and the padding
+        rows = [max(1, -(-cell_len(line) // inner)) for line in body[:-1]]
+        total, count = sum(rows) + 3, 0  # + top padding, the open line, bottom padding
+        while count < len(rows) and total > limit:
+            total -= rows[count]
+            count += 1
+        if not count:
+            return
+        first = not self._fence_continued
+        blank = first and self._blank_before_open()
+        lexer = info.partition(" ")[0] or "text"
+        head = Syntax("\n".join(body[:count]), lexer, theme=CODE_THEME, word_wrap=True,
+                      padding=(1 if first else 0, 1, 0, 1))
+        self._open = opener + "\n" + "\n".join(body[count:])
+        self._fence_continued = True
+        self._emit(self._render_lines(head), blank=blank)
+
     def _refresh(self) -> None:
+        self._fit()
+        self._redraw()
+
+    def _redraw(self) -> None:
         self._last_refresh = self._clock()
         self._after_resize()
         self.live.refresh()
