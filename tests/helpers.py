@@ -9,8 +9,26 @@ from __future__ import annotations
 
 from collections.abc import Container, Sequence
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+# --- the native kernels --------------------------------------------------------------------
+
+
+def _kernels_build() -> bool:
+    from chatbot.engine import kernels
+
+    try:
+        kernels.load_library()
+    except kernels.KernelsUnavailable:  # pragma: no cover - depends on the machine
+        return False
+    return True
+
+
+HAVE_KERNELS = _kernels_build()
+needs_kernels = pytest.mark.skipif(not HAVE_KERNELS, reason="no C compiler for the native kernels")
+
 
 # --- the CLI -------------------------------------------------------------------------------
 

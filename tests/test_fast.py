@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from helpers import full_logits, greedy_by_recompute
+from helpers import full_logits, greedy_by_recompute, needs_kernels
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
 from chatbot.engine import kernels
@@ -21,12 +21,6 @@ from chatbot.session import ChatSession
 
 GREEDY = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=64)
 
-try:
-    kernels.load_library()
-    HAVE_KERNELS = True
-except kernels.KernelsUnavailable:  # pragma: no cover - depends on the machine
-    HAVE_KERNELS = False
-needs_kernels = pytest.mark.skipif(not HAVE_KERNELS, reason="no C compiler for the native kernels")
 
 
 # --- references ----------------------------------------------------------------------------

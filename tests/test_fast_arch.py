@@ -8,20 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import full_logits, greedy_by_recompute
+from helpers import full_logits, greedy_by_recompute, needs_kernels
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
-from chatbot.engine import kernels
 from chatbot.engine.fast import FastDecoder
 from chatbot.engine.generate import Engine
 from chatbot.session import ChatSession
 
-try:
-    kernels.load_library()
-    HAVE_KERNELS = True
-except kernels.KernelsUnavailable:  # pragma: no cover - depends on the machine
-    HAVE_KERNELS = False
-pytestmark = pytest.mark.skipif(not HAVE_KERNELS, reason="no C compiler for the native kernels")
+pytestmark = needs_kernels
 
 GREEDY = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=48)
 TINY = dict(  # noqa: C408 - keyword form, as the configs take them

@@ -12,16 +12,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
+from helpers import needs_kernels
 
 from chatbot.engine import kernels
 from chatbot.models.gguf_synthetic import BLOCKS, FLOAT_TYPES, random_blocks, random_floats
 
-try:
-    kernels.load_library()
-    HAVE_KERNELS = True
-except kernels.KernelsUnavailable:  # pragma: no cover - depends on the machine
-    HAVE_KERNELS = False
-pytestmark = pytest.mark.skipif(not HAVE_KERNELS, reason="no C compiler for the native kernels")
+pytestmark = needs_kernels
 
 FORMATS = [*BLOCKS, *FLOAT_TYPES]
 ROWS, COLS = 24, 512  # two K-quant super-blocks, sixteen 32-blocks per row

@@ -7,18 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import greedy_by_recompute
+from helpers import greedy_by_recompute, needs_kernels
 
 from chatbot.engine import kernels
 from chatbot.engine.gguf_weights import GGUFWeights, read_tensor_table, unpermute_rows
 from chatbot.models.loader import default_gguf_path
-
-try:
-    kernels.load_library()
-    HAVE_KERNELS = True
-except kernels.KernelsUnavailable:  # pragma: no cover - depends on the machine
-    HAVE_KERNELS = False
-needs_kernels = pytest.mark.skipif(not HAVE_KERNELS, reason="no C compiler for the native kernels")
 
 
 def test_tensor_table_equals_gguf_reader():

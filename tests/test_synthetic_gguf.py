@@ -15,20 +15,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
-from helpers import full_logits, greedy_by_recompute
+from helpers import full_logits, greedy_by_recompute, needs_kernels
 
-from chatbot.engine import kernels
 from chatbot.models.gguf_synthetic import SHAPES, pick_shape, tensor_type, write_synthetic_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 CHATBOT = str(Path(sys.executable).with_name("chatbot"))
 
-try:
-    kernels.load_library()
-    HAVE_KERNELS = True
-except kernels.KernelsUnavailable:  # pragma: no cover - depends on the machine
-    HAVE_KERNELS = False
-needs_kernels = pytest.mark.skipif(not HAVE_KERNELS, reason="no C compiler for the native kernels")
 
 
 @pytest.fixture(scope="module")

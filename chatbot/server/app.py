@@ -64,18 +64,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatRequest(BaseModel):
-    """The fields of OpenAI's chat completion request we use; `top_k`, `repetition_penalty`,
-    `cache_salt`, `continue_final_message` and `add_generation_prompt` as vLLM has them.
-    Other fields are accepted and ignored, as vLLM does."""
+class _Request(BaseModel):
+    """The fields both completion requests share; other fields are accepted and ignored, as
+    vLLM does."""
 
     model_config = ConfigDict(extra="allow")
     model: str
-    messages: list[ChatMessage] = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -83,27 +79,25 @@ class ChatRequest(BaseModel):
     seed: int | None = None
     n: int = 1
     stop: str | list[str] | None = None
+
+
+class ChatRequest(_Request):
+    """The fields of OpenAI's chat completion request we use; `top_k`, `repetition_penalty`,
+    `cache_salt`, `continue_final_message` and `add_generation_prompt` as vLLM has them."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     cache_salt: str | None = None
     continue_final_message: bool = False
     add_generation_prompt: bool = True
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(_Request):
     """OpenAI's (legacy) text completion request: a raw prompt, no chat template."""
 
-    model_config = ConfigDict(extra="allow")
-    model: str
     prompt: str | list[str]
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     max_tokens: int | None = 16  # the API's default
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    n: int = 1
-    stop: str | list[str] | None = None
     echo: bool = False
 
     def text(self) -> str:
