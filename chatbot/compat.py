@@ -35,6 +35,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 from chatbot.config import SamplingConfig
 from chatbot.engine.detokenize import IncrementalDetokenizer
 from chatbot.engine.generate import Engine
+from chatbot.engine.seq import common_prefix
 from chatbot.engine.sink_cache import SinkCache
 from chatbot.models.templates import held_back
 
@@ -85,15 +86,6 @@ class _NoText:
 # --- shared helpers -----------------------------------------------------------------------
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _rewindable(cache: Cache, length: int) -> int:
     """How many tokens can be cut from the tail of `cache` and give a prefix of what it saw.
 
@@ -130,7 +122,7 @@ def _sync_cache(engine: Engine, cache: Cache, ids: Sequence[int]) -> int:
                 "whole conversation, or a new cache"
             )
         fed = list(ids[:held])
-    keep = min(_common_prefix(fed, ids), len(ids) - 1)
+    keep = min(common_prefix(fed, ids), len(ids) - 1)
     drop = len(fed) - keep
     if drop > _rewindable(cache, length):
         # The tokens to cut were evicted long ago: start over (a sink cache re-streams).

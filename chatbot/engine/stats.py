@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from chatbot.engine.seq import quantile
+
 
 @dataclass
 class TurnStats:
@@ -41,10 +43,7 @@ class TurnStats:
         return 1000 * statistics.fmean(self.token_latencies_s) if self.token_latencies_s else 0.0
 
     def ms_per_token_quantile(self, q: float) -> float:
-        lat = sorted(self.token_latencies_s)
-        if not lat:
-            return 0.0
-        return 1000 * lat[min(len(lat) - 1, int(q * len(lat)))]
+        return 1000 * quantile(self.token_latencies_s, q)
 
     @property
     def ms_per_token_p50(self) -> float:

@@ -22,6 +22,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from chatbot.engine.seq import common_prefix, quantile
+
 PREFILL_SIZES = (50, 500, 2000)
 PREFILL_REPEATS = {50: 5, 500: 3, 2000: 2}  # per worker; the median is kept
 DECODE_PROMPT = 50  # tokens before the decoded ones: a short chat message
@@ -64,13 +66,10 @@ def _peak_rss_mb() -> float:
 
 
 def _quantiles(latencies: list[float]) -> dict[str, float]:
-    lat = sorted(latencies)
-    if not lat:
-        return {"decode_tps": 0.0, "ms_per_token_p50": 0.0, "ms_per_token_p90": 0.0}
     return {
-        "decode_tps": len(lat) / sum(lat),
-        "ms_per_token_p50": 1000 * lat[min(len(lat) - 1, int(0.5 * len(lat)))],
-        "ms_per_token_p90": 1000 * lat[min(len(lat) - 1, int(0.9 * len(lat)))],
+        "decode_tps": len(latencies) / sum(latencies) if latencies else 0.0,
+        "ms_per_token_p50": 1000 * quantile(latencies, 0.5),
+        "ms_per_token_p90": 1000 * quantile(latencies, 0.9),
     }
 
 
@@ -370,12 +369,7 @@ def run_decode_bench(
     for r in results:
         decoded = r.pop("tokens", None)
         if reference and decoded is not None:
-            same = 0
-            for a, b in zip(decoded, reference):
-                if a != b:
-                    break
-                same += 1
-            r["same_tokens_as_baseline"] = same
+            r["same_tokens_as_baseline"] = common_prefix(decoded, reference)
     machine = machine_info()
     machine["torch_threads"] = threads
     if load_before is not None:
