@@ -194,10 +194,9 @@ class Worker:
             return
         ec = self.pool.engine_config
         if ec.enable_streaming:
-            from chatbot.engine.sink_cache import SinkCache
             from chatbot.session import default_recent_size
 
-            cache = SinkCache.for_model(engine.model, ec.start_size, ec.recent_size or default_recent_size(engine.max_context))
+            cache = engine.new_cache(ec.start_size, ec.recent_size or default_recent_size(engine.max_context))
         else:
             cache = engine.new_cache()
         generator = torch.Generator(device=engine.device)
