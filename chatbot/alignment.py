@@ -4,19 +4,18 @@ piece as it reads *in* the conversation, not alone.
 With a SentencePiece tokenizer (Llama-2, Mistral, Vicuna) an answer "▁Hello" decodes alone as
 "Hello" but reads " Hello" after "[/INST]", and "USER:" encodes alone as "▁USER:" but as
 "USER", ":" after "</s>". `TextCodec` encodes and decodes a piece after its left context;
-`split_answer` finds an answer inside the template's rendering; `StopView` and `LeadingText`
-adjust what a stream shows.
+`split_answer` finds an answer inside the template's rendering; `LeadingText` puts back the
+text a continued answer's first tokens have only in context.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from chatbot.engine.generate import GenerationChunk
-from chatbot.models.templates import find_stop, held_back
 
 # Ids of left context for decoding an answer as it reads in the conversation.
 _DECODE_CONTEXT = 8
@@ -116,33 +115,26 @@ class TextCodec:
                 return Segment(kind, text, ids)
         return Segment(kind, text, self.encode_after(context, text))
 
+    def ids_for_cut_answer(self, before: list[int], ids: list[int], text: str, context: str) -> tuple[list[int], int]:
+        """Ids that read `text` after the ids `before`, for an answer cut before a stop
+        string, and how many of them lead as generated.
 
-class StopView:
-    """What the caller of a streamed answer may see when stop strings apply: the text up to
-    the first stop string, less an end that may still grow into one (shown once it cannot,
-    or when the answer ends).
-
-    Args:
-        stop_strings: the texts that end the answer.
-        shown: the answer's text the caller has already seen (a continued answer's start).
-    """
-
-    def __init__(self, stop_strings: tuple[str, ...], shown: str = "") -> None:
-        self.stop_strings = stop_strings
-        self.text = shown
-        self.shown = len(shown)
-
-    def chunk(self, chunk: GenerationChunk) -> GenerationChunk:
-        """The chunk with only the text that may be shown now."""
-        self.text += chunk.text
-        end = find_stop(self.text, self.stop_strings)
-        if end < 0:
-            end = len(self.text)
-            if not chunk.finish_reason:
-                end -= held_back(self.text, self.stop_strings)
-        text = self.text[self.shown : end] if end > self.shown else ""
-        self.shown = max(self.shown, end)
-        return dataclasses.replace(chunk, text=text)
+        The generated ids are kept as far as they decode to a prefix of the text; the rest
+        of it (a stop string that begins inside a token) is re-encoded, after the text
+        `context`. Should that not
+        join, the whole text is encoded afresh, keeping the ids it shares with the answer.
+        """
+        kept = len(ids)
+        while kept and not text.startswith(self.decode_after(before, ids[:kept])):
+            kept -= 1
+        head = self.decode_after(before, ids[:kept])
+        new = ids[:kept] + self.encode_after(context + head, text[len(head) :])
+        if self.decode_after(before, new) != text:
+            new = self.encode_after(context, text)
+            kept = 0
+            while kept < min(len(ids), len(new)) and ids[kept] == new[kept]:
+                kept += 1
+        return new, kept
 
 
 class LeadingText:
@@ -194,3 +186,66 @@ def split_answer(rest: str, answer: str) -> tuple[str, str] | None:
     if at < 0 or rest[:at].strip():
         return None
     return rest[: at + len(core)], rest[at + len(core) :]
+
+
+Render = Callable[[list[dict[str, str]], bool], str]
+Pieces = list[tuple[str, str, str]]
+
+
+def conversation(sys_msgs: list[dict[str, str]], turns: Sequence[Any]) -> list[dict[str, str]]:
+    """Role/content records of the system messages and the turns (``.user``, ``.answer``)."""
+    msgs = list(sys_msgs)
+    for t in turns:
+        msgs.append({"role": "user", "content": t.user})
+        msgs.append({"role": "assistant", "content": t.answer})
+    return msgs
+
+
+def turn_pieces(render: Render, sys_msgs: list[dict[str, str]], turns: Sequence[Any], text: str) -> Pieces | None:
+    """Each turn's text as (prompt, answer, closing text), found by rendering the
+    conversation up to each message: quadratic in the turns, for any template. None
+    when the template cannot be split turn by turn.
+
+    Args:
+        text: the rendered text before the first turn (the system prompt's segment).
+    """
+    msgs = list(sys_msgs)
+    pieces = []
+    for turn in turns:
+        msgs = [*msgs, {"role": "user", "content": turn.user}]
+        full = render(msgs, True)
+        msgs = [*msgs, {"role": "assistant", "content": turn.answer}]
+        after = render(msgs, False)
+        split = split_answer(after[len(full) :], turn.answer) if after.startswith(full) else None
+        if not full.startswith(text) or split is None:
+            return None
+        pieces.append((full[len(text) :], *split))
+        text = after
+    return pieces
+
+def turn_pieces_windowed(render: Render, sys_msgs: list[dict[str, str]], turns: Sequence[Any], text: str) -> Pieces | None:
+    """As `turn_pieces`, in time linear in the turns: each turn is rendered after only
+    the system prompt and the turn before it, and the pieces are accepted when together
+    they are exactly the whole conversation as rendered (else None: the template looks
+    further back, and `turn_pieces` is used).
+    """
+    if len(turns) < 4:
+        return None  # short conversations: the exact method costs as little
+    pieces = []
+    prev: list[dict[str, str]] = []
+    try:
+        for i, turn in enumerate(turns):
+            window = [*sys_msgs, *prev]
+            base = text if i == 0 else render(window, False)
+            user = {"role": "user", "content": turn.user}
+            full = render([*window, user], True)
+            after = render([*window, user, {"role": "assistant", "content": turn.answer}], False)
+            split = split_answer(after[len(full) :], turn.answer) if after.startswith(full) else None
+            if not full.startswith(base) or split is None:
+                return None
+            pieces.append((full[len(base) :], *split))
+            prev = [user, {"role": "assistant", "content": turn.answer}]
+    except Exception:  # noqa: BLE001 - a template that refuses a window: use the exact method
+        return None
+    whole = text + "".join(p + a + c for p, a, c in pieces)
+    return pieces if whole == render(conversation(sys_msgs, turns), False) else None

@@ -192,7 +192,7 @@ def run(
     sampling = sampling_from_model(loaded.model, **overrides)
     decoder, decoder_note = _decoder(loaded.model, opt)
     engine = Engine(loaded.model, loaded.tokenizer, max_context=max_context, decoder=decoder)
-    session = ChatSession(engine, ChatConfig(system=system, sampling=sampling, engine=engine_cfg))
+    session = ChatSession(engine, ChatConfig(system=system, sampling=sampling, engine=engine_cfg), loaded.template)
 
     interactive = sys.stdin.isatty()
     out, info = make_consoles(interactive)
@@ -280,7 +280,8 @@ def serve(
     sampling = server_sampling(loaded.model, **overrides)
     decoder, decoder_note = _decoder(loaded.model, opt)
     engine = Engine(loaded.model, loaded.tokenizer, max_context=max_context, decoder=decoder)
-    pool = PrefixCachePool(engine, engine_cfg, sampling, max_entries=cache_conversations if prefix_cache else 0,
+    pool = PrefixCachePool(engine, engine_cfg, sampling, template=loaded.template,
+                           max_entries=cache_conversations if prefix_cache else 0,
                            max_bytes=memory)
     name = served_model_name or loaded.name
     application = create_app(pool, name, api_key=key, streaming_cache=enable_streaming)
@@ -332,7 +333,7 @@ def sessions(
     limit: Annotated[int, typer.Option(help="Show at most this many, newest first.", min=1)] = 20,
 ) -> None:
     """List the logged chat sessions (resume one with: chatbot run --resume ID)."""
-    from chatbot.terminal.session_log import print_sessions
+    from chatbot.session_log import print_sessions
 
     print_sessions(Console(highlight=False), limit)
 

@@ -44,6 +44,29 @@ class Turn:
 
 
 
+class SavedConversation:
+    """What `ChatSession` and `RemoteSession` share for saving: `to_dict` and `save`."""
+
+    system: str | None
+    sampling: SamplingConfig
+    turns: list[Turn]
+
+    def messages(self) -> list[dict[str, str]]:
+        raise NotImplementedError
+
+    def to_dict(self, model: str | None = None) -> dict[str, Any]:
+        """The conversation as plain data: messages, system prompt, settings, per-turn stats."""
+        return saved_dict(self.system, self.sampling, self.messages(), self.turns, model)
+
+    def save(self, path: str | os.PathLike[str], model: str | None = None) -> Path:
+        """Write `to_dict` as JSON (see `write_saved`).
+
+        Raises:
+            ChatbotError: the file cannot be written.
+        """
+        return write_saved(path, self.to_dict(model))
+
+
 def saved_dict(
     system: str | None,
     sampling: SamplingConfig,

@@ -13,20 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import openai
 
 from chatbot.config import SamplingConfig
-from chatbot.engine.stats import TurnStats, merge_stats
+from chatbot.engine.stats import TurnStats, merge_stats, summarize
 from chatbot.errors import ChatbotError, ConfigError
-from chatbot.persist import Turn, parse_saved, saved_dict, write_saved
+from chatbot.persist import SavedConversation, Turn, parse_saved, saved_dict
+from chatbot.session_log import Event, LoggedSession
 
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 300.0  # a long prompt on a busy CPU server may take minutes to prefill
@@ -271,7 +270,7 @@ def remote_sampling(**overrides: Any) -> SamplingConfig:
     return dataclasses.replace(SamplingConfig(), **values).validated()
 
 
-class RemoteSession:
+class RemoteSession(SavedConversation, LoggedSession):
     """The conversation as messages, answered by a server; the same methods as
     `ChatSession` where the REPL uses them.
 
@@ -306,12 +305,7 @@ class RemoteSession:
         return self.backend.max_context or 0
 
     def summary(self) -> dict[str, Any]:
-        gen = sum(t.stats.generated_tokens for t in self.turns)
-        ctx = sum(t.stats.context_tokens for t in self.turns)
-        dec = sum(t.stats.decode_time_s for t in self.turns)
-        lat = sum(len(t.stats.token_latencies_s) for t in self.turns)
-        return {"turns": len(self.turns), "context_tokens": ctx, "generated_tokens": gen,
-                "decode_tps": lat / dec if dec else 0.0, "cache_tokens": self.last_total_tokens}
+        return summarize([t.stats for t in self.turns], self.last_total_tokens)
 
     # -- a turn ------------------------------------------------------------------------------
 
@@ -324,12 +318,12 @@ class RemoteSession:
         """
         if not text.strip():
             raise ChatbotError("empty message")
-        return self._answer(Turn(text, "", RemoteStats()), sampling or self.sampling, new=True)
+        return self._logged(self._answer(Turn(text, "", RemoteStats()), sampling or self.sampling, new=True), text)
 
     def retry(self, sampling: SamplingConfig | None = None) -> Iterator[RemoteChunk]:
         if not self.turns:
             raise ChatbotError("nothing to retry")
-        return self._answer(self.turns[-1], sampling or self.sampling, new=False)
+        return self._logged(self._answer(self.turns[-1], sampling or self.sampling, new=False), None)
 
     def can_continue(self) -> bool:
         t = self.turns[-1] if self.turns else None
@@ -343,7 +337,7 @@ class RemoteSession:
             raise ChatbotError("nothing to continue")
         if not self.can_continue():
             raise ChatbotError("the last answer ended by itself; /retry asks for a new one")
-        return self._answer(self.turns[-1], sampling or self.sampling, new=False, extend=True)
+        return self._logged(self._answer(self.turns[-1], sampling or self.sampling, new=False, extend=True), None)
 
     def _answer(self, turn: Turn, sampling: SamplingConfig, new: bool, extend: bool = False) -> Iterator[RemoteChunk]:
         history = self.messages() if new else self.messages()[:-2]
@@ -393,20 +387,25 @@ class RemoteSession:
     def undo(self) -> Turn:
         if not self.turns:
             raise ChatbotError("nothing to undo")
-        return self.turns.pop()
+        turn = self.turns.pop()
+        self._log(Event.UNDO)
+        return turn
 
     def reset(self) -> None:
         self.turns = []
         self.last_total_tokens = 0
+        self._log(Event.RESET)
 
     def set_system(self, text: str | None, on_progress: ProgressCallback | None = None) -> int:
         """Replace the system prompt; nothing is encoded here (the server does it with the
         next message). Returns 0."""
         self.system = text if text and text.strip() else None
+        self._log(Event.SYSTEM, system=self.system)
         return 0
 
     def set_sampling(self, sampling: SamplingConfig) -> None:
         self.sampling = sampling
+        self._log(Event.SETTINGS, settings=sampling.as_dict())
 
     # -- saving and loading ------------------------------------------------------------------
 
@@ -424,15 +423,9 @@ class RemoteSession:
         system, sampling, turns = parse_saved(data, self.sampling, warnings)
         self.system, self.turns, self.sampling = system, turns, sampling
         self.last_total_tokens = 0
+        self._log(Event.LOAD, state=self.to_dict(self.model_name))
         return 0
 
-    def save(self, path: str | os.PathLike[str], model: str | None = None) -> Path:
-        """Write `to_dict` as JSON, as ChatSession does (`write_saved`).
-
-        Raises:
-            ChatbotError: the file cannot be written.
-        """
-        return write_saved(path, self.to_dict(model))
 
 
 def _stats(t0: float, arrivals: list[float], usage: Any, finish: str | None) -> RemoteStats:

@@ -33,36 +33,48 @@ is cut back to the answer's tokens.
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from chatbot.alignment import LeadingText, Segment, StopView, TextCodec, split_answer
+from chatbot.alignment import (
+    LeadingText,
+    Segment,
+    TextCodec,
+    conversation,
+    split_answer,
+    turn_pieces,
+    turn_pieces_windowed,
+)
 from chatbot.config import ChatConfig, SamplingConfig
 from chatbot.engine.generate import Engine, GenerationChunk
-from chatbot.engine.stats import TurnStats, merge_stats
+from chatbot.engine.sampling import sampling_from_model  # noqa: F401 - re-exported
+from chatbot.engine.sink_cache import default_recent_size
+from chatbot.engine.stats import TurnStats, merge_stats, stats_from_arrivals, summarize
+from chatbot.engine.stops import StopOnStrings, StopView
 from chatbot.engine.tracked_cache import CacheLayout, TrackedCache
 from chatbot.errors import ChatbotError
-from chatbot.models.templates import StopOnStrings, find_stop, stop_strings_of
-from chatbot.persist import Turn, parse_saved, read_saved, saved_dict, write_saved
+from chatbot.models.templates import TemplateInfo, answer_stops
+from chatbot.persist import SavedConversation, Turn, parse_saved
+from chatbot.session_log import Event, LoggedSession
 
 ProgressCallback = Callable[[int, int], None]  # (tokens done, tokens in all)
 
 
-class ChatSession:
+class ChatSession(SavedConversation, LoggedSession):
     """Messages, the token ids in the cache, and `send()` that streams an answer.
 
     Args:
         engine: the model runner.
         config: system prompt, sampling and engine settings.
+        template: what the loader set the chat template to (`apply_template`): its stop
+            strings and ids end answers. Without it they are found from the tokenizer.
     """
 
-    def __init__(self, engine: Engine, config: ChatConfig | None = None) -> None:
+    def __init__(self, engine: Engine, config: ChatConfig | None = None,
+                 template: TemplateInfo | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.text = TextCodec(self.tokenizer)
@@ -74,10 +86,10 @@ class ChatSession:
         self.turns: list[Turn] = []
         self.generator = torch.Generator(device=engine.device)
         self._seed_generator()
-        self.stop_ids = self._stop_ids()
-        # The fallback template's stop strings, matched as text (single-token ones are stop
-        # ids too; the text match also catches them spelled out in several tokens).
-        self.stop_strings = stop_strings_of(self.tokenizer)
+        # What ends an answer: stop ids, and the fallback template's stop strings matched as
+        # text (single-token ones are stop ids too; the text match also catches them spelled
+        # out in several tokens).
+        self.stop_ids, self.stops = answer_stops(self.tokenizer, engine.model, template)
 
     # -- set-up -------------------------------------------------------------------------
 
@@ -114,33 +126,6 @@ class ChatSession:
         else:
             self.generator.seed()
 
-    def _stop_ids(self) -> list[int]:
-        ids: set[int] = set()
-        eos = self.tokenizer.eos_token_id
-        if eos is not None:
-            ids.add(int(eos))
-        gen_eos = getattr(getattr(self.engine.model, "generation_config", None), "eos_token_id", None)
-        if isinstance(gen_eos, int):
-            ids.add(gen_eos)
-        elif isinstance(gen_eos, (list, tuple)):
-            ids.update(int(i) for i in gen_eos)
-        ids.update(self._end_of_turn_ids())
-        return sorted(ids)
-
-    def _end_of_turn_ids(self) -> list[int]:
-        """Special tokens the template puts right after an assistant message."""
-        marker = "\u2063answer\u2063"
-        try:
-            text = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}], False)
-        except Exception:  # noqa: BLE001 - a template (user code) that cannot render this
-            return []
-        if marker not in text:
-            return []
-        suffix = text.split(marker, 1)[1]
-        special = set(self.tokenizer.all_special_ids)
-        added = {i for i, tok in self.tokenizer.added_tokens_decoder.items() if tok.special}
-        return [i for i in self.encode(suffix) if i in special or i in added][:1]
-
     # -- text and ids ---------------------------------------------------------------------
 
     def _system_messages(self) -> list[dict[str, str]]:
@@ -148,11 +133,7 @@ class ChatSession:
 
     def messages(self) -> list[dict[str, str]]:
         """The conversation as role/content records, system prompt first when set."""
-        msgs = self._system_messages()
-        for t in self.turns:
-            msgs.append({"role": "user", "content": t.user})
-            msgs.append({"role": "assistant", "content": t.answer})
-        return msgs
+        return conversation(self._system_messages(), self.turns)
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         return self.text.render(messages, add_generation_prompt)
@@ -234,7 +215,7 @@ class ChatSession:
         """
         if not text.strip():
             raise ChatbotError("empty message")
-        return self._send(text, sampling or self.sampling)
+        return self._logged(self._send(text, sampling or self.sampling), user=text)
 
     def _send(self, text: str, sampling: SamplingConfig) -> Iterator[GenerationChunk]:
         if self.segments or self.turns:
@@ -284,11 +265,11 @@ class ChatSession:
         last = self.segments[-1] if self.segments else None
         before = last if extend and last is not None and last.kind == "answer" else None
         lead = LeadingText(self.text, self.all_ids) if before is not None else None
-        if self.stop_strings:
-            stop = StopOnStrings(self.tokenizer, self.stop_strings)
+        if self.stops:
+            stop = StopOnStrings(self.tokenizer, self.stops)
             if before is not None:
                 stop.answer_tokens = len(before.ids)  # a stop string may begin in the part before
-            view = StopView(self.stop_strings, before.text if before is not None else "")
+            view = StopView(self.stops, before.text if before is not None else "")
         seen_before = self.n_fed
         chunks = self.engine.generate(
             self.kv,
@@ -332,27 +313,9 @@ class ChatSession:
                 answer_fed = fed[len(new_ids) :]
                 answer_ids = shown if finished or len(shown) >= len(answer_fed) else answer_fed
                 if stats is None:
-                    stats = self._interrupted_stats(min(len(fed), len(new_ids)), len(answer_ids), t0, times)
+                    stats = stats_from_arrivals(min(len(fed), len(new_ids)), len(answer_ids), t0, times,
+                                                self.kv.layout())
                 self._close_turn(user, answer_ids, stats, finished, first_segment, evicted_before, resume, extend)
-
-    def _interrupted_stats(self, context: int, generated: int, t0: float, times: list[tuple[float, int]]) -> TurnStats:
-        """Approximate figures for an answer cut short, from the chunks' arrival times."""
-        latencies: list[float] = []
-        for (prev, _), (now, n) in itertools.pairwise(times):
-            latencies.extend([(now - prev) / n] * n if n else [])
-        first = times[0][0] - t0 if times else 0.0
-        return TurnStats(
-            context_tokens=context,
-            context_time_s=first,
-            ttft_s=first,
-            generated_tokens=generated,
-            decode_time_s=sum(latencies),
-            token_latencies_s=latencies,
-            cache_tokens=len(self.cache_ids),
-            cache_capacity=self.capacity,
-            evicted_total=self.evicted_total,
-            finish_reason="interrupted",
-        )
 
     def _close_turn(
         self,
@@ -378,10 +341,11 @@ class ChatSession:
         before = self.all_ids
         prompt_text = self.rendered
         answer_text = self.text.decode_after(before, answer_ids)
-        at = find_stop(answer_text, self.stop_strings)
+        at = self.stops.find(answer_text)
         if at >= 0:
             answer_text = answer_text[:at]
-            answer_ids, kept = self._ids_for_cut_answer(before, answer_ids, answer_text)
+            context = next((seg.text for seg in reversed(self.segments) if seg.text), "")
+            answer_ids, kept = self.text.ids_for_cut_answer(before, answer_ids, answer_text, context)
             self.segments.append(Segment("answer", answer_text, answer_ids))
             # Cut the stop string's tokens out of the cache (at the end of it, as /continue
             # does); a re-encoded end of the answer is pending, like the closing text.
@@ -431,27 +395,6 @@ class ChatSession:
             self.segments.append(self._segment("prompt", suffix))
         self._truncate(len(self.segments), self.kv.common_prefix(self.all_ids), self.evicted_total)
 
-    def _ids_for_cut_answer(self, before: list[int], ids: list[int], text: str) -> tuple[list[int], int]:
-        """Ids that read `text` after the ids `before`, for an answer cut before a stop
-        string, and how many of them lead as generated.
-
-        The generated ids are kept as far as they decode to a prefix of the text; the rest
-        of it (a stop string that begins inside a token) is re-encoded. Should that not
-        join, the whole text is encoded afresh, keeping the ids it shares with the answer.
-        """
-        context = next((seg.text for seg in reversed(self.segments) if seg.text), "")
-        kept = len(ids)
-        while kept and not text.startswith(self.text.decode_after(before, ids[:kept])):
-            kept -= 1
-        head = self.text.decode_after(before, ids[:kept])
-        new = ids[:kept] + self.text.encode_after(context + head, text[len(head) :])
-        if self.text.decode_after(before, new) != text:
-            new = self.text.encode_after(context, text)
-            kept = 0
-            while kept < min(len(ids), len(new)) and ids[kept] == new[kept]:
-                kept += 1
-        return new, kept
-
     # -- the cache --------------------------------------------------------------------------
 
     def _forget_cache(self) -> None:
@@ -468,22 +411,11 @@ class ChatSession:
         /undo or /retry past an eviction, a /load, a new system prompt), so the cost is the
         window, not the whole conversation.
         """
-        kv = self.kv
-        if not kv.is_bounded or kv.seen or kv.recent_size is None:
-            return
-        ids = self.all_ids
-        pinned, recent = kv.pinned, kv.recent_size
-        if len(ids) <= pinned + recent:
-            return
-        if pinned:
-            try:
-                self.engine.prefill(kv, ids[:pinned], self.config.engine.prefill_chunk)
-            finally:
-                if not kv.settle():
-                    self._forget_cache()
-            if self.n_fed != pinned:
-                return
-        kv.skip(ids[pinned : len(ids) - recent])
+        try:
+            self.engine.refill_window(self.kv, self.all_ids, self.config.engine.prefill_chunk)
+        finally:
+            if not self.kv.settle():
+                self._forget_cache()
 
     def _rebuild_segments(self) -> None:
         """Tokenize the whole conversation afresh, turn by turn; the cache keeps only the
@@ -502,7 +434,9 @@ class ChatSession:
             if sys_text and probe.startswith(sys_text):
                 segments.append(self._segment("prompt", sys_text, segments, content=self.system))
                 text = sys_text
-        pieces = self._turn_pieces_windowed(text) or self._turn_pieces(text)
+        sys_msgs = self._system_messages()
+        pieces = (turn_pieces_windowed(self.render, sys_msgs, self.turns, text)
+                  or turn_pieces(self.render, sys_msgs, self.turns, text))
         ok = pieces is not None
         for turn, (prompt, answer, suffix) in zip(self.turns, pieces or []):
             turn.first_segment = len(segments)
@@ -518,56 +452,6 @@ class ChatSession:
                 turn.first_segment = -1
         self.segments = segments
         self._keep_common_prefix()
-
-    def _turn_pieces(self, text: str) -> list[tuple[str, str, str]] | None:
-        """Each turn's text as (prompt, answer, closing text), found by rendering the
-        conversation up to each message: quadratic in the turns, for any template. None
-        when the template cannot be split turn by turn.
-
-        Args:
-            text: the rendered text before the first turn (the system prompt's segment).
-        """
-        msgs = self._system_messages()
-        pieces = []
-        for turn in self.turns:
-            msgs = [*msgs, {"role": "user", "content": turn.user}]
-            full = self.render(msgs, True)
-            msgs = [*msgs, {"role": "assistant", "content": turn.answer}]
-            after = self.render(msgs, False)
-            split = split_answer(after[len(full) :], turn.answer) if after.startswith(full) else None
-            if not full.startswith(text) or split is None:
-                return None
-            pieces.append((full[len(text) :], *split))
-            text = after
-        return pieces
-
-    def _turn_pieces_windowed(self, text: str) -> list[tuple[str, str, str]] | None:
-        """As `_turn_pieces`, in time linear in the turns: each turn is rendered after only
-        the system prompt and the turn before it, and the pieces are accepted when together
-        they are exactly the whole conversation as rendered (else None: the template looks
-        further back, and `_turn_pieces` is used).
-        """
-        if len(self.turns) < 4:
-            return None  # short conversations: the exact method costs as little
-        sys_msgs = self._system_messages()
-        pieces = []
-        prev: list[dict[str, str]] = []
-        try:
-            for i, turn in enumerate(self.turns):
-                window = [*sys_msgs, *prev]
-                base = text if i == 0 else self.render(window, False)
-                user = {"role": "user", "content": turn.user}
-                full = self.render([*window, user], True)
-                after = self.render([*window, user, {"role": "assistant", "content": turn.answer}], False)
-                split = split_answer(after[len(full) :], turn.answer) if after.startswith(full) else None
-                if not full.startswith(base) or split is None:
-                    return None
-                pieces.append((full[len(base) :], *split))
-                prev = [user, {"role": "assistant", "content": turn.answer}]
-        except Exception:  # noqa: BLE001 - a template that refuses a window: use the exact method
-            return None
-        whole = text + "".join(p + a + c for p, a, c in pieces)
-        return pieces if whole == self.render(self.messages(), False) else None
 
     def _keep_common_prefix(self) -> None:
         """Cut the cache back to the longest prefix of what it took in that the conversation
@@ -618,6 +502,7 @@ class ChatSession:
         self.turns = []
         self._forget_cache()
         self.segments = []
+        self._log(Event.RESET)
 
     def undo(self) -> Turn:
         """Drop the last exchange; the cache is cut back to where it was before it.
@@ -633,6 +518,7 @@ class ChatSession:
         turn = self.turns[-1]
         fs = self._turn_start(turn)
         self.turns.pop()
+        self._log(Event.UNDO)
         if fs < 0:
             self._rebuild_segments()
             return turn
@@ -655,7 +541,7 @@ class ChatSession:
         """
         if not self.turns:
             raise ChatbotError("nothing to retry")
-        return self._retry(sampling or self.sampling)
+        return self._logged(self._retry(sampling or self.sampling), user=None)
 
     def _retry(self, sampling: SamplingConfig) -> Iterator[GenerationChunk]:
         turn = self.turns[-1]
@@ -697,7 +583,7 @@ class ChatSession:
             raise ChatbotError("nothing to continue")
         if not self.can_continue():
             raise ChatbotError("the last answer ended by itself; /retry asks for a new one")
-        return self._continue(sampling or self.sampling)
+        return self._logged(self._continue(sampling or self.sampling), user=None)
 
     def _continue(self, sampling: SamplingConfig) -> Iterator[GenerationChunk]:
         turn = self.turns[-1]
@@ -722,6 +608,7 @@ class ChatSession:
             ContextFullError: the conversation no longer fits (it is kept, not encoded).
         """
         self.system = text if text and text.strip() else None
+        self._log(Event.SYSTEM, system=self.system)
         self._rebuild_segments()
         return self.prefill_pending(on_progress)
 
@@ -741,30 +628,25 @@ class ChatSession:
         if not ids:
             return 0
         self.kv.check_room(len(ids))
-        chunk = self.kv.chunk_size(self.config.engine.prefill_chunk)
         before = self.n_fed
-        total = len(ids)
         try:
-            for start in range(0, total, chunk):
-                self.engine.prefill(self.kv, ids[start : start + chunk], chunk)
-                if on_progress is not None:
-                    on_progress(min(start + chunk, total), total)
+            self.engine.prefill(self.kv, ids, self.config.engine.prefill_chunk, on_progress=on_progress)
         finally:
             if not self.kv.settle():
                 self._forget_cache()
         return max(0, self.n_fed - before)
 
     def set_sampling(self, sampling: SamplingConfig) -> None:
+        self._use_sampling(sampling)
+        self._log(Event.SETTINGS, settings=sampling.as_dict())
+
+    def _use_sampling(self, sampling: SamplingConfig) -> None:
         reseed = sampling.seed != self.sampling.seed
         self.sampling = sampling
         if reseed:
             self._seed_generator()
 
     # -- saving and loading -----------------------------------------------------------------
-
-    def to_dict(self, model: str | None = None) -> dict[str, Any]:
-        """The conversation as plain data: messages, system prompt, settings, per-turn stats."""
-        return saved_dict(self.system, self.sampling, self.messages(), self.turns, model)
 
     def restore(self, data: Any, on_progress: ProgressCallback | None = None, encode: bool = True,
                 warnings: list[str] | None = None) -> int:
@@ -784,30 +666,10 @@ class ChatSession:
         system, sampling, turns = parse_saved(data, self.sampling, warnings)
         self.system = system
         self.turns = turns
-        self.set_sampling(sampling)
+        self._use_sampling(sampling)
+        self._log(Event.LOAD, state=self.to_dict(self.model_name))
         self._rebuild_segments()
         return self.prefill_pending(on_progress) if encode else 0
-
-    def save(self, path: str | os.PathLike[str], model: str | None = None) -> Path:
-        """Write `to_dict` as JSON (see `write_saved`).
-
-        Raises:
-            ChatbotError: the file cannot be written.
-        """
-        return write_saved(path, self.to_dict(model))
-
-    def load(self, path: str | os.PathLike[str], on_progress: ProgressCallback | None = None) -> dict[str, Any]:
-        """Read a file written by `save` and continue that conversation.
-
-        Returns:
-            the file's data (for its model name and stats).
-
-        Raises:
-            ChatbotError: the file cannot be read or is not a saved chat.
-        """
-        data = read_saved(path)
-        self.restore(data, on_progress)
-        return data
 
     # -- reports ----------------------------------------------------------------------------
 
@@ -820,40 +682,4 @@ class ChatSession:
 
     def summary(self) -> dict[str, Any]:
         """Totals over all turns, for /stats."""
-        gen = sum(t.stats.generated_tokens for t in self.turns)
-        ctx = sum(t.stats.context_tokens for t in self.turns)
-        dec = sum(t.stats.decode_time_s for t in self.turns)
-        lat = sum(len(t.stats.token_latencies_s) for t in self.turns)
-        return {
-            "turns": len(self.turns),
-            "context_tokens": ctx,
-            "generated_tokens": gen,
-            "decode_tps": lat / dec if dec else 0.0,
-            "cache_tokens": len(self.cache_ids),
-        }
-
-
-def default_recent_size(max_context: int) -> int:
-    """A sensible window for --enable-streaming: about a quarter of the trained context,
-    e.g. 2000 for an 8k model, at least 256."""
-    return max(256, min(2000, max_context // 4))
-
-
-def sampling_from_model(model: Any, **overrides: Any) -> SamplingConfig:
-    """Sampling defaults from the model's generation_config, then explicit overrides.
-
-    Raises:
-        ConfigError: an override is out of range.
-    """
-    base = SamplingConfig()
-    gc = getattr(model, "generation_config", None)
-    values: dict[str, Any] = {}
-    if gc is not None:
-        if getattr(gc, "do_sample", None) is False and "temperature" in overrides:
-            values["temperature"] = 0.0
-        for key in ("temperature", "top_p", "top_k", "repetition_penalty"):
-            v = getattr(gc, key, None)
-            if v is not None and v != getattr(type(gc)(), key, None):
-                values[key] = v
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return dataclasses.replace(base, **values).validated()
+        return summarize([t.stats for t in self.turns], len(self.cache_ids))

@@ -200,7 +200,7 @@ def run_repl(args: argparse.Namespace, work: Path) -> dict[str, int]:
     from chatbot.engine.generate import Engine
     from chatbot.models.loader import LoadedModel
     from chatbot.session import ChatSession
-    from chatbot.terminal import session_log
+    from chatbot import session_log
     from chatbot.terminal.repl import Repl
 
     torch.set_num_threads(1)
@@ -325,7 +325,7 @@ def run_cmdline(args: argparse.Namespace, work: Path) -> dict[str, int]:
 
 def run_kill(args: argparse.Namespace, work: Path) -> dict[str, int]:
     """kill -9 at random points; each round resumes the log of the one before."""
-    from chatbot.terminal import session_log
+    from chatbot import session_log
 
     rng = random.Random(args.seed + 2)
     model = tiny_model_dir(work)

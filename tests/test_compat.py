@@ -26,7 +26,7 @@ from chatbot.compat import (
     streaming_chat,
 )
 from chatbot.config import SamplingConfig
-from chatbot.models.templates import held_back
+from chatbot.engine.stops import StopStrings
 from chatbot.engine.generate import Engine
 from chatbot.engine.sink_cache import SinkCache
 from chatbot.errors import ConfigError, StreamingUnsupportedError
@@ -384,7 +384,9 @@ def test_stream_generator_eos_and_echo(tiny_model, tiny_tokenizer):
 
 
 def test_partial_stop_string_is_held_back():
-    held = held_back
+    def held(text, stops):
+        return StopStrings(stops).held_back(text)
+
     assert held("Hello ##", ["###"]) == 2
     assert held("Hello #", ["###"]) == 1
     assert held("Hello", ["###"]) == 0
@@ -406,7 +408,7 @@ def test_stream_generator_stop_strings(tiny_model, tiny_tokenizer):
     assert events[-1]["finish_reason"] == "stop"
     for e in events[:-1]:
         assert expected.startswith(e["text"])
-        assert held_back(e["text"], [stop]) == 0  # never ends in a possible stop start
+        assert StopStrings([stop]).held_back(e["text"]) == 0  # never ends in a possible stop start
 
 
 # --- StreamingLLM: enable_streaming_llm ---------------------------------------------------------

@@ -23,7 +23,7 @@ from test_repl import Chat
 from test_session import assert_invariant
 
 from chatbot.engine.generate import GenerationChunk
-from chatbot.terminal import session_log
+from chatbot import session_log
 from chatbot.terminal.sanitize import safe_line, safe_text
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -518,6 +518,8 @@ def test_load_renders_linear_in_turns(tiny_engine, monkeypatch, system):
     from chatbot.config import ChatConfig, SamplingConfig
     from chatbot.session import ChatSession
 
+    from chatbot.alignment import turn_pieces, turn_pieces_windowed
+
     costs = {}
     for n in (50, 100, 200):
         s = ChatSession(tiny_engine, ChatConfig(system=system, sampling=SamplingConfig(temperature=0)))
@@ -525,7 +527,8 @@ def test_load_renders_linear_in_turns(tiny_engine, monkeypatch, system):
         s.restore({"turns": [{"user": f"Hello {i}", "answer": f"Fine {i}."} for i in range(n)]}, encode=False)
         costs[n] = seen[0]
         text = s.segments[0].text if system else ""
-        assert s._turn_pieces_windowed(text) == s._turn_pieces(text)
+        sys_msgs = s._system_messages()
+        assert turn_pieces_windowed(s.render, sys_msgs, s.turns, text) == turn_pieces(s.render, sys_msgs, s.turns, text)
         assert s.rendered == s.render(s.messages(), False)
     assert costs[200] <= 2.2 * costs[100] and costs[100] <= 2.2 * costs[50], costs
     assert costs[200] < 20 * 200  # a few short windows per turn (quadratic: ~2 x 200²)

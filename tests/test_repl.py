@@ -21,7 +21,7 @@ from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
 from chatbot.engine.generate import Engine
 from chatbot.models.loader import LoadedModel
 from chatbot.session import ChatSession
-from chatbot.terminal import session_log
+from chatbot import session_log
 from chatbot.terminal.commands import COMMANDS
 from chatbot.terminal.render import answer_renderable, split_thinking
 from chatbot.terminal.repl import BlockReader, Repl, SlashCompleter, clean_message, read_lines
@@ -359,7 +359,14 @@ def test_real_chat_interrupt_and_resume(tmp_path):
         child.expect(">")
         child.sendline("Write a long story about a dragon.")
         child.expect("dragon\\.")  # the line as typed
-        child.expect(r"[A-Za-z]{2,}", timeout=120)  # the answer has begun: stop it while it runs
+        # The answer has begun: the message is in the session log (written just before the
+        # prefill) and text follows. Stop it while it runs.
+        deadline = time.monotonic() + 180
+        while not any('"send"' in p.read_text() for p in (tmp_path / "chatbot" / "sessions").glob("*.jsonl")):
+            assert time.monotonic() < deadline, "the message never reached the session log"
+            child.expect([pexpect.TIMEOUT, r"\S"], timeout=0.5)
+        child.expect([pexpect.TIMEOUT, r"\S"], timeout=2)  # its fsync is done
+        child.expect(r"[A-Za-z]{2,}[ ,.]+[A-Za-z]{2,}", timeout=180)
         sent = time.perf_counter()
         child.sendintr()
         child.expect("interrupted: the partial answer is kept", timeout=20)

@@ -14,6 +14,7 @@ from helpers import assert_ids_match_text, full_logits
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
 from chatbot.engine.generate import Engine
 from chatbot.errors import ChatbotError, ContextFullError
+from chatbot.persist import read_saved
 from chatbot.session import ChatSession
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -233,7 +234,7 @@ def test_save_and_load_round_trip(tiny_engine, tmp_path):
     assert data["turns"][0]["stats"]["generated_tokens"] == s.turns[0].stats.generated_tokens
     t = make(tiny_engine)
     progress = []
-    t.load(path, on_progress=lambda d, n: progress.append(d))
+    t.restore(read_saved(path), on_progress=lambda d, n: progress.append(d))
     assert t.messages() == s.messages() and t.system == "Be brief."
     assert t.sampling.max_new_tokens == 7 and t.sampling.seed == 5
     assert [x.stats.token_latencies_s for x in t.turns] == [
@@ -267,7 +268,7 @@ def test_load_plain_messages_and_bad_files(tiny_engine, tmp_path):
         elif content is not None:
             p.write_text(content)
         with pytest.raises(ChatbotError):
-            s.load(p)
+            s.restore(read_saved(p))
         assert s.messages() == before
         assert_invariant(s)
     # A bad setting does not refuse the chat: it is named and left as it was.
@@ -282,7 +283,7 @@ def test_load_plain_messages_and_bad_files(tiny_engine, tmp_path):
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello!"},
     ]}))
-    s.load(p)
+    s.restore(read_saved(p))
     assert s.system == "Sys" and [t.answer for t in s.turns] == ["Hello!"]
     assert_invariant(s)
 
@@ -294,7 +295,7 @@ def test_load_too_long_keeps_conversation_pending(tiny_model, tiny_tokenizer, tm
     p.write_text(json.dumps({"messages": [{"role": "user", "content": "Hello there! " * 20},
                                           {"role": "assistant", "content": "ok"}]}))
     with pytest.raises(ContextFullError):
-        s.load(p)
+        s.restore(read_saved(p))
     assert len(s.turns) == 1 and s.n_fed == 0
     assert_invariant(s)
     s.reset()
@@ -399,7 +400,7 @@ def test_interrupted_load_keeps_the_rest_pending(tiny_engine, tiny_model, tmp_pa
     hook = Interrupter(tiny_model, layer=1, at=3)
     try:
         with pytest.raises(KeyboardInterrupt):
-            t.load(path)
+            t.restore(read_saved(path))
     finally:
         hook.remove()
     assert t.messages() == s.messages() and 0 < t.n_fed < len(t.all_ids)
@@ -449,5 +450,5 @@ def test_commands_keep_the_invariant_on_the_default_model(default_model, tmp_pat
     check()
     path = s.save(tmp_path / "c.json")
     s.reset()
-    s.load(path)
+    s.restore(read_saved(path))
     check()

@@ -29,6 +29,7 @@ from test_session import Interrupter, answer, assert_invariant
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
 from chatbot.engine.generate import Engine
 from chatbot.errors import ChatbotError
+from chatbot.persist import read_saved
 from chatbot.session import ChatSession
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -116,7 +117,7 @@ def make_machine(model, tokenizer, tmp_path, streaming: bool) -> type[RuleBasedS
             path = self.s.save(tmp_path / f"chat{self.saves}.json")
             before = self.s.messages()
             try:
-                self.s.load(path)
+                self.s.restore(read_saved(path))
             except ChatbotError:
                 pass
             assert self.s.messages() == before

@@ -17,7 +17,8 @@ from transformers.generation.logits_process import LogitsProcessor, LogitsProces
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
 from chatbot.engine.generate import Engine
-from chatbot.models.templates import apply_template, held_back, stop_strings_of
+from chatbot.engine.stops import StopStrings
+from chatbot.models.templates import apply_template, stop_strings_of
 from chatbot.session import ChatSession
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -52,7 +53,9 @@ class ScriptedEngine(Engine):
         self.last: Script | None = None
 
     def generate(self, cache, new_ids, sampling, **kwargs):
-        self.last = Script(list(self.script), len(kwargs.get("history_ids", ())) + len(new_ids))
+        history = kwargs.get("history_ids")
+        before = len(cache.ids) if history is None else len(history)  # the engine's default context
+        self.last = Script(list(self.script), before + len(new_ids))
         kwargs["logits_processor"] = LogitsProcessorList([self.last])
         return super().generate(cache, new_ids, sampling, **kwargs)
 
@@ -132,8 +135,8 @@ def test_the_session_takes_the_fallback_templates_stop_strings(tok):
     plain = make_tokenizer()
     apply_template(plain, None, "plain")
     assert stop_strings_of(plain) == ("\nUser:",)
-    assert held_back(" Fine. US", ("USER:",)) == 2
-    assert held_back(" Fine. USA", ("USER:",)) == 0
+    assert StopStrings(("USER:",)).held_back(" Fine. US") == 2
+    assert StopStrings(("USER:",)).held_back(" Fine. USA") == 0
 
 
 @pytest.mark.parametrize("where", ["boundary", "inside"])

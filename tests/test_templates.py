@@ -209,7 +209,7 @@ def test_stop_on_multi_token_strings_ends_the_answer():
     contains it, and never on the prompt's own "USER:"."""
     from chatbot.config import SamplingConfig
     from chatbot.engine.generate import Engine
-    from chatbot.models.templates import StopOnStrings
+    from chatbot.engine.stops import StopOnStrings, StopStrings
 
     tok = make_tokenizer()
     info = apply_template(tok, None, "vicuna")
@@ -247,5 +247,5 @@ def test_stop_on_multi_token_strings_ends_the_answer():
     text = "".join(c.text for c in chunks)
     assert chunks[-1].finish_reason == "stop"
     assert "USER:" in text and not text.endswith(" next")
-    assert stop.cut(text) == " Fine. "
-    assert StopOnStrings(tok, ()).cut("abc") == "abc"
+    assert stop.stops.visible(text, final=True) == " Fine. "
+    assert StopStrings(()).visible("abc") == "abc"

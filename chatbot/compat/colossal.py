@@ -17,6 +17,7 @@ from chatbot.compat._common import _NoText, _single_row, _sync_cache
 from chatbot.config import SamplingConfig
 from chatbot.engine.detokenize import IncrementalDetokenizer
 from chatbot.engine.generate import Engine
+from chatbot.engine.stops import StopOnStrings
 from chatbot.engine.tracked_cache import lookup
 
 DEFAULT_ROLES = ("", "Human", "Assistant")
@@ -145,11 +146,18 @@ def stream_generate(
         logits_processor=logits_processor if logits_processor is not None else LogitsProcessorList(),
         device=engine.device,
     )
+    # Stop strings go through our one text matcher, not transformers' StopStringCriteria.
+    stop_strings = config.stop_strings
+    config.stop_strings = None
     criteria = model._get_stopping_criteria(
         generation_config=config,
         stopping_criteria=stopping_criteria if stopping_criteria is not None else StoppingCriteriaList(),
         tokenizer=tokenizer,
     )
+    if stop_strings:
+        if tokenizer is None:
+            raise ValueError("stop_strings needs the tokenizer: pass tokenizer= to stream_generate")
+        criteria.append(StopOnStrings(tokenizer, [stop_strings] if isinstance(stop_strings, str) else stop_strings))
     sampling = SamplingConfig(
         temperature=1.0 if config.do_sample else 0.0,  # the processors do the rest
         top_p=1.0,

@@ -16,8 +16,8 @@ from chatbot.compat._common import _NoText
 from chatbot.config import SamplingConfig
 from chatbot.engine.detokenize import IncrementalDetokenizer
 from chatbot.engine.generate import Engine
+from chatbot.engine.stops import StopStrings
 from chatbot.engine.tracked_cache import TrackedCache
-from chatbot.models.templates import held_back
 
 # TinyChat models own their KV cache; ours live here, one per model.
 _PERSISTENT: weakref.WeakKeyDictionary[Any, Cache] = weakref.WeakKeyDictionary()
@@ -185,19 +185,17 @@ def StreamGenerator(
     stop = set(stop_token_ids)
     if tokenizer.eos_token_id is not None:
         stop.add(int(tokenizer.eos_token_id))
-    stops = [s for s in stop_strings if s]
+    stops = StopStrings(stop_strings)
 
     flag = _StopFlag()
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
     answer: list[int] = []  # answer tokens, the stop token excluded
     generated: list[int] = []  # every sampled token, for feeding the last one back
-    cut: int | None = None  # where a stop string starts in the answer text
+    cut = False  # a stop string ended the answer
     seen_before = len(kv.seen)
 
     def text(final: bool) -> str:
-        shown = detok.text if cut is None else detok.text[:cut]
-        if not final and cut is None:
-            shown = shown[: len(shown) - held_back(shown, stops)]
+        shown = stops.visible(detok.text, final)
         if not echo:
             return shown
         full = tokenizer.decode(input_ids + answer, skip_special_tokens=True)
@@ -230,12 +228,10 @@ def StreamGenerator(
                 break
             answer.append(token)
             detok.add(token)
-            if stops:
-                found = [p for p in (detok.text.find(s) for s in stops) if p >= 0]
-                if found:
-                    cut = min(found)
-                    flag.stopped = True
-                    break
+            if stops and stops.find(detok.text) >= 0:
+                cut = True
+                flag.stopped = True
+                break
             if i % stream_interval == 0 and i + 1 < sampling.max_new_tokens:
                 suspended_at = time.perf_counter()
                 yield {"text": text(False), "usage": usage(), "finish_reason": None, "timing": None}
@@ -246,13 +242,11 @@ def StreamGenerator(
     detok.flush()
     if generated and stats.finish_reason != "context":
         engine.prefill(kv, generated[-1:])
-    if stops and cut is None:
-        found = [p for p in (detok.text.find(s) for s in stops) if p >= 0]
-        cut = min(found) if found else None
+    cut = cut or stops.find(detok.text) >= 0
     yield {
         "text": text(True),
         "usage": usage(),
-        "finish_reason": "stop" if flag.stopped or cut is not None else "length",
+        "finish_reason": "stop" if flag.stopped or cut else "length",
         "timing": {
             "context_tokens": stats.context_tokens,
             "context_time": stats.context_time_s,

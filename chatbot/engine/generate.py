@@ -129,12 +129,20 @@ class Engine:
         return logits
 
     @torch.inference_mode()
-    def prefill(self, kv: TrackedCache, ids: Sequence[int], prefill_chunk: int = 512, reserve: int = 0) -> torch.Tensor:
+    def prefill(
+        self,
+        kv: TrackedCache,
+        ids: Sequence[int],
+        prefill_chunk: int = 512,
+        reserve: int = 0,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> torch.Tensor:
         """Feed `ids` into the cache in chunks; return the logits after the last one.
 
         `reserve` asks a bounded cache to leave room for that many tokens after the prompt
-        (the answer), so that decoding seldom has to evict. Interrupted, the cache holds the
-        chunks that were fed (`TrackedCache.settle` evens out a torn one).
+        (the answer), so that decoding seldom has to evict. `on_progress` is told (tokens
+        done, tokens in all) after each chunk. Interrupted, the cache holds the chunks that
+        were fed (`TrackedCache.settle` evens out a torn one).
         """
         if not ids:
             raise ValueError("prefill needs at least one token")
@@ -149,8 +157,24 @@ class Engine:
             if recent:
                 extra = max(0, min(extra, recent - len(chunk)))
             logits = self._forward(kv, chunk, extra)
+            if on_progress is not None:
+                on_progress(min(start + step, len(ids)), len(ids))
         assert logits is not None
         return logits
+
+    def refill_window(self, kv: TrackedCache, ids: Sequence[int], prefill_chunk: int = 512) -> None:
+        """Give an emptied bounded cache what it would hold had it taken in all of `ids`:
+        the pinned start (sinks, system prompt) is encoded, and the ids up to the last
+        `recent_size` are counted as evicted instead of being encoded only to be evicted
+        (after /undo or /retry past an eviction, a /load, a new system prompt), so the cost
+        is the window, not the whole conversation. The caller feeds the rest as usual.
+        """
+        recent = kv.recent_size
+        if recent is None or kv.seen or len(ids) <= kv.pinned + recent:
+            return
+        if kv.pinned:
+            self.prefill(kv, ids[: kv.pinned], prefill_chunk)
+        kv.skip(ids[kv.pinned : len(ids) - recent])
 
     @torch.inference_mode()
     def generate(

@@ -504,3 +504,9 @@ def check_streaming_support(model_or_config: Any, capacity: int | None = None) -
                 f"--enable-streaming needs rotary embeddings on the whole head; {model_type} "
                 f"rotates {inv_freq.numel() * 2} of {head_dim} dims"
             )
+
+
+def default_recent_size(max_context: int) -> int:
+    """A sensible window for --enable-streaming: about a quarter of the trained context,
+    e.g. 2000 for an 8k model, at least 256."""
+    return max(256, min(2000, max_context // 4))

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import resource
 import statistics
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from chatbot.engine.seq import quantile
 from chatbot.limits import finite
+
+if TYPE_CHECKING:
+    from chatbot.engine.tracked_cache import CacheLayout
 
 
 @dataclass
@@ -138,3 +142,36 @@ def merge_stats(first: TurnStats, more: TurnStats) -> TurnStats:
         peak_memory_bytes=max(first.peak_memory_bytes, more.peak_memory_bytes),
         finish_reason=more.finish_reason,
     )
+
+
+def stats_from_arrivals(context: int, generated: int, t0: float, times: list[tuple[float, int]], cache: CacheLayout) -> TurnStats:
+    """Approximate figures for an answer cut short, from the chunks' arrival times."""
+    latencies: list[float] = []
+    for (prev, _), (now, n) in itertools.pairwise(times):
+        latencies.extend([(now - prev) / n] * n if n else [])
+    first = times[0][0] - t0 if times else 0.0
+    return TurnStats(
+        context_tokens=context,
+        context_time_s=first,
+        ttft_s=first,
+        generated_tokens=generated,
+        decode_time_s=sum(latencies),
+        token_latencies_s=latencies,
+        cache_tokens=cache.length,
+        cache_capacity=cache.capacity,
+        evicted_total=cache.evicted_total,
+        finish_reason="interrupted",
+    )
+
+
+def summarize(stats: list[TurnStats], cache_tokens: int) -> dict[str, Any]:
+    """Totals over a conversation's turns, for /stats."""
+    dec = sum(s.decode_time_s for s in stats)
+    lat = sum(len(s.token_latencies_s) for s in stats)
+    return {
+        "turns": len(stats),
+        "context_tokens": sum(s.context_tokens for s in stats),
+        "generated_tokens": sum(s.generated_tokens for s in stats),
+        "decode_tps": lat / dec if dec else 0.0,
+        "cache_tokens": cache_tokens,
+    }

@@ -54,7 +54,7 @@ def run_turns_bench(loaded: LoadedModel, turns: list[str], max_new_tokens: int =
     sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=max_new_tokens)
     results = {}
     for mode in ("persistent", "reencode"):
-        session = ChatSession(engine, ChatConfig(sampling=sampling))
+        session = ChatSession(engine, ChatConfig(sampling=sampling), loaded.template)
         results[mode] = _play(session, turns, reencode=(mode == "reencode"))
     last_p, last_r = results["persistent"][-1], results["reencode"][-1]
     return {

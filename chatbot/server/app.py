@@ -194,7 +194,7 @@ class Worker:
             return
         ec = self.pool.engine_config
         if ec.enable_streaming:
-            from chatbot.session import default_recent_size
+            from chatbot.engine.sink_cache import default_recent_size
 
             cache = engine.new_cache(ec.start_size, ec.recent_size or default_recent_size(engine.max_context))
         else:

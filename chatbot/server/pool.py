@@ -20,6 +20,7 @@ from typing import Any
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
 from chatbot.engine.generate import Engine
+from chatbot.models.templates import TemplateInfo
 from chatbot.persist import Turn
 from chatbot.session import ChatSession, sampling_from_model
 
@@ -101,8 +102,10 @@ class PrefixCachePool:
         sampling: SamplingConfig,
         max_entries: int = 8,
         max_bytes: int = 2 << 30,
+        template: TemplateInfo | None = None,
     ) -> None:
         self.engine = engine
+        self.template = template
         self.engine_config = engine_config
         self.sampling = sampling
         self.max_entries = max_entries
@@ -193,7 +196,7 @@ class PrefixCachePool:
 
     def _new_entry(self, conv: Conversation) -> Entry:
         config = ChatConfig(system=conv.system, sampling=self.sampling, engine=self.engine_config)
-        session = ChatSession(self.engine, config)
+        session = ChatSession(self.engine, config, self.template)
         if conv.turns:
             _restore(session, conv)
         return Entry(next(self._keys), session, conv.salt)

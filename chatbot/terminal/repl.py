@@ -29,7 +29,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from chatbot.errors import ChatbotError, ContextFullError
 from chatbot.limits import expand
 from chatbot.models.loader import LoadedModel
-from chatbot.session import ChatSession, Turn
+from chatbot.session import ChatSession
+from chatbot.session_log import FILE_MODE, Event, SessionLog, data_dir, find_session, private_dir, replay
 from chatbot.terminal.commands import (
     CLEAR_FLAG,
     Command,
@@ -53,7 +54,6 @@ from chatbot.terminal.render import (
     stats_renderable,
 )
 from chatbot.terminal.sanitize import safe_line, safe_text
-from chatbot.terminal.session_log import FILE_MODE, SessionLog, data_dir, find_session, private_dir, replay
 
 MAX_MESSAGE_CHARS = 200_000
 BLOCK = '"""'
@@ -271,7 +271,7 @@ class Repl:
                 self.note(f"that session was with {state['model']}; continuing with {self.loaded.name}")
             self._restore(state)
             self.log = SessionLog(resume, self._log_header(), warn=self.note)
-            self.log.write("resume", model=self.loaded.name, system=self.session.system,
+            self.log.write(Event.RESUME, model=self.loaded.name, system=self.session.system,
                            settings=self.session.sampling.as_dict())
             if self.session.turns:
                 last = self.session.turns[-2:]
@@ -279,17 +279,13 @@ class Repl:
                 self.info.print(history_renderable(last, None, markdown=not self.plain, first=first))
         else:
             self.log = SessionLog.create(self._log_header(), directory, warn=self.note)
+        # From here on the session writes each change of the conversation to the log.
+        self.session.log = self.log
+        self.session.model_name = self.loaded.name
 
     def _log_header(self) -> dict[str, Any]:
         return {"model": self.loaded.name, "system": self.session.system,
                 "settings": self.session.sampling.as_dict()}
-
-    def _log(self, event: str, **fields: Any) -> None:
-        if self.log is not None:
-            self.log.write(event, **fields)
-
-    def _log_turn(self, turn: Turn, replace: bool) -> None:
-        self._log("turn", replace=replace, **turn.as_dict())
 
     # -- commands ----------------------------------------------------------------------
 
@@ -307,24 +303,20 @@ class Repl:
 
     def _reset(self, _: Command) -> None:
         self.session.reset()
-        self._log("reset")
         self.note("conversation cleared (the system prompt is kept)")
 
     def _undo(self, _: Command) -> None:
         turn = self.session.undo()
-        self._log("undo")
         self.note(f"removed: {_brief(turn.user)} → {_brief(turn.answer)}")
 
     def _retry(self, command: Command) -> None:
         sampling = self.session.sampling
         for key, value in command.values.items():
             sampling = sampling.with_value(key, "none" if value is None else value)
-        chunks = self.session.retry(sampling if command.values else None)
-        self._stream(chunks, self.session.turns[-1], replace=True)
+        self._stream(self.session.retry(sampling if command.values else None))
 
     def _continue(self, _: Command) -> None:
-        chunks = self.session.continue_answer()
-        self._stream(chunks, self.session.turns[-1], replace=True)
+        self._stream(self.session.continue_answer())
 
     def _system(self, command: Command) -> None:
         if not command.arg:
@@ -337,8 +329,6 @@ class Repl:
                 n = self.session.set_system(text, progress)
         except KeyboardInterrupt:
             n = -1
-        finally:
-            self._log("system", system=self.session.system)
         if n < 0:
             self.note("stopped; the rest is encoded with the next message")
         elif self.remote is not None:
@@ -358,7 +348,6 @@ class Repl:
         for key, value in command.values.items():
             sampling = sampling.with_value(key, "none" if value is None else value)
         self.session.set_sampling(sampling)
-        self._log("settings", settings=sampling.as_dict())
         self.note(", ".join(f"{k} = {'random' if v is None else v}" for k, v in command.values.items()))
 
     def _save(self, command: Command) -> None:
@@ -372,7 +361,6 @@ class Repl:
 
         data = read_saved(command.arg)
         self._restore(data)
-        self._log("load", state=self.session.to_dict(self.loaded.name))
         model = data.get("model")
         if model and model != self.loaded.name:
             self.note(f"that chat was with {model}; continuing with {self.loaded.name}")
@@ -497,13 +485,10 @@ class Repl:
         except ChatbotError as exc:
             self.error(str(exc))
             return
-        # Logged before the answer: a crash or kill -9 mid-answer keeps the message.
-        self._log("send", user=text)
-        self._stream(chunks, None, replace=False)
+        self._stream(chunks)  # the session logs the message before its answer
 
-    def _stream(self, chunks: Iterator[Any], turn: Turn | None, replace: bool) -> None:
-        """Show an answer as it arrives; log the turn it produced (also when cut short)."""
-        turns_before = len(self.session.turns)
+    def _stream(self, chunks: Iterator[Any]) -> None:
+        """Show an answer as it arrives (the session logs the turn it produced)."""
         answer = PlainAnswer(self.console.file) if self.plain else MarkdownAnswer(self.console)
         # Model text reaches a terminal with its control sequences made visible; piped
         # output (--plain, stdout not a terminal) keeps the model's bytes.
@@ -528,12 +513,6 @@ class Repl:
             except (RuntimeError, ValueError) as exc:  # the model or sampling failed: keep the chat
                 chunks.close()  # type: ignore[attr-defined]
                 problem = f"generation failed: {type(exc).__name__}: {exc}"
-        changed = turn if turn is not None else (
-            self.session.turns[-1] if len(self.session.turns) > turns_before else None)
-        if changed is not None:
-            self._log_turn(changed, replace)
-        elif turn is None:
-            self._log("cancel")  # the message sent never became a turn (e.g. it did not fit)
         if problem == "interrupted":
             self.note("[interrupted: the partial answer is kept; /continue goes on]")
         elif problem is not None:
