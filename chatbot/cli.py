@@ -9,14 +9,18 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from typer.exceptions import Abort, Exit, TyperException
 
-from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
+from chatbot.config import EngineConfig, SamplingConfig
 from chatbot.errors import ChatbotError, ConfigError
+
+if TYPE_CHECKING:
+    from chatbot.engine.generate import Engine
+    from chatbot.models.presets import Settings
 
 app = typer.Typer(
     name="chatbot",
@@ -31,23 +35,6 @@ app.add_typer(bench_app, name="bench")
 
 _DEBUG = False
 
-ModelOpt = Annotated[
-    str | None,
-    typer.Option("--model", "-m", help="A transformers folder, a .gguf file, a hub id or a preset name (default: the embedded SmolLM2-135M-Instruct)."),
-]
-DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")]
-DtypeOpt = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")]
-ThreadsOpt = Annotated[int | None, typer.Option(help="CPU threads (default: torch's choice, the physical cores).", min=1)]
-JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the figures to this JSON file.")]
-QuantizeOpt = Annotated[str | None, typer.Option(help="Quantize the weights while loading with bitsandbytes: 4bit (NF4) or 8bit (LLM.int8).")]
-DeviceMapOpt = Annotated[str | None, typer.Option(help="Spread a large model over devices (accelerate): auto, balanced, sequential, or a JSON map of module -> device.")]
-MaxMemoryOpt = Annotated[str | None, typer.Option(help="Per-device budget with --device-map, e.g. 0=20GiB,1=20GiB,cpu=64GiB.")]
-RevisionOpt = Annotated[str | None, typer.Option(help="Hub branch, tag or commit of --model.")]
-TrustOpt = Annotated[bool, typer.Option(help="Run model code shipped with the checkpoint (only for authors you trust).")]
-TemplateOpt = Annotated[str | None, typer.Option(help="Chat template: auto (the tokenizer's), chatml, llama2, llama3, mistral, vicuna, colossal, plain, or a .jinja file.")]
-PresetOpt = Annotated[str | None, typer.Option(help="A preset from configs/ by name (see: chatbot models); flags override it.")]
-ConfigOpt = Annotated[Path | None, typer.Option("--config", help="A preset file (YAML); flags override it.")]
-
 
 def _check_opt(value: str) -> str:
     from chatbot.engine.fast import LEVELS
@@ -55,6 +42,98 @@ def _check_opt(value: str) -> str:
     if value not in LEVELS:
         raise typer.BadParameter(f"{value!r} is not one of {', '.join(LEVELS)}")
     return value
+
+
+ModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        "-m",
+        help="A transformers folder, a .gguf file, a hub id or a preset name "
+        "(default: the embedded SmolLM2-135M-Instruct).",
+    ),
+]
+DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")]
+DtypeOpt = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")]
+ThreadsOpt = Annotated[
+    int | None, typer.Option(help="CPU threads (default: torch's choice, the physical cores).", min=1)
+]
+JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the figures to this JSON file.")]
+QuantizeOpt = Annotated[
+    str | None,
+    typer.Option(help="Quantize the weights while loading with bitsandbytes: 4bit (NF4) or 8bit (LLM.int8)."),
+]
+DeviceMapOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Spread a large model over devices (accelerate): auto, balanced, sequential, "
+        "or a JSON map of module -> device."
+    ),
+]
+MaxMemoryOpt = Annotated[
+    str | None, typer.Option(help="Per-device budget with --device-map, e.g. 0=20GiB,1=20GiB,cpu=64GiB.")
+]
+RevisionOpt = Annotated[str | None, typer.Option(help="Hub branch, tag or commit of --model.")]
+TrustOpt = Annotated[
+    bool, typer.Option(help="Run model code shipped with the checkpoint (only for authors you trust).")
+]
+TemplateOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Chat template: auto (the tokenizer's), chatml, llama2, llama3, mistral, vicuna, colossal, "
+        "plain, or a .jinja file."
+    ),
+]
+PresetOpt = Annotated[
+    str | None, typer.Option(help="A preset from configs/ by name (see: chatbot models); flags override it.")
+]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="A preset file (YAML); flags override it.")]
+
+# The chat settings that `run` and `config show` share (a preset can set each of them too).
+SystemOpt = Annotated[str | None, typer.Option(help="System prompt.")]
+TemperatureOpt = Annotated[float | None, typer.Option(help="Sampling temperature; 0 is greedy.")]
+TopPOpt = Annotated[float | None, typer.Option(help="Nucleus sampling mass (0, 1].")]
+TopKOpt = Annotated[int | None, typer.Option(help="Sample among the k likeliest tokens; 0 turns it off.")]
+RepetitionPenaltyOpt = Annotated[
+    float | None, typer.Option(help="Penalty for tokens already in the conversation; 1 turns it off.")
+]
+MaxNewTokensOpt = Annotated[int | None, typer.Option(help="Most tokens per answer.")]
+SeedOpt = Annotated[int | None, typer.Option(help="Random seed for reproducible sampling.")]
+GreedyOpt = Annotated[
+    bool, typer.Option(help="Always pick the likeliest token (same as --temperature 0, which it overrides).")
+]
+StreamIntervalOpt = Annotated[int, typer.Option(help="Show text every N tokens.")]
+PrefillChunkOpt = Annotated[int, typer.Option(help="Prefill long inputs in chunks of this many tokens.")]
+EnableStreamingOpt = Annotated[
+    bool, typer.Option(help="Attention sinks + recent window: chat forever in bounded memory.")
+]
+StartSizeOpt = Annotated[
+    int, typer.Option(help="Attention-sink tokens kept at the start (with --enable-streaming).")
+]
+RecentSizeOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="Recent tokens kept (with --enable-streaming; default: a quarter of the context, at most 2000)."
+    ),
+]
+KeepSystemOpt = Annotated[
+    bool | None,
+    typer.Option(help="Pin the system prompt in the streaming cache (default: on when --system is set)."),
+]
+MaxContextOpt = Annotated[
+    int | None,
+    typer.Option(help="Most tokens the conversation may hold (default: the model's context)."),
+]
+OptOpt = Annotated[
+    str,
+    typer.Option(
+        "--opt",
+        help="Decode path: auto (native CPU kernels, weights kept exact), f32, int8 or int4 (smaller, lossy), "
+        "off (transformers).",
+        callback=_check_opt,
+    ),
+]
+DebugOpt = Annotated[bool, typer.Option(help="Show tracebacks.")]
 
 
 def _decoder(model: Any, opt: str) -> tuple[Any, str | None]:
@@ -88,7 +167,7 @@ def _load(model: str | None, device: str, dtype: str, quiet: bool = False, **opt
     return load_model(model, device=device, dtype=dtype, **options)
 
 
-def _settings(ctx: typer.Context, preset: str | None, config: Path | None) -> Any:
+def _settings(ctx: typer.Context, preset: str | None, config: Path | None) -> Settings:
     """Defaults < the preset (--preset/--config) < the flags given on the command line."""
     from chatbot.models.presets import resolve_settings, select_preset
     from chatbot.models.templates import check_template_choice
@@ -99,7 +178,11 @@ def _settings(ctx: typer.Context, preset: str | None, config: Path | None) -> An
     given = {name for name, source in sources.items() if source not in ("DEFAULT", "DEFAULT_MAP")}
     if chosen is not None and not (preset or config):
         given.discard("model")  # --model named the preset
-    settings = resolve_settings(chosen, dict(ctx.params), given)
+    flags = dict(ctx.params)
+    if flags.get("greedy"):
+        flags["temperature"] = 0.0
+        given.add("temperature")
+    settings = resolve_settings(chosen, flags, given)
     check_template_choice(settings["template"])
     return settings
 
@@ -108,21 +191,21 @@ def _settings(ctx: typer.Context, preset: str | None, config: Path | None) -> An
 def run(
     ctx: typer.Context,
     model: ModelOpt = None,
-    system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
-    temperature: Annotated[float | None, typer.Option(help="Sampling temperature; 0 is greedy.")] = None,
-    top_p: Annotated[float | None, typer.Option(help="Nucleus sampling mass (0, 1].")] = None,
-    top_k: Annotated[int | None, typer.Option(help="Sample among the k likeliest tokens; 0 turns it off.")] = None,
-    repetition_penalty: Annotated[float | None, typer.Option(help="Penalty for tokens already in the conversation; 1 turns it off.")] = None,
-    max_new_tokens: Annotated[int | None, typer.Option(help="Most tokens per answer.")] = None,
-    seed: Annotated[int | None, typer.Option(help="Random seed for reproducible sampling.")] = None,
-    greedy: Annotated[bool, typer.Option(help="Always pick the likeliest token (same as --temperature 0).")] = False,
-    stream_interval: Annotated[int, typer.Option(help="Show text every N tokens.")] = 1,
-    prefill_chunk: Annotated[int, typer.Option(help="Prefill long inputs in chunks of this many tokens.")] = 512,
-    enable_streaming: Annotated[bool, typer.Option(help="Attention sinks + recent window: chat forever in bounded memory.")] = False,
-    start_size: Annotated[int, typer.Option(help="Attention-sink tokens kept at the start (with --enable-streaming).")] = 4,
-    recent_size: Annotated[int | None, typer.Option(help="Recent tokens kept (with --enable-streaming; default: a quarter of the context, at most 2000).")] = None,
-    keep_system: Annotated[bool | None, typer.Option(help="Pin the system prompt in the streaming cache (default: on when --system is set).")] = None,
-    max_context: Annotated[int | None, typer.Option(help="Most tokens the conversation may hold (default: the model's context).")] = None,
+    system: SystemOpt = None,
+    temperature: TemperatureOpt = None,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
+    repetition_penalty: RepetitionPenaltyOpt = None,
+    max_new_tokens: MaxNewTokensOpt = None,
+    seed: SeedOpt = None,
+    greedy: GreedyOpt = False,
+    stream_interval: StreamIntervalOpt = 1,
+    prefill_chunk: PrefillChunkOpt = 512,
+    enable_streaming: EnableStreamingOpt = False,
+    start_size: StartSizeOpt = 4,
+    recent_size: RecentSizeOpt = None,
+    keep_system: KeepSystemOpt = None,
+    max_context: MaxContextOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     quantize: QuantizeOpt = None,
@@ -134,65 +217,61 @@ def run(
     preset: PresetOpt = None,
     config: ConfigOpt = None,
     threads: ThreadsOpt = None,
-    opt: Annotated[str, typer.Option("--opt", help="Decode path: auto (native CPU kernels, weights kept exact), f32, int8 or int4 (smaller, lossy), off (transformers).", callback=_check_opt)] = "auto",
+    opt: OptOpt = "auto",
     plain: Annotated[bool, typer.Option(help="Print raw text instead of rendered Markdown.")] = False,
     no_stats: Annotated[bool, typer.Option("--no-stats", help="Hide the stats line after each answer.")] = False,
-    resume: Annotated[str | None, typer.Option(help="Continue a logged session: its id (or the start of it), or 'last' (the default when no value is given).")] = None,
-    server: Annotated[str | None, typer.Option(help="Chat with a model on an OpenAI-compatible server (vLLM, SGLang, llama-server, ollama, chatbot serve), e.g. http://127.0.0.1:8000/v1; --model names it there.")] = None,
-    api_key_env: Annotated[str | None, typer.Option(help="With --server: send the API key in this environment variable.")] = None,
-    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
+    resume: Annotated[
+        str | None,
+        typer.Option(
+            help="Continue a logged session: its id (or the start of it), or 'last' "
+            "(the default when no value is given)."
+        ),
+    ] = None,
+    server: Annotated[
+        str | None,
+        typer.Option(
+            help="Chat with a model on an OpenAI-compatible server (vLLM, SGLang, llama-server, ollama, "
+            "chatbot serve), e.g. http://127.0.0.1:8000/v1; --model names it there."
+        ),
+    ] = None,
+    api_key_env: Annotated[
+        str | None, typer.Option(help="With --server: send the API key in this environment variable.")
+    ] = None,
+    debug: DebugOpt = False,
 ) -> None:
     """Chat with a model. Reads one message per line when stdin is not a terminal."""
     global _DEBUG
     _DEBUG = debug
     if server is not None:
-        overrides = {"temperature": 0.0 if greedy else temperature, "top_p": top_p, "top_k": top_k,
-                     "repetition_penalty": repetition_penalty, "max_new_tokens": max_new_tokens, "seed": seed,
-                     "stream_interval": stream_interval}
+        overrides = {
+            "temperature": 0.0 if greedy else temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "repetition_penalty": repetition_penalty,
+            "max_new_tokens": max_new_tokens,
+            "seed": seed,
+            "stream_interval": stream_interval,
+        }
         _run_remote(ctx, server, model, api_key_env, system, overrides, enable_streaming, plain, no_stats, resume)
         return
     if api_key_env is not None:
         raise ConfigError("--api-key-env goes with --server URL")
-    settings = _settings(ctx, preset, config)
-    (model, system, device, dtype, temperature, top_p, top_k, repetition_penalty, max_new_tokens, seed,
-     enable_streaming, start_size, recent_size, keep_system, max_context) = (settings.run_values()[k] for k in (
-        "model", "system", "device", "dtype", "temperature", "top_p", "top_k", "repetition_penalty",
-        "max_new_tokens", "seed", "enable_streaming", "start_size", "recent_size", "keep_system", "max_context"))
-    load_options = {k: settings[k] for k in ("quantize", "device_map", "max_memory", "revision", "trust_remote_code", "template")}
-    overrides = {
-        "temperature": 0.0 if greedy else temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "repetition_penalty": repetition_penalty,
-        "max_new_tokens": max_new_tokens,
-        "seed": seed,
-        "stream_interval": stream_interval,
-    }
-    # Check every value before the (slow) model load.
-    SamplingConfig(**{k: v for k, v in overrides.items() if v is not None}).validated()
-    engine_cfg = EngineConfig(
-        prefill_chunk=prefill_chunk,
-        enable_streaming=enable_streaming,
-        start_size=start_size,
-        recent_size=recent_size,
-        keep_system=keep_system,
-        max_context=max_context,
-    ).validated()
+    # Every setting, resolved and checked once, before the (slow) model load.
+    settings = _settings(ctx, preset, config).run_config(prefill_chunk)
     _set_threads(threads)
 
-    from chatbot.engine.generate import Engine
     from chatbot.models.templates import check_template
     from chatbot.session import ChatSession, sampling_from_model
     from chatbot.terminal.repl import Repl, make_consoles, resolve_resume
     from chatbot.terminal.repl import run as run_repl
 
     resume_path = resolve_resume(resume)
-    loaded = _load(model, device, dtype, **load_options)
-    check_template(loaded.tokenizer, system, loaded.name)
-    sampling = sampling_from_model(loaded.model, **overrides)
+    loaded = _load(settings.load.model, **settings.load.options())
+    check_template(loaded.tokenizer, settings.system, loaded.name)
+    sampling = sampling_from_model(loaded.model, **settings.sampling)
     decoder, decoder_note = _decoder(loaded.model, opt)
-    engine = Engine(loaded.model, loaded.tokenizer, max_context=max_context, decoder=decoder)
-    session = ChatSession(engine, ChatConfig(system=system, sampling=sampling, engine=engine_cfg))
+    engine = _engine(loaded, settings.engine, decoder)
+    session = ChatSession(engine, settings.chat_config(sampling))
 
     interactive = sys.stdin.isatty()
     out, info = make_consoles(interactive)
@@ -204,12 +283,23 @@ def run(
     if interactive:
         d = loaded.describe()
         quant = f" · {d['quantization']}" if d["quantization"] != "none" else ""
-        repl.note(" · ".join(f"{d[k]}" for k in ("model", "parameters", "dtype", "device")) + quant
-                  + f" · context {d['context']} · template {d['template']} · loaded in {d['load time']}"
-                  + f" · decode: {f'native {decoder.info().activations} ({opt})' if decoder else 'transformers'}")
-    repl.start_log(resume_path, overrides={k: v for k, v in overrides.items() if v is not None and k != "stream_interval"},
-                   system=system)
+        decode = f"native {decoder.info().activations} ({opt})" if decoder else "transformers"
+        repl.note(
+            " · ".join(f"{d[k]}" for k in ("model", "parameters", "dtype", "device"))
+            + quant
+            + f" · context {d['context']} · template {d['template']} · loaded in {d['load time']}"
+            + f" · decode: {decode}"
+        )
+    logged = {k: v for k, v in settings.sampling.items() if v is not None and k != "stream_interval"}
+    repl.start_log(resume_path, overrides=logged, system=settings.system)
     run_repl(repl, interactive)
+
+
+def _engine(loaded: Any, config: EngineConfig, decoder: Any | None) -> Engine:
+    """The model runner, limited to `config.max_context` tokens (None: the model's context)."""
+    from chatbot.engine.generate import Engine
+
+    return Engine(loaded.model, loaded.tokenizer, max_context=config.max_context, decoder=decoder)
 
 
 def _api_key(var: str | None) -> str | None:
@@ -235,29 +325,58 @@ def _size(text: str) -> int:
 
 @app.command()
 def serve(
-    model: Annotated[str | None, typer.Option("--model", "-m", help="A transformers folder, a .gguf file or a hub id (default: the embedded SmolLM2-135M-Instruct).")] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="A transformers folder, a .gguf file or a hub id (default: the embedded SmolLM2-135M-Instruct).",
+        ),
+    ] = None,
     host: Annotated[str, typer.Option(help="Address to listen on (127.0.0.1: this machine only).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.", min=1, max=65535)] = 8000,
-    api_key_env: Annotated[str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on /v1, KEY read from this environment variable.")] = None,
-    served_model_name: Annotated[str | None, typer.Option(help="The model id clients use (default: the model's name).")] = None,
-    prefix_cache: Annotated[bool, typer.Option(help="Keep conversation caches between requests (a request extending one prefills only its new tokens).")] = True,
-    cache_conversations: Annotated[int, typer.Option(help="Conversation caches kept, least recently used evicted.", min=1)] = 8,
-    cache_memory: Annotated[str, typer.Option(help="Cap on the KV cache memory kept between requests, e.g. 2GiB.")] = "2GiB",
-    temperature: Annotated[float | None, typer.Option(help="Default temperature (requests may set their own).")] = None,
+    api_key_env: Annotated[
+        str | None,
+        typer.Option(
+            help="Require 'Authorization: Bearer KEY' on /v1, KEY read from this environment variable."
+        ),
+    ] = None,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="The model id clients use (default: the model's name).")
+    ] = None,
+    prefix_cache: Annotated[
+        bool,
+        typer.Option(
+            help="Keep conversation caches between requests (a request extending one prefills only its new tokens)."
+        ),
+    ] = True,
+    cache_conversations: Annotated[
+        int, typer.Option(help="Conversation caches kept, least recently used evicted.", min=1)
+    ] = 8,
+    cache_memory: Annotated[
+        str, typer.Option(help="Cap on the KV cache memory kept between requests, e.g. 2GiB.")
+    ] = "2GiB",
+    temperature: Annotated[
+        float | None, typer.Option(help="Default temperature (requests may set their own).")
+    ] = None,
     max_new_tokens: Annotated[int | None, typer.Option(help="Default max_tokens of a request.")] = None,
-    prefill_chunk: Annotated[int, typer.Option(help="Prefill long inputs in chunks of this many tokens.")] = 512,
-    enable_streaming: Annotated[bool, typer.Option(help="Each conversation on an attention-sink cache: no context limit.")] = False,
-    start_size: Annotated[int, typer.Option(help="Attention-sink tokens (with --enable-streaming).")] = 4,
-    recent_size: Annotated[int | None, typer.Option(help="Recent tokens kept (with --enable-streaming).")] = None,
-    max_context: Annotated[int | None, typer.Option(help="Most tokens a conversation may hold (default: the model's context).")] = None,
+    prefill_chunk: PrefillChunkOpt = 512,
+    enable_streaming: Annotated[
+        bool, typer.Option(help="Each conversation on an attention-sink cache: no context limit.")
+    ] = False,
+    start_size: StartSizeOpt = 4,
+    recent_size: RecentSizeOpt = None,
+    max_context: MaxContextOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     template: TemplateOpt = "auto",
     trust_remote_code: TrustOpt = False,
     threads: ThreadsOpt = None,
-    opt: Annotated[str, typer.Option("--opt", help="Decode path, as for chatbot run.", callback=_check_opt)] = "auto",
-    log_level: Annotated[str, typer.Option(help="uvicorn's log level: warning, info (one line per request), debug.")] = "warning",
-    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
+    opt: OptOpt = "auto",
+    log_level: Annotated[
+        str, typer.Option(help="uvicorn's log level: warning, info (one line per request), debug.")
+    ] = "warning",
+    debug: DebugOpt = False,
 ) -> None:
     """Serve the model over the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
     /v1/models, /health), with conversation caches kept as a prefix cache."""
@@ -267,11 +386,15 @@ def serve(
     memory = _size(cache_memory)
     overrides = {"temperature": temperature, "max_new_tokens": max_new_tokens}
     SamplingConfig(**{k: v for k, v in overrides.items() if v is not None}).validated()
-    engine_cfg = EngineConfig(prefill_chunk=prefill_chunk, enable_streaming=enable_streaming, start_size=start_size,
-                              recent_size=recent_size, max_context=max_context).validated()
+    engine_cfg = EngineConfig(
+        prefill_chunk=prefill_chunk,
+        enable_streaming=enable_streaming,
+        start_size=start_size,
+        recent_size=recent_size,
+        max_context=max_context,
+    ).validated()
     _set_threads(threads)
 
-    from chatbot.engine.generate import Engine
     from chatbot.server.app import create_app
     from chatbot.server.app import serve as run_server
     from chatbot.server.pool import PrefixCachePool, server_sampling
@@ -279,7 +402,7 @@ def serve(
     loaded = _load(model, device, dtype, template=template, trust_remote_code=trust_remote_code)
     sampling = server_sampling(loaded.model, **overrides)
     decoder, decoder_note = _decoder(loaded.model, opt)
-    engine = Engine(loaded.model, loaded.tokenizer, max_context=max_context, decoder=decoder)
+    engine = _engine(loaded, engine_cfg, decoder)
     pool = PrefixCachePool(engine, engine_cfg, sampling, max_entries=cache_conversations if prefix_cache else 0,
                            max_bytes=memory)
     name = served_model_name or loaded.name
@@ -581,7 +704,7 @@ def config_show(
     preset: PresetOpt = None,
     config: ConfigOpt = None,
     model: ModelOpt = None,
-    system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
+    system: SystemOpt = None,
     template: TemplateOpt = "auto",
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -590,25 +713,24 @@ def config_show(
     max_memory: MaxMemoryOpt = None,
     revision: RevisionOpt = None,
     trust_remote_code: TrustOpt = False,
-    temperature: Annotated[float | None, typer.Option(help="Sampling temperature; 0 is greedy.")] = None,
-    top_p: Annotated[float | None, typer.Option(help="Nucleus sampling mass (0, 1].")] = None,
-    top_k: Annotated[int | None, typer.Option(help="Sample among the k likeliest tokens; 0 turns it off.")] = None,
-    repetition_penalty: Annotated[float | None, typer.Option(help="Penalty for repeated tokens; 1 turns it off.")] = None,
-    max_new_tokens: Annotated[int | None, typer.Option(help="Most tokens per answer.")] = None,
-    seed: Annotated[int | None, typer.Option(help="Random seed.")] = None,
-    enable_streaming: Annotated[bool, typer.Option(help="Attention sinks + recent window.")] = False,
-    start_size: Annotated[int, typer.Option(help="Attention-sink tokens.")] = 4,
-    recent_size: Annotated[int | None, typer.Option(help="Recent tokens kept.")] = None,
-    keep_system: Annotated[bool | None, typer.Option(help="Pin the system prompt in the streaming cache.")] = None,
-    max_context: Annotated[int | None, typer.Option(help="Most tokens the conversation may hold.")] = None,
+    temperature: TemperatureOpt = None,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
+    repetition_penalty: RepetitionPenaltyOpt = None,
+    max_new_tokens: MaxNewTokensOpt = None,
+    seed: SeedOpt = None,
+    greedy: GreedyOpt = False,
+    stream_interval: StreamIntervalOpt = 1,
+    enable_streaming: EnableStreamingOpt = False,
+    start_size: StartSizeOpt = 4,
+    recent_size: RecentSizeOpt = None,
+    keep_system: KeepSystemOpt = None,
+    max_context: MaxContextOpt = None,
 ) -> None:
     """Print the settings `chatbot run` would use with these flags, as a preset file
     (each line says where its value came from; save it and pass it to --config)."""
-    from chatbot.config import SamplingConfig
-
     settings = _settings(ctx, preset, config)
-    SamplingConfig(**{k: v for k, v in settings.sampling_overrides().items() if v is not None}).validated()
-    settings.engine_config()
+    settings.run_config()  # refuse what `run` would refuse
     print(settings.as_yaml(), end="")
 
 
