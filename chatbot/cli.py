@@ -128,12 +128,21 @@ OptOpt = Annotated[
     str,
     typer.Option(
         "--opt",
-        help="Decode path: auto (native CPU kernels, weights kept exact), f32, int8 or int4 (smaller, lossy), "
-        "off (transformers).",
+        help="Decode path: auto (native CPU kernels, weights kept exact), f32, int8 or int4 "
+        "(smaller, lossy), off (transformers).",
         callback=_check_opt,
     ),
 ]
 DebugOpt = Annotated[bool, typer.Option(help="Show tracebacks.")]
+# Shared by the benches.
+TextOpt = Annotated[
+    Path | None,
+    typer.Option(help="A long plain-text file (default: the Python FAQ text shipped in the package)."),
+]
+ConversationOpt = Annotated[
+    Path | None,
+    typer.Option(help='A JSON file {"turns": [...]} (default: the shipped twelve-turn chat).'),
+]
 
 
 def _decoder(model: Any, opt: str) -> tuple[Any, str | None]:
@@ -219,7 +228,9 @@ def run(
     threads: ThreadsOpt = None,
     opt: OptOpt = "auto",
     plain: Annotated[bool, typer.Option(help="Print raw text instead of rendered Markdown.")] = False,
-    no_stats: Annotated[bool, typer.Option("--no-stats", help="Hide the stats line after each answer.")] = False,
+    no_stats: Annotated[
+        bool, typer.Option("--no-stats", help="Hide the stats line after each answer.")
+    ] = False,
     resume: Annotated[
         str | None,
         typer.Option(
@@ -252,7 +263,9 @@ def run(
             "seed": seed,
             "stream_interval": stream_interval,
         }
-        _run_remote(ctx, server, model, api_key_env, system, overrides, enable_streaming, plain, no_stats, resume)
+        _run_remote(
+            ctx, server, model, api_key_env, system, overrides, enable_streaming, plain, no_stats, resume
+        )
         return
     if api_key_env is not None:
         raise ConfigError("--api-key-env goes with --server URL")
@@ -275,7 +288,8 @@ def run(
 
     interactive = sys.stdin.isatty()
     out, info = make_consoles(interactive)
-    repl = Repl(session, loaded, out, plain=plain or not sys.stdout.isatty(), show_stats=not no_stats, info=info)
+    plain = plain or not sys.stdout.isatty()
+    repl = Repl(session, loaded, out, plain=plain, show_stats=not no_stats, info=info)
     for note in loaded.notes:
         repl.note(note)
     if decoder_note:
@@ -314,7 +328,9 @@ def _api_key(var: str | None) -> str | None:
 
 def _size(text: str) -> int:
     """Bytes from '2GiB', '512MiB', '1GB' or a plain number."""
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1, "": 1}
+    units = {
+        "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1, "": 1
+    }
     raw = text.strip().lower()
     number = raw.rstrip("kmgib")
     try:
@@ -330,10 +346,13 @@ def serve(
         typer.Option(
             "--model",
             "-m",
-            help="A transformers folder, a .gguf file or a hub id (default: the embedded SmolLM2-135M-Instruct).",
+            help="A transformers folder, a .gguf file or a hub id "
+            "(default: the embedded SmolLM2-135M-Instruct).",
         ),
     ] = None,
-    host: Annotated[str, typer.Option(help="Address to listen on (127.0.0.1: this machine only).")] = "127.0.0.1",
+    host: Annotated[
+        str, typer.Option(help="Address to listen on (127.0.0.1: this machine only).")
+    ] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.", min=1, max=65535)] = 8000,
     api_key_env: Annotated[
         str | None,
@@ -347,7 +366,8 @@ def serve(
     prefix_cache: Annotated[
         bool,
         typer.Option(
-            help="Keep conversation caches between requests (a request extending one prefills only its new tokens)."
+            help="Keep conversation caches between requests "
+            "(a request extending one prefills only its new tokens)."
         ),
     ] = True,
     cache_conversations: Annotated[
@@ -403,29 +423,44 @@ def serve(
     sampling = server_sampling(loaded.model, **overrides)
     decoder, decoder_note = _decoder(loaded.model, opt)
     engine = _engine(loaded, engine_cfg, decoder)
-    pool = PrefixCachePool(engine, engine_cfg, sampling, max_entries=cache_conversations if prefix_cache else 0,
-                           max_bytes=memory)
+    kept = cache_conversations if prefix_cache else 0
+    pool = PrefixCachePool(engine, engine_cfg, sampling, max_entries=kept, max_bytes=memory)
     name = served_model_name or loaded.name
     application = create_app(pool, name, api_key=key, streaming_cache=enable_streaming)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     for note in [*loaded.notes, *([decoder_note] if decoder_note else [])]:
         err.print(note, style="dim", markup=False)
     shown = "localhost" if host in ("127.0.0.1", "::1") else host
-    err.print(f"serving {name} on http://{shown}:{port}/v1 (OpenAI API: /v1/chat/completions, /v1/completions, "
-              "/v1/models; /health) · "
-              f"one generation at a time · prefix cache {'on' if prefix_cache else 'off'}"
-              + (" · API key required" if key else ""), markup=False)
+    err.print(
+        f"serving {name} on http://{shown}:{port}/v1 "
+        "(OpenAI API: /v1/chat/completions, /v1/completions, /v1/models; /health) · "
+        f"one generation at a time · prefix cache {'on' if prefix_cache else 'off'}"
+        + (" · API key required" if key else ""),
+        markup=False,
+    )
     if key is None and host not in ("127.0.0.1", "::1", "localhost"):
-        err.print(f"warning: listening on {host} without an API key (--api-key-env VAR)", style="yellow", markup=False)
+        warning = f"warning: listening on {host} without an API key (--api-key-env VAR)"
+        err.print(warning, style="yellow", markup=False)
     run_server(application, host, port, log_level=log_level)
 
 
-def _run_remote(ctx: typer.Context, server: str, model: str | None, api_key_env: str | None, system: str | None,
-                overrides: dict[str, Any], enable_streaming: bool, plain: bool, no_stats: bool,
-                resume: str | None) -> None:
+def _run_remote(
+    ctx: typer.Context,
+    server: str,
+    model: str | None,
+    api_key_env: str | None,
+    system: str | None,
+    overrides: dict[str, Any],
+    enable_streaming: bool,
+    plain: bool,
+    no_stats: bool,
+    resume: str | None,
+) -> None:
     """`chatbot run --server URL`: the REPL on a RemoteSession."""
     if enable_streaming:
-        raise ConfigError("--enable-streaming does not apply with --server: the server manages its own context")
+        raise ConfigError(
+            "--enable-streaming does not apply with --server: the server manages its own context"
+        )
     if getattr(ctx.get_parameter_source("opt"), "name", "") == "COMMANDLINE":
         raise ConfigError("--opt does not apply with --server: the server runs the model")
     from chatbot.remote import RemoteBackend, RemoteSession, remote_sampling
@@ -439,8 +474,12 @@ def _run_remote(ctx: typer.Context, server: str, model: str | None, api_key_env:
     session = RemoteSession(backend, system, sampling)
     interactive = sys.stdin.isatty()
     out = Console(soft_wrap=True, highlight=False)
-    info = out if (interactive and sys.stdout.isatty()) else Console(stderr=True, highlight=False, soft_wrap=True)
-    repl = Repl(session, backend, out, plain=plain or not sys.stdout.isatty(), show_stats=not no_stats, info=info)  # type: ignore[arg-type]
+    if interactive and sys.stdout.isatty():
+        info = out
+    else:
+        info = Console(stderr=True, highlight=False, soft_wrap=True)
+    plain = plain or not sys.stdout.isatty()
+    repl = Repl(session, backend, out, plain=plain, show_stats=not no_stats, info=info)  # type: ignore[arg-type]
     for note in backend.notes:
         repl.note(note)
     if interactive:
@@ -462,14 +501,22 @@ def sessions(
 
 @bench_app.command("turns")
 def bench_turns(
-    conversation: Annotated[Path | None, typer.Option(help='A JSON file {"turns": [...]} (default: the shipped twelve-turn chat).')] = None,
+    conversation: ConversationOpt = None,
     max_new_tokens: Annotated[int, typer.Option(help="New tokens per turn (greedy).", min=1)] = 64,
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     threads: ThreadsOpt = None,
-    server: Annotated[str | None, typer.Option(help="Measure a server's prefix cache through HTTP instead (OpenAI API, e.g. http://127.0.0.1:8000/v1): the conversation with its cache, and again with it bypassed.")] = None,
-    api_key_env: Annotated[str | None, typer.Option(help="With --server: the API key's environment variable.")] = None,
+    server: Annotated[
+        str | None,
+        typer.Option(
+            help="Measure a server's prefix cache through HTTP instead (OpenAI API, e.g. "
+            "http://127.0.0.1:8000/v1): the conversation with its cache, and again with it bypassed."
+        ),
+    ] = None,
+    api_key_env: Annotated[
+        str | None, typer.Option(help="With --server: the API key's environment variable.")
+    ] = None,
     json_out: JsonOpt = None,
 ) -> None:
     """Persistent cache against re-encoding the whole history every turn."""
@@ -498,8 +545,12 @@ def bench_turns(
 
 @bench_app.command("render")
 def bench_render(
-    tokens: Annotated[int, typer.Option(help="Pieces of the Markdown answer fed to the renderer.", min=10)] = 2000,
-    rate: Annotated[float, typer.Option(help="Decode speed the renderer must keep up with, tokens/s.", min=1)] = 150.0,
+    tokens: Annotated[
+        int, typer.Option(help="Pieces of the Markdown answer fed to the renderer.", min=10)
+    ] = 2000,
+    rate: Annotated[
+        float, typer.Option(help="Decode speed the renderer must keep up with, tokens/s.", min=1)
+    ] = 150.0,
     width: Annotated[int, typer.Option(help="Terminal columns.", min=20)] = 80,
     json_out: JsonOpt = None,
 ) -> None:
@@ -517,10 +568,15 @@ def bench_render(
 def bench_load(
     server: Annotated[str, typer.Option(help="The server's API root, e.g. http://127.0.0.1:8000/v1.")],
     clients: Annotated[int, typer.Option(help="Concurrent streaming clients.", min=1, max=64)] = 8,
-    duration: Annotated[float, typer.Option(help="Seconds to keep sending (requests in flight are finished).", min=1, max=3600)] = 60.0,
+    duration: Annotated[
+        float,
+        typer.Option(help="Seconds to keep sending (requests in flight are finished).", min=1, max=3600),
+    ] = 60.0,
     max_new_tokens: Annotated[int, typer.Option(help="New tokens per answer (greedy).", min=1)] = 32,
-    conversation: Annotated[Path | None, typer.Option(help='A JSON file {"turns": [...]} (default: the shipped twelve-turn chat).')] = None,
-    model: Annotated[str | None, typer.Option("--model", "-m", help="The model id on the server (default: its first).")] = None,
+    conversation: ConversationOpt = None,
+    model: Annotated[
+        str | None, typer.Option("--model", "-m", help="The model id on the server (default: its first).")
+    ] = None,
     api_key_env: Annotated[str | None, typer.Option(help="The API key's environment variable.")] = None,
     json_out: JsonOpt = None,
 ) -> None:
@@ -543,11 +599,21 @@ def bench_load(
 
 @bench_app.command("streaming")
 def bench_streaming(
-    text: Annotated[Path | None, typer.Option(help="A long plain-text file (default: the Python FAQ text shipped in the package).")] = None,
-    recent_size: Annotated[list[int] | None, typer.Option(help="Recent window sizes to measure (repeatable).")] = None,
+    text: TextOpt = None,
+    recent_size: Annotated[
+        list[int] | None, typer.Option(help="Recent window sizes to measure (repeatable).")
+    ] = None,
     start_size: Annotated[int, typer.Option(help="Attention sinks.", min=0)] = 4,
     decode_tokens: Annotated[int, typer.Option(help="Greedy tokens decoded at each mark.", min=2)] = 32,
-    opt: Annotated[str, typer.Option("--opt", help="Decode path of the sink cache, as for chatbot run (recomputation always uses transformers).", callback=_check_opt)] = "auto",
+    opt: Annotated[
+        str,
+        typer.Option(
+            "--opt",
+            help="Decode path of the sink cache, as for chatbot run "
+            "(recomputation always uses transformers).",
+            callback=_check_opt,
+        ),
+    ] = "auto",
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -565,7 +631,9 @@ def bench_streaming(
     decoder, note = _decoder(loaded.model, opt)
     if note:
         Console(stderr=True, highlight=False).print(f"[dim]{note}[/dim]")
-    result = run_streaming_bench(loaded, body, sizes, start_size, decode_tokens=decode_tokens, decoder=decoder)
+    result = run_streaming_bench(
+        loaded, body, sizes, start_size, decode_tokens=decode_tokens, decoder=decoder
+    )
     print_streaming(Console(), result)
     if json_out:
         write_json(json_out, result)
@@ -573,12 +641,17 @@ def bench_streaming(
 
 @app.command("eval-ppl")
 def eval_ppl(
-    text: Annotated[Path | None, typer.Option(help="A long plain-text file (default: the Python FAQ text shipped in the package).")] = None,
+    text: TextOpt = None,
     tokens: Annotated[int, typer.Option(help="Tokens to score, one per step.", min=2)] = 4000,
     start_size: Annotated[int, typer.Option(help="Attention sinks.", min=0)] = 4,
     recent_size: Annotated[int, typer.Option(help="Recent window.", min=1)] = 252,
-    setups: Annotated[str, typer.Option(help="Comma-separated: dense,window,sinks,recompute.")] = "dense,window,sinks,recompute",
-    plot: Annotated[Path | None, typer.Option(help="PNG of running log-perplexity (default: beside --json, or eval_ppl.png).")] = None,
+    setups: Annotated[
+        str, typer.Option(help="Comma-separated: dense,window,sinks,recompute.")
+    ] = "dense,window,sinks,recompute",
+    plot: Annotated[
+        Path | None,
+        typer.Option(help="PNG of running log-perplexity (default: beside --json, or eval_ppl.png)."),
+    ] = None,
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -604,10 +677,13 @@ def eval_ppl(
                 tasks[setup] = bar.add_task(setup, total=total)
             bar.update(tasks[setup], completed=done)
 
-        result = run_eval_ppl(loaded.model, loaded.tokenizer, body, tokens, start_size, recent_size, chosen, progress)
+        result = run_eval_ppl(
+            loaded.model, loaded.tokenizer, body, tokens, start_size, recent_size, chosen, progress
+        )
     print(format_table(result))
     png = plot or (json_out.with_suffix(".png") if json_out else Path("eval_ppl.png"))
-    write_plot(result, png, title=f"{loaded.name}: {tokens} tokens, {start_size} sinks + {recent_size} recent")
+    title = f"{loaded.name}: {tokens} tokens, {start_size} sinks + {recent_size} recent"
+    write_plot(result, png, title=title)
     print(f"plot: {png}")
     if json_out:
         slim = {k: {m: v for m, v in r.items() if m != "nll"} for k, r in result.items()}
@@ -616,14 +692,45 @@ def eval_ppl(
 
 @bench_app.command("decode")
 def bench_decode(
-    setups: Annotated[str | None, typer.Option(help="Comma-separated set-ups (default: transformers-generate, chatbot-off/f32/auto/int8/int4, and llama.cpp when llama-cpp-python is installed).")] = None,
-    rounds: Annotated[int, typer.Option(help="Runs per set-up, interleaved; figures are medians.", min=1)] = 3,
-    decode_tokens: Annotated[int, typer.Option(help="Greedy tokens decoded after a 50-token prompt.", min=2)] = 128,
-    text: Annotated[Path | None, typer.Option(help="Text the prompts are cut from (default: the shipped conversation, repeated).")] = None,
-    ppl_tokens: Annotated[int, typer.Option(help="Also measure perplexity over this many tokens of the text, through each decode path (0: skip).", min=0)] = 0,
-    gguf: Annotated[Path | None, typer.Option(help="GGUF file for llama.cpp (default: the default model's).")] = None,
-    png: Annotated[Path | None, typer.Option(help="Also draw the figures into this PNG (needs matplotlib).")] = None,
-    also: Annotated[str | None, typer.Option(help="Also run these benches on the same model, into the same JSON: turns (persistent cache vs re-encoding), streaming (sink cache vs recomputation; reads --text or the packaged Python FAQ text).")] = None,
+    setups: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated set-ups (default: transformers-generate, chatbot-off/f32/auto/int8/int4, "
+            "and llama.cpp when llama-cpp-python is installed)."
+        ),
+    ] = None,
+    rounds: Annotated[
+        int, typer.Option(help="Runs per set-up, interleaved; figures are medians.", min=1)
+    ] = 3,
+    decode_tokens: Annotated[
+        int, typer.Option(help="Greedy tokens decoded after a 50-token prompt.", min=2)
+    ] = 128,
+    text: Annotated[
+        Path | None,
+        typer.Option(help="Text the prompts are cut from (default: the shipped conversation, repeated)."),
+    ] = None,
+    ppl_tokens: Annotated[
+        int,
+        typer.Option(
+            help="Also measure perplexity over this many tokens of the text, through each decode path "
+            "(0: skip).",
+            min=0,
+        ),
+    ] = 0,
+    gguf: Annotated[
+        Path | None, typer.Option(help="GGUF file for llama.cpp (default: the default model's).")
+    ] = None,
+    png: Annotated[
+        Path | None, typer.Option(help="Also draw the figures into this PNG (needs matplotlib).")
+    ] = None,
+    also: Annotated[
+        str | None,
+        typer.Option(
+            help="Also run these benches on the same model, into the same JSON: turns (persistent cache "
+            "vs re-encoding), streaming (sink cache vs recomputation; reads --text or the packaged "
+            "Python FAQ text)."
+        ),
+    ] = None,
     model: ModelOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = None,
@@ -662,7 +769,8 @@ def bench_decode(
             print_turns(out, result["turns"])
         if "streaming" in extra:
             err.print("[dim]streaming bench[/dim]")
-            result["streaming"] = run_streaming_bench(loaded, long_text, decoder=_decoder(loaded.model, "auto")[0])
+            decoder = _decoder(loaded.model, "auto")[0]
+            result["streaming"] = run_streaming_bench(loaded, long_text, decoder=decoder)
             print_streaming(out, result["streaming"])
     if json_out:
         write_json(json_out, result)
@@ -676,7 +784,10 @@ app.add_typer(config_app, name="config")
 
 @app.command()
 def models(
-    folders: Annotated[list[Path] | None, typer.Argument(help="Also look in these folders for model folders and .gguf files.")] = None,
+    folders: Annotated[
+        list[Path] | None,
+        typer.Argument(help="Also look in these folders for model folders and .gguf files."),
+    ] = None,
 ) -> None:
     """List presets and the models found in the local caches (name, size, source)."""
     from chatbot.models.catalog import human_size, local_models
@@ -776,8 +887,8 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:
         if _DEBUG or os.environ.get("CHATBOT_DEBUG"):
             raise
-        err.print(safe_line(f"chatbot: internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)"),
-                  markup=False)
+        line = f"chatbot: internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)"
+        err.print(safe_line(line), markup=False)
         sys.exit(1)
 
 
