@@ -404,7 +404,7 @@ def serve(
     _DEBUG = debug
     key = _api_key(api_key_env)
     memory = _size(cache_memory)
-    overrides = {"temperature": temperature, "max_new_tokens": max_new_tokens}
+    overrides: dict[str, Any] = {"temperature": temperature, "max_new_tokens": max_new_tokens}
     SamplingConfig(**{k: v for k, v in overrides.items() if v is not None}).validated()
     engine_cfg = EngineConfig(
         prefill_chunk=prefill_chunk,
@@ -479,7 +479,7 @@ def _run_remote(
     else:
         info = Console(stderr=True, highlight=False, soft_wrap=True)
     plain = plain or not sys.stdout.isatty()
-    repl = Repl(session, backend, out, plain=plain, show_stats=not no_stats, info=info)  # type: ignore[arg-type]
+    repl = Repl(session, backend, out, plain=plain, show_stats=not no_stats, info=info)
     for note in backend.notes:
         repl.note(note)
     if interactive:

@@ -150,7 +150,9 @@ class Settings:
             where = f" ({self.preset.path})" if self.preset.path else ""
             out.append(f"# preset: {self.preset.name}{where}")
             if self.preset.description:
-                out.append(f"description: {yaml.safe_dump(self.preset.description, width=1 << 16).strip().removesuffix('...').strip()}")
+                # safe_dump ends a lone scalar with "..." (end of document): not in a mapping
+                dumped = yaml.safe_dump(self.preset.description, width=1 << 16).strip()
+                out.append(f"description: {dumped.removesuffix('...').strip()}")
         for key in _TOP_KEYS:
             if key in ("description", "sampling", "streaming"):
                 continue

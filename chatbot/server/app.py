@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from fastapi import FastAPI, Request
@@ -34,6 +34,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from chatbot.config import SamplingConfig
 from chatbot.errors import ChatbotError, ConfigError, ContextFullError
 from chatbot.server.pool import Conversation, PrefixCachePool
+
+if TYPE_CHECKING:
+    from transformers import Cache
 
 # How often a waiting handler checks whether its client is still there.
 POLL_S = 0.25
@@ -193,11 +196,13 @@ class Worker:
             job.emit(("error", APIError(400, "the prompt is empty", param="prompt")))
             return
         ec = self.pool.engine_config
+        cache: Cache
         if ec.enable_streaming:
             from chatbot.engine.sink_cache import SinkCache
             from chatbot.session import default_recent_size
 
-            cache = SinkCache.for_model(engine.model, ec.start_size, ec.recent_size or default_recent_size(engine.max_context))
+            recent = ec.recent_size or default_recent_size(engine.max_context)
+            cache = SinkCache.for_model(engine.model, ec.start_size, recent)
         else:
             cache = engine.new_cache()
         generator = torch.Generator(device=engine.device)
@@ -409,7 +414,11 @@ def create_app(
         """Queue the job; answer with server-sent events or one JSON object."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        job.emit = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
+
+        def emit(event: tuple[str, Any]) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        job.emit = emit
         worker.submit(job)
         # Until the response starts, a task of ours waits for the client to go away (a
         # streamed response then listens for that itself).
@@ -458,7 +467,7 @@ def create_app(
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
-            choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
             choice.update({"delta": delta} if chat else {"text": delta.get("content", "")})
             return _data({"id": rid, "object": kind, "created": int(time.time()), "model": model_name,
                           "choices": [choice]})
