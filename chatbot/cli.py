@@ -444,6 +444,14 @@ def serve(
     run_server(application, host, port, log_level=log_level)
 
 
+# `run` options that shape the local model and its cache: a server has its own.
+_LOCAL_ONLY = (
+    "prefill_chunk", "start_size", "recent_size", "keep_system", "max_context", "device", "dtype", "quantize",
+    "device_map", "max_memory", "revision", "trust_remote_code", "template", "preset", "config", "threads",
+    "opt",
+)
+
+
 def _run_remote(
     ctx: typer.Context,
     server: str,
@@ -461,8 +469,10 @@ def _run_remote(
         raise ConfigError(
             "--enable-streaming does not apply with --server: the server manages its own context"
         )
-    if getattr(ctx.get_parameter_source("opt"), "name", "") == "COMMANDLINE":
-        raise ConfigError("--opt does not apply with --server: the server runs the model")
+    given = [name for name in _LOCAL_ONLY if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"]
+    if given:  # refused rather than silently ignored
+        flag = "--" + given[0].replace("_", "-")
+        raise ConfigError(f"{flag} does not apply with --server: the server runs the model")
     from chatbot.remote import RemoteBackend, RemoteSession, remote_sampling
     from chatbot.terminal.repl import Repl, resolve_resume
     from chatbot.terminal.repl import run as run_repl

@@ -131,3 +131,20 @@ def test_config_show_greedy_and_stream_interval(capsys):
     assert code == 0
     assert "  temperature: 0.0  # flag" in out
     assert "  stream_interval: 4  # flag" in out
+
+
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (["--max-context", "64"], "--max-context does not apply with --server: the server runs the model"),
+        (["--recent-size", "64"], "--recent-size does not apply with --server"),
+        (["--dtype", "float32"], "--dtype does not apply with --server"),
+        (["--preset", "vicuna"], "--preset does not apply with --server"),
+        (["--opt", "int8"], "--opt does not apply with --server"),
+    ],
+)
+def test_local_model_flags_are_refused_with_server(capsys, flags, match):
+    """Refused before any connection (port 9 is never contacted), not silently ignored."""
+    from helpers import assert_one_line_error
+
+    assert_one_line_error(capsys, "run", "--server", "http://127.0.0.1:9/v1", *flags, match=match)
