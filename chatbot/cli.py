@@ -469,7 +469,8 @@ def _run_remote(
         raise ConfigError(
             "--enable-streaming does not apply with --server: the server manages its own context"
         )
-    given = [name for name in _LOCAL_ONLY if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"]
+    sources = {name: getattr(ctx.get_parameter_source(name), "name", "") for name in _LOCAL_ONLY}
+    given = [name for name, source in sources.items() if source == "COMMANDLINE"]
     if given:  # refused rather than silently ignored
         flag = "--" + given[0].replace("_", "-")
         raise ConfigError(f"{flag} does not apply with --server: the server runs the model")
