@@ -290,10 +290,8 @@ def run(
     out, info = make_consoles(interactive)
     plain = plain or not sys.stdout.isatty()
     repl = Repl(session, loaded, out, plain=plain, show_stats=not no_stats, info=info)
-    for note in loaded.notes:
+    for note in [*loaded.notes, *filter(None, [decoder_note, _context_note(loaded, settings.engine)])]:
         repl.note(note)
-    if decoder_note:
-        repl.note(decoder_note)
     if interactive:
         d = loaded.describe()
         quant = f" · {d['quantization']}" if d["quantization"] != "none" else ""
@@ -314,6 +312,17 @@ def _engine(loaded: Any, config: EngineConfig, decoder: Any | None) -> Engine:
     from chatbot.engine.generate import Engine
 
     return Engine(loaded.model, loaded.tokenizer, max_context=config.max_context, decoder=decoder)
+
+
+def _context_note(loaded: Any, config: EngineConfig) -> str | None:
+    """A warning when `--max-context` goes past the positions the model was trained on."""
+    trained = getattr(loaded.model.config, "max_position_embeddings", None)
+    if config.max_context is None or not trained or config.max_context <= trained:
+        return None
+    return (
+        f"note: --max-context {config.max_context:,} is more than the model's context "
+        f"({trained:,} tokens); answers past it are likely to degrade"
+    )
 
 
 def _api_key(var: str | None) -> str | None:
@@ -428,7 +437,7 @@ def serve(
     name = served_model_name or loaded.name
     application = create_app(pool, name, api_key=key, streaming_cache=enable_streaming)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
-    for note in [*loaded.notes, *([decoder_note] if decoder_note else [])]:
+    for note in [*loaded.notes, *filter(None, [decoder_note, _context_note(loaded, engine_cfg)])]:
         err.print(note, style="dim", markup=False)
     shown = "localhost" if host in ("127.0.0.1", "::1") else host
     err.print(

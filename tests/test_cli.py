@@ -114,6 +114,15 @@ def test_max_context_flag_limits_the_conversation(capsys, monkeypatch, model_dir
     assert "context limit │ 40 tokens" in out
 
 
+def test_max_context_past_the_model_is_noted(capsys, monkeypatch, model_dir):
+    code, out = chat_lines(capsys, monkeypatch, model_dir, ["Hi", "/model"], "--max-context", "600")
+    assert code == 0, out
+    assert "note: --max-context 600 is more than the model's context (512 tokens)" in out
+    assert "context limit │ 600 tokens" in out
+    code, out = chat_lines(capsys, monkeypatch, model_dir, ["Hi"], "--max-context", "512")
+    assert code == 0 and "note: --max-context" not in out
+
+
 def test_preset_settings_reach_the_cache(capsys, monkeypatch, model_dir, tmp_path):
     preset = tmp_path / "small.yaml"
     preset.write_text("max_context: 48\nstreaming: {enable: true, start_size: 4, recent_size: 20}\n"
