@@ -25,9 +25,9 @@ import openai
 from openai.types.chat import ChatCompletionMessageParam
 
 from chatbot.config import SamplingConfig
-from chatbot.engine.stats import TurnStats
+from chatbot.engine.stats import TurnStats, merge_stats
 from chatbot.errors import ChatbotError, ConfigError
-from chatbot.session import SAVE_FORMAT, SAVE_VERSION, Turn, merge_stats, parse_saved, write_saved
+from chatbot.persist import Turn, parse_saved, saved_dict, write_saved
 
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 300.0  # a long prompt on a busy CPU server may take minutes to prefill
@@ -414,12 +414,8 @@ class RemoteSession:
     # -- saving and loading ------------------------------------------------------------------
 
     def to_dict(self, model: str | None = None) -> dict[str, Any]:
-        return {
-            "format": SAVE_FORMAT, "version": SAVE_VERSION, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "model": model, "server": self.backend.base_url, "system": self.system,
-            "settings": self.sampling.as_dict(), "messages": self.messages(),
-            "turns": [t.as_dict() for t in self.turns],
-        }
+        data = saved_dict(self.system, self.sampling, self.messages(), self.turns, model)
+        return {**data, "server": self.backend.base_url}
 
     def restore(self, data: Any, on_progress: ProgressCallback | None = None, encode: bool = True,
                 warnings: list[str] | None = None) -> int:

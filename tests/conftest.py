@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 
+# Every TrackedCache checks its invariant after each change (also in REPL subprocesses).
+os.environ.setdefault("CHATBOT_DEBUG_CACHE", "1")
+
 import pytest
 import torch
 

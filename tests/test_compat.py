@@ -366,7 +366,7 @@ def test_stream_generator_stop_token_is_fed_back(tiny_model, tiny_tokenizer, tin
     assert last["timing"]["total_tokens"] == len(prompt) + n + 1
     cache = persistent_cache(tiny_model)
     assert cache.get_seq_length() == len(prompt) + n + 1
-    logits = tiny_engine.prefill(cache, [7])
+    logits = tiny_engine.prefill(tiny_engine.track(cache), [7])
     assert torch.allclose(logits, full_logits(tiny_model, prompt + free[: n + 1] + [7])[-1], atol=1e-4)
 
 

@@ -38,7 +38,7 @@ def test_multi_turn_invariant_and_logits(default_model):
         assert_invariant(session)
     # Logits on the persistent cache equal a full recompute of the same ids.
     pending = session.pending_ids
-    logits = engine.prefill(session.cache, pending)
+    logits = engine.prefill(session.kv, pending)
     ref = full_logits(default_model.model, session.all_ids)[-1]
     assert torch.allclose(logits, ref, atol=2e-3, rtol=1e-3)
 

@@ -164,7 +164,7 @@ def test_fast_greedy_equals_float32_reference_for_64_tokens(tiny_model, tiny_tok
     cache = engine.new_cache()
     got = answer(engine.generate(cache, prompt, GREEDY))
     assert got == greedy_by_recompute(tiny_model, prompt, 64)
-    assert cache.get_seq_length() == len(prompt) + 63  # the last token is never fed
+    assert cache.length == len(prompt) + 63  # the last token is never fed
 
 
 @needs_kernels
@@ -236,7 +236,7 @@ def test_crop_after_decoding_then_continue(tiny_model, tiny_tokenizer):
             cache, prompt, SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=10)
         )
     )
-    engine.crop(cache, len(prompt) + 3)
+    assert cache.crop_to(len(prompt) + 3)
     history = prompt + first[:3]
     again = answer(
         engine.generate(

@@ -32,7 +32,8 @@ def assert_invariant(session: ChatSession, check_logits: bool = True) -> None:
     for turn in session.turns:
         if turn.first_segment >= 0:
             assert session.segments[turn.first_segment].kind == "prompt"
-    bounded = hasattr(session.cache, "evict_for_space")
+    bounded = session.kv.is_bounded
+    session.kv.check()  # the cache's own record
     assert session.cache.get_seq_length() == len(session.cache_ids)
     assert all(layer.get_seq_length() == len(session.cache_ids) for layer in session.cache.layers)
     if not bounded or not session.evicted_total:
@@ -43,7 +44,8 @@ def assert_invariant(session: ChatSession, check_logits: bool = True) -> None:
         ids = list(session.cache_ids)
         pending = session.pending_ids
         if not pending:  # feed the last cached token again for its logits
-            session.engine.crop(cache, len(ids) - 1)
+            for layer in cache.layers:
+                layer.crop(-1)
             pending, ids = ids[-1:], ids[:-1]
         model = session.engine.model  # the model itself, not the engine's decode path
         with torch.no_grad():
@@ -418,7 +420,8 @@ def test_commands_keep_the_invariant_on_the_default_model(default_model, tmp_pat
         cache = copy.deepcopy(s.cache)
         ids, pending = list(s.cache_ids), s.pending_ids
         if not pending:
-            engine.crop(cache, len(ids) - 1)
+            for layer in cache.layers:
+                layer.crop(-1)
             pending, ids = ids[-1:], ids[:-1]
         with torch.no_grad():
             got = engine.model(input_ids=torch.tensor([pending]), cache=cache, use_cache=True).logits[0, -1].float()

@@ -19,7 +19,6 @@ from transformers import (
 
 from chatbot.engine import sink_cache
 from chatbot.engine.sink_cache import (
-    CacheLayout,
     SinkCache,
     check_streaming_support,
 )
@@ -149,7 +148,8 @@ def test_layout_nbytes_crop_and_reset():
     assert cache.nbytes == 0
     fill(cache, 20)
     cache.evict_for_space(1)
-    assert cache.layout() == CacheLayout(pinned=4, recent=16, capacity=20, length=16, evicted_total=4)
+    assert (cache.pinned, cache.recent_size, cache.capacity) == (4, 16, 20)
+    assert (cache.get_seq_length(), cache.evicted_total) == (16, 4)
     assert cache.nbytes == 2 * 2 * (1 * KV_HEADS * 16 * HEAD_DIM) * 4  # layers * (k, v) * fp32
     cache.crop(-3)
     assert cache.get_seq_length() == 13

@@ -14,7 +14,6 @@ rotated; moving a key from position ``p`` to ``p - d`` is a pure rotation by
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, overload
 
 import torch
@@ -24,7 +23,6 @@ from transformers.cache_utils import DynamicLayer
 from chatbot.errors import StreamingUnsupportedError
 
 __all__ = [
-    "CacheLayout",
     "SinkCache",
     "SinkLayer",
     "StreamingUnsupportedError",
@@ -93,17 +91,6 @@ class SinkLayer(DynamicLayer):
         if not self.is_initialized or self.keys is None:
             return 0
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
-
-
-@dataclass(frozen=True)
-class CacheLayout:
-    """A snapshot of where a `SinkCache` stands, in tokens."""
-
-    pinned: int
-    recent: int
-    capacity: int
-    length: int
-    evicted_total: int
 
 
 class SinkCache(Cache):
@@ -214,15 +201,6 @@ class SinkCache(Cache):
                 f"model's sliding window of {self.max_capacity} tokens; lower --recent-size"
             )
         self._pinned = pinned
-
-    def layout(self) -> CacheLayout:
-        return CacheLayout(
-            pinned=self._pinned,
-            recent=self.recent_size,
-            capacity=self.capacity,
-            length=self.get_seq_length(),
-            evicted_total=self.evicted_total,
-        )
 
     @property
     def nbytes(self) -> int:
@@ -386,10 +364,9 @@ class SinkCache(Cache):
         self._pinned = self.start_size
 
     def __repr__(self) -> str:
-        lay = self.layout()
         return (
-            f"SinkCache(layers={len(self.layers)}, pinned={lay.pinned}, recent={lay.recent}, "
-            f"length={lay.length}, evicted_total={lay.evicted_total})"
+            f"SinkCache(layers={len(self.layers)}, pinned={self._pinned}, recent={self.recent_size}, "
+            f"length={self.get_seq_length()}, evicted_total={self.evicted_total})"
         )
 
 

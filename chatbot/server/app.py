@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 from fastapi import FastAPI, Request
@@ -34,9 +34,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from chatbot.config import SamplingConfig
 from chatbot.errors import ChatbotError, ConfigError, ContextFullError
 from chatbot.server.pool import Conversation, PrefixCachePool
-
-if TYPE_CHECKING:
-    from transformers import Cache
 
 # How often a waiting handler checks whether its client is still there.
 POLL_S = 0.25
@@ -196,13 +193,11 @@ class Worker:
             job.emit(("error", APIError(400, "the prompt is empty", param="prompt")))
             return
         ec = self.pool.engine_config
-        cache: Cache
         if ec.enable_streaming:
-            from chatbot.engine.sink_cache import SinkCache
             from chatbot.session import default_recent_size
 
             recent = ec.recent_size or default_recent_size(engine.max_context)
-            cache = SinkCache.for_model(engine.model, ec.start_size, recent)
+            cache = engine.new_cache(ec.start_size, recent)
         else:
             cache = engine.new_cache()
         generator = torch.Generator(device=engine.device)

@@ -21,7 +21,8 @@ from typing import Any
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
 from chatbot.engine.generate import Engine
-from chatbot.session import ChatSession, Turn, sampling_from_model
+from chatbot.persist import Turn
+from chatbot.session import ChatSession, sampling_from_model
 
 # What a request that names no setting gets, as in the OpenAI API and vLLM.
 API_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
@@ -210,7 +211,7 @@ class PrefixCachePool:
         """
         if shared == len(session.turns) == len(conv.turns):
             return
-        if hasattr(session.cache, "evict_for_space"):
+        if session.kv.is_bounded:
             while len(session.turns) > shared:
                 session.undo()
             if len(conv.turns) == shared:

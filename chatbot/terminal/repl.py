@@ -372,7 +372,7 @@ class Repl:
         self.note(f"saved {len(self.session.turns)} turns to {written}")
 
     def _load(self, command: Command) -> None:
-        from chatbot.session import read_saved
+        from chatbot.persist import read_saved
 
         data = read_saved(command.arg)
         self._restore(data)
@@ -418,7 +418,7 @@ class Repl:
         rows = dict(self.loaded.describe())
         rows["context limit"] = f"{s.engine.max_context:,} tokens"
         rows["cache"] = f"{len(s.cache_ids):,} / {s.capacity:,} tokens" + (
-            " (attention sinks + recent window)" if hasattr(s.cache, "evict_for_space") else "")
+            " (attention sinks + recent window)" if s.kv.is_bounded else "")
         rows["sampling"] = sampling_brief(s.sampling)
         decoder = s.engine.decoder
         rows["decode"] = decoder.info().label() if decoder is not None else "transformers (model forward pass)"
