@@ -9,14 +9,18 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from typer.exceptions import Abort, Exit, TyperException
 
-from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
+from chatbot.config import EngineConfig, SamplingConfig
 from chatbot.errors import ChatbotError, ConfigError
+
+if TYPE_CHECKING:
+    from chatbot.engine.generate import Engine
+    from chatbot.models.presets import Settings
 
 app = typer.Typer(
     name="chatbot",
@@ -31,23 +35,6 @@ app.add_typer(bench_app, name="bench")
 
 _DEBUG = False
 
-ModelOpt = Annotated[
-    str | None,
-    typer.Option("--model", "-m", help="A transformers folder, a .gguf file, a hub id or a preset name (default: the embedded SmolLM2-135M-Instruct)."),
-]
-DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")]
-DtypeOpt = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")]
-ThreadsOpt = Annotated[int | None, typer.Option(help="CPU threads (default: torch's choice, the physical cores).", min=1)]
-JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the figures to this JSON file.")]
-QuantizeOpt = Annotated[str | None, typer.Option(help="Quantize the weights while loading with bitsandbytes: 4bit (NF4) or 8bit (LLM.int8).")]
-DeviceMapOpt = Annotated[str | None, typer.Option(help="Spread a large model over devices (accelerate): auto, balanced, sequential, or a JSON map of module -> device.")]
-MaxMemoryOpt = Annotated[str | None, typer.Option(help="Per-device budget with --device-map, e.g. 0=20GiB,1=20GiB,cpu=64GiB.")]
-RevisionOpt = Annotated[str | None, typer.Option(help="Hub branch, tag or commit of --model.")]
-TrustOpt = Annotated[bool, typer.Option(help="Run model code shipped with the checkpoint (only for authors you trust).")]
-TemplateOpt = Annotated[str | None, typer.Option(help="Chat template: auto (the tokenizer's), chatml, llama2, llama3, mistral, vicuna, colossal, plain, or a .jinja file.")]
-PresetOpt = Annotated[str | None, typer.Option(help="A preset from configs/ by name (see: chatbot models); flags override it.")]
-ConfigOpt = Annotated[Path | None, typer.Option("--config", help="A preset file (YAML); flags override it.")]
-
 
 def _check_opt(value: str) -> str:
     from chatbot.engine.fast import LEVELS
@@ -55,6 +42,107 @@ def _check_opt(value: str) -> str:
     if value not in LEVELS:
         raise typer.BadParameter(f"{value!r} is not one of {', '.join(LEVELS)}")
     return value
+
+
+ModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        "-m",
+        help="A transformers folder, a .gguf file, a hub id or a preset name "
+        "(default: the embedded SmolLM2-135M-Instruct).",
+    ),
+]
+DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")]
+DtypeOpt = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")]
+ThreadsOpt = Annotated[
+    int | None, typer.Option(help="CPU threads (default: torch's choice, the physical cores).", min=1)
+]
+JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the figures to this JSON file.")]
+QuantizeOpt = Annotated[
+    str | None,
+    typer.Option(help="Quantize the weights while loading with bitsandbytes: 4bit (NF4) or 8bit (LLM.int8)."),
+]
+DeviceMapOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Spread a large model over devices (accelerate): auto, balanced, sequential, "
+        "or a JSON map of module -> device."
+    ),
+]
+MaxMemoryOpt = Annotated[
+    str | None, typer.Option(help="Per-device budget with --device-map, e.g. 0=20GiB,1=20GiB,cpu=64GiB.")
+]
+RevisionOpt = Annotated[str | None, typer.Option(help="Hub branch, tag or commit of --model.")]
+TrustOpt = Annotated[
+    bool, typer.Option(help="Run model code shipped with the checkpoint (only for authors you trust).")
+]
+TemplateOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Chat template: auto (the tokenizer's), chatml, llama2, llama3, mistral, vicuna, colossal, "
+        "plain, or a .jinja file."
+    ),
+]
+PresetOpt = Annotated[
+    str | None, typer.Option(help="A preset from configs/ by name (see: chatbot models); flags override it.")
+]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="A preset file (YAML); flags override it.")]
+
+# The chat settings that `run` and `config show` share (a preset can set each of them too).
+SystemOpt = Annotated[str | None, typer.Option(help="System prompt.")]
+TemperatureOpt = Annotated[float | None, typer.Option(help="Sampling temperature; 0 is greedy.")]
+TopPOpt = Annotated[float | None, typer.Option(help="Nucleus sampling mass (0, 1].")]
+TopKOpt = Annotated[int | None, typer.Option(help="Sample among the k likeliest tokens; 0 turns it off.")]
+RepetitionPenaltyOpt = Annotated[
+    float | None, typer.Option(help="Penalty for tokens already in the conversation; 1 turns it off.")
+]
+MaxNewTokensOpt = Annotated[int | None, typer.Option(help="Most tokens per answer.")]
+SeedOpt = Annotated[int | None, typer.Option(help="Random seed for reproducible sampling.")]
+GreedyOpt = Annotated[
+    bool, typer.Option(help="Always pick the likeliest token (same as --temperature 0, which it overrides).")
+]
+StreamIntervalOpt = Annotated[int, typer.Option(help="Show text every N tokens.")]
+PrefillChunkOpt = Annotated[int, typer.Option(help="Prefill long inputs in chunks of this many tokens.")]
+EnableStreamingOpt = Annotated[
+    bool, typer.Option(help="Attention sinks + recent window: chat forever in bounded memory.")
+]
+StartSizeOpt = Annotated[
+    int, typer.Option(help="Attention-sink tokens kept at the start (with --enable-streaming).")
+]
+RecentSizeOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="Recent tokens kept (with --enable-streaming; default: a quarter of the context, at most 2000)."
+    ),
+]
+KeepSystemOpt = Annotated[
+    bool | None,
+    typer.Option(help="Pin the system prompt in the streaming cache (default: on when --system is set)."),
+]
+MaxContextOpt = Annotated[
+    int | None,
+    typer.Option(help="Most tokens the conversation may hold (default: the model's context)."),
+]
+OptOpt = Annotated[
+    str,
+    typer.Option(
+        "--opt",
+        help="Decode path: auto (native CPU kernels, weights kept exact), f32, int8 or int4 "
+        "(smaller, lossy), off (transformers).",
+        callback=_check_opt,
+    ),
+]
+DebugOpt = Annotated[bool, typer.Option(help="Show tracebacks.")]
+# Shared by the benches.
+TextOpt = Annotated[
+    Path | None,
+    typer.Option(help="A long plain-text file (default: the Python FAQ text shipped in the package)."),
+]
+ConversationOpt = Annotated[
+    Path | None,
+    typer.Option(help='A JSON file {"turns": [...]} (default: the shipped twelve-turn chat).'),
+]
 
 
 def _decoder(model: Any, opt: str) -> tuple[Any, str | None]:
@@ -88,7 +176,7 @@ def _load(model: str | None, device: str, dtype: str, quiet: bool = False, **opt
     return load_model(model, device=device, dtype=dtype, **options)
 
 
-def _settings(ctx: typer.Context, preset: str | None, config: Path | None) -> Any:
+def _settings(ctx: typer.Context, preset: str | None, config: Path | None) -> Settings:
     """Defaults < the preset (--preset/--config) < the flags given on the command line."""
     from chatbot.models.presets import resolve_settings, select_preset
     from chatbot.models.templates import check_template_choice
@@ -99,7 +187,11 @@ def _settings(ctx: typer.Context, preset: str | None, config: Path | None) -> An
     given = {name for name, source in sources.items() if source not in ("DEFAULT", "DEFAULT_MAP")}
     if chosen is not None and not (preset or config):
         given.discard("model")  # --model named the preset
-    settings = resolve_settings(chosen, dict(ctx.params), given)
+    flags = dict(ctx.params)
+    if flags.get("greedy"):
+        flags["temperature"] = 0.0
+        given.add("temperature")
+    settings = resolve_settings(chosen, flags, given)
     check_template_choice(settings["template"])
     return settings
 
@@ -108,21 +200,21 @@ def _settings(ctx: typer.Context, preset: str | None, config: Path | None) -> An
 def run(
     ctx: typer.Context,
     model: ModelOpt = None,
-    system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
-    temperature: Annotated[float | None, typer.Option(help="Sampling temperature; 0 is greedy.")] = None,
-    top_p: Annotated[float | None, typer.Option(help="Nucleus sampling mass (0, 1].")] = None,
-    top_k: Annotated[int | None, typer.Option(help="Sample among the k likeliest tokens; 0 turns it off.")] = None,
-    repetition_penalty: Annotated[float | None, typer.Option(help="Penalty for tokens already in the conversation; 1 turns it off.")] = None,
-    max_new_tokens: Annotated[int | None, typer.Option(help="Most tokens per answer.")] = None,
-    seed: Annotated[int | None, typer.Option(help="Random seed for reproducible sampling.")] = None,
-    greedy: Annotated[bool, typer.Option(help="Always pick the likeliest token (same as --temperature 0).")] = False,
-    stream_interval: Annotated[int, typer.Option(help="Show text every N tokens.")] = 1,
-    prefill_chunk: Annotated[int, typer.Option(help="Prefill long inputs in chunks of this many tokens.")] = 512,
-    enable_streaming: Annotated[bool, typer.Option(help="Attention sinks + recent window: chat forever in bounded memory.")] = False,
-    start_size: Annotated[int, typer.Option(help="Attention-sink tokens kept at the start (with --enable-streaming).")] = 4,
-    recent_size: Annotated[int | None, typer.Option(help="Recent tokens kept (with --enable-streaming; default: a quarter of the context, at most 2000).")] = None,
-    keep_system: Annotated[bool | None, typer.Option(help="Pin the system prompt in the streaming cache (default: on when --system is set).")] = None,
-    max_context: Annotated[int | None, typer.Option(help="Most tokens the conversation may hold (default: the model's context).")] = None,
+    system: SystemOpt = None,
+    temperature: TemperatureOpt = None,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
+    repetition_penalty: RepetitionPenaltyOpt = None,
+    max_new_tokens: MaxNewTokensOpt = None,
+    seed: SeedOpt = None,
+    greedy: GreedyOpt = False,
+    stream_interval: StreamIntervalOpt = 1,
+    prefill_chunk: PrefillChunkOpt = 512,
+    enable_streaming: EnableStreamingOpt = False,
+    start_size: StartSizeOpt = 4,
+    recent_size: RecentSizeOpt = None,
+    keep_system: KeepSystemOpt = None,
+    max_context: MaxContextOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     quantize: QuantizeOpt = None,
@@ -134,82 +226,103 @@ def run(
     preset: PresetOpt = None,
     config: ConfigOpt = None,
     threads: ThreadsOpt = None,
-    opt: Annotated[str, typer.Option("--opt", help="Decode path: auto (native CPU kernels, weights kept exact), f32, int8 or int4 (smaller, lossy), off (transformers).", callback=_check_opt)] = "auto",
+    opt: OptOpt = "auto",
     plain: Annotated[bool, typer.Option(help="Print raw text instead of rendered Markdown.")] = False,
-    no_stats: Annotated[bool, typer.Option("--no-stats", help="Hide the stats line after each answer.")] = False,
-    resume: Annotated[str | None, typer.Option(help="Continue a logged session: its id (or the start of it), or 'last' (the default when no value is given).")] = None,
-    server: Annotated[str | None, typer.Option(help="Chat with a model on an OpenAI-compatible server (vLLM, SGLang, llama-server, ollama, chatbot serve), e.g. http://127.0.0.1:8000/v1; --model names it there.")] = None,
-    api_key_env: Annotated[str | None, typer.Option(help="With --server: send the API key in this environment variable.")] = None,
-    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
+    no_stats: Annotated[
+        bool, typer.Option("--no-stats", help="Hide the stats line after each answer.")
+    ] = False,
+    resume: Annotated[
+        str | None,
+        typer.Option(
+            help="Continue a logged session: its id (or the start of it), or 'last' "
+            "(the default when no value is given)."
+        ),
+    ] = None,
+    server: Annotated[
+        str | None,
+        typer.Option(
+            help="Chat with a model on an OpenAI-compatible server (vLLM, SGLang, llama-server, ollama, "
+            "chatbot serve), e.g. http://127.0.0.1:8000/v1; --model names it there."
+        ),
+    ] = None,
+    api_key_env: Annotated[
+        str | None, typer.Option(help="With --server: send the API key in this environment variable.")
+    ] = None,
+    debug: DebugOpt = False,
 ) -> None:
     """Chat with a model. Reads one message per line when stdin is not a terminal."""
     global _DEBUG
     _DEBUG = debug
     if server is not None:
-        overrides = {"temperature": 0.0 if greedy else temperature, "top_p": top_p, "top_k": top_k,
-                     "repetition_penalty": repetition_penalty, "max_new_tokens": max_new_tokens, "seed": seed,
-                     "stream_interval": stream_interval}
-        _run_remote(ctx, server, model, api_key_env, system, overrides, enable_streaming, plain, no_stats, resume)
+        overrides = {
+            "temperature": 0.0 if greedy else temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "repetition_penalty": repetition_penalty,
+            "max_new_tokens": max_new_tokens,
+            "seed": seed,
+            "stream_interval": stream_interval,
+        }
+        _run_remote(
+            ctx, server, model, api_key_env, system, overrides, enable_streaming, plain, no_stats, resume
+        )
         return
     if api_key_env is not None:
         raise ConfigError("--api-key-env goes with --server URL")
-    settings = _settings(ctx, preset, config)
-    (model, system, device, dtype, temperature, top_p, top_k, repetition_penalty, max_new_tokens, seed,
-     enable_streaming, start_size, recent_size, keep_system, max_context) = (settings.run_values()[k] for k in (
-        "model", "system", "device", "dtype", "temperature", "top_p", "top_k", "repetition_penalty",
-        "max_new_tokens", "seed", "enable_streaming", "start_size", "recent_size", "keep_system", "max_context"))
-    load_options = {k: settings[k] for k in ("quantize", "device_map", "max_memory", "revision", "trust_remote_code", "template")}
-    overrides = {
-        "temperature": 0.0 if greedy else temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "repetition_penalty": repetition_penalty,
-        "max_new_tokens": max_new_tokens,
-        "seed": seed,
-        "stream_interval": stream_interval,
-    }
-    # Check every value before the (slow) model load.
-    SamplingConfig(**{k: v for k, v in overrides.items() if v is not None}).validated()
-    engine_cfg = EngineConfig(
-        prefill_chunk=prefill_chunk,
-        enable_streaming=enable_streaming,
-        start_size=start_size,
-        recent_size=recent_size,
-        keep_system=keep_system,
-        max_context=max_context,
-    ).validated()
+    # Every setting, resolved and checked once, before the (slow) model load.
+    settings = _settings(ctx, preset, config).run_config(prefill_chunk)
     _set_threads(threads)
 
-    from chatbot.engine.generate import Engine
     from chatbot.models.templates import check_template
     from chatbot.session import ChatSession, sampling_from_model
     from chatbot.terminal.repl import Repl, make_consoles, resolve_resume
     from chatbot.terminal.repl import run as run_repl
 
     resume_path = resolve_resume(resume)
-    loaded = _load(model, device, dtype, **load_options)
-    check_template(loaded.tokenizer, system, loaded.name)
-    sampling = sampling_from_model(loaded.model, **overrides)
+    loaded = _load(settings.load.model, **settings.load.options())
+    check_template(loaded.tokenizer, settings.system, loaded.name)
+    sampling = sampling_from_model(loaded.model, **settings.sampling)
     decoder, decoder_note = _decoder(loaded.model, opt)
-    engine = Engine(loaded.model, loaded.tokenizer, max_context=max_context, decoder=decoder)
-    session = ChatSession(engine, ChatConfig(system=system, sampling=sampling, engine=engine_cfg), loaded.template)
+    engine = _engine(loaded, settings.engine, decoder)
+    session = ChatSession(engine, settings.chat_config(sampling), loaded.template)
 
     interactive = sys.stdin.isatty()
     out, info = make_consoles(interactive)
-    repl = Repl(session, loaded, out, plain=plain or not sys.stdout.isatty(), show_stats=not no_stats, info=info)
-    for note in loaded.notes:
+    plain = plain or not sys.stdout.isatty()
+    repl = Repl(session, loaded, out, plain=plain, show_stats=not no_stats, info=info)
+    for note in [*loaded.notes, *filter(None, [decoder_note, _context_note(loaded, settings.engine)])]:
         repl.note(note)
-    if decoder_note:
-        repl.note(decoder_note)
     if interactive:
         d = loaded.describe()
         quant = f" · {d['quantization']}" if d["quantization"] != "none" else ""
-        repl.note(" · ".join(f"{d[k]}" for k in ("model", "parameters", "dtype", "device")) + quant
-                  + f" · context {d['context']} · template {d['template']} · loaded in {d['load time']}"
-                  + f" · decode: {f'native {decoder.info().activations} ({opt})' if decoder else 'transformers'}")
-    repl.start_log(resume_path, overrides={k: v for k, v in overrides.items() if v is not None and k != "stream_interval"},
-                   system=system)
+        decode = f"native {decoder.info().activations} ({opt})" if decoder else "transformers"
+        repl.note(
+            " · ".join(f"{d[k]}" for k in ("model", "parameters", "dtype", "device"))
+            + quant
+            + f" · context {d['context']} · template {d['template']} · loaded in {d['load time']}"
+            + f" · decode: {decode}"
+        )
+    logged = {k: v for k, v in settings.sampling.items() if v is not None and k != "stream_interval"}
+    repl.start_log(resume_path, overrides=logged, system=settings.system)
     run_repl(repl, interactive)
+
+
+def _engine(loaded: Any, config: EngineConfig, decoder: Any | None) -> Engine:
+    """The model runner, limited to `config.max_context` tokens (None: the model's context)."""
+    from chatbot.engine.generate import Engine
+
+    return Engine(loaded.model, loaded.tokenizer, max_context=config.max_context, decoder=decoder)
+
+
+def _context_note(loaded: Any, config: EngineConfig) -> str | None:
+    """A warning when `--max-context` goes past the positions the model was trained on."""
+    trained = getattr(loaded.model.config, "max_position_embeddings", None)
+    if config.max_context is None or not trained or config.max_context <= trained:
+        return None
+    return (
+        f"note: --max-context {config.max_context:,} is more than the model's context "
+        f"({trained:,} tokens); answers past it are likely to degrade"
+    )
 
 
 def _api_key(var: str | None) -> str | None:
@@ -224,7 +337,9 @@ def _api_key(var: str | None) -> str | None:
 
 def _size(text: str) -> int:
     """Bytes from '2GiB', '512MiB', '1GB' or a plain number."""
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1, "": 1}
+    units = {
+        "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1, "": 1
+    }
     raw = text.strip().lower()
     number = raw.rstrip("kmgib")
     try:
@@ -235,29 +350,62 @@ def _size(text: str) -> int:
 
 @app.command()
 def serve(
-    model: Annotated[str | None, typer.Option("--model", "-m", help="A transformers folder, a .gguf file or a hub id (default: the embedded SmolLM2-135M-Instruct).")] = None,
-    host: Annotated[str, typer.Option(help="Address to listen on (127.0.0.1: this machine only).")] = "127.0.0.1",
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="A transformers folder, a .gguf file or a hub id "
+            "(default: the embedded SmolLM2-135M-Instruct).",
+        ),
+    ] = None,
+    host: Annotated[
+        str, typer.Option(help="Address to listen on (127.0.0.1: this machine only).")
+    ] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.", min=1, max=65535)] = 8000,
-    api_key_env: Annotated[str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on /v1, KEY read from this environment variable.")] = None,
-    served_model_name: Annotated[str | None, typer.Option(help="The model id clients use (default: the model's name).")] = None,
-    prefix_cache: Annotated[bool, typer.Option(help="Keep conversation caches between requests (a request extending one prefills only its new tokens).")] = True,
-    cache_conversations: Annotated[int, typer.Option(help="Conversation caches kept, least recently used evicted.", min=1)] = 8,
-    cache_memory: Annotated[str, typer.Option(help="Cap on the KV cache memory kept between requests, e.g. 2GiB.")] = "2GiB",
-    temperature: Annotated[float | None, typer.Option(help="Default temperature (requests may set their own).")] = None,
+    api_key_env: Annotated[
+        str | None,
+        typer.Option(
+            help="Require 'Authorization: Bearer KEY' on /v1, KEY read from this environment variable."
+        ),
+    ] = None,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="The model id clients use (default: the model's name).")
+    ] = None,
+    prefix_cache: Annotated[
+        bool,
+        typer.Option(
+            help="Keep conversation caches between requests "
+            "(a request extending one prefills only its new tokens)."
+        ),
+    ] = True,
+    cache_conversations: Annotated[
+        int, typer.Option(help="Conversation caches kept, least recently used evicted.", min=1)
+    ] = 8,
+    cache_memory: Annotated[
+        str, typer.Option(help="Cap on the KV cache memory kept between requests, e.g. 2GiB.")
+    ] = "2GiB",
+    temperature: Annotated[
+        float | None, typer.Option(help="Default temperature (requests may set their own).")
+    ] = None,
     max_new_tokens: Annotated[int | None, typer.Option(help="Default max_tokens of a request.")] = None,
-    prefill_chunk: Annotated[int, typer.Option(help="Prefill long inputs in chunks of this many tokens.")] = 512,
-    enable_streaming: Annotated[bool, typer.Option(help="Each conversation on an attention-sink cache: no context limit.")] = False,
-    start_size: Annotated[int, typer.Option(help="Attention-sink tokens (with --enable-streaming).")] = 4,
-    recent_size: Annotated[int | None, typer.Option(help="Recent tokens kept (with --enable-streaming).")] = None,
-    max_context: Annotated[int | None, typer.Option(help="Most tokens a conversation may hold (default: the model's context).")] = None,
+    prefill_chunk: PrefillChunkOpt = 512,
+    enable_streaming: Annotated[
+        bool, typer.Option(help="Each conversation on an attention-sink cache: no context limit.")
+    ] = False,
+    start_size: StartSizeOpt = 4,
+    recent_size: RecentSizeOpt = None,
+    max_context: MaxContextOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     template: TemplateOpt = "auto",
     trust_remote_code: TrustOpt = False,
     threads: ThreadsOpt = None,
-    opt: Annotated[str, typer.Option("--opt", help="Decode path, as for chatbot run.", callback=_check_opt)] = "auto",
-    log_level: Annotated[str, typer.Option(help="uvicorn's log level: warning, info (one line per request), debug.")] = "warning",
-    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
+    opt: OptOpt = "auto",
+    log_level: Annotated[
+        str, typer.Option(help="uvicorn's log level: warning, info (one line per request), debug.")
+    ] = "warning",
+    debug: DebugOpt = False,
 ) -> None:
     """Serve the model over the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
     /v1/models, /health), with conversation caches kept as a prefix cache."""
@@ -265,13 +413,17 @@ def serve(
     _DEBUG = debug
     key = _api_key(api_key_env)
     memory = _size(cache_memory)
-    overrides = {"temperature": temperature, "max_new_tokens": max_new_tokens}
+    overrides: dict[str, Any] = {"temperature": temperature, "max_new_tokens": max_new_tokens}
     SamplingConfig(**{k: v for k, v in overrides.items() if v is not None}).validated()
-    engine_cfg = EngineConfig(prefill_chunk=prefill_chunk, enable_streaming=enable_streaming, start_size=start_size,
-                              recent_size=recent_size, max_context=max_context).validated()
+    engine_cfg = EngineConfig(
+        prefill_chunk=prefill_chunk,
+        enable_streaming=enable_streaming,
+        start_size=start_size,
+        recent_size=recent_size,
+        max_context=max_context,
+    ).validated()
     _set_threads(threads)
 
-    from chatbot.engine.generate import Engine
     from chatbot.server.app import create_app
     from chatbot.server.app import serve as run_server
     from chatbot.server.pool import PrefixCachePool, server_sampling
@@ -279,33 +431,58 @@ def serve(
     loaded = _load(model, device, dtype, template=template, trust_remote_code=trust_remote_code)
     sampling = server_sampling(loaded.model, **overrides)
     decoder, decoder_note = _decoder(loaded.model, opt)
-    engine = Engine(loaded.model, loaded.tokenizer, max_context=max_context, decoder=decoder)
-    pool = PrefixCachePool(engine, engine_cfg, sampling, template=loaded.template,
-                           max_entries=cache_conversations if prefix_cache else 0,
-                           max_bytes=memory)
+    engine = _engine(loaded, engine_cfg, decoder)
+    kept = cache_conversations if prefix_cache else 0
+    pool = PrefixCachePool(engine, engine_cfg, sampling, max_entries=kept, max_bytes=memory, template=loaded.template)
     name = served_model_name or loaded.name
     application = create_app(pool, name, api_key=key, streaming_cache=enable_streaming)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
-    for note in [*loaded.notes, *([decoder_note] if decoder_note else [])]:
+    for note in [*loaded.notes, *filter(None, [decoder_note, _context_note(loaded, engine_cfg)])]:
         err.print(note, style="dim", markup=False)
     shown = "localhost" if host in ("127.0.0.1", "::1") else host
-    err.print(f"serving {name} on http://{shown}:{port}/v1 (OpenAI API: /v1/chat/completions, /v1/completions, "
-              "/v1/models; /health) · "
-              f"one generation at a time · prefix cache {'on' if prefix_cache else 'off'}"
-              + (" · API key required" if key else ""), markup=False)
+    err.print(
+        f"serving {name} on http://{shown}:{port}/v1 "
+        "(OpenAI API: /v1/chat/completions, /v1/completions, /v1/models; /health) · "
+        f"one generation at a time · prefix cache {'on' if prefix_cache else 'off'}"
+        + (" · API key required" if key else ""),
+        markup=False,
+    )
     if key is None and host not in ("127.0.0.1", "::1", "localhost"):
-        err.print(f"warning: listening on {host} without an API key (--api-key-env VAR)", style="yellow", markup=False)
+        warning = f"warning: listening on {host} without an API key (--api-key-env VAR)"
+        err.print(warning, style="yellow", markup=False)
     run_server(application, host, port, log_level=log_level)
 
 
-def _run_remote(ctx: typer.Context, server: str, model: str | None, api_key_env: str | None, system: str | None,
-                overrides: dict[str, Any], enable_streaming: bool, plain: bool, no_stats: bool,
-                resume: str | None) -> None:
+# `run` options that shape the local model and its cache: a server has its own.
+_LOCAL_ONLY = (
+    "prefill_chunk", "start_size", "recent_size", "keep_system", "max_context", "device", "dtype", "quantize",
+    "device_map", "max_memory", "revision", "trust_remote_code", "template", "preset", "config", "threads",
+    "opt",
+)
+
+
+def _run_remote(
+    ctx: typer.Context,
+    server: str,
+    model: str | None,
+    api_key_env: str | None,
+    system: str | None,
+    overrides: dict[str, Any],
+    enable_streaming: bool,
+    plain: bool,
+    no_stats: bool,
+    resume: str | None,
+) -> None:
     """`chatbot run --server URL`: the REPL on a RemoteSession."""
     if enable_streaming:
-        raise ConfigError("--enable-streaming does not apply with --server: the server manages its own context")
-    if getattr(ctx.get_parameter_source("opt"), "name", "") == "COMMANDLINE":
-        raise ConfigError("--opt does not apply with --server: the server runs the model")
+        raise ConfigError(
+            "--enable-streaming does not apply with --server: the server manages its own context"
+        )
+    sources = {name: getattr(ctx.get_parameter_source(name), "name", "") for name in _LOCAL_ONLY}
+    given = [name for name, source in sources.items() if source == "COMMANDLINE"]
+    if given:  # refused rather than silently ignored
+        flag = "--" + given[0].replace("_", "-")
+        raise ConfigError(f"{flag} does not apply with --server: the server runs the model")
     from chatbot.remote import RemoteBackend, RemoteSession, remote_sampling
     from chatbot.terminal.repl import Repl, resolve_resume
     from chatbot.terminal.repl import run as run_repl
@@ -317,8 +494,12 @@ def _run_remote(ctx: typer.Context, server: str, model: str | None, api_key_env:
     session = RemoteSession(backend, system, sampling)
     interactive = sys.stdin.isatty()
     out = Console(soft_wrap=True, highlight=False)
-    info = out if (interactive and sys.stdout.isatty()) else Console(stderr=True, highlight=False, soft_wrap=True)
-    repl = Repl(session, backend, out, plain=plain or not sys.stdout.isatty(), show_stats=not no_stats, info=info)  # type: ignore[arg-type]
+    if interactive and sys.stdout.isatty():
+        info = out
+    else:
+        info = Console(stderr=True, highlight=False, soft_wrap=True)
+    plain = plain or not sys.stdout.isatty()
+    repl = Repl(session, backend, out, plain=plain, show_stats=not no_stats, info=info)
     for note in backend.notes:
         repl.note(note)
     if interactive:
@@ -340,14 +521,22 @@ def sessions(
 
 @bench_app.command("turns")
 def bench_turns(
-    conversation: Annotated[Path | None, typer.Option(help='A JSON file {"turns": [...]} (default: the shipped twelve-turn chat).')] = None,
+    conversation: ConversationOpt = None,
     max_new_tokens: Annotated[int, typer.Option(help="New tokens per turn (greedy).", min=1)] = 64,
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     threads: ThreadsOpt = None,
-    server: Annotated[str | None, typer.Option(help="Measure a server's prefix cache through HTTP instead (OpenAI API, e.g. http://127.0.0.1:8000/v1): the conversation with its cache, and again with it bypassed.")] = None,
-    api_key_env: Annotated[str | None, typer.Option(help="With --server: the API key's environment variable.")] = None,
+    server: Annotated[
+        str | None,
+        typer.Option(
+            help="Measure a server's prefix cache through HTTP instead (OpenAI API, e.g. "
+            "http://127.0.0.1:8000/v1): the conversation with its cache, and again with it bypassed."
+        ),
+    ] = None,
+    api_key_env: Annotated[
+        str | None, typer.Option(help="With --server: the API key's environment variable.")
+    ] = None,
     json_out: JsonOpt = None,
 ) -> None:
     """Persistent cache against re-encoding the whole history every turn."""
@@ -376,8 +565,12 @@ def bench_turns(
 
 @bench_app.command("render")
 def bench_render(
-    tokens: Annotated[int, typer.Option(help="Pieces of the Markdown answer fed to the renderer.", min=10)] = 2000,
-    rate: Annotated[float, typer.Option(help="Decode speed the renderer must keep up with, tokens/s.", min=1)] = 150.0,
+    tokens: Annotated[
+        int, typer.Option(help="Pieces of the Markdown answer fed to the renderer.", min=10)
+    ] = 2000,
+    rate: Annotated[
+        float, typer.Option(help="Decode speed the renderer must keep up with, tokens/s.", min=1)
+    ] = 150.0,
     width: Annotated[int, typer.Option(help="Terminal columns.", min=20)] = 80,
     json_out: JsonOpt = None,
 ) -> None:
@@ -395,10 +588,15 @@ def bench_render(
 def bench_load(
     server: Annotated[str, typer.Option(help="The server's API root, e.g. http://127.0.0.1:8000/v1.")],
     clients: Annotated[int, typer.Option(help="Concurrent streaming clients.", min=1, max=64)] = 8,
-    duration: Annotated[float, typer.Option(help="Seconds to keep sending (requests in flight are finished).", min=1, max=3600)] = 60.0,
+    duration: Annotated[
+        float,
+        typer.Option(help="Seconds to keep sending (requests in flight are finished).", min=1, max=3600),
+    ] = 60.0,
     max_new_tokens: Annotated[int, typer.Option(help="New tokens per answer (greedy).", min=1)] = 32,
-    conversation: Annotated[Path | None, typer.Option(help='A JSON file {"turns": [...]} (default: the shipped twelve-turn chat).')] = None,
-    model: Annotated[str | None, typer.Option("--model", "-m", help="The model id on the server (default: its first).")] = None,
+    conversation: ConversationOpt = None,
+    model: Annotated[
+        str | None, typer.Option("--model", "-m", help="The model id on the server (default: its first).")
+    ] = None,
     api_key_env: Annotated[str | None, typer.Option(help="The API key's environment variable.")] = None,
     json_out: JsonOpt = None,
 ) -> None:
@@ -421,11 +619,21 @@ def bench_load(
 
 @bench_app.command("streaming")
 def bench_streaming(
-    text: Annotated[Path | None, typer.Option(help="A long plain-text file (default: the Python FAQ text shipped in the package).")] = None,
-    recent_size: Annotated[list[int] | None, typer.Option(help="Recent window sizes to measure (repeatable).")] = None,
+    text: TextOpt = None,
+    recent_size: Annotated[
+        list[int] | None, typer.Option(help="Recent window sizes to measure (repeatable).")
+    ] = None,
     start_size: Annotated[int, typer.Option(help="Attention sinks.", min=0)] = 4,
     decode_tokens: Annotated[int, typer.Option(help="Greedy tokens decoded at each mark.", min=2)] = 32,
-    opt: Annotated[str, typer.Option("--opt", help="Decode path of the sink cache, as for chatbot run (recomputation always uses transformers).", callback=_check_opt)] = "auto",
+    opt: Annotated[
+        str,
+        typer.Option(
+            "--opt",
+            help="Decode path of the sink cache, as for chatbot run "
+            "(recomputation always uses transformers).",
+            callback=_check_opt,
+        ),
+    ] = "auto",
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -443,7 +651,9 @@ def bench_streaming(
     decoder, note = _decoder(loaded.model, opt)
     if note:
         Console(stderr=True, highlight=False).print(f"[dim]{note}[/dim]")
-    result = run_streaming_bench(loaded, body, sizes, start_size, decode_tokens=decode_tokens, decoder=decoder)
+    result = run_streaming_bench(
+        loaded, body, sizes, start_size, decode_tokens=decode_tokens, decoder=decoder
+    )
     print_streaming(Console(), result)
     if json_out:
         write_json(json_out, result)
@@ -451,12 +661,17 @@ def bench_streaming(
 
 @app.command("eval-ppl")
 def eval_ppl(
-    text: Annotated[Path | None, typer.Option(help="A long plain-text file (default: the Python FAQ text shipped in the package).")] = None,
+    text: TextOpt = None,
     tokens: Annotated[int, typer.Option(help="Tokens to score, one per step.", min=2)] = 4000,
     start_size: Annotated[int, typer.Option(help="Attention sinks.", min=0)] = 4,
     recent_size: Annotated[int, typer.Option(help="Recent window.", min=1)] = 252,
-    setups: Annotated[str, typer.Option(help="Comma-separated: dense,window,sinks,recompute.")] = "dense,window,sinks,recompute",
-    plot: Annotated[Path | None, typer.Option(help="PNG of running log-perplexity (default: beside --json, or eval_ppl.png).")] = None,
+    setups: Annotated[
+        str, typer.Option(help="Comma-separated: dense,window,sinks,recompute.")
+    ] = "dense,window,sinks,recompute",
+    plot: Annotated[
+        Path | None,
+        typer.Option(help="PNG of running log-perplexity (default: beside --json, or eval_ppl.png)."),
+    ] = None,
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -482,10 +697,13 @@ def eval_ppl(
                 tasks[setup] = bar.add_task(setup, total=total)
             bar.update(tasks[setup], completed=done)
 
-        result = run_eval_ppl(loaded.model, loaded.tokenizer, body, tokens, start_size, recent_size, chosen, progress)
+        result = run_eval_ppl(
+            loaded.model, loaded.tokenizer, body, tokens, start_size, recent_size, chosen, progress
+        )
     print(format_table(result))
     png = plot or (json_out.with_suffix(".png") if json_out else Path("eval_ppl.png"))
-    write_plot(result, png, title=f"{loaded.name}: {tokens} tokens, {start_size} sinks + {recent_size} recent")
+    title = f"{loaded.name}: {tokens} tokens, {start_size} sinks + {recent_size} recent"
+    write_plot(result, png, title=title)
     print(f"plot: {png}")
     if json_out:
         slim = {k: {m: v for m, v in r.items() if m != "nll"} for k, r in result.items()}
@@ -494,14 +712,45 @@ def eval_ppl(
 
 @bench_app.command("decode")
 def bench_decode(
-    setups: Annotated[str | None, typer.Option(help="Comma-separated set-ups (default: transformers-generate, chatbot-off/f32/auto/int8/int4, and llama.cpp when llama-cpp-python is installed).")] = None,
-    rounds: Annotated[int, typer.Option(help="Runs per set-up, interleaved; figures are medians.", min=1)] = 3,
-    decode_tokens: Annotated[int, typer.Option(help="Greedy tokens decoded after a 50-token prompt.", min=2)] = 128,
-    text: Annotated[Path | None, typer.Option(help="Text the prompts are cut from (default: the shipped conversation, repeated).")] = None,
-    ppl_tokens: Annotated[int, typer.Option(help="Also measure perplexity over this many tokens of the text, through each decode path (0: skip).", min=0)] = 0,
-    gguf: Annotated[Path | None, typer.Option(help="GGUF file for llama.cpp (default: the default model's).")] = None,
-    png: Annotated[Path | None, typer.Option(help="Also draw the figures into this PNG (needs matplotlib).")] = None,
-    also: Annotated[str | None, typer.Option(help="Also run these benches on the same model, into the same JSON: turns (persistent cache vs re-encoding), streaming (sink cache vs recomputation; reads --text or the packaged Python FAQ text).")] = None,
+    setups: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated set-ups (default: transformers-generate, chatbot-off/f32/auto/int8/int4, "
+            "and llama.cpp when llama-cpp-python is installed)."
+        ),
+    ] = None,
+    rounds: Annotated[
+        int, typer.Option(help="Runs per set-up, interleaved; figures are medians.", min=1)
+    ] = 3,
+    decode_tokens: Annotated[
+        int, typer.Option(help="Greedy tokens decoded after a 50-token prompt.", min=2)
+    ] = 128,
+    text: Annotated[
+        Path | None,
+        typer.Option(help="Text the prompts are cut from (default: the shipped conversation, repeated)."),
+    ] = None,
+    ppl_tokens: Annotated[
+        int,
+        typer.Option(
+            help="Also measure perplexity over this many tokens of the text, through each decode path "
+            "(0: skip).",
+            min=0,
+        ),
+    ] = 0,
+    gguf: Annotated[
+        Path | None, typer.Option(help="GGUF file for llama.cpp (default: the default model's).")
+    ] = None,
+    png: Annotated[
+        Path | None, typer.Option(help="Also draw the figures into this PNG (needs matplotlib).")
+    ] = None,
+    also: Annotated[
+        str | None,
+        typer.Option(
+            help="Also run these benches on the same model, into the same JSON: turns (persistent cache "
+            "vs re-encoding), streaming (sink cache vs recomputation; reads --text or the packaged "
+            "Python FAQ text)."
+        ),
+    ] = None,
     model: ModelOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = None,
@@ -540,7 +789,8 @@ def bench_decode(
             print_turns(out, result["turns"])
         if "streaming" in extra:
             err.print("[dim]streaming bench[/dim]")
-            result["streaming"] = run_streaming_bench(loaded, long_text, decoder=_decoder(loaded.model, "auto")[0])
+            decoder = _decoder(loaded.model, "auto")[0]
+            result["streaming"] = run_streaming_bench(loaded, long_text, decoder=decoder)
             print_streaming(out, result["streaming"])
     if json_out:
         write_json(json_out, result)
@@ -554,7 +804,10 @@ app.add_typer(config_app, name="config")
 
 @app.command()
 def models(
-    folders: Annotated[list[Path] | None, typer.Argument(help="Also look in these folders for model folders and .gguf files.")] = None,
+    folders: Annotated[
+        list[Path] | None,
+        typer.Argument(help="Also look in these folders for model folders and .gguf files."),
+    ] = None,
 ) -> None:
     """List presets and the models found in the local caches (name, size, source)."""
     from chatbot.models.catalog import human_size, local_models
@@ -582,7 +835,7 @@ def config_show(
     preset: PresetOpt = None,
     config: ConfigOpt = None,
     model: ModelOpt = None,
-    system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
+    system: SystemOpt = None,
     template: TemplateOpt = "auto",
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -591,25 +844,24 @@ def config_show(
     max_memory: MaxMemoryOpt = None,
     revision: RevisionOpt = None,
     trust_remote_code: TrustOpt = False,
-    temperature: Annotated[float | None, typer.Option(help="Sampling temperature; 0 is greedy.")] = None,
-    top_p: Annotated[float | None, typer.Option(help="Nucleus sampling mass (0, 1].")] = None,
-    top_k: Annotated[int | None, typer.Option(help="Sample among the k likeliest tokens; 0 turns it off.")] = None,
-    repetition_penalty: Annotated[float | None, typer.Option(help="Penalty for repeated tokens; 1 turns it off.")] = None,
-    max_new_tokens: Annotated[int | None, typer.Option(help="Most tokens per answer.")] = None,
-    seed: Annotated[int | None, typer.Option(help="Random seed.")] = None,
-    enable_streaming: Annotated[bool, typer.Option(help="Attention sinks + recent window.")] = False,
-    start_size: Annotated[int, typer.Option(help="Attention-sink tokens.")] = 4,
-    recent_size: Annotated[int | None, typer.Option(help="Recent tokens kept.")] = None,
-    keep_system: Annotated[bool | None, typer.Option(help="Pin the system prompt in the streaming cache.")] = None,
-    max_context: Annotated[int | None, typer.Option(help="Most tokens the conversation may hold.")] = None,
+    temperature: TemperatureOpt = None,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
+    repetition_penalty: RepetitionPenaltyOpt = None,
+    max_new_tokens: MaxNewTokensOpt = None,
+    seed: SeedOpt = None,
+    greedy: GreedyOpt = False,
+    stream_interval: StreamIntervalOpt = 1,
+    enable_streaming: EnableStreamingOpt = False,
+    start_size: StartSizeOpt = 4,
+    recent_size: RecentSizeOpt = None,
+    keep_system: KeepSystemOpt = None,
+    max_context: MaxContextOpt = None,
 ) -> None:
     """Print the settings `chatbot run` would use with these flags, as a preset file
     (each line says where its value came from; save it and pass it to --config)."""
-    from chatbot.config import SamplingConfig
-
     settings = _settings(ctx, preset, config)
-    SamplingConfig(**{k: v for k, v in settings.sampling_overrides().items() if v is not None}).validated()
-    settings.engine_config()
+    settings.run_config()  # refuse what `run` would refuse
     print(settings.as_yaml(), end="")
 
 
@@ -655,8 +907,8 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:
         if _DEBUG or os.environ.get("CHATBOT_DEBUG"):
             raise
-        err.print(safe_line(f"chatbot: internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)"),
-                  markup=False)
+        line = f"chatbot: internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)"
+        err.print(safe_line(line), markup=False)
         sys.exit(1)
 
 

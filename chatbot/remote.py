@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 
 from chatbot.config import SamplingConfig
 from chatbot.engine.stats import TurnStats, merge_stats, summarize
@@ -182,7 +183,7 @@ class RemoteBackend:
         limit = (mine or {}).get("max_model_len")
         return int(limit) if isinstance(limit, int) else None
 
-    def stream(self, messages: list[dict[str, str]], sampling: SamplingConfig,
+    def stream(self, messages: list[ChatCompletionMessageParam], sampling: SamplingConfig,
                extra: dict[str, Any] | None = None) -> Iterator[Any]:
         """POST /v1/chat/completions with stream=true; yields the client's chunk objects.
 
@@ -202,7 +203,7 @@ class RemoteBackend:
         for attempt in range(RETRIES + 1):
             try:
                 response = self.client.chat.completions.create(
-                    model=self.model, messages=messages, stream=True,  # type: ignore[arg-type]
+                    model=self.model, messages=messages, stream=True,
                     stream_options={"include_usage": True}, **body)
                 break
             except openai.APIConnectionError as exc:
@@ -265,7 +266,7 @@ def remote_sampling(**overrides: Any) -> SamplingConfig:
     Raises:
         ConfigError: a value is out of range.
     """
-    values = {"top_k": 0, "repetition_penalty": 1.0}
+    values: dict[str, Any] = {"top_k": 0, "repetition_penalty": 1.0}
     values.update({k: v for k, v in overrides.items() if v is not None})
     return dataclasses.replace(SamplingConfig(), **values).validated()
 
@@ -289,8 +290,10 @@ class RemoteSession(SavedConversation, LoggedSession):
 
     # -- state -----------------------------------------------------------------------------
 
-    def messages(self) -> list[dict[str, str]]:
-        msgs = [{"role": "system", "content": self.system}] if self.system else []
+    def messages(self) -> list[ChatCompletionMessageParam]:
+        msgs: list[ChatCompletionMessageParam] = []
+        if self.system:
+            msgs.append({"role": "system", "content": self.system})
         for t in self.turns:
             msgs.append({"role": "user", "content": t.user})
             msgs.append({"role": "assistant", "content": t.answer})
@@ -341,7 +344,7 @@ class RemoteSession(SavedConversation, LoggedSession):
 
     def _answer(self, turn: Turn, sampling: SamplingConfig, new: bool, extend: bool = False) -> Iterator[RemoteChunk]:
         history = self.messages() if new else self.messages()[:-2]
-        messages = [*history, {"role": "user", "content": turn.user}]
+        messages: list[ChatCompletionMessageParam] = [*history, {"role": "user", "content": turn.user}]
         extra: dict[str, Any] | None = None
         before = turn.answer if extend else ""
         if extend:

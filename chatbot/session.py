@@ -93,18 +93,27 @@ class ChatSession(SavedConversation, LoggedSession):
 
     # -- set-up -------------------------------------------------------------------------
 
+    @property
+    def max_context(self) -> int:
+        """The most tokens this conversation may hold: the config's, else the engine's."""
+        return self.config.engine.max_context or self.engine.max_context
+
     def make_cache(self) -> TrackedCache:
         ec = self.config.engine
+        limit = self.max_context
         if not ec.enable_streaming:
-            return self.engine.new_cache()
-        recent = ec.recent_size or default_recent_size(self.engine.max_context)
-        ec.check_window(ec.start_size, recent, self.engine.max_context)
+            cache = self.engine.new_cache()
+            cache.max_context = limit
+            return cache
+        recent = ec.recent_size or default_recent_size(limit)
+        ec.check_window(ec.start_size, recent, limit)
         cache = self.engine.new_cache(ec.start_size, recent)
+        cache.max_context = limit
         keep = ec.keep_system if ec.keep_system is not None else bool(self.system)
         if keep:
             # A system prompt longer than the context allows is pinned only as far as it fits
             # beside the window; the rest is evicted like any old text.
-            room = max(ec.start_size, self.engine.max_context - recent)
+            room = max(ec.start_size, limit - recent)
             cache.pin(min(self.system_prompt_tokens(), room))
         return cache
 

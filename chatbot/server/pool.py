@@ -3,9 +3,10 @@
 Each entry is a `ChatSession` (its messages, token ids and KV cache). A request whose
 messages extend an entry's conversation continues that session, so only the new tokens are
 prefilled; one that shares the start of a conversation but differs later (a retry, an edit)
-takes that entry over, its cache cropped to the tokens they share (not re-encoded). A bounded number of entries is kept, and a memory cap; the least recently used
-go first. A `cache_salt` (as in vLLM) keeps requests apart: only entries made with the same
-salt are reused, so a fresh salt per request turns the cache off for it.
+takes that entry over, its cache cropped to the tokens they share (not re-encoded). A bounded
+number of entries is kept, and a memory cap; the least recently used go first. A `cache_salt`
+(as in vLLM) keeps requests apart: only entries made with the same salt are reused, so a fresh
+salt per request turns the cache off for it.
 
 Not thread-safe: one worker thread owns the pool and the engine.
 """
@@ -66,8 +67,10 @@ def server_sampling(model: Any, **overrides: Any) -> SamplingConfig:
     """
     plain = SamplingConfig()
     from_model = sampling_from_model(model)
-    values = {k: getattr(from_model, k) if getattr(from_model, k) != getattr(plain, k) else v
-              for k, v in API_DEFAULTS.items()}
+    values: dict[str, Any] = {
+        k: getattr(from_model, k) if getattr(from_model, k) != getattr(plain, k) else v
+        for k, v in API_DEFAULTS.items()
+    }
     values.update({k: v for k, v in overrides.items() if v is not None})
     return dataclasses.replace(plain, **values).validated()
 

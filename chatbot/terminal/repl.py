@@ -15,11 +15,12 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from prompt_toolkit import PromptSession
 from prompt_toolkit.completion import CompleteEvent, Completer, Completion, PathCompleter
 from prompt_toolkit.document import Document
+from prompt_toolkit.formatted_text import StyleAndTextTuples
 from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 from prompt_toolkit.output import create_output
@@ -54,6 +55,9 @@ from chatbot.terminal.render import (
     stats_renderable,
 )
 from chatbot.terminal.sanitize import safe_line, safe_text
+
+if TYPE_CHECKING:
+    from chatbot.remote import RemoteBackend, RemoteSession
 
 MAX_MESSAGE_CHARS = 200_000
 BLOCK = '"""'
@@ -212,8 +216,8 @@ class Repl:
 
     def __init__(
         self,
-        session: ChatSession,
-        loaded: LoadedModel,
+        session: ChatSession | RemoteSession,
+        loaded: LoadedModel | RemoteBackend,
         console: Console,
         plain: bool = False,
         show_stats: bool = True,
@@ -368,7 +372,8 @@ class Repl:
     def _restore(self, data: dict[str, Any]) -> None:
         try:
             with self._progress("encoding the history") as progress, interrupt_once():
-                n = self.session.restore(data, progress, warnings=(problems := []))
+                problems: list[str] = []
+                n = self.session.restore(data, progress, warnings=problems)
             for problem in problems:
                 self.note(f"warning: {problem}")
             self.note(f"loaded {len(self.session.turns)} turns" + (
@@ -392,14 +397,14 @@ class Repl:
         self.info.print(stats_renderable(self.info, self.session.turns, self.session.summary()))
 
     def _model(self, _: Command) -> None:
-        if self.remote is not None:
-            self.remote.list_models()  # GET /v1/models now: the list may have changed
-            rows = {**self.remote.describe(), "sampling": sampling_brief(self.session.sampling)}
+        s = self.session
+        if not isinstance(s, ChatSession):  # a RemoteSession: the server has the model
+            s.backend.list_models()  # GET /v1/models now: the list may have changed
+            rows = {**s.backend.describe(), "sampling": sampling_brief(s.sampling)}
             self.info.print(key_value_table("model (on the server)", rows))
             return
         rows = dict(self.loaded.describe())
-        s = self.session
-        rows["context limit"] = f"{s.engine.max_context:,} tokens"
+        rows["context limit"] = f"{s.max_context:,} tokens"
         rows["cache"] = f"{len(s.cache_ids):,} / {s.capacity:,} tokens" + (
             " (attention sinks + recent window)" if s.kv.is_bounded else "")
         rows["sampling"] = sampling_brief(s.sampling)
@@ -408,11 +413,11 @@ class Repl:
         self.info.print(key_value_table("model", rows))
 
     def _cache(self, _: Command) -> None:
-        if self.remote is not None:
+        if not isinstance(self.session, ChatSession):  # a RemoteSession
             last = self.session.turns[-1].stats if self.session.turns else None
             cached = getattr(last, "cached_tokens", None)
             self.info.print(key_value_table("cache (on the server)", {
-                "kept by": f"the server's prefix cache ({self.remote.base_url})",
+                "kept by": f"the server's prefix cache ({self.session.backend.base_url})",
                 "conversation (last usage)": f"{self.session.conversation_tokens:,} tokens",
                 "reused at the last message": "-" if last is None else
                     "not reported by the server" if cached is None else f"{cached:,} tokens",
@@ -534,7 +539,7 @@ class Repl:
         if self.blocks.is_open:
             self.handle(self.blocks.close())
 
-    def toolbar(self, width: int | None = None) -> list[tuple[str, str]]:
+    def toolbar(self, width: int | None = None) -> StyleAndTextTuples:
         """The line under the prompt; on a narrow terminal the less useful parts go first,
         so that it is never cut (the cache meter stays)."""
         if width is None:
@@ -552,10 +557,9 @@ class Repl:
             colour = {"green": "ansigreen", "yellow": "ansiyellow", "red": "ansired"}[meter_style(used, cap)]
             meter = (f"bold {colour}", f"cache {used:,}/{cap:,}")
         for name, tail in ((model, sampling_brief(s.sampling)), (model, ""), ("", "")):
-            parts = [("", f" {name} · ")] if name else [("", " ")]
-            parts.append(meter)
+            parts: StyleAndTextTuples = [("", f" {name} · " if name else " "), meter]
             parts.append(("", f" · {tail} · /help" if tail else " · /help"))
-            if sum(len(text) for _, text in parts) < width:
+            if sum(len(part[1]) for part in parts) < width:
                 break
         return parts
 
