@@ -10,6 +10,7 @@ import os
 import stat
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,7 @@ class SavedConversation:
     sampling: SamplingConfig
     turns: list[Turn]
 
-    def messages(self) -> list[dict[str, str]]:
+    def messages(self) -> Sequence[Mapping[str, Any]]:
         raise NotImplementedError
 
     def to_dict(self, model: str | None = None) -> dict[str, Any]:
@@ -70,7 +71,7 @@ class SavedConversation:
 def saved_dict(
     system: str | None,
     sampling: SamplingConfig,
-    messages: list[dict[str, str]],
+    messages: Sequence[Mapping[str, Any]],
     turns: list[Turn],
     model: str | None = None,
 ) -> dict[str, Any]:
@@ -82,7 +83,7 @@ def saved_dict(
         "model": model,
         "system": system,
         "settings": sampling.as_dict(),
-        "messages": messages,
+        "messages": [dict(m) for m in messages],
         "turns": [t.as_dict() for t in turns],
     }
 

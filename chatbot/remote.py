@@ -15,7 +15,7 @@ import dataclasses
 import itertools
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -312,7 +312,7 @@ class RemoteSession(SavedConversation, LoggedSession):
 
     # -- a turn ------------------------------------------------------------------------------
 
-    def send(self, text: str, sampling: SamplingConfig | None = None) -> Iterator[RemoteChunk]:
+    def send(self, text: str, sampling: SamplingConfig | None = None) -> Generator[RemoteChunk, None, None]:
         """Add a user message and stream the answer (see `ChatSession.send`).
 
         Raises:
@@ -323,7 +323,7 @@ class RemoteSession(SavedConversation, LoggedSession):
             raise ChatbotError("empty message")
         return self._logged(self._answer(Turn(text, "", RemoteStats()), sampling or self.sampling, new=True), text)
 
-    def retry(self, sampling: SamplingConfig | None = None) -> Iterator[RemoteChunk]:
+    def retry(self, sampling: SamplingConfig | None = None) -> Generator[RemoteChunk, None, None]:
         if not self.turns:
             raise ChatbotError("nothing to retry")
         return self._logged(self._answer(self.turns[-1], sampling or self.sampling, new=False), None)
@@ -332,7 +332,7 @@ class RemoteSession(SavedConversation, LoggedSession):
         t = self.turns[-1] if self.turns else None
         return t is not None and (t.interrupted or t.stats.finish_reason in ("length", "interrupted"))
 
-    def continue_answer(self, sampling: SamplingConfig | None = None) -> Iterator[RemoteChunk]:
+    def continue_answer(self, sampling: SamplingConfig | None = None) -> Generator[RemoteChunk, None, None]:
         """Go on with the last answer: it is sent as the final assistant message with vLLM's
         `continue_final_message` (llama.cpp and ollama continue a final assistant message
         by themselves)."""
@@ -342,7 +342,7 @@ class RemoteSession(SavedConversation, LoggedSession):
             raise ChatbotError("the last answer ended by itself; /retry asks for a new one")
         return self._logged(self._answer(self.turns[-1], sampling or self.sampling, new=False, extend=True), None)
 
-    def _answer(self, turn: Turn, sampling: SamplingConfig, new: bool, extend: bool = False) -> Iterator[RemoteChunk]:
+    def _answer(self, turn: Turn, sampling: SamplingConfig, new: bool, extend: bool = False) -> Generator[RemoteChunk, None, None]:
         history = self.messages() if new else self.messages()[:-2]
         messages: list[ChatCompletionMessageParam] = [*history, {"role": "user", "content": turn.user}]
         extra: dict[str, Any] | None = None

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import torch
@@ -204,7 +204,7 @@ class ChatSession(SavedConversation, LoggedSession):
 
     # -- a turn ---------------------------------------------------------------------------
 
-    def send(self, text: str, sampling: SamplingConfig | None = None) -> Iterator[GenerationChunk]:
+    def send(self, text: str, sampling: SamplingConfig | None = None) -> Generator[GenerationChunk, None, None]:
         """Add a user message and stream the answer.
 
         Nothing changes until the first chunk is asked for; an answer cut short (Ctrl-C,
@@ -226,7 +226,7 @@ class ChatSession(SavedConversation, LoggedSession):
             raise ChatbotError("empty message")
         return self._logged(self._send(text, sampling or self.sampling), user=text)
 
-    def _send(self, text: str, sampling: SamplingConfig) -> Iterator[GenerationChunk]:
+    def _send(self, text: str, sampling: SamplingConfig) -> Generator[GenerationChunk, None, None]:
         if self.segments or self.turns:
             self._ensure_consistent()
         msgs = [*self.messages(), {"role": "user", "content": text}]
@@ -250,7 +250,7 @@ class ChatSession(SavedConversation, LoggedSession):
         sampling: SamplingConfig,
         resume: Turn | None = None,
         extend: bool = False,
-    ) -> Iterator[GenerationChunk]:
+    ) -> Generator[GenerationChunk, None, None]:
         """Feed what is pending (plus `prompt`) and stream the answer.
 
         `resume` regenerates (or, with `extend`, lengthens) the answer of an existing turn.
@@ -536,7 +536,7 @@ class ChatSession(SavedConversation, LoggedSession):
         self._ensure_consistent()
         return turn
 
-    def retry(self, sampling: SamplingConfig | None = None) -> Iterator[GenerationChunk]:
+    def retry(self, sampling: SamplingConfig | None = None) -> Generator[GenerationChunk, None, None]:
         """Regenerate the last answer from the end of its prompt (the cache is cut back there).
 
         Args:
@@ -552,7 +552,7 @@ class ChatSession(SavedConversation, LoggedSession):
             raise ChatbotError("nothing to retry")
         return self._logged(self._retry(sampling or self.sampling), user=None)
 
-    def _retry(self, sampling: SamplingConfig) -> Iterator[GenerationChunk]:
+    def _retry(self, sampling: SamplingConfig) -> Generator[GenerationChunk, None, None]:
         turn = self.turns[-1]
         fs = self._turn_start(turn)
         if fs < 0:
@@ -576,7 +576,7 @@ class ChatSession(SavedConversation, LoggedSession):
         t = self.turns[-1] if self.turns else None
         return t is not None and (t.interrupted or t.stats.finish_reason in ("length", "interrupted"))
 
-    def continue_answer(self, sampling: SamplingConfig | None = None) -> Iterator[GenerationChunk]:
+    def continue_answer(self, sampling: SamplingConfig | None = None) -> Generator[GenerationChunk, None, None]:
         """Resume the last answer where it stopped (after Ctrl-C or `max_new_tokens`).
 
         The end-of-turn text that closed the answer has not entered the cache yet: it is
@@ -594,7 +594,7 @@ class ChatSession(SavedConversation, LoggedSession):
             raise ChatbotError("the last answer ended by itself; /retry asks for a new one")
         return self._logged(self._continue(sampling or self.sampling), user=None)
 
-    def _continue(self, sampling: SamplingConfig) -> Iterator[GenerationChunk]:
+    def _continue(self, sampling: SamplingConfig) -> Generator[GenerationChunk, None, None]:
         turn = self.turns[-1]
         fs = self._turn_start(turn)
         if fs < 0 or fs + 1 >= len(self.segments) or self.segments[fs + 1].kind != "answer":

@@ -15,7 +15,7 @@ import os
 import secrets
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -67,7 +67,7 @@ class LoggedSession:
         if self.log is not None:
             self.log.write(event, **fields)
 
-    def _logged(self, chunks: Iterator[Chunk], user: str | None) -> Iterator[Chunk]:
+    def _logged(self, chunks: Generator[Chunk, None, None], user: str | None) -> Generator[Chunk, None, None]:
         """Stream `chunks` (an answer), logging the message first when `user` is given (a
         new turn), and the turn it produced at the end, also when cut short; a message that
         never became a turn is logged as cancelled. Without `user` the last turn is being

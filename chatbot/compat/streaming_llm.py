@@ -12,7 +12,8 @@ import urllib.request
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from types import FrameType
+from typing import Any, cast
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -62,7 +63,8 @@ def _caller_stacklevel() -> int:
     """The `warnings.warn` stacklevel of the first frame outside torch and this module: the
     line of the caller that ran the model."""
     skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(skip):
         frame, level = frame.f_back, level + 1
     return level
@@ -132,16 +134,20 @@ class _StartRecentLayer(DynamicLayer):
     def keep(self, start_size: int, recent: int) -> None:
         """Keep the first `start_size` and the last `recent` physical positions."""
         length = self.physical_length()
-        if not self.is_initialized or start_size + recent >= length:
+        keys, values = self.keys, self.values
+        if not self.is_initialized or keys is None or values is None or start_size + recent >= length:
             return
         tail = length - recent
-        self.keys = torch.cat([self.keys[..., :start_size, :], self.keys[..., tail:, :]], dim=-2)
-        self.values = torch.cat([self.values[..., :start_size, :], self.values[..., tail:, :]], dim=-2)
+        self.keys = torch.cat([keys[..., :start_size, :], keys[..., tail:, :]], dim=-2)
+        self.values = torch.cat([values[..., :start_size, :], values[..., tail:, :]], dim=-2)
         self.evicted += tail - start_size
 
     def cut(self, start: int, end: int) -> None:
-        self.keys = torch.cat([self.keys[..., :start, :], self.keys[..., end:, :]], dim=-2)
-        self.values = torch.cat([self.values[..., :start, :], self.values[..., end:, :]], dim=-2)
+        keys, values = self.keys, self.values
+        if keys is None or values is None:
+            return
+        self.keys = torch.cat([keys[..., :start, :], keys[..., end:, :]], dim=-2)
+        self.values = torch.cat([values[..., :start, :], values[..., end:, :]], dim=-2)
         self.evicted += end - start
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -158,8 +164,13 @@ class _StartRecentCache(Cache):
     def __init__(self, num_layers: int) -> None:
         super().__init__(layers=[_StartRecentLayer() for _ in range(num_layers)])
 
+    @property
+    def own_layers(self) -> list[_StartRecentLayer]:
+        """The layers as what they are (transformers types `layers` as any kind of layer)."""
+        return cast(list[_StartRecentLayer], self.layers)
+
     def physical_length(self) -> int:
-        return self.layers[0].physical_length()
+        return self.own_layers[0].physical_length()
 
 
 class StartRecentKVCache:
@@ -209,7 +220,7 @@ class StartRecentKVCache:
         if isinstance(past_key_values, _StartRecentCache):
             return past_key_values
         if isinstance(past_key_values, Cache):
-            pairs = [(layer.keys, layer.values) for layer in past_key_values.layers]
+            pairs = [(getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in past_key_values.layers]
         elif isinstance(past_key_values, (tuple, list)):
             pairs = [(kv[0], kv[1]) for kv in past_key_values]
         else:
@@ -218,7 +229,7 @@ class StartRecentKVCache:
                 f"got {type(past_key_values).__name__}"
             )
         cache = _StartRecentCache(len(pairs))
-        for layer, (keys, values) in zip(cache.layers, pairs):
+        for layer, (keys, values) in zip(cache.own_layers, pairs):
             if keys is not None and values is not None and keys.numel():
                 layer.update(keys, values)
         return cache
@@ -229,7 +240,7 @@ class StartRecentKVCache:
             return None
         cache = self._own(past_key_values)
         if cache.physical_length() > self.cache_size:
-            for layer in cache.layers:
+            for layer in cache.own_layers:
                 layer.keep(self.start_size, self.recent_size)
         return cache
 
@@ -242,7 +253,7 @@ class StartRecentKVCache:
             raise ValueError(f"num_coming must be >= 0, got {num_coming}")
         cache = self._own(past_key_values)
         if cache.physical_length() + num_coming > self.cache_size:
-            for layer in cache.layers:
+            for layer in cache.own_layers:
                 layer.keep(self.start_size, max(0, self.recent_size - num_coming))
         return cache
 
@@ -259,7 +270,7 @@ class StartRecentKVCache:
         if not 0 <= start <= end <= length:
             raise ValueError(f"evict_range needs 0 <= start <= end <= {length}, got ({start}, {end})")
         if end > start:
-            for layer in cache.layers:
+            for layer in cache.own_layers:
                 layer.cut(start, end)
         return cache
 

@@ -8,9 +8,9 @@ records the ids that entered it after, so the caller never keeps a list of its o
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import DynamicCache
@@ -189,7 +189,7 @@ class Engine:
         generator: torch.Generator | None = None,
         logits_processor: LogitsProcessorList | None = None,
         stopping_criteria: StopCallback | None = None,
-    ) -> Iterator[GenerationChunk]:
+    ) -> Generator[GenerationChunk, None, None]:
         """Prefill `new_ids`, then sample an answer token by token.
 
         Args:
@@ -242,7 +242,8 @@ class Engine:
         last = t0
         finish = "length"
         for i in range(sampling.max_new_tokens):
-            scores = processors(seen[:, :n_seen], logits[None]) if processors else logits[None]
+            context = cast(torch.LongTensor, seen[:, :n_seen])
+            scores = processors(context, logits[None]) if processors else logits[None]
             if sampling.greedy:
                 token = int(scores.argmax(-1))
             else:

@@ -14,7 +14,7 @@ rotated; moving a key from position ``p`` to ``p - d`` is a pure rotation by
 
 from __future__ import annotations
 
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import torch
 from transformers import Cache
@@ -80,17 +80,19 @@ class SinkLayer(DynamicLayer):
             cos: float32 ``[head_dim]`` rotation for the keys after the gap.
             sin: float32 ``[head_dim]``.
         """
-        if not self.is_initialized or end <= start or self.keys is None or self.keys.numel() == 0:
+        keys, values = self.keys, self.values
+        if not self.is_initialized or end <= start or keys is None or values is None or keys.numel() == 0:
             return
-        tail_keys = rotate_keys(self.keys[..., end:, :], cos, sin)
-        self.keys = torch.cat([self.keys[..., :start, :], tail_keys], dim=-2)
-        self.values = torch.cat([self.values[..., :start, :], self.values[..., end:, :]], dim=-2)
+        tail_keys = rotate_keys(keys[..., end:, :], cos, sin)
+        self.keys = torch.cat([keys[..., :start, :], tail_keys], dim=-2)
+        self.values = torch.cat([values[..., :start, :], values[..., end:, :]], dim=-2)
 
     @property
     def nbytes(self) -> int:
-        if not self.is_initialized or self.keys is None:
+        keys, values = self.keys, self.values
+        if not self.is_initialized or keys is None or values is None:
             return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        return keys.numel() * keys.element_size() + values.numel() * values.element_size()
 
 
 class SinkCache(Cache):
@@ -173,6 +175,12 @@ class SinkCache(Cache):
     # --- layout -----------------------------------------------------------------------
 
     @property
+    def sink_layers(self) -> list[SinkLayer]:
+        """The layers, as what they are: `SinkLayer`s (the fast path swaps in `BufferLayer`s,
+        a subclass); transformers types `layers` as any kind of layer."""
+        return cast(list[SinkLayer], self.layers)
+
+    @property
     def pinned(self) -> int:
         """Tokens at the start that are never evicted."""
         return self._pinned
@@ -205,7 +213,7 @@ class SinkCache(Cache):
     @property
     def nbytes(self) -> int:
         """Bytes held by the keys and values of all layers."""
-        return sum(layer.nbytes for layer in self.layers)
+        return sum(layer.nbytes for layer in self.sink_layers)
 
     # --- eviction ---------------------------------------------------------------------
 
@@ -268,7 +276,7 @@ class SinkCache(Cache):
 
     def _drop(self, start: int, end: int) -> tuple[int, int]:
         cos, sin = rotation_for_shift(end - start, self.inv_freq)
-        for layer in self.layers:
+        for layer in self.sink_layers:
             layer.drop(start, end, cos, sin)
         self.evicted_total += end - start
         return start, end
@@ -299,7 +307,7 @@ class SinkCache(Cache):
                 # StartRecentKVCache's keys sit at their old positions, with a gap: taking
                 # them as positions 0..n-1 would silently misplace them.
                 raise TypeError("a cache that kept its keys at their old positions cannot be taken in")
-            pairs = [(layer.keys, layer.values) for layer in past_key_values.layers]
+            pairs = [(getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in past_key_values.layers]
             evicted = int(getattr(past_key_values, "evicted_total", 0))
         elif isinstance(past_key_values, (tuple, list)):
             pairs = [(kv[0], kv[1]) for kv in past_key_values]
@@ -312,7 +320,7 @@ class SinkCache(Cache):
         if len(pairs) != len(self.layers):
             raise TypeError(f"past_key_values has {len(pairs)} layers, this cache {len(self.layers)}")
         self.reset()
-        for layer, (keys, values) in zip(self.layers, pairs):
+        for layer, (keys, values) in zip(self.sink_layers, pairs):
             if keys is not None and values is not None and keys.numel():
                 layer.update(keys, values)
         self.evicted_total = evicted

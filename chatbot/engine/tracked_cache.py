@@ -27,12 +27,22 @@ import os
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 from transformers.cache_utils import Cache
 
 from chatbot.engine.seq import common_prefix
 from chatbot.engine.sink_cache import SinkCache
 from chatbot.errors import ContextFullError
+
+
+class _Layer(Protocol):
+    """What a KV layer of the caches tracked here offers (DynamicLayer and subclasses)."""
+
+    def get_seq_length(self) -> int: ...
+
+    def crop(self, max_length: int) -> None: ...
+
 
 # Check the invariant after every change (slow: a list comparison per token). The tests
 # turn it on; so does CHATBOT_DEBUG_CACHE=1.
@@ -71,6 +81,11 @@ class TrackedCache:
         _TRACKED[cache] = self  # callers that pass the bare cache around find this record
 
     # -- what it is ------------------------------------------------------------------------
+
+    @property
+    def layers(self) -> list[_Layer]:
+        """The cache's layers (transformers types them as any kind of layer)."""
+        return cast(list[_Layer], self.cache.layers)
 
     @property
     def is_bounded(self) -> bool:
@@ -228,7 +243,7 @@ class TrackedCache:
     def _crop_layers(self, length: int) -> None:
         """Cut every layer back to `length` tokens (also evens out a cache an interrupted
         forward pass left uneven), and pull a pin back inside the new length."""
-        for layer in self.cache.layers:
+        for layer in self.layers:
             extra = layer.get_seq_length() - length
             if extra > 0:
                 layer.crop(-extra)
@@ -247,7 +262,7 @@ class TrackedCache:
         recorded; if it still does not match them, empty it. True when it was sound."""
         self._crop_layers(len(self.ids))
         sound = (
-            all(layer.get_seq_length() == len(self.ids) for layer in self.cache.layers)
+            all(layer.get_seq_length() == len(self.ids) for layer in self.layers)
             and self.cache.get_seq_length() == len(self.ids)
             and (self._sink is None or self._sink.evicted_total == self._evicted)
             and len(self.seen) == len(self.ids) + self._evicted
@@ -266,7 +281,7 @@ class TrackedCache:
             AssertionError: naming the part that does not hold.
         """
         n = len(self.ids)
-        lengths = {layer.get_seq_length() for layer in self.cache.layers}
+        lengths = {layer.get_seq_length() for layer in self.layers}
         assert lengths <= {n}, f"cache layers hold {sorted(lengths)} tokens, ids {n}"
         assert len(self.seen) == n + self._evicted, (
             f"{len(self.seen)} ids seen != {n} held + {self._evicted} evicted"
