@@ -275,8 +275,9 @@ def run(
 
     from chatbot.models.templates import check_template
     from chatbot.session import ChatSession, sampling_from_model
-    from chatbot.terminal.repl import Repl, make_consoles, resolve_resume
+    from chatbot.terminal.repl import Repl, resolve_resume
     from chatbot.terminal.repl import run as run_repl
+    from chatbot.terminal.tty import make_consoles
 
     resume_path = resolve_resume(resume)
     loaded = _load(settings.load.model, **settings.load.options())

@@ -68,8 +68,9 @@ def main() -> None:
     from chatbot.engine.generate import Engine
     from chatbot.models.loader import LoadedModel
     from chatbot.session import ChatSession
-    from chatbot.terminal.repl import Repl, make_consoles
+    from chatbot.terminal.repl import Repl
     from chatbot.terminal.repl import run as run_repl
+    from chatbot.terminal.tty import make_consoles
 
     tokenizer = make_tokenizer()
     answers = [tokenizer.encode(p.read_text(encoding="utf-8"), add_special_tokens=False) for p in args.answers]

@@ -17,14 +17,15 @@ from prompt_toolkit.output import DummyOutput
 from rich.console import Console
 from test_session import Interrupter, assert_invariant
 
+from chatbot import session_log
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
 from chatbot.engine.generate import Engine
 from chatbot.models.loader import LoadedModel
 from chatbot.session import ChatSession
-from chatbot import session_log
 from chatbot.terminal.commands import COMMANDS
+from chatbot.terminal.input import BlockReader, SlashCompleter, clean_message, read_lines
 from chatbot.terminal.render import answer_renderable, split_thinking
-from chatbot.terminal.repl import BlockReader, Repl, SlashCompleter, clean_message, read_lines
+from chatbot.terminal.repl import Repl
 
 SAMPLING = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=8)
 

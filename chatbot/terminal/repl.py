@@ -9,17 +9,13 @@ appended to the session log before the next prompt.
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 from prompt_toolkit import PromptSession
-from prompt_toolkit.completion import CompleteEvent, Completer, Completion, PathCompleter
-from prompt_toolkit.document import Document
 from prompt_toolkit.formatted_text import StyleAndTextTuples
 from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
@@ -35,7 +31,6 @@ from chatbot.session_log import FILE_MODE, Event, SessionLog, data_dir, find_ses
 from chatbot.terminal.commands import (
     CLEAR_FLAG,
     Command,
-    complete,
     help_rows,
     help_text,
     is_command,
@@ -43,6 +38,7 @@ from chatbot.terminal.commands import (
     settings_rows,
     settings_text,
 )
+from chatbot.terminal.input import BlockReader, SlashCompleter, clean_message, read_lines
 from chatbot.terminal.live_answer import MarkdownAnswer, PlainAnswer
 from chatbot.terminal.render import (
     columns,
@@ -55,12 +51,12 @@ from chatbot.terminal.render import (
     stats_renderable,
 )
 from chatbot.terminal.sanitize import safe_line, safe_text
+from chatbot.terminal.tty import interrupt_once, make_consoles, no_echo
 
 if TYPE_CHECKING:
     from chatbot.remote import RemoteBackend, RemoteSession
 
 MAX_MESSAGE_CHARS = 200_000
-BLOCK = '"""'
 KEYS = [
     ("Enter", "send"),
     ("Alt+Enter (or Esc, Enter)", "new line"),
@@ -73,132 +69,6 @@ KEYS = [
 KEYS_HELP = "keys:\n" + "\n".join(f"  {key.ljust(26)} {what}" for key, what in KEYS)
 
 __all__ = ["BlockReader", "Repl", "clean_message", "data_dir", "make_consoles", "read_lines", "run"]
-
-
-def make_consoles(interactive: bool) -> tuple[Console, Console]:
-    """The consoles for answers (stdout) and for notes and stats: stdout on a terminal, else
-    stderr. On a terminal Rich wraps every line by words at the width; into a pipe or file a
-    line stays one line (the terminal, if any, wraps it)."""
-    # COLUMNS and LINES, where exported, are stale after a resize: on a terminal, its size.
-    environ = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    out_tty, err_tty = sys.stdout.isatty(), sys.stderr.isatty()
-    out = Console(highlight=False, soft_wrap=not out_tty, _environ=environ if out_tty else None)
-    if interactive and out_tty:
-        return out, out
-    return out, Console(stderr=True, highlight=False, soft_wrap=not err_tty, _environ=environ if err_tty else None)
-
-
-def clean_message(text: str) -> str:
-    """Drop control characters that a terminal or pipe let through (keep newline and tab)."""
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
-    return "".join(ch for ch in text if ch in "\n\t" or (ord(ch) >= 32 and not 127 <= ord(ch) < 160))
-
-
-class BlockReader:
-    '''Joins the lines of a `"""` block into one message.
-
-    A line starting with `"""` opens a block (text after the quotes is its first line); the
-    first line ending with `"""` closes it. Other lines pass through unchanged.
-    '''
-
-    def __init__(self) -> None:
-        self.lines: list[str] | None = None
-
-    @property
-    def is_open(self) -> bool:
-        return self.lines is not None
-
-    def feed(self, line: str) -> str | None:
-        """Return a complete message, or None while a block is still open."""
-        if self.lines is None:
-            stripped = line.strip()
-            if not stripped.startswith(BLOCK):
-                return line
-            rest = stripped[len(BLOCK) :]
-            if rest.endswith(BLOCK):
-                return rest[: -len(BLOCK)]
-            self.lines = [rest] if rest else []
-            return None
-        if line.rstrip().endswith(BLOCK):
-            self.lines.append(line.rstrip()[: -len(BLOCK)])
-            return self.close()
-        self.lines.append(line)
-        return None
-
-    def close(self) -> str:
-        """End the block now (end of input): what it has so far."""
-        lines, self.lines = self.lines or [], None
-        while lines and not lines[-1].strip():
-            lines.pop()
-        return "\n".join(lines)
-
-
-@contextlib.contextmanager
-def no_echo(stream: IO[str]) -> Iterator[None]:
-    """While inside, keys typed on the terminal are not echoed (they stay in the input for
-    the next prompt): an echoed ^C or typed-ahead text would land in the live answer and
-    shift it. Ctrl-C still interrupts. Nothing happens when `stream` is not a terminal."""
-    try:
-        import termios
-
-        fd = stream.fileno()
-        saved = termios.tcgetattr(fd)
-    except (ImportError, OSError, ValueError, AttributeError):
-        yield
-        return
-    quiet = list(saved)
-    quiet[3] &= ~(termios.ECHO | termios.ECHOCTL)
-    termios.tcsetattr(fd, termios.TCSANOW, quiet)
-    try:
-        yield
-    finally:
-        termios.tcsetattr(fd, termios.TCSANOW, saved)
-
-
-class Interrupts:
-    """The first Ctrl-C raises KeyboardInterrupt and later ones are ignored, so that a second
-    press cannot tear the clean-up of the first. Inside `deferred()` (drawing the screen) the
-    interrupt waits until the block ends, so no half-written escape sequence is left."""
-
-    def __init__(self) -> None:
-        self.fired = False
-        self.pending = False
-        self.depth = 0
-
-    def handler(self, signum: int, frame: Any) -> None:
-        if self.fired:
-            return
-        self.fired = True
-        if self.depth:
-            self.pending = True
-        else:
-            raise KeyboardInterrupt
-
-    @contextlib.contextmanager
-    def deferred(self) -> Iterator[None]:
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-            if self.pending and not self.depth:
-                self.pending = False
-                raise KeyboardInterrupt
-
-
-@contextlib.contextmanager
-def interrupt_once() -> Iterator[Interrupts]:
-    """While inside, Ctrl-C is handled by an `Interrupts` (see there)."""
-    interrupts = Interrupts()
-    try:
-        previous = signal.signal(signal.SIGINT, interrupts.handler)
-    except ValueError:  # not the main thread
-        yield interrupts
-        return
-    try:
-        yield interrupts
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 class Repl:
@@ -633,34 +503,9 @@ class Repl:
                     self.note("(interrupted)")
 
 
-class SlashCompleter(Completer):
-    """Tab completion of slash-commands, settings and file names."""
-
-    def __init__(self) -> None:
-        self.paths = PathCompleter(expanduser=True)
-
-    def get_completions(self, document: Document, complete_event: CompleteEvent) -> Iterator[Completion]:
-        line = document.text_before_cursor
-        if "\n" in line:
-            return
-        candidates, start, kind = complete(line)
-        if kind == "path":
-            sub = Document(line[start:], len(line) - start)
-            yield from self.paths.get_completions(sub, complete_event)
-            return
-        for c in candidates:
-            yield Completion(c, start_position=start - len(line))
-
-
 def _brief(text: str, n: int = 40) -> str:
     flat = " ".join(text.split())
     return flat if len(flat) <= n else flat[: n - 1] + "…"
-
-
-def read_lines(stream: IO[bytes]) -> Iterable[str]:
-    """Lines of a byte stream as text; invalid UTF-8 becomes U+FFFD instead of an error."""
-    for raw in stream:
-        yield raw.decode("utf-8", errors="replace")
 
 
 def resolve_resume(ref: str | None) -> Path | None:
