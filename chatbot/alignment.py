@@ -249,3 +249,41 @@ def turn_pieces_windowed(render: Render, sys_msgs: list[dict[str, str]], turns: 
         return None
     whole = text + "".join(p + a + c for p, a, c in pieces)
     return pieces if whole == render(conversation(sys_msgs, turns), False) else None
+
+
+def segment_after(codec: TextCodec, before: Sequence[Segment], kind: str, text: str,
+                  content: str | None = None) -> Segment:
+    """A segment of `text` as it reads after the segments `before` (see `TextCodec.segment`)."""
+    context = next((seg.text for seg in reversed(before) if seg.text), "")
+    return codec.segment(kind, text, context, content)
+
+
+def conversation_segments(codec: TextCodec, system: str | None, turns: Sequence[Any]) -> tuple[list[Segment], list[int]]:
+    """The whole conversation tokenized afresh, turn by turn, and where each turn's prompt
+    segment is.
+
+    Answers are re-tokenized too, as the template renders them (with the space it writes
+    before one). When the template cannot be split turn by turn, the conversation is one
+    prompt segment and every turn's start is -1 (undo and retry then re-encode).
+    """
+    segments: list[Segment] = []
+    text = ""
+    sys_msgs = [{"role": "system", "content": system}] if system else []
+    if sys_msgs:
+        sys_text = codec.render(sys_msgs, False)
+        probe = codec.render([*sys_msgs, {"role": "user", "content": "x"}], True)
+        if sys_text and probe.startswith(sys_text):
+            segments.append(segment_after(codec, segments, "prompt", sys_text, content=system))
+            text = sys_text
+    pieces = turn_pieces_windowed(codec.render, sys_msgs, turns, text) or turn_pieces(codec.render, sys_msgs, turns, text)
+    if pieces is None:
+        whole = codec.render(conversation(sys_msgs, turns), False)
+        return ([Segment("prompt", whole, codec.encode(whole))] if whole else []), [-1] * len(turns)
+    starts = []
+    for turn, (prompt, answer, suffix) in zip(turns, pieces):
+        starts.append(len(segments))
+        segments.append(segment_after(codec, segments, "prompt", prompt, content=turn.user))
+        segments.append(segment_after(codec, segments, "answer", answer, content=answer))
+        if suffix:
+            segments.append(segment_after(codec, segments, "prompt", suffix))
+    return segments, starts

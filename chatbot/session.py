@@ -44,9 +44,9 @@ from chatbot.alignment import (
     Segment,
     TextCodec,
     conversation,
+    conversation_segments,
+    segment_after,
     split_answer,
-    turn_pieces,
-    turn_pieces_windowed,
 )
 from chatbot.config import ChatConfig, SamplingConfig
 from chatbot.engine.generate import Engine, GenerationChunk
@@ -157,9 +157,7 @@ class ChatSession(SavedConversation, LoggedSession):
                  content: str | None = None) -> Segment:
         """A segment of `text` as it reads after `before` (default: the conversation's
         segments); see `TextCodec.segment`."""
-        before = self.segments if before is None else before
-        context = next((seg.text for seg in reversed(before) if seg.text), "")
-        return self.text.segment(kind, text, context, content)
+        return segment_after(self.text, self.segments if before is None else before, kind, text, content)
 
     @property
     def rendered(self) -> str:
@@ -434,32 +432,10 @@ class ChatSession(SavedConversation, LoggedSession):
         writes before one). When the template cannot be split turn by turn, the
         conversation is one prompt segment and undo/retry fall back to re-encoding.
         """
-        segments: list[Segment] = []
-        text = ""
-        msgs = self._system_messages()
-        if msgs:
-            sys_text = self.render(msgs, False)
-            probe = self.render([*msgs, {"role": "user", "content": "x"}], True)
-            if sys_text and probe.startswith(sys_text):
-                segments.append(self._segment("prompt", sys_text, segments, content=self.system))
-                text = sys_text
-        sys_msgs = self._system_messages()
-        pieces = (turn_pieces_windowed(self.render, sys_msgs, self.turns, text)
-                  or turn_pieces(self.render, sys_msgs, self.turns, text))
-        ok = pieces is not None
-        for turn, (prompt, answer, suffix) in zip(self.turns, pieces or []):
-            turn.first_segment = len(segments)
+        self.segments, starts = conversation_segments(self.text, self.system, self.turns)
+        for turn, start in zip(self.turns, starts):
+            turn.first_segment = start
             turn.evicted_before = 0
-            segments.append(self._segment("prompt", prompt, segments, content=turn.user))
-            segments.append(self._segment("answer", answer, segments, content=answer))
-            if suffix:
-                segments.append(self._segment("prompt", suffix, segments))
-        if not ok:
-            whole = self.render(self.messages(), False)
-            segments = [Segment("prompt", whole, self.encode(whole))] if whole else []
-            for turn in self.turns:
-                turn.first_segment = -1
-        self.segments = segments
         self._keep_common_prefix()
 
     def _keep_common_prefix(self) -> None:

@@ -171,7 +171,7 @@ def test_model_output_on_a_terminal_is_made_safe(tiny_model, tiny_tokenizer, tmp
     def chunks():
         yield GenerationChunk(text="Hi \x1b]0;owned\x07 and \x1b]52;c;eA==\x07 done", token_ids=[1])
 
-    c.repl._stream(chunks(), None, replace=False)
+    c.repl._stream(chunks())
     out = c.out.getvalue()
     assert ("\x1b]0;owned\x07" in out) == raw
     assert "\x1b]52" not in out or raw
