@@ -18,6 +18,7 @@ import httpx
 import openai
 from openai.types.chat import ChatCompletionMessageParam
 
+from chatbot.engine.seq import quantile
 from chatbot.errors import ChatbotError
 
 
@@ -131,10 +132,7 @@ def _server_rss(base_url: str, api_key: str | None) -> int | None:
 
 
 def _quantile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return quantile(values, q) if values else float("nan")  # nan: no request finished
 
 
 def run_load_bench(base_url: str, turns: list[str], clients: int = 8, duration_s: float = 60.0,
