@@ -172,9 +172,9 @@ def test_auto_on_block_quantized_weights_matches_recompute_and_greedy_reference(
     """A model whose weights sit on the Q4_1 grid (as one converted from a Q4_1 GGUF): `auto`
     packs them exactly and runs int16 activations; logits stay within 1e-3 of a float32
     full recompute and 64 greedy tokens equal the reference."""
-    from tests.conftest import make_llama
+    from helpers import make_model
 
-    model = make_llama(len(tiny_tokenizer))
+    model = make_model(len(tiny_tokenizer))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2 and p.shape[1] % 32 == 0:
@@ -265,7 +265,7 @@ def perplexity(decoder: FastDecoder, model, ids: list[int]) -> float:
 @needs_kernels
 @pytest.mark.parametrize("level", ["int8", "int4"])
 def test_lossy_levels_keep_perplexity_close(tiny_model, tiny_tokenizer, level):
-    from tests.conftest import CORPUS
+    from helpers import CORPUS
 
     ids = tiny_tokenizer(" ".join(CORPUS), add_special_tokens=False)["input_ids"][:120]
     ref = perplexity(FastDecoder(tiny_model, "f32"), tiny_model, ids)
@@ -294,12 +294,12 @@ def test_default_model_perplexity_within_3_percent(default_model, level):
 
 
 def test_unsupported_models_fall_back_with_a_reason(tiny_tokenizer):
-    from tests.conftest import make_llama
+    from helpers import make_model
 
-    gelu = make_llama(len(tiny_tokenizer), hidden_act="gelu")
+    gelu = make_model(len(tiny_tokenizer), hidden_act="gelu")
     decoder, reason = make_decoder(gelu, "auto")
     assert decoder is None and "gelu" in reason
-    bf16 = make_llama(len(tiny_tokenizer)).to(torch.bfloat16)
+    bf16 = make_model(len(tiny_tokenizer)).to(torch.bfloat16)
     decoder, reason = make_decoder(bf16, "auto")
     assert decoder is None and "float32" in reason
     assert make_decoder(bf16, "off") == (None, None)
@@ -427,10 +427,10 @@ def test_bench_decode_also_runs_the_turns_bench_into_the_same_json(monkeypatch, 
     monkeypatch.setattr(bench_decode, "_run_worker", lambda spec: ran.append(spec) or {"name": spec["name"], "error": "skipped"})
     assert_one_line_error(capsys, "bench", "decode", "--also", "turns,latency", match="unknown bench latency")
     assert ran == []
-    from tests.conftest import make_llama
+    from helpers import make_model
 
     folder = tmp_path / "tiny"
-    make_llama(len(tiny_tokenizer), max_position_embeddings=4096).save_pretrained(folder)  # room for 12 turns
+    make_model(len(tiny_tokenizer), max_position_embeddings=4096).save_pretrained(folder)  # room for 12 turns
     tiny_tokenizer.save_pretrained(folder)
     out = tmp_path / "bench.json"
     code, stdout, _ = cli(capsys, "bench", "decode", "--setups", "chatbot-auto", "--rounds", "1",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_llama, make_tokenizer
+from helpers import make_model, make_tokenizer
 from test_session import assert_invariant
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 
@@ -67,7 +67,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def model(tok):
-    return make_llama(len(tok))
+    return make_model(len(tok))
 
 
 def ids(tok, *pieces: str) -> list[int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tokenizer
+from helpers import make_tokenizer
 
 from chatbot.errors import ConfigError
 from chatbot.models.templates import (
@@ -102,10 +102,10 @@ def test_stop_ids_are_single_tokens_of_the_vocabulary():
 
 
 def test_stop_ids_reach_generation_config(tiny_tokenizer):
-    from conftest import make_llama
+    from helpers import make_model
 
     tok = make_tokenizer()
-    model = make_llama(len(tok))
+    model = make_model(len(tok))
     model.generation_config.eos_token_id = 2
     apply_template(tok, model, "chatml")
     assert model.generation_config.eos_token_id == [2, 1]
@@ -183,14 +183,14 @@ def test_session_chats_with_each_fallback(name):
     """Two turns on a tiny Llama: the cache holds exactly the rendered conversation, and
     the second turn prefills only what is new (for the spaced layouts: when the random
     model's answer starts with a space, as a real model's does)."""
-    from conftest import make_llama
+    from helpers import make_model
 
     from chatbot.config import ChatConfig, SamplingConfig
     from chatbot.engine.generate import Engine
     from chatbot.session import ChatSession
 
     tok = make_tokenizer()
-    model = make_llama(len(tok))
+    model = make_model(len(tok))
     apply_template(tok, model, name)
     session = ChatSession(
         Engine(model, tok), ChatConfig(system=SYSTEM, sampling=SamplingConfig(temperature=0, max_new_tokens=5))
@@ -235,9 +235,9 @@ def test_stop_on_multi_token_strings_ends_the_answer():
             except AttributeError:
                 return getattr(self.inner, name)
 
-    from conftest import make_llama
+    from helpers import make_model
 
-    model = Scripted(make_llama(len(tok)))
+    model = Scripted(make_model(len(tok)))
     engine = Engine(model, tok)
     prompt = tok.encode(render(tok, [{"role": "user", "content": "Hi"}]), add_special_tokens=False)
     stop = StopOnStrings(tok, info.stop_strings)
