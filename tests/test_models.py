@@ -270,7 +270,8 @@ def test_device_map_and_max_memory_parsing(tmp_path):
 # -- bad input: one line, exit 2, no traceback ----------------------------------------------------
 
 def test_path_that_does_not_exist(capsys, tmp_path):
-    assert_one_line_error(capsys, "run", "--model", str(tmp_path / "nowhere"), match="no such file or folder")
+    nowhere = tmp_path / "nowhere"
+    assert_one_line_error(capsys, "run", "--model", str(nowhere), match=f"no such file or folder: {nowhere}")
 
 
 def test_folder_without_config(capsys, tmp_path):
