@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import make_llama, make_tokenizer
+from helpers import make_model, make_tokenizer
 
 
 class ScriptedModel:
@@ -74,7 +74,7 @@ def main() -> None:
 
     tokenizer = make_tokenizer()
     answers = [tokenizer.encode(p.read_text(encoding="utf-8"), add_special_tokens=False) for p in args.answers]
-    model = ScriptedModel(make_llama(len(tokenizer)), answers, tokenizer.eos_token_id, args.delay)
+    model = ScriptedModel(make_model(len(tokenizer)), answers, tokenizer.eos_token_id, args.delay)
     engine = Engine(model, tokenizer, max_context=4096)
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=max(len(a) for a in answers) + 8)
     session = ChatSession(engine, ChatConfig(sampling=sampling))

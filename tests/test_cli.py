@@ -9,12 +9,12 @@ from helpers import cli
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["run", "--model", "/no/such/model"], "no such file or folder: /no/such/model"),
         (["run", "--temperature", "-1"], "temperature must be"),
         (["run", "--top-p", "1.5"], "top_p must be"),
         (["run", "--top-k", "many"], "Invalid value for '--top-k'"),
         (["run", "--bogus-flag"], "No such option: --bogus-flag"),
         (["run", "--device", "quantum"], "unknown device"),
+        (["run", "--opt", "turbo"], "'turbo' is not one of off, f32, auto, int8, int4"),
         (["bench", "turns", "--conversation", "/no/such.json"], "cannot read conversation"),
     ],
 )
@@ -31,11 +31,6 @@ def test_non_model_file(capsys, tmp_path):
     junk.write_text("not a model")
     code, _, err = cli(capsys, "run", "--model", str(junk))
     assert code == 2 and "is not a model" in err
-
-
-def test_folder_without_config(capsys, tmp_path):
-    code, _, err = cli(capsys, "run", "--model", str(tmp_path))
-    assert code == 2 and "no config.json" in err
 
 
 def test_garbage_gguf(capsys, tmp_path):

@@ -587,10 +587,8 @@ def test_benches_default_to_a_text_inside_the_package():
 
 # -- the conversion cache ---------------------------------------------------------------------
 
-from test_models import tiny_gguf  # noqa: F401 - the fixture
 
-
-def test_nan_in_the_converted_copy_is_rebuilt(tiny_gguf):  # noqa: F811 - the fixture  # noqa: F811 - the fixture
+def test_nan_in_the_converted_copy_is_rebuilt(tiny_gguf):
     """NaN written into the converted safetensors (sizes unchanged) is noticed at load and the
     copy rebuilt, instead of crashing every start at the first message."""
     import torch
@@ -617,7 +615,7 @@ def test_nan_in_the_converted_copy_is_rebuilt(tiny_gguf):  # noqa: F811 - the fi
         torch.testing.assert_close(second.model(x).logits, reference)
 
 
-def test_unwritable_conversion_cache_converts_into_a_temporary_folder(tiny_gguf, tmp_path, monkeypatch):  # noqa: F811  # noqa: F811
+def test_unwritable_conversion_cache_converts_into_a_temporary_folder(tiny_gguf, tmp_path, monkeypatch):
     from chatbot.models.loader import load_model
 
     blocker = tmp_path / "a-file"

@@ -18,7 +18,7 @@ import copy
 import json
 
 import pytest
-from conftest import CORPUS, make_llama
+from helpers import CORPUS, make_model
 from test_session import assert_invariant
 from test_stop_strings import ScriptedEngine
 
@@ -70,7 +70,7 @@ def sp_tok():
 
 @pytest.fixture(scope="module")
 def sp_model(sp_tok):
-    return make_llama(len(sp_tok))
+    return make_model(len(sp_tok))
 
 
 def with_template(tok, template: str):

@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from helpers import assert_ids_match_text, full_logits
+from helpers import assert_ids_match_text, full_logits, needs_kernels
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
 from chatbot.engine.generate import Engine
@@ -141,7 +141,7 @@ def test_continue_after_max_tokens_equals_one_long_answer(tiny_engine):
     part, stats = answer(s.send("Hello there!"))
     assert stats.finish_reason == "length" and whole.startswith(part)
     assert_invariant(s)
-    more, stats2 = answer(s.continue_answer(SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=10)))
+    more, _ = answer(s.continue_answer(SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=10)))
     assert part + more == whole
     assert s.turns[-1].answer == whole and len(s.turns) == 1
     assert s.turns[-1].stats.generated_tokens == 16
@@ -168,7 +168,7 @@ def test_continue_after_interrupt_equals_uninterrupted(tiny_engine, tiny_model, 
     kept = s.turns[-1].answer
     assert whole.startswith(kept) and kept.startswith(shown)
     left = 14 - s.turns[-1].stats.generated_tokens
-    more, _ = answer(s.continue_answer(SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=left)))
+    answer(s.continue_answer(SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=left)))
     assert s.turns[-1].answer == whole
     assert not s.turns[-1].interrupted
     assert_invariant(s)
@@ -303,17 +303,14 @@ def test_load_too_long_keeps_conversation_pending(tiny_model, tiny_tokenizer, tm
     assert_invariant(s)
 
 
-@pytest.fixture(params=["transformers", "fast"])
+@pytest.fixture(params=["transformers", pytest.param("fast", marks=needs_kernels)])
 def any_engine(request, tiny_model, tiny_tokenizer):
     """The engine with transformers' forward pass for decoding, and with the native fast path."""
     if request.param == "transformers":
         return Engine(tiny_model, tiny_tokenizer)
-    from chatbot.engine.fast import FastDecoder, FastPathUnavailable
+    from chatbot.engine.fast import FastDecoder
 
-    try:
-        return Engine(tiny_model, tiny_tokenizer, decoder=FastDecoder(tiny_model, "auto"))
-    except FastPathUnavailable as exc:
-        pytest.skip(str(exc))
+    return Engine(tiny_model, tiny_tokenizer, decoder=FastDecoder(tiny_model, "auto"))
 
 
 def test_random_interrupts_keep_the_invariant(any_engine, tiny_model):

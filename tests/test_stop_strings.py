@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_llama, make_tokenizer
+from helpers import make_model, make_tokenizer, needs_kernels
 from test_session import assert_invariant
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 
@@ -70,7 +70,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def model(tok):
-    return make_llama(len(tok))
+    return make_model(len(tok))
 
 
 def ids(tok, *pieces: str) -> list[int]:
@@ -95,12 +95,9 @@ def stop_inside_a_token(tok) -> list[int]:
 def make_engine(kind: str, model, tok) -> ScriptedEngine:
     if kind == "transformers":
         return ScriptedEngine(model, tok)
-    from chatbot.engine.fast import FastDecoder, FastPathUnavailable
+    from chatbot.engine.fast import FastDecoder
 
-    try:
-        return ScriptedEngine(model, tok, decoder=FastDecoder(model, "auto"))
-    except FastPathUnavailable as exc:
-        pytest.skip(str(exc))
+    return ScriptedEngine(model, tok, decoder=FastDecoder(model, "auto"))  # "fast" cases need kernels
 
 
 def session(engine, max_new_tokens: int = 16, **engine_cfg) -> ChatSession:
@@ -141,7 +138,8 @@ def test_the_session_takes_the_fallback_templates_stop_strings(tok):
 
 @pytest.mark.parametrize("where", ["boundary", "inside"])
 @pytest.mark.parametrize(
-    "kind, streaming", [("transformers", False), ("fast", False), ("transformers", True)]
+    "kind, streaming",
+    [("transformers", False), pytest.param("fast", False, marks=needs_kernels), ("transformers", True)],
 )
 def test_stop_string_ends_the_answer(tok, model, kind, streaming, where):
     engine = make_engine(kind, model, tok)

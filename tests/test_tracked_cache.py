@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import full_logits, tiny_llama
+from helpers import full_logits, make_model
 
 from chatbot.engine import tracked_cache
 from chatbot.engine.generate import Engine
@@ -27,7 +27,7 @@ class _Tok:
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine(tiny_llama(), _Tok(), max_context=96)
+    return Engine(make_model(sharp=False), _Tok(), max_context=96)
 
 
 def ids_of(n: int, seed: int = 3) -> list[int]:
