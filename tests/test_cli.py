@@ -79,11 +79,11 @@ def test_run_and_config_show_declare_their_shared_options_alike():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from conftest import make_llama, make_tokenizer
+    from helpers import make_model, make_tokenizer
 
     folder = tmp_path_factory.mktemp("tiny") / "llama"
     tok = make_tokenizer()
-    make_llama(len(tok)).save_pretrained(folder)
+    make_model(len(tok)).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
 

@@ -3,7 +3,7 @@ model's own sampling settings."""
 
 from __future__ import annotations
 
-from conftest import make_llama, make_tokenizer
+from helpers import make_model, make_tokenizer
 from transformers import GenerationConfig
 
 from chatbot.config import ChatConfig
@@ -18,7 +18,7 @@ def test_template_info_from_the_loader_gives_the_stop_strings():
     tok = make_tokenizer()
     info = apply_template(tok, None, "vicuna")
     tok.chat_template += "{# edited by the user #}"  # renders the same, reads differently
-    engine = Engine(make_llama(len(tok)), tok)
+    engine = Engine(make_model(len(tok)), tok)
     told = ChatSession(engine, ChatConfig(), info)
     guessed = ChatSession(engine, ChatConfig())
     assert "USER:" in told.stops.strings
@@ -27,7 +27,7 @@ def test_template_info_from_the_loader_gives_the_stop_strings():
 
 
 def test_model_that_ships_greedy_decoding_is_greedy():
-    model = make_llama(64)
+    model = make_model(64)
     model.generation_config = GenerationConfig(do_sample=False, temperature=0.6, top_p=0.8)
     assert sampling_from_model(model).greedy
     assert sampling_from_model(model, temperature=None).greedy  # an unset flag is no override
