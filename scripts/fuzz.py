@@ -196,11 +196,11 @@ def run_repl(args: argparse.Namespace, work: Path) -> dict[str, int]:
     from prompt_toolkit.output import DummyOutput
     from rich.console import Console
 
+    from chatbot import session_log
     from chatbot.config import ChatConfig, SamplingConfig
     from chatbot.engine.generate import Engine
     from chatbot.models.loader import LoadedModel
     from chatbot.session import ChatSession
-    from chatbot import session_log
     from chatbot.terminal.repl import Repl
 
     torch.set_num_threads(1)

@@ -102,7 +102,7 @@ def test_session_prefills_only_new_tokens(tiny_engine, tiny_model, tiny_tokenize
         # the answer) and the template's "<|im_end|>\n" after it.
         pending = session.pending_ids
         assert len(pending) <= 3
-        stats = [c.stats for c in session.send(text) if c.stats][0]
+        stats = next(c.stats for c in session.send(text) if c.stats)
         prompt_seg = session.segments[session.turns[-1].first_segment]
         assert prompt_seg.kind == "prompt" and "<|im_start|>user" in prompt_seg.text
         assert stats.context_tokens == len(pending) + len(prompt_seg.ids)

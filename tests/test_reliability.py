@@ -22,8 +22,8 @@ from helpers import cli
 from test_repl import Chat
 from test_session import assert_invariant
 
-from chatbot.engine.generate import GenerationChunk
 from chatbot import session_log
+from chatbot.engine.generate import GenerationChunk
 from chatbot.terminal.sanitize import safe_line, safe_text
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -515,10 +515,9 @@ def count_rendered_messages(session, monkeypatch) -> list[int]:
 def test_load_renders_linear_in_turns(tiny_engine, monkeypatch, system):
     """Splitting a loaded chat into turns renders O(turns) messages, not O(turns²), and
     gives the same segments as rendering up to every message."""
+    from chatbot.alignment import turn_pieces, turn_pieces_windowed
     from chatbot.config import ChatConfig, SamplingConfig
     from chatbot.session import ChatSession
-
-    from chatbot.alignment import turn_pieces, turn_pieces_windowed
 
     costs = {}
     for n in (50, 100, 200):
