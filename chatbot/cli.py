@@ -9,18 +9,53 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from typer.exceptions import Abort, Exit, TyperException
 
+from chatbot.cli_bench import bench_app, eval_ppl
+from chatbot.cli_common import (
+    ConfigOpt,
+    DebugOpt,
+    DeviceMapOpt,
+    DeviceOpt,
+    DtypeOpt,
+    EnableStreamingOpt,
+    GreedyOpt,
+    KeepSystemOpt,
+    MaxContextOpt,
+    MaxMemoryOpt,
+    MaxNewTokensOpt,
+    ModelOpt,
+    OptOpt,
+    PrefillChunkOpt,
+    PresetOpt,
+    QuantizeOpt,
+    RecentSizeOpt,
+    RepetitionPenaltyOpt,
+    RevisionOpt,
+    SeedOpt,
+    StartSizeOpt,
+    StreamIntervalOpt,
+    SystemOpt,
+    TemperatureOpt,
+    TemplateOpt,
+    ThreadsOpt,
+    TopKOpt,
+    TopPOpt,
+    TrustOpt,
+    _api_key,
+    _context_note,
+    _decoder,
+    _engine,
+    _load,
+    _set_threads,
+    _settings,
+)
 from chatbot.config import EngineConfig, SamplingConfig
 from chatbot.errors import ChatbotError, ConfigError
-
-if TYPE_CHECKING:
-    from chatbot.engine.generate import Engine
-    from chatbot.models.presets import Settings
 
 app = typer.Typer(
     name="chatbot",
@@ -30,170 +65,10 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-bench_app = typer.Typer(help="Benchmarks that print figures side by side.", no_args_is_help=True)
-app.add_typer(bench_app, name="bench")
 
 _DEBUG = False
 
 
-def _check_opt(value: str) -> str:
-    from chatbot.engine.fast import LEVELS
-
-    if value not in LEVELS:
-        raise typer.BadParameter(f"{value!r} is not one of {', '.join(LEVELS)}")
-    return value
-
-
-ModelOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--model",
-        "-m",
-        help="A transformers folder, a .gguf file, a hub id or a preset name "
-        "(default: the embedded SmolLM2-135M-Instruct).",
-    ),
-]
-DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")]
-DtypeOpt = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")]
-ThreadsOpt = Annotated[
-    int | None, typer.Option(help="CPU threads (default: torch's choice, the physical cores).", min=1)
-]
-JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the figures to this JSON file.")]
-QuantizeOpt = Annotated[
-    str | None,
-    typer.Option(help="Quantize the weights while loading with bitsandbytes: 4bit (NF4) or 8bit (LLM.int8)."),
-]
-DeviceMapOpt = Annotated[
-    str | None,
-    typer.Option(
-        help="Spread a large model over devices (accelerate): auto, balanced, sequential, "
-        "or a JSON map of module -> device."
-    ),
-]
-MaxMemoryOpt = Annotated[
-    str | None, typer.Option(help="Per-device budget with --device-map, e.g. 0=20GiB,1=20GiB,cpu=64GiB.")
-]
-RevisionOpt = Annotated[str | None, typer.Option(help="Hub branch, tag or commit of --model.")]
-TrustOpt = Annotated[
-    bool, typer.Option(help="Run model code shipped with the checkpoint (only for authors you trust).")
-]
-TemplateOpt = Annotated[
-    str | None,
-    typer.Option(
-        help="Chat template: auto (the tokenizer's), chatml, llama2, llama3, mistral, vicuna, colossal, "
-        "plain, or a .jinja file."
-    ),
-]
-PresetOpt = Annotated[
-    str | None, typer.Option(help="A preset from configs/ by name (see: chatbot models); flags override it.")
-]
-ConfigOpt = Annotated[Path | None, typer.Option("--config", help="A preset file (YAML); flags override it.")]
-
-# The chat settings that `run` and `config show` share (a preset can set each of them too).
-SystemOpt = Annotated[str | None, typer.Option(help="System prompt.")]
-TemperatureOpt = Annotated[float | None, typer.Option(help="Sampling temperature; 0 is greedy.")]
-TopPOpt = Annotated[float | None, typer.Option(help="Nucleus sampling mass (0, 1].")]
-TopKOpt = Annotated[int | None, typer.Option(help="Sample among the k likeliest tokens; 0 turns it off.")]
-RepetitionPenaltyOpt = Annotated[
-    float | None, typer.Option(help="Penalty for tokens already in the conversation; 1 turns it off.")
-]
-MaxNewTokensOpt = Annotated[int | None, typer.Option(help="Most tokens per answer.")]
-SeedOpt = Annotated[int | None, typer.Option(help="Random seed for reproducible sampling.")]
-GreedyOpt = Annotated[
-    bool, typer.Option(help="Always pick the likeliest token (same as --temperature 0, which it overrides).")
-]
-StreamIntervalOpt = Annotated[int, typer.Option(help="Show text every N tokens.")]
-PrefillChunkOpt = Annotated[int, typer.Option(help="Prefill long inputs in chunks of this many tokens.")]
-EnableStreamingOpt = Annotated[
-    bool, typer.Option(help="Attention sinks + recent window: chat forever in bounded memory.")
-]
-StartSizeOpt = Annotated[
-    int, typer.Option(help="Attention-sink tokens kept at the start (with --enable-streaming).")
-]
-RecentSizeOpt = Annotated[
-    int | None,
-    typer.Option(
-        help="Recent tokens kept (with --enable-streaming; default: a quarter of the context, at most 2000)."
-    ),
-]
-KeepSystemOpt = Annotated[
-    bool | None,
-    typer.Option(help="Pin the system prompt in the streaming cache (default: on when --system is set)."),
-]
-MaxContextOpt = Annotated[
-    int | None,
-    typer.Option(help="Most tokens the conversation may hold (default: the model's context)."),
-]
-OptOpt = Annotated[
-    str,
-    typer.Option(
-        "--opt",
-        help="Decode path: auto (native CPU kernels, weights kept exact), f32, int8 or int4 "
-        "(smaller, lossy), off (transformers).",
-        callback=_check_opt,
-    ),
-]
-DebugOpt = Annotated[bool, typer.Option(help="Show tracebacks.")]
-# Shared by the benches.
-TextOpt = Annotated[
-    Path | None,
-    typer.Option(help="A long plain-text file (default: the Python FAQ text shipped in the package)."),
-]
-ConversationOpt = Annotated[
-    Path | None,
-    typer.Option(help='A JSON file {"turns": [...]} (default: the shipped twelve-turn chat).'),
-]
-
-
-def _decoder(model: Any, opt: str) -> tuple[Any, str | None]:
-    """The fast decode step for --opt, or None and a note saying why it is off."""
-    from chatbot.engine.fast import make_decoder
-
-    decoder, reason = make_decoder(model, opt)
-    on_cpu = model.get_input_embeddings().weight.device.type == "cpu"
-    return decoder, reason if reason and (opt != "auto" or on_cpu) else None
-
-
-def _set_threads(threads: int | None) -> None:
-    if threads:
-        import torch
-
-        cores = os.cpu_count() or 1
-        if threads > cores:  # more threads than cores only make them wait for each other
-            Console(stderr=True, highlight=False).print(
-                f"note: --threads {threads} is more than the {cores} cores here; using {cores}", markup=False)
-            threads = cores
-        torch.set_num_threads(threads)
-
-
-def _load(model: str | None, device: str, dtype: str, quiet: bool = False, **options: Any) -> Any:
-    from chatbot.models.loader import load_model
-
-    err = Console(stderr=True)
-    if not quiet and sys.stderr.isatty():
-        with err.status("loading model…"):
-            return load_model(model, device=device, dtype=dtype, **options)
-    return load_model(model, device=device, dtype=dtype, **options)
-
-
-def _settings(ctx: typer.Context, preset: str | None, config: Path | None) -> Settings:
-    """Defaults < the preset (--preset/--config) < the flags given on the command line."""
-    from chatbot.models.presets import resolve_settings, select_preset
-    from chatbot.models.templates import check_template_choice
-
-    chosen = select_preset(preset, config, ctx.params.get("model"))
-    # typer vendors its own click: compare the sources by name
-    sources = {name: getattr(ctx.get_parameter_source(name), "name", "DEFAULT") for name in ctx.params}
-    given = {name for name, source in sources.items() if source not in ("DEFAULT", "DEFAULT_MAP")}
-    if chosen is not None and not (preset or config):
-        given.discard("model")  # --model named the preset
-    flags = dict(ctx.params)
-    if flags.get("greedy"):
-        flags["temperature"] = 0.0
-        given.add("temperature")
-    settings = resolve_settings(chosen, flags, given)
-    check_template_choice(settings["template"])
-    return settings
 
 
 @app.command()
@@ -306,34 +181,6 @@ def run(
     logged = {k: v for k, v in settings.sampling.items() if v is not None and k != "stream_interval"}
     repl.start_log(resume_path, overrides=logged, system=settings.system)
     run_repl(repl, interactive)
-
-
-def _engine(loaded: Any, config: EngineConfig, decoder: Any | None) -> Engine:
-    """The model runner, limited to `config.max_context` tokens (None: the model's context)."""
-    from chatbot.engine.generate import Engine
-
-    return Engine(loaded.model, loaded.tokenizer, max_context=config.max_context, decoder=decoder)
-
-
-def _context_note(loaded: Any, config: EngineConfig) -> str | None:
-    """A warning when `--max-context` goes past the positions the model was trained on."""
-    trained = getattr(loaded.model.config, "max_position_embeddings", None)
-    if config.max_context is None or not trained or config.max_context <= trained:
-        return None
-    return (
-        f"note: --max-context {config.max_context:,} is more than the model's context "
-        f"({trained:,} tokens); answers past it are likely to degrade"
-    )
-
-
-def _api_key(var: str | None) -> str | None:
-    """The API key in the environment variable `var` (None: no key)."""
-    if var is None:
-        return None
-    key = os.environ.get(var, "").strip()
-    if not key:
-        raise ConfigError(f"--api-key-env {var}: the environment variable {var} is not set or empty")
-    return key
 
 
 def _size(text: str) -> int:
@@ -520,285 +367,8 @@ def sessions(
     print_sessions(Console(highlight=False), limit)
 
 
-@bench_app.command("turns")
-def bench_turns(
-    conversation: ConversationOpt = None,
-    max_new_tokens: Annotated[int, typer.Option(help="New tokens per turn (greedy).", min=1)] = 64,
-    model: ModelOpt = None,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    threads: ThreadsOpt = None,
-    server: Annotated[
-        str | None,
-        typer.Option(
-            help="Measure a server's prefix cache through HTTP instead (OpenAI API, e.g. "
-            "http://127.0.0.1:8000/v1): the conversation with its cache, and again with it bypassed."
-        ),
-    ] = None,
-    api_key_env: Annotated[
-        str | None, typer.Option(help="With --server: the API key's environment variable.")
-    ] = None,
-    json_out: JsonOpt = None,
-) -> None:
-    """Persistent cache against re-encoding the whole history every turn."""
-    from chatbot.measure.bench import load_conversation, run_turns_bench
-    from chatbot.measure.report import print_turns, write_json
-
-    turns = load_conversation(conversation)
-    if server is not None:
-        from chatbot.measure.bench_http import run_http_turns_bench
-        from chatbot.measure.report import print_http_turns
-
-        err = Console(stderr=True, highlight=False)
-        result = run_http_turns_bench(server, turns, max_new_tokens, model, _api_key(api_key_env),
-                                      progress=lambda line: err.print(f"[dim]{line}[/dim]"))
-        print_http_turns(Console(), result)
-        if json_out:
-            write_json(json_out, result)
-        return
-    _set_threads(threads)
-    loaded = _load(model, device, dtype)
-    result = run_turns_bench(loaded, turns, max_new_tokens)
-    print_turns(Console(), result)
-    if json_out:
-        write_json(json_out, result)
-
-
-@bench_app.command("render")
-def bench_render(
-    tokens: Annotated[
-        int, typer.Option(help="Pieces of the Markdown answer fed to the renderer.", min=10)
-    ] = 2000,
-    rate: Annotated[
-        float, typer.Option(help="Decode speed the renderer must keep up with, tokens/s.", min=1)
-    ] = 150.0,
-    width: Annotated[int, typer.Option(help="Terminal columns.", min=20)] = 80,
-    json_out: JsonOpt = None,
-) -> None:
-    """The live answer renderer's own cost per token (no model, no terminal emulator)."""
-    from chatbot.measure.bench_render import run_render_bench
-    from chatbot.measure.report import print_render, write_json
-
-    result = run_render_bench(tokens, rate, width)
-    print_render(Console(), result)
-    if json_out:
-        write_json(json_out, result)
-
-
-@bench_app.command("load")
-def bench_load(
-    server: Annotated[str, typer.Option(help="The server's API root, e.g. http://127.0.0.1:8000/v1.")],
-    clients: Annotated[int, typer.Option(help="Concurrent streaming clients.", min=1, max=64)] = 8,
-    duration: Annotated[
-        float,
-        typer.Option(help="Seconds to keep sending (requests in flight are finished).", min=1, max=3600),
-    ] = 60.0,
-    max_new_tokens: Annotated[int, typer.Option(help="New tokens per answer (greedy).", min=1)] = 32,
-    conversation: ConversationOpt = None,
-    model: Annotated[
-        str | None, typer.Option("--model", "-m", help="The model id on the server (default: its first).")
-    ] = None,
-    api_key_env: Annotated[str | None, typer.Option(help="The API key's environment variable.")] = None,
-    json_out: JsonOpt = None,
-) -> None:
-    """A bounded load test on a server: N clients chatting at once for a fixed time; answers,
-    errors, time to first token p50/p99 and the server's memory (chatbot serve's /health)."""
-    from chatbot.measure.bench import load_conversation
-    from chatbot.measure.bench_http import run_load_bench
-    from chatbot.measure.report import print_load, write_json
-
-    turns = load_conversation(conversation)
-    err = Console(stderr=True, highlight=False)
-    result = run_load_bench(server, turns, clients, duration, max_new_tokens, model, _api_key(api_key_env),
-                            progress=lambda line: err.print(f"[dim]{line}[/dim]"))
-    print_load(Console(), result)
-    if json_out:
-        write_json(json_out, result)
-    if result["errors"] or result["incomplete"]:
-        raise Exit(1)
-
-
-@bench_app.command("streaming")
-def bench_streaming(
-    text: TextOpt = None,
-    recent_size: Annotated[
-        list[int] | None, typer.Option(help="Recent window sizes to measure (repeatable).")
-    ] = None,
-    start_size: Annotated[int, typer.Option(help="Attention sinks.", min=0)] = 4,
-    decode_tokens: Annotated[int, typer.Option(help="Greedy tokens decoded at each mark.", min=2)] = 32,
-    opt: Annotated[
-        str,
-        typer.Option(
-            "--opt",
-            help="Decode path of the sink cache, as for chatbot run "
-            "(recomputation always uses transformers).",
-            callback=_check_opt,
-        ),
-    ] = "auto",
-    model: ModelOpt = None,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    threads: ThreadsOpt = None,
-    json_out: JsonOpt = None,
-) -> None:
-    """Decode speed and cache bytes at 1x, 4x, 16x the window, against recomputation."""
-    from chatbot.measure.bench_streaming import default_text_path, run_streaming_bench
-    from chatbot.measure.report import print_streaming, read_text, write_json
-
-    body = read_text(text or default_text_path())
-    _set_threads(threads)
-    loaded = _load(model, device, dtype)
-    sizes = tuple(recent_size or (256, 1024))
-    decoder, note = _decoder(loaded.model, opt)
-    if note:
-        Console(stderr=True, highlight=False).print(f"[dim]{note}[/dim]")
-    result = run_streaming_bench(
-        loaded, body, sizes, start_size, decode_tokens=decode_tokens, decoder=decoder
-    )
-    print_streaming(Console(), result)
-    if json_out:
-        write_json(json_out, result)
-
-
-@app.command("eval-ppl")
-def eval_ppl(
-    text: TextOpt = None,
-    tokens: Annotated[int, typer.Option(help="Tokens to score, one per step.", min=2)] = 4000,
-    start_size: Annotated[int, typer.Option(help="Attention sinks.", min=0)] = 4,
-    recent_size: Annotated[int, typer.Option(help="Recent window.", min=1)] = 252,
-    setups: Annotated[
-        str, typer.Option(help="Comma-separated: dense,window,sinks,recompute.")
-    ] = "dense,window,sinks,recompute",
-    plot: Annotated[
-        Path | None,
-        typer.Option(help="PNG of running log-perplexity (default: beside --json, or eval_ppl.png)."),
-    ] = None,
-    model: ModelOpt = None,
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    threads: ThreadsOpt = None,
-    json_out: JsonOpt = None,
-) -> None:
-    """Perplexity of dense attention, window, window + sinks and recomputation, side by side."""
-    from rich.progress import Progress
-
-    from chatbot.measure.bench_streaming import default_text_path
-    from chatbot.measure.eval_ppl import format_table, run_eval_ppl, write_plot
-    from chatbot.measure.report import read_text, write_json
-
-    body = read_text(text or default_text_path())
-    chosen = tuple(s.strip() for s in setups.split(",") if s.strip())
-    _set_threads(threads)
-    loaded = _load(model, device, dtype)
-    with Progress(console=Console(stderr=True), transient=True) as bar:
-        tasks: dict[str, Any] = {}
-
-        def progress(setup: str, done: int, total: int) -> None:
-            if setup not in tasks:
-                tasks[setup] = bar.add_task(setup, total=total)
-            bar.update(tasks[setup], completed=done)
-
-        result = run_eval_ppl(
-            loaded.model, loaded.tokenizer, body, tokens, start_size, recent_size, chosen, progress
-        )
-    print(format_table(result))
-    png = plot or (json_out.with_suffix(".png") if json_out else Path("eval_ppl.png"))
-    title = f"{loaded.name}: {tokens} tokens, {start_size} sinks + {recent_size} recent"
-    write_plot(result, png, title=title)
-    print(f"plot: {png}")
-    if json_out:
-        slim = {k: {m: v for m, v in r.items() if m != "nll"} for k, r in result.items()}
-        write_json(json_out, slim)
-
-
-@bench_app.command("decode")
-def bench_decode(
-    setups: Annotated[
-        str | None,
-        typer.Option(
-            help="Comma-separated set-ups (default: transformers-generate, chatbot-off/f32/auto/int8/int4, "
-            "and llama.cpp when llama-cpp-python is installed)."
-        ),
-    ] = None,
-    rounds: Annotated[
-        int, typer.Option(help="Runs per set-up, interleaved; figures are medians.", min=1)
-    ] = 3,
-    decode_tokens: Annotated[
-        int, typer.Option(help="Greedy tokens decoded after a 50-token prompt.", min=2)
-    ] = 128,
-    text: Annotated[
-        Path | None,
-        typer.Option(help="Text the prompts are cut from (default: the shipped conversation, repeated)."),
-    ] = None,
-    ppl_tokens: Annotated[
-        int,
-        typer.Option(
-            help="Also measure perplexity over this many tokens of the text, through each decode path "
-            "(0: skip).",
-            min=0,
-        ),
-    ] = 0,
-    gguf: Annotated[
-        Path | None, typer.Option(help="GGUF file for llama.cpp (default: the default model's).")
-    ] = None,
-    png: Annotated[
-        Path | None, typer.Option(help="Also draw the figures into this PNG (needs matplotlib).")
-    ] = None,
-    also: Annotated[
-        str | None,
-        typer.Option(
-            help="Also run these benches on the same model, into the same JSON: turns (persistent cache "
-            "vs re-encoding), streaming (sink cache vs recomputation; reads --text or the packaged "
-            "Python FAQ text)."
-        ),
-    ] = None,
-    model: ModelOpt = None,
-    threads: ThreadsOpt = None,
-    json_out: JsonOpt = None,
-) -> None:
-    """Decode and prefill speed, time to first token and peak memory: transformers generate(),
-    our engine at each --opt level, and llama.cpp, side by side (one process per set-up)."""
-    from chatbot.measure.bench_decode import plot_decode, print_decode, run_decode_bench
-    from chatbot.measure.report import read_text, write_json
-
-    chosen = [s.strip() for s in setups.split(",") if s.strip()] if setups else None
-    extra = [s.strip() for s in (also or "").split(",") if s.strip()]
-    unknown = sorted(set(extra) - {"turns", "streaming"})
-    if unknown:
-        raise ConfigError(f"--also: unknown bench {', '.join(unknown)}; choose from turns, streaming")
-    if "streaming" in extra:
-        from chatbot.measure.bench_streaming import default_text_path
-
-        long_text = read_text(text or default_text_path())
-    err = Console(stderr=True, highlight=False)
-    result = run_decode_bench(
-        chosen, model=model, threads=threads, rounds=rounds, decode_tokens=decode_tokens, text=text,
-        ppl_tokens=ppl_tokens, gguf=gguf, progress=lambda line: err.print(f"[dim]{line}[/dim]"),
-    )
-    out = Console()
-    print_decode(out, result)
-    if extra:
-        from chatbot.measure.bench import load_conversation, run_turns_bench
-        from chatbot.measure.bench_streaming import run_streaming_bench
-        from chatbot.measure.report import print_streaming, print_turns
-
-        _set_threads(threads)
-        loaded = _load(model, "cpu", "auto")
-        if "turns" in extra:
-            err.print("[dim]multi-turn bench[/dim]")
-            result["turns"] = run_turns_bench(loaded, load_conversation(None))
-            print_turns(out, result["turns"])
-        if "streaming" in extra:
-            err.print("[dim]streaming bench[/dim]")
-            decoder = _decoder(loaded.model, "auto")[0]
-            result["streaming"] = run_streaming_bench(loaded, long_text, decoder=decoder)
-            print_streaming(out, result["streaming"])
-    if json_out:
-        write_json(json_out, result)
-    if png:
-        plot_decode(result, png)
-
-
+app.command("eval-ppl")(eval_ppl)
+app.add_typer(bench_app, name="bench")
 config_app = typer.Typer(help="Presets and effective settings.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 
