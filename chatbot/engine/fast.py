@@ -20,8 +20,8 @@ The weights are packed once per model, in one of these formats (`DecodeOptions.w
 ``f32`` keeps activations in float32 (weights are widened in registers), so it equals the
 transformers forward pass up to rounding. ``auto`` hands the inputs of its Q4_1/Q8_0 products
 to the kernels as int16 per block of 32 (an error of at most 1/65,534 of the block's largest
-value) for exact 16-bit integer dot products: nearly as fast as int8 and ~250x finer (same greedy
-tokens as float32 on the default model; perplexity +0.0008%). ``int8`` and ``int4``
+value) for exact 16-bit integer dot products: nearly as fast as int8 and 258x finer (derived in
+kernels.c, ACT_I16; same greedy tokens as float32 on the default model; perplexity +0.0008%). ``int8`` and ``int4``
 quantize each activation vector to int8 per block of 32, as llama.cpp does.
 
 The cache: every layer of a transformers cache (`DynamicCache` or our `SinkCache`) is
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from chatbot.engine import kernels
 from chatbot.engine.gguf_weights import GGUFWeights
@@ -200,7 +200,9 @@ def adopt_layers(cache: Cache) -> bool:
     layers: list[Any] = cache.layers
     if all(type(layer) is BufferLayer for layer in layers):
         return True
-    if not all(type(layer).__name__ in ("DynamicLayer", "SinkLayer", "BufferLayer") for layer in layers):
+    # Type identity, not names or isinstance: a subclass (a sliding-window layer is a
+    # DynamicLayer subclass) or a same-named class elsewhere stores its tokens differently.
+    if not all(type(layer) in (DynamicLayer, SinkLayer, BufferLayer) for layer in layers):
         return False
     for i, layer in enumerate(layers):
         if type(layer) is BufferLayer:
@@ -446,8 +448,8 @@ class FastDecoder:
     def _activation_form(self) -> int:
         """How the inputs of the block-format products are held: int8 per block for the lossy
         levels (llama.cpp's way), int16 per block for `auto` (2^-16 of the block's largest
-        value: the integer dot products of the block formats at ~100x less error than int8;
-        `kernels.INT16_PRODUCTS` lists the formats that have them)."""
+        value: the integer dot products of the block formats at 1/258 of int8's error, see
+        kernels.c; `kernels.INT16_PRODUCTS` lists the formats that have them)."""
         if self.level in ("int8", "int4"):
             return kernels.ACT_Q8
         mats = [self.embed, self.lm_head, *self._parts()]
