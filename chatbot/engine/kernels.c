@@ -1191,6 +1191,12 @@ void chatbot_matvec(const Mat *m, const float *x, float *scratch, float *y, int 
     matvec_par(m, &vec, y);
 }
 
+/* Rows `ids[0..n)` of W as float32 into out [n, cols] (an embedding lookup); ids are
+ * checked by the caller. */
+void chatbot_rows(const Mat *m, const int64_t *ids, int n, float *out) {
+    for (int i = 0; i < n; i++) embed_row(m, (int)ids[i], out + (size_t)i * m->cols);
+}
+
 /* Rows of W as float32 (for prefill with the same weights as decode). */
 void chatbot_dequantize(const Mat *m, float *out, int n_threads) {
 #pragma omp parallel for num_threads(n_threads) schedule(static)

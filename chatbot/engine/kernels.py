@@ -269,6 +269,8 @@ def load_library() -> ctypes.CDLL:
         lib.chatbot_matvec.restype = None
         lib.chatbot_dequantize.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int]
         lib.chatbot_dequantize.restype = None
+        lib.chatbot_rows.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        lib.chatbot_rows.restype = None
         lib.chatbot_quantize.argtypes = [
             ctypes.c_void_p,
             ctypes.c_int,
