@@ -58,11 +58,13 @@ def packed_matmul(p: kernels.PackedMatrix, x: torch.Tensor, threads: int | None 
     Args:
         p: the packed matrix.
         x: float32 inputs, one per row.
-        threads: OpenMP threads for the native parts (default: torch's thread count).
+        threads: OpenMP threads for the native parts (default 1: each call is short, and
+            on a busy machine a descheduled thread would stall the others at its barrier,
+            hundreds of times per forward pass; torch's GEMM does the heavy part).
     """
     x = x.to(torch.float32).contiguous()
     n = x.shape[0]
-    threads = threads or torch.get_num_threads()
+    threads = threads or 1
     if p.fmt == kernels.FMT_F32:
         return torch.nn.functional.linear(x, p.data)
     lib = kernels.load_library()
