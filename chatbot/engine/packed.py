@@ -8,7 +8,7 @@ does (prefill, `--opt off`, the compat APIs, perplexity) without a float32 copy 
 - a product with a few rows of input (decoding one token through transformers) runs the
   native matrix-vector kernel on the packed rows, in float32 activations;
 - a product with more rows (prefill) dequantizes the matrix band by band into a small
-  per-thread scratch buffer (16 MB) and multiplies each band with torch's GEMM, so the
+  per-thread scratch buffer (2 MB) and multiplies each band with torch's GEMM, so the
   float32 weights exist only one band at a time, while they are in the CPU's caches.
 
 Both compute in float32 with the weights the file stores, exactly as a model dequantized
@@ -32,8 +32,8 @@ from chatbot.engine import kernels
 
 SMALL_INPUT_ROWS = 4
 """Up to this many input rows, a product runs as matrix-vector products on the packed rows."""
-BAND_FLOATS = 1 << 22
-"""Floats of one dequantized band (16 MB): small enough to stay in the caches, large enough
+BAND_FLOATS = 1 << 19
+"""Floats of one dequantized band (2 MB): small enough to stay in the caches, large enough
 for an efficient GEMM."""
 
 _local = threading.local()
