@@ -19,7 +19,8 @@
  *            block's largest value).
  *   ACT_I16  per block of 32: a float scale and int16 values (|x| <= 32767): 16-bit
  *            integer products (madd), an error of at most 1/65534 of the block's largest
- *            value, 258x finer than ACT_Q8.
+ *            value where ACT_Q8 has 1/254: 65534 / 254 = 258x finer. (This is the one place
+ *            the figure is derived; the Python side refers here.)
  *
  * Cache: per layer, keys and values as [n_kv_heads, cap, head_dim] float32 (batch 1), the
  * layout of a transformers cache tensor [1, H, S, D] with a preallocated S = cap.
@@ -450,16 +451,21 @@ static void dequant_block(int fmt, const uint8_t *restrict b, float *restrict y)
         const uint8_t *ql = b, *qh = b + 128;
         const int8_t *sc = (const int8_t *)(b + 192);
         for (int n = 0; n < QK_K; n += 128, y += 128, ql += 64, qh += 32, sc += 8) {
-            for (int l = 0; l < 32; l++) {
-                const int is = l / 16;
-                const int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
-                const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
-                const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-                const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-                y[l] = d * (float)sc[is] * (float)q1;
-                y[l + 32] = d * (float)sc[is + 2] * (float)q2;
-                y[l + 64] = d * (float)sc[is + 4] * (float)q3;
-                y[l + 96] = d * (float)sc[is + 6] * (float)q4;
+            /* in halves of 16 with their scales hoisted, so the compiler vectorizes the loop
+             * (a scale picked per element kept it scalar: 1.4 G weights/s, now ~5) */
+            for (int is = 0; is < 2; is++) {
+                const float s1 = d * (float)sc[is], s2 = d * (float)sc[is + 2];
+                const float s3 = d * (float)sc[is + 4], s4 = d * (float)sc[is + 6];
+                for (int l = 16 * is; l < 16 * is + 16; l++) {
+                    const int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                    const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                    const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                    const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                    y[l] = s1 * (float)q1;
+                    y[l + 32] = s2 * (float)q2;
+                    y[l + 64] = s3 * (float)q3;
+                    y[l + 96] = s4 * (float)q4;
+                }
             }
         }
         break;
@@ -1080,6 +1086,13 @@ static long private_floats(const Model *m) {
     return (n + 15) / 16 * 16;
 }
 
+/* Sizes of the structs as this compiler lays them out: kernels.py compares them with its
+ * ctypes mirrors at load and refuses a mismatch (a field added on one side only would
+ * otherwise shift every later field and read garbage pointers). */
+long chatbot_sizeof_mat(void) { return (long)sizeof(Mat); }
+long chatbot_sizeof_group(void) { return (long)sizeof(Group); }
+long chatbot_sizeof_model(void) { return (long)sizeof(Model); }
+
 /* Floats of scratch space `chatbot_decode` needs with up to `max_threads` threads. */
 long chatbot_scratch_floats(const Model *m, int max_threads) {
     return shared_floats(m) + (long)max_threads * private_floats(m) + 16;
@@ -1181,6 +1194,12 @@ void chatbot_matvec(const Mat *m, const float *x, float *scratch, float *y, int 
     prepare_vec(&vec, x, m->cols, act);
 #pragma omp parallel num_threads(n_threads)
     matvec_par(m, &vec, y);
+}
+
+/* Rows `ids[0..n)` of W as float32 into out [n, cols] (an embedding lookup); ids are
+ * checked by the caller. */
+void chatbot_rows(const Mat *m, const int64_t *ids, int n, float *out) {
+    for (int i = 0; i < n; i++) embed_row(m, (int)ids[i], out + (size_t)i * m->cols);
 }
 
 /* Rows of W as float32 (for prefill with the same weights as decode). */
