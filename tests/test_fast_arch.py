@@ -27,6 +27,14 @@ ARCH_SETTINGS = {
 }
 
 
+# The tiny shape of helpers.make_model, for configs built here (Llama-3 rope parameters).
+TINY = dict(  # noqa: C408 - keyword form, as the configs take them
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+    pad_token_id=2, tie_word_embeddings=True,
+)
+
+
 def arch_model(arch: str, vocab: int):
     """A tiny random model of `arch` with non-trivial biases and norm weights (seed 7)."""
     return make_model(vocab, seed=7, randomize=True, **ARCH_SETTINGS[arch])
@@ -90,7 +98,7 @@ def llama3_gguf(tmp_path, monkeypatch, tiny_tokenizer):
     as a ``rope_freqs.weight`` tensor of per-frequency factors (gguf_synthetic's formula)."""
     import gguf
     import transformers
-    from test_models import write_tiny_gguf
+    from helpers import write_tiny_gguf
 
     from chatbot.models.gguf_synthetic import llama3_rope_factors
 

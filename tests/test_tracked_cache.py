@@ -165,3 +165,14 @@ def test_no_module_but_the_tracked_cache_asks_what_kind_of_cache_it_has():
         if probe.search(line)
     ]
     assert found == []
+
+
+def test_settling_an_empty_bounded_cache_keeps_its_pin(engine):
+    """A pinned system prompt is pinned before it is fed: settling the empty cache (as every
+    turn does) must not pull the pin back to the sinks."""
+    kv = engine.new_cache(start_size=4, recent_size=16)
+    kv.pin(13)
+    assert kv.settle() and kv.pinned == 13
+    engine.prefill(kv, ids_of(40))
+    assert kv.settle() and kv.pinned == 13 and kv.ids[:13] == ids_of(40)[:13]
+    assert kv.crop_to(30) and kv.pinned == 13  # a cut inside the window keeps it too

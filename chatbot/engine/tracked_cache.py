@@ -243,12 +243,14 @@ class TrackedCache:
     def _crop_layers(self, length: int) -> None:
         """Cut every layer back to `length` tokens (also evens out a cache an interrupted
         forward pass left uneven), and pull a pin back inside the new length."""
+        cut = False
         for layer in self.layers:
             extra = layer.get_seq_length() - length
             if extra > 0:
                 layer.crop(-extra)
-        if self._sink is not None:
-            self._sink.crop(0)
+                cut = True
+        if cut and self._sink is not None:
+            self._sink.crop(0)  # (an empty cache keeps its pin: the pinned text comes first)
 
     def reset(self) -> None:
         """Empty the cache and forget every id (a bounded cache's pin drops to its sinks)."""
