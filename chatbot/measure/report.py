@@ -12,12 +12,43 @@ from rich.console import Console
 from rich.table import Table
 
 
+def cpu_model() -> str:
+    """The CPU's marketing name ("AMD EPYC 7B13"), from /proc/cpuinfo where there is one."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "hardware", "cpu model")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def loadavg() -> tuple[float, float, float]:
+    """The 1, 5 and 15-minute load averages (zeros where the OS has none)."""
+    import os
+
+    if not hasattr(os, "getloadavg"):
+        return (0.0, 0.0, 0.0)
+    one, five, fifteen = os.getloadavg()
+    return (round(one, 2), round(five, 2), round(fifteen, 2))
+
+
+def conditions() -> str:
+    """What every printed figure is measured beside: the CPU and the load average now."""
+    import os
+
+    one, five, fifteen = loadavg()
+    return f"{cpu_model()}, {os.cpu_count()} CPUs, load average {one:.2f} / {five:.2f} / {fifteen:.2f} (1/5/15 min)"
+
+
 def machine_info() -> dict[str, Any]:
     import os
 
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
+        "loadavg": list(loadavg()),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -32,20 +63,25 @@ def write_json(path: Path, result: dict[str, Any]) -> None:
 
 
 def print_turns(console: Console, result: dict[str, Any]) -> None:
-    table = Table(title=f"multi-turn chat, {result['model']}, greedy, {result['max_new_tokens']} new tokens per turn")
+    repeats = result.get("repeats", 1)
+    table = Table(title=f"multi-turn chat, {result['model']}, greedy, {result['max_new_tokens']} new tokens per turn, "
+                        f"medians of {repeats} plays")  # fmt: skip
     for col in ("turn", "prefill tok (persistent)", "first token s (persistent)",
-                "prefill tok (re-encode)", "first token s (re-encode)", "ratio"):
+                "prefill tok (re-encode)", "first token s (re-encode)", "ratio", "load avg"):
         table.add_column(col, justify="right")
     for row in result["turns"]:
         p, r = row["persistent"], row["reencode"]
         ratio = r["ttft_s"] / p["ttft_s"] if p["ttft_s"] else float("nan")
+        load = f"{(p['loadavg'] + r['loadavg']) / 2:.2f}" if "loadavg" in p and "loadavg" in r else ""
         table.add_row(str(row["turn"]), f"{p['prefill_tokens']:,}", f"{p['ttft_s']:.3f}",
-                      f"{r['prefill_tokens']:,}", f"{r['ttft_s']:.3f}", f"{ratio:.1f}x")
+                      f"{r['prefill_tokens']:,}", f"{r['ttft_s']:.3f}", f"{ratio:.1f}x", load)
     console.print(table)
     console.print(
         f"last turn: time to first token {result['ratio_last_turn']:.1f}x faster with the persistent cache; "
         f"{result['prefill_ratio_last_turn']:.1f}x fewer tokens prefilled"
     )
+    console.print(f"{result.get('conditions') or conditions()}; load avg: the 1-minute load average after "
+                  "each turn (median over the plays)", style="dim", markup=False)
 
 
 def read_text(path: Path) -> str:
