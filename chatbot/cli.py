@@ -37,7 +37,7 @@ ModelOpt = Annotated[
 ]
 DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")]
 DtypeOpt = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")]
-ThreadsOpt = Annotated[int | None, typer.Option(help="CPU threads (default: torch's choice, the physical cores).", min=1)]
+ThreadsOpt = Annotated[int | None, typer.Option(help="CPU threads (default: the physical cores less those other processes keep busy).", min=1)]
 JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the figures to this JSON file.")]
 QuantizeOpt = Annotated[str | None, typer.Option(help="Quantize the weights while loading with bitsandbytes: 4bit (NF4) or 8bit (LLM.int8).")]
 DeviceMapOpt = Annotated[str | None, typer.Option(help="Spread a large model over devices (accelerate): auto, balanced, sequential, or a JSON map of module -> device.")]
@@ -67,15 +67,21 @@ def _decoder(model: Any, opt: str) -> tuple[Any, str | None]:
 
 
 def _set_threads(threads: int | None) -> None:
-    if threads:
-        import torch
+    import torch
 
-        cores = os.cpu_count() or 1
-        if threads > cores:  # more threads than cores only make them wait for each other
-            Console(stderr=True, highlight=False).print(
-                f"note: --threads {threads} is more than the {cores} cores here; using {cores}", markup=False)
-            threads = cores
-        torch.set_num_threads(threads)
+    if not threads:
+        # Default: the CPUs left free by other busy processes (engine/threads.py); on a
+        # 2-core machine running something else, two threads decode several times slower.
+        from chatbot.engine.threads import default_threads
+
+        torch.set_num_threads(default_threads(most=torch.get_num_threads()))
+        return
+    cores = os.cpu_count() or 1
+    if threads > cores:  # more threads than cores only make them wait for each other
+        Console(stderr=True, highlight=False).print(
+            f"note: --threads {threads} is more than the {cores} cores here; using {cores}", markup=False)
+        threads = cores
+    torch.set_num_threads(threads)
 
 
 def _load(model: str | None, device: str, dtype: str, quiet: bool = False, **options: Any) -> Any:

@@ -82,3 +82,27 @@ def test_wait_policy_respects_the_users_choice() -> None:
     assert threads.apply_wait_policy(env) == {"GOMP_SPINCOUNT": str(threads.SPIN_COUNT)}
     assert env["GOMP_SPINCOUNT"] == str(threads.SPIN_COUNT)
     assert threads.apply_wait_policy(env) == {}  # idempotent
+
+
+def test_cli_default_threads_follow_the_load(monkeypatch) -> None:
+    """Without --threads, the CLI decodes on the CPUs others leave free; --threads wins."""
+    import torch
+
+    from chatbot.cli import _set_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(threads, "available_cpus", lambda: 2)
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(threads, "busy_cpus", lambda: 1.0)
+        _set_threads(None)
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        monkeypatch.setattr(threads, "busy_cpus", lambda: 0.0)
+        _set_threads(None)
+        assert torch.get_num_threads() == 2
+        monkeypatch.setattr(threads, "busy_cpus", lambda: 5.0)
+        _set_threads(1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
