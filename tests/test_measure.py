@@ -250,3 +250,11 @@ def test_gpu_check_help_and_refusal_without_cuda() -> None:
     assert len(proc.stderr.strip().splitlines()) == 1 and "no CUDA GPU" in proc.stderr
     bad = subprocess.run([script, "--frobnicate"], capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and "unknown option --frobnicate" in bad.stderr
+
+
+def test_thread_bench_compares_two_different_wait_policies() -> None:
+    from chatbot.engine.threads import SPIN_COUNT
+    from chatbot.measure.bench_threads import WAITS
+
+    assert WAITS["omp-default"] == {}  # the worker starts without any OpenMP wait variable
+    assert WAITS["spin-then-sleep"] == {"GOMP_SPINCOUNT": str(SPIN_COUNT)}

@@ -18,9 +18,11 @@ import sys
 import time
 from typing import Any
 
+from chatbot.engine.threads import WAIT_VARIABLES, wait_policy_env
 from chatbot.measure.report import loadavg
 
-WAITS = {"omp-default": {"GOMP_SPINCOUNT": "300000"}, "spin-then-sleep": {}}
+WAITS = {"omp-default": {}, "spin-then-sleep": wait_policy_env({})}
+"""Each wait policy's OpenMP variables (the worker starts with none of its own)."""
 PROMPT_TOKENS = 50
 
 
@@ -86,7 +88,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         "tps_runs": samples,
         "loadavg": {p: statistics.median(v) for p, v in loads.items()},
         "policy_picked": picked,
-        "env": {k: os.environ.get(k) for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")},
+        "env": {k: os.environ.get(k) for k in WAIT_VARIABLES},
     }
 
 
@@ -111,7 +113,7 @@ def run_threads_bench(
     for wait, env in WAITS.items():
         if progress:
             progress(f"wait policy {wait}: {rounds} rounds of {', '.join(labels)} threads, quiet and busy")
-        child_env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+        child_env = {k: v for k, v in os.environ.items() if k not in WAIT_VARIABLES}
         child_env.update(env)
         cmd = [sys.executable, "-m", "chatbot.measure.bench_threads", json.dumps(spec)]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env, check=False)
