@@ -258,3 +258,30 @@ def test_thread_bench_compares_two_different_wait_policies() -> None:
 
     assert WAITS["omp-default"] == {}  # the worker starts without any OpenMP wait variable
     assert WAITS["spin-then-sleep"] == {"GOMP_SPINCOUNT": str(SPIN_COUNT)}
+
+
+def test_every_printer_names_the_cpu_and_load(capsys) -> None:
+    """Streaming, render, HTTP turns and load benches, and eval-ppl, print the CPU model and
+    the load average beside their figures."""
+    from rich.console import Console
+
+    from chatbot.measure.eval_ppl import format_table
+
+    console = Console(width=250)
+    mark = {"multiple": 1, "tokens_passed": 10, "decode_tps": 5.0, "cache_tokens": 8, "cache_bytes": 1e6,
+            "recompute_tps": 1.0, "loadavg": 4.56}  # fmt: skip
+    report.print_streaming(console, {"model": "m", "start_size": 4, "runs": [
+        {"recent_size": 4, "window": 8, "marks": [mark], "speedup_vs_recompute": 5.0}]})  # fmt: skip
+    row = {"renderer": "r", "ms_per_token": 0.1, "p99_ms": 0.2, "max_ms": 1.0, "budget_share": 0.01}
+    report.print_render(console, {"tokens": 10, "rate_tok_s": 150, "width": 80, "budget_ms_per_token": 6.7,
+                                  "rows": [row]})  # fmt: skip
+    side = {"prompt_tokens": 10, "cached_tokens": 5, "ttft_s": 0.1, "loadavg": 7.89}
+    report.print_http_turns(console, {"model": "m", "server": "s", "max_new_tokens": 4, "ratio_last_turn": 1.0,
+                                      "same_answers": 1, "turns": [{"turn": 1, "prefix_cache": side,
+                                                                    "no_cache": side}]})  # fmt: skip
+    out = capsys.readouterr().out
+    assert "4.56" in out and "7.89" in out
+    assert out.count("load average") == 3 and out.count(report.cpu_model()) == 3
+    table = format_table({"dense": {"ppl": 10.0, "tokens_per_s": 5.0, "wall_s": 1.0, "cache_tokens": 3,
+                                    "loadavg": 2.5}})  # fmt: skip
+    assert "2.50" in table and "load average" in table and report.cpu_model() in table

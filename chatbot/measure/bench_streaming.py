@@ -13,6 +13,7 @@ from chatbot.config import SamplingConfig
 from chatbot.engine.generate import Engine
 from chatbot.engine.sink_cache import SinkCache
 from chatbot.errors import ConfigError
+from chatbot.measure.report import loadavg
 from chatbot.models.loader import LoadedModel
 
 # About 160 KB of English prose with code: the FAQ chapters of the Python 3.11 documentation
@@ -93,6 +94,7 @@ def run_streaming_bench(
                 "cache_tokens": cache.get_seq_length(),
                 "cache_bytes": cache.nbytes,
                 "recompute_tps": _recompute_decode_tps(loaded.model, tail, recompute_tokens),
+                "loadavg": loadavg()[0],
             })
             # Drop what the decode added so the next mark starts from the text again.
             fed += 1

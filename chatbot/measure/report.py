@@ -7,7 +7,6 @@ import platform
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -43,6 +42,8 @@ def conditions() -> str:
 
 def machine_info() -> dict[str, Any]:
     import os
+
+    import torch  # here: the HTTP benches print conditions without loading torch
 
     return {
         "platform": platform.platform(),
@@ -98,14 +99,17 @@ def print_streaming(console: Console, result: dict[str, Any]) -> None:
     for run in result["runs"]:
         opt = f", --opt {result['opt']}" if "opt" in result else ""
         table = Table(title=f"{result['model']}: {result['start_size']} sinks + {run['recent_size']} recent (window {run['window']}){opt}")
-        for col in ("window passed", "tokens passed", "decode tok/s", "cache tokens", "cache MB", "recompute tok/s", "speed-up"):
+        for col in ("window passed", "tokens passed", "decode tok/s", "cache tokens", "cache MB", "recompute tok/s",
+                    "speed-up", "load avg"):
             table.add_column(col, justify="right")
         for m in run["marks"]:
             table.add_row(f"{m['multiple']}x", f"{m['tokens_passed']:,}", f"{m['decode_tps']:.1f}",
                           f"{m['cache_tokens']:,}", f"{m['cache_bytes'] / 1e6:.1f}", f"{m['recompute_tps']:.2f}",
-                          f"{m['decode_tps'] / m['recompute_tps']:.1f}x")
+                          f"{m['decode_tps'] / m['recompute_tps']:.1f}x",
+                          f"{m['loadavg']:.2f}" if "loadavg" in m else "")
         console.print(table)
         console.print(f"at {run['marks'][-1]['multiple']}x the window: {run['speedup_vs_recompute']:.1f}x faster than sliding window with recomputation")
+    console.print(f"{conditions()}; load avg: the 1-minute load average at each mark", style="dim", markup=False)
 
 
 def print_render(console: Console, result: dict[str, Any]) -> None:
@@ -117,6 +121,7 @@ def print_render(console: Console, result: dict[str, Any]) -> None:
         table.add_row(r["renderer"], f"{r['ms_per_token']:.3f}", f"{r['p99_ms']:.2f}", f"{r['max_ms']:.1f}",
                       f"{100 * r['budget_share']:.1f}%")
     console.print(table)
+    console.print(result.get("conditions") or conditions(), style="dim", markup=False)
 
 
 def print_http_turns(console: Console, result: dict[str, Any]) -> None:
@@ -124,17 +129,21 @@ def print_http_turns(console: Console, result: dict[str, Any]) -> None:
     table = Table(title=f"multi-turn chat through HTTP, {result['model']} at {result['server']}, greedy, "
                         f"{result['max_new_tokens']} new tokens per turn")
     for col in ("turn", "prompt tok", "cached tok", "first token s (prefix cache)",
-                "first token s (no cache)", "ratio"):
+                "first token s (no cache)", "ratio", "load avg"):
         table.add_column(col, justify="right")
     for row in result["turns"]:
         c, u = row["prefix_cache"], row["no_cache"]
         ratio = u["ttft_s"] / c["ttft_s"] if c["ttft_s"] else float("nan")
         cached = "-" if c["cached_tokens"] is None else f"{c['cached_tokens']:,}"
         prompt = "-" if c["prompt_tokens"] is None else f"{c['prompt_tokens']:,}"
-        table.add_row(str(row["turn"]), prompt, cached, f"{c['ttft_s']:.3f}", f"{u['ttft_s']:.3f}", f"{ratio:.1f}x")
+        load = f"{c['loadavg']:.2f}" if c.get("loadavg") is not None else ""
+        table.add_row(str(row["turn"]), prompt, cached, f"{c['ttft_s']:.3f}", f"{u['ttft_s']:.3f}", f"{ratio:.1f}x",
+                      load)
     console.print(table)
     console.print(f"last turn: time to first token {result['ratio_last_turn']:.1f}x faster with the prefix cache; "
                   f"{result['same_answers']}/{len(result['turns'])} answers identical with and without it")
+    console.print(f"{result.get('conditions') or conditions()} (this machine's; the server's if it runs here)",
+                  style="dim", markup=False)
 
 
 def print_load(console: Console, result: dict[str, Any]) -> None:
@@ -153,6 +162,7 @@ def print_load(console: Console, result: dict[str, Any]) -> None:
         "server RSS start / after 1/4 / end": " / ".join(mb(result[k]) for k in
                                                         ("rss_start_bytes", "rss_quarter_bytes", "rss_end_bytes")),
     }
+    rows["CPU and load (this machine)"] = result.get("conditions") or conditions()
     for k, v in rows.items():
         table.add_row(k, v)
     console.print(table)
