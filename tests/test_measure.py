@@ -281,7 +281,7 @@ def test_every_printer_names_the_cpu_and_load(capsys) -> None:
                                                                     "no_cache": side}]})  # fmt: skip
     out = capsys.readouterr().out
     assert "4.56" in out and "7.89" in out
-    assert out.count("load average") == 3 and out.count(report.cpu_model()) == 3
+    assert out.count(", load average ") == 3 and out.count(report.cpu_model()) == 3
     table = format_table({"dense": {"ppl": 10.0, "tokens_per_s": 5.0, "wall_s": 1.0, "cache_tokens": 3,
                                     "loadavg": 2.5}})  # fmt: skip
     assert "2.50" in table and "load average" in table and report.cpu_model() in table
