@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 from helpers import full_logits, greedy_by_recompute, needs_kernels
+from transformers.cache_utils import DynamicCache
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
 from chatbot.engine import kernels
@@ -456,3 +457,31 @@ def test_rope_table_and_cache_grow_past_their_first_size(tiny_model):
         logits = decoder.decode(cache, ids[i])
     assert decoder.struct.rope_len >= 301 and cache.layers[0].capacity == 512
     assert torch.allclose(logits, full_logits(tiny_model, ids)[-1], atol=1e-4)
+
+
+def test_adopt_refuses_a_sliding_window_layer_and_a_lookalike_by_name():
+    """Only transformers' own DynamicLayer, SinkLayer and BufferLayer are taken over: a
+    subclass that stores its tokens differently, or a class that merely shares the name,
+    leaves the cache unchanged."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    lookalike = type("DynamicLayer", (DynamicSlidingWindowLayer,), {})
+    for layer in (DynamicSlidingWindowLayer(sliding_window=8), lookalike(sliding_window=8)):
+        cache = DynamicCache()
+        cache.layers = [DynamicLayer(), layer]
+        assert adopt_layers(cache) is False
+        assert cache.layers[1] is layer and type(cache.layers[0]) is DynamicLayer
+
+
+@needs_kernels
+def test_kernels_refuse_ctypes_mirrors_of_the_wrong_size():
+    """The ctypes mirrors match the C structs' sizeof; a mirror missing a field is refused
+    with a message naming the struct, before any call could read a shifted field."""
+    import ctypes
+
+    lib = kernels.load_library()
+    kernels.check_abi(lib)  # the real mirrors pass
+    # without `cols` and `pad_` (one field alone would hide in the alignment padding)
+    short = type("Mat", (ctypes.Structure,), {"_fields_": kernels.Mat._fields_[:-2]})
+    with pytest.raises(kernels.KernelsUnavailable, match="struct mat is 24 bytes in kernels.c but 16"):
+        kernels.check_abi(lib, {**kernels.ABI_MIRRORS, "mat": short})

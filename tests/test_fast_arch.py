@@ -98,3 +98,90 @@ def test_streaming_rerotation_uses_the_models_rope(arch, tiny_tokenizer):
         results[name] = (got, list(session.cache_ids), session.evicted_total)
         assert session.evicted_total > 0
     assert results["fast"] == results["plain"]
+
+
+# --- Llama-3 rope scaling from a GGUF file ----------------------------------------------------
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+
+
+@pytest.fixture
+def llama3_gguf(tmp_path, monkeypatch, tiny_tokenizer):
+    """A tiny Llama with llama3 rope scaling (a short original context, so that most of its
+    frequencies are scaled), and its GGUF file as llama.cpp's converter writes it: the scaling
+    as a ``rope_freqs.weight`` tensor of per-frequency factors (gguf_synthetic's formula)."""
+    import gguf
+    import transformers
+    from test_models import write_tiny_gguf
+
+    from chatbot.models.gguf_synthetic import llama3_rope_factors
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    torch.manual_seed(11)
+    config = transformers.LlamaConfig(vocab_size=len(tiny_tokenizer), rope_parameters=dict(LLAMA3_ROPE), **TINY)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.config._attn_implementation = "sdpa"
+    with torch.no_grad():  # sharp attention, so that a wrong rope changes the tokens
+        model.lm_head.weight.mul_(8.0)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6.0)
+            layer.self_attn.k_proj.weight.mul_(6.0)
+    path = tmp_path / "llama3.gguf"
+    factors = llama3_rope_factors(16, 10000.0, 8.0, 1.0, 4.0, 64)
+    add_tensor = gguf.GGUFWriter.add_tensor
+
+    def with_rope_freqs(self, name, *args, **kwargs):
+        add_tensor(self, name, *args, **kwargs)
+        if name == "output_norm.weight":
+            add_tensor(self, "rope_freqs.weight", factors)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", with_rope_freqs)
+    write_tiny_gguf(path, model, tiny_tokenizer)
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add_tensor)
+    return path, model
+
+
+def test_llama3_rope_scaling_from_gguf_matches_transformers(llama3_gguf, tiny_tokenizer):
+    """The loaded file's rotary frequencies are transformers' llama3 ones (not the plain rope
+    transformers' GGUF reader would give); logits, and greedy tokens on the fast path by
+    default, equal transformers' on the model the file was written from."""
+    from chatbot.models.loader import load_model
+
+    path, model = llama3_gguf
+    loaded = load_model(str(path), device="cpu")
+    ours, theirs = loaded.model.model.rotary_emb.inv_freq, model.model.rotary_emb.inv_freq
+    assert not torch.allclose(theirs, 1.0 / 10000.0 ** (torch.arange(0, 16, 2) / 16))  # scaling shows
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+    ids = list(range(5, 60))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            loaded.model(torch.tensor([ids])).logits, model(torch.tensor([ids])).logits, rtol=1e-4, atol=1e-4
+        )
+    decoder = FastDecoder(loaded.model, "auto")
+    assert decoder.source == "gguf"
+    engine = Engine(loaded.model, loaded.tokenizer, decoder=decoder)
+    prompt = list(range(5, 25))
+    got = [t for c in engine.generate(engine.new_cache(), prompt, GREEDY) for t in c.token_ids]
+    assert got == greedy_by_recompute(model, prompt, GREEDY.max_new_tokens)
+
+
+def test_llama3_streaming_rerotates_with_the_scaled_rope(llama3_gguf, tiny_tokenizer):
+    """--enable-streaming on the loaded file (fast path, sink cache evicting and re-rotating)
+    gives the tokens of transformers' own llama3 model on the plain engine."""
+    from chatbot.models.loader import load_model
+
+    path, model = llama3_gguf
+    loaded = load_model(str(path), device="cpu")
+    sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=120)
+    config = ChatConfig(sampling=sampling, engine=EngineConfig(enable_streaming=True, start_size=4, recent_size=48))
+    results = {}
+    for name, engine in [("transformers", Engine(model, tiny_tokenizer)),
+                         ("gguf-fast", Engine(loaded.model, loaded.tokenizer, decoder=FastDecoder(loaded.model, "auto")))]:  # fmt: skip
+        session = ChatSession(engine, config)
+        got = [[t for c in session.send(text) for t in c.token_ids] for text in ("Hello there!", "The quick fox")]
+        results[name] = (got, list(session.cache_ids), session.evicted_total)
+        assert session.evicted_total > 0
+        # the re-rotation turns keys by the scaled frequencies, transformers' llama3 ones
+        torch.testing.assert_close(session.cache.inv_freq, model.model.rotary_emb.inv_freq.float(), rtol=1e-6, atol=0)
+    assert results["gguf-fast"] == results["transformers"]

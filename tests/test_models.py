@@ -195,38 +195,66 @@ def tiny_gguf(tmp_path, monkeypatch):
 
 
 def test_gguf_loads_as_the_model_it_was_written_from(tiny_gguf, monkeypatch):
+    """A GGUF file runs as it is: no converted copy, every matrix a packed module over the
+    file's bytes, the same logits as the model it was written from; the second load takes
+    the config and tokenizer from the small cache instead of parsing the file's vocabulary."""
+    from chatbot.engine.packed import PackedEmbedding, PackedLinear
+
+    def no_conversion(*a, **k):
+        raise AssertionError("converted")
+
+    monkeypatch.setattr(loader, "convert_gguf", no_conversion)
     path, model, tok = tiny_gguf
     loaded = load_model(str(path), device="cpu")
-    assert loaded.kind == "gguf" and loaded.name == "tiny"
-    assert any("converted tiny.gguf once" in n for n in loaded.notes)
+    assert loaded.kind == "gguf" and loaded.name == "tiny" and loaded.notes == []
+    assert isinstance(loaded.model.model.embed_tokens, PackedEmbedding)
+    assert isinstance(loaded.model.model.layers[0].self_attn.q_proj, PackedLinear)
+    assert loaded.num_parameters == sum(p.numel() for p in model.parameters())
+    assert loaded.device == torch.device("cpu") and loaded.dtype == torch.float32
+    assert not list(loader.cache_root().rglob("*.safetensors"))
     text = "Hello there! How are you today? Café 🙂"
     ids = tok(text)["input_ids"]
     assert loaded.tokenizer(text)["input_ids"] == ids
     assert loaded.tokenizer.chat_template == CHATML
     with torch.no_grad():
-        x = torch.tensor([ids])
-        torch.testing.assert_close(loaded.model(x).logits, model(x).logits, rtol=1e-5, atol=1e-5)
+        for n in (1, 3, len(ids)):  # the matrix-vector and the dequantize-then-GEMM products
+            x = torch.tensor([ids[:n]])
+            torch.testing.assert_close(loaded.model(x).logits, model(x).logits, rtol=1e-5, atol=1e-5)
     session = chat(loaded, ["Hello there", "How are you?"])
     assert loaded.tokenizer.decode(session.all_ids) == session.rendered
 
-    # the second load uses the converted copy: no conversion, no note
-    def no_conversion(*a, **k):
-        raise AssertionError("converted again")
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
-    monkeypatch.setattr(loader, "convert_gguf", no_conversion)
+    def no_parse(*a, **k):
+        raise AssertionError("parsed the file's metadata again")
+
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", no_parse)
     again = load_model(str(path), device="cpu")
-    assert again.notes == []
+    assert again.notes == [] and again.tokenizer(text)["input_ids"] == ids
+
+
+def test_gguf_tokenizer_cache_is_rebuilt_when_corrupt(tiny_gguf):
+    path, _, tok = tiny_gguf
+    load_model(str(path), device="cpu")
+    (cached,) = loader.cache_root().glob("gguf-meta/*/tokenizer.json")
+    with cached.open("r+b") as f:
+        f.truncate(cached.stat().st_size // 2)
+    again = load_model(str(path), device="cpu")
+    assert any("rebuilt" in n for n in again.notes)
+    assert again.tokenizer("Hello there")["input_ids"] == tok("Hello there")["input_ids"]
+    assert load_model(str(path), device="cpu").notes == []
 
 
 def test_gguf_converted_copy_is_rebuilt_when_corrupt(tiny_gguf):
+    """bfloat16 cannot run from the blocks: such a load goes through a converted copy."""
     path, _, _ = tiny_gguf
-    load_model(str(path), device="cpu")
+    load_model(str(path), device="cpu", dtype="bfloat16")
     weights = loader.converted_dir(path) / "model.safetensors"
     with weights.open("r+b") as f:
         f.truncate(weights.stat().st_size // 2)
-    again = load_model(str(path), device="cpu")
+    again = load_model(str(path), device="cpu", dtype="bfloat16")
     assert any("rebuilt" in n for n in again.notes)
-    assert load_model(str(path), device="cpu").notes == []
+    assert load_model(str(path), device="cpu", dtype="bfloat16").notes == []
 
 
 def test_gguf_copy_is_keyed_by_content(tiny_gguf):

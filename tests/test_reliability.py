@@ -595,7 +595,7 @@ def test_nan_in_the_converted_copy_is_rebuilt(tiny_gguf):  # noqa: F811 - the fi
     from chatbot.models.loader import converted_dir, load_model
 
     path, _model, tok = tiny_gguf
-    first = load_model(str(path), device="cpu")
+    first = load_model(str(path), device="cpu", dtype="bfloat16")  # a dtype that needs the copy
     x = torch.tensor([tok("Hello there!")["input_ids"]])
     with torch.no_grad():
         reference = first.model(x).logits  # before the damage: the weights may be mapped from the file
@@ -607,7 +607,7 @@ def test_nan_in_the_converted_copy_is_rebuilt(tiny_gguf):  # noqa: F811 - the fi
         f.seek(8 + header)
         f.write(b"\x00\x00\xc0\x7f" * 64)  # float32 NaN (bfloat16: 0 and NaN)
     assert weights.stat().st_size == size
-    second = load_model(str(path), device="cpu")
+    second = load_model(str(path), device="cpu", dtype="bfloat16")
     assert any("NaN or infinite weights; rebuilt it" in n for n in second.notes), second.notes
     assert all(bool(torch.isfinite(p).all()) for p in second.model.parameters())
     with torch.no_grad():
@@ -621,8 +621,12 @@ def test_unwritable_conversion_cache_converts_into_a_temporary_folder(tiny_gguf,
     blocker.write_text("not a folder")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "cache"))
     path, model, _tok = tiny_gguf
-    loaded = load_model(str(path), device="cpu")
+    loaded = load_model(str(path), device="cpu", dtype="bfloat16")  # a dtype that needs the copy
     assert any("cannot write the conversion cache" in n and "temporary folder" in n for n in loaded.notes)
+    assert loaded.model.config.vocab_size == model.config.vocab_size
+    # run as it is, only the small tokenizer cache is missed
+    loaded = load_model(str(path), device="cpu")
+    assert any("cannot write the tokenizer cache" in n for n in loaded.notes), loaded.notes
     assert loaded.model.config.vocab_size == model.config.vocab_size
 
 

@@ -20,8 +20,8 @@ The weights are packed once per model, in one of these formats (`DecodeOptions.w
 ``f32`` keeps activations in float32 (weights are widened in registers), so it equals the
 transformers forward pass up to rounding. ``auto`` hands the inputs of its Q4_1/Q8_0 products
 to the kernels as int16 per block of 32 (an error of at most 1/65,534 of the block's largest
-value) for exact 16-bit integer dot products: nearly as fast as int8 and ~250x finer (same greedy
-tokens as float32 on the default model; perplexity +0.0008%). ``int8`` and ``int4``
+value) for exact 16-bit integer dot products: nearly as fast as int8 and 258x finer (derived in
+kernels.c, ACT_I16; same greedy tokens as float32 on the default model; perplexity +0.0008%). ``int8`` and ``int4``
 quantize each activation vector to int8 per block of 32, as llama.cpp does.
 
 The cache: every layer of a transformers cache (`DynamicCache` or our `SinkCache`) is
@@ -43,10 +43,11 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from chatbot.engine import kernels
 from chatbot.engine.gguf_weights import GGUFWeights
+from chatbot.engine.packed import PackedEmbedding, PackedLinear, dense_weight
 from chatbot.engine.sink_cache import SinkLayer, rotate_keys
 from chatbot.errors import ChatbotError
 
@@ -200,7 +201,9 @@ def adopt_layers(cache: Cache) -> bool:
     layers: list[Any] = cache.layers
     if all(type(layer) is BufferLayer for layer in layers):
         return True
-    if not all(type(layer).__name__ in ("DynamicLayer", "SinkLayer", "BufferLayer") for layer in layers):
+    # Type identity, not names or isinstance: a subclass (a sliding-window layer is a
+    # DynamicLayer subclass) or a same-named class elsewhere stores its tokens differently.
+    if not all(type(layer) in (DynamicLayer, SinkLayer, BufferLayer) for layer in layers):
         return False
     for i, layer in enumerate(layers):
         if type(layer) is BufferLayer:
@@ -287,6 +290,23 @@ class DecodeInfo:
         mats = " + ".join(f"{n} {name}" for name, n in sorted(self.formats.items(), key=lambda kv: -kv[1]))
         return (f"native kernels (--opt {self.level}): {mats} matrices, {self.weight_bytes / 2**20:.0f} MB, "
                 f"{self.activations} activations, up to {self.threads} threads")  # fmt: skip
+
+
+def _is_packed(model: Any) -> bool:
+    """Every matrix of the model is a packed module (a GGUF model loaded as it is)."""
+    mods = [model.get_input_embeddings(), model.get_output_embeddings()]
+    for layer in model.model.layers:
+        att, mlp = layer.self_attn, layer.mlp
+        mods += [att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    return all(isinstance(m, (PackedLinear, PackedEmbedding)) for m in mods)
+
+
+def _tied(model: Any) -> bool:
+    """The output matrix is the input embedding (as packed matrices or as tensors)."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if isinstance(embed, PackedEmbedding) or isinstance(head, PackedLinear):
+        return getattr(embed, "packed", None) is getattr(head, "packed", 0)
+    return bool(head.weight.data_ptr() == embed.weight.data_ptr())
 
 
 def _check_model(model: Any) -> Any:
@@ -379,8 +399,10 @@ class FastDecoder:
         self.source = "model"
         gguf = gguf if gguf is not None else getattr(model, "chatbot_gguf", None)
         with torch.no_grad():
-            from_file = use_gguf and gguf and level == "auto"
-            packed = self._from_gguf(model, gguf, heads, kv_heads) if from_file else None
+            from_file = use_gguf and level == "auto"
+            packed = self._from_packed(model) if from_file else None
+            if packed is None and from_file and gguf and not _is_packed(model):
+                packed = self._from_gguf(model, gguf, heads, kv_heads)
             if packed is not None:
                 self.source = "gguf"
             else:
@@ -446,8 +468,8 @@ class FastDecoder:
     def _activation_form(self) -> int:
         """How the inputs of the block-format products are held: int8 per block for the lossy
         levels (llama.cpp's way), int16 per block for `auto` (2^-16 of the block's largest
-        value: the integer dot products of the block formats at ~100x less error than int8;
-        `kernels.INT16_PRODUCTS` lists the formats that have them)."""
+        value: the integer dot products of the block formats at 1/258 of int8's error, see
+        kernels.c; `kernels.INT16_PRODUCTS` lists the formats that have them)."""
         if self.level in ("int8", "int4"):
             return kernels.ACT_Q8
         mats = [self.embed, self.lm_head, *self._parts()]
@@ -475,17 +497,33 @@ class FastDecoder:
         """(embed, lm_head, then per layer the row blocks of qkv, o, gate/up, down), packed
         from the model's float weights in the level's format."""
         pack = cls._packer(level)
-        embed_w = model.get_input_embeddings().weight
-        head_w = model.get_output_embeddings().weight
-        embed = pack("embed", embed_w)
-        lm_head = embed if head_w.data_ptr() == embed_w.data_ptr() else pack("embed", head_w)
+        w = dense_weight  # a packed module's weights are dequantized, one matrix at a time
+        embed = pack("embed", w(model.get_input_embeddings()))
+        lm_head = embed if _tied(model) else pack("embed", w(model.get_output_embeddings()))
         wqkv, wo, wgu, wdown = [], [], [], []
         for layer in model.model.layers:
             att, mlp = layer.self_attn, layer.mlp
-            wqkv.append([pack("layer", att.q_proj.weight, att.k_proj.weight, att.v_proj.weight)])
-            wo.append([pack("layer", att.o_proj.weight)])
-            wgu.append([pack("layer", mlp.gate_proj.weight, mlp.up_proj.weight)])
-            wdown.append([pack("layer", mlp.down_proj.weight)])
+            wqkv.append([pack("layer", w(att.q_proj), w(att.k_proj), w(att.v_proj))])
+            wo.append([pack("layer", w(att.o_proj))])
+            wgu.append([pack("layer", w(mlp.gate_proj), w(mlp.up_proj))])
+            wdown.append([pack("layer", w(mlp.down_proj))])
+        return embed, lm_head, wqkv, wo, wgu, wdown
+
+    @staticmethod
+    def _from_packed(model: Any) -> tuple[Any, ...] | None:
+        """The same matrices as `_from_model`, shared with a model whose modules hold them
+        packed already (`chatbot.models.gguf_model`: a GGUF file's blocks); None otherwise."""
+        if not _is_packed(model):
+            return None
+        embed = model.get_input_embeddings().packed
+        lm_head = model.get_output_embeddings().packed
+        wqkv, wo, wgu, wdown = [], [], [], []
+        for layer in model.model.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            wqkv.append([att.q_proj.packed, att.k_proj.packed, att.v_proj.packed])
+            wo.append([att.o_proj.packed])
+            wgu.append([mlp.gate_proj.packed, mlp.up_proj.packed])
+            wdown.append([mlp.down_proj.packed])
         return embed, lm_head, wqkv, wo, wgu, wdown
 
     @staticmethod
@@ -495,9 +533,8 @@ class FastDecoder:
         model's weights as expected (then the model's own weights are packed instead)."""
         try:
             src = GGUFWeights(path)
-            tied = model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
             embed = src.matrix("token_embd.weight")
-            lm_head = embed if tied else src.matrix("output.weight")
+            lm_head = embed if _tied(model) else src.matrix("output.weight")
             wqkv, wo, wgu, wdown = [], [], [], []
             for i in range(len(model.model.layers)):
                 b = f"blk.{i}."

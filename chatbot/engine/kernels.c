@@ -19,7 +19,8 @@
  *            block's largest value).
  *   ACT_I16  per block of 32: a float scale and int16 values (|x| <= 32767): 16-bit
  *            integer products (madd), an error of at most 1/65534 of the block's largest
- *            value, 258x finer than ACT_Q8.
+ *            value where ACT_Q8 has 1/254: 65534 / 254 = 258x finer. (This is the one place
+ *            the figure is derived; the Python side refers here.)
  *
  * Cache: per layer, keys and values as [n_kv_heads, cap, head_dim] float32 (batch 1), the
  * layout of a transformers cache tensor [1, H, S, D] with a preallocated S = cap.
@@ -1080,6 +1081,13 @@ static long private_floats(const Model *m) {
     return (n + 15) / 16 * 16;
 }
 
+/* Sizes of the structs as this compiler lays them out: kernels.py compares them with its
+ * ctypes mirrors at load and refuses a mismatch (a field added on one side only would
+ * otherwise shift every later field and read garbage pointers). */
+long chatbot_sizeof_mat(void) { return (long)sizeof(Mat); }
+long chatbot_sizeof_group(void) { return (long)sizeof(Group); }
+long chatbot_sizeof_model(void) { return (long)sizeof(Model); }
+
 /* Floats of scratch space `chatbot_decode` needs with up to `max_threads` threads. */
 long chatbot_scratch_floats(const Model *m, int max_threads) {
     return shared_floats(m) + (long)max_threads * private_floats(m) + 16;
@@ -1181,6 +1189,12 @@ void chatbot_matvec(const Mat *m, const float *x, float *scratch, float *y, int 
     prepare_vec(&vec, x, m->cols, act);
 #pragma omp parallel num_threads(n_threads)
     matvec_par(m, &vec, y);
+}
+
+/* Rows `ids[0..n)` of W as float32 into out [n, cols] (an embedding lookup); ids are
+ * checked by the caller. */
+void chatbot_rows(const Mat *m, const int64_t *ids, int n, float *out) {
+    for (int i = 0; i < n; i++) embed_row(m, (int)ids[i], out + (size_t)i * m->cols);
 }
 
 /* Rows of W as float32 (for prefill with the same weights as decode). */

@@ -83,6 +83,8 @@ class Shape:
     tied: bool
     head_dim: int = 0  # 0: hidden // heads
     rope_theta: float = 10000.0
+    # Llama-3.1/3.2 rope scaling: (factor, low_freq_factor, high_freq_factor, original context)
+    llama3_rope: tuple[float, float, float, int] | None = None
 
     def params(self) -> int:
         d = self.head_dim or self.hidden // self.heads
@@ -104,9 +106,12 @@ SHAPES: dict[str, dict[str, Shape]] = {
         "tiny": Shape("tiny", 256, 2, 4, 2, 512, 49152, True),
         "135M": Shape("SmolLM2-135M", 576, 30, 9, 3, 1536, 49152, True, rope_theta=1e5),
         "0.4B": Shape("SmolLM2-360M", 960, 32, 15, 5, 2560, 49152, True, rope_theta=1e5),
-        "1B": Shape("Llama-3.2-1B", 2048, 16, 32, 8, 8192, 128256, True, rope_theta=5e5),
-        "3B": Shape("Llama-3.2-3B", 3072, 28, 24, 8, 8192, 128256, True, rope_theta=5e5),
-        "8B": Shape("Llama-3.1-8B", 4096, 32, 32, 8, 14336, 128256, False, rope_theta=5e5),
+        "1B": Shape("Llama-3.2-1B", 2048, 16, 32, 8, 8192, 128256, True, rope_theta=5e5,
+                    llama3_rope=(32.0, 1.0, 4.0, 8192)),
+        "3B": Shape("Llama-3.2-3B", 3072, 28, 24, 8, 8192, 128256, True, rope_theta=5e5,
+                    llama3_rope=(32.0, 1.0, 4.0, 8192)),
+        "8B": Shape("Llama-3.1-8B", 4096, 32, 32, 8, 14336, 128256, False, rope_theta=5e5,
+                    llama3_rope=(8.0, 1.0, 4.0, 8192)),
     },
     "qwen3": {
         # transformers reads no head size from a qwen3 GGUF and takes its default, 128
@@ -159,6 +164,22 @@ def tensor_type(file_type: str, role: str, layer: int, n_layers: int, cols: int)
     if kind in _K_FALLBACK and cols % 256:
         kind = _K_FALLBACK[kind]
     return kind
+
+
+def llama3_rope_factors(
+    head_dim: int, theta: float, factor: float, low_freq_factor: float, high_freq_factor: float,
+    original_context: int,
+) -> np.ndarray:
+    """The ``rope_freqs.weight`` tensor llama.cpp's converter writes for a Llama-3.1+ model
+    (``rope_type: llama3``): per rotary frequency, the number its angle is divided by (1 for
+    short wavelengths, `factor` for long ones, a smooth blend between)."""
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    wavelen = 2 * np.pi / freqs
+    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blend = 1.0 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen < original_context / high_freq_factor, 1.0,
+                   np.where(wavelen > original_context / low_freq_factor, factor, blend))  # fmt: skip
+    return out.astype(np.float32)
 
 
 def _tokenizer_fields(source: Path) -> dict[str, Any]:
@@ -247,6 +268,8 @@ def write_synthetic_gguf(
                  (b + "ffn_up.weight", shape.ffn, shape.hidden, "ffn_up", i),
                  (b + "ffn_down.weight", shape.hidden, shape.ffn, "ffn_down", i)]  # fmt: skip
     plan.append(("output_norm.weight", 0, shape.hidden, "norm", 0))
+    if shape.llama3_rope is not None:
+        plan.append(("rope_freqs.weight", 0, head_dim // 2, "rope_freqs", 0))
     if not shape.tied:
         plan.append(("output.weight", shape.vocab, shape.hidden, "output", 0))
 
@@ -271,7 +294,10 @@ def write_synthetic_gguf(
     # Weights of about a trained model's size: |w| up to ~0.1 in the matrices (so the logits
     # are neither flat nor saturated), norms near 1, small biases.
     for (name, rows, cols, role, _), kind in zip(plan, kinds, strict=True):
-        if rows == 0:
+        if role == "rope_freqs":
+            assert shape.llama3_rope is not None
+            w.write_tensor_data(llama3_rope_factors(head_dim, shape.rope_theta, *shape.llama3_rope))
+        elif rows == 0:
             arr = (1.0 + 0.1 * rng.standard_normal(cols) if role == "norm" else 0.1 * rng.standard_normal(cols))
             w.write_tensor_data(arr.astype(np.float32))
         elif kind in BLOCKS:

@@ -1,6 +1,9 @@
 """Find and load a model: the embedded default, a transformers folder, a GGUF file, a hub id.
 
-A GGUF file is dequantized by transformers once (slow: ~30 s, mostly the tokenizer) and a
+A GGUF file of a llama, mistral, qwen2 or qwen3 model is run as it is on the CPU: its matrices
+stay in their block formats on a memory map of the file (`gguf_model`), with the config and
+tokenizer read from its metadata (cached, a few MB). Other GGUF files, or any GGUF with a GPU,
+`--quantize` or a dtype other than float32, are dequantized by transformers once and a
 converted copy (safetensors + tokenizer files) is kept in the user's cache directory, keyed
 by the file's content hash. A copy whose manifest does not match its files is rebuilt.
 """
@@ -76,7 +79,9 @@ class LoadedModel:
     @property
     def num_parameters(self) -> int:
         """Parameters as the model was trained (a 4-bit tensor packs two per byte)."""
-        total = 0
+        from chatbot.engine.packed import packed_parameters
+
+        total = packed_parameters(self.model)  # a GGUF model's matrices, in their blocks
         for p in self.model.parameters():
             n = p.numel()
             if type(p).__name__ == "Params4bit":
@@ -315,10 +320,11 @@ def check_gguf(path: Path) -> None:
     if magic != b"GGUF":
         raise ModelLoadError(f"cannot read GGUF file {path}: it is not a GGUF file (no 'GGUF' magic)")
     try:
-        from gguf import GGUFReader
+        # the tensor table only: gguf's reader would parse the whole vocabulary first
+        from chatbot.engine.gguf_weights import read_tensor_table
 
-        reader = GGUFReader(str(path))
-        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+        _, table = read_tensor_table(path)
+        end = max((t.offset + t.nbytes for t in table), default=0)
     except Exception as exc:
         raise ModelLoadError(
             f"cannot read GGUF file {path}: it is truncated or corrupt ({_short(exc)}); download it again"
@@ -581,7 +587,49 @@ def _weights_finite(model: Any) -> bool:
                    if p.is_floating_point() and p.device.type != "meta")
 
 
+def _packable(opts: LoadOptions) -> bool:
+    """The block-format model runs on the CPU in float32 activations, on one device."""
+    return (
+        opts.device.type == "cpu" and opts.dtype == torch.float32 and not opts.quantize
+        and opts.device_map is None
+    )  # fmt: skip
+
+
 def _load_gguf(gguf: Path, opts: LoadOptions) -> tuple[Any, Any, list[str]]:
+    """A GGUF file as it is (`gguf_model`: its blocks on a memory map, no conversion), or,
+    where that cannot run (another architecture, a GPU, --quantize, another dtype), through
+    a dequantized copy converted once by transformers."""
+    from chatbot.models.gguf_model import (
+        NotPackable,
+        build_packed_model,
+        load_config_and_tokenizer,
+        metadata_key,
+    )
+
+    notes: list[str] = []
+    check_gguf(gguf)
+    if _packable(opts):
+        try:
+            with _quiet_transformers():
+                cache = cache_root() / "gguf-meta" / f"{gguf.stem}-{metadata_key(gguf)}"
+                config, tokenizer = load_config_and_tokenizer(gguf, cache, notes)
+        except Exception as exc:  # transformers raises many kinds for a file it cannot read
+            raise ModelLoadError(f"cannot read GGUF file {gguf}: {_short(exc)}") from exc
+        check_causal(config, str(gguf))
+        try:
+            with _quiet_transformers():
+                return build_packed_model(gguf, config), tokenizer, notes
+        except NotPackable as exc:
+            notes.append(f"{gguf.name} runs from a dequantized copy: {exc}")
+        except Exception as exc:
+            if _is_oom(exc):
+                raise ModelLoadError(f"not enough memory to map {gguf}: {_short(exc)}") from exc
+            raise ModelLoadError(f"cannot read GGUF file {gguf}: {_short(exc)}") from exc
+    model, tokenizer, more = _load_gguf_converted(gguf, opts)
+    return model, tokenizer, notes + more
+
+
+def _load_gguf_converted(gguf: Path, opts: LoadOptions) -> tuple[Any, Any, list[str]]:
     notes: list[str] = []
     target = converted_dir(gguf)
     if not _manifest_ok(target):
@@ -609,6 +657,14 @@ def _load_gguf(gguf: Path, opts: LoadOptions) -> tuple[Any, Any, list[str]]:
     # The fast decode path packs its matrices straight from this file, in their stored
     # formats (chatbot.engine.gguf_weights), rather than from the float32 copy.
     model.chatbot_gguf = str(gguf)
+    if getattr(getattr(model, "model", None), "rotary_emb", None) is not None:
+        from chatbot.engine.gguf_weights import GGUFWeights
+        from chatbot.models.gguf_model import NotPackable, apply_rope_freqs
+
+        try:
+            apply_rope_freqs(model, GGUFWeights(gguf))  # Llama-3.1+ rope scaling
+        except (NotPackable, ValueError, OSError) as exc:
+            notes.append(f"rope scaling of {gguf.name} not applied: {exc}")
     return model, tokenizer, notes
 
 

@@ -1,0 +1,172 @@
+"""torch modules over packed weight matrices: a GGUF model runs in transformers as it is stored.
+
+`PackedLinear` and `PackedEmbedding` stand in for `nn.Linear` / `nn.Embedding` in a
+transformers model whose weights stay in their GGUF block formats on the file's memory map
+(`chatbot.models.gguf_model` builds one). The model then works everywhere a transformers model
+does (prefill, `--opt off`, the compat APIs, perplexity) without a float32 copy of its weights:
+
+- a product with a few rows of input (decoding one token through transformers) runs the
+  native matrix-vector kernel on the packed rows, in float32 activations;
+- a product with more rows (prefill) dequantizes the matrix band by band into a small
+  per-thread scratch buffer (16 MB) and multiplies each band with torch's GEMM, so the
+  float32 weights exist only one band at a time, while they are in the CPU's caches.
+
+Both compute in float32 with the weights the file stores, exactly as a model dequantized
+once would, up to the order of the additions.
+
+`weight` of these modules is a stand-in with the true shape and dtype and no storage (the
+embedding's on the CPU, so that code asking where the input ids go gets an answer; the
+linears' on the meta device, so that code reading values fails loudly); the weights are
+`packed`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+from torch import nn
+
+from chatbot.engine import kernels
+
+SMALL_INPUT_ROWS = 4
+"""Up to this many input rows, a product runs as matrix-vector products on the packed rows."""
+BAND_FLOATS = 1 << 22
+"""Floats of one dequantized band (16 MB): small enough to stay in the caches, large enough
+for an efficient GEMM."""
+
+_local = threading.local()
+
+
+def _scratch(floats: int) -> torch.Tensor:
+    """A float32 buffer of at least `floats`, one per thread, reused across calls."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.numel() < floats:
+        buf = _local.buf = torch.empty(floats, dtype=torch.float32)
+    return buf
+
+
+def _row_bytes(p: kernels.PackedMatrix) -> int:
+    per_block, block_bytes = kernels.BLOCK_SHAPES[p.fmt]
+    return p.cols // per_block * block_bytes
+
+
+def packed_matmul(p: kernels.PackedMatrix, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+    """x @ W.T for a packed W ([rows, cols]) and float32 x ([n, cols]); returns [n, rows].
+
+    Args:
+        p: the packed matrix.
+        x: float32 inputs, one per row.
+        threads: OpenMP threads for the native parts (default: torch's thread count).
+    """
+    x = x.to(torch.float32).contiguous()
+    n = x.shape[0]
+    threads = threads or torch.get_num_threads()
+    if p.fmt == kernels.FMT_F32:
+        return torch.nn.functional.linear(x, p.data)
+    lib = kernels.load_library()
+    if n <= SMALL_INPUT_ROWS:
+        y = torch.empty(n, p.rows, dtype=torch.float32)
+        mat = p.as_struct()
+        scratch = torch.empty(3 * (p.cols // kernels.QK + 1) + p.cols, dtype=torch.float32)
+        for i in range(n):
+            lib.chatbot_matvec(
+                ctypes.byref(mat), x[i].data_ptr(), scratch.data_ptr(), y[i].data_ptr(), threads, kernels.ACT_F32
+            )
+        return y
+    band = max(1, min(p.rows, BAND_FLOATS // p.cols))
+    buf = _scratch(band * p.cols)
+    base, stride = p.data.data_ptr(), _row_bytes(p)
+    y = torch.empty(n, p.rows, dtype=torch.float32) if band < p.rows else None
+    for r0 in range(0, p.rows, band):
+        r1 = min(p.rows, r0 + band)
+        sub = kernels.Mat(base + r0 * stride, p.fmt, r1 - r0, p.cols, 0)
+        w = buf[: (r1 - r0) * p.cols].view(r1 - r0, p.cols)
+        lib.chatbot_dequantize(ctypes.byref(sub), w.data_ptr(), threads)
+        # x @ w.T as F.linear lays it out: at a few dozen rows of x, twice as fast as w @ x.T
+        if y is None:
+            return torch.nn.functional.linear(x, w)
+        y[:, r0:r1] = torch.nn.functional.linear(x, w)
+    assert y is not None
+    return y
+
+
+class PackedLinear(nn.Module):
+    """`nn.Linear` (y = x W^T + b) over a packed weight matrix.
+
+    Args:
+        packed: the weights [out_features, in_features] in a kernel format.
+        bias: float32 [out_features], or None.
+    """
+
+    def __init__(self, packed: kernels.PackedMatrix, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.packed = packed
+        self.in_features, self.out_features = packed.cols, packed.rows
+        if bias is not None:
+            self.bias = nn.Parameter(bias.detach().to(torch.float32).contiguous(), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+        self._shape = torch.empty(packed.rows, packed.cols, dtype=torch.float32, device="meta")
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """Shape and dtype of the weights, on the meta device (the values are in `packed`)."""
+        return self._shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = packed_matmul(self.packed, x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.packed.format_name}"
+
+
+class PackedEmbedding(nn.Module):
+    """`nn.Embedding` over a packed matrix [num_embeddings, embedding_dim]: rows are
+    dequantized as they are looked up."""
+
+    def __init__(self, packed: kernels.PackedMatrix) -> None:
+        super().__init__()
+        self.packed = packed
+        self.num_embeddings, self.embedding_dim = packed.rows, packed.cols
+        # One float broadcast to the full shape: a CPU tensor of the right shape and dtype
+        # that holds 4 bytes.
+        self._shape = torch.zeros((), dtype=torch.float32).expand(packed.rows, packed.cols)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """Shape, dtype and device of the table, without its values (they are in `packed`)."""
+        return self._shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range for an embedding of {self.num_embeddings} rows")
+        out = torch.empty(flat.numel(), self.embedding_dim, dtype=torch.float32)
+        mat = self.packed.as_struct()
+        kernels.load_library().chatbot_rows(ctypes.byref(mat), flat.data_ptr(), flat.numel(), out.data_ptr())
+        return out.reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.packed.format_name}"
+
+
+def dense_weight(module: nn.Module) -> torch.Tensor:
+    """The float32 weights of a linear or embedding module, packed or not (a packed one is
+    dequantized: a new tensor)."""
+    if isinstance(module, (PackedLinear, PackedEmbedding)):
+        return kernels.unpack(module.packed)
+    return module.weight  # type: ignore[return-value]
+
+
+def packed_parameters(model: nn.Module) -> int:
+    """Weights held in packed modules (each matrix once, even when shared)."""
+    seen: dict[int, int] = {}
+    for m in model.modules():
+        if isinstance(m, (PackedLinear, PackedEmbedding)):
+            seen[id(m.packed)] = m.packed.rows * m.packed.cols
+    return sum(seen.values())

@@ -1,0 +1,206 @@
+"""A GGUF file as a transformers model without converting it: weights stay in their blocks.
+
+The config and the tokenizer (with its chat template) come from the file's metadata, read by
+transformers; both are kept in the user's cache directory (a few MB, keyed by a hash of the
+file's metadata), so only the first load of a file pays for parsing a large vocabulary. The
+model is built on the meta device, then every matrix becomes a `PackedLinear` /
+`PackedEmbedding` over the file's memory map (`chatbot.engine.gguf_weights`: no copy but the
+q/k rows of llama files, which llama.cpp stores permuted), and only what is small is
+materialised: norms, biases and the rotary tables.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from chatbot.engine.gguf_weights import GGUFWeights, read_tensor_table
+from chatbot.engine.packed import PackedEmbedding, PackedLinear
+
+ARCHITECTURES = {"llama", "qwen2", "qwen3"}
+"""GGUF architectures built from their blocks (llama.cpp writes mistral models as llama)."""
+_CACHE_VERSION = 1
+
+
+class NotPackable(Exception):
+    """This file cannot be run from its blocks (an architecture or tensor type not covered);
+    the loader dequantizes it instead."""
+
+
+def metadata_key(path: Path) -> str:
+    """A hash of everything in the file before the tensor data (metadata and tensor table):
+    what the config and tokenizer are made from. Reads a few MB even of a 5 GB file."""
+    _, table = read_tensor_table(path)
+    end = min((t.offset for t in table), default=path.stat().st_size)
+    h = hashlib.sha256(f"{_CACHE_VERSION}:{path.stat().st_size}:".encode())
+    with path.open("rb") as f:
+        h.update(f.read(end))
+    return h.hexdigest()[:16]
+
+
+def _cache_ok(folder: Path) -> bool:
+    try:
+        manifest = json.loads((folder / "chatbot-manifest.json").read_text())
+        return bool(manifest["files"]) and all(
+            (folder / name).stat().st_size == size for name, size in manifest["files"].items()
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def load_config_and_tokenizer(path: Path, cache: Path, notes: list[str]) -> tuple[Any, Any]:
+    """The transformers config and tokenizer of a GGUF file, from `cache` when it holds them
+    (checked against its manifest), else read from the file and saved there.
+
+    Raises:
+        Exception: whatever transformers raises for a file it cannot read.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    if _cache_ok(cache):
+        try:
+            return AutoConfig.from_pretrained(str(cache)), AutoTokenizer.from_pretrained(str(cache))
+        except Exception:  # noqa: BLE001 - a damaged file the size check missed: rebuilt below
+            notes.append(f"the cached tokenizer of {path.name} in {cache} did not load; rebuilt it")
+    elif cache.exists():
+        notes.append(f"the cached tokenizer of {path.name} in {cache} was incomplete; rebuilt it")
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=cache.name + ".tmp-", dir=cache.parent))
+        try:
+            config.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
+            (tmp / "chatbot-manifest.json").write_text(json.dumps({"gguf": str(path), "files": files}))
+            if cache.exists():
+                shutil.rmtree(cache)
+            os.replace(tmp, cache)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as exc:
+        notes.append(f"cannot write the tokenizer cache {cache.parent} ({exc.strerror or exc}); "
+                     "the next start reads the tokenizer from the file again (set XDG_CACHE_HOME)")  # fmt: skip
+    return config, tokenizer
+
+
+def _vector(src: GGUFWeights, name: str) -> torch.Tensor:
+    """A 1-D F32/F16 tensor (norm weights, biases) as a float32 copy."""
+    if name not in src:
+        raise NotPackable(f"the file has no {name}")
+    t = src.tensors[name]
+    kind = t.tensor_type.name
+    if kind not in ("F32", "F16"):
+        raise NotPackable(f"{name} is stored as {kind}")
+    dtype = torch.float32 if kind == "F32" else torch.float16
+    return torch.frombuffer(bytearray(t.data.tobytes()), dtype=dtype).to(torch.float32)
+
+
+def apply_rope_freqs(model: Any, src: GGUFWeights) -> bool:
+    """Scale the model's rotary frequencies by the file's ``rope_freqs.weight``, where it has
+    one: llama.cpp's converter stores Llama-3.1+ rope scaling (``rope_type: llama3``) as that
+    tensor, the factor each frequency is divided by, and transformers' GGUF reader ignores it.
+    The model's `inv_freq` is then what transformers computes for the llama3 rope, so the
+    forward pass, the fast path and the sink cache's re-rotation all use the scaled rope.
+
+    Returns:
+        True if the file had factors (and they were applied).
+
+    Raises:
+        NotPackable: factors of the wrong length.
+    """
+    if "rope_freqs.weight" not in src:
+        return False
+    factors = _vector(src, "rope_freqs.weight")
+    rotary = model.model.rotary_emb
+    if factors.numel() != rotary.inv_freq.numel():
+        raise NotPackable(f"rope_freqs.weight has {factors.numel()} factors for {rotary.inv_freq.numel()} frequencies")
+    scaled = (rotary.inv_freq.to(torch.float32) / factors).to(rotary.inv_freq.dtype)
+    rotary.inv_freq = scaled
+    rotary.original_inv_freq = scaled.clone()
+    return True
+
+
+def build_packed_model(path: Path, config: Any) -> Any:
+    """A transformers causal LM for `config` whose matrices are the blocks of the GGUF file
+    `path`, memory-mapped.
+
+    Raises:
+        NotPackable: an architecture, tensor or tensor type this cannot build from blocks.
+    """
+    from transformers import AutoModelForCausalLM
+
+    src = GGUFWeights(path)
+    if src.architecture not in ARCHITECTURES or config.model_type not in ("llama", "mistral", "qwen2", "qwen3"):
+        raise NotPackable(f"no block-format model for {src.architecture} files")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    inner = model.model
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+
+    def matrix(name: str, rope_heads: int | None = None) -> Any:
+        try:
+            return src.matrix(name, rope_heads)
+        except KeyError:
+            raise NotPackable(f"the file has no {name}") from None
+        except ValueError as exc:
+            raise NotPackable(str(exc)) from None
+
+    def linear(old: nn.Module, name: str, rope_heads: int | None = None) -> PackedLinear:
+        bias = None
+        if getattr(old, "bias", None) is not None:
+            bias = _vector(src, name.replace(".weight", ".bias"))
+        new = PackedLinear(matrix(name, rope_heads), bias)
+        if (new.out_features, new.in_features) != tuple(old.weight.shape):
+            raise NotPackable(f"{name} is {new.out_features}x{new.in_features}, the config says {tuple(old.weight.shape)}")
+        return new
+
+    def norm(module: nn.Module, name: str) -> None:
+        w = _vector(src, name)
+        if w.shape != module.weight.shape:
+            raise NotPackable(f"{name} has {w.numel()} weights, the config says {module.weight.numel()}")
+        module.weight = nn.Parameter(w, requires_grad=False)
+
+    embed = PackedEmbedding(matrix("token_embd.weight"))
+    if embed.weight.shape != inner.embed_tokens.weight.shape:
+        raise NotPackable("token_embd.weight does not have the config's shape")
+    inner.embed_tokens = embed
+    if getattr(config, "tie_word_embeddings", False) or "output.weight" not in src:
+        model.lm_head = PackedLinear(embed.packed)
+    else:
+        model.lm_head = linear(model.lm_head, "output.weight")
+    for i, layer in enumerate(inner.layers):
+        b = f"blk.{i}."
+        att, mlp = layer.self_attn, layer.mlp
+        att.q_proj = linear(att.q_proj, b + "attn_q.weight", heads)
+        att.k_proj = linear(att.k_proj, b + "attn_k.weight", kv_heads)
+        att.v_proj = linear(att.v_proj, b + "attn_v.weight")
+        att.o_proj = linear(att.o_proj, b + "attn_output.weight")
+        mlp.gate_proj = linear(mlp.gate_proj, b + "ffn_gate.weight")
+        mlp.up_proj = linear(mlp.up_proj, b + "ffn_up.weight")
+        mlp.down_proj = linear(mlp.down_proj, b + "ffn_down.weight")
+        norm(layer.input_layernorm, b + "attn_norm.weight")
+        norm(layer.post_attention_layernorm, b + "ffn_norm.weight")
+        if getattr(att, "q_norm", None) is not None:  # qwen3
+            norm(att.q_norm, b + "attn_q_norm.weight")
+            norm(att.k_norm, b + "attn_k_norm.weight")
+    norm(inner.norm, "output_norm.weight")
+    # The rotary tables (inv_freq with any rope scaling) are computed, not stored: build
+    # them again off the meta device.
+    inner.rotary_emb = type(inner.rotary_emb)(config=config)
+    apply_rope_freqs(model, src)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    if left:
+        raise NotPackable(f"no weights in the file for {left[0]}")
+    model.chatbot_gguf = str(path)
+    return model.eval()
