@@ -16,7 +16,12 @@ from rich.console import Console
 from typer.exceptions import Abort, Exit, TyperException
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
+from chatbot.engine.threads import apply_wait_policy
 from chatbot.errors import ChatbotError, ConfigError
+
+# Before torch loads libgomp (it reads its wait settings once): threads that wait at a
+# barrier spin briefly, then sleep, so a busy machine is not made busier (engine/threads.py).
+apply_wait_policy()
 
 app = typer.Typer(
     name="chatbot",

@@ -106,3 +106,16 @@ def test_cli_default_threads_follow_the_load(monkeypatch) -> None:
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_cli_sets_the_wait_before_torch_loads() -> None:
+    """`chatbot` sets GOMP_SPINCOUNT before anything imports torch (libgomp reads it once,
+    when loaded), and leaves a user's own OpenMP wait settings alone."""
+    code = ("import os, sys; import chatbot.cli; "
+            "print('torch' in sys.modules, os.environ.get('GOMP_SPINCOUNT'))")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in threads.WAIT_VARIABLES}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.split() == ["False", str(threads.SPIN_COUNT)]
+    mine = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={**env, "OMP_WAIT_POLICY": "active"})  # fmt: skip
+    assert mine.stdout.split() == ["False", "None"]

@@ -4,16 +4,18 @@ The native kernels run a decode step as one OpenMP region with a few barriers pe
 On a quiet machine every thread reaches each barrier at nearly the same time. On a busy one
 (more runnable threads than CPUs) the scheduler parks one of ours for a time slice (~3 ms);
 its partners then wait at the next barrier, and with OpenMP's default wait they *spin*
-there for up to ~300,000 iterations, holding a CPU that the parked thread (or the process
-that is busy) could use. Two threads then decode several times slower than one.
+there for up to 300,000 pause-loop iterations, holding a CPU that the parked thread (or
+the process that is busy) could use. Two threads then decode several times slower than one.
 
 Two remedies, both decided here:
 
 - the thread count: the CPUs this process may run on (`sched_getaffinity`, a cgroup CPU
   quota) minus the ones other processes keep busy right now (`pick_threads`);
-- the wait: spin briefly, then sleep in the kernel (`wait_policy_env`): a barrier that all
-  threads reach within a few microseconds still costs no system call, and one that waits for
-  a parked thread gives its CPU away instead of burning the time slice.
+- the wait: spin briefly, then sleep in the kernel (`wait_policy_env`, set by the CLI before
+  torch loads): a barrier that all threads reach together still costs no system call, and
+  one that waits for a parked thread gives its CPU away instead of burning the time slice.
+  `scripts/bench-threads` measured two threads 3-7x faster so on a loaded 2-CPU machine
+  (docs/benchmarks.md); one thread has no barriers to wait at.
 
 The core imports nothing from the terminal layer; everything is read from /proc and /sys,
 with quiet fallbacks where they are missing (macOS, containers without cgroup files).
@@ -26,9 +28,9 @@ import os
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
-# libgomp spins this many iterations (~10-20 us on current x86) before it sleeps on a futex;
-# its default is 300,000 (~1 ms, which is 1/3 of a Linux time slice). Long enough to catch a
-# partner that is running, short enough not to starve one that is parked.
+# libgomp spins this many pause-loop iterations before it sleeps on a futex: well under a
+# millisecond, against its default of 300,000 (several milliseconds, about a time slice). Long
+# enough to catch a partner that is running, short enough not to starve one that is parked.
 SPIN_COUNT = 10_000
 # The OpenMP settings a user may have chosen already; any of them means: leave it alone.
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
