@@ -138,11 +138,18 @@ def ensure_file(case: Case, folder: Path, python: str = sys.executable) -> Path:
     return path
 
 
+def bench_json_path(path: Path) -> Path:
+    """Where `bench_one` keeps the JSON of `path`'s bench (under the temporary folder)."""
+    return Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-scale-{path.stem}.json"
+
+
 def bench_one(
     path: Path, *, threads: int, rounds: int, decode_tokens: int, prefill: str, python: str = sys.executable
 ) -> dict[str, Any]:
     """`chatbot bench decode` on one file, ours against llama.cpp; its JSON."""
-    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-scale-{path.stem}.json"
+    out = bench_json_path(path)
+    out.unlink(missing_ok=True)
+    first_load_s = warm_up(path, python)
     cmd = [python, "-m", "chatbot.cli", "bench", "decode", "--model", str(path), "--setups", f"{OURS},{PEER}",
            "--threads", str(threads), "--rounds", str(rounds), "--decode-tokens", str(decode_tokens),
            "--prefill", prefill, "--json", str(out)]  # fmt: skip
@@ -151,7 +158,27 @@ def bench_one(
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
         raise RuntimeError(f"bench decode failed ({proc.returncode}): {tail[0]}")
     data: dict[str, Any] = json.loads(out.read_text())
+    data["first_load_s"] = first_load_s
+    out.write_text(json.dumps(data, indent=1))
     return data
+
+
+WARM_UP = """
+import sys
+from chatbot.engine.fast import make_decoder
+from chatbot.models.loader import load_model
+loaded = load_model(sys.argv[1], device="cpu", dtype="float32")
+make_decoder(loaded.model, "auto")
+"""
+
+
+def warm_up(path: Path, python: str = sys.executable) -> float | None:
+    """Load `path` once as ours would, untimed by the bench: the first load of a file writes
+    its metadata cache (and of a new kernels.c, builds the library), which later starts
+    skip. Returns that first load's seconds (None when it failed: the bench will say why)."""
+    start = time.monotonic()
+    proc = subprocess.run([python, "-c", WARM_UP, str(path)], capture_output=True, text=True, check=False)
+    return time.monotonic() - start if proc.returncode == 0 else None
 
 
 def row_from_bench(case: Case, path: Path, data: dict[str, Any], wall_s: float) -> dict[str, Any]:
@@ -175,6 +202,8 @@ def row_from_bench(case: Case, path: Path, data: dict[str, Any], wall_s: float) 
             "load_s": r.get("load_s"), "peak_mem_mb": r["peak_mem_mb"], "loadavg": r.get("loadavg"),
             "weights": r.get("weights"),
         }  # fmt: skip
+    if isinstance(row.get(OURS), dict):
+        row[OURS]["first_load_s"] = data.get("first_load_s")
     return row
 
 
@@ -187,14 +216,22 @@ def run_scale(
     decode_tokens: int = 64,
     prefill: str = "50,500",
     minutes: float = 60.0,
+    reuse: bool = False,
     progress: Callable[[str], None] = lambda line: None,
 ) -> list[dict[str, Any]]:
     """Measure each case in order (smallest first, so memory and time can be guessed for the
-    next); a case that cannot run is a row with its one-line reason."""
+    next); a case that cannot run is a row with its one-line reason. `reuse`: take a file's
+    figures from the JSON an earlier run left (`bench_json_path`) instead of measuring again."""
     deadline = time.monotonic() + 60 * minutes
     rows: list[dict[str, Any]] = []
     for case in cases:
         measured = [r for r in rows if "skipped" not in r]
+        path = case.path(folder)
+        if reuse and path.is_file() and bench_json_path(path).is_file():
+            data = json.loads(bench_json_path(path).read_text())
+            progress(f"{case.label}: figures of the earlier run ({bench_json_path(path)})")
+            rows.append(row_from_bench(case, path, data, data["settings"].get("wall_s", 0.0)))
+            continue
         est_mb = params_count(case.params) * (1.1 if case.type == "Q8_0" else 0.6) / 2**20
         reason = skip_reason(case, measured, est_mb, mem_available_mb(), deadline - time.monotonic())
         if reason is None:
@@ -351,7 +388,9 @@ def section(rows: list[dict[str, Any]], command: str, code: str, svg_name: str) 
         f"Written by `{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; code: {code}).",
         (f"CPU: {cpu}, {os.cpu_count()} CPUs, {threads} threads on both sides. Each cell: ours / llama.cpp "
         "(ratio, ours over llama.cpp), the median of the bench's rounds; load s: from starting the process "
-        "to the model ready; the load average (1 minute) as each file's bench started and ended."),
+        "to the model ready, after one untimed first load of the file (it writes our small metadata cache; "
+        "its time is `first_load_s` in the JSON); the load average (1 minute) as each file's bench started "
+        "and ended."),
         "",
         markdown_table(rows),
         "",
@@ -372,17 +411,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--prefill", default="50,500", help="prompt lengths prefill is timed at")
     p.add_argument("--minutes", type=float, default=60.0, help="stop starting new files after this long")
-    p.add_argument("--only", help="comma-separated sizes or types to keep, e.g. 0.5B,Q8_0")
+    p.add_argument("--only", help="comma-separated sizes, types or size:type to keep, e.g. 0.5B,Q8_0,135M:Q4_K_M")
     p.add_argument("--folder", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "chatbot-scale",
                    help="where the synthetic files are written (default /tmp/chatbot-scale)")
     p.add_argument("--doc", type=Path, default=Path("docs/benchmarks.md"))
     p.add_argument("--code", default="", help="which code was measured, for the doc (default: git describe)")
+    p.add_argument("--reuse", action="store_true",
+                   help="take the figures of files an earlier run measured (their JSON under the temporary folder)")
     p.add_argument("--dry-run", action="store_true", help="list the files and exit")
     a = p.parse_args(argv)
     cases = list(DEFAULT_CASES)
     if a.only:
         keep = {k.strip().lower() for k in a.only.split(",")}
-        cases = [c for c in cases if c.params.lower() in keep or c.type.lower() in keep or c.arch in keep]
+        cases = [c for c in cases if keep & {c.params.lower(), c.type.lower(), c.arch,
+                                             f"{c.params}:{c.type}".lower()}]  # fmt: skip
     if a.dry_run:
         for c in cases:
             print(f"{c.label}: {c.path(a.folder)}")
@@ -390,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     if importlib.util.find_spec("llama_cpp") is None:
         print("bench-scale: llama-cpp-python is not installed; the llama.cpp column stays empty", file=sys.stderr)
     rows = run_scale(cases, a.folder, threads=a.threads, rounds=a.rounds, decode_tokens=a.decode_tokens,
-                     prefill=a.prefill, minutes=a.minutes,
+                     prefill=a.prefill, minutes=a.minutes, reuse=a.reuse,
                      progress=lambda line: print(f"bench-scale: {line}", file=sys.stderr, flush=True))  # fmt: skip
     code = a.code or subprocess.run(["git", "log", "-1", "--format=%h %s"], capture_output=True, text=True,
                                     check=False).stdout.strip()[:90]  # fmt: skip
