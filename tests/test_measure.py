@@ -124,7 +124,8 @@ def test_print_turns_shows_load_average(capsys) -> None:
 
 def _bench_json(ours: dict, peer: dict) -> dict:
     return {"machine": {"cpu_model": "Test CPU", "torch_threads": 1, "loadavg_start": [1.0], "loadavg_end": [2.0]},
-            "results": [{"name": "chatbot-auto", **ours}, {"name": "llama.cpp", **peer}]}  # fmt: skip
+            "results": [{"name": "chatbot-auto", **ours}, {"name": "llama.cpp", **peer}],
+            "settings": {"rounds": 2}}  # fmt: skip
 
 
 def test_params_count() -> None:
@@ -162,7 +163,7 @@ def test_row_table_and_plot(tmp_path) -> None:
     assert rows[0]["file_mb"] == 1.0 and rows[0]["cpu"] == "Test CPU" and rows[0]["loadavg"] == [1.0, 2.0]
     assert rows[0]["chatbot-auto"]["prefill_tps"] == 400.0 and rows[0]["chatbot-auto"]["prefill_at"] == 500
     table = bench_scale.markdown_table(rows)
-    assert "| qwen2 0.5B Q4_K_M | 1 | 40.0 / 20.0 (2.00x) | 400 / 200 (2.00x) | 2.0 / 1.0 (2.00x) " in table
+    assert "| qwen2 0.5B Q4_K_M (2 rounds) | 1 | 40.0 / 20.0 (2.00x) | 400 / 200 (2.00x) | 2.0 / 1.0 (2.00x) " in table
     assert "| llama 8B Q4_K_M | | skipped: needs ~16 GB |" in table
     svg = bench_scale.svg_plot(rows, "title & more")
     root = ET.fromstring(svg)  # well-formed XML

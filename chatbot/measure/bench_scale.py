@@ -186,7 +186,7 @@ def row_from_bench(case: Case, path: Path, data: dict[str, Any], wall_s: float) 
     row: dict[str, Any] = {
         "arch": case.arch, "params": case.params, "type": case.type, "file_mb": path.stat().st_size / 2**20,
         "wall_s": wall_s, "cpu": data["machine"].get("cpu_model", data["machine"].get("processor")),
-        "threads": data["machine"].get("torch_threads"),
+        "threads": data["machine"].get("torch_threads"), "rounds": data.get("settings", {}).get("rounds"),
         "loadavg": [data["machine"].get("loadavg_start", [None])[0], data["machine"].get("loadavg_end", [None])[0]],
     }  # fmt: skip
     for r in data["results"]:
@@ -287,6 +287,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
                 continue
             cells.append(f"{_fmt(a.get(key), digits)} / {_fmt(b.get(key), digits)} ({_ratio(row, key)})")
         load = " / ".join(_fmt(x, 2) for x in row["loadavg"])
+        if row.get("rounds"):
+            name += f" ({row['rounds']} round{'s' if row['rounds'] > 1 else ''})"
         lines.append(f"| {name} | {row['file_mb']:,.0f} | {' | '.join(cells)} | {load} |")
     return "\n".join(lines)
 
