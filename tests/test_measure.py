@@ -286,3 +286,19 @@ def test_every_printer_names_the_cpu_and_load(capsys) -> None:
     table = format_table({"dense": {"ppl": 10.0, "tokens_per_s": 5.0, "wall_s": 1.0, "cache_tokens": 3,
                                     "loadavg": 2.5}})  # fmt: skip
     assert "2.50" in table and "load average" in table and report.cpu_model() in table
+
+
+def test_llama_cpp_runs_only_on_the_same_file(monkeypatch) -> None:
+    """With --model a folder and no --gguf, llama.cpp is left out of the default set-ups (it
+    would run the default model) and, asked for, is a row saying why; with --model FILE.gguf
+    it gets that very file."""
+    specs = []
+    monkeypatch.setattr(bench_decode, "_run_worker", lambda spec: specs.append(spec) or {"name": spec["name"], "error": "x"})
+    monkeypatch.setattr(bench_decode, "llama_cpp_available", lambda: True)
+    result = bench_decode.run_decode_bench(model="/some/folder", rounds=1)
+    assert bench_decode.LLAMA_CPP not in [r["name"] for r in result["results"]]
+    specs.clear()
+    result = bench_decode.run_decode_bench(["llama.cpp"], model="/some/folder", rounds=1)
+    assert specs == [] and "give --gguf" in result["results"][0]["error"]
+    bench_decode.run_decode_bench(["llama.cpp"], model="/models/x.gguf", rounds=1)
+    assert specs[0]["gguf"] == "/models/x.gguf"

@@ -380,16 +380,22 @@ def run_decode_bench(
 
     from chatbot.measure.report import machine_info
 
-    setups = setups or default_setups()
-    threads = threads or torch.get_num_threads()
-    sizes = tuple(sorted({DECODE_PROMPT, *(prefill_sizes or PREFILL_SIZES)}))
     if gguf is None and model and model.lower().endswith(".gguf"):
         gguf = Path(model)  # llama.cpp runs the very file we load
+    # Given another model and no GGUF, llama.cpp would run the default model: no comparison.
+    other_model = model is not None and gguf is None
+    if setups is None:
+        setups = [s for s in default_setups() if not (s == LLAMA_CPP and other_model)]
+    threads = threads or torch.get_num_threads()
+    sizes = tuple(sorted({DECODE_PROMPT, *(prefill_sizes or PREFILL_SIZES)}))
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in setups}
     started = time.perf_counter()
     for round_no in range(rounds):
         for name in setups:
+            if name == LLAMA_CPP and other_model:
+                runs[name].append({"name": name, "error": "llama.cpp reads GGUF files: give --gguf FILE (the same model)"})
+                continue
             if progress:
                 progress(f"round {round_no + 1}/{rounds}: {name}")
             spec = {
