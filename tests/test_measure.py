@@ -136,7 +136,8 @@ def test_params_count() -> None:
 
 
 def test_skip_reason_memory_and_time() -> None:
-    measured = [{"params": "1.5B", "wall_s": 100.0, "chatbot-auto": {"peak_mem_mb": 3000.0},
+    measured = [{"params": "0.1B", "wall_s": 10.0, "chatbot-auto": {"peak_mem_mb": 900.0}},  # fixed costs
+                {"params": "1.5B", "wall_s": 100.0, "chatbot-auto": {"peak_mem_mb": 3000.0},
                  "llama.cpp": {"peak_mem_mb": 1500.0}}]  # fmt: skip
     eight = Case("llama", "8B", "Q4_K_M")
     # 2 MB per million parameters (ours, the worse side) -> 16,000 MB at 8B

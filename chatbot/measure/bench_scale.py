@@ -98,11 +98,15 @@ def memory_needed_mb(case: Case, measured: list[dict[str, Any]], file_mb: float)
     """Our peak RSS at `case`, guessed from the largest row measured so far (MB per
     parameter, the worse of ours and llama.cpp's), and never below the file's size plus 10%
     for llama.cpp, which maps all of it."""
+    # The largest size only: at small sizes the fixed part (Python, torch: ~0.5 GB) dominates
+    # and would scale to absurd figures.
+    largest = max((params_count(r["params"]) for r in measured), default=0.0)
     per_param = [
         row[side]["peak_mem_mb"] / params_count(row["params"])
         for row in measured
         for side in (OURS, PEER)
-        if isinstance(row.get(side), dict) and "peak_mem_mb" in row[side]
+        if params_count(row["params"]) == largest
+        and isinstance(row.get(side), dict) and "peak_mem_mb" in row[side]
     ]
     guess = max(per_param) * params_count(case.params) if per_param else 0.0
     return max(guess, 1.1 * file_mb)
@@ -285,7 +289,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             if "error" in a or "error" in b:
                 cells.append(f"ours: {a.get('error', 'ok')}; llama.cpp: {b.get('error', 'ok')}")
                 continue
-            cells.append(f"{_fmt(a.get(key), digits)} / {_fmt(b.get(key), digits)} ({_ratio(row, key)})")
+            at = f" @{a['prefill_at']}" if key == "prefill_tps" and a.get("prefill_at", 500) != 500 else ""
+            cells.append(f"{_fmt(a.get(key), digits)} / {_fmt(b.get(key), digits)} ({_ratio(row, key)}){at}")
         load = " / ".join(_fmt(x, 2) for x in row["loadavg"])
         if row.get("rounds"):
             name += f" ({row['rounds']} round{'s' if row['rounds'] > 1 else ''})"
