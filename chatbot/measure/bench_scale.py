@@ -438,11 +438,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if importlib.util.find_spec("llama_cpp") is None:
         print("bench-scale: llama-cpp-python is not installed; the llama.cpp column stays empty", file=sys.stderr)
+    # The code measured: HEAD as the run starts (a long run may outlive later commits).
+    code = a.code or subprocess.run(["git", "log", "-1", "--format=%h %s"], capture_output=True, text=True,
+                                    check=False).stdout.strip()[:90]  # fmt: skip
     rows = run_scale(cases, a.folder, threads=a.threads, rounds=a.rounds, decode_tokens=a.decode_tokens,
                      prefill=a.prefill, minutes=a.minutes, reuse=a.reuse,
                      progress=lambda line: print(f"bench-scale: {line}", file=sys.stderr, flush=True))  # fmt: skip
-    code = a.code or subprocess.run(["git", "log", "-1", "--format=%h %s"], capture_output=True, text=True,
-                                    check=False).stdout.strip()[:90]  # fmt: skip
     command = "scripts/bench-scale " + " ".join(argv if argv is not None else sys.argv[1:])
     svg = a.doc.parent / "bench_scale.svg"
     title = f"ours vs llama.cpp, same GGUF files, {a.threads} thread(s) each"
