@@ -46,29 +46,57 @@ def test_not_a_gguf_file(tmp_path):
         read_tensor_table(bad)
 
 
+@pytest.fixture(scope="module")
+def dense_default():
+    """The default model as transformers alone loads a GGUF: every tensor dequantized by the
+    gguf package into a float32 model (the independent reference; ~540 MB)."""
+    from transformers import AutoModelForCausalLM
+
+    path = default_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model.config._attn_implementation = "sdpa"
+    return model.eval()
+
+
 @pytest.mark.slow
 @needs_kernels
-def test_default_model_decodes_from_its_file_losslessly(default_model):
-    """`auto` on the default model takes the file's Q4_1/Q8_0 matrices as they are (no copy of
-    the layer weights): each equals the float32 model's weight, and the greedy tokens equal
-    float32 transformers'."""
+def test_default_model_decodes_from_its_file_losslessly(default_model, dense_default):
+    """The default model is loaded as its file stores it: its matrices are the file's Q4_1/Q8_0
+    blocks, each equal to what transformers dequantizes; `auto` decodes from those very
+    blocks (shared with the model, no copy), and the greedy tokens equal float32
+    transformers' on the dequantized model."""
     from chatbot.config import SamplingConfig
     from chatbot.engine.fast import FastDecoder
     from chatbot.engine.generate import Engine
+    from chatbot.engine.packed import dense_weight
 
     model = default_model.model
     decoder = FastDecoder(model, "auto")
     info = decoder.info()
     assert info.source == "gguf" and set(info.formats) == {"q4_1", "q8_0"}
     assert info.bytes_per_weight < 0.75  # Q4_1: 20 bytes per 32 weights; embedding Q8_0
-    layer = model.model.layers[3]
+    layer, ref = model.model.layers[3], dense_default.model.layers[3]
     q, k, v = decoder.wqkv[3]
-    for packed, w in [(q, layer.self_attn.q_proj.weight), (k, layer.self_attn.k_proj.weight),
-                      (v, layer.self_attn.v_proj.weight), (decoder.wdown[3][0], layer.mlp.down_proj.weight)]:  # fmt: skip
+    assert q is layer.self_attn.q_proj.packed and decoder.embed is model.model.embed_tokens.packed
+    for packed, w in [(q, ref.self_attn.q_proj.weight), (k, ref.self_attn.k_proj.weight),
+                      (v, ref.self_attn.v_proj.weight), (decoder.wdown[3][0], ref.mlp.down_proj.weight)]:  # fmt: skip
         assert torch.allclose(kernels.unpack(packed), w.float(), rtol=1e-6, atol=1e-7)
+    embed = dense_weight(model.model.embed_tokens)
+    assert torch.allclose(embed, dense_default.model.embed_tokens.weight, rtol=1e-6, atol=1e-7)
     ids = default_model.tokenizer("The capital of France is", add_special_tokens=False)["input_ids"]
     engine = Engine(model, default_model.tokenizer, decoder=decoder)
     greedy = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=40)
     got = [t for c in engine.generate(engine.new_cache(), ids, greedy) for t in c.token_ids]
     assert len(got) >= 20  # the engine stops at an end-of-turn token, the reference does not
-    assert got == greedy_by_recompute(model, ids, len(got))
+    assert got == greedy_by_recompute(dense_default, ids, len(got))
+
+
+@pytest.mark.slow
+def test_packed_model_logits_equal_the_dequantized_model(default_model, dense_default):
+    """transformers' forward pass on the packed model (prefill: dequantize by band + GEMM;
+    one token: the native matrix-vector product) equals the float32 dequantized model's."""
+    ids = default_model.tokenizer("Tell me a story about a cat who learned to fly. " * 3)["input_ids"]
+    with torch.no_grad():
+        for n in (1, 3, len(ids)):
+            x = torch.tensor([ids[:n]])
+            torch.testing.assert_close(default_model.model(x).logits, dense_default(x).logits, rtol=1e-4, atol=1e-4)

@@ -170,3 +170,27 @@ def test_streaming_on_the_files_own_blocks_equals_plain_engine(files, arch):
         results[name] = (got, list(session.cache_ids), session.evicted_total)
         assert session.evicted_total > 0
     assert results["fast"] == results["plain"]
+
+
+def test_llama3_files_carry_their_rope_scaling(tmp_path, monkeypatch):
+    """Llama-3.x shapes get llama.cpp's ``rope_freqs.weight``; loaded, the model's rotary
+    frequencies are transformers' own llama3 ones for the same settings."""
+    import dataclasses
+
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from chatbot.models.loader import load_model
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert pick_shape("llama", "8B").llama3_rope == (8.0, 1.0, 4.0, 8192)
+    shape = dataclasses.replace(SHAPES["llama"]["tiny"], rope_theta=5e5, llama3_rope=(32.0, 1.0, 4.0, 64))
+    path = tmp_path / "llama3.gguf"
+    write_synthetic_gguf(path, "llama", shape, "Q8_0", seed=2)
+    assert "rope_freqs.weight" in {t.name for t in GGUFReader(str(path)).tensors}
+    loaded = load_model(str(path), device="cpu")
+    rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+    config = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, rope_parameters=rope)
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    torch.testing.assert_close(loaded.model.model.rotary_emb.inv_freq, expected.float(), rtol=1e-6, atol=0)

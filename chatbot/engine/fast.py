@@ -3,14 +3,17 @@
 transformers spends about half of a one-token forward pass in Python and framework code
 (masks, position ids, ~700 small ops for a 30-layer model), and its float32 matrix-vector
 products reach well under half of the memory bandwidth. Here, prefill stays with
-transformers (its batched float32 matmuls are fast), and every decoded token is one call
-into `kernels.c`, which runs the whole forward pass for one token in one OpenMP region.
+transformers (its batched float32 matmuls are fast; for a GGUF model loaded as it is, each
+matrix is dequantized band by band for them, `chatbot.engine.packed`), and every decoded
+token is one call into `kernels.c`, which runs the whole forward pass for one token in one
+OpenMP region.
 
 The weights are packed once per model, in one of these formats (`DecodeOptions.weights`):
 
 - ``f32``: float32, the model as loaded (outputs equal the reference up to rounding);
 - ``auto``: for a model loaded from a GGUF file, each matrix as the file stores it (Q4_K,
-  Q6_K, Q5_0, Q8_0, Q4_1... read from the memory-mapped file, `gguf_weights`); otherwise per
+  Q6_K, Q5_0, Q8_0, Q4_1... on the memory-mapped file, `gguf_weights`: the very matrices of
+  the model's packed modules, or read from the file for a dequantized model); otherwise per
   matrix the smallest format that holds it exactly: Q4_1/Q8_0, bfloat16 for a bf16
   checkpoint, else float32; the model's own weights, no extra quantization of them;
 - ``int8``: Q8_0 everywhere (int8, one scale per 32 weights), lossy;

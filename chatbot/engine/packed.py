@@ -7,9 +7,9 @@ does (prefill, `--opt off`, the compat APIs, perplexity) without a float32 copy 
 
 - a product with a few rows of input (decoding one token through transformers) runs the
   native matrix-vector kernel on the packed rows, in float32 activations;
-- a product with more rows (prefill) dequantizes the matrix band by band into a small
-  per-thread scratch buffer (16 MB) and multiplies each band with torch's GEMM, so the
-  float32 weights exist only one band at a time, while they are in the CPU's caches.
+- a product with more rows (prefill) dequantizes the matrix into a per-thread scratch buffer,
+  in bands of at most 64 MB, and multiplies each band with torch's GEMM, so at most one
+  matrix (or band) of float32 weights exists at a time.
 
 Both compute in float32 with the weights the file stores, exactly as a model dequantized
 once would, up to the order of the additions.
@@ -32,9 +32,13 @@ from chatbot.engine import kernels
 
 SMALL_INPUT_ROWS = 4
 """Up to this many input rows, a product runs as matrix-vector products on the packed rows."""
-BAND_FLOATS = 1 << 22
-"""Floats of one dequantized band (16 MB): small enough to stay in the caches, large enough
-for an efficient GEMM."""
+BAND_FLOATS = 1 << 24
+"""Most floats of one dequantized band (64 MB): every matrix of a 1.5B model fits in one band
+(a 3B-8B model's MLP matrices take 2-4), so a forward pass makes about one GEMM call per
+matrix, as with float32 weights. Smaller
+bands cost no CPU time on a quiet machine, but each GEMM call ends in a barrier of torch's
+threads, and on a busy one the ~95 calls per layer of 2 MB bands made a 1.5B model's prefill
+3x slower (66 s against 21 s for 41 tokens at a load average of 7 on 2 cores)."""
 
 _local = threading.local()
 
@@ -58,11 +62,13 @@ def packed_matmul(p: kernels.PackedMatrix, x: torch.Tensor, threads: int | None 
     Args:
         p: the packed matrix.
         x: float32 inputs, one per row.
-        threads: OpenMP threads for the native parts (default: torch's thread count).
+        threads: OpenMP threads for the native parts (default 1: each call is short, and
+            on a busy machine a descheduled thread would stall the others at its barrier,
+            hundreds of times per forward pass; torch's GEMM does the heavy part).
     """
     x = x.to(torch.float32).contiguous()
     n = x.shape[0]
-    threads = threads or torch.get_num_threads()
+    threads = threads or 1
     if p.fmt == kernels.FMT_F32:
         return torch.nn.functional.linear(x, p.data)
     lib = kernels.load_library()
