@@ -163,3 +163,50 @@ class ChatConfig:
     system: str | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Which model to load and how: the arguments of `chatbot.models.loader.load_model`."""
+
+    model: str | None = None  # None: the embedded default model
+    device: str = "auto"
+    dtype: str = "auto"
+    quantize: str | None = None
+    device_map: str | dict[str, Any] | None = None
+    max_memory: str | dict[Any, Any] | None = None
+    revision: str | None = None
+    trust_remote_code: bool = False
+    template: str | None = "auto"
+
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments of `load_model` besides the source."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "model"}
+
+
+@dataclass
+class RunConfig:
+    """Everything `chatbot run` resolved once from the defaults, a preset and the flags.
+
+    `sampling` holds every sampling setting with None where nobody set it: those come from
+    the model's generation_config once it is loaded (`session.sampling_from_model`).
+    """
+
+    load: LoadConfig = field(default_factory=LoadConfig)
+    system: str | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def validated(self) -> RunConfig:
+        """Check the values given before a (slow) model load.
+
+        Raises:
+            ConfigError: naming the key and the allowed range.
+        """
+        SamplingConfig(**{k: v for k, v in self.sampling.items() if v is not None}).validated()
+        self.engine.validated()
+        return self
+
+    def chat_config(self, sampling: SamplingConfig) -> ChatConfig:
+        """The session's settings, with `sampling` completed from the loaded model."""
+        return ChatConfig(system=self.system, sampling=sampling, engine=self.engine)

@@ -13,20 +13,20 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 
 from chatbot.config import SamplingConfig
-from chatbot.engine.stats import TurnStats
+from chatbot.engine.stats import TurnStats, merge_stats, summarize
 from chatbot.errors import ChatbotError, ConfigError
-from chatbot.session import SAVE_FORMAT, SAVE_VERSION, Turn, merge_stats, parse_saved, write_saved
+from chatbot.persist import SavedConversation, Turn, parse_saved, saved_dict
+from chatbot.session_log import Event, LoggedSession
 
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 300.0  # a long prompt on a busy CPU server may take minutes to prefill
@@ -183,7 +183,7 @@ class RemoteBackend:
         limit = (mine or {}).get("max_model_len")
         return int(limit) if isinstance(limit, int) else None
 
-    def stream(self, messages: list[dict[str, str]], sampling: SamplingConfig,
+    def stream(self, messages: list[ChatCompletionMessageParam], sampling: SamplingConfig,
                extra: dict[str, Any] | None = None) -> Iterator[Any]:
         """POST /v1/chat/completions with stream=true; yields the client's chunk objects.
 
@@ -203,7 +203,7 @@ class RemoteBackend:
         for attempt in range(RETRIES + 1):
             try:
                 response = self.client.chat.completions.create(
-                    model=self.model, messages=messages, stream=True,  # type: ignore[arg-type]
+                    model=self.model, messages=messages, stream=True,
                     stream_options={"include_usage": True}, **body)
                 break
             except openai.APIConnectionError as exc:
@@ -266,12 +266,12 @@ def remote_sampling(**overrides: Any) -> SamplingConfig:
     Raises:
         ConfigError: a value is out of range.
     """
-    values = {"top_k": 0, "repetition_penalty": 1.0}
+    values: dict[str, Any] = {"top_k": 0, "repetition_penalty": 1.0}
     values.update({k: v for k, v in overrides.items() if v is not None})
     return dataclasses.replace(SamplingConfig(), **values).validated()
 
 
-class RemoteSession:
+class RemoteSession(SavedConversation, LoggedSession):
     """The conversation as messages, answered by a server; the same methods as
     `ChatSession` where the REPL uses them.
 
@@ -290,8 +290,10 @@ class RemoteSession:
 
     # -- state -----------------------------------------------------------------------------
 
-    def messages(self) -> list[dict[str, str]]:
-        msgs = [{"role": "system", "content": self.system}] if self.system else []
+    def messages(self) -> list[ChatCompletionMessageParam]:
+        msgs: list[ChatCompletionMessageParam] = []
+        if self.system:
+            msgs.append({"role": "system", "content": self.system})
         for t in self.turns:
             msgs.append({"role": "user", "content": t.user})
             msgs.append({"role": "assistant", "content": t.answer})
@@ -306,16 +308,11 @@ class RemoteSession:
         return self.backend.max_context or 0
 
     def summary(self) -> dict[str, Any]:
-        gen = sum(t.stats.generated_tokens for t in self.turns)
-        ctx = sum(t.stats.context_tokens for t in self.turns)
-        dec = sum(t.stats.decode_time_s for t in self.turns)
-        lat = sum(len(t.stats.token_latencies_s) for t in self.turns)
-        return {"turns": len(self.turns), "context_tokens": ctx, "generated_tokens": gen,
-                "decode_tps": lat / dec if dec else 0.0, "cache_tokens": self.last_total_tokens}
+        return summarize([t.stats for t in self.turns], self.last_total_tokens)
 
     # -- a turn ------------------------------------------------------------------------------
 
-    def send(self, text: str, sampling: SamplingConfig | None = None) -> Iterator[RemoteChunk]:
+    def send(self, text: str, sampling: SamplingConfig | None = None) -> Generator[RemoteChunk, None, None]:
         """Add a user message and stream the answer (see `ChatSession.send`).
 
         Raises:
@@ -324,18 +321,18 @@ class RemoteSession:
         """
         if not text.strip():
             raise ChatbotError("empty message")
-        return self._answer(Turn(text, "", RemoteStats()), sampling or self.sampling, new=True)
+        return self._logged(self._answer(Turn(text, "", RemoteStats()), sampling or self.sampling, new=True), text)
 
-    def retry(self, sampling: SamplingConfig | None = None) -> Iterator[RemoteChunk]:
+    def retry(self, sampling: SamplingConfig | None = None) -> Generator[RemoteChunk, None, None]:
         if not self.turns:
             raise ChatbotError("nothing to retry")
-        return self._answer(self.turns[-1], sampling or self.sampling, new=False)
+        return self._logged(self._answer(self.turns[-1], sampling or self.sampling, new=False), None)
 
     def can_continue(self) -> bool:
         t = self.turns[-1] if self.turns else None
         return t is not None and (t.interrupted or t.stats.finish_reason in ("length", "interrupted"))
 
-    def continue_answer(self, sampling: SamplingConfig | None = None) -> Iterator[RemoteChunk]:
+    def continue_answer(self, sampling: SamplingConfig | None = None) -> Generator[RemoteChunk, None, None]:
         """Go on with the last answer: it is sent as the final assistant message with vLLM's
         `continue_final_message` (llama.cpp and ollama continue a final assistant message
         by themselves)."""
@@ -343,11 +340,11 @@ class RemoteSession:
             raise ChatbotError("nothing to continue")
         if not self.can_continue():
             raise ChatbotError("the last answer ended by itself; /retry asks for a new one")
-        return self._answer(self.turns[-1], sampling or self.sampling, new=False, extend=True)
+        return self._logged(self._answer(self.turns[-1], sampling or self.sampling, new=False, extend=True), None)
 
-    def _answer(self, turn: Turn, sampling: SamplingConfig, new: bool, extend: bool = False) -> Iterator[RemoteChunk]:
+    def _answer(self, turn: Turn, sampling: SamplingConfig, new: bool, extend: bool = False) -> Generator[RemoteChunk, None, None]:
         history = self.messages() if new else self.messages()[:-2]
-        messages = [*history, {"role": "user", "content": turn.user}]
+        messages: list[ChatCompletionMessageParam] = [*history, {"role": "user", "content": turn.user}]
         extra: dict[str, Any] | None = None
         before = turn.answer if extend else ""
         if extend:
@@ -393,30 +390,31 @@ class RemoteSession:
     def undo(self) -> Turn:
         if not self.turns:
             raise ChatbotError("nothing to undo")
-        return self.turns.pop()
+        turn = self.turns.pop()
+        self._log(Event.UNDO)
+        return turn
 
     def reset(self) -> None:
         self.turns = []
         self.last_total_tokens = 0
+        self._log(Event.RESET)
 
     def set_system(self, text: str | None, on_progress: ProgressCallback | None = None) -> int:
         """Replace the system prompt; nothing is encoded here (the server does it with the
         next message). Returns 0."""
         self.system = text if text and text.strip() else None
+        self._log(Event.SYSTEM, system=self.system)
         return 0
 
     def set_sampling(self, sampling: SamplingConfig) -> None:
         self.sampling = sampling
+        self._log(Event.SETTINGS, settings=sampling.as_dict())
 
     # -- saving and loading ------------------------------------------------------------------
 
     def to_dict(self, model: str | None = None) -> dict[str, Any]:
-        return {
-            "format": SAVE_FORMAT, "version": SAVE_VERSION, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "model": model, "server": self.backend.base_url, "system": self.system,
-            "settings": self.sampling.as_dict(), "messages": self.messages(),
-            "turns": [t.as_dict() for t in self.turns],
-        }
+        data = saved_dict(self.system, self.sampling, self.messages(), self.turns, model)
+        return {**data, "server": self.backend.base_url}
 
     def restore(self, data: Any, on_progress: ProgressCallback | None = None, encode: bool = True,
                 warnings: list[str] | None = None) -> int:
@@ -428,15 +426,9 @@ class RemoteSession:
         system, sampling, turns = parse_saved(data, self.sampling, warnings)
         self.system, self.turns, self.sampling = system, turns, sampling
         self.last_total_tokens = 0
+        self._log(Event.LOAD, state=self.to_dict(self.model_name))
         return 0
 
-    def save(self, path: str | os.PathLike[str], model: str | None = None) -> Path:
-        """Write `to_dict` as JSON, as ChatSession does (`write_saved`).
-
-        Raises:
-            ChatbotError: the file cannot be written.
-        """
-        return write_saved(path, self.to_dict(model))
 
 
 def _stats(t0: float, arrivals: list[float], usage: Any, finish: str | None) -> RemoteStats:

@@ -132,10 +132,10 @@ def tiny_model_dir(root: Path) -> Path:
     """The tests' tiny random Llama with its trained tokenizer, saved once."""
     path = root / "tiny-model"
     if not (path / "config.json").exists():
-        from conftest import make_llama, make_tokenizer
+        from helpers import make_model, make_tokenizer
 
         tok = make_tokenizer()
-        model = make_llama(len(tok))
+        model = make_model(len(tok))
         with contextlib.redirect_stderr(io.StringIO()):
             model.save_pretrained(path)
             tok.save_pretrained(path)
@@ -191,23 +191,23 @@ def run_pipe(args: argparse.Namespace, work: Path) -> dict[str, int]:
 def run_repl(args: argparse.Namespace, work: Path) -> dict[str, int]:
     """In-process through prompt_toolkit (keys typed at the prompt), batches of 50."""
     import torch
-    from conftest import make_llama, make_tokenizer
+    from helpers import make_model, make_tokenizer
     from prompt_toolkit.input import create_pipe_input
     from prompt_toolkit.output import DummyOutput
     from rich.console import Console
 
+    from chatbot import session_log
     from chatbot.config import ChatConfig, SamplingConfig
     from chatbot.engine.generate import Engine
     from chatbot.models.loader import LoadedModel
     from chatbot.session import ChatSession
-    from chatbot.terminal import session_log
     from chatbot.terminal.repl import Repl
 
     torch.set_num_threads(1)
     rng = random.Random(args.seed + 1)
     files = make_files(work / "files")
     tok = make_tokenizer()
-    model = make_llama(len(tok))
+    model = make_model(len(tok))
     result = {"inputs": 0, "batches": 0, "tracebacks": 0, "internal_errors": 0, "hangs": 0, "lost_turns": 0,
               "invariant_broken": 0}
 
@@ -325,7 +325,7 @@ def run_cmdline(args: argparse.Namespace, work: Path) -> dict[str, int]:
 
 def run_kill(args: argparse.Namespace, work: Path) -> dict[str, int]:
     """kill -9 at random points; each round resumes the log of the one before."""
-    from chatbot.terminal import session_log
+    from chatbot import session_log
 
     rng = random.Random(args.seed + 2)
     model = tiny_model_dir(work)
@@ -468,7 +468,7 @@ def run_load(args: argparse.Namespace, work: Path) -> dict[str, object]:
     """/load of 500, 1,000 and 2,000 turns on the tiny model (streaming cache, one thread):
     seconds to split it into turns and to encode it."""
     import torch
-    from conftest import make_llama, make_tokenizer
+    from helpers import make_model, make_tokenizer
 
     from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
     from chatbot.engine.generate import Engine
@@ -476,7 +476,7 @@ def run_load(args: argparse.Namespace, work: Path) -> dict[str, object]:
 
     torch.set_num_threads(1)
     tok = make_tokenizer()
-    model = make_llama(len(tok), max_position_embeddings=1 << 20)
+    model = make_model(len(tok), max_position_embeddings=1 << 20)
     rows = {}
     for n in (500, 1000, 2000):
         engine = Engine(model, tok, max_context=1 << 20)

@@ -1,80 +1,45 @@
-"""Shared fixtures: a tiny random Llama with a tokenizer trained in the test, and the real
-default model (slow tier)."""
+"""Shared fixtures: a tiny random Llama with a tokenizer trained in the test, the native
+kernels built once per session, and the real default model (slow tier).
+
+Only fixtures and hooks live here; what tests import (the model factory, the tokenizer, the
+references) is in helpers.py."""
 
 from __future__ import annotations
 
 import os
 
+# Every TrackedCache checks its invariant after each change (also in REPL subprocesses).
+os.environ.setdefault("CHATBOT_DEBUG_CACHE", "1")
+
 import pytest
 import torch
-
-CHATML = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a tiny test model.<|im_end|>\n' }}{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-CORPUS = [
-    "Hello there! How are you today? I am fine, thank you.",
-    "The quick brown fox jumps over the lazy dog. Café, naïve, résumé, Zürich.",
-    "日本語のテキストと中文文本, emoji 🙂🚀🎉 and symbols like € and ✓.",
-    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
-    "You are a helpful assistant. Answer briefly and clearly.",
-]
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+from helpers import make_model, make_tokenizer, write_tiny_gguf
 
 
-def make_tokenizer():
-    """A byte-level BPE trained on a few lines, with ChatML special tokens and template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "needs_kernels: calls the native C kernels; skipped where they cannot be built"
     )
-    tok.train_from_iterator(CORPUS * 3, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        unk_token="<|endoftext|>",
-        pad_token="<|im_end|>",
-    )
-    fast.chat_template = CHATML
-    return fast
 
 
-def make_llama(vocab_size: int, layers: int = 2, seed: int = 0, attn: str = "sdpa", **overrides):
-    from transformers import LlamaConfig, LlamaForCausalLM
+@pytest.fixture(scope="session")
+def native_kernels():
+    """The C kernels, compiled (or found in the build cache) once per session; skips the
+    test that asks, with the reason, where they cannot be built (no C compiler). pytest
+    keeps the skip too, so a machine without a compiler tries once."""
+    from chatbot.engine import kernels
 
-    torch.manual_seed(seed)
-    settings = dict(  # noqa: C408 - keyword form, as LlamaConfig takes them
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        tie_word_embeddings=True,
-    )
-    config = LlamaConfig(**{**settings, **overrides})
-    config._attn_implementation = attn
-    model = LlamaForCausalLM(config)
-    # Random init gives near-uniform logits; scale up so greedy choices are well separated.
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    return model.eval()
+    try:
+        return kernels.load_library()
+    except kernels.KernelsUnavailable as exc:  # pragma: no cover - depends on the machine
+        pytest.skip(f"needs the native kernels: {exc}")
+
+
+@pytest.fixture(autouse=True)
+def _kernels_for_marked_tests(request):
+    """Tests marked `needs_kernels` (helpers.needs_kernels) get the session's kernels."""
+    if request.node.get_closest_marker("needs_kernels") is not None:
+        request.getfixturevalue("native_kernels")
 
 
 @pytest.fixture(scope="session")
@@ -84,7 +49,7 @@ def tiny_tokenizer():
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_tokenizer):
-    return make_llama(len(tiny_tokenizer))
+    return make_model(len(tiny_tokenizer))
 
 
 @pytest.fixture
@@ -92,6 +57,18 @@ def tiny_engine(tiny_model, tiny_tokenizer):
     from chatbot.engine.generate import Engine
 
     return Engine(tiny_model, tiny_tokenizer)
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path, monkeypatch):
+    """A llama GGUF written from a tiny model (helpers.write_tiny_gguf): (path, model,
+    tokenizer); the conversion cache in tmp_path."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tok = make_tokenizer()
+    model = make_model(len(tok))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, model, tok)
+    return path, model, tok
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import make_llama, make_tokenizer
+from helpers import make_model, make_tokenizer
 
 
 class ScriptedModel:
@@ -68,12 +68,13 @@ def main() -> None:
     from chatbot.engine.generate import Engine
     from chatbot.models.loader import LoadedModel
     from chatbot.session import ChatSession
-    from chatbot.terminal.repl import Repl, make_consoles
+    from chatbot.terminal.repl import Repl
     from chatbot.terminal.repl import run as run_repl
+    from chatbot.terminal.tty import make_consoles
 
     tokenizer = make_tokenizer()
     answers = [tokenizer.encode(p.read_text(encoding="utf-8"), add_special_tokens=False) for p in args.answers]
-    model = ScriptedModel(make_llama(len(tokenizer)), answers, tokenizer.eos_token_id, args.delay)
+    model = ScriptedModel(make_model(len(tokenizer)), answers, tokenizer.eos_token_id, args.delay)
     engine = Engine(model, tokenizer, max_context=4096)
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=max(len(a) for a in answers) + 8)
     session = ChatSession(engine, ChatConfig(sampling=sampling))

@@ -32,10 +32,10 @@ def save_tiny_model(folder: Path, max_position_embeddings: int = 4096) -> Path:
     (embedding column 0) and the head's column 0 pushes every other token far down.
     """
     import torch
-    from conftest import make_llama, make_tokenizer
+    from helpers import make_model, make_tokenizer
 
     tok = make_tokenizer()
-    model = make_llama(len(tok), max_position_embeddings=max_position_embeddings, tie_word_embeddings=False)
+    model = make_model(len(tok), max_position_embeddings=max_position_embeddings, tie_word_embeddings=False)
     special = set(tok.all_special_ids)
     bad = [i for i in range(len(tok))
            if i in special or not all(32 <= ord(ch) < 127 for ch in tok.decode([i])) or not tok.decode([i])]

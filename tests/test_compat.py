@@ -7,10 +7,11 @@ prompts written out by hand.
 from __future__ import annotations
 
 import inspect
+import itertools
 
 import pytest
 import torch
-from helpers import full_logits, greedy_by_recompute
+from helpers import full_logits, greedy_by_recompute, make_model
 from transformers import DynamicCache, GenerationConfig
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
@@ -26,9 +27,9 @@ from chatbot.compat import (
     streaming_chat,
 )
 from chatbot.config import SamplingConfig
-from chatbot.models.templates import held_back
 from chatbot.engine.generate import Engine
 from chatbot.engine.sink_cache import SinkCache
+from chatbot.engine.stops import StopStrings
 from chatbot.errors import ConfigError, StreamingUnsupportedError
 
 
@@ -95,7 +96,7 @@ def test_streaming_chat_cumulative_response_and_history(tiny_model, tiny_tokeniz
     assert engine_calls["generate"] == 1  # the engine's loop, not one of our own
     responses = [r for r, _ in events]
     assert len(events) == 6
-    for a, b in zip(responses, responses[1:]):
+    for a, b in itertools.pairwise(responses):
         assert b.startswith(a)
     prompt_ids = tiny_tokenizer(get_prompt_template("Hello there!", history))["input_ids"]
     expected = greedy_by_recompute(tiny_model, prompt_ids, 6, stop={tiny_tokenizer.eos_token_id})
@@ -110,7 +111,8 @@ def test_streaming_chat_cumulative_response_and_history(tiny_model, tiny_tokeniz
 
 def test_streaming_chat_reuses_the_cache(tiny_model, tiny_tokenizer, engine_calls):
     history, cache = [], None
-    for _, history, cache in streaming_chat(tiny_model, tiny_tokenizer, "Hello there!", history=history,
+    for _, history, cache in streaming_chat(  # noqa: B020 - the upstream API's own form
+        tiny_model, tiny_tokenizer, "Hello there!", history=history,
                                             do_sample=False, max_new_tokens=5, return_past_key_values=True):
         pass
     assert isinstance(cache, DynamicCache)
@@ -196,7 +198,7 @@ def test_stream_generate_yields_growing_ids(tiny_model, tiny_tokenizer, engine_c
     assert [o.shape[1] for o in outs] == [n + 1, n + 2, n + 3, n + 4, n + 5]
     prompt = ids.input_ids[0].tolist()
     assert outs[-1][0].tolist() == prompt + greedy_by_recompute(tiny_model, prompt, 5)
-    for a, b in zip(outs, outs[1:]):
+    for a, b in itertools.pairwise(outs):
         assert torch.equal(b[:, :-1], a)
 
 
@@ -366,7 +368,7 @@ def test_stream_generator_stop_token_is_fed_back(tiny_model, tiny_tokenizer, tin
     assert last["timing"]["total_tokens"] == len(prompt) + n + 1
     cache = persistent_cache(tiny_model)
     assert cache.get_seq_length() == len(prompt) + n + 1
-    logits = tiny_engine.prefill(cache, [7])
+    logits = tiny_engine.prefill(tiny_engine.track(cache), [7])
     assert torch.allclose(logits, full_logits(tiny_model, prompt + free[: n + 1] + [7])[-1], atol=1e-4)
 
 
@@ -384,7 +386,9 @@ def test_stream_generator_eos_and_echo(tiny_model, tiny_tokenizer):
 
 
 def test_partial_stop_string_is_held_back():
-    held = held_back
+    def held(text, stops):
+        return StopStrings(stops).held_back(text)
+
     assert held("Hello ##", ["###"]) == 2
     assert held("Hello #", ["###"]) == 1
     assert held("Hello", ["###"]) == 0
@@ -406,7 +410,7 @@ def test_stream_generator_stop_strings(tiny_model, tiny_tokenizer):
     assert events[-1]["finish_reason"] == "stop"
     for e in events[:-1]:
         assert expected.startswith(e["text"])
-        assert held_back(e["text"], [stop]) == 0  # never ends in a possible stop start
+        assert StopStrings([stop]).held_back(e["text"]) == 0  # never ends in a possible stop start
 
 
 # --- StreamingLLM: enable_streaming_llm ---------------------------------------------------------
@@ -414,9 +418,7 @@ def test_stream_generator_stop_strings(tiny_model, tiny_tokenizer):
 
 @pytest.fixture
 def streaming_model(tiny_tokenizer):
-    from conftest import make_llama
-
-    return make_llama(len(tiny_tokenizer))
+    return make_model(len(tiny_tokenizer))
 
 
 def test_enable_streaming_llm_returns_a_sink_cache(streaming_model):
@@ -486,7 +488,8 @@ def test_sink_cache_drives_every_adapter(streaming_model, tiny_tokenizer):
 
     history, cache = [], enable_streaming_llm(streaming_model, start_size=4, recent_size=40, evict_block=8)
     for query in ["Hello there!", "How are you today?", "The quick brown fox?", "Café?"]:
-        for _, history, cache in streaming_chat(streaming_model, tiny_tokenizer, query, history=history,
+        for _, history, cache in streaming_chat(  # noqa: B020 - the upstream API's own form
+            streaming_model, tiny_tokenizer, query, history=history,
                                                 past_key_values=cache, do_sample=False, max_new_tokens=6,
                                                 return_past_key_values=True):
             pass

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import greedy_by_recompute
+from helpers import greedy_by_recompute, make_model
 from torch.nn import CrossEntropyLoss
 from transformers import DynamicCache
 
@@ -44,9 +44,7 @@ TEXT = " ".join(["the quick brown fox jumps over the lazy dog, and then it sleep
 @pytest.fixture
 def model(tiny_tokenizer):
     """A fresh tiny Llama per test: `enable_streaming_llm` leaves a hook on its model."""
-    from conftest import make_llama
-
-    m = make_llama(len(tiny_tokenizer))
+    m = make_model(len(tiny_tokenizer))
     yield m
     reset_persistent_cache(m)
 

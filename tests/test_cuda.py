@@ -41,9 +41,9 @@ def _greedy_recompute(model, ids: list[int], n: int) -> list[int]:
 def test_engine_on_cuda_bf16_matches_recomputation(tiny_tokenizer) -> None:
     """The persistent cache on the GPU gives the tokens that recomputing the whole
     sequence gives (float32 keeps ties out of the way on a random tiny model)."""
-    from conftest import make_llama
+    from helpers import make_model
 
-    model = make_llama(len(tiny_tokenizer)).to("cuda", torch.float32).eval()
+    model = make_model(len(tiny_tokenizer)).to("cuda", torch.float32).eval()
     ids = tiny_tokenizer("hello there, how are you", add_special_tokens=False)["input_ids"]
     assert _greedy_engine(model, tiny_tokenizer, ids, 12) == _greedy_recompute(model, ids, 12)
     assert next(model.parameters()).device.type == "cuda"

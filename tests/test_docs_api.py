@@ -26,7 +26,7 @@ def run_example(code: str, model, tokenizer) -> None:
     reset_persistent_cache(model)
     try:
         namespace = {"__name__": "docs_api", "model": model, "tokenizer": tokenizer}
-        exec(compile(code, str(DOC), "exec"), namespace)
+        exec(compile(code, str(DOC), "exec"), namespace)  # noqa: S102 - the doc examples are the test
     finally:
         reset_persistent_cache(model)
 

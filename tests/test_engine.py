@@ -25,7 +25,7 @@ def test_prefill_in_pieces_matches_one_forward(tiny_engine, tiny_model):
     last = tiny_engine.prefill(cache, ids[70:])
     ref = full_logits(tiny_model, ids)[-1]
     assert torch.allclose(last, ref, atol=1e-4)
-    assert cache.get_seq_length() == 90
+    assert cache.length == 90
 
 
 def test_greedy_decode_with_cache_equals_recompute(tiny_engine, tiny_model):
@@ -47,7 +47,7 @@ def test_stop_token_ends_answer_and_is_not_fed(tiny_engine, tiny_model):
     assert got == free[: free.index(stop)]
     assert chunks[-1].finish_reason == "stop"
     # The prompt and the answer tokens before the stop are in the cache; the stop is not.
-    assert cache.get_seq_length() == len(prompt) + len(got)
+    assert cache.length == len(prompt) + len(got)
 
 
 def test_max_new_tokens_and_stream_interval(tiny_engine):
@@ -92,7 +92,7 @@ def test_context_full_is_raised_before_any_work(tiny_model, tiny_tokenizer):
     engine.prefill(cache, list(range(5, 35)))
     with pytest.raises(ContextFullError, match="context full"):
         next(engine.generate(cache, list(range(5, 20)), GREEDY))
-    assert cache.get_seq_length() == 30
+    assert cache.length == 30
 
 
 def test_session_prefills_only_new_tokens(tiny_engine, tiny_model, tiny_tokenizer):
@@ -102,7 +102,7 @@ def test_session_prefills_only_new_tokens(tiny_engine, tiny_model, tiny_tokenize
         # the answer) and the template's "<|im_end|>\n" after it.
         pending = session.pending_ids
         assert len(pending) <= 3
-        stats = [c.stats for c in session.send(text) if c.stats][0]
+        stats = next(c.stats for c in session.send(text) if c.stats)
         prompt_seg = session.segments[session.turns[-1].first_segment]
         assert prompt_seg.kind == "prompt" and "<|im_start|>user" in prompt_seg.text
         assert stats.context_tokens == len(pending) + len(prompt_seg.ids)
@@ -113,21 +113,22 @@ def test_session_prefills_only_new_tokens(tiny_engine, tiny_model, tiny_tokenize
     # The template's end-of-turn text is always queued after an answer.
     pending = session.pending_ids
     assert pending
-    logits = tiny_engine.prefill(session.cache, pending)
+    logits = tiny_engine.prefill(session.kv, pending)
     ref = full_logits(tiny_model, session.all_ids)[-1]
     assert torch.allclose(logits, ref, atol=1e-4)
 
 
 def test_cache_crop_repairs_uneven_layers(tiny_engine):
-    cache = tiny_engine.new_cache()
-    tiny_engine.prefill(cache, list(range(5, 25)))
+    kv = tiny_engine.new_cache()
+    tiny_engine.prefill(kv, list(range(5, 25)))
+    cache = kv.cache
     # Simulate a forward pass interrupted after layer 0.
     k = cache.layers[0].keys[:, :, -1:, :].clone()
     cache.layers[0].update(k, k)
     assert cache.layers[0].get_seq_length() == 21
-    tiny_engine.crop(cache, 20)
-    assert [layer.get_seq_length() for layer in cache.layers] == [20, 20]
+    assert kv.settle()
+    assert [layer.get_seq_length() for layer in cache.layers] == [20, 20] and kv.length == 20
 
 
 def test_dynamic_cache_is_the_default(tiny_engine):
-    assert isinstance(tiny_engine.new_cache(), DynamicCache)
+    assert isinstance(tiny_engine.new_cache().cache, DynamicCache)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import tiny_llama
+from helpers import make_model
 from transformers import LlamaForCausalLM
 
 from chatbot.errors import ConfigError
@@ -21,7 +21,7 @@ def random_ids(n: int, seed: int = 3) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
-    return tiny_llama()
+    return make_model(sharp=False)
 
 
 def test_dense_equals_one_full_forward_pass(model):
@@ -64,7 +64,7 @@ def test_after_the_window_fills_the_setups_part_ways(model):
 def test_one_layer_window_equals_recompute_everywhere():
     # With one layer a cached key depends only on its token and position, so a re-rotated
     # sliding window must equal re-encoding the window from scratch at every step.
-    model = tiny_llama(num_layers=1)
+    model = make_model(layers=1, sharp=False)
     ids = random_ids(50)
     result = run_eval_ppl_ids(model, ids, start_size=2, recent_size=10, setups=("window", "recompute"))
     window = torch.tensor(result["window"]["nll"])

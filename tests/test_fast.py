@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from helpers import full_logits, greedy_by_recompute, needs_kernels
+from helpers import CORPUS, full_logits, greedy_by_recompute, make_model, needs_kernels
 from transformers.cache_utils import DynamicCache
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
@@ -21,7 +21,6 @@ from chatbot.engine.sink_cache import SinkCache, SinkLayer, rotation_for_shift
 from chatbot.session import ChatSession
 
 GREEDY = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=64)
-
 
 
 # --- references ----------------------------------------------------------------------------
@@ -165,7 +164,7 @@ def test_fast_greedy_equals_float32_reference_for_64_tokens(tiny_model, tiny_tok
     cache = engine.new_cache()
     got = answer(engine.generate(cache, prompt, GREEDY))
     assert got == greedy_by_recompute(tiny_model, prompt, 64)
-    assert cache.get_seq_length() == len(prompt) + 63  # the last token is never fed
+    assert cache.length == len(prompt) + 63  # the last token is never fed
 
 
 @needs_kernels
@@ -173,9 +172,7 @@ def test_auto_on_block_quantized_weights_matches_recompute_and_greedy_reference(
     """A model whose weights sit on the Q4_1 grid (as one converted from a Q4_1 GGUF): `auto`
     packs them exactly and runs int16 activations; logits stay within 1e-3 of a float32
     full recompute and 64 greedy tokens equal the reference."""
-    from tests.conftest import make_llama
-
-    model = make_llama(len(tiny_tokenizer))
+    model = make_model(len(tiny_tokenizer))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2 and p.shape[1] % 32 == 0:
@@ -237,7 +234,7 @@ def test_crop_after_decoding_then_continue(tiny_model, tiny_tokenizer):
             cache, prompt, SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=10)
         )
     )
-    engine.crop(cache, len(prompt) + 3)
+    assert cache.crop_to(len(prompt) + 3)
     history = prompt + first[:3]
     again = answer(
         engine.generate(
@@ -245,6 +242,21 @@ def test_crop_after_decoding_then_continue(tiny_model, tiny_tokenizer):
         )
     )
     assert again == greedy_by_recompute(tiny_model, history + [first[3]], 8)
+
+
+@needs_kernels
+def test_rope_table_and_cache_grow_past_their_first_size(tiny_model):
+    decoder = FastDecoder(tiny_model, "f32")
+    decoder._rope_cos = decoder._rope_cos[:8]  # pretend the table was made for 8 positions
+    decoder.struct.rope_len = 8
+    ids = torch.randint(3, 300, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    cache = decoder.new_cache()
+    with torch.no_grad():
+        tiny_model(input_ids=torch.tensor([ids[:2]]), cache=cache, use_cache=True)
+    for i in range(2, 300):  # crosses the 256-token first buffer size too
+        logits = decoder.decode(cache, ids[i])
+    assert decoder.struct.rope_len >= 301 and cache.layers[0].capacity == 512
+    assert torch.allclose(logits, full_logits(tiny_model, ids)[-1], atol=1e-4)
 
 
 # --- lossy levels ------------------------------------------------------------------------------
@@ -266,8 +278,6 @@ def perplexity(decoder: FastDecoder, model, ids: list[int]) -> float:
 @needs_kernels
 @pytest.mark.parametrize("level", ["int8", "int4"])
 def test_lossy_levels_keep_perplexity_close(tiny_model, tiny_tokenizer, level):
-    from tests.conftest import CORPUS
-
     ids = tiny_tokenizer(" ".join(CORPUS), add_special_tokens=False)["input_ids"][:120]
     ref = perplexity(FastDecoder(tiny_model, "f32"), tiny_model, ids)
     lossy = perplexity(FastDecoder(tiny_model, level), tiny_model, ids)
@@ -295,12 +305,10 @@ def test_default_model_perplexity_within_3_percent(default_model, level):
 
 
 def test_unsupported_models_fall_back_with_a_reason(tiny_tokenizer):
-    from tests.conftest import make_llama
-
-    gelu = make_llama(len(tiny_tokenizer), hidden_act="gelu")
+    gelu = make_model(len(tiny_tokenizer), hidden_act="gelu")
     decoder, reason = make_decoder(gelu, "auto")
     assert decoder is None and "gelu" in reason
-    bf16 = make_llama(len(tiny_tokenizer)).to(torch.bfloat16)
+    bf16 = make_model(len(tiny_tokenizer)).to(torch.bfloat16)
     decoder, reason = make_decoder(bf16, "auto")
     assert decoder is None and "float32" in reason
     assert make_decoder(bf16, "off") == (None, None)
@@ -326,137 +334,6 @@ def test_thread_tuner_settles_on_the_faster_count_and_rechecks_rarely():
         tuner.record(n, cost[n])
     assert tuner.pick() == 4
     assert ThreadTuner(1).pick() == 1
-
-
-# --- sampling ------------------------------------------------------------------------------------
-
-
-def test_fused_top_k_top_p_keeps_what_transformers_keeps():
-    from transformers.generation.logits_process import LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
-
-    from chatbot.engine.sampling import TopKTopPLogitsWarper
-
-    for trial in range(60):
-        g = torch.Generator().manual_seed(trial)
-        scores = torch.randn(2, 5000, generator=g) * (0.5 + 8 * float(torch.rand(1, generator=g)))
-        if trial % 6 == 0:
-            scores[:, :300] = scores[:, :1]  # ties at the k-th score
-        k = int(torch.randint(1, 400, (1,), generator=g))
-        p = 0.01 + 0.98 * float(torch.rand(1, generator=g))
-        chain = LogitsProcessorList([TopKLogitsWarper(k), TopPLogitsWarper(p)])
-        assert torch.equal(TopKTopPLogitsWarper(k, p)(None, scores), chain(None, scores)), (k, p)
-
-
-def test_engine_sampling_uses_the_fused_filter():
-    from chatbot.engine.generate import build_logits_processor
-    from chatbot.engine.sampling import TopKTopPLogitsWarper
-
-    names = [type(p) for p in build_logits_processor(SamplingConfig(temperature=0.7, top_k=50, top_p=0.9))]
-    assert TopKTopPLogitsWarper in names and len(names) == 3  # penalty, temperature, fused
-
-
-# --- command line ----------------------------------------------------------------------------------
-
-
-def test_run_refuses_an_unknown_opt_level_before_loading(capsys):
-    from chatbot.cli import main
-
-    with pytest.raises(SystemExit) as exc:
-        main(["run", "--opt", "turbo"])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and "'turbo' is not one of off, f32, auto, int8, int4" in err
-    assert len(err.strip().splitlines()) == 1
-
-
-def test_bench_decode_rows_and_json(monkeypatch, tmp_path, capsys):
-    """The parent side of `chatbot bench decode`: interleaved rounds, medians, the JSON shape."""
-    from chatbot.cli import main
-    from chatbot.measure import bench_decode
-
-    order = []
-
-    def fake_worker(spec):
-        order.append(spec["name"])
-        base = {"transformers-generate": 8.0, "chatbot-auto": 30.0}[spec["name"]]
-        n = len(order)
-        return {
-            "name": spec["name"], "decode_tps": base + n, "ms_per_token_p50": 1000 / (base + n),
-            "ms_per_token_p90": 1200 / (base + n), "prefill_tps": {"50": 100.0 + n, "500": 300.0, "2000": 250.0},
-            "ttft_s": 0.5, "ttft_s_by_prompt": {"50": 0.5, "500": 1.6, "2000": 8.0}, "peak_mem_mb": 900.0,
-            "tokens": [1, 2, 3] if spec["name"] == "transformers-generate" else [1, 2, 4],
-        }  # fmt: skip
-
-    monkeypatch.setattr(bench_decode, "_run_worker", fake_worker)
-    out = tmp_path / "bench.json"
-    main(
-        [
-            "bench",
-            "decode",
-            "--setups",
-            "transformers-generate,chatbot-auto",
-            "--rounds",
-            "3",
-            "--json",
-            str(out),
-        ]
-    )
-    assert order == ["transformers-generate", "chatbot-auto"] * 3
-    import json
-
-    data = json.loads(out.read_text())
-    rows = {r["name"]: r for r in data["results"]}
-    assert rows["chatbot-auto"]["decode_tps"] == 34.0  # median of 32, 34, 36
-    assert set(rows["chatbot-auto"]["prefill_tps"]) == {"50", "500", "2000"}
-    for key in ("ttft_s", "ms_per_token_p50", "ms_per_token_p90", "peak_mem_mb"):
-        assert key in rows["chatbot-auto"]
-    assert rows["chatbot-auto"]["same_tokens_as_baseline"] == 2
-    assert "machine" in data and data["machine"]["torch_threads"] >= 1
-    assert "chatbot-auto" in capsys.readouterr().out
-
-
-def test_bench_decode_also_runs_the_turns_bench_into_the_same_json(monkeypatch, tmp_path, capsys, tiny_tokenizer):
-    """`--also turns` adds the multi-turn figures (persistent cache vs re-encoding) of the
-    same model to the decode bench's table and JSON; a bench it does not know is a one-line
-    error before anything runs."""
-    import json
-
-    from helpers import assert_one_line_error, cli
-
-    from chatbot.measure import bench_decode
-
-    ran = []
-    monkeypatch.setattr(bench_decode, "_run_worker", lambda spec: ran.append(spec) or {"name": spec["name"], "error": "skipped"})
-    assert_one_line_error(capsys, "bench", "decode", "--also", "turns,latency", match="unknown bench latency")
-    assert ran == []
-    from tests.conftest import make_llama
-
-    folder = tmp_path / "tiny"
-    make_llama(len(tiny_tokenizer), max_position_embeddings=4096).save_pretrained(folder)  # room for 12 turns
-    tiny_tokenizer.save_pretrained(folder)
-    out = tmp_path / "bench.json"
-    code, stdout, _ = cli(capsys, "bench", "decode", "--setups", "chatbot-auto", "--rounds", "1",
-                          "--also", "turns", "--model", str(folder), "--json", str(out))  # fmt: skip
-    assert code == 0
-    turns = json.loads(out.read_text())["turns"]
-    assert len(turns["turns"]) == 12  # the shipped twelve-turn conversation
-    last = turns["turns"][-1]
-    assert last["persistent"]["prefill_tokens"] < last["reencode"]["prefill_tokens"]
-    assert "multi-turn chat" in stdout
-
-
-@needs_kernels
-def test_rope_table_and_cache_grow_past_their_first_size(tiny_model):
-    decoder = FastDecoder(tiny_model, "f32")
-    decoder._rope_cos = decoder._rope_cos[:8]  # pretend the table was made for 8 positions
-    decoder.struct.rope_len = 8
-    ids = torch.randint(3, 300, (300,), generator=torch.Generator().manual_seed(5)).tolist()
-    cache = decoder.new_cache()
-    with torch.no_grad():
-        tiny_model(input_ids=torch.tensor([ids[:2]]), cache=cache, use_cache=True)
-    for i in range(2, 300):  # crosses the 256-token first buffer size too
-        logits = decoder.decode(cache, ids[i])
-    assert decoder.struct.rope_len >= 301 and cache.layers[0].capacity == 512
-    assert torch.allclose(logits, full_logits(tiny_model, ids)[-1], atol=1e-4)
 
 
 def test_adopt_refuses_a_sliding_window_layer_and_a_lookalike_by_name():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import full_logits, greedy_by_recompute, needs_kernels
+from helpers import full_logits, greedy_by_recompute, make_model, needs_kernels
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
 from chatbot.engine.fast import FastDecoder
@@ -18,49 +18,26 @@ from chatbot.session import ChatSession
 pytestmark = needs_kernels
 
 GREEDY = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=48)
-TINY = dict(  # noqa: C408 - keyword form, as the configs take them
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-    pad_token_id=2, tie_word_embeddings=True,
-)  # fmt: skip
+# Each architecture with what sets it apart: q/k RMSNorm per head (qwen3, with a head size
+# other than hidden / heads), biases (llama-bias); qwen2 has q/k/v biases of its own.
+ARCH_SETTINGS = {
+    "qwen2": {"arch": "qwen2"},
+    "qwen3": {"arch": "qwen3", "head_dim": 32},
+    "llama-bias": {"arch": "llama", "attention_bias": True, "mlp_bias": True},
+}
 
 
-def _randomize(model) -> None:
-    """Non-trivial biases and norm weights (transformers initializes them to 0 and 1, which
-    would hide a missing bias or norm), and well separated greedy choices."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0.0, 0.5)
-            elif "norm" in name:
-                p.uniform_(0.5, 1.5)
-        model.lm_head.weight.mul_(8.0)
+def arch_model(arch: str, vocab: int):
+    """A tiny random model of `arch` with non-trivial biases and norm weights (seed 7)."""
+    return make_model(vocab, seed=7, randomize=True, **ARCH_SETTINGS[arch])
 
 
-def make_model(arch: str, vocab: int):
-    import transformers
-
-    torch.manual_seed(7)
-    if arch == "qwen2":
-        config = transformers.Qwen2Config(vocab_size=vocab, **TINY)
-        model = transformers.Qwen2ForCausalLM(config)
-    elif arch == "qwen3":
-        config = transformers.Qwen3Config(vocab_size=vocab, head_dim=32, **TINY)
-        model = transformers.Qwen3ForCausalLM(config)
-    else:
-        config = transformers.LlamaConfig(vocab_size=vocab, attention_bias=True, mlp_bias=True, **TINY)
-        model = transformers.LlamaForCausalLM(config)
-    model.config._attn_implementation = "sdpa"
-    _randomize(model.eval())
-    return model
-
-
-ARCHS = ["qwen2", "qwen3", "llama-bias"]
+ARCHS = list(ARCH_SETTINGS)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logits_match_full_recompute(arch, tiny_tokenizer):
-    model = make_model(arch, len(tiny_tokenizer))
+    model = arch_model(arch, len(tiny_tokenizer))
     decoder = FastDecoder(model, "f32", threads=2)
     ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     cache = decoder.new_cache()
@@ -73,7 +50,7 @@ def test_logits_match_full_recompute(arch, tiny_tokenizer):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_tokens_equal_transformers(arch, tiny_tokenizer):
-    model = make_model(arch, len(tiny_tokenizer))
+    model = arch_model(arch, len(tiny_tokenizer))
     prompt = list(range(5, 25))
     engine = Engine(model, tiny_tokenizer, decoder=FastDecoder(model, "auto"))
     got = [t for c in engine.generate(engine.new_cache(), prompt, GREEDY) for t in c.token_ids]
@@ -84,7 +61,7 @@ def test_greedy_tokens_equal_transformers(arch, tiny_tokenizer):
 def test_streaming_rerotation_uses_the_models_rope(arch, tiny_tokenizer):
     """A sink cache small enough to evict while decoding: the fast path gives the plain
     engine's tokens, cache ids and eviction count."""
-    model = make_model(arch, len(tiny_tokenizer))
+    model = arch_model(arch, len(tiny_tokenizer))
     with torch.no_grad():  # a rope base of its own, so a default-rope re-rotation would show
         rotary = model.model.rotary_emb
         rotary.inv_freq.copy_(1.0 / (1234.0 ** (torch.arange(0, rotary.inv_freq.numel()) * 2 / (2 * rotary.inv_freq.numel()))))

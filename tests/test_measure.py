@@ -93,7 +93,7 @@ def test_turns_bench_takes_medians_of_interleaved_plays(tiny_model, tiny_tokeniz
 
     from chatbot.measure.bench import run_turns_bench
 
-    loaded = SimpleNamespace(model=tiny_model, tokenizer=tiny_tokenizer, name="tiny")
+    loaded = SimpleNamespace(model=tiny_model, tokenizer=tiny_tokenizer, name="tiny", template=None)
     result = run_turns_bench(loaded, ["hello there", "and more", "one more turn"], max_new_tokens=4, repeats=3)
     assert result["repeats"] == 3
     for row in result["turns"]:

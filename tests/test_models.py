@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CHATML, make_llama, make_tokenizer
-from helpers import assert_one_line_error, cli
+from helpers import CHATML, assert_one_line_error, cli, make_model, make_tokenizer, write_tiny_gguf
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
 from chatbot.engine.generate import Engine
@@ -19,31 +18,14 @@ from chatbot.models import loader
 from chatbot.models.loader import load_model, parse_device_map, parse_max_memory
 from chatbot.session import ChatSession
 
-SMALL = {
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2,
-    "pad_token_id": 2,
-}
-
 
 def build(family: str, vocab: int):
-    """A tiny random model of a family (fixed seed)."""
-    import transformers as tf
-
-    torch.manual_seed(0)
+    """A tiny random model of a family (seed 0): the tests' sharpened Llama, the others with
+    transformers' plain init."""
     if family == "llama":
-        return make_llama(vocab)
-    if family == "mistral":
-        return tf.MistralForCausalLM(tf.MistralConfig(vocab_size=vocab, sliding_window=None, **SMALL)).eval()
-    if family == "qwen2":
-        return tf.Qwen2ForCausalLM(tf.Qwen2Config(vocab_size=vocab, **SMALL)).eval()
-    if family == "phi3":
-        return tf.Phi3ForCausalLM(tf.Phi3Config(vocab_size=vocab, **SMALL)).eval()
-    if family == "gpt2":
-        config = tf.GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=512,
-                               bos_token_id=1, eos_token_id=2)
-        return tf.GPT2LMHeadModel(config).eval()
-    raise AssertionError(family)
+        return make_model(vocab)
+    extra = {"sliding_window": None} if family == "mistral" else {}
+    return make_model(vocab, arch=family, sharp=False, **extra)
 
 
 FAMILIES = ["llama", "mistral", "qwen2", "phi3", "gpt2"]
@@ -124,75 +106,6 @@ def test_describe_shows_what_the_banner_needs(tmp_path, tok):
 
 
 # -- GGUF ---------------------------------------------------------------------------------------
-
-def _permute(w, n_head):
-    """llama.cpp's q/k row order (interleaved rotary halves); transformers undoes it on load."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def write_tiny_gguf(path: Path, model, tok) -> None:
-    """A llama GGUF (F32) with a byte-level BPE tokenizer in llama.cpp's metadata keys."""
-    import gguf
-
-    cfg = model.config
-    data = json.loads(tok.backend_tokenizer.to_str())
-    tokens = [""] * len(tok)
-    for text, i in data["model"]["vocab"].items():
-        tokens[i] = text
-    for added in data["added_tokens"]:
-        tokens[added["id"]] = added["content"]
-    merges = [" ".join(m) if isinstance(m, list) else m for m in data["model"]["merges"]]
-    specials = set(tok.all_special_tokens)
-
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in specials else 1 for t in tokens])  # 3: control
-    w.add_token_merges(merges)
-    w.add_bos_token_id(tok.bos_token_id)
-    w.add_eos_token_id(tok.eos_token_id)
-    w.add_pad_token_id(tok.pad_token_id)
-    w.add_chat_template(CHATML)
-    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])  # tied: no output.weight
-    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
-    names = {
-        "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-        "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-        "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    }
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        w.add_tensor(f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], cfg.num_attention_heads))
-        w.add_tensor(f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], cfg.num_key_value_heads))
-        for ours, theirs in names.items():
-            w.add_tensor(f"blk.{i}.{ours}.weight", sd[p + theirs + ".weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-@pytest.fixture
-def tiny_gguf(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    tok = make_tokenizer()
-    model = make_llama(len(tok))
-    path = tmp_path / "tiny.gguf"
-    write_tiny_gguf(path, model, tok)
-    return path, model, tok
-
 
 def test_gguf_loads_as_the_model_it_was_written_from(tiny_gguf, monkeypatch):
     """A GGUF file runs as it is: no converted copy, every matrix a packed module over the
@@ -385,7 +298,8 @@ def test_device_map_and_max_memory_parsing(tmp_path):
 # -- bad input: one line, exit 2, no traceback ----------------------------------------------------
 
 def test_path_that_does_not_exist(capsys, tmp_path):
-    assert_one_line_error(capsys, "run", "--model", str(tmp_path / "nowhere"), match="no such file or folder")
+    nowhere = tmp_path / "nowhere"
+    assert_one_line_error(capsys, "run", "--model", str(nowhere), match=f"no such file or folder: {nowhere}")
 
 
 def test_folder_without_config(capsys, tmp_path):
@@ -442,7 +356,7 @@ def test_template_that_cannot_render_a_system_prompt(capsys, tmp_path):
     tok = make_tokenizer()
     tok.chat_template = NO_SYSTEM
     folder = tmp_path / "nosys"
-    make_llama(len(tok)).save_pretrained(folder)
+    make_model(len(tok)).save_pretrained(folder)
     tok.save_pretrained(folder)
     assert_one_line_error(capsys, "run", "--model", str(folder), "--system", "Be brief.",
                           match="cannot render a system prompt (System role not supported)")
@@ -503,7 +417,7 @@ def test_models_lists_presets_caches_and_folders(capsys, tmp_path, tok, monkeypa
     monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     save(tmp_path / "mine", "qwen2", tok, "my-qwen")
-    write_tiny_gguf(tmp_path / "mine" / "tiny.gguf", make_llama(len(tok)), tok)
+    write_tiny_gguf(tmp_path / "mine" / "tiny.gguf", make_model(len(tok)), tok)
     code, out, err = cli(capsys, "models", str(tmp_path / "mine"))
     assert code == 0, err
     assert "presets (chatbot run --preset NAME):" in out

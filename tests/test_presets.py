@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import assert_one_line_error, cli
+from helpers import assert_one_line_error, cli, make_model, make_tokenizer
 
 from chatbot.errors import ConfigError
 from chatbot.models.presets import (
@@ -137,11 +137,9 @@ def test_run_refuses_a_bad_preset_before_loading(capsys, tmp_path, monkeypatch):
 def test_run_uses_the_preset_and_flags_override(capsys, tmp_path, monkeypatch):
     """The settings reach the loader and the session: the preset's model, template and
     sampling, with the flag's temperature on top."""
-    from conftest import make_llama, make_tokenizer
-
     tok = make_tokenizer()
     model_dir = tmp_path / "tiny"
-    make_llama(len(tok)).save_pretrained(model_dir)
+    make_model(len(tok)).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     preset = tmp_path / "mine.yaml"
     preset.write_text(

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_llama, make_tokenizer
-from helpers import assert_one_line_error
+from helpers import assert_one_line_error, make_model, make_tokenizer
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
 from chatbot.engine.generate import Engine
@@ -25,7 +24,7 @@ LAYER = {"4bit": "Linear4bit", "8bit": "Linear8bitLt"}
 def tiny_folder(tmp_path_factory):
     tok = make_tokenizer()
     folder = tmp_path_factory.mktemp("tiny")
-    make_llama(len(tok)).save_pretrained(folder)
+    make_model(len(tok)).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
 
@@ -54,8 +53,8 @@ def test_tiny_model_quantized(mode, tiny_folder):
     assert loaded.describe()["quantization"] == (
         "bitsandbytes 4-bit nf4 (compute float32, double quant)" if mode == "4bit" else "bitsandbytes 8-bit (LLM.int8)"
     )
-    assert loaded.num_parameters == sum(p.numel() for p in make_llama(400).parameters())
-    reference = make_llama(400)
+    assert loaded.num_parameters == sum(p.numel() for p in make_model(400).parameters())
+    reference = make_model(400)
     x = torch.tensor([[5, 60, 70, 80, 90, 100, 120, 7]])
     with torch.no_grad():
         got, want = loaded.model(x).logits.float(), reference(x).logits

@@ -22,8 +22,8 @@ from helpers import cli
 from test_repl import Chat
 from test_session import assert_invariant
 
+from chatbot import session_log
 from chatbot.engine.generate import GenerationChunk
-from chatbot.terminal import session_log
 from chatbot.terminal.sanitize import safe_line, safe_text
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -171,7 +171,7 @@ def test_model_output_on_a_terminal_is_made_safe(tiny_model, tiny_tokenizer, tmp
     def chunks():
         yield GenerationChunk(text="Hi \x1b]0;owned\x07 and \x1b]52;c;eA==\x07 done", token_ids=[1])
 
-    c.repl._stream(chunks(), None, replace=False)
+    c.repl._stream(chunks())
     out = c.out.getvalue()
     assert ("\x1b]0;owned\x07" in out) == raw
     assert "\x1b]52" not in out or raw
@@ -515,6 +515,7 @@ def count_rendered_messages(session, monkeypatch) -> list[int]:
 def test_load_renders_linear_in_turns(tiny_engine, monkeypatch, system):
     """Splitting a loaded chat into turns renders O(turns) messages, not O(turns²), and
     gives the same segments as rendering up to every message."""
+    from chatbot.alignment import turn_pieces, turn_pieces_windowed
     from chatbot.config import ChatConfig, SamplingConfig
     from chatbot.session import ChatSession
 
@@ -525,7 +526,8 @@ def test_load_renders_linear_in_turns(tiny_engine, monkeypatch, system):
         s.restore({"turns": [{"user": f"Hello {i}", "answer": f"Fine {i}."} for i in range(n)]}, encode=False)
         costs[n] = seen[0]
         text = s.segments[0].text if system else ""
-        assert s._turn_pieces_windowed(text) == s._turn_pieces(text)
+        sys_msgs = s._system_messages()
+        assert turn_pieces_windowed(s.render, sys_msgs, s.turns, text) == turn_pieces(s.render, sys_msgs, s.turns, text)
         assert s.rendered == s.render(s.messages(), False)
     assert costs[200] <= 2.2 * costs[100] and costs[100] <= 2.2 * costs[50], costs
     assert costs[200] < 20 * 200  # a few short windows per turn (quadratic: ~2 x 200²)
@@ -584,10 +586,8 @@ def test_benches_default_to_a_text_inside_the_package():
 
 # -- the conversion cache ---------------------------------------------------------------------
 
-from test_models import tiny_gguf  # noqa: F401 - the fixture
 
-
-def test_nan_in_the_converted_copy_is_rebuilt(tiny_gguf):  # noqa: F811 - the fixture  # noqa: F811 - the fixture
+def test_nan_in_the_converted_copy_is_rebuilt(tiny_gguf):
     """NaN written into the converted safetensors (sizes unchanged) is noticed at load and the
     copy rebuilt, instead of crashing every start at the first message."""
     import torch
@@ -614,7 +614,7 @@ def test_nan_in_the_converted_copy_is_rebuilt(tiny_gguf):  # noqa: F811 - the fi
         torch.testing.assert_close(second.model(x).logits, reference)
 
 
-def test_unwritable_conversion_cache_converts_into_a_temporary_folder(tiny_gguf, tmp_path, monkeypatch):  # noqa: F811  # noqa: F811
+def test_unwritable_conversion_cache_converts_into_a_temporary_folder(tiny_gguf, tmp_path, monkeypatch):
     from chatbot.models.loader import load_model
 
     blocker = tmp_path / "a-file"

@@ -17,14 +17,15 @@ from prompt_toolkit.output import DummyOutput
 from rich.console import Console
 from test_session import Interrupter, assert_invariant
 
+from chatbot import session_log
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
 from chatbot.engine.generate import Engine
 from chatbot.models.loader import LoadedModel
 from chatbot.session import ChatSession
-from chatbot.terminal import session_log
 from chatbot.terminal.commands import COMMANDS
+from chatbot.terminal.input import BlockReader, SlashCompleter, clean_message, read_lines
 from chatbot.terminal.render import answer_renderable, split_thinking
-from chatbot.terminal.repl import BlockReader, Repl, SlashCompleter, clean_message, read_lines
+from chatbot.terminal.repl import Repl
 
 SAMPLING = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=8)
 
@@ -142,7 +143,7 @@ def test_scripted_session_uses_every_command(tiny_model, tiny_tokenizer, tmp_pat
     assert "conversation cleared" in err and "loaded 4 turns" in err
     assert "did you mean /retry?" in err
     assert err.count("error:") == 2 and "Traceback" not in err
-    assert len(re.findall(r"^context \d+ tok", err, re.M)) >= 7
+    assert len(re.findall(r"^context \d+ tok", err, re.MULTILINE)) >= 7
     saved = json.loads(save.read_text())
     assert saved["system"] == "You are a tiny test model." and saved["model"] == "tiny-llama"
     assert saved["settings"]["temperature"] == 0.5 and saved["settings"]["seed"] == 3
@@ -359,7 +360,14 @@ def test_real_chat_interrupt_and_resume(tmp_path):
         child.expect(">")
         child.sendline("Write a long story about a dragon.")
         child.expect("dragon\\.")  # the line as typed
-        child.expect(r"[A-Za-z]{2,}", timeout=120)  # the answer has begun: stop it while it runs
+        # The answer has begun: the message is in the session log (written just before the
+        # prefill) and text follows. Stop it while it runs.
+        deadline = time.monotonic() + 180
+        while not any('"send"' in p.read_text() for p in (tmp_path / "chatbot" / "sessions").glob("*.jsonl")):
+            assert time.monotonic() < deadline, "the message never reached the session log"
+            child.expect([pexpect.TIMEOUT, r"\S"], timeout=0.5)
+        child.expect([pexpect.TIMEOUT, r"\S"], timeout=2)  # its fsync is done
+        child.expect(r"[A-Za-z]{2,}[ ,.]+[A-Za-z]{2,}", timeout=180)
         sent = time.perf_counter()
         child.sendintr()
         child.expect("interrupted: the partial answer is kept", timeout=20)
@@ -380,11 +388,11 @@ def test_real_chat_interrupt_and_resume(tmp_path):
     finally:
         child.close(force=True)
     assert child.exitstatus == 0
-    proc = subprocess.run([CHATBOT, "run", "--resume", "--max-new-tokens", "4"], input="/history\n",
+    proc = subprocess.run([CHATBOT, "run", "--resume", "--max-new-tokens", "4"], check=False, input="/history\n",
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "resuming session" in proc.stderr and "Say hi." in proc.stderr and "[interrupted]" in proc.stderr
-    listing = subprocess.run([CHATBOT, "sessions"], capture_output=True, text=True, env=env, timeout=60)
+    listing = subprocess.run([CHATBOT, "sessions"], check=False, capture_output=True, text=True, env=env, timeout=60)
     assert "Write a long story" in listing.stdout and "SmolLM2" in listing.stdout
 
 

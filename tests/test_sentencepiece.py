@@ -18,12 +18,13 @@ import copy
 import json
 
 import pytest
-from conftest import CORPUS, make_llama
+from helpers import CORPUS, make_model
 from test_session import assert_invariant
 from test_stop_strings import ScriptedEngine
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
 from chatbot.models.templates import apply_template
+from chatbot.persist import read_saved
 from chatbot.session import ChatSession
 
 MESSAGES = ["Hi there!", "How are you today?", "The quick brown fox.", "Answer briefly."]
@@ -69,7 +70,7 @@ def sp_tok():
 
 @pytest.fixture(scope="module")
 def sp_model(sp_tok):
-    return make_llama(len(sp_tok))
+    return make_model(len(sp_tok))
 
 
 def with_template(tok, template: str):
@@ -253,7 +254,7 @@ def test_restored_chat_keeps_turns_apart(sp_tok, sp_model, template, tmp_path):
     path = s.save(tmp_path / "chat.json")
     loaded, loaded_engine = chat(sp_tok, sp_model, template)
     loaded_engine.script = engine.script
-    loaded.load(path)
+    loaded.restore(read_saved(path))
     assert loaded.messages() == s.messages() and loaded.rendered == s.rendered
     assert all(t.first_segment >= 0 for t in loaded.turns)
     assert_invariant(loaded)

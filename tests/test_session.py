@@ -9,11 +9,12 @@ import random
 
 import pytest
 import torch
-from helpers import assert_ids_match_text, full_logits
+from helpers import assert_ids_match_text, full_logits, needs_kernels
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
 from chatbot.engine.generate import Engine
 from chatbot.errors import ChatbotError, ContextFullError
+from chatbot.persist import read_saved
 from chatbot.session import ChatSession
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -32,7 +33,8 @@ def assert_invariant(session: ChatSession, check_logits: bool = True) -> None:
     for turn in session.turns:
         if turn.first_segment >= 0:
             assert session.segments[turn.first_segment].kind == "prompt"
-    bounded = hasattr(session.cache, "evict_for_space")
+    bounded = session.kv.is_bounded
+    session.kv.check()  # the cache's own record
     assert session.cache.get_seq_length() == len(session.cache_ids)
     assert all(layer.get_seq_length() == len(session.cache_ids) for layer in session.cache.layers)
     if not bounded or not session.evicted_total:
@@ -43,7 +45,8 @@ def assert_invariant(session: ChatSession, check_logits: bool = True) -> None:
         ids = list(session.cache_ids)
         pending = session.pending_ids
         if not pending:  # feed the last cached token again for its logits
-            session.engine.crop(cache, len(ids) - 1)
+            for layer in cache.layers:
+                layer.crop(-1)
             pending, ids = ids[-1:], ids[:-1]
         model = session.engine.model  # the model itself, not the engine's decode path
         with torch.no_grad():
@@ -138,7 +141,7 @@ def test_continue_after_max_tokens_equals_one_long_answer(tiny_engine):
     part, stats = answer(s.send("Hello there!"))
     assert stats.finish_reason == "length" and whole.startswith(part)
     assert_invariant(s)
-    more, stats2 = answer(s.continue_answer(SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=10)))
+    more, _ = answer(s.continue_answer(SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=10)))
     assert part + more == whole
     assert s.turns[-1].answer == whole and len(s.turns) == 1
     assert s.turns[-1].stats.generated_tokens == 16
@@ -165,7 +168,7 @@ def test_continue_after_interrupt_equals_uninterrupted(tiny_engine, tiny_model, 
     kept = s.turns[-1].answer
     assert whole.startswith(kept) and kept.startswith(shown)
     left = 14 - s.turns[-1].stats.generated_tokens
-    more, _ = answer(s.continue_answer(SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=left)))
+    answer(s.continue_answer(SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=left)))
     assert s.turns[-1].answer == whole
     assert not s.turns[-1].interrupted
     assert_invariant(s)
@@ -231,7 +234,7 @@ def test_save_and_load_round_trip(tiny_engine, tmp_path):
     assert data["turns"][0]["stats"]["generated_tokens"] == s.turns[0].stats.generated_tokens
     t = make(tiny_engine)
     progress = []
-    t.load(path, on_progress=lambda d, n: progress.append(d))
+    t.restore(read_saved(path), on_progress=lambda d, n: progress.append(d))
     assert t.messages() == s.messages() and t.system == "Be brief."
     assert t.sampling.max_new_tokens == 7 and t.sampling.seed == 5
     assert [x.stats.token_latencies_s for x in t.turns] == [
@@ -265,7 +268,7 @@ def test_load_plain_messages_and_bad_files(tiny_engine, tmp_path):
         elif content is not None:
             p.write_text(content)
         with pytest.raises(ChatbotError):
-            s.load(p)
+            s.restore(read_saved(p))
         assert s.messages() == before
         assert_invariant(s)
     # A bad setting does not refuse the chat: it is named and left as it was.
@@ -280,7 +283,7 @@ def test_load_plain_messages_and_bad_files(tiny_engine, tmp_path):
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello!"},
     ]}))
-    s.load(p)
+    s.restore(read_saved(p))
     assert s.system == "Sys" and [t.answer for t in s.turns] == ["Hello!"]
     assert_invariant(s)
 
@@ -292,7 +295,7 @@ def test_load_too_long_keeps_conversation_pending(tiny_model, tiny_tokenizer, tm
     p.write_text(json.dumps({"messages": [{"role": "user", "content": "Hello there! " * 20},
                                           {"role": "assistant", "content": "ok"}]}))
     with pytest.raises(ContextFullError):
-        s.load(p)
+        s.restore(read_saved(p))
     assert len(s.turns) == 1 and s.n_fed == 0
     assert_invariant(s)
     s.reset()
@@ -300,17 +303,14 @@ def test_load_too_long_keeps_conversation_pending(tiny_model, tiny_tokenizer, tm
     assert_invariant(s)
 
 
-@pytest.fixture(params=["transformers", "fast"])
+@pytest.fixture(params=["transformers", pytest.param("fast", marks=needs_kernels)])
 def any_engine(request, tiny_model, tiny_tokenizer):
     """The engine with transformers' forward pass for decoding, and with the native fast path."""
     if request.param == "transformers":
         return Engine(tiny_model, tiny_tokenizer)
-    from chatbot.engine.fast import FastDecoder, FastPathUnavailable
+    from chatbot.engine.fast import FastDecoder
 
-    try:
-        return Engine(tiny_model, tiny_tokenizer, decoder=FastDecoder(tiny_model, "auto"))
-    except FastPathUnavailable as exc:
-        pytest.skip(str(exc))
+    return Engine(tiny_model, tiny_tokenizer, decoder=FastDecoder(tiny_model, "auto"))
 
 
 def test_random_interrupts_keep_the_invariant(any_engine, tiny_model):
@@ -397,7 +397,7 @@ def test_interrupted_load_keeps_the_rest_pending(tiny_engine, tiny_model, tmp_pa
     hook = Interrupter(tiny_model, layer=1, at=3)
     try:
         with pytest.raises(KeyboardInterrupt):
-            t.load(path)
+            t.restore(read_saved(path))
     finally:
         hook.remove()
     assert t.messages() == s.messages() and 0 < t.n_fed < len(t.all_ids)
@@ -418,7 +418,8 @@ def test_commands_keep_the_invariant_on_the_default_model(default_model, tmp_pat
         cache = copy.deepcopy(s.cache)
         ids, pending = list(s.cache_ids), s.pending_ids
         if not pending:
-            engine.crop(cache, len(ids) - 1)
+            for layer in cache.layers:
+                layer.crop(-1)
             pending, ids = ids[-1:], ids[:-1]
         with torch.no_grad():
             got = engine.model(input_ids=torch.tensor([pending]), cache=cache, use_cache=True).logits[0, -1].float()
@@ -446,5 +447,5 @@ def test_commands_keep_the_invariant_on_the_default_model(default_model, tmp_pat
     check()
     path = s.save(tmp_path / "c.json")
     s.reset()
-    s.load(path)
+    s.restore(read_saved(path))
     check()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_llama
+from helpers import CORPUS, cli, make_model, needs_kernels
 from transformers import (
     DynamicCache,
     GPT2Config,
@@ -19,7 +19,6 @@ from transformers import (
 
 from chatbot.engine import sink_cache
 from chatbot.engine.sink_cache import (
-    CacheLayout,
     SinkCache,
     check_streaming_support,
 )
@@ -149,7 +148,8 @@ def test_layout_nbytes_crop_and_reset():
     assert cache.nbytes == 0
     fill(cache, 20)
     cache.evict_for_space(1)
-    assert cache.layout() == CacheLayout(pinned=4, recent=16, capacity=20, length=16, evicted_total=4)
+    assert (cache.pinned, cache.recent_size, cache.capacity) == (4, 16, 20)
+    assert (cache.get_seq_length(), cache.evicted_total) == (16, 4)
     assert cache.nbytes == 2 * 2 * (1 * KV_HEADS * 16 * HEAD_DIM) * 4  # layers * (k, v) * fp32
     cache.crop(-3)
     assert cache.get_seq_length() == 13
@@ -177,7 +177,7 @@ def test_constructor_validation():
 
 
 def test_same_logits_as_dynamic_cache_before_any_eviction():
-    model = tiny_llama()
+    model = make_model(sharp=False)
     ids = random_ids(14)
     sink = SinkCache.for_model(model, start_size=4, recent_size=64)
     dense = DynamicCache()
@@ -197,7 +197,7 @@ def test_same_logits_as_dynamic_cache_before_any_eviction():
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_one_layer_after_eviction_matches_fresh_pass_over_kept_ids(attn):
-    model = tiny_llama(num_layers=1, attn=attn)
+    model = make_model(layers=1, attn=attn, sharp=False)
     cache = SinkCache.for_model(model, start_size=4, recent_size=16, evict_block=4)
     logits, kept = feed_streaming(model, cache, random_ids(40))
     assert cache.evicted_total > 0
@@ -207,7 +207,7 @@ def test_one_layer_after_eviction_matches_fresh_pass_over_kept_ids(attn):
 
 
 def test_negative_control_without_rerotation_differs(monkeypatch):
-    model = tiny_llama(num_layers=1)
+    model = make_model(layers=1, sharp=False)
     monkeypatch.setattr(sink_cache, "rotate_keys", lambda keys, cos, sin: keys)
     cache = SinkCache.for_model(model, start_size=4, recent_size=16, evict_block=4)
     logits, kept = feed_streaming(model, cache, random_ids(40))
@@ -217,7 +217,7 @@ def test_negative_control_without_rerotation_differs(monkeypatch):
 
 
 def test_chunked_feeding_keeps_layer0_keys_equal_to_fresh_keys():
-    model = tiny_llama(num_layers=2)
+    model = make_model(layers=2, sharp=False)
     cache = SinkCache.for_model(model, start_size=4, recent_size=24, evict_block=8)
     _, kept = feed_streaming(model, cache, random_ids(90), chunk=5)
     assert cache.evicted_total > 0
@@ -229,7 +229,7 @@ def test_chunked_feeding_keeps_layer0_keys_equal_to_fresh_keys():
 
 
 def test_bf16_cache_stays_bf16_and_close_to_fresh_keys():
-    model = tiny_llama(num_layers=1).to(torch.bfloat16)
+    model = make_model(layers=1, sharp=False).to(torch.bfloat16)
     cache = SinkCache.for_model(model, start_size=4, recent_size=16, evict_block=2)
     _, kept = feed_streaming(model, cache, random_ids(60))
     assert cache.evicted_total >= 40  # every kept key was re-rotated many times
@@ -242,7 +242,7 @@ def test_bf16_cache_stays_bf16_and_close_to_fresh_keys():
 
 
 def test_ten_windows_token_by_token_stay_inside_the_window():
-    model = tiny_llama(num_layers=2)
+    model = make_model(layers=2, sharp=False)
     start, recent = 4, 12
     cache = SinkCache.for_model(model, start_size=start, recent_size=recent, evict_block=3)
     positions: list[int] = []
@@ -279,7 +279,7 @@ def test_refuses_gpt2_with_a_message():
 
 
 def test_accepts_llama():
-    model = tiny_llama()
+    model = make_model(sharp=False)
     check_streaming_support(model)
     check_streaming_support(model.config)
 
@@ -343,23 +343,13 @@ def test_refuses_mrope():
 # --- chatbot bench streaming ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("opt", ["off", "f32"])
+@pytest.mark.parametrize("opt", ["off", pytest.param("f32", marks=needs_kernels)])
 def test_bench_streaming_cache_stays_within_the_window(tmp_path, capsys, tiny_model, tiny_tokenizer, opt):
     """`chatbot bench streaming` feeds a text through the sink cache to 16x the window: the
     cache holds at most the window at every mark, its bytes do not grow, and the figures
     land in the JSON (on the transformers path and on the native one)."""
     import json
 
-    from helpers import cli
-
-    from chatbot.engine import kernels
-    from tests.conftest import CORPUS
-
-    if opt != "off":
-        try:
-            kernels.load_library()
-        except kernels.KernelsUnavailable:  # pragma: no cover - depends on the machine
-            pytest.skip("no C compiler for the native kernels")
     folder = tmp_path / "tiny"
     tiny_model.save_pretrained(folder)
     tiny_tokenizer.save_pretrained(folder)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tokenizer
+from helpers import make_model, make_tokenizer
 
 from chatbot.errors import ConfigError
 from chatbot.models.templates import (
@@ -102,10 +102,8 @@ def test_stop_ids_are_single_tokens_of_the_vocabulary():
 
 
 def test_stop_ids_reach_generation_config(tiny_tokenizer):
-    from conftest import make_llama
-
     tok = make_tokenizer()
-    model = make_llama(len(tok))
+    model = make_model(len(tok))
     model.generation_config.eos_token_id = 2
     apply_template(tok, model, "chatml")
     assert model.generation_config.eos_token_id == [2, 1]
@@ -178,20 +176,50 @@ def test_check_template_refuses_a_template_that_drops_the_system_prompt():
         check_template(tok, "Be brief.")
 
 
-@pytest.mark.parametrize("name", sorted(TEMPLATES))
-def test_session_chats_with_each_fallback(name):
-    """Two turns on a tiny Llama: the cache holds exactly the rendered conversation, and
-    the second turn prefills only what is new (for the spaced layouts: when the random
-    model's answer starts with a space, as a real model's does)."""
-    from conftest import make_llama
+class Scripted(torch.nn.Module):
+    """Wraps a model: emits `target` one token per forward pass (the last one from then on),
+    whatever the input."""
 
+    def __init__(self, model, target: list[int]):
+        super().__init__()
+        self.inner, self.target, self.step = model, target, 0
+
+    def forward(self, **kwargs):
+        out = self.inner(**kwargs)
+        logits = torch.full_like(out.logits, -1e9)
+        logits[..., self.target[min(self.step, len(self.target) - 1)]] = 0.0
+        self.step += 1
+        return type(out)(logits=logits, past_key_values=getattr(out, "past_key_values", None))
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.inner, name)
+
+
+# Every layout with the random model's own answers (which start with no space), and the
+# spaced layouts again with an answer that starts with a space, as a real model's does.
+SESSION_CASES = [(name, "random") for name in sorted(TEMPLATES)] + [
+    (name, "space-led") for name in sorted(SPACED)
+]
+
+
+@pytest.mark.parametrize("name, answers", SESSION_CASES)
+def test_session_chats_with_each_fallback(name, answers):
+    """Two turns on a tiny Llama: the cache holds exactly the rendered conversation, and
+    the second turn prefills only what is new. A spaced layout writes the space before an
+    answer itself, so the session re-encodes a turn whose answer starts without one: those
+    cases check the conversation only."""
     from chatbot.config import ChatConfig, SamplingConfig
     from chatbot.engine.generate import Engine
     from chatbot.session import ChatSession
 
     tok = make_tokenizer()
-    model = make_llama(len(tok))
+    model = make_model(len(tok))
     apply_template(tok, model, name)
+    if answers == "space-led":
+        model = Scripted(model, tok.encode(" Fine, thank you.", add_special_tokens=False))
     session = ChatSession(
         Engine(model, tok), ChatConfig(system=SYSTEM, sampling=SamplingConfig(temperature=0, max_new_tokens=5))
     )
@@ -199,9 +227,15 @@ def test_session_chats_with_each_fallback(name):
     before = len(session.all_ids)
     list(session.send("How are you?"))
     assert tok.decode(session.all_ids) == session.rendered == render(tok, session.messages(), gen=False)
-    if name not in SPACED or session.turns[0].answer.startswith(" "):
-        assert session.turns[1].stats.context_tokens < len(session.all_ids) - before + 8
     assert set(session.stop_ids) >= set(apply_template(make_tokenizer(), None, name).stop_ids)
+    if answers == "space-led":
+        assert session.turns[0].answer.startswith(" ")  # the case this parameter is for
+    elif name in SPACED:
+        return  # re-encoded: the prefill check below does not apply
+    # What the second turn added, less its own answer, plus the first answer's last token
+    # (sampled, never fed): nothing of the first turn is fed again.
+    stats = session.turns[1].stats
+    assert stats.context_tokens <= len(session.all_ids) - before - stats.generated_tokens + 1
 
 
 def test_stop_on_multi_token_strings_ends_the_answer():
@@ -209,35 +243,13 @@ def test_stop_on_multi_token_strings_ends_the_answer():
     contains it, and never on the prompt's own "USER:"."""
     from chatbot.config import SamplingConfig
     from chatbot.engine.generate import Engine
-    from chatbot.models.templates import StopOnStrings
+    from chatbot.engine.stops import StopOnStrings, StopStrings
 
     tok = make_tokenizer()
     info = apply_template(tok, None, "vicuna")
     target = tok.encode(" Fine. USER: next", add_special_tokens=False)
 
-    class Scripted(torch.nn.Module):
-        """Emits `target` one token per step, whatever the input."""
-
-        def __init__(self, model):
-            super().__init__()
-            self.inner, self.step = model, 0
-
-        def forward(self, **kwargs):
-            out = self.inner(**kwargs)
-            logits = torch.full_like(out.logits, -1e9)
-            logits[..., target[min(self.step, len(target) - 1)]] = 0.0
-            self.step += 1
-            return type(out)(logits=logits, past_key_values=getattr(out, "past_key_values", None))
-
-        def __getattr__(self, name):
-            try:
-                return super().__getattr__(name)
-            except AttributeError:
-                return getattr(self.inner, name)
-
-    from conftest import make_llama
-
-    model = Scripted(make_llama(len(tok)))
+    model = Scripted(make_model(len(tok)), target)
     engine = Engine(model, tok)
     prompt = tok.encode(render(tok, [{"role": "user", "content": "Hi"}]), add_special_tokens=False)
     stop = StopOnStrings(tok, info.stop_strings)
@@ -247,5 +259,5 @@ def test_stop_on_multi_token_strings_ends_the_answer():
     text = "".join(c.text for c in chunks)
     assert chunks[-1].finish_reason == "stop"
     assert "USER:" in text and not text.endswith(" next")
-    assert stop.cut(text) == " Fine. "
-    assert StopOnStrings(tok, ()).cut("abc") == "abc"
+    assert stop.stops.visible(text, final=True) == " Fine. "
+    assert StopStrings(()).visible("abc") == "abc"

@@ -89,7 +89,7 @@ class BufferLayer(SinkLayer):
 
     # Views of the filled part; assigning a tensor replaces the contents.
     @property
-    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
+    def keys(self) -> torch.Tensor | None:
         return None if self._k is None else self._k[:, :, : self.length]
 
     @keys.setter
@@ -97,7 +97,7 @@ class BufferLayer(SinkLayer):
         self._assign("_k", value)
 
     @property
-    def values(self) -> torch.Tensor | None:  # type: ignore[override]
+    def values(self) -> torch.Tensor | None:
         return None if self._v is None else self._v[:, :, : self.length]
 
     @values.setter

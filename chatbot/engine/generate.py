@@ -1,16 +1,16 @@
 """Prefill and decode on a persistent cache: the one generation loop of the project.
 
-The model is called with only the new tokens and the cache; nothing is re-encoded. A cache
-that bounds its size (the attention-sink cache) is asked to make room *before* each forward
-pass, and the caller learns which physical slice was evicted through `on_evict`.
+The model is called with only the new tokens and the cache; nothing is re-encoded. The cache
+is a `TrackedCache`: it makes room *before* each forward pass (a bounded one evicts) and
+records the ids that entered it after, so the caller never keeps a list of its own.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import DynamicCache
@@ -26,11 +26,10 @@ from transformers.generation.logits_process import (
 from chatbot.config import SamplingConfig
 from chatbot.engine.detokenize import IncrementalDetokenizer
 from chatbot.engine.sampling import TopKTopPLogitsWarper
+from chatbot.engine.sink_cache import SinkCache
 from chatbot.engine.stats import TurnStats, peak_memory_bytes, synchronize
-from chatbot.errors import ContextFullError
+from chatbot.engine.tracked_cache import TrackedCache, track
 
-EvictCallback = Callable[[int, int], None]
-FedCallback = Callable[[Sequence[int]], None]
 # transformers' StoppingCriteria(List) or any callable of the same shape:
 # (ids [1, n] incl. the new token, scores [1, vocab]) -> bool or BoolTensor [1].
 StopCallback = Callable[[torch.Tensor, torch.Tensor], Any]
@@ -94,128 +93,112 @@ class Engine:
 
     # -- caches -----------------------------------------------------------------------
 
-    def new_cache(self) -> Cache:
-        """A growing cache with one layer per decoder layer (each on its layer's device)."""
-        if self.decoder is not None:
-            return self.decoder.new_cache()
-        return DynamicCache(config=self.model.config)
+    def new_cache(self, start_size: int | None = None, recent_size: int | None = None) -> TrackedCache:
+        """An empty cache for a conversation: a growing one, or with `recent_size` an
+        attention-sink cache keeping `start_size` sinks (default 4) and that many recent
+        tokens. The fast decoder's buffer layers are used when it is on.
 
-    @staticmethod
-    def cache_length(cache: Cache) -> int:
-        return cache.get_seq_length()
-
-    @staticmethod
-    def crop(cache: Cache, length: int) -> None:
-        """Cut every layer of the cache back to `length` tokens.
-
-        Also repairs a cache left uneven by an interrupted forward pass, where the first
-        layers already hold the new tokens and the later ones do not.
+        Raises:
+            StreamingUnsupportedError: the model cannot take an attention-sink cache.
         """
-        for layer in cache.layers:
-            extra = layer.get_seq_length() - length
-            if extra > 0:
-                layer.crop(-extra)
-        if hasattr(cache, "pin"):
-            # Let a sink cache pull its pinned region back inside the new length.
-            cache.crop(0)
+        if recent_size is not None:
+            cache: Cache = SinkCache.for_model(self.model, 4 if start_size is None else start_size, recent_size)
+        elif self.decoder is not None:
+            cache = self.decoder.new_cache()
+        else:
+            cache = DynamicCache(config=self.model.config)
+        return TrackedCache(cache, self.max_context)
+
+    def track(self, cache: Cache, assume: Sequence[int] | None = None) -> TrackedCache:
+        """The record of a cache a caller passes around (see `tracked_cache.track`)."""
+        return track(cache, self.max_context, assume)
 
     # -- forward passes -----------------------------------------------------------------
 
-    def _forward(
-        self, cache: Cache, ids: torch.Tensor, on_evict: EvictCallback | None, reserve: int = 0
-    ) -> torch.Tensor:
-        """Run the model on `ids` ([1, n]); return the last position's logits ([vocab])."""
-        evict = getattr(cache, "evict_for_space", None)
-        if evict is not None:
-            removed = evict(ids.shape[1] + reserve)
-            if removed is not None and on_evict is not None:
-                on_evict(*removed)
-        if self.decoder is not None and ids.shape[1] == 1:
-            return self.decoder.decode(cache, int(ids[0, 0]))
-        out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1].float()
-
-    def chunk_size(self, cache: Cache, prefill_chunk: int) -> int:
-        recent = getattr(cache, "recent_size", None)
-        return min(prefill_chunk, recent) if recent else prefill_chunk
-
-    def check_room(self, cache: Cache, n_new: int) -> None:
-        """Raise before a prefill that would overflow a growing cache.
-
-        Raises:
-            ContextFullError: the conversation plus `n_new` tokens exceeds the context.
-        """
-        if hasattr(cache, "evict_for_space"):
-            return
-        used = self.cache_length(cache)
-        if used + n_new + 1 > self.max_context:
-            raise ContextFullError(
-                f"context full ({used} + {n_new} new tokens > {self.max_context}): "
-                "/reset, or restart with --enable-streaming"
-            )
+    def _forward(self, kv: TrackedCache, ids: Sequence[int], reserve: int = 0) -> torch.Tensor:
+        """Run the model on `ids` after making room for them (and `reserve` more) in the
+        cache; return the last position's logits (``[vocab]``)."""
+        kv.evict_for(len(ids) + reserve)
+        if self.decoder is not None and len(ids) == 1:
+            logits = self.decoder.decode(kv.cache, int(ids[0]))
+        else:
+            tensor = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+            out = self.model(input_ids=tensor, cache=kv.cache, use_cache=True, logits_to_keep=1)
+            logits = out.logits[0, -1].float()
+        kv.feed(ids)
+        return logits
 
     @torch.inference_mode()
     def prefill(
         self,
-        cache: Cache,
+        kv: TrackedCache,
         ids: Sequence[int],
         prefill_chunk: int = 512,
-        on_evict: EvictCallback | None = None,
         reserve: int = 0,
-        on_fed: FedCallback | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> torch.Tensor:
         """Feed `ids` into the cache in chunks; return the logits after the last one.
 
         `reserve` asks a bounded cache to leave room for that many tokens after the prompt
-        (the answer), so that decoding seldom has to evict. `on_fed` is told of each chunk
-        once it is in the cache, after any eviction it caused.
+        (the answer), so that decoding seldom has to evict. `on_progress` is told (tokens
+        done, tokens in all) after each chunk. Interrupted, the cache holds the chunks that
+        were fed (`TrackedCache.settle` evens out a torn one).
         """
         if not ids:
             raise ValueError("prefill needs at least one token")
         if self.decoder is not None:
-            self.decoder.prepare(cache)  # the fast path keeps the cache in its own layers
-        step = self.chunk_size(cache, prefill_chunk)
-        recent = getattr(cache, "recent_size", None)
-        tensor = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+            self.decoder.prepare(kv.cache)  # the fast path keeps the cache in its own layers
+        step = kv.chunk_size(prefill_chunk)
+        recent = kv.recent_size
         logits = None
         for start in range(0, len(ids), step):
-            chunk = tensor[:, start : start + step]
+            chunk = ids[start : start + step]
             extra = reserve if start + step >= len(ids) else 0
             if recent:
-                extra = max(0, min(extra, recent - chunk.shape[1]))
-            logits = self._forward(cache, chunk, on_evict, extra)
-            if on_fed is not None:
-                on_fed(ids[start : start + step])
+                extra = max(0, min(extra, recent - len(chunk)))
+            logits = self._forward(kv, chunk, extra)
+            if on_progress is not None:
+                on_progress(min(start + step, len(ids)), len(ids))
         assert logits is not None
         return logits
+
+    def refill_window(self, kv: TrackedCache, ids: Sequence[int], prefill_chunk: int = 512) -> None:
+        """Give an emptied bounded cache what it would hold had it taken in all of `ids`:
+        the pinned start (sinks, system prompt) is encoded, and the ids up to the last
+        `recent_size` are counted as evicted instead of being encoded only to be evicted
+        (after /undo or /retry past an eviction, a /load, a new system prompt), so the cost
+        is the window, not the whole conversation. The caller feeds the rest as usual.
+        """
+        recent = kv.recent_size
+        if recent is None or kv.seen or len(ids) <= kv.pinned + recent:
+            return
+        if kv.pinned:
+            self.prefill(kv, ids[: kv.pinned], prefill_chunk)
+        kv.skip(ids[kv.pinned : len(ids) - recent])
 
     @torch.inference_mode()
     def generate(
         self,
-        cache: Cache,
+        kv: TrackedCache,
         new_ids: Sequence[int],
         sampling: SamplingConfig,
         *,
-        history_ids: Sequence[int] = (),
+        history_ids: Sequence[int] | None = None,
         stop_ids: Sequence[int] = (),
         prefill_chunk: int = 512,
-        on_evict: EvictCallback | None = None,
-        on_fed: FedCallback | None = None,
         generator: torch.Generator | None = None,
         logits_processor: LogitsProcessorList | None = None,
         stopping_criteria: StopCallback | None = None,
-    ) -> Iterator[GenerationChunk]:
+    ) -> Generator[GenerationChunk, None, None]:
         """Prefill `new_ids`, then sample an answer token by token.
 
         Args:
-            cache: the conversation's cache; it already holds `history_ids`.
+            kv: the conversation's cache; every id fed enters its record.
             new_ids: tokens the conversation gained since the last call.
             sampling: temperature, top-k/p, repetition penalty, limits.
-            history_ids: the ids already in the cache (for the repetition penalty).
+            history_ids: the context of the repetition penalty before `new_ids` (default:
+                the ids the cache holds).
             stop_ids: ids that end the answer; they are not fed back into the cache.
-            on_evict: told of every (start, end) slice a bounded cache drops.
-            on_fed: told of the token ids that entered the cache, in order, after any
-                eviction that made room for them.
             generator: the random generator for sampling (seeded by the caller).
             logits_processor: used instead of the processors built from `sampling`
                 (`sampling.greedy` still chooses argmax over sampling).
@@ -231,12 +214,13 @@ class Engine:
         Raises:
             ContextFullError: before any work, when a growing cache cannot take the prompt.
         """
-        self.check_room(cache, len(new_ids))
+        kv.check_room(len(new_ids))
+        if history_ids is None:
+            history_ids = list(kv.ids)
         stats = TurnStats(context_tokens=len(new_ids))
         processors = build_logits_processor(sampling) if logits_processor is None else logits_processor
         stop = set(stop_ids)
         detok = IncrementalDetokenizer(self.tokenizer)
-        bounded = hasattr(cache, "evict_for_space")
 
         # Context for the repetition penalty, preallocated for the whole answer.
         seen = torch.empty(
@@ -246,11 +230,10 @@ class Engine:
         )
         n_seen = len(history_ids) + len(new_ids)
         seen[0, :n_seen] = torch.tensor([*history_ids, *new_ids], dtype=torch.long)
-        step_input = torch.empty((1, 1), dtype=torch.long, device=self.device)
 
         t0 = time.perf_counter()
-        reserve = min(sampling.max_new_tokens, 256) if bounded else 0
-        logits = self.prefill(cache, new_ids, prefill_chunk, on_evict, reserve, on_fed)
+        reserve = min(sampling.max_new_tokens, 256) if kv.is_bounded else 0
+        logits = self.prefill(kv, new_ids, prefill_chunk, reserve)
         synchronize(self.device)
         stats.context_time_s = time.perf_counter() - t0
 
@@ -259,7 +242,8 @@ class Engine:
         last = t0
         finish = "length"
         for i in range(sampling.max_new_tokens):
-            scores = processors(seen[:, :n_seen], logits[None]) if processors else logits[None]
+            context = cast(torch.LongTensor, seen[:, :n_seen])
+            scores = processors(context, logits[None]) if processors else logits[None]
             if sampling.greedy:
                 token = int(scores.argmax(-1))
             else:
@@ -289,21 +273,18 @@ class Engine:
                     break
             if i + 1 == sampling.max_new_tokens:
                 break
-            if not bounded and self.cache_length(cache) + 1 >= self.max_context:
+            if kv.is_full():
                 finish = "context"
                 break
             # Feed the token: only now does it enter the cache.
-            step_input[0, 0] = token
-            logits = self._forward(cache, step_input, on_evict)
-            if on_fed is not None:
-                on_fed((token,))
+            logits = self._forward(kv, (token,))
             synchronize(self.device)
         pending_text += detok.flush()
         stats.decode_time_s = sum(stats.token_latencies_s)
         stats.finish_reason = finish
-        stats.cache_tokens = self.cache_length(cache)
-        stats.cache_capacity = getattr(cache, "capacity", None) or self.max_context
-        stats.sinks = getattr(cache, "start_size", 0) if bounded else 0
-        stats.evicted_total = getattr(cache, "evicted_total", 0)
+        stats.cache_tokens = kv.length
+        stats.cache_capacity = kv.capacity
+        stats.sinks = kv.start_size
+        stats.evicted_total = kv.evicted_total
         stats.peak_memory_bytes = peak_memory_bytes(self.device)
         yield GenerationChunk(pending_text, tuple(pending), finish, stats)

@@ -84,18 +84,18 @@ def packed_matmul(p: kernels.PackedMatrix, x: torch.Tensor, threads: int | None 
     band = max(1, min(p.rows, BAND_FLOATS // p.cols))
     buf = _scratch(band * p.cols)
     base, stride = p.data.data_ptr(), _row_bytes(p)
-    y = torch.empty(n, p.rows, dtype=torch.float32) if band < p.rows else None
+    out = torch.empty(n, p.rows, dtype=torch.float32) if band < p.rows else None
     for r0 in range(0, p.rows, band):
         r1 = min(p.rows, r0 + band)
         sub = kernels.Mat(base + r0 * stride, p.fmt, r1 - r0, p.cols, 0)
         w = buf[: (r1 - r0) * p.cols].view(r1 - r0, p.cols)
         lib.chatbot_dequantize(ctypes.byref(sub), w.data_ptr(), threads)
         # x @ w.T as F.linear lays it out: at a few dozen rows of x, twice as fast as w @ x.T
-        if y is None:
+        if out is None:
             return torch.nn.functional.linear(x, w)
-        y[:, r0:r1] = torch.nn.functional.linear(x, w)
-    assert y is not None
-    return y
+        out[:, r0:r1] = torch.nn.functional.linear(x, w)
+    assert out is not None
+    return out
 
 
 class PackedLinear(nn.Module):

@@ -2,13 +2,19 @@
 
 transformers' `TopPLogitsWarper` sorts the whole vocabulary at every step (49,152 entries for
 SmolLM2: ~2 ms on a quiet core, 20 ms on a busy one, as long as the decode step itself).
-After top-k, only k entries are left to sort.
+After top-k, only k entries are left to sort. Also the sampling defaults a model ships
+(`sampling_from_model`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 from transformers.generation.logits_process import LogitsProcessor
+
+from chatbot.config import SamplingConfig
 
 
 class TopKTopPLogitsWarper(LogitsProcessor):
@@ -49,3 +55,25 @@ class TopKTopPLogitsWarper(LogitsProcessor):
             keep = idx[order[~remove]]
             out[row, keep] = scores[row, keep]
         return out
+
+
+def sampling_from_model(model: Any, **overrides: Any) -> SamplingConfig:
+    """Sampling defaults from the model's generation_config, then explicit overrides.
+
+    Raises:
+        ConfigError: an override is out of range.
+    """
+    base = SamplingConfig()
+    gc = getattr(model, "generation_config", None)
+    values: dict[str, Any] = {}
+    if gc is not None:
+        for key in ("temperature", "top_p", "top_k", "repetition_penalty"):
+            v = getattr(gc, key, None)
+            if v is not None and v != getattr(type(gc)(), key, None):
+                values[key] = v
+        if getattr(gc, "do_sample", None) is False:
+            # The model ships greedy decoding: its temperature (if any) is not used, as in
+            # transformers' generate(). An explicit --temperature still wins.
+            values["temperature"] = 0.0
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return dataclasses.replace(base, **values).validated()

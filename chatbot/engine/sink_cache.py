@@ -14,8 +14,7 @@ rotated; moving a key from position ``p`` to ``p - d`` is a pure rotation by
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import torch
 from transformers import Cache
@@ -24,7 +23,6 @@ from transformers.cache_utils import DynamicLayer
 from chatbot.errors import StreamingUnsupportedError
 
 __all__ = [
-    "CacheLayout",
     "SinkCache",
     "SinkLayer",
     "StreamingUnsupportedError",
@@ -82,28 +80,19 @@ class SinkLayer(DynamicLayer):
             cos: float32 ``[head_dim]`` rotation for the keys after the gap.
             sin: float32 ``[head_dim]``.
         """
-        if not self.is_initialized or end <= start or self.keys is None or self.keys.numel() == 0:
+        keys, values = self.keys, self.values
+        if not self.is_initialized or end <= start or keys is None or values is None or keys.numel() == 0:
             return
-        tail_keys = rotate_keys(self.keys[..., end:, :], cos, sin)
-        self.keys = torch.cat([self.keys[..., :start, :], tail_keys], dim=-2)
-        self.values = torch.cat([self.values[..., :start, :], self.values[..., end:, :]], dim=-2)
+        tail_keys = rotate_keys(keys[..., end:, :], cos, sin)
+        self.keys = torch.cat([keys[..., :start, :], tail_keys], dim=-2)
+        self.values = torch.cat([values[..., :start, :], values[..., end:, :]], dim=-2)
 
     @property
     def nbytes(self) -> int:
-        if not self.is_initialized or self.keys is None:
+        keys, values = self.keys, self.values
+        if not self.is_initialized or keys is None or values is None:
             return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
-
-
-@dataclass(frozen=True)
-class CacheLayout:
-    """A snapshot of where a `SinkCache` stands, in tokens."""
-
-    pinned: int
-    recent: int
-    capacity: int
-    length: int
-    evicted_total: int
+        return keys.numel() * keys.element_size() + values.numel() * values.element_size()
 
 
 class SinkCache(Cache):
@@ -186,6 +175,12 @@ class SinkCache(Cache):
     # --- layout -----------------------------------------------------------------------
 
     @property
+    def sink_layers(self) -> list[SinkLayer]:
+        """The layers, as what they are: `SinkLayer`s (the fast path swaps in `BufferLayer`s,
+        a subclass); transformers types `layers` as any kind of layer."""
+        return cast(list[SinkLayer], self.layers)
+
+    @property
     def pinned(self) -> int:
         """Tokens at the start that are never evicted."""
         return self._pinned
@@ -215,19 +210,10 @@ class SinkCache(Cache):
             )
         self._pinned = pinned
 
-    def layout(self) -> CacheLayout:
-        return CacheLayout(
-            pinned=self._pinned,
-            recent=self.recent_size,
-            capacity=self.capacity,
-            length=self.get_seq_length(),
-            evicted_total=self.evicted_total,
-        )
-
     @property
     def nbytes(self) -> int:
         """Bytes held by the keys and values of all layers."""
-        return sum(layer.nbytes for layer in self.layers)
+        return sum(layer.nbytes for layer in self.sink_layers)
 
     # --- eviction ---------------------------------------------------------------------
 
@@ -290,7 +276,7 @@ class SinkCache(Cache):
 
     def _drop(self, start: int, end: int) -> tuple[int, int]:
         cos, sin = rotation_for_shift(end - start, self.inv_freq)
-        for layer in self.layers:
+        for layer in self.sink_layers:
             layer.drop(start, end, cos, sin)
         self.evicted_total += end - start
         return start, end
@@ -321,7 +307,7 @@ class SinkCache(Cache):
                 # StartRecentKVCache's keys sit at their old positions, with a gap: taking
                 # them as positions 0..n-1 would silently misplace them.
                 raise TypeError("a cache that kept its keys at their old positions cannot be taken in")
-            pairs = [(layer.keys, layer.values) for layer in past_key_values.layers]
+            pairs = [(getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in past_key_values.layers]
             evicted = int(getattr(past_key_values, "evicted_total", 0))
         elif isinstance(past_key_values, (tuple, list)):
             pairs = [(kv[0], kv[1]) for kv in past_key_values]
@@ -334,7 +320,7 @@ class SinkCache(Cache):
         if len(pairs) != len(self.layers):
             raise TypeError(f"past_key_values has {len(pairs)} layers, this cache {len(self.layers)}")
         self.reset()
-        for layer, (keys, values) in zip(self.layers, pairs):
+        for layer, (keys, values) in zip(self.sink_layers, pairs):
             if keys is not None and values is not None and keys.numel():
                 layer.update(keys, values)
         self.evicted_total = evicted
@@ -386,10 +372,9 @@ class SinkCache(Cache):
         self._pinned = self.start_size
 
     def __repr__(self) -> str:
-        lay = self.layout()
         return (
-            f"SinkCache(layers={len(self.layers)}, pinned={lay.pinned}, recent={lay.recent}, "
-            f"length={lay.length}, evicted_total={lay.evicted_total})"
+            f"SinkCache(layers={len(self.layers)}, pinned={self._pinned}, recent={self.recent_size}, "
+            f"length={self.get_seq_length()}, evicted_total={self.evicted_total})"
         )
 
 
@@ -527,3 +512,9 @@ def check_streaming_support(model_or_config: Any, capacity: int | None = None) -
                 f"--enable-streaming needs rotary embeddings on the whole head; {model_type} "
                 f"rotates {inv_freq.numel() * 2} of {head_dim} dims"
             )
+
+
+def default_recent_size(max_context: int) -> int:
+    """A sensible window for --enable-streaming: about a quarter of the trained context,
+    e.g. 2000 for an 8k model, at least 256."""
+    return max(256, min(2000, max_context // 4))

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import resource
 import statistics
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from chatbot.engine.seq import quantile
+from chatbot.limits import finite
+
+if TYPE_CHECKING:
+    from chatbot.engine.tracked_cache import CacheLayout
 
 
 @dataclass
@@ -85,3 +92,86 @@ def peak_memory_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def stats_to_dict(stats: TurnStats) -> dict[str, Any]:
+    """Every field of a TurnStats (unlike `TurnStats.as_dict`), times to the microsecond."""
+    data = dataclasses.asdict(stats)
+    for key, value in data.items():
+        if isinstance(value, float):
+            data[key] = round(value, 6)
+        elif isinstance(value, list):
+            data[key] = [round(v, 6) for v in value]
+    return data
+
+
+def stats_from_dict(data: Any) -> TurnStats:
+    """A TurnStats from `stats_to_dict` output; unknown keys and bad values are ignored."""
+    stats = TurnStats()
+    if not isinstance(data, dict):
+        return stats
+    for f in dataclasses.fields(TurnStats):
+        value = data.get(f.name)
+        if value is None:
+            continue
+        default = getattr(stats, f.name)
+        if isinstance(default, list):
+            if isinstance(value, list) and len(value) <= 1_000_000 and all(finite(v) for v in value):
+                setattr(stats, f.name, [float(v) for v in value])
+        elif isinstance(default, str):
+            if isinstance(value, str):
+                setattr(stats, f.name, value)
+        elif finite(value):  # NaN / infinity in a hand-edited file are left out
+            setattr(stats, f.name, type(default)(value) if default is not None else value)
+    return stats
+
+
+def merge_stats(first: TurnStats, more: TurnStats) -> TurnStats:
+    """The figures of an answer generated in two parts (`continue_answer`)."""
+    return TurnStats(
+        context_tokens=first.context_tokens + more.context_tokens,
+        context_time_s=first.context_time_s + more.context_time_s,
+        ttft_s=first.ttft_s,
+        generated_tokens=first.generated_tokens + more.generated_tokens,
+        decode_time_s=first.decode_time_s + more.decode_time_s,
+        token_latencies_s=[*first.token_latencies_s, *more.token_latencies_s],
+        cache_tokens=more.cache_tokens,
+        cache_capacity=more.cache_capacity,
+        sinks=more.sinks,
+        evicted_total=more.evicted_total,
+        peak_memory_bytes=max(first.peak_memory_bytes, more.peak_memory_bytes),
+        finish_reason=more.finish_reason,
+    )
+
+
+def stats_from_arrivals(context: int, generated: int, t0: float, times: list[tuple[float, int]], cache: CacheLayout) -> TurnStats:
+    """Approximate figures for an answer cut short, from the chunks' arrival times."""
+    latencies: list[float] = []
+    for (prev, _), (now, n) in itertools.pairwise(times):
+        latencies.extend([(now - prev) / n] * n if n else [])
+    first = times[0][0] - t0 if times else 0.0
+    return TurnStats(
+        context_tokens=context,
+        context_time_s=first,
+        ttft_s=first,
+        generated_tokens=generated,
+        decode_time_s=sum(latencies),
+        token_latencies_s=latencies,
+        cache_tokens=cache.length,
+        cache_capacity=cache.capacity,
+        evicted_total=cache.evicted_total,
+        finish_reason="interrupted",
+    )
+
+
+def summarize(stats: list[TurnStats], cache_tokens: int) -> dict[str, Any]:
+    """Totals over a conversation's turns, for /stats."""
+    dec = sum(s.decode_time_s for s in stats)
+    lat = sum(len(s.token_latencies_s) for s in stats)
+    return {
+        "turns": len(stats),
+        "context_tokens": sum(s.context_tokens for s in stats),
+        "generated_tokens": sum(s.generated_tokens for s in stats),
+        "decode_tps": lat / dec if dec else 0.0,
+        "cache_tokens": cache_tokens,
+    }

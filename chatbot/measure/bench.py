@@ -75,7 +75,7 @@ def run_turns_bench(
     plays: dict[str, list[list[dict[str, Any]]]] = {"persistent": [], "reencode": []}
     for _ in range(max(1, repeats)):
         for mode, runs in plays.items():
-            session = ChatSession(engine, ChatConfig(sampling=sampling))
+            session = ChatSession(engine, ChatConfig(sampling=sampling), loaded.template)
             runs.append(_play(session, turns, reencode=(mode == "reencode")))
     results = {mode: _median_rows(p) for mode, p in plays.items()}
     last_p, last_r = results["persistent"][-1], results["reencode"][-1]

@@ -208,7 +208,7 @@ def _generate_worker(loaded: Any, ids: list[int], decode_tokens: int, ppl_tokens
 def _llama_cpp_worker(gguf: Path, text: str, threads: int, decode_tokens: int) -> dict[str, Any]:
     """llama.cpp through llama-cpp-python (an optional peer), on the GGUF file itself."""
     import numpy as np
-    from llama_cpp import Llama  # type: ignore[import-not-found]
+    from llama_cpp import Llama
 
     t0 = time.perf_counter()
     llm = Llama(

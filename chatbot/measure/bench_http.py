@@ -16,7 +16,9 @@ from typing import Any
 
 import httpx
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 
+from chatbot.engine.seq import quantile
 from chatbot.errors import ChatbotError
 from chatbot.measure.report import conditions, loadavg
 
@@ -40,15 +42,15 @@ def _model_of(client: openai.OpenAI, model: str | None) -> str:
     return model
 
 
-def stream_once(client: openai.OpenAI, model: str, messages: list[dict[str, str]], max_tokens: int,
-                extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def stream_once(client: openai.OpenAI, model: str, messages: list[ChatCompletionMessageParam],
+                max_tokens: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """One greedy streamed answer: its text, time to first token, usage and finish reason."""
     t0 = time.perf_counter()
     ttft = None
     text: list[str] = []
     usage = None
     finish = None
-    stream = client.chat.completions.create(model=model, messages=messages, stream=True,  # type: ignore[arg-type]
+    stream = client.chat.completions.create(model=model, messages=messages, stream=True,
                                             stream_options={"include_usage": True}, max_tokens=max_tokens,
                                             temperature=0.0, extra_body=extra or None)
     try:
@@ -86,7 +88,7 @@ def run_http_turns_bench(base_url: str, turns: list[str], max_new_tokens: int = 
     client = _client(base_url, api_key)
     model = _model_of(client, model)
     salt = uuid.uuid4().hex
-    messages: list[dict[str, str]] = []
+    messages: list[ChatCompletionMessageParam] = []
     cached_rows = []
     for i, user in enumerate(turns, 1):
         messages.append({"role": "user", "content": user})
@@ -134,10 +136,7 @@ def _server_rss(base_url: str, api_key: str | None) -> int | None:
 
 
 def _quantile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return quantile(values, q) if values else float("nan")  # nan: no request finished
 
 
 def run_load_bench(base_url: str, turns: list[str], clients: int = 8, duration_s: float = 60.0,
@@ -162,7 +161,7 @@ def run_load_bench(base_url: str, turns: list[str], clients: int = 8, duration_s
     def one(index: int) -> None:
         c = _client(base_url, api_key, timeout=max(120.0, duration_s * 2))
         salt = f"load-{index}-{uuid.uuid4().hex}"  # each client its own conversations
-        messages: list[dict[str, str]] = []
+        messages: list[ChatCompletionMessageParam] = []
         turn = index % len(turns)
         while time.perf_counter() < stop_at:
             messages.append({"role": "user", "content": turns[turn]})

@@ -58,7 +58,8 @@ def answer_pieces(tokens: int) -> list[str]:
 
 def _feed(make: Callable[[Console, Callable[[], float]], Any], pieces: list[str], rate: float, width: int,
           height: int) -> dict[str, float]:
-    console = Console(file=io.StringIO(), force_terminal=True, width=width, height=height,
+    screen = io.StringIO()
+    console = Console(file=screen, force_terminal=True, width=width, height=height,
                       color_system="truecolor", highlight=False)
     now = [0.0]
     per_piece = []
@@ -76,7 +77,7 @@ def _feed(make: Callable[[Console, Callable[[], float]], Any], pieces: list[str]
         "p99_ms": 1000 * per_piece[int(0.99 * (len(per_piece) - 1))],
         "max_ms": 1000 * per_piece[-1],
         "budget_share": total / (len(pieces) / rate),
-        "bytes_written": len(console.file.getvalue()),
+        "bytes_written": len(screen.getvalue()),
     }
 
 

@@ -11,7 +11,6 @@ import torch
 
 from chatbot.config import SamplingConfig
 from chatbot.engine.generate import Engine
-from chatbot.engine.sink_cache import SinkCache
 from chatbot.errors import ConfigError
 from chatbot.measure.report import loadavg
 from chatbot.models.loader import LoadedModel
@@ -74,7 +73,7 @@ def run_streaming_bench(
         need = max(multiples) * window + 1
         if len(ids) < need:
             raise ConfigError(f"the text has {len(ids):,} tokens; {need:,} are needed for window {window}")
-        cache = SinkCache.for_model(loaded.model, start_size, recent)
+        cache = engine.new_cache(start_size, recent)
         fed = 0
         marks = []
         for m in multiples:
@@ -91,7 +90,7 @@ def run_streaming_bench(
                 "multiple": m,
                 "tokens_passed": fed + 1 + stats.generated_tokens,
                 "decode_tps": stats.decode_tps,
-                "cache_tokens": cache.get_seq_length(),
+                "cache_tokens": cache.length,
                 "cache_bytes": cache.nbytes,
                 "recompute_tps": _recompute_decode_tps(loaded.model, tail, recompute_tokens),
                 "loadavg": loadavg()[0],

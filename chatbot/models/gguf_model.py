@@ -161,14 +161,15 @@ def build_packed_model(path: Path, config: Any) -> Any:
         if getattr(old, "bias", None) is not None:
             bias = _vector(src, name.replace(".weight", ".bias"))
         new = PackedLinear(matrix(name, rope_heads), bias)
-        if (new.out_features, new.in_features) != tuple(old.weight.shape):
-            raise NotPackable(f"{name} is {new.out_features}x{new.in_features}, the config says {tuple(old.weight.shape)}")
+        shape = tuple(_weight(old).shape)
+        if (new.out_features, new.in_features) != shape:
+            raise NotPackable(f"{name} is {new.out_features}x{new.in_features}, the config says {shape}")
         return new
 
     def norm(module: nn.Module, name: str) -> None:
         w = _vector(src, name)
-        if w.shape != module.weight.shape:
-            raise NotPackable(f"{name} has {w.numel()} weights, the config says {module.weight.numel()}")
+        if w.shape != _weight(module).shape:
+            raise NotPackable(f"{name} has {w.numel()} weights, the config says {_weight(module).numel()}")
         module.weight = nn.Parameter(w, requires_grad=False)
 
     embed = PackedEmbedding(matrix("token_embd.weight"))
@@ -204,3 +205,11 @@ def build_packed_model(path: Path, config: Any) -> Any:
         raise NotPackable(f"no weights in the file for {left[0]}")
     model.chatbot_gguf = str(path)
     return model.eval()
+
+
+def _weight(module: nn.Module) -> torch.Tensor:
+    """A module's `weight` (a parameter on the meta device while the model is built)."""
+    weight = module.weight
+    if not isinstance(weight, torch.Tensor):
+        raise NotPackable(f"{type(module).__name__} has no weight tensor")
+    return weight

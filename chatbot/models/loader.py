@@ -194,7 +194,7 @@ def _quiet_transformers():
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
     gguf_tqdm = gguf_utils.tqdm
-    gguf_utils.tqdm = _no_bar  # type: ignore[assignment]
+    gguf_utils.tqdm = _no_bar
     # accelerate warns that offloaded weights sit on the meta device: the banner says so
     acc = logging.getLogger("accelerate")
     acc_level = acc.level

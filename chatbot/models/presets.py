@@ -25,13 +25,14 @@ keys and bad values are refused with the file, the key and the allowed values.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chatbot.config import EngineConfig, Range, SamplingConfig
+from chatbot.config import EngineConfig, LoadConfig, Range, RunConfig, SamplingConfig
 from chatbot.errors import ConfigError
 from chatbot.models.quantize import QUANTIZE_CHOICES
 from chatbot.models.templates import TEMPLATES
@@ -52,7 +53,7 @@ DEFAULTS: dict[str, Any] = {
     "device_map": None,
     "max_memory": None,
     "max_context": None,
-    **{f.name: f.default for f in SamplingConfig.__dataclass_fields__.values()},
+    **{f.name: f.default for f in dataclasses.fields(SamplingConfig)},
     "enable_streaming": False,
     "start_size": 4,
     "recent_size": None,
@@ -118,6 +119,17 @@ class Settings:
             max_context=v["max_context"],
         ).validated()
 
+    def run_config(self, prefill_chunk: int = 512) -> RunConfig:
+        """The settings as the one object `chatbot run` passes on.
+
+        Raises:
+            ConfigError: a value out of range.
+        """
+        v = self.run_values()
+        load = LoadConfig(**{f.name: v[f.name] for f in dataclasses.fields(LoadConfig)})
+        sampling = {k: v[k] for k in SAMPLING_KEYS}
+        return RunConfig(load, v["system"], sampling, self.engine_config(prefill_chunk)).validated()
+
     def as_yaml(self) -> str:
         """The settings in preset layout, each line commented with its origin: the output
         of `chatbot config show` is itself a valid `--config` file."""
@@ -138,7 +150,9 @@ class Settings:
             where = f" ({self.preset.path})" if self.preset.path else ""
             out.append(f"# preset: {self.preset.name}{where}")
             if self.preset.description:
-                out.append(f"description: {yaml.safe_dump(self.preset.description, width=1 << 16).strip().removesuffix('...').strip()}")
+                # safe_dump ends a lone scalar with "..." (end of document): not in a mapping
+                dumped = yaml.safe_dump(self.preset.description, width=1 << 16).strip()
+                out.append(f"description: {dumped.removesuffix('...').strip()}")
         for key in _TOP_KEYS:
             if key in ("description", "sampling", "streaming"):
                 continue

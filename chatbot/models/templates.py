@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from chatbot.engine.stops import StopStrings
 from chatbot.errors import ChatbotError, ConfigError
 
 # Pieces shared by the templates below (Jinja, whitespace-controlled to one line of output).
@@ -342,51 +343,48 @@ def stop_strings_of(tokenizer: Any) -> tuple[str, ...]:
     return ()
 
 
-def find_stop(text: str, stop_strings: tuple[str, ...] | list[str]) -> int:
-    """Where the first stop string in `text` begins; -1 when there is none."""
-    hits = [at for at in (text.find(s) for s in stop_strings if s) if at >= 0]
-    return min(hits, default=-1)
+def end_of_turn_ids(tokenizer: Any) -> list[int]:
+    """The special token the template puts right after an assistant message (e.g.
+    ``<|im_end|>``), as a one-element list; empty when there is none."""
+    marker = "\u2063answer\u2063"
+    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}]
+    try:
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
+    except Exception:  # noqa: BLE001 - a template (user code) that cannot render this
+        return []
+    if marker not in text:
+        return []
+    suffix = text.split(marker, 1)[1]
+    if not suffix:
+        return []
+    special = set(tokenizer.all_special_ids)
+    special |= {i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special}
+    ids = tokenizer(suffix, add_special_tokens=False)["input_ids"]
+    return [int(i) for i in ids if i in special][:1]
 
 
-def held_back(text: str, stop_strings: tuple[str, ...] | list[str]) -> int:
-    """Length of the longest end of `text` that is the start of a stop string (and so may
-    still grow into one): text a stream must not show yet."""
-    longest = 0
-    for stop in stop_strings:
-        for k in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:k]):
-                longest = k
-                break
-    return longest
+def answer_stops(tokenizer: Any, model: Any | None = None, info: TemplateInfo | None = None) -> tuple[list[int], StopStrings]:
+    """The ids and the texts that end an answer.
 
-
-class StopOnStrings:
-    """A stopping criterion for `Engine.generate(stopping_criteria=...)`: true once the
-    answer's text contains one of the template's stop strings (multi-token ones included,
-    e.g. Vicuna's "USER:"). Make one per answer: it counts the answer tokens it is asked
-    about, so the prompt's own "USER:" never matches (set `answer_tokens` to the length of
-    an answer being continued, so that its end counts too).
-
-    The token that completes the stop string stays in the answer (as in transformers);
-    `cut(text)` gives the answer without the stop string and what follows it.
+    Ids: the tokenizer's EOS, the model's `generation_config` EOS ids, the special token the
+    template writes after an answer, and with `info` the template's single-token stop
+    strings.
+    Texts: the template's stop strings as the rendered text has them. With `info` (what
+    `apply_template` set up) they come from it; without it (a tokenizer set up elsewhere),
+    a fallback template is recognised by its Jinja text.
     """
-
-    def __init__(self, tokenizer: Any, stop_strings: tuple[str, ...] | list[str]) -> None:
-        self.tokenizer = tokenizer
-        self.stop_strings = tuple(s for s in stop_strings if s)
-        # a stop string spans at most one token per character; a few more for the text before it
-        self.window = max((len(s) for s in self.stop_strings), default=0) + 4
-        self.answer_tokens = 0
-
-    def __call__(self, ids: Any, scores: Any = None) -> bool:
-        self.answer_tokens += 1
-        if not self.stop_strings:
-            return False
-        n = min(self.answer_tokens, self.window)
-        tail = self.tokenizer.decode(ids[0, -n:].tolist(), skip_special_tokens=False)
-        return any(s in tail for s in self.stop_strings)
-
-    def cut(self, text: str) -> str:
-        """`text` up to the first stop string (all of it when there is none)."""
-        at = find_stop(text, self.stop_strings)
-        return text[:at] if at >= 0 else text
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(gen_eos, int):
+        ids.add(gen_eos)
+    elif isinstance(gen_eos, (list, tuple)):
+        ids.update(int(i) for i in gen_eos)
+    if info is not None:
+        strings = tuple(dict.fromkeys(_as_written(tokenizer, s) for s in info.stop_strings))
+        ids.update(info.stop_ids)
+    else:
+        strings = stop_strings_of(tokenizer)
+    ids.update(end_of_turn_ids(tokenizer))
+    return sorted(ids), StopStrings(strings)

@@ -194,10 +194,10 @@ class Worker:
             return
         ec = self.pool.engine_config
         if ec.enable_streaming:
-            from chatbot.engine.sink_cache import SinkCache
-            from chatbot.session import default_recent_size
+            from chatbot.engine.sink_cache import default_recent_size
 
-            cache = SinkCache.for_model(engine.model, ec.start_size, ec.recent_size or default_recent_size(engine.max_context))
+            recent = ec.recent_size or default_recent_size(engine.max_context)
+            cache = engine.new_cache(ec.start_size, recent)
         else:
             cache = engine.new_cache()
         generator = torch.Generator(device=engine.device)
@@ -409,7 +409,11 @@ def create_app(
         """Queue the job; answer with server-sent events or one JSON object."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        job.emit = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
+
+        def emit(event: tuple[str, Any]) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        job.emit = emit
         worker.submit(job)
         # Until the response starts, a task of ours waits for the client to go away (a
         # streamed response then listens for that itself).
@@ -458,7 +462,7 @@ def create_app(
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
-            choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
             choice.update({"delta": delta} if chat else {"text": delta.get("content", "")})
             return _data({"id": rid, "object": kind, "created": int(time.time()), "model": model_name,
                           "choices": [choice]})

@@ -3,9 +3,10 @@
 Each entry is a `ChatSession` (its messages, token ids and KV cache). A request whose
 messages extend an entry's conversation continues that session, so only the new tokens are
 prefilled; one that shares the start of a conversation but differs later (a retry, an edit)
-takes that entry over, its cache cropped to the tokens they share (not re-encoded). A bounded number of entries is kept, and a memory cap; the least recently used
-go first. A `cache_salt` (as in vLLM) keeps requests apart: only entries made with the same
-salt are reused, so a fresh salt per request turns the cache off for it.
+takes that entry over, its cache cropped to the tokens they share (not re-encoded). A bounded
+number of entries is kept, and a memory cap; the least recently used go first. A `cache_salt`
+(as in vLLM) keeps requests apart: only entries made with the same salt are reused, so a fresh
+salt per request turns the cache off for it.
 
 Not thread-safe: one worker thread owns the pool and the engine.
 """
@@ -20,7 +21,9 @@ from typing import Any
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
 from chatbot.engine.generate import Engine
-from chatbot.session import ChatSession, Turn, sampling_from_model
+from chatbot.models.templates import TemplateInfo
+from chatbot.persist import Turn
+from chatbot.session import ChatSession, sampling_from_model
 
 # What a request that names no setting gets, as in the OpenAI API and vLLM.
 API_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
@@ -64,8 +67,10 @@ def server_sampling(model: Any, **overrides: Any) -> SamplingConfig:
     """
     plain = SamplingConfig()
     from_model = sampling_from_model(model)
-    values = {k: getattr(from_model, k) if getattr(from_model, k) != getattr(plain, k) else v
-              for k, v in API_DEFAULTS.items()}
+    values: dict[str, Any] = {
+        k: getattr(from_model, k) if getattr(from_model, k) != getattr(plain, k) else v
+        for k, v in API_DEFAULTS.items()
+    }
     values.update({k: v for k, v in overrides.items() if v is not None})
     return dataclasses.replace(plain, **values).validated()
 
@@ -100,8 +105,10 @@ class PrefixCachePool:
         sampling: SamplingConfig,
         max_entries: int = 8,
         max_bytes: int = 2 << 30,
+        template: TemplateInfo | None = None,
     ) -> None:
         self.engine = engine
+        self.template = template
         self.engine_config = engine_config
         self.sampling = sampling
         self.max_entries = max_entries
@@ -192,7 +199,7 @@ class PrefixCachePool:
 
     def _new_entry(self, conv: Conversation) -> Entry:
         config = ChatConfig(system=conv.system, sampling=self.sampling, engine=self.engine_config)
-        session = ChatSession(self.engine, config)
+        session = ChatSession(self.engine, config, self.template)
         if conv.turns:
             _restore(session, conv)
         return Entry(next(self._keys), session, conv.salt)
@@ -207,7 +214,7 @@ class PrefixCachePool:
         """
         if shared == len(session.turns) == len(conv.turns):
             return
-        if hasattr(session.cache, "evict_for_space"):
+        if session.kv.is_bounded:
             while len(session.turns) > shared:
                 session.undo()
             if len(conv.turns) == shared:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from markdown_it import MarkdownIt
@@ -117,7 +118,7 @@ def stats_renderable(console: Console, turns: list[Any], summary: dict[str, Any]
     return stats_lines(turns, summary)
 
 
-def columns(rows: list[tuple[str, ...]], width: int) -> RenderableType:
+def columns(rows: Sequence[tuple[str, ...]], width: int) -> RenderableType:
     """Rows of aligned columns, the last one wrapped by words; on a narrow terminal (where
     the first columns would take half the width) each row's last cell goes below the rest."""
     first = max((len("  ".join(row[:-1])) for row in rows), default=0)

@@ -9,17 +9,14 @@ appended to the session log before the next prompt.
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import TYPE_CHECKING, Any
 
 from prompt_toolkit import PromptSession
-from prompt_toolkit.completion import CompleteEvent, Completer, Completion, PathCompleter
-from prompt_toolkit.document import Document
+from prompt_toolkit.formatted_text import StyleAndTextTuples
 from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 from prompt_toolkit.output import create_output
@@ -29,11 +26,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from chatbot.errors import ChatbotError, ContextFullError
 from chatbot.limits import expand
 from chatbot.models.loader import LoadedModel
-from chatbot.session import ChatSession, Turn
+from chatbot.session import ChatSession
+from chatbot.session_log import FILE_MODE, Event, SessionLog, data_dir, find_session, private_dir, replay
 from chatbot.terminal.commands import (
     CLEAR_FLAG,
     Command,
-    complete,
     help_rows,
     help_text,
     is_command,
@@ -41,6 +38,7 @@ from chatbot.terminal.commands import (
     settings_rows,
     settings_text,
 )
+from chatbot.terminal.input import BlockReader, SlashCompleter, clean_message, read_lines
 from chatbot.terminal.live_answer import MarkdownAnswer, PlainAnswer
 from chatbot.terminal.render import (
     columns,
@@ -53,10 +51,12 @@ from chatbot.terminal.render import (
     stats_renderable,
 )
 from chatbot.terminal.sanitize import safe_line, safe_text
-from chatbot.terminal.session_log import FILE_MODE, SessionLog, data_dir, find_session, private_dir, replay
+from chatbot.terminal.tty import interrupt_once, make_consoles, no_echo
+
+if TYPE_CHECKING:
+    from chatbot.remote import RemoteBackend, RemoteSession
 
 MAX_MESSAGE_CHARS = 200_000
-BLOCK = '"""'
 KEYS = [
     ("Enter", "send"),
     ("Alt+Enter (or Esc, Enter)", "new line"),
@@ -69,132 +69,6 @@ KEYS = [
 KEYS_HELP = "keys:\n" + "\n".join(f"  {key.ljust(26)} {what}" for key, what in KEYS)
 
 __all__ = ["BlockReader", "Repl", "clean_message", "data_dir", "make_consoles", "read_lines", "run"]
-
-
-def make_consoles(interactive: bool) -> tuple[Console, Console]:
-    """The consoles for answers (stdout) and for notes and stats: stdout on a terminal, else
-    stderr. On a terminal Rich wraps every line by words at the width; into a pipe or file a
-    line stays one line (the terminal, if any, wraps it)."""
-    # COLUMNS and LINES, where exported, are stale after a resize: on a terminal, its size.
-    environ = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    out_tty, err_tty = sys.stdout.isatty(), sys.stderr.isatty()
-    out = Console(highlight=False, soft_wrap=not out_tty, _environ=environ if out_tty else None)
-    if interactive and out_tty:
-        return out, out
-    return out, Console(stderr=True, highlight=False, soft_wrap=not err_tty, _environ=environ if err_tty else None)
-
-
-def clean_message(text: str) -> str:
-    """Drop control characters that a terminal or pipe let through (keep newline and tab)."""
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
-    return "".join(ch for ch in text if ch in "\n\t" or (ord(ch) >= 32 and not 127 <= ord(ch) < 160))
-
-
-class BlockReader:
-    '''Joins the lines of a `"""` block into one message.
-
-    A line starting with `"""` opens a block (text after the quotes is its first line); the
-    first line ending with `"""` closes it. Other lines pass through unchanged.
-    '''
-
-    def __init__(self) -> None:
-        self.lines: list[str] | None = None
-
-    @property
-    def is_open(self) -> bool:
-        return self.lines is not None
-
-    def feed(self, line: str) -> str | None:
-        """Return a complete message, or None while a block is still open."""
-        if self.lines is None:
-            stripped = line.strip()
-            if not stripped.startswith(BLOCK):
-                return line
-            rest = stripped[len(BLOCK) :]
-            if rest.endswith(BLOCK):
-                return rest[: -len(BLOCK)]
-            self.lines = [rest] if rest else []
-            return None
-        if line.rstrip().endswith(BLOCK):
-            self.lines.append(line.rstrip()[: -len(BLOCK)])
-            return self.close()
-        self.lines.append(line)
-        return None
-
-    def close(self) -> str:
-        """End the block now (end of input): what it has so far."""
-        lines, self.lines = self.lines or [], None
-        while lines and not lines[-1].strip():
-            lines.pop()
-        return "\n".join(lines)
-
-
-@contextlib.contextmanager
-def no_echo(stream: IO[str]) -> Iterator[None]:
-    """While inside, keys typed on the terminal are not echoed (they stay in the input for
-    the next prompt): an echoed ^C or typed-ahead text would land in the live answer and
-    shift it. Ctrl-C still interrupts. Nothing happens when `stream` is not a terminal."""
-    try:
-        import termios
-
-        fd = stream.fileno()
-        saved = termios.tcgetattr(fd)
-    except (ImportError, OSError, ValueError, AttributeError):
-        yield
-        return
-    quiet = list(saved)
-    quiet[3] &= ~(termios.ECHO | termios.ECHOCTL)
-    termios.tcsetattr(fd, termios.TCSANOW, quiet)
-    try:
-        yield
-    finally:
-        termios.tcsetattr(fd, termios.TCSANOW, saved)
-
-
-class Interrupts:
-    """The first Ctrl-C raises KeyboardInterrupt and later ones are ignored, so that a second
-    press cannot tear the clean-up of the first. Inside `deferred()` (drawing the screen) the
-    interrupt waits until the block ends, so no half-written escape sequence is left."""
-
-    def __init__(self) -> None:
-        self.fired = False
-        self.pending = False
-        self.depth = 0
-
-    def handler(self, signum: int, frame: Any) -> None:
-        if self.fired:
-            return
-        self.fired = True
-        if self.depth:
-            self.pending = True
-        else:
-            raise KeyboardInterrupt
-
-    @contextlib.contextmanager
-    def deferred(self) -> Iterator[None]:
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-            if self.pending and not self.depth:
-                self.pending = False
-                raise KeyboardInterrupt
-
-
-@contextlib.contextmanager
-def interrupt_once() -> Iterator[Interrupts]:
-    """While inside, Ctrl-C is handled by an `Interrupts` (see there)."""
-    interrupts = Interrupts()
-    try:
-        previous = signal.signal(signal.SIGINT, interrupts.handler)
-    except ValueError:  # not the main thread
-        yield interrupts
-        return
-    try:
-        yield interrupts
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 class Repl:
@@ -212,8 +86,8 @@ class Repl:
 
     def __init__(
         self,
-        session: ChatSession,
-        loaded: LoadedModel,
+        session: ChatSession | RemoteSession,
+        loaded: LoadedModel | RemoteBackend,
         console: Console,
         plain: bool = False,
         show_stats: bool = True,
@@ -271,7 +145,7 @@ class Repl:
                 self.note(f"that session was with {state['model']}; continuing with {self.loaded.name}")
             self._restore(state)
             self.log = SessionLog(resume, self._log_header(), warn=self.note)
-            self.log.write("resume", model=self.loaded.name, system=self.session.system,
+            self.log.write(Event.RESUME, model=self.loaded.name, system=self.session.system,
                            settings=self.session.sampling.as_dict())
             if self.session.turns:
                 last = self.session.turns[-2:]
@@ -279,17 +153,13 @@ class Repl:
                 self.info.print(history_renderable(last, None, markdown=not self.plain, first=first))
         else:
             self.log = SessionLog.create(self._log_header(), directory, warn=self.note)
+        # From here on the session writes each change of the conversation to the log.
+        self.session.log = self.log
+        self.session.model_name = self.loaded.name
 
     def _log_header(self) -> dict[str, Any]:
         return {"model": self.loaded.name, "system": self.session.system,
                 "settings": self.session.sampling.as_dict()}
-
-    def _log(self, event: str, **fields: Any) -> None:
-        if self.log is not None:
-            self.log.write(event, **fields)
-
-    def _log_turn(self, turn: Turn, replace: bool) -> None:
-        self._log("turn", replace=replace, **turn.as_dict())
 
     # -- commands ----------------------------------------------------------------------
 
@@ -307,24 +177,20 @@ class Repl:
 
     def _reset(self, _: Command) -> None:
         self.session.reset()
-        self._log("reset")
         self.note("conversation cleared (the system prompt is kept)")
 
     def _undo(self, _: Command) -> None:
         turn = self.session.undo()
-        self._log("undo")
         self.note(f"removed: {_brief(turn.user)} → {_brief(turn.answer)}")
 
     def _retry(self, command: Command) -> None:
         sampling = self.session.sampling
         for key, value in command.values.items():
             sampling = sampling.with_value(key, "none" if value is None else value)
-        chunks = self.session.retry(sampling if command.values else None)
-        self._stream(chunks, self.session.turns[-1], replace=True)
+        self._stream(self.session.retry(sampling if command.values else None))
 
     def _continue(self, _: Command) -> None:
-        chunks = self.session.continue_answer()
-        self._stream(chunks, self.session.turns[-1], replace=True)
+        self._stream(self.session.continue_answer())
 
     def _system(self, command: Command) -> None:
         if not command.arg:
@@ -337,8 +203,6 @@ class Repl:
                 n = self.session.set_system(text, progress)
         except KeyboardInterrupt:
             n = -1
-        finally:
-            self._log("system", system=self.session.system)
         if n < 0:
             self.note("stopped; the rest is encoded with the next message")
         elif self.remote is not None:
@@ -358,7 +222,6 @@ class Repl:
         for key, value in command.values.items():
             sampling = sampling.with_value(key, "none" if value is None else value)
         self.session.set_sampling(sampling)
-        self._log("settings", settings=sampling.as_dict())
         self.note(", ".join(f"{k} = {'random' if v is None else v}" for k, v in command.values.items()))
 
     def _save(self, command: Command) -> None:
@@ -368,11 +231,10 @@ class Repl:
         self.note(f"saved {len(self.session.turns)} turns to {written}")
 
     def _load(self, command: Command) -> None:
-        from chatbot.session import read_saved
+        from chatbot.persist import read_saved
 
         data = read_saved(command.arg)
         self._restore(data)
-        self._log("load", state=self.session.to_dict(self.loaded.name))
         model = data.get("model")
         if model and model != self.loaded.name:
             self.note(f"that chat was with {model}; continuing with {self.loaded.name}")
@@ -380,7 +242,8 @@ class Repl:
     def _restore(self, data: dict[str, Any]) -> None:
         try:
             with self._progress("encoding the history") as progress, interrupt_once():
-                n = self.session.restore(data, progress, warnings=(problems := []))
+                problems: list[str] = []
+                n = self.session.restore(data, progress, warnings=problems)
             for problem in problems:
                 self.note(f"warning: {problem}")
             self.note(f"loaded {len(self.session.turns)} turns" + (
@@ -404,27 +267,27 @@ class Repl:
         self.info.print(stats_renderable(self.info, self.session.turns, self.session.summary()))
 
     def _model(self, _: Command) -> None:
-        if self.remote is not None:
-            self.remote.list_models()  # GET /v1/models now: the list may have changed
-            rows = {**self.remote.describe(), "sampling": sampling_brief(self.session.sampling)}
+        s = self.session
+        if not isinstance(s, ChatSession):  # a RemoteSession: the server has the model
+            s.backend.list_models()  # GET /v1/models now: the list may have changed
+            rows = {**s.backend.describe(), "sampling": sampling_brief(s.sampling)}
             self.info.print(key_value_table("model (on the server)", rows))
             return
         rows = dict(self.loaded.describe())
-        s = self.session
-        rows["context limit"] = f"{s.engine.max_context:,} tokens"
+        rows["context limit"] = f"{s.max_context:,} tokens"
         rows["cache"] = f"{len(s.cache_ids):,} / {s.capacity:,} tokens" + (
-            " (attention sinks + recent window)" if hasattr(s.cache, "evict_for_space") else "")
+            " (attention sinks + recent window)" if s.kv.is_bounded else "")
         rows["sampling"] = sampling_brief(s.sampling)
         decoder = s.engine.decoder
         rows["decode"] = decoder.info().label() if decoder is not None else "transformers (model forward pass)"
         self.info.print(key_value_table("model", rows))
 
     def _cache(self, _: Command) -> None:
-        if self.remote is not None:
+        if not isinstance(self.session, ChatSession):  # a RemoteSession
             last = self.session.turns[-1].stats if self.session.turns else None
             cached = getattr(last, "cached_tokens", None)
             self.info.print(key_value_table("cache (on the server)", {
-                "kept by": f"the server's prefix cache ({self.remote.base_url})",
+                "kept by": f"the server's prefix cache ({self.session.backend.base_url})",
                 "conversation (last usage)": f"{self.session.conversation_tokens:,} tokens",
                 "reused at the last message": "-" if last is None else
                     "not reported by the server" if cached is None else f"{cached:,} tokens",
@@ -497,13 +360,10 @@ class Repl:
         except ChatbotError as exc:
             self.error(str(exc))
             return
-        # Logged before the answer: a crash or kill -9 mid-answer keeps the message.
-        self._log("send", user=text)
-        self._stream(chunks, None, replace=False)
+        self._stream(chunks)  # the session logs the message before its answer
 
-    def _stream(self, chunks: Iterator[Any], turn: Turn | None, replace: bool) -> None:
-        """Show an answer as it arrives; log the turn it produced (also when cut short)."""
-        turns_before = len(self.session.turns)
+    def _stream(self, chunks: Iterator[Any]) -> None:
+        """Show an answer as it arrives (the session logs the turn it produced)."""
         answer = PlainAnswer(self.console.file) if self.plain else MarkdownAnswer(self.console)
         # Model text reaches a terminal with its control sequences made visible; piped
         # output (--plain, stdout not a terminal) keeps the model's bytes.
@@ -528,12 +388,6 @@ class Repl:
             except (RuntimeError, ValueError) as exc:  # the model or sampling failed: keep the chat
                 chunks.close()  # type: ignore[attr-defined]
                 problem = f"generation failed: {type(exc).__name__}: {exc}"
-        changed = turn if turn is not None else (
-            self.session.turns[-1] if len(self.session.turns) > turns_before else None)
-        if changed is not None:
-            self._log_turn(changed, replace)
-        elif turn is None:
-            self._log("cancel")  # the message sent never became a turn (e.g. it did not fit)
         if problem == "interrupted":
             self.note("[interrupted: the partial answer is kept; /continue goes on]")
         elif problem is not None:
@@ -555,7 +409,7 @@ class Repl:
         if self.blocks.is_open:
             self.handle(self.blocks.close())
 
-    def toolbar(self, width: int | None = None) -> list[tuple[str, str]]:
+    def toolbar(self, width: int | None = None) -> StyleAndTextTuples:
         """The line under the prompt; on a narrow terminal the less useful parts go first,
         so that it is never cut (the cache meter stays)."""
         if width is None:
@@ -573,10 +427,9 @@ class Repl:
             colour = {"green": "ansigreen", "yellow": "ansiyellow", "red": "ansired"}[meter_style(used, cap)]
             meter = (f"bold {colour}", f"cache {used:,}/{cap:,}")
         for name, tail in ((model, sampling_brief(s.sampling)), (model, ""), ("", "")):
-            parts = [("", f" {name} · ")] if name else [("", " ")]
-            parts.append(meter)
+            parts: StyleAndTextTuples = [("", f" {name} · " if name else " "), meter]
             parts.append(("", f" · {tail} · /help" if tail else " · /help"))
-            if sum(len(text) for _, text in parts) < width:
+            if sum(len(part[1]) for part in parts) < width:
                 break
         return parts
 
@@ -650,34 +503,9 @@ class Repl:
                     self.note("(interrupted)")
 
 
-class SlashCompleter(Completer):
-    """Tab completion of slash-commands, settings and file names."""
-
-    def __init__(self) -> None:
-        self.paths = PathCompleter(expanduser=True)
-
-    def get_completions(self, document: Document, complete_event: CompleteEvent) -> Iterator[Completion]:
-        line = document.text_before_cursor
-        if "\n" in line:
-            return
-        candidates, start, kind = complete(line)
-        if kind == "path":
-            sub = Document(line[start:], len(line) - start)
-            yield from self.paths.get_completions(sub, complete_event)
-            return
-        for c in candidates:
-            yield Completion(c, start_position=start - len(line))
-
-
 def _brief(text: str, n: int = 40) -> str:
     flat = " ".join(text.split())
     return flat if len(flat) <= n else flat[: n - 1] + "…"
-
-
-def read_lines(stream: IO[bytes]) -> Iterable[str]:
-    """Lines of a byte stream as text; invalid UTF-8 becomes U+FFFD instead of an error."""
-    for raw in stream:
-        yield raw.decode("utf-8", errors="replace")
 
 
 def resolve_resume(ref: str | None) -> Path | None:

@@ -15,20 +15,81 @@ import os
 import secrets
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from chatbot.errors import ChatbotError
 from chatbot.limits import bounded_lines, check_nesting
 from chatbot.terminal.sanitize import safe_text
+
+if TYPE_CHECKING:
+    from chatbot.persist import Turn
 
 LOG_VERSION = 1
 SUFFIX = ".jsonl"
 # Logs, saved chats and the input history are the user's own: nobody else may read them.
 DIR_MODE = 0o700
 FILE_MODE = 0o600
+
+
+class Event(StrEnum):
+    """The events of a session log, as written and as `replay` reads them."""
+
+    START = "start"  # the first line: model, system prompt, settings
+    RESUME = "resume"  # a later process goes on with the session
+    SEND = "send"  # a message was sent (written before its answer: a crash keeps it)
+    TURN = "turn"  # an answer ended (finished or cut short); `replace` for /retry, /continue
+    CANCEL = "cancel"  # the message sent never became a turn (e.g. it did not fit)
+    UNDO = "undo"
+    RESET = "reset"
+    SYSTEM = "system"
+    SETTINGS = "settings"
+    LOAD = "load"  # a saved chat replaced the conversation
+
+
+Chunk = TypeVar("Chunk")
+
+
+class LoggedSession:
+    """What `ChatSession` and `RemoteSession` share: each change of the conversation is
+    written to `log` (a `SessionLog`) as it happens, when one is set. A library user gets
+    the same log as the REPL: ``session.log = SessionLog.create(header)``.
+    """
+
+    log: SessionLog | None = None
+    model_name: str | None = None  # written with a loaded chat's state
+    turns: list[Turn]
+
+    def _log(self, event: Event, **fields: Any) -> None:
+        if self.log is not None:
+            self.log.write(event, **fields)
+
+    def _logged(self, chunks: Generator[Chunk, None, None], user: str | None) -> Generator[Chunk, None, None]:
+        """Stream `chunks` (an answer), logging the message first when `user` is given (a
+        new turn), and the turn it produced at the end, also when cut short; a message that
+        never became a turn is logged as cancelled. Without `user` the last turn is being
+        redone (/retry, /continue) and its log entry is replaced."""
+        count = len(self.turns)
+        redone = None if user is not None else self.turns[-1]
+        try:
+            if user is not None:
+                # A Ctrl-C held back while this is written is raised right after it: the
+                # message is then cancelled below, as the session drops it.
+                self._log(Event.SEND, user=user)
+            yield from chunks
+        finally:
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()  # the session closes the turn first
+            if redone is not None:
+                self._log(Event.TURN, replace=True, **redone.as_dict())
+            elif len(self.turns) > count:
+                self._log(Event.TURN, replace=False, **self.turns[-1].as_dict())
+            else:
+                self._log(Event.CANCEL)
 
 
 def data_dir() -> Path:
@@ -102,9 +163,9 @@ class SessionLog:
             return
         lines = []
         if not self._started:
-            lines.append({"event": "start", "version": LOG_VERSION, "id": self.session_id,
+            lines.append({"event": Event.START.value, "version": LOG_VERSION, "id": self.session_id,
                           "created": _now(), **self.header})
-        lines.append({"event": event, "time": _now(), **fields})
+        lines.append({"event": str(event), "time": _now(), **fields})
         # One write of whole lines: a crash tears at most the last line, which replay skips.
         data = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
         with _sigint_blocked():
@@ -215,39 +276,39 @@ def replay(path: Path) -> dict[str, Any]:
     try:
         for ev in read_events(path):
             kind = ev["event"]
-            if kind == "start":
+            if kind == Event.START:
                 seen_start = True
                 settings = ev.get("settings")
                 state.update(model=_text(ev.get("model")), system=_text(ev.get("system")),
                              settings=settings if isinstance(settings, dict) else {})
-            elif kind == "resume":
+            elif kind == Event.RESUME:
                 pending = False  # a message left by a killed process stays a turn of its own
-            elif kind == "send" and _text(ev.get("user")) is not None:
+            elif kind == Event.SEND and _text(ev.get("user")) is not None:
                 # (a send after a send with no turn between: the first process was killed
                 # before its resume event; both messages are kept)
                 state["turns"].append({"user": _text(ev["user"]), "answer": "", "interrupted": True, "stats": {}})
                 pending = True
-            elif kind == "turn" and (turn := _turn(ev)) is not None:
+            elif kind == Event.TURN and (turn := _turn(ev)) is not None:
                 if (ev.get("replace") or pending) and state["turns"]:
                     state["turns"][-1] = turn
                 else:
                     state["turns"].append(turn)
                 pending = False
-            elif kind == "cancel":
+            elif kind == Event.CANCEL:
                 if pending:
                     state["turns"].pop()
                 pending = False
-            elif kind == "undo" and state["turns"]:
+            elif kind == Event.UNDO and state["turns"]:
                 state["turns"].pop()
                 pending = False
-            elif kind == "reset":
+            elif kind == Event.RESET:
                 state["turns"] = []
                 pending = False
-            elif kind == "system" and (ev.get("system") is None or isinstance(ev.get("system"), str)):
+            elif kind == Event.SYSTEM and (ev.get("system") is None or isinstance(ev.get("system"), str)):
                 state["system"] = _text(ev.get("system"))
-            elif kind == "settings" and isinstance(ev.get("settings"), dict):
+            elif kind == Event.SETTINGS and isinstance(ev.get("settings"), dict):
                 state["settings"] = {**state["settings"], **ev["settings"]}
-            elif kind == "load" and isinstance(ev.get("state"), dict):
+            elif kind == Event.LOAD and isinstance(ev.get("state"), dict):
                 loaded = ev["state"]
                 turns = loaded.get("turns")
                 settings = loaded.get("settings")

@@ -1,0 +1,319 @@
+"""`chatbot bench ...` and `chatbot eval-ppl`: measurements that print figures side by side."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from typer.exceptions import Exit
+
+from chatbot.cli_common import (
+    ConversationOpt,
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    ModelOpt,
+    TextOpt,
+    ThreadsOpt,
+    _api_key,
+    _check_opt,
+    _decoder,
+    _load,
+    _set_threads,
+)
+from chatbot.errors import ConfigError
+
+bench_app = typer.Typer(help="Benchmarks that print figures side by side.", no_args_is_help=True)
+
+
+@bench_app.command("turns")
+def bench_turns(
+    conversation: ConversationOpt = None,
+    max_new_tokens: Annotated[int, typer.Option(help="New tokens per turn (greedy).", min=1)] = 64,
+    repeats: Annotated[
+        int, typer.Option(help="Plays of the conversation per side, interleaved; figures are medians.", min=1)
+    ] = 3,
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    threads: ThreadsOpt = None,
+    server: Annotated[
+        str | None,
+        typer.Option(
+            help="Measure a server's prefix cache through HTTP instead (OpenAI API, e.g. "
+            "http://127.0.0.1:8000/v1): the conversation with its cache, and again with it bypassed."
+        ),
+    ] = None,
+    api_key_env: Annotated[
+        str | None, typer.Option(help="With --server: the API key's environment variable.")
+    ] = None,
+    json_out: JsonOpt = None,
+) -> None:
+    """Persistent cache against re-encoding the whole history every turn."""
+    from chatbot.measure.bench import load_conversation, run_turns_bench
+    from chatbot.measure.report import print_turns, write_json
+
+    turns = load_conversation(conversation)
+    if server is not None:
+        from chatbot.measure.bench_http import run_http_turns_bench
+        from chatbot.measure.report import print_http_turns
+
+        err = Console(stderr=True, highlight=False)
+        result = run_http_turns_bench(server, turns, max_new_tokens, model, _api_key(api_key_env),
+                                      progress=lambda line: err.print(f"[dim]{line}[/dim]"))
+        print_http_turns(Console(), result)
+        if json_out:
+            write_json(json_out, result)
+        return
+    _set_threads(threads)
+    loaded = _load(model, device, dtype)
+    result = run_turns_bench(loaded, turns, max_new_tokens, repeats)
+    print_turns(Console(), result)
+    if json_out:
+        write_json(json_out, result)
+
+
+@bench_app.command("render")
+def bench_render(
+    tokens: Annotated[
+        int, typer.Option(help="Pieces of the Markdown answer fed to the renderer.", min=10)
+    ] = 2000,
+    rate: Annotated[
+        float, typer.Option(help="Decode speed the renderer must keep up with, tokens/s.", min=1)
+    ] = 150.0,
+    width: Annotated[int, typer.Option(help="Terminal columns.", min=20)] = 80,
+    json_out: JsonOpt = None,
+) -> None:
+    """The live answer renderer's own cost per token (no model, no terminal emulator)."""
+    from chatbot.measure.bench_render import run_render_bench
+    from chatbot.measure.report import print_render, write_json
+
+    result = run_render_bench(tokens, rate, width)
+    print_render(Console(), result)
+    if json_out:
+        write_json(json_out, result)
+
+
+@bench_app.command("load")
+def bench_load(
+    server: Annotated[str, typer.Option(help="The server's API root, e.g. http://127.0.0.1:8000/v1.")],
+    clients: Annotated[int, typer.Option(help="Concurrent streaming clients.", min=1, max=64)] = 8,
+    duration: Annotated[
+        float,
+        typer.Option(help="Seconds to keep sending (requests in flight are finished).", min=1, max=3600),
+    ] = 60.0,
+    max_new_tokens: Annotated[int, typer.Option(help="New tokens per answer (greedy).", min=1)] = 32,
+    conversation: ConversationOpt = None,
+    model: Annotated[
+        str | None, typer.Option("--model", "-m", help="The model id on the server (default: its first).")
+    ] = None,
+    api_key_env: Annotated[str | None, typer.Option(help="The API key's environment variable.")] = None,
+    json_out: JsonOpt = None,
+) -> None:
+    """A bounded load test on a server: N clients chatting at once for a fixed time; answers,
+    errors, time to first token p50/p99 and the server's memory (chatbot serve's /health)."""
+    from chatbot.measure.bench import load_conversation
+    from chatbot.measure.bench_http import run_load_bench
+    from chatbot.measure.report import print_load, write_json
+
+    turns = load_conversation(conversation)
+    err = Console(stderr=True, highlight=False)
+    result = run_load_bench(server, turns, clients, duration, max_new_tokens, model, _api_key(api_key_env),
+                            progress=lambda line: err.print(f"[dim]{line}[/dim]"))
+    print_load(Console(), result)
+    if json_out:
+        write_json(json_out, result)
+    if result["errors"] or result["incomplete"]:
+        raise Exit(1)
+
+
+@bench_app.command("streaming")
+def bench_streaming(
+    text: TextOpt = None,
+    recent_size: Annotated[
+        list[int] | None, typer.Option(help="Recent window sizes to measure (repeatable).")
+    ] = None,
+    start_size: Annotated[int, typer.Option(help="Attention sinks.", min=0)] = 4,
+    decode_tokens: Annotated[int, typer.Option(help="Greedy tokens decoded at each mark.", min=2)] = 32,
+    opt: Annotated[
+        str,
+        typer.Option(
+            "--opt",
+            help="Decode path of the sink cache, as for chatbot run "
+            "(recomputation always uses transformers).",
+            callback=_check_opt,
+        ),
+    ] = "auto",
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    threads: ThreadsOpt = None,
+    json_out: JsonOpt = None,
+) -> None:
+    """Decode speed and cache bytes at 1x, 4x, 16x the window, against recomputation."""
+    from chatbot.measure.bench_streaming import default_text_path, run_streaming_bench
+    from chatbot.measure.report import print_streaming, read_text, write_json
+
+    body = read_text(text or default_text_path())
+    _set_threads(threads)
+    loaded = _load(model, device, dtype)
+    sizes = tuple(recent_size or (256, 1024))
+    decoder, note = _decoder(loaded.model, opt)
+    if note:
+        Console(stderr=True, highlight=False).print(f"[dim]{note}[/dim]")
+    result = run_streaming_bench(
+        loaded, body, sizes, start_size, decode_tokens=decode_tokens, decoder=decoder
+    )
+    print_streaming(Console(), result)
+    if json_out:
+        write_json(json_out, result)
+
+
+def eval_ppl(
+    text: TextOpt = None,
+    tokens: Annotated[int, typer.Option(help="Tokens to score, one per step.", min=2)] = 4000,
+    start_size: Annotated[int, typer.Option(help="Attention sinks.", min=0)] = 4,
+    recent_size: Annotated[int, typer.Option(help="Recent window.", min=1)] = 252,
+    setups: Annotated[
+        str, typer.Option(help="Comma-separated: dense,window,sinks,recompute.")
+    ] = "dense,window,sinks,recompute",
+    plot: Annotated[
+        Path | None,
+        typer.Option(help="PNG of running log-perplexity (default: beside --json, or eval_ppl.png)."),
+    ] = None,
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    threads: ThreadsOpt = None,
+    json_out: JsonOpt = None,
+) -> None:
+    """Perplexity of dense attention, window, window + sinks and recomputation, side by side."""
+    from rich.progress import Progress
+
+    from chatbot.measure.bench_streaming import default_text_path
+    from chatbot.measure.eval_ppl import format_table, run_eval_ppl, write_plot
+    from chatbot.measure.report import read_text, write_json
+
+    body = read_text(text or default_text_path())
+    chosen = tuple(s.strip() for s in setups.split(",") if s.strip())
+    _set_threads(threads)
+    loaded = _load(model, device, dtype)
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        tasks: dict[str, Any] = {}
+
+        def progress(setup: str, done: int, total: int) -> None:
+            if setup not in tasks:
+                tasks[setup] = bar.add_task(setup, total=total)
+            bar.update(tasks[setup], completed=done)
+
+        result = run_eval_ppl(
+            loaded.model, loaded.tokenizer, body, tokens, start_size, recent_size, chosen, progress
+        )
+    print(format_table(result))
+    png = plot or (json_out.with_suffix(".png") if json_out else Path("eval_ppl.png"))
+    title = f"{loaded.name}: {tokens} tokens, {start_size} sinks + {recent_size} recent"
+    write_plot(result, png, title=title)
+    print(f"plot: {png}")
+    if json_out:
+        slim = {k: {m: v for m, v in r.items() if m != "nll"} for k, r in result.items()}
+        write_json(json_out, slim)
+
+
+@bench_app.command("decode")
+def bench_decode(
+    setups: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated set-ups (default: transformers-generate, chatbot-off/f32/auto/int8/int4, "
+            "and llama.cpp when llama-cpp-python is installed)."
+        ),
+    ] = None,
+    rounds: Annotated[
+        int, typer.Option(help="Runs per set-up, interleaved; figures are medians.", min=1)
+    ] = 3,
+    decode_tokens: Annotated[
+        int, typer.Option(help="Greedy tokens decoded after a 50-token prompt.", min=2)
+    ] = 128,
+    text: Annotated[
+        Path | None,
+        typer.Option(help="Text the prompts are cut from (default: the shipped conversation, repeated)."),
+    ] = None,
+    ppl_tokens: Annotated[
+        int,
+        typer.Option(
+            help="Also measure perplexity over this many tokens of the text, through each decode path "
+            "(0: skip).",
+            min=0,
+        ),
+    ] = 0,
+    gguf: Annotated[
+        Path | None, typer.Option(help="GGUF file for llama.cpp (default: the default model's).")
+    ] = None,
+    prefill: Annotated[
+        str, typer.Option(help="Comma-separated prompt lengths prefill is timed at.")
+    ] = "50,500,2000",
+    png: Annotated[
+        Path | None, typer.Option(help="Also draw the figures into this PNG (needs matplotlib).")
+    ] = None,
+    also: Annotated[
+        str | None,
+        typer.Option(
+            help="Also run these benches on the same model, into the same JSON: turns (persistent cache "
+            "vs re-encoding), streaming (sink cache vs recomputation; reads --text or the packaged "
+            "Python FAQ text)."
+        ),
+    ] = None,
+    model: ModelOpt = None,
+    threads: ThreadsOpt = None,
+    json_out: JsonOpt = None,
+) -> None:
+    """Decode and prefill speed, time to first token and peak memory: transformers generate(),
+    our engine at each --opt level, and llama.cpp, side by side (one process per set-up)."""
+    from chatbot.measure.bench_decode import plot_decode, print_decode, run_decode_bench
+    from chatbot.measure.report import read_text, write_json
+
+    chosen = [s.strip() for s in setups.split(",") if s.strip()] if setups else None
+    extra = [s.strip() for s in (also or "").split(",") if s.strip()]
+    unknown = sorted(set(extra) - {"turns", "streaming"})
+    if unknown:
+        raise ConfigError(f"--also: unknown bench {', '.join(unknown)}; choose from turns, streaming")
+    if "streaming" in extra:
+        from chatbot.measure.bench_streaming import default_text_path
+
+        long_text = read_text(text or default_text_path())
+    try:
+        prefill_sizes = tuple(int(n) for n in prefill.split(",") if n.strip())
+    except ValueError:
+        raise ConfigError(f"--prefill: expected prompt lengths like 50,500,2000, not {prefill!r}") from None
+    if not prefill_sizes or min(prefill_sizes) < 1:
+        raise ConfigError(f"--prefill: expected positive prompt lengths like 50,500,2000, not {prefill!r}")
+    err = Console(stderr=True, highlight=False)
+    result = run_decode_bench(
+        chosen, model=model, threads=threads, rounds=rounds, decode_tokens=decode_tokens, text=text,
+        ppl_tokens=ppl_tokens, gguf=gguf, prefill_sizes=prefill_sizes,
+        progress=lambda line: err.print(f"[dim]{line}[/dim]"),
+    )
+    out = Console()
+    print_decode(out, result)
+    if extra:
+        from chatbot.measure.bench import load_conversation, run_turns_bench
+        from chatbot.measure.bench_streaming import run_streaming_bench
+        from chatbot.measure.report import print_streaming, print_turns
+
+        _set_threads(threads)
+        loaded = _load(model, "cpu", "auto")
+        if "turns" in extra:
+            err.print("[dim]multi-turn bench[/dim]")
+            result["turns"] = run_turns_bench(loaded, load_conversation(None))
+            print_turns(out, result["turns"])
+        if "streaming" in extra:
+            err.print("[dim]streaming bench[/dim]")
+            decoder = _decoder(loaded.model, "auto")[0]
+            result["streaming"] = run_streaming_bench(loaded, long_text, decoder=decoder)
+            print_streaming(out, result["streaming"])
+    if json_out:
+        write_json(json_out, result)
+    if png:
+        plot_decode(result, png)

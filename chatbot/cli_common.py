@@ -1,0 +1,219 @@
+"""What the `chatbot` commands share: option declarations (each once, as an `Annotated`
+alias) and the steps from flags to a loaded model and engine."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.console import Console
+
+from chatbot.config import EngineConfig
+from chatbot.engine.threads import apply_wait_policy
+from chatbot.errors import ConfigError
+
+# Before torch loads libgomp (it reads its wait settings once): threads that wait at a
+# barrier spin briefly, then sleep, so a busy machine is not made busier (engine/threads.py).
+apply_wait_policy()
+
+if TYPE_CHECKING:
+    from chatbot.engine.generate import Engine
+    from chatbot.models.presets import Settings
+
+
+def _check_opt(value: str) -> str:
+    from chatbot.engine.fast import LEVELS
+
+    if value not in LEVELS:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(LEVELS)}")
+    return value
+
+
+ModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        "-m",
+        help="A transformers folder, a .gguf file, a hub id or a preset name "
+        "(default: the embedded SmolLM2-135M-Instruct).",
+    ),
+]
+DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")]
+DtypeOpt = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")]
+ThreadsOpt = Annotated[
+    int | None,
+    typer.Option(help="CPU threads (default: the physical cores less those other processes keep busy).", min=1),
+]
+JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the figures to this JSON file.")]
+QuantizeOpt = Annotated[
+    str | None,
+    typer.Option(help="Quantize the weights while loading with bitsandbytes: 4bit (NF4) or 8bit (LLM.int8)."),
+]
+DeviceMapOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Spread a large model over devices (accelerate): auto, balanced, sequential, "
+        "or a JSON map of module -> device."
+    ),
+]
+MaxMemoryOpt = Annotated[
+    str | None, typer.Option(help="Per-device budget with --device-map, e.g. 0=20GiB,1=20GiB,cpu=64GiB.")
+]
+RevisionOpt = Annotated[str | None, typer.Option(help="Hub branch, tag or commit of --model.")]
+TrustOpt = Annotated[
+    bool, typer.Option(help="Run model code shipped with the checkpoint (only for authors you trust).")
+]
+TemplateOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Chat template: auto (the tokenizer's), chatml, llama2, llama3, mistral, vicuna, colossal, "
+        "plain, or a .jinja file."
+    ),
+]
+PresetOpt = Annotated[
+    str | None, typer.Option(help="A preset from configs/ by name (see: chatbot models); flags override it.")
+]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="A preset file (YAML); flags override it.")]
+
+# The chat settings that `run` and `config show` share (a preset can set each of them too).
+SystemOpt = Annotated[str | None, typer.Option(help="System prompt.")]
+TemperatureOpt = Annotated[float | None, typer.Option(help="Sampling temperature; 0 is greedy.")]
+TopPOpt = Annotated[float | None, typer.Option(help="Nucleus sampling mass (0, 1].")]
+TopKOpt = Annotated[int | None, typer.Option(help="Sample among the k likeliest tokens; 0 turns it off.")]
+RepetitionPenaltyOpt = Annotated[
+    float | None, typer.Option(help="Penalty for tokens already in the conversation; 1 turns it off.")
+]
+MaxNewTokensOpt = Annotated[int | None, typer.Option(help="Most tokens per answer.")]
+SeedOpt = Annotated[int | None, typer.Option(help="Random seed for reproducible sampling.")]
+GreedyOpt = Annotated[
+    bool, typer.Option(help="Always pick the likeliest token (same as --temperature 0, which it overrides).")
+]
+StreamIntervalOpt = Annotated[int, typer.Option(help="Show text every N tokens.")]
+PrefillChunkOpt = Annotated[int, typer.Option(help="Prefill long inputs in chunks of this many tokens.")]
+EnableStreamingOpt = Annotated[
+    bool, typer.Option(help="Attention sinks + recent window: chat forever in bounded memory.")
+]
+StartSizeOpt = Annotated[
+    int, typer.Option(help="Attention-sink tokens kept at the start (with --enable-streaming).")
+]
+RecentSizeOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="Recent tokens kept (with --enable-streaming; default: a quarter of the context, at most 2000)."
+    ),
+]
+KeepSystemOpt = Annotated[
+    bool | None,
+    typer.Option(help="Pin the system prompt in the streaming cache (default: on when --system is set)."),
+]
+MaxContextOpt = Annotated[
+    int | None,
+    typer.Option(help="Most tokens the conversation may hold (default: the model's context)."),
+]
+OptOpt = Annotated[
+    str,
+    typer.Option(
+        "--opt",
+        help="Decode path: auto (native CPU kernels, weights kept exact), f32, int8 or int4 "
+        "(smaller, lossy), off (transformers).",
+        callback=_check_opt,
+    ),
+]
+DebugOpt = Annotated[bool, typer.Option(help="Show tracebacks.")]
+# Shared by the benches.
+TextOpt = Annotated[
+    Path | None,
+    typer.Option(help="A long plain-text file (default: the Python FAQ text shipped in the package)."),
+]
+ConversationOpt = Annotated[
+    Path | None,
+    typer.Option(help='A JSON file {"turns": [...]} (default: the shipped twelve-turn chat).'),
+]
+
+
+def _decoder(model: Any, opt: str) -> tuple[Any, str | None]:
+    """The fast decode step for --opt, or None and a note saying why it is off."""
+    from chatbot.engine.fast import make_decoder
+
+    decoder, reason = make_decoder(model, opt)
+    on_cpu = model.get_input_embeddings().weight.device.type == "cpu"
+    return decoder, reason if reason and (opt != "auto" or on_cpu) else None
+
+
+def _set_threads(threads: int | None) -> None:
+    import torch
+
+    if not threads:
+        # Default: the CPUs left free by other busy processes (engine/threads.py); on a
+        # 2-core machine running something else, two threads decode several times slower.
+        from chatbot.engine.threads import default_threads
+
+        torch.set_num_threads(default_threads(most=torch.get_num_threads()))
+        return
+    cores = os.cpu_count() or 1
+    if threads > cores:  # more threads than cores only make them wait for each other
+        Console(stderr=True, highlight=False).print(
+            f"note: --threads {threads} is more than the {cores} cores here; using {cores}", markup=False)
+        threads = cores
+    torch.set_num_threads(threads)
+
+
+def _load(model: str | None, device: str, dtype: str, quiet: bool = False, **options: Any) -> Any:
+    from chatbot.models.loader import load_model
+
+    err = Console(stderr=True)
+    if not quiet and sys.stderr.isatty():
+        with err.status("loading model…"):
+            return load_model(model, device=device, dtype=dtype, **options)
+    return load_model(model, device=device, dtype=dtype, **options)
+
+
+def _settings(ctx: typer.Context, preset: str | None, config: Path | None) -> Settings:
+    """Defaults < the preset (--preset/--config) < the flags given on the command line."""
+    from chatbot.models.presets import resolve_settings, select_preset
+    from chatbot.models.templates import check_template_choice
+
+    chosen = select_preset(preset, config, ctx.params.get("model"))
+    # typer vendors its own click: compare the sources by name
+    sources = {name: getattr(ctx.get_parameter_source(name), "name", "DEFAULT") for name in ctx.params}
+    given = {name for name, source in sources.items() if source not in ("DEFAULT", "DEFAULT_MAP")}
+    if chosen is not None and not (preset or config):
+        given.discard("model")  # --model named the preset
+    flags = dict(ctx.params)
+    if flags.get("greedy"):
+        flags["temperature"] = 0.0
+        given.add("temperature")
+    settings = resolve_settings(chosen, flags, given)
+    check_template_choice(settings["template"])
+    return settings
+
+
+def _engine(loaded: Any, config: EngineConfig, decoder: Any | None) -> Engine:
+    """The model runner, limited to `config.max_context` tokens (None: the model's context)."""
+    from chatbot.engine.generate import Engine
+
+    return Engine(loaded.model, loaded.tokenizer, max_context=config.max_context, decoder=decoder)
+
+
+def _context_note(loaded: Any, config: EngineConfig) -> str | None:
+    """A warning when `--max-context` goes past the positions the model was trained on."""
+    trained = getattr(loaded.model.config, "max_position_embeddings", None)
+    if config.max_context is None or not trained or config.max_context <= trained:
+        return None
+    return (
+        f"note: --max-context {config.max_context:,} is more than the model's context "
+        f"({trained:,} tokens); answers past it are likely to degrade"
+    )
+
+
+def _api_key(var: str | None) -> str | None:
+    """The API key in the environment variable `var` (None: no key)."""
+    if var is None:
+        return None
+    key = os.environ.get(var, "").strip()
+    if not key:
+        raise ConfigError(f"--api-key-env {var}: the environment variable {var} is not set or empty")
+    return key

@@ -1,0 +1,299 @@
+"""ColossalAI (Colossal-LLaMA ``stream_chat_patch``): `get_prompt_template`, `streaming_chat`,
+`stream_generate`, on our engine."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache
+from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+from chatbot.compat._common import _NoText, _single_row, _sync_cache
+from chatbot.config import SamplingConfig
+from chatbot.engine.detokenize import IncrementalDetokenizer
+from chatbot.engine.generate import Engine
+from chatbot.engine.stops import StopOnStrings
+from chatbot.engine.tracked_cache import lookup
+
+DEFAULT_ROLES = ("", "Human", "Assistant")
+
+
+@dataclass
+class _ChatRecord:
+    """What `streaming_chat` left in a cache: the prompt text so far and its token ids
+    (the last answer token may still be waiting to be fed)."""
+
+    text: str
+    ids: list[int] = field(default_factory=list)
+
+
+_CHATS: weakref.WeakKeyDictionary[Cache, _ChatRecord] = weakref.WeakKeyDictionary()
+
+# --- ColossalAI: stream_chat_patch ----------------------------------------------------------
+
+
+def get_prompt_template(
+    input_query: str,
+    history: Sequence[Mapping[str, Any]] | None = None,
+    roles: Sequence[str] = DEFAULT_ROLES,
+) -> str:
+    """The Colossal-LLaMA chat prompt for a new query after `history`.
+
+    Args:
+        input_query: the user's message (stripped).
+        history: past messages, ``{"role": ..., "message": ...}``; a message whose role is
+            ``roles[0]`` is the system text.
+        roles: (system, user, assistant) names.
+
+    Returns:
+        ``"<s>{system}\\n\\n"`` for the system message, ``"{role}: <s>{message}</s>"`` for each
+        other message, then ``"{user}: <s>{query}</s>{assistant}: <s>"``.
+    """
+    system_role, user_role, assistant_role = roles[0], roles[1], roles[2]
+    messages = [*(history or []), {"role": user_role, "message": input_query.strip()}]
+    parts: list[str] = []
+    for item in messages:
+        role, message = item.get("role"), item.get("message")
+        if role == system_role:
+            parts.append(f"<s>{message}\n\n")
+        elif message:
+            parts.append(f"{role}: <s>{message}</s>")
+        else:
+            parts.append(f"{role}: <s>")
+    parts.append(f"{assistant_role}: <s>")
+    return "".join(parts)
+
+
+def stream_generate(
+    model: Any,
+    input_ids: Any,
+    generation_config: Any = None,
+    logits_processor: LogitsProcessorList | None = None,
+    stopping_criteria: StoppingCriteriaList | None = None,
+    prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None = None,
+    return_past_key_values: bool = False,
+    **kwargs: Any,
+) -> Iterator[Any]:
+    """Yield the growing sequence, one token at a time, like Colossal-LLaMA's `stream_generate`.
+
+    The generation config (the model's by default, updated with `kwargs`) is honoured with
+    transformers' own processors and stopping criteria: temperature, top-k/p, repetition
+    penalty, bad words, min/max new tokens, eos ids, stop strings (pass ``tokenizer=``) and
+    the rest. Beam settings are ignored, as in the original: this samples or takes argmax.
+
+    Args:
+        model: a transformers causal LM.
+        input_ids: ``[1, n]`` ids, the whole sequence so far (one row; padding is dropped
+            using ``attention_mask``, so no padding side is required).
+        generation_config: a `GenerationConfig` (copied, never changed).
+        logits_processor: extra processors, merged as `generate` does.
+        stopping_criteria: extra criteria, merged as `generate` does.
+        prefix_allowed_tokens_fn: constrains each step, as in `generate`.
+        return_past_key_values: also yield the cache.
+        **kwargs: generation-config fields (``max_new_tokens``, ``do_sample``, ...), and
+            ``past_key_values`` (or ``cache``): a cache to continue; it is updated in place and
+            only the ids it does not hold yet are fed. Also ``attention_mask``,
+            ``tokenizer``, ``generator`` (a seeded `torch.Generator`).
+
+    Yields:
+        ``[1, n + k]`` ids after each new token (the eos included, as in transformers), or
+        ``(ids, cache)``. The last token is not in the cache yet; the next call feeds it.
+
+    Raises:
+        TypeError: for a keyword that is neither a generation setting nor one of the above.
+        ValueError: for a batch of more than one sequence.
+        ContextFullError: the prompt does not fit a growing cache.
+    """
+    cache = kwargs.pop("past_key_values", None)
+    alt_cache = kwargs.pop("cache", None)
+    cache = cache if cache is not None else alt_cache
+    attention_mask = kwargs.pop("attention_mask", None)
+    tokenizer = kwargs.pop("tokenizer", None)
+    generator = kwargs.pop("generator", None)
+    ids = _single_row(input_ids, attention_mask)
+
+    # transformers' private builders (pinned to 5.24) give the exact config, processors and
+    # criteria that `generate` would use: the model's defaults filled in, then `kwargs`.
+    config, unused = model._prepare_generation_config(generation_config, **kwargs)
+    unused = {k: v for k, v in unused.items() if k not in ("output_attentions", "output_hidden_states")}
+    if unused:
+        raise TypeError(f"stream_generate() got unexpected keyword arguments: {', '.join(sorted(unused))}")
+    if config.max_new_tokens is not None:
+        config.max_length = len(ids) + config.max_new_tokens
+    max_new = max(1, config.max_length - len(ids))
+
+    engine = Engine(model, tokenizer if tokenizer is not None else _NoText())
+    if cache is None:
+        cache = engine.new_cache().cache
+    elif not isinstance(cache, Cache):
+        raise TypeError(
+            "past_key_values must be a transformers Cache (DynamicCache, or the SinkCache of "
+            f"enable_streaming_llm); got {type(cache).__name__} (tuples are gone in transformers v5)"
+        )
+    out_device = input_ids.device if isinstance(input_ids, torch.Tensor) else engine.device
+
+    model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device=engine.device, batch_size=1)
+    processors = model._get_logits_processor(
+        generation_config=config,
+        input_ids_seq_length=len(ids),
+        encoder_input_ids=torch.tensor([ids], device=engine.device),
+        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+        logits_processor=logits_processor if logits_processor is not None else LogitsProcessorList(),
+        device=engine.device,
+    )
+    # Stop strings go through our one text matcher, not transformers' StopStringCriteria.
+    stop_strings = config.stop_strings
+    config.stop_strings = None
+    criteria = model._get_stopping_criteria(
+        generation_config=config,
+        stopping_criteria=stopping_criteria if stopping_criteria is not None else StoppingCriteriaList(),
+        tokenizer=tokenizer,
+    )
+    if stop_strings:
+        if tokenizer is None:
+            raise ValueError("stop_strings needs the tokenizer: pass tokenizer= to stream_generate")
+        criteria.append(StopOnStrings(tokenizer, [stop_strings] if isinstance(stop_strings, str) else stop_strings))
+    sampling = SamplingConfig(
+        temperature=1.0 if config.do_sample else 0.0,  # the processors do the rest
+        top_p=1.0,
+        top_k=0,
+        repetition_penalty=1.0,
+        max_new_tokens=max_new,
+        stream_interval=1,
+    )
+
+    kv, start = _sync_cache(engine, cache, ids)
+    sequence = list(ids)
+    chunks = engine.generate(
+        kv,
+        ids[start:],
+        sampling,
+        history_ids=ids[:start],
+        generator=generator,
+        logits_processor=processors,
+        stopping_criteria=criteria,
+    )
+    try:
+        for chunk in chunks:
+            if not chunk.token_ids:
+                continue
+            sequence.extend(chunk.token_ids)
+            out = torch.tensor([sequence], dtype=torch.long, device=out_device)
+            yield (out, cache) if return_past_key_values else out
+    finally:
+        chunks.close()
+        kv.settle()
+
+
+def streaming_chat(
+    model: Any,
+    tokenizer: Any,
+    input_query: str,
+    history: Sequence[Mapping[str, Any]] | None = None,
+    roles: Sequence[str] = DEFAULT_ROLES,
+    past_key_values: Cache | None = None,
+    temperature: float = 0.8,
+    top_p: float = 0.95,
+    top_k: int = 50,
+    do_sample: bool = True,
+    length_penalty: float = 1.2,
+    max_new_tokens: int = 512,
+    logits_processor: LogitsProcessorList | None = None,
+    return_past_key_values: bool = False,
+    **kwargs: Any,
+) -> Iterator[tuple[Any, ...]]:
+    """Stream an answer to `input_query`, like Colossal-LLaMA's `streaming_chat`.
+
+    The prompt is `get_prompt_template(input_query, history, roles)`; the answer ends at the
+    tokenizer's eos token. With the cache of an earlier call (``past_key_values``) and the
+    history it yielded, only the new text is encoded and prefilled: the cache already holds
+    the conversation, the earlier answers exactly as the model wrote them.
+
+    Args:
+        model: a transformers causal LM.
+        tokenizer: its tokenizer. Any padding side works: one conversation is one row, never
+            padded, so the original's left-padding requirement does not apply.
+        input_query: the user's message.
+        history: earlier messages (not changed; a copy with the new exchange is yielded).
+        roles: (system, user, assistant) names.
+        past_key_values: a cache from an earlier call (or any `Cache` holding a prefix of
+            this prompt); None starts a new `DynamicCache`.
+        temperature: sampling temperature (with `do_sample`).
+        top_p: nucleus sampling threshold (with `do_sample`).
+        top_k: top-k filter (with `do_sample`).
+        do_sample: sample; False takes the most likely token.
+        length_penalty: accepted for compatibility; it only affects beam search, which this
+            (like the original) never runs.
+        max_new_tokens: the most answer tokens.
+        logits_processor: extra transformers logits processors.
+        return_past_key_values: also yield the cache, to pass to the next call.
+        **kwargs: more generation-config fields (e.g. ``repetition_penalty``,
+            ``eos_token_id``) and ``generator``.
+
+    Yields:
+        ``(response, history)`` or ``(response, history, cache)`` after each token:
+        `response` is the answer so far (cumulative, eos excluded), `history` has the new
+        user message and the answer so far (stripped) as its last two entries.
+    """
+    del length_penalty  # beam search only
+    engine = Engine(model, tokenizer)
+    cache = past_key_values if past_key_values is not None else engine.new_cache().cache
+    prompt = get_prompt_template(input_query, history, roles)
+    new_history = [dict(item) for item in history or []]
+    new_history.append({"role": roles[1], "message": input_query.strip()})
+    assistant = {"role": roles[2], "message": None}
+    new_history.append(assistant)
+
+    record = _CHATS.get(cache)
+    kv = lookup(cache)
+    continues = record is not None and kv is not None and record.ids[: len(kv.seen)] == kv.seen
+    if record is not None and continues and prompt.startswith(record.text):
+        rest = prompt[len(record.text) :]
+        ids = record.ids + list(tokenizer(rest, add_special_tokens=False)["input_ids"])
+    else:
+        ids = list(tokenizer(prompt)["input_ids"])
+
+    eos = tokenizer.eos_token_id
+    settings: dict[str, Any] = {"do_sample": do_sample, "max_new_tokens": max_new_tokens}
+    if do_sample:
+        settings.update(temperature=temperature, top_p=top_p, top_k=top_k)
+    if eos is not None:
+        settings["eos_token_id"] = [eos]
+    settings.update(kwargs)
+    stop_ids = settings.get("eos_token_id")
+    stop = {stop_ids} if isinstance(stop_ids, int) else set(stop_ids or ())
+
+    detok = IncrementalDetokenizer(tokenizer)
+    answer: list[int] = []
+    started = False
+
+    def event() -> tuple[Any, ...]:
+        assistant["message"] = detok.text.strip()
+        return (detok.text, new_history, cache) if return_past_key_values else (detok.text, new_history)
+
+    try:
+        for out in stream_generate(
+            model,
+            torch.tensor([ids], dtype=torch.long),
+            logits_processor=logits_processor,
+            past_key_values=cache,
+            tokenizer=tokenizer,
+            **settings,
+        ):
+            started = True
+            token = int(out[0, -1])
+            if token not in stop:
+                answer.append(token)
+                detok.add(token)
+            yield event()
+        if detok.flush():
+            yield event()
+    finally:
+        if started:
+            # What the cache now stands for, as the next call's prompt will render it.
+            _CHATS[cache] = _ChatRecord(prompt + detok.text.strip(), ids + answer)

@@ -1,0 +1,200 @@
+"""Saved chats: the conversation as plain data, written atomically and privately, and read
+back with every field checked. `ChatSession` and `RemoteSession` both save through here."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import stat
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from chatbot.config import SamplingConfig
+from chatbot.engine.stats import TurnStats, stats_from_dict, stats_to_dict
+from chatbot.errors import ChatbotError, ConfigError
+from chatbot.limits import MAX_SAVED_BYTES, expand, loads_json, read_text
+
+SAVE_FORMAT = "chatbot-session"
+SAVE_VERSION = 1
+
+
+@dataclass
+class Turn:
+    """One exchange: the user's message, the answer, and what it cost."""
+
+    user: str
+    answer: str
+    stats: TurnStats
+    interrupted: bool = False
+    first_segment: int = 0  # index of the turn's prompt segment; -1 when unknown
+    evicted_before: int = 0  # the cache's evicted_total when the turn started
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "user": self.user,
+            "answer": self.answer,
+            "interrupted": self.interrupted,
+            "stats": stats_to_dict(self.stats),
+        }
+
+
+
+class SavedConversation:
+    """What `ChatSession` and `RemoteSession` share for saving: `to_dict` and `save`."""
+
+    system: str | None
+    sampling: SamplingConfig
+    turns: list[Turn]
+
+    def messages(self) -> Sequence[Mapping[str, Any]]:
+        raise NotImplementedError
+
+    def to_dict(self, model: str | None = None) -> dict[str, Any]:
+        """The conversation as plain data: messages, system prompt, settings, per-turn stats."""
+        return saved_dict(self.system, self.sampling, self.messages(), self.turns, model)
+
+    def save(self, path: str | os.PathLike[str], model: str | None = None) -> Path:
+        """Write `to_dict` as JSON (see `write_saved`).
+
+        Raises:
+            ChatbotError: the file cannot be written.
+        """
+        return write_saved(path, self.to_dict(model))
+
+
+def saved_dict(
+    system: str | None,
+    sampling: SamplingConfig,
+    messages: Sequence[Mapping[str, Any]],
+    turns: list[Turn],
+    model: str | None = None,
+) -> dict[str, Any]:
+    """A conversation as plain data: messages, system prompt, settings, per-turn stats."""
+    return {
+        "format": SAVE_FORMAT,
+        "version": SAVE_VERSION,
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model": model,
+        "system": system,
+        "settings": sampling.as_dict(),
+        "messages": [dict(m) for m in messages],
+        "turns": [t.as_dict() for t in turns],
+    }
+
+
+def read_saved(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The JSON of a saved chat.
+
+    Raises:
+        ChatbotError: the file cannot be read or is not JSON.
+    """
+    p = expand(path)
+    text = read_text(p, MAX_SAVED_BYTES, "saved chat")
+    data = loads_json(text, f"{p}")
+    if not isinstance(data, dict):
+        raise ChatbotError(f"{p} is not a saved chat (expected a JSON object)")
+    return data
+
+
+
+def write_saved(path: str | os.PathLike[str], data: dict[str, Any]) -> Path:
+    """Write a saved chat as JSON, atomically (a crash never leaves half a file), private to
+    the user (0600), refusing targets that are not regular files; returns the path written.
+
+    Raises:
+        ChatbotError: the file cannot be written.
+    """
+    target = expand(path)
+    text = json.dumps(data, ensure_ascii=False, indent=1)
+    _check_save_target(target)
+    tmp: str | None = None
+    try:
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")  # 0600
+        with os.fdopen(fd, "wb") as f:
+            f.write((text + "\n").encode("utf-8", errors="surrogatepass"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        tmp = None
+    except OSError as exc:
+        raise ChatbotError(f"cannot save to {target}: {exc.strerror or exc}") from None
+    finally:
+        if tmp is not None:  # a failed write leaves no copy of the chat behind
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    return target
+
+def parse_saved(data: Any, base: SamplingConfig,
+                warnings: list[str] | None = None) -> tuple[str | None, SamplingConfig, list[Turn]]:
+    """System prompt, settings and turns from saved data; `base` fills missing settings and
+    replaces bad ones (each named in `warnings`).
+
+    Raises:
+        ConfigError: the data is not a conversation.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError("a saved chat is a JSON object with messages")
+    system = data.get("system")
+    turns: list[Turn] = []
+    if isinstance(data.get("turns"), list):
+        for i, t in enumerate(data["turns"]):
+            if not isinstance(t, dict) or not isinstance(t.get("user"), str) or not isinstance(t.get("answer"), str):
+                raise ConfigError(f"turn {i + 1}: expected user and answer text")
+            turns.append(Turn(t["user"], t["answer"], stats_from_dict(t.get("stats")), bool(t.get("interrupted"))))
+    elif isinstance(data.get("messages"), list):
+        msgs = data["messages"]
+        if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs):
+            raise ConfigError("messages must be objects with role and content")
+        if msgs and msgs[0].get("role") == "system":
+            system = msgs[0]["content"]
+            msgs = msgs[1:]
+        if len(msgs) % 2 or any(
+            m.get("role") != ("user" if i % 2 == 0 else "assistant") for i, m in enumerate(msgs)
+        ):
+            raise ConfigError("messages must alternate user and assistant, after an optional system message")
+        turns = [Turn(u["content"], a["content"], TurnStats()) for u, a in zip(msgs[::2], msgs[1::2])]
+    else:
+        raise ConfigError("a saved chat needs a list of turns or messages")
+    if system is not None and not isinstance(system, str):
+        raise ConfigError("system must be text")
+    sampling = base
+    settings = data.get("settings")
+    if isinstance(settings, dict):
+        for key, value in settings.items():
+            if key in SamplingConfig.RANGES:
+                if value is None and key != "seed":
+                    continue
+                try:
+                    sampling = sampling.with_value(key, "none" if value is None else value)
+                except ConfigError as exc:  # one bad value must not refuse the whole chat
+                    if warnings is not None:
+                        warnings.append(f"setting left as it was: {exc}")
+    return (system or None), sampling, turns
+
+
+def _check_save_target(target: Path) -> None:
+    """Refuse to replace anything but a regular file (a FIFO, a device, a folder) and a
+    loop of symbolic links, before writing a byte.
+
+    Raises:
+        ChatbotError: the target is not a file a chat can be saved to.
+    """
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ChatbotError(f"cannot save to {target}: a loop of symbolic links") from None
+        raise ChatbotError(f"cannot save to {target}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+        raise ChatbotError(f"cannot save to {target}: it is {kind}")

@@ -1,0 +1,94 @@
+"""The terminal around an answer: the consoles, key echo off while it streams, and Ctrl-C
+that cannot tear what is being drawn."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from typing import IO, Any
+
+from rich.console import Console
+
+
+def make_consoles(interactive: bool) -> tuple[Console, Console]:
+    """The consoles for answers (stdout) and for notes and stats: stdout on a terminal, else
+    stderr. On a terminal Rich wraps every line by words at the width; into a pipe or file a
+    line stays one line (the terminal, if any, wraps it)."""
+    # COLUMNS and LINES, where exported, are stale after a resize: on a terminal, its size.
+    environ = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    out_tty, err_tty = sys.stdout.isatty(), sys.stderr.isatty()
+    out = Console(highlight=False, soft_wrap=not out_tty, _environ=environ if out_tty else None)
+    if interactive and out_tty:
+        return out, out
+    return out, Console(stderr=True, highlight=False, soft_wrap=not err_tty, _environ=environ if err_tty else None)
+
+
+@contextlib.contextmanager
+def no_echo(stream: IO[str]) -> Iterator[None]:
+    """While inside, keys typed on the terminal are not echoed (they stay in the input for
+    the next prompt): an echoed ^C or typed-ahead text would land in the live answer and
+    shift it. Ctrl-C still interrupts. Nothing happens when `stream` is not a terminal."""
+    try:
+        import termios
+
+        fd = stream.fileno()
+        saved = termios.tcgetattr(fd)
+    except (ImportError, OSError, ValueError, AttributeError):
+        yield
+        return
+    quiet = list(saved)
+    quiet[3] &= ~(termios.ECHO | termios.ECHOCTL)
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
+
+
+class Interrupts:
+    """The first Ctrl-C raises KeyboardInterrupt and later ones are ignored, so that a second
+    press cannot tear the clean-up of the first. Inside `deferred()` (drawing the screen) the
+    interrupt waits until the block ends, so no half-written escape sequence is left."""
+
+    def __init__(self) -> None:
+        self.fired = False
+        self.pending = False
+        self.depth = 0
+
+    def handler(self, signum: int, frame: Any) -> None:
+        if self.fired:
+            return
+        self.fired = True
+        if self.depth:
+            self.pending = True
+        else:
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            if self.pending and not self.depth:
+                self.pending = False
+                raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def interrupt_once() -> Iterator[Interrupts]:
+    """While inside, Ctrl-C is handled by an `Interrupts` (see there)."""
+    interrupts = Interrupts()
+    try:
+        previous = signal.signal(signal.SIGINT, interrupts.handler)
+    except ValueError:  # not the main thread
+        yield interrupts
+        return
+    try:
+        yield interrupts
+    finally:
+        signal.signal(signal.SIGINT, previous)
