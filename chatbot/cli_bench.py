@@ -32,6 +32,9 @@ bench_app = typer.Typer(help="Benchmarks that print figures side by side.", no_a
 def bench_turns(
     conversation: ConversationOpt = None,
     max_new_tokens: Annotated[int, typer.Option(help="New tokens per turn (greedy).", min=1)] = 64,
+    repeats: Annotated[
+        int, typer.Option(help="Plays of the conversation per side, interleaved; figures are medians.", min=1)
+    ] = 3,
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -66,7 +69,7 @@ def bench_turns(
         return
     _set_threads(threads)
     loaded = _load(model, device, dtype)
-    result = run_turns_bench(loaded, turns, max_new_tokens)
+    result = run_turns_bench(loaded, turns, max_new_tokens, repeats)
     print_turns(Console(), result)
     if json_out:
         write_json(json_out, result)
@@ -248,6 +251,9 @@ def bench_decode(
     gguf: Annotated[
         Path | None, typer.Option(help="GGUF file for llama.cpp (default: the default model's).")
     ] = None,
+    prefill: Annotated[
+        str, typer.Option(help="Comma-separated prompt lengths prefill is timed at.")
+    ] = "50,500,2000",
     png: Annotated[
         Path | None, typer.Option(help="Also draw the figures into this PNG (needs matplotlib).")
     ] = None,
@@ -277,10 +283,17 @@ def bench_decode(
         from chatbot.measure.bench_streaming import default_text_path
 
         long_text = read_text(text or default_text_path())
+    try:
+        prefill_sizes = tuple(int(n) for n in prefill.split(",") if n.strip())
+    except ValueError:
+        raise ConfigError(f"--prefill: expected prompt lengths like 50,500,2000, not {prefill!r}") from None
+    if not prefill_sizes or min(prefill_sizes) < 1:
+        raise ConfigError(f"--prefill: expected positive prompt lengths like 50,500,2000, not {prefill!r}")
     err = Console(stderr=True, highlight=False)
     result = run_decode_bench(
         chosen, model=model, threads=threads, rounds=rounds, decode_tokens=decode_tokens, text=text,
-        ppl_tokens=ppl_tokens, gguf=gguf, progress=lambda line: err.print(f"[dim]{line}[/dim]"),
+        ppl_tokens=ppl_tokens, gguf=gguf, prefill_sizes=prefill_sizes,
+        progress=lambda line: err.print(f"[dim]{line}[/dim]"),
     )
     out = Console()
     print_decode(out, result)

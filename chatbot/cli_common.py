@@ -12,7 +12,12 @@ import typer
 from rich.console import Console
 
 from chatbot.config import EngineConfig
+from chatbot.engine.threads import apply_wait_policy
 from chatbot.errors import ConfigError
+
+# Before torch loads libgomp (it reads its wait settings once): threads that wait at a
+# barrier spin briefly, then sleep, so a busy machine is not made busier (engine/threads.py).
+apply_wait_policy()
 
 if TYPE_CHECKING:
     from chatbot.engine.generate import Engine
@@ -39,7 +44,8 @@ ModelOpt = Annotated[
 DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")]
 DtypeOpt = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")]
 ThreadsOpt = Annotated[
-    int | None, typer.Option(help="CPU threads (default: torch's choice, the physical cores).", min=1)
+    int | None,
+    typer.Option(help="CPU threads (default: the physical cores less those other processes keep busy).", min=1),
 ]
 JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the figures to this JSON file.")]
 QuantizeOpt = Annotated[
@@ -138,15 +144,21 @@ def _decoder(model: Any, opt: str) -> tuple[Any, str | None]:
 
 
 def _set_threads(threads: int | None) -> None:
-    if threads:
-        import torch
+    import torch
 
-        cores = os.cpu_count() or 1
-        if threads > cores:  # more threads than cores only make them wait for each other
-            Console(stderr=True, highlight=False).print(
-                f"note: --threads {threads} is more than the {cores} cores here; using {cores}", markup=False)
-            threads = cores
-        torch.set_num_threads(threads)
+    if not threads:
+        # Default: the CPUs left free by other busy processes (engine/threads.py); on a
+        # 2-core machine running something else, two threads decode several times slower.
+        from chatbot.engine.threads import default_threads
+
+        torch.set_num_threads(default_threads(most=torch.get_num_threads()))
+        return
+    cores = os.cpu_count() or 1
+    if threads > cores:  # more threads than cores only make them wait for each other
+        Console(stderr=True, highlight=False).print(
+            f"note: --threads {threads} is more than the {cores} cores here; using {cores}", markup=False)
+        threads = cores
+    torch.set_num_threads(threads)
 
 
 def _load(model: str | None, device: str, dtype: str, quiet: bool = False, **options: Any) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 from chatbot.config import ChatConfig, SamplingConfig
 from chatbot.engine.generate import Engine
 from chatbot.errors import ConfigError
+from chatbot.measure.report import conditions, loadavg
 from chatbot.models.loader import LoadedModel
 from chatbot.session import ChatSession
 
@@ -43,23 +45,45 @@ def _play(session: ChatSession, turns: list[str], reencode: bool) -> list[dict[s
             stats = chunk.stats or stats
         assert stats is not None
         rows.append({"prefill_tokens": stats.context_tokens, "ttft_s": stats.ttft_s,
-                     "decode_tps": stats.decode_tps, "cache_tokens": stats.cache_tokens})
+                     "decode_tps": stats.decode_tps, "cache_tokens": stats.cache_tokens,
+                     "loadavg": loadavg()[0]})
     return rows
 
 
-def run_turns_bench(loaded: LoadedModel, turns: list[str], max_new_tokens: int = 64) -> dict[str, Any]:
-    """Play the user turns twice, greedy: on the persistent cache, and re-encoding the
-    whole history every turn (what `transformers chat` and friends do)."""
-    engine = Engine(loaded.model, loaded.tokenizer)
+def _median_rows(plays: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Turn by turn, the median of each timing over the plays (token counts are the same in
+    every play: greedy decoding), with every play's time to first token kept."""
+    out = []
+    for samples in zip(*plays):
+        row = dict(samples[0])
+        for key in ("ttft_s", "decode_tps", "loadavg"):
+            row[key] = statistics.median(s[key] for s in samples)
+        row["ttft_s_runs"] = [s["ttft_s"] for s in samples]
+        out.append(row)
+    return out
+
+
+def run_turns_bench(
+    loaded: LoadedModel, turns: list[str], max_new_tokens: int = 64, repeats: int = 3, decoder: Any = None
+) -> dict[str, Any]:
+    """Play the user turns greedy, on the persistent cache and re-encoding the whole history
+    every turn (what `transformers chat` and friends do), `repeats` times each, taking turns
+    (persistent, re-encode, persistent...) so that a change of load hits both; every figure is
+    the median over the plays, with the 1-minute load average beside it."""
+    engine = Engine(loaded.model, loaded.tokenizer, decoder=decoder)
     sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=max_new_tokens)
-    results = {}
-    for mode in ("persistent", "reencode"):
-        session = ChatSession(engine, ChatConfig(sampling=sampling), loaded.template)
-        results[mode] = _play(session, turns, reencode=(mode == "reencode"))
+    plays: dict[str, list[list[dict[str, Any]]]] = {"persistent": [], "reencode": []}
+    for _ in range(max(1, repeats)):
+        for mode, runs in plays.items():
+            session = ChatSession(engine, ChatConfig(sampling=sampling), loaded.template)
+            runs.append(_play(session, turns, reencode=(mode == "reencode")))
+    results = {mode: _median_rows(p) for mode, p in plays.items()}
     last_p, last_r = results["persistent"][-1], results["reencode"][-1]
     return {
         "model": loaded.name,
         "max_new_tokens": max_new_tokens,
+        "repeats": max(1, repeats),
+        "conditions": conditions(),
         "turns": [
             {"turn": i + 1, "persistent": p, "reencode": r}
             for i, (p, r) in enumerate(zip(results["persistent"], results["reencode"]))

@@ -31,6 +31,9 @@ LEVEL_SETUPS = ("chatbot-off", "chatbot-f32", "chatbot-auto", "chatbot-int8", "c
 # `auto` packed from the float32 model rather than the GGUF file's own matrices: the path
 # before GGUF packing (a K-quant matrix then decodes as float32), for before/after figures
 AUTO_FROM_MODEL = "chatbot-auto-model"
+# On an NVIDIA GPU (scripts/gpu-check): our engine (transformers forward passes, no native
+# kernels) in bfloat16, and with bitsandbytes 4-bit (NF4) and 8-bit (LLM.int8) weights.
+CUDA_SETUPS = {"cuda-bf16": None, "cuda-4bit": "4bit", "cuda-8bit": "8bit"}
 BASELINE = "transformers-generate"
 LLAMA_CPP = "llama.cpp"
 WORKER_TIMEOUT_S = 3600
@@ -74,7 +77,7 @@ def _quantiles(latencies: list[float]) -> dict[str, float]:
 
 
 def _engine_worker(
-    loaded: Any, level: str, ids: list[int], decode_tokens: int, ppl_tokens: int
+    loaded: Any, level: str, ids: list[int], decode_tokens: int, ppl_tokens: int, threads: int | None = None
 ) -> dict[str, Any]:
     from chatbot.config import SamplingConfig
     from chatbot.engine.fast import make_decoder
@@ -82,8 +85,9 @@ def _engine_worker(
 
     t0 = time.perf_counter()
     use_gguf = level != "auto-model"
-    decoder, reason = make_decoder(loaded.model, level.removesuffix("-model"), use_gguf=use_gguf)
+    decoder, reason = make_decoder(loaded.model, level.removesuffix("-model"), threads, use_gguf=use_gguf)
     setup_s = time.perf_counter() - t0
+    ready = time.time()  # the first usable state: model loaded, weights packed
     if reason:
         return {"error": reason}
     engine = Engine(loaded.model, loaded.tokenizer, decoder=decoder)
@@ -111,6 +115,7 @@ def _engine_worker(
         "ttft_s": ttft.get(str(DECODE_PROMPT), stats.ttft_s),
         "ttft_s_by_prompt": ttft,
         "setup_s": setup_s,
+        "ready_at": ready,
         "tokens": tokens,
     }
     if decoder is not None:
@@ -175,6 +180,7 @@ def _generate_worker(loaded: Any, ids: list[int], decode_tokens: int, ppl_tokens
             )  # fmt: skip
         return start, clock
 
+    ready = time.time()
     run(ids[:16], 4)
     prefill, ttft = {}, {}
     for size in PREFILL_SIZES:
@@ -191,6 +197,7 @@ def _generate_worker(loaded: Any, ids: list[int], decode_tokens: int, ppl_tokens
         "prefill_tps": prefill,
         "ttft_s": clock.times[1] - start,
         "ttft_s_by_prompt": ttft,
+        "ready_at": ready,
         "tokens": clock.tokens,
     }
     if ppl_tokens:
@@ -213,6 +220,7 @@ def _llama_cpp_worker(gguf: Path, text: str, threads: int, decode_tokens: int) -
         verbose=False,
     )
     setup_s = time.perf_counter() - t0
+    ready = time.time()
     ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
     vocab = llm.n_vocab()
 
@@ -246,6 +254,7 @@ def _llama_cpp_worker(gguf: Path, text: str, threads: int, decode_tokens: int) -
         "ttft_s": ttft[str(DECODE_PROMPT)],
         "ttft_s_by_prompt": ttft,
         "setup_s": setup_s,
+        "ready_at": ready,
     }
 
 
@@ -253,6 +262,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Measure one set-up (run in a fresh process by `run_decode_bench`)."""
     import torch
 
+    global PREFILL_SIZES
+    PREFILL_SIZES = tuple(spec.get("prefill_sizes") or PREFILL_SIZES)  # this process only
     torch.set_num_threads(spec["threads"])
     name = spec["name"]
     text = bench_text(Path(spec["text"]) if spec.get("text") else None)
@@ -264,7 +275,10 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         from chatbot.models.loader import load_model
 
-        loaded = load_model(spec.get("model"), device="cpu", dtype="float32")
+        if name in CUDA_SETUPS:
+            loaded = load_model(spec.get("model"), device="cuda", dtype="bfloat16", quantize=CUDA_SETUPS[name])
+        else:
+            loaded = load_model(spec.get("model"), device="cpu", dtype="float32")
         ids = list(loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
         need = max(*PREFILL_SIZES, spec.get("ppl_tokens") or 0)
         if len(ids) < need:
@@ -272,10 +286,15 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         if name == BASELINE:
             out = _generate_worker(loaded, ids, spec["decode_tokens"], spec.get("ppl_tokens") or 0)
         else:
-            level = name.removeprefix("chatbot-")
-            out = _engine_worker(loaded, level, ids, spec["decode_tokens"], spec.get("ppl_tokens") or 0)
+            level = "off" if name in CUDA_SETUPS else name.removeprefix("chatbot-")
+            out = _engine_worker(
+                loaded, level, ids, spec["decode_tokens"], spec.get("ppl_tokens") or 0, spec["threads"]
+            )
     out["name"] = name
     out["peak_mem_mb"] = _peak_rss_mb()
+    if name in CUDA_SETUPS:
+        out["gpu_peak_mem_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    out["loadavg"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     return out
 
 
@@ -284,12 +303,18 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "chatbot.measure.bench_decode", json.dumps(spec)]
+    started = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S, check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
         return {"name": spec["name"], "error": f"worker failed ({proc.returncode}): {tail[0]}"}
-    return json.loads(lines[-1])
+    out = json.loads(lines[-1])
+    if "ready_at" in out:
+        # From starting the process (Python, imports, reading the file, packing) to the first
+        # usable state: what a user waits for before the prompt, the same way on every side.
+        out["load_s"] = out.pop("ready_at") - started
+    return out
 
 
 def _median_result(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -297,14 +322,19 @@ def _median_result(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if not ok:
         return {"name": runs[0]["name"], "error": runs[0]["error"]}
     out: dict[str, Any] = {"name": ok[0]["name"], "runs": len(ok)}
-    for key in ("decode_tps", "ttft_s", "ms_per_token_p50", "ms_per_token_p90", "peak_mem_mb", "setup_s"):
+    keys = ("decode_tps", "ttft_s", "ms_per_token_p50", "ms_per_token_p90", "peak_mem_mb", "setup_s", "load_s")
+    for key in keys:
         values = [r[key] for r in ok if key in r]
         if values:
             out[key] = statistics.median(values)
     for key in ("prefill_tps", "ttft_s_by_prompt"):
         out[key] = {size: statistics.median(r[key][size] for r in ok) for size in ok[0][key]}
     out["decode_tps_runs"] = [r["decode_tps"] for r in ok]
-    for key in ("weights", "weight_mb", "bytes_per_weight", "weights_from", "ppl", "tokens"):
+    loads = [r["loadavg"] for r in ok if r.get("loadavg") is not None]
+    if loads:  # the 1-minute load average as each of this set-up's runs ended
+        out["loadavg"] = round(statistics.median(loads), 2)
+        out["loadavg_runs"] = [round(x, 2) for x in loads]
+    for key in ("weights", "weight_mb", "bytes_per_weight", "weights_from", "ppl", "tokens", "gpu_peak_mem_mb"):
         for r in ok:
             if key in r:
                 out[key] = r[key]
@@ -322,6 +352,7 @@ def run_decode_bench(
     text: Path | None = None,
     ppl_tokens: int = 0,
     gguf: Path | None = None,
+    prefill_sizes: tuple[int, ...] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run every set-up `rounds` times, interleaved; return medians per set-up.
@@ -336,6 +367,8 @@ def run_decode_bench(
         ppl_tokens: also measure next-token perplexity over this many tokens of the text
             (first round only; 0: skip).
         gguf: the GGUF file for llama.cpp (default: the embedded default model's).
+        prefill_sizes: prompt lengths prefill is timed at (default 50, 500, 2000; 50 is
+            always one: decoding starts after a 50-token prompt).
         progress: told of each worker as it starts.
 
     Returns:
@@ -347,21 +380,28 @@ def run_decode_bench(
 
     from chatbot.measure.report import machine_info
 
-    setups = setups or default_setups()
-    threads = threads or torch.get_num_threads()
     if gguf is None and model and model.lower().endswith(".gguf"):
         gguf = Path(model)  # llama.cpp runs the very file we load
+    # Given another model and no GGUF, llama.cpp would run the default model: no comparison.
+    other_model = model is not None and gguf is None
+    if setups is None:
+        setups = [s for s in default_setups() if not (s == LLAMA_CPP and other_model)]
+    threads = threads or torch.get_num_threads()
+    sizes = tuple(sorted({DECODE_PROMPT, *(prefill_sizes or PREFILL_SIZES)}))
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in setups}
     started = time.perf_counter()
     for round_no in range(rounds):
         for name in setups:
+            if name == LLAMA_CPP and other_model:
+                runs[name].append({"name": name, "error": "llama.cpp reads GGUF files: give --gguf FILE (the same model)"})
+                continue
             if progress:
                 progress(f"round {round_no + 1}/{rounds}: {name}")
             spec = {
                 "name": name, "model": model, "threads": threads, "decode_tokens": decode_tokens,
                 "text": str(text) if text else None, "ppl_tokens": ppl_tokens if round_no == 0 else 0,
-                "gguf": str(gguf) if gguf else None,
+                "gguf": str(gguf) if gguf else None, "prefill_sizes": list(sizes),
             }  # fmt: skip
             runs[name].append(_run_worker(spec))
     results = [_median_result(runs[name]) for name in setups]
@@ -383,7 +423,7 @@ def run_decode_bench(
             "rounds": rounds,
             "decode_tokens": decode_tokens,
             "decode_prompt_tokens": DECODE_PROMPT,
-            "prefill_sizes": list(PREFILL_SIZES),
+            "prefill_sizes": list(sizes),
             "ppl_tokens": ppl_tokens,
             "text": str(text) if text else "shipped conversation, repeated",
             "wall_s": round(time.perf_counter() - started, 1),
@@ -408,7 +448,9 @@ def print_decode(console: Any, result: dict[str, Any]) -> None:
     columns = ["tok/s", "p50\nms", "p90\nms", "peak\nMB", "B/\nweight", "same\ntok"]
     if s.get("ppl_tokens"):
         columns.append(f"ppl\n@{s['ppl_tokens']}")
-    for table, cols in ((decode, columns), (prefill, [*[f"tok/s @{n}" for n in sizes], "TTFT s"])):
+    columns.append("load\navg")
+    prefill_cols = [*[f"tok/s @{n}" for n in sizes], "TTFT s", "load s", "load avg"]
+    for table, cols in ((decode, columns), (prefill, prefill_cols)):
         table.add_column("set-up", no_wrap=True)
         for col in cols:
             table.add_column(col, justify="right", no_wrap=True)
@@ -427,16 +469,47 @@ def print_decode(console: Any, result: dict[str, Any]) -> None:
         ]
         if s.get("ppl_tokens"):
             row.append(f"{r['ppl']:.4f}" if "ppl" in r else "")
-        decode.add_row(*row)
-        prefill.add_row(r["name"], *[f"{r['prefill_tps'][n]:.0f}" for n in sizes], f"{r['ttft_s']:.3f}")
+        load_avg = f"{r['loadavg']:.2f}" if r.get("loadavg") is not None else ""
+        decode.add_row(*row, load_avg)
+        load_s = f"{r['load_s']:.1f}" if "load_s" in r else ""
+        prefill.add_row(r["name"], *[f"{r['prefill_tps'][n]:.0f}" for n in sizes], f"{r['ttft_s']:.3f}",
+                        load_s, load_avg)  # fmt: skip
     console.print(decode)
     console.print(prefill)
+    for line in versus_llama_cpp(result):
+        console.print(line, markup=False)
     m = result["machine"]
     load = f"; load average {m['loadavg_start'][0]} -> {m['loadavg_end'][0]}" if "loadavg_start" in m else ""
-    console.print(f"[dim]{m['processor']}, {m['cpu_count']} CPUs, torch {m['torch']}{load}. prefill: tokens/s "
+    cpu = m.get("cpu_model", m["processor"])
+    console.print(f"[dim]{cpu}, {m['cpu_count']} CPUs, torch {m['torch']}{load}. load avg: the 1-minute load "
+                  "average as the set-up's runs ended (median); load s: from starting its process to the model "
+                  "ready to run (imports, reading the file, packing). prefill: tokens/s "
                   f"at that prompt length; TTFT: time to first token after a {s['decode_prompt_tokens']}-token "
                   "prompt; p50/p90 ms: per decoded token; same tok: greedy tokens equal to transformers' before the first "
                   "difference; B/weight: bytes per weight of the matrices the native kernels read[/dim]")  # fmt: skip
+
+
+def versus_llama_cpp(result: dict[str, Any], ours: str = "chatbot-auto") -> list[str]:
+    """One line per figure: `ours` against llama.cpp from the same run (none when either
+    is missing or failed)."""
+    rows = {r["name"]: r for r in result["results"] if "error" not in r}
+    a, b = rows.get(ours), rows.get(LLAMA_CPP)
+    if a is None or b is None:
+        return []
+    size = "500" if "500" in a["prefill_tps"] else next(iter(a["prefill_tps"]))
+    pairs = [
+        ("decode tok/s", a["decode_tps"], b["decode_tps"], "x faster"),
+        (f"prefill tok/s @{size}", a["prefill_tps"][size], b["prefill_tps"][size], "x faster"),
+        ("load s", a.get("load_s"), b.get("load_s"), "x the time"),
+        ("peak RSS MB", a["peak_mem_mb"], b["peak_mem_mb"], "x the memory"),
+    ]
+    load = f" (load average {a.get('loadavg', '?')} / {b.get('loadavg', '?')})"
+    lines = [f"{ours} vs llama.cpp, same file, same run{load}:"]
+    for label, x, y, unit in pairs:
+        if x is None or y is None or not y:
+            continue
+        lines.append(f"  {label}: {x:,.1f} vs {y:,.1f} = {x / y:.2f}{unit}")
+    return lines
 
 
 def plot_decode(result: dict[str, Any], path: Path) -> None:

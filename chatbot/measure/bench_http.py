@@ -20,6 +20,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from chatbot.engine.seq import quantile
 from chatbot.errors import ChatbotError
+from chatbot.measure.report import conditions, loadavg
 
 
 def _client(base_url: str, api_key: str | None, timeout: float = 600.0) -> openai.OpenAI:
@@ -75,6 +76,7 @@ def stream_once(client: openai.OpenAI, model: str, messages: list[ChatCompletion
         "cached_tokens": cached,
         "completion_tokens": getattr(usage, "completion_tokens", None),
         "finish_reason": finish,
+        "loadavg": loadavg()[0],
     }
 
 
@@ -106,7 +108,8 @@ def run_http_turns_bench(base_url: str, turns: list[str], max_new_tokens: int = 
         prompt, cached = row["prompt_tokens"], row["cached_tokens"]
         return {"prompt_tokens": prompt, "cached_tokens": cached,
                 "prefill_tokens": None if prompt is None else prompt - (cached or 0),
-                "ttft_s": row["ttft_s"], "completion_tokens": row["completion_tokens"]}
+                "ttft_s": row["ttft_s"], "completion_tokens": row["completion_tokens"],
+                "loadavg": row.get("loadavg")}
 
     last_c, last_u = cached_rows[-1], uncached_rows[-1]
     return {
@@ -117,6 +120,7 @@ def run_http_turns_bench(base_url: str, turns: list[str], max_new_tokens: int = 
                   for i, (c, u) in enumerate(zip(cached_rows, uncached_rows))],
         "ratio_last_turn": last_u["ttft_s"] / last_c["ttft_s"] if last_c["ttft_s"] else None,
         "same_answers": sum(c["text"] == u["text"] for c, u in zip(cached_rows, uncached_rows)),
+        "conditions": conditions(),
     }
 
 
@@ -209,4 +213,5 @@ def run_load_bench(base_url: str, turns: list[str], clients: int = 8, duration_s
         "rss_quarter_bytes": rss_at(0.25),
         "rss_end_bytes": rss[-1][1] if rss else None,
         "error_samples": error_lines[:5],
+        "conditions": conditions(),
     }

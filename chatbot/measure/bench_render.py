@@ -118,5 +118,7 @@ def run_render_bench(tokens: int = 2000, rate: float = 150.0, width: int = 80, h
         runs = sorted((_feed(make, pieces, rate, width, height) for _ in range(repeats)),
                       key=lambda r: r["ms_per_token"])
         rows.append({"renderer": name, **runs[len(runs) // 2]})
+    from chatbot.measure.report import conditions
+
     return {"tokens": len(pieces), "rate_tok_s": rate, "width": width, "height": height,
-            "budget_ms_per_token": 1000 / rate, "rows": rows}
+            "budget_ms_per_token": 1000 / rate, "rows": rows, "conditions": conditions()}

@@ -12,6 +12,7 @@ import torch
 from chatbot.config import SamplingConfig
 from chatbot.engine.generate import Engine
 from chatbot.errors import ConfigError
+from chatbot.measure.report import loadavg
 from chatbot.models.loader import LoadedModel
 
 # About 160 KB of English prose with code: the FAQ chapters of the Python 3.11 documentation
@@ -92,6 +93,7 @@ def run_streaming_bench(
                 "cache_tokens": cache.length,
                 "cache_bytes": cache.nbytes,
                 "recompute_tps": _recompute_decode_tps(loaded.model, tail, recompute_tokens),
+                "loadavg": loadavg()[0],
             })
             # Drop what the decode added so the next mark starts from the text again.
             fed += 1

@@ -14,6 +14,7 @@ The computing functions return numbers only; `format_table` and `write_plot` pre
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -116,6 +117,7 @@ def run_eval_ppl_ids(
             "wall_s": wall_s,
             "nll": nll_list,
             "cache_tokens": cache_tokens,
+            "loadavg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         }
     return results
 
@@ -187,13 +189,17 @@ def _run_recompute(
 
 def format_table(result: dict[str, dict[str, Any]]) -> str:
     """A plain-text table: set-up, perplexity, tokens/s, wall time, tokens attended."""
-    header = f"{'set-up':<10} {'ppl':>10} {'tok/s':>9} {'wall s':>9} {'kv tokens':>10}"
+    header = f"{'set-up':<10} {'ppl':>10} {'tok/s':>9} {'wall s':>9} {'kv tokens':>10} {'load avg':>9}"
     lines = [header, "-" * len(header)]
     for name, row in result.items():
+        load = "" if row.get("loadavg") is None else f"{row['loadavg']:.2f}"
         lines.append(
             f"{name:<10} {row['ppl']:>10.3f} {row['tokens_per_s']:>9.2f} "
-            f"{row['wall_s']:>9.1f} {row.get('cache_tokens', 0):>10d}"
+            f"{row['wall_s']:>9.1f} {row.get('cache_tokens', 0):>10d} {load:>9}"
         )
+    from chatbot.measure.report import conditions
+
+    lines.append(f"{conditions()}; load avg: the 1-minute load average as each set-up ended")
     return "\n".join(lines)
 
 

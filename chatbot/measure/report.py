@@ -7,17 +7,49 @@ import platform
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.console import Console
 from rich.table import Table
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name ("AMD EPYC 7B13"), from /proc/cpuinfo where there is one."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "hardware", "cpu model")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def loadavg() -> tuple[float, float, float]:
+    """The 1, 5 and 15-minute load averages (zeros where the OS has none)."""
+    import os
+
+    if not hasattr(os, "getloadavg"):
+        return (0.0, 0.0, 0.0)
+    one, five, fifteen = os.getloadavg()
+    return (round(one, 2), round(five, 2), round(fifteen, 2))
+
+
+def conditions() -> str:
+    """What every printed figure is measured beside: the CPU and the load average now."""
+    import os
+
+    one, five, fifteen = loadavg()
+    return f"{cpu_model()}, {os.cpu_count()} CPUs, load average {one:.2f} / {five:.2f} / {fifteen:.2f} (1/5/15 min)"
 
 
 def machine_info() -> dict[str, Any]:
     import os
 
+    import torch  # here: the HTTP benches print conditions without loading torch
+
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
+        "loadavg": list(loadavg()),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -32,20 +64,25 @@ def write_json(path: Path, result: dict[str, Any]) -> None:
 
 
 def print_turns(console: Console, result: dict[str, Any]) -> None:
-    table = Table(title=f"multi-turn chat, {result['model']}, greedy, {result['max_new_tokens']} new tokens per turn")
+    repeats = result.get("repeats", 1)
+    table = Table(title=f"multi-turn chat, {result['model']}, greedy, {result['max_new_tokens']} new tokens per turn, "
+                        f"medians of {repeats} plays")  # fmt: skip
     for col in ("turn", "prefill tok (persistent)", "first token s (persistent)",
-                "prefill tok (re-encode)", "first token s (re-encode)", "ratio"):
+                "prefill tok (re-encode)", "first token s (re-encode)", "ratio", "load avg"):
         table.add_column(col, justify="right")
     for row in result["turns"]:
         p, r = row["persistent"], row["reencode"]
         ratio = r["ttft_s"] / p["ttft_s"] if p["ttft_s"] else float("nan")
+        load = f"{(p['loadavg'] + r['loadavg']) / 2:.2f}" if "loadavg" in p and "loadavg" in r else ""
         table.add_row(str(row["turn"]), f"{p['prefill_tokens']:,}", f"{p['ttft_s']:.3f}",
-                      f"{r['prefill_tokens']:,}", f"{r['ttft_s']:.3f}", f"{ratio:.1f}x")
+                      f"{r['prefill_tokens']:,}", f"{r['ttft_s']:.3f}", f"{ratio:.1f}x", load)
     console.print(table)
     console.print(
         f"last turn: time to first token {result['ratio_last_turn']:.1f}x faster with the persistent cache; "
         f"{result['prefill_ratio_last_turn']:.1f}x fewer tokens prefilled"
     )
+    console.print(f"{result.get('conditions') or conditions()}; load avg: the 1-minute load average after "
+                  "each turn (median over the plays)", style="dim", markup=False)
 
 
 def read_text(path: Path) -> str:
@@ -62,14 +99,17 @@ def print_streaming(console: Console, result: dict[str, Any]) -> None:
     for run in result["runs"]:
         opt = f", --opt {result['opt']}" if "opt" in result else ""
         table = Table(title=f"{result['model']}: {result['start_size']} sinks + {run['recent_size']} recent (window {run['window']}){opt}")
-        for col in ("window passed", "tokens passed", "decode tok/s", "cache tokens", "cache MB", "recompute tok/s", "speed-up"):
+        for col in ("window passed", "tokens passed", "decode tok/s", "cache tokens", "cache MB", "recompute tok/s",
+                    "speed-up", "load avg"):
             table.add_column(col, justify="right")
         for m in run["marks"]:
             table.add_row(f"{m['multiple']}x", f"{m['tokens_passed']:,}", f"{m['decode_tps']:.1f}",
                           f"{m['cache_tokens']:,}", f"{m['cache_bytes'] / 1e6:.1f}", f"{m['recompute_tps']:.2f}",
-                          f"{m['decode_tps'] / m['recompute_tps']:.1f}x")
+                          f"{m['decode_tps'] / m['recompute_tps']:.1f}x",
+                          f"{m['loadavg']:.2f}" if "loadavg" in m else "")
         console.print(table)
         console.print(f"at {run['marks'][-1]['multiple']}x the window: {run['speedup_vs_recompute']:.1f}x faster than sliding window with recomputation")
+    console.print(f"{conditions()}; load avg: the 1-minute load average at each mark", style="dim", markup=False)
 
 
 def print_render(console: Console, result: dict[str, Any]) -> None:
@@ -81,6 +121,7 @@ def print_render(console: Console, result: dict[str, Any]) -> None:
         table.add_row(r["renderer"], f"{r['ms_per_token']:.3f}", f"{r['p99_ms']:.2f}", f"{r['max_ms']:.1f}",
                       f"{100 * r['budget_share']:.1f}%")
     console.print(table)
+    console.print(result.get("conditions") or conditions(), style="dim", markup=False)
 
 
 def print_http_turns(console: Console, result: dict[str, Any]) -> None:
@@ -88,17 +129,21 @@ def print_http_turns(console: Console, result: dict[str, Any]) -> None:
     table = Table(title=f"multi-turn chat through HTTP, {result['model']} at {result['server']}, greedy, "
                         f"{result['max_new_tokens']} new tokens per turn")
     for col in ("turn", "prompt tok", "cached tok", "first token s (prefix cache)",
-                "first token s (no cache)", "ratio"):
+                "first token s (no cache)", "ratio", "load avg"):
         table.add_column(col, justify="right")
     for row in result["turns"]:
         c, u = row["prefix_cache"], row["no_cache"]
         ratio = u["ttft_s"] / c["ttft_s"] if c["ttft_s"] else float("nan")
         cached = "-" if c["cached_tokens"] is None else f"{c['cached_tokens']:,}"
         prompt = "-" if c["prompt_tokens"] is None else f"{c['prompt_tokens']:,}"
-        table.add_row(str(row["turn"]), prompt, cached, f"{c['ttft_s']:.3f}", f"{u['ttft_s']:.3f}", f"{ratio:.1f}x")
+        load = f"{c['loadavg']:.2f}" if c.get("loadavg") is not None else ""
+        table.add_row(str(row["turn"]), prompt, cached, f"{c['ttft_s']:.3f}", f"{u['ttft_s']:.3f}", f"{ratio:.1f}x",
+                      load)
     console.print(table)
     console.print(f"last turn: time to first token {result['ratio_last_turn']:.1f}x faster with the prefix cache; "
                   f"{result['same_answers']}/{len(result['turns'])} answers identical with and without it")
+    console.print(f"{result.get('conditions') or conditions()} (this machine's; the server's if it runs here)",
+                  style="dim", markup=False)
 
 
 def print_load(console: Console, result: dict[str, Any]) -> None:
@@ -117,6 +162,7 @@ def print_load(console: Console, result: dict[str, Any]) -> None:
         "server RSS start / after 1/4 / end": " / ".join(mb(result[k]) for k in
                                                         ("rss_start_bytes", "rss_quarter_bytes", "rss_end_bytes")),
     }
+    rows["CPU and load (this machine)"] = result.get("conditions") or conditions()
     for k, v in rows.items():
         table.add_row(k, v)
     console.print(table)

@@ -1,0 +1,120 @@
+"""How many CPU threads to decode with, and how they wait, on a machine others share.
+
+The native kernels run a decode step as one OpenMP region with a few barriers per layer.
+On a quiet machine every thread reaches each barrier at nearly the same time. On a busy one
+(more runnable threads than CPUs) the scheduler parks one of ours for a time slice (~3 ms);
+its partners then wait at the next barrier, and with OpenMP's default wait they *spin*
+there for up to 300,000 pause-loop iterations, holding a CPU that the parked thread (or
+the process that is busy) could use. Two threads then decode several times slower than one.
+
+Two remedies, both decided here:
+
+- the thread count: the CPUs this process may run on (`sched_getaffinity`, a cgroup CPU
+  quota) minus the ones other processes keep busy right now (`pick_threads`);
+- the wait: spin briefly, then sleep in the kernel (`wait_policy_env`, set by the CLI before
+  torch loads): a barrier that all threads reach together still costs no system call, and
+  one that waits for a parked thread gives its CPU away instead of burning the time slice.
+  `scripts/bench-threads` measured two threads 3-7x faster so on a loaded 2-CPU machine
+  (docs/benchmarks.md); one thread has no barriers to wait at.
+
+The core imports nothing from the terminal layer; everything is read from /proc and /sys,
+with quiet fallbacks where they are missing (macOS, containers without cgroup files).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, MutableMapping
+from pathlib import Path
+
+# libgomp spins this many pause-loop iterations before it sleeps on a futex: well under a
+# millisecond, against its default of 300,000 (several milliseconds, about a time slice). Long
+# enough to catch a partner that is running, short enough not to starve one that is parked.
+SPIN_COUNT = 10_000
+# The OpenMP settings a user may have chosen already; any of them means: leave it alone.
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """CPUs allowed by a cgroup v2 quota (``cpu.max``: "quota period"), or None (no limit,
+    or no cgroup v2 here)."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max":
+        return None
+    try:
+        return max(int(quota) / int(period), 0.0) or None
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on: its affinity mask, capped by a cgroup quota."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cpus = os.cpu_count() or 1
+    limit = cgroup_cpu_limit()
+    if limit is not None:
+        cpus = min(cpus, math.ceil(limit))
+    return max(1, cpus)
+
+
+def parse_loadavg(text: str) -> tuple[float, int]:
+    """(1-minute load average, runnable tasks right now) from the text of /proc/loadavg
+    ("0.52 0.58 0.59 3/467 12345"); the runnable count includes the task that reads it."""
+    fields = text.split()
+    return float(fields[0]), int(fields[3].split("/")[0])
+
+
+def busy_cpus(loadavg: Path = Path("/proc/loadavg")) -> float:
+    """How many CPUs other processes keep busy: the smaller of the runnable tasks now (less
+    this one) and the 1-minute load average. The instant count alone jumps with every short
+    job; the average alone lags a minute behind, and counts our own earlier decoding. 0 where
+    /proc is missing."""
+    try:
+        average, running = parse_loadavg(loadavg.read_text())
+    except (OSError, ValueError, IndexError):
+        if hasattr(os, "getloadavg"):
+            return max(0.0, os.getloadavg()[0] - 1)
+        return 0.0
+    return max(0.0, min(float(running - 1), average))
+
+
+def pick_threads(cpus: int, busy: float, most: int | None = None) -> int:
+    """The thread count for a decode: the CPUs left free by `busy` others, at least 1 and at
+    most `most` (e.g. the physical cores, where hyper-threads add nothing).
+
+    A CPU counts as taken when it is at least half busy, so a 2-CPU machine with one other
+    busy process decodes on one thread, and one with a brief 0.3 blip still uses both.
+    """
+    free = cpus - math.floor(busy + 0.5)
+    ceiling = cpus if most is None else min(most, cpus)
+    return max(1, min(ceiling, free))
+
+
+def default_threads(most: int | None = None) -> int:
+    """`pick_threads` for this machine, now."""
+    return pick_threads(available_cpus(), busy_cpus(), most)
+
+
+def wait_policy_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The OpenMP settings to add to `env` for spin-then-sleep waits: none when the user
+    chose a wait policy or spin count already."""
+    if any(name in env for name in WAIT_VARIABLES):
+        return {}
+    return {"GOMP_SPINCOUNT": str(SPIN_COUNT)}
+
+
+def apply_wait_policy(env: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Set the spin-then-sleep wait in `env` (default: this process's environment) and
+    return what was set. libgomp reads it once, when it is loaded (with torch), so this must
+    run before torch is imported to take effect in this process; it always reaches the
+    processes started after it."""
+    target = os.environ if env is None else env
+    added = wait_policy_env(target)
+    target.update(added)
+    return added

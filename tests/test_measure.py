@@ -1,0 +1,305 @@
+"""The benches' plumbing: medians, load averages beside figures, ours against llama.cpp,
+the scale table and its plot, the thread bench's table, scripts/gpu-check's refusal."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from chatbot.measure import bench_decode, bench_scale, report
+from chatbot.measure.bench_scale import Case
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _row(name: str, decode: float, prefill: float, load_s: float, rss: float) -> dict:
+    return {
+        "name": name, "decode_tps": decode, "prefill_tps": {"50": prefill / 2, "500": prefill},
+        "load_s": load_s, "peak_mem_mb": rss, "loadavg": 1.5, "ttft_s": 0.1, "ttft_s_by_prompt": {"50": 0.1, "500": 1.0},
+        "ms_per_token_p50": 1000 / decode, "ms_per_token_p90": 1100 / decode,
+    }  # fmt: skip
+
+
+def test_conditions_name_the_cpu_and_the_load() -> None:
+    line = report.conditions()
+    assert report.cpu_model() in line
+    assert f"load average {report.loadavg()[0]:.2f}"[:15] in line
+    info = report.machine_info()
+    assert info["cpu_model"] and len(info["loadavg"]) == 3
+
+
+def test_versus_llama_cpp_ratios() -> None:
+    result = {"results": [_row("chatbot-auto", 60.0, 400.0, 2.0, 500.0), _row("llama.cpp", 40.0, 200.0, 1.0, 400.0)]}
+    lines = bench_decode.versus_llama_cpp(result)
+    assert lines[0].startswith("chatbot-auto vs llama.cpp")
+    assert "decode tok/s: 60.0 vs 40.0 = 1.50x faster" in lines[1]
+    assert "prefill tok/s @500: 400.0 vs 200.0 = 2.00x faster" in lines[2]
+    assert "load s: 2.0 vs 1.0 = 2.00x the time" in lines[3]
+    assert "peak RSS MB: 500.0 vs 400.0 = 1.25x the memory" in lines[4]
+    failed = {"results": [_row("chatbot-auto", 60, 400, 2, 500), {"name": "llama.cpp", "error": "x"}]}
+    assert bench_decode.versus_llama_cpp(failed) == []
+
+
+def test_worker_load_time_runs_from_process_start(monkeypatch) -> None:
+    """load_s: from starting the worker process to the moment it reported being ready."""
+
+    def fake_run(cmd, **kwargs):
+        spec = json.loads(cmd[-1])
+        body = {"name": spec["name"], "decode_tps": 1.0, "ready_at": time.time() + 2.5}
+        return subprocess.CompletedProcess(cmd, 0, stdout=json.dumps(body) + "\n", stderr="")
+
+    monkeypatch.setattr(bench_decode.subprocess, "run", fake_run)
+    out = bench_decode._run_worker({"name": "llama.cpp"})
+    assert "ready_at" not in out
+    assert 2.4 < out["load_s"] < 3.5
+
+
+def test_bench_decode_prints_load_average_and_the_comparison(monkeypatch, capsys, tmp_path) -> None:
+    from helpers import assert_one_line_error, cli
+
+    seen = []
+
+    def fake_worker(spec):
+        seen.append(spec)
+        if spec["name"] == "llama.cpp":
+            return {**_row("llama.cpp", 40.0, 200.0, 1.0, 400.0), "loadavg": 2.0 + len(seen)}
+        return {**_row("chatbot-auto", 60.0, 400.0, 2.0, 500.0), "loadavg": 1.0 + len(seen)}
+
+    monkeypatch.setattr(bench_decode, "_run_worker", fake_worker)
+    out = tmp_path / "b.json"
+    code, stdout, _ = cli(capsys, "bench", "decode", "--setups", "chatbot-auto,llama.cpp", "--rounds", "3",
+                          "--prefill", "500", "--json", str(out))  # fmt: skip
+    assert code == 0
+    assert {tuple(s["prefill_sizes"]) for s in seen} == {(50, 500)}  # 50: the decode prompt, always
+    rows = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["chatbot-auto"]["loadavg_runs"] == [2.0, 4.0, 6.0]  # one per round
+    assert rows["chatbot-auto"]["loadavg"] == 4.0  # their median
+    assert rows["chatbot-auto"]["load_s"] == 2.0
+    assert "load" in stdout and "avg" in stdout
+    assert "decode tok/s: 60.0 vs 40.0 = 1.50x faster" in stdout
+    assert report.cpu_model()[:20] in stdout.replace("\n", "")
+    assert_one_line_error(capsys, "bench", "decode", "--prefill", "50,lots", match="--prefill")
+
+
+def test_turns_bench_takes_medians_of_interleaved_plays(tiny_model, tiny_tokenizer, one_thread) -> None:
+    from types import SimpleNamespace
+
+    from chatbot.measure.bench import run_turns_bench
+
+    loaded = SimpleNamespace(model=tiny_model, tokenizer=tiny_tokenizer, name="tiny", template=None)
+    result = run_turns_bench(loaded, ["hello there", "and more", "one more turn"], max_new_tokens=4, repeats=3)
+    assert result["repeats"] == 3
+    for row in result["turns"]:
+        for side in ("persistent", "reencode"):
+            runs = row[side]["ttft_s_runs"]
+            assert len(runs) == 3
+            assert row[side]["ttft_s"] == sorted(runs)[1]
+            assert row[side]["loadavg"] >= 0
+    last = result["turns"][-1]
+    assert last["reencode"]["prefill_tokens"] > last["persistent"]["prefill_tokens"]
+    assert "load average" in result["conditions"]
+
+
+def test_print_turns_shows_load_average(capsys) -> None:
+    from rich.console import Console
+
+    side = {"prefill_tokens": 10, "ttft_s": 0.2, "decode_tps": 5.0, "cache_tokens": 10, "loadavg": 3.25}
+    result = {"model": "m", "max_new_tokens": 4, "repeats": 3, "conditions": "CPU X, load average 3.25",
+              "turns": [{"turn": 1, "persistent": side, "reencode": {**side, "ttft_s": 0.4}}],
+              "ratio_last_turn": 2.0, "prefill_ratio_last_turn": 1.0}  # fmt: skip
+    report.print_turns(Console(width=200), result)
+    out = capsys.readouterr().out
+    assert "medians of 3 plays" in out and "3.25" in out and "CPU X" in out
+
+
+# --- bench-scale ---------------------------------------------------------------------------------
+
+
+def _bench_json(ours: dict, peer: dict) -> dict:
+    return {"machine": {"cpu_model": "Test CPU", "torch_threads": 1, "loadavg_start": [1.0], "loadavg_end": [2.0]},
+            "results": [{"name": "chatbot-auto", **ours}, {"name": "llama.cpp", **peer}],
+            "settings": {"rounds": 2}}  # fmt: skip
+
+
+def test_params_count() -> None:
+    assert bench_scale.params_count("135M") == 135e6
+    assert bench_scale.params_count("1.5B") == 1.5e9
+    with pytest.raises(ValueError):
+        bench_scale.params_count("big")
+
+
+def test_skip_reason_memory_and_time() -> None:
+    measured = [{"params": "0.1B", "wall_s": 10.0, "chatbot-auto": {"peak_mem_mb": 900.0}},  # fixed costs
+                {"params": "1.5B", "wall_s": 100.0, "chatbot-auto": {"peak_mem_mb": 3000.0},
+                 "llama.cpp": {"peak_mem_mb": 1500.0}}]  # fmt: skip
+    eight = Case("llama", "8B", "Q4_K_M")
+    # 2 MB per million parameters (ours, the worse side) -> 16,000 MB at 8B
+    assert bench_scale.memory_needed_mb(eight, measured, 4900.0) == pytest.approx(16000.0)
+    why = bench_scale.skip_reason(eight, measured, 4900.0, 18000.0, 3600.0)  # 3 GB kept free
+    assert why is not None and why.startswith("needs ~15.6 GB") and "17.6 GB available" in why
+    why = bench_scale.skip_reason(eight, measured, 4900.0, 40000.0, 300.0)
+    assert why is not None and why.startswith("would take ~9 min")  # 100 s x 8/1.5
+    assert bench_scale.skip_reason(eight, measured, 4900.0, 40000.0, 3600.0) is None
+    # Nothing measured yet: the file itself must fit.
+    assert bench_scale.skip_reason(eight, [], 4900.0, 5000.0, 3600.0) is not None
+
+
+def test_row_table_and_plot(tmp_path) -> None:
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"\0" * 2**20)
+    rows = []
+    for params, speed in (("0.5B", 40.0), ("1.5B", 15.0)):
+        for kind in ("Q4_K_M", "Q8_0"):
+            ours = _row("chatbot-auto", speed, 10 * speed, 2.0, 700.0)
+            peer = _row("llama.cpp", speed / 2, 5 * speed, 1.0, 500.0)
+            rows.append(bench_scale.row_from_bench(Case("qwen2", params, kind), f, _bench_json(ours, peer), 60.0))
+    rows.append({"arch": "llama", "params": "8B", "type": "Q4_K_M", "skipped": "needs ~16 GB"})
+    assert rows[0]["file_mb"] == 1.0 and rows[0]["cpu"] == "Test CPU" and rows[0]["loadavg"] == [1.0, 2.0]
+    assert rows[0]["chatbot-auto"]["prefill_tps"] == 400.0 and rows[0]["chatbot-auto"]["prefill_at"] == 500
+    table = bench_scale.markdown_table(rows)
+    assert "| qwen2 0.5B Q4_K_M (2 rounds) | 1 | 40.0 / 20.0 (2.00x) | 400 / 200 (2.00x) | 2.0 / 1.0 (2.00x) " in table
+    assert "| llama 8B Q4_K_M | | skipped: needs ~16 GB |" in table
+    svg = bench_scale.svg_plot(rows, "title & more")
+    root = ET.fromstring(svg)  # well-formed XML
+    ns = "{http://www.w3.org/2000/svg}"
+    # 4 panels x 2 sides x 2 file types, each a line of 2 sizes
+    lines = root.findall(f"{ns}polyline")
+    assert len(lines) == 16 and all(len(p.get("points").split()) == 2 for p in lines)
+    assert any(t.text == "title &amp; more" or t.text == "title & more" for t in root.iter(f"{ns}text"))
+
+
+def test_update_markdown_replaces_only_its_section(tmp_path) -> None:
+    doc = tmp_path / "b.md"
+    doc.write_text("# Benchmarks\n\nbefore\n")
+    bench_scale.update_markdown(doc, "first table")
+    bench_scale.update_markdown(doc, "second table")
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\nbefore\n")
+    assert "second table" in text and "first table" not in text
+    assert text.count(bench_scale.START) == 1
+    doc.write_text(text + "\nafter\n")
+    bench_scale.update_markdown(doc, "third")
+    assert doc.read_text().endswith("\nafter\n")
+
+
+def test_run_scale_measures_in_order_and_skips_with_a_reason(monkeypatch, tmp_path) -> None:
+    made = []
+
+    def fake_file(case, folder, python=sys.executable):
+        path = folder / f"{case.params}.gguf"
+        folder.mkdir(exist_ok=True)
+        path.write_bytes(b"\0" * 1024)
+        made.append(case.params)
+        return path
+
+    def fake_bench(path, **kwargs):
+        return _bench_json(_row("chatbot-auto", 10, 100, 1, 2000.0), _row("llama.cpp", 10, 100, 1, 1000.0))
+
+    monkeypatch.setattr(bench_scale, "ensure_file", fake_file)
+    monkeypatch.setattr(bench_scale, "bench_one", fake_bench)
+    monkeypatch.setattr(bench_scale, "mem_available_mb", lambda: 20000.0)
+    cases = [Case("qwen2", "0.5B", "Q8_0"), Case("llama", "8B", "Q4_K_M")]
+    rows = bench_scale.run_scale(cases, tmp_path / "f", threads=1)
+    assert made == ["0.5B"]  # 8B: 4 MB per million parameters -> 32 GB, not written at all
+    assert "chatbot-auto" in rows[0] and rows[1]["skipped"].startswith("needs ~31.2 GB")
+
+
+def test_bench_scale_dry_run_lists_files_under_tmp() -> None:
+    out = subprocess.run([str(ROOT / "scripts/bench-scale"), "--dry-run", "--only", "0.5B"],
+                         capture_output=True, text=True, check=True, env={**os.environ, "TMPDIR": "/tmp"}).stdout
+    assert out.splitlines() == ["qwen2 0.5B Q4_K_M: /tmp/chatbot-scale/synthetic-qwen2-0.5B-Q4_K_M.gguf",
+                                "qwen2 0.5B Q8_0: /tmp/chatbot-scale/synthetic-qwen2-0.5B-Q8_0.gguf"]  # fmt: skip
+
+
+# --- bench-threads, gpu-check --------------------------------------------------------------------
+
+
+def test_format_threads_table() -> None:
+    from chatbot.measure.bench_threads import format_threads
+
+    r = {"tps": {"1": {"quiet": 50.0, "busy": 40.0}, "2": {"quiet": 80.0, "busy": 10.0},
+                 "policy": {"quiet": 80.0, "busy": 40.0}},
+         "loadavg": {"quiet": 1.0, "busy": 2.0}, "policy_picked": [2, 1]}  # fmt: skip
+    result = {"results": {"omp-default": r, "spin-then-sleep": {"error": "worker failed"}},
+              "machine": {"cpu_model": "Test CPU", "cpu_count": 2, "loadavg": [1, 2, 3]},
+              "settings": {"model": "m", "tokens": 64, "rounds": 3, "busy": 1}}  # fmt: skip
+    table = format_threads(result)
+    assert "| omp-default | 2 | 80.0 | 10.0 | 0.12 | 1.00 / 2.00 |" in table
+    assert "| omp-default | policy (picked 2/1) | 80.0 | 40.0 | 0.50 |" in table
+    assert "| spin-then-sleep | | worker failed |" in table
+    assert "Test CPU" in table
+
+
+def test_gpu_check_help_and_refusal_without_cuda() -> None:
+    import torch
+
+    script = str(ROOT / "scripts/gpu-check")
+    helped = subprocess.run([script, "--help"], capture_output=True, text=True, check=False)
+    assert helped.returncode == 0 and "bitsandbytes" in helped.stdout
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the refusal cannot be seen")
+    proc = subprocess.run([script], capture_output=True, text=True, check=False,
+                          env={**os.environ, "PYTHON": sys.executable})  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1 and "no CUDA GPU" in proc.stderr
+    bad = subprocess.run([script, "--frobnicate"], capture_output=True, text=True, check=False)
+    assert bad.returncode == 2 and "unknown option --frobnicate" in bad.stderr
+
+
+def test_thread_bench_compares_two_different_wait_policies() -> None:
+    from chatbot.engine.threads import SPIN_COUNT
+    from chatbot.measure.bench_threads import WAITS
+
+    assert WAITS["omp-default"] == {}  # the worker starts without any OpenMP wait variable
+    assert WAITS["spin-then-sleep"] == {"GOMP_SPINCOUNT": str(SPIN_COUNT)}
+
+
+def test_every_printer_names_the_cpu_and_load(capsys) -> None:
+    """Streaming, render, HTTP turns and load benches, and eval-ppl, print the CPU model and
+    the load average beside their figures."""
+    from rich.console import Console
+
+    from chatbot.measure.eval_ppl import format_table
+
+    console = Console(width=250)
+    mark = {"multiple": 1, "tokens_passed": 10, "decode_tps": 5.0, "cache_tokens": 8, "cache_bytes": 1e6,
+            "recompute_tps": 1.0, "loadavg": 4.56}  # fmt: skip
+    report.print_streaming(console, {"model": "m", "start_size": 4, "runs": [
+        {"recent_size": 4, "window": 8, "marks": [mark], "speedup_vs_recompute": 5.0}]})  # fmt: skip
+    row = {"renderer": "r", "ms_per_token": 0.1, "p99_ms": 0.2, "max_ms": 1.0, "budget_share": 0.01}
+    report.print_render(console, {"tokens": 10, "rate_tok_s": 150, "width": 80, "budget_ms_per_token": 6.7,
+                                  "rows": [row]})  # fmt: skip
+    side = {"prompt_tokens": 10, "cached_tokens": 5, "ttft_s": 0.1, "loadavg": 7.89}
+    report.print_http_turns(console, {"model": "m", "server": "s", "max_new_tokens": 4, "ratio_last_turn": 1.0,
+                                      "same_answers": 1, "turns": [{"turn": 1, "prefix_cache": side,
+                                                                    "no_cache": side}]})  # fmt: skip
+    out = capsys.readouterr().out
+    assert "4.56" in out and "7.89" in out
+    assert out.count(", load average ") == 3 and out.count(report.cpu_model()) == 3
+    table = format_table({"dense": {"ppl": 10.0, "tokens_per_s": 5.0, "wall_s": 1.0, "cache_tokens": 3,
+                                    "loadavg": 2.5}})  # fmt: skip
+    assert "2.50" in table and "load average" in table and report.cpu_model() in table
+
+
+def test_llama_cpp_runs_only_on_the_same_file(monkeypatch) -> None:
+    """With --model a folder and no --gguf, llama.cpp is left out of the default set-ups (it
+    would run the default model) and, asked for, is a row saying why; with --model FILE.gguf
+    it gets that very file."""
+    specs = []
+    monkeypatch.setattr(bench_decode, "_run_worker", lambda spec: specs.append(spec) or {"name": spec["name"], "error": "x"})
+    monkeypatch.setattr(bench_decode, "llama_cpp_available", lambda: True)
+    result = bench_decode.run_decode_bench(model="/some/folder", rounds=1)
+    assert bench_decode.LLAMA_CPP not in [r["name"] for r in result["results"]]
+    specs.clear()
+    result = bench_decode.run_decode_bench(["llama.cpp"], model="/some/folder", rounds=1)
+    assert specs == [] and "give --gguf" in result["results"][0]["error"]
+    bench_decode.run_decode_bench(["llama.cpp"], model="/models/x.gguf", rounds=1)
+    assert specs[0]["gguf"] == "/models/x.gguf"

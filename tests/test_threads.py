@@ -1,0 +1,121 @@
+"""The thread-count and wait policy for a shared machine (chatbot/engine/threads.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from chatbot.engine import threads
+
+
+@pytest.mark.parametrize(
+    ("cpus", "busy", "most", "expected"),
+    [
+        (2, 0.0, None, 2),  # quiet: every CPU
+        (2, 0.3, None, 2),  # a brief blip does not take a CPU
+        (2, 1.0, None, 1),  # one other busy process on two CPUs: one thread
+        (2, 6.0, None, 1),  # never fewer than one
+        (16, 3.4, None, 13),
+        (16, 3.5, None, 12),  # half busy counts as taken
+        (16, 0.0, 8, 8),  # capped by `most` (physical cores)
+        (4, 0.0, 8, 4),  # and by the CPUs, whatever `most` says
+        (1, 0.0, None, 1),
+    ],
+)
+def test_pick_threads(cpus: int, busy: float, most: int | None, expected: int) -> None:
+    assert threads.pick_threads(cpus, busy, most) == expected
+
+
+def test_parse_loadavg() -> None:
+    assert threads.parse_loadavg("0.52 0.58 0.59 3/467 12345\n") == (0.52, 3)
+
+
+def test_busy_cpus_is_the_smaller_of_now_and_the_average(tmp_path: Path) -> None:
+    f = tmp_path / "loadavg"
+    f.write_text("5.10 4.00 3.00 2/300 99\n")  # heavy average, but only us runnable now
+    assert threads.busy_cpus(f) == 1.0
+    f.write_text("0.40 1.00 1.00 9/300 99\n")  # a burst that the last minute did not see
+    assert threads.busy_cpus(f) == pytest.approx(0.4)
+    f.write_text("0.00 0.00 0.00 1/300 99\n")
+    assert threads.busy_cpus(f) == 0.0
+
+
+def test_busy_cpus_without_proc(tmp_path: Path) -> None:
+    assert threads.busy_cpus(tmp_path / "missing") >= 0.0
+
+
+def test_cgroup_cpu_limit(tmp_path: Path) -> None:
+    assert threads.cgroup_cpu_limit(tmp_path) is None  # no file
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert threads.cgroup_cpu_limit(tmp_path) is None
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert threads.cgroup_cpu_limit(tmp_path) == 1.5
+    (tmp_path / "cpu.max").write_text("garbage\n")
+    assert threads.cgroup_cpu_limit(tmp_path) is None
+
+
+def test_available_cpus_follows_the_affinity_mask() -> None:
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no affinity masks here")
+    code = "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); " \
+           "from chatbot.engine.threads import available_cpus; print(available_cpus())"  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "1"
+    assert 1 <= threads.available_cpus() <= (os.cpu_count() or 1)
+
+
+def test_default_threads_within_bounds() -> None:
+    n = threads.default_threads()
+    assert 1 <= n <= threads.available_cpus()
+    assert threads.default_threads(most=1) == 1
+
+
+def test_wait_policy_respects_the_users_choice() -> None:
+    assert threads.wait_policy_env({}) == {"GOMP_SPINCOUNT": str(threads.SPIN_COUNT)}
+    assert threads.wait_policy_env({"OMP_WAIT_POLICY": "active"}) == {}
+    assert threads.wait_policy_env({"GOMP_SPINCOUNT": "infinite"}) == {}
+    env = {"PATH": "/bin"}
+    assert threads.apply_wait_policy(env) == {"GOMP_SPINCOUNT": str(threads.SPIN_COUNT)}
+    assert env["GOMP_SPINCOUNT"] == str(threads.SPIN_COUNT)
+    assert threads.apply_wait_policy(env) == {}  # idempotent
+
+
+def test_cli_default_threads_follow_the_load(monkeypatch) -> None:
+    """Without --threads, the CLI decodes on the CPUs others leave free; --threads wins."""
+    import torch
+
+    from chatbot.cli_common import _set_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(threads, "available_cpus", lambda: 2)
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(threads, "busy_cpus", lambda: 1.0)
+        _set_threads(None)
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        monkeypatch.setattr(threads, "busy_cpus", lambda: 0.0)
+        _set_threads(None)
+        assert torch.get_num_threads() == 2
+        monkeypatch.setattr(threads, "busy_cpus", lambda: 5.0)
+        _set_threads(1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_cli_sets_the_wait_before_torch_loads() -> None:
+    """`chatbot` sets GOMP_SPINCOUNT before anything imports torch (libgomp reads it once,
+    when loaded), and leaves a user's own OpenMP wait settings alone."""
+    code = ("import os, sys; import chatbot.cli; "
+            "print('torch' in sys.modules, os.environ.get('GOMP_SPINCOUNT'))")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in threads.WAIT_VARIABLES}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.split() == ["False", str(threads.SPIN_COUNT)]
+    mine = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={**env, "OMP_WAIT_POLICY": "active"})  # fmt: skip
+    assert mine.stdout.split() == ["False", "None"]
