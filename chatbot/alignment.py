@@ -30,7 +30,6 @@ class Segment:
     ids: list[int]
 
 
-
 class TextCodec:
     """The tokenizer's chat template, encoding and decoding, each piece after its context.
 
@@ -55,7 +54,9 @@ class TextCodec:
         if not text:
             return []
         if literal:
-            return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+            return list(
+                self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            )
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def special_texts(self) -> tuple[str, ...]:
@@ -110,12 +111,17 @@ class TextCodec:
             at = text.rfind(content)
             if at >= 0:
                 head, tail = text[:at], text[at + len(content) :]
-                ids = (self.encode_after(context, head) + self.encode_after(context + head, content, literal=True)
-                       + self.encode_after(context + head + content, tail))
+                ids = (
+                    self.encode_after(context, head)
+                    + self.encode_after(context + head, content, literal=True)
+                    + self.encode_after(context + head + content, tail)
+                )
                 return Segment(kind, text, ids)
         return Segment(kind, text, self.encode_after(context, text))
 
-    def ids_for_cut_answer(self, before: list[int], ids: list[int], text: str, context: str) -> tuple[list[int], int]:
+    def ids_for_cut_answer(
+        self, before: list[int], ids: list[int], text: str, context: str
+    ) -> tuple[list[int], int]:
         """Ids that read `text` after the ids `before`, for an answer cut before a stop
         string, and how many of them lead as generated.
 
@@ -201,7 +207,9 @@ def conversation(sys_msgs: list[dict[str, str]], turns: Sequence[Any]) -> list[d
     return msgs
 
 
-def turn_pieces(render: Render, sys_msgs: list[dict[str, str]], turns: Sequence[Any], text: str) -> Pieces | None:
+def turn_pieces(
+    render: Render, sys_msgs: list[dict[str, str]], turns: Sequence[Any], text: str
+) -> Pieces | None:
     """Each turn's text as (prompt, answer, closing text), found by rendering the
     conversation up to each message: quadratic in the turns, for any template. None
     when the template cannot be split turn by turn.
@@ -223,7 +231,10 @@ def turn_pieces(render: Render, sys_msgs: list[dict[str, str]], turns: Sequence[
         text = after
     return pieces
 
-def turn_pieces_windowed(render: Render, sys_msgs: list[dict[str, str]], turns: Sequence[Any], text: str) -> Pieces | None:
+
+def turn_pieces_windowed(
+    render: Render, sys_msgs: list[dict[str, str]], turns: Sequence[Any], text: str
+) -> Pieces | None:
     """As `turn_pieces`, in time linear in the turns: each turn is rendered after only
     the system prompt and the turn before it, and the pieces are accepted when together
     they are exactly the whole conversation as rendered (else None: the template looks
@@ -251,14 +262,17 @@ def turn_pieces_windowed(render: Render, sys_msgs: list[dict[str, str]], turns: 
     return pieces if whole == render(conversation(sys_msgs, turns), False) else None
 
 
-def segment_after(codec: TextCodec, before: Sequence[Segment], kind: str, text: str,
-                  content: str | None = None) -> Segment:
+def segment_after(
+    codec: TextCodec, before: Sequence[Segment], kind: str, text: str, content: str | None = None
+) -> Segment:
     """A segment of `text` as it reads after the segments `before` (see `TextCodec.segment`)."""
     context = next((seg.text for seg in reversed(before) if seg.text), "")
     return codec.segment(kind, text, context, content)
 
 
-def conversation_segments(codec: TextCodec, system: str | None, turns: Sequence[Any]) -> tuple[list[Segment], list[int]]:
+def conversation_segments(
+    codec: TextCodec, system: str | None, turns: Sequence[Any]
+) -> tuple[list[Segment], list[int]]:
     """The whole conversation tokenized afresh, turn by turn, and where each turn's prompt
     segment is.
 
@@ -275,7 +289,9 @@ def conversation_segments(codec: TextCodec, system: str | None, turns: Sequence[
         if sys_text and probe.startswith(sys_text):
             segments.append(segment_after(codec, segments, "prompt", sys_text, content=system))
             text = sys_text
-    pieces = turn_pieces_windowed(codec.render, sys_msgs, turns, text) or turn_pieces(codec.render, sys_msgs, turns, text)
+    pieces = turn_pieces_windowed(codec.render, sys_msgs, turns, text) or turn_pieces(
+        codec.render, sys_msgs, turns, text
+    )
     if pieces is None:
         whole = codec.render(conversation(sys_msgs, turns), False)
         return ([Segment("prompt", whole, codec.encode(whole))] if whole else []), [-1] * len(turns)

@@ -69,8 +69,6 @@ app = typer.Typer(
 _DEBUG = False
 
 
-
-
 @app.command()
 def run(
     ctx: typer.Context,
@@ -186,12 +184,19 @@ def run(
 def _size(text: str) -> int:
     """Bytes from '2GiB', '512MiB', '1GB' or a plain number."""
     units = {
-        "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1, "": 1
+        "kib": 1 << 10,
+        "mib": 1 << 20,
+        "gib": 1 << 30,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "b": 1,
+        "": 1,
     }
     raw = text.strip().lower()
     number = raw.rstrip("kmgib")
     try:
-        return int(float(number) * units[raw[len(number):]])
+        return int(float(number) * units[raw[len(number) :]])
     except (ValueError, KeyError):
         raise ConfigError(f"cannot read the size {text!r} (e.g. 2GiB, 512MiB)") from None
 
@@ -281,7 +286,9 @@ def serve(
     decoder, decoder_note = _decoder(loaded.model, opt)
     engine = _engine(loaded, engine_cfg, decoder)
     kept = cache_conversations if prefix_cache else 0
-    pool = PrefixCachePool(engine, engine_cfg, sampling, max_entries=kept, max_bytes=memory, template=loaded.template)
+    pool = PrefixCachePool(
+        engine, engine_cfg, sampling, max_entries=kept, max_bytes=memory, template=loaded.template
+    )
     name = served_model_name or loaded.name
     application = create_app(pool, name, api_key=key, streaming_cache=enable_streaming)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -303,8 +310,22 @@ def serve(
 
 # `run` options that shape the local model and its cache: a server has its own.
 _LOCAL_ONLY = (
-    "prefill_chunk", "start_size", "recent_size", "keep_system", "max_context", "device", "dtype", "quantize",
-    "device_map", "max_memory", "revision", "trust_remote_code", "template", "preset", "config", "threads",
+    "prefill_chunk",
+    "start_size",
+    "recent_size",
+    "keep_system",
+    "max_context",
+    "device",
+    "dtype",
+    "quantize",
+    "device_map",
+    "max_memory",
+    "revision",
+    "trust_remote_code",
+    "template",
+    "preset",
+    "config",
+    "threads",
     "opt",
 )
 
@@ -352,8 +373,11 @@ def _run_remote(
         repl.note(note)
     if interactive:
         repl.note(f"{backend.name} on {backend.base_url} · the server's prefix cache keeps the conversation")
-    repl.start_log(resume_path, system=system, overrides={k: v for k, v in overrides.items()
-                                                          if v is not None and k != "stream_interval"})
+    repl.start_log(
+        resume_path,
+        system=system,
+        overrides={k: v for k, v in overrides.items() if v is not None and k != "stream_interval"},
+    )
     run_repl(repl, interactive)
 
 

@@ -61,8 +61,14 @@ def bench_turns(
         from chatbot.measure.report import print_http_turns
 
         err = Console(stderr=True, highlight=False)
-        result = run_http_turns_bench(server, turns, max_new_tokens, model, _api_key(api_key_env),
-                                      progress=lambda line: err.print(f"[dim]{line}[/dim]"))
+        result = run_http_turns_bench(
+            server,
+            turns,
+            max_new_tokens,
+            model,
+            _api_key(api_key_env),
+            progress=lambda line: err.print(f"[dim]{line}[/dim]"),
+        )
         print_http_turns(Console(), result)
         if json_out:
             write_json(json_out, result)
@@ -120,8 +126,16 @@ def bench_load(
 
     turns = load_conversation(conversation)
     err = Console(stderr=True, highlight=False)
-    result = run_load_bench(server, turns, clients, duration, max_new_tokens, model, _api_key(api_key_env),
-                            progress=lambda line: err.print(f"[dim]{line}[/dim]"))
+    result = run_load_bench(
+        server,
+        turns,
+        clients,
+        duration,
+        max_new_tokens,
+        model,
+        _api_key(api_key_env),
+        progress=lambda line: err.print(f"[dim]{line}[/dim]"),
+    )
     print_load(Console(), result)
     if json_out:
         write_json(json_out, result)
@@ -291,8 +305,15 @@ def bench_decode(
         raise ConfigError(f"--prefill: expected positive prompt lengths like 50,500,2000, not {prefill!r}")
     err = Console(stderr=True, highlight=False)
     result = run_decode_bench(
-        chosen, model=model, threads=threads, rounds=rounds, decode_tokens=decode_tokens, text=text,
-        ppl_tokens=ppl_tokens, gguf=gguf, prefill_sizes=prefill_sizes,
+        chosen,
+        model=model,
+        threads=threads,
+        rounds=rounds,
+        decode_tokens=decode_tokens,
+        text=text,
+        ppl_tokens=ppl_tokens,
+        gguf=gguf,
+        prefill_sizes=prefill_sizes,
         progress=lambda line: err.print(f"[dim]{line}[/dim]"),
     )
     out = Console()

@@ -45,7 +45,9 @@ DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")]
 DtypeOpt = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")]
 ThreadsOpt = Annotated[
     int | None,
-    typer.Option(help="CPU threads (default: the physical cores less those other processes keep busy).", min=1),
+    typer.Option(
+        help="CPU threads (default: the physical cores less those other processes keep busy).", min=1
+    ),
 ]
 JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the figures to this JSON file.")]
 QuantizeOpt = Annotated[
@@ -156,7 +158,8 @@ def _set_threads(threads: int | None) -> None:
     cores = os.cpu_count() or 1
     if threads > cores:  # more threads than cores only make them wait for each other
         Console(stderr=True, highlight=False).print(
-            f"note: --threads {threads} is more than the {cores} cores here; using {cores}", markup=False)
+            f"note: --threads {threads} is more than the {cores} cores here; using {cores}", markup=False
+        )
         threads = cores
     torch.set_num_threads(threads)
 

@@ -39,7 +39,9 @@ class Range:
             raise ConfigError(f"{key} must be {self.describe()}, got {value!r}")
         too_low = value < self.low if self.low_inclusive else value <= self.low
         if self.gap_above_low is not None and self.low < value < self.gap_above_low:
-            raise ConfigError(f"{key} must be {_fmt(self.low)} or at least {_fmt(self.gap_above_low)}, got {value!r}")
+            raise ConfigError(
+                f"{key} must be {_fmt(self.low)} or at least {_fmt(self.gap_above_low)}, got {value!r}"
+            )
         if too_low or (self.high is not None and value > self.high):
             raise ConfigError(f"{key} must be {self.describe()}, got {value!r}")
         return value
@@ -135,8 +137,10 @@ class EngineConfig:
         if self.recent_size is not None:
             Range(int, 16, MAX_TOKENS).check("recent_size", self.recent_size)
             if self.start_size > self.recent_size:
-                raise ConfigError(f"start_size ({self.start_size:,}) must not be larger than the recent "
-                                  f"window ({self.recent_size:,})")
+                raise ConfigError(
+                    f"start_size ({self.start_size:,}) must not be larger than the recent "
+                    f"window ({self.recent_size:,})"
+                )
         if self.max_context is not None:
             Range(int, 16, MAX_TOKENS).check("max_context", self.max_context)
         return self
@@ -149,11 +153,14 @@ class EngineConfig:
             ConfigError: it does not fit (saying what would).
         """
         if start_size > recent_size:
-            raise ConfigError(f"start_size ({start_size:,}) must not be larger than the recent window "
-                              f"({recent_size:,})")
+            raise ConfigError(
+                f"start_size ({start_size:,}) must not be larger than the recent window ({recent_size:,})"
+            )
         if start_size + recent_size > max_context:
-            raise ConfigError(f"start_size + recent_size ({start_size:,} + {recent_size:,}) must be at most the "
-                              f"context ({max_context:,} tokens); e.g. --recent-size {max(16, max_context - start_size):,}")
+            raise ConfigError(
+                f"start_size + recent_size ({start_size:,} + {recent_size:,}) must be at most the "
+                f"context ({max_context:,} tokens); e.g. --recent-size {max(16, max_context - start_size):,}"
+            )
 
 
 @dataclass

@@ -58,8 +58,15 @@ def open_regular(path: str | os.PathLike[str], what: str = "file") -> int:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+            kind = (
+                "a folder"
+                if stat.S_ISDIR(mode)
+                else "a FIFO"
+                if stat.S_ISFIFO(mode)
+                else "a device"
+                if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "not a regular file"
+            )
             raise ChatbotError(f"cannot read {p}: it is {kind}, not a {what}")
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
@@ -166,8 +173,9 @@ def finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def bounded_lines(path: str | os.PathLike[str], limit: int = MAX_LOG_BYTES,
-                  line_limit: int = MAX_LOG_LINE_BYTES) -> Iterator[str]:
+def bounded_lines(
+    path: str | os.PathLike[str], limit: int = MAX_LOG_BYTES, line_limit: int = MAX_LOG_LINE_BYTES
+) -> Iterator[str]:
     """The lines of a regular file as text (bad UTF-8 replaced), reading at most `limit`
     bytes; a line longer than `line_limit` is skipped whole.
 

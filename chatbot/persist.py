@@ -44,7 +44,6 @@ class Turn:
         }
 
 
-
 class SavedConversation:
     """What `ChatSession` and `RemoteSession` share for saving: `to_dict` and `save`."""
 
@@ -102,7 +101,6 @@ def read_saved(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-
 def write_saved(path: str | os.PathLike[str], data: dict[str, Any]) -> Path:
     """Write a saved chat as JSON, atomically (a crash never leaves half a file), private to
     the user (0600), refusing targets that are not regular files; returns the path written.
@@ -131,8 +129,10 @@ def write_saved(path: str | os.PathLike[str], data: dict[str, Any]) -> Path:
                 os.unlink(tmp)
     return target
 
-def parse_saved(data: Any, base: SamplingConfig,
-                warnings: list[str] | None = None) -> tuple[str | None, SamplingConfig, list[Turn]]:
+
+def parse_saved(
+    data: Any, base: SamplingConfig, warnings: list[str] | None = None
+) -> tuple[str | None, SamplingConfig, list[Turn]]:
     """System prompt, settings and turns from saved data; `base` fills missing settings and
     replaces bad ones (each named in `warnings`).
 
@@ -145,9 +145,15 @@ def parse_saved(data: Any, base: SamplingConfig,
     turns: list[Turn] = []
     if isinstance(data.get("turns"), list):
         for i, t in enumerate(data["turns"]):
-            if not isinstance(t, dict) or not isinstance(t.get("user"), str) or not isinstance(t.get("answer"), str):
+            if (
+                not isinstance(t, dict)
+                or not isinstance(t.get("user"), str)
+                or not isinstance(t.get("answer"), str)
+            ):
                 raise ConfigError(f"turn {i + 1}: expected user and answer text")
-            turns.append(Turn(t["user"], t["answer"], stats_from_dict(t.get("stats")), bool(t.get("interrupted"))))
+            turns.append(
+                Turn(t["user"], t["answer"], stats_from_dict(t.get("stats")), bool(t.get("interrupted")))
+            )
     elif isinstance(data.get("messages"), list):
         msgs = data["messages"]
         if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs):
@@ -195,6 +201,13 @@ def _check_save_target(target: Path) -> None:
             raise ChatbotError(f"cannot save to {target}: a loop of symbolic links") from None
         raise ChatbotError(f"cannot save to {target}: {exc.strerror or exc}") from None
     if not stat.S_ISREG(mode):
-        kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+        kind = (
+            "a folder"
+            if stat.S_ISDIR(mode)
+            else "a FIFO"
+            if stat.S_ISFIFO(mode)
+            else "a device"
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "not a regular file"
+        )
         raise ChatbotError(f"cannot save to {target}: it is {kind}")

@@ -81,11 +81,19 @@ class RemoteBackend:
         api_key: sent as a bearer token (servers without keys ignore it).
     """
 
-    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
-                 connect_timeout: float = CONNECT_TIMEOUT_S, read_timeout: float = READ_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        api_key: str | None = None,
+        connect_timeout: float = CONNECT_TIMEOUT_S,
+        read_timeout: float = READ_TIMEOUT_S,
+    ) -> None:
         url = base_url.strip().rstrip("/")
         if not url.startswith(("http://", "https://")):
-            raise ConfigError(f"--server {base_url!r}: expected an http:// or https:// URL, e.g. http://127.0.0.1:8000/v1")
+            raise ConfigError(
+                f"--server {base_url!r}: expected an http:// or https:// URL, e.g. http://127.0.0.1:8000/v1"
+            )
         if not url.endswith("/v1"):
             url += "/v1"
         self.base_url = url
@@ -149,7 +157,9 @@ class RemoteBackend:
     def error(self, exc: BaseException) -> RemoteError:
         """One line for what went wrong with a call."""
         if isinstance(exc, openai.AuthenticationError):
-            return RemoteError(f"the server refused the API key (401); pass it with --api-key-env VAR ({_detail(exc)})")
+            return RemoteError(
+                f"the server refused the API key (401); pass it with --api-key-env VAR ({_detail(exc)})"
+            )
         if isinstance(exc, openai.NotFoundError):
             return RemoteError(f"not found (404): {_detail(exc)} (/model lists the server's models)")
         if isinstance(exc, openai.APIStatusError):
@@ -159,7 +169,9 @@ class RemoteBackend:
             return RemoteError(f"the server at {self.base_url} did not answer in time")
         if isinstance(exc, openai.APIConnectionError):
             cause = exc.__cause__ or exc
-            return RemoteError(f"cannot reach the server at {self.base_url} ({type(cause).__name__}: {cause})")
+            return RemoteError(
+                f"cannot reach the server at {self.base_url} ({type(cause).__name__}: {cause})"
+            )
         if isinstance(exc, openai.APIError):
             return RemoteError(f"the server stopped the answer: {_detail(exc)}")
         return RemoteError(f"the connection to {self.base_url} broke ({type(exc).__name__}: {exc})")
@@ -183,8 +195,12 @@ class RemoteBackend:
         limit = (mine or {}).get("max_model_len")
         return int(limit) if isinstance(limit, int) else None
 
-    def stream(self, messages: list[ChatCompletionMessageParam], sampling: SamplingConfig,
-               extra: dict[str, Any] | None = None) -> Iterator[Any]:
+    def stream(
+        self,
+        messages: list[ChatCompletionMessageParam],
+        sampling: SamplingConfig,
+        extra: dict[str, Any] | None = None,
+    ) -> Iterator[Any]:
         """POST /v1/chat/completions with stream=true; yields the client's chunk objects.
 
         A connection that never opened is retried (nothing reached the server); an answer
@@ -203,8 +219,12 @@ class RemoteBackend:
         for attempt in range(RETRIES + 1):
             try:
                 response = self.client.chat.completions.create(
-                    model=self.model, messages=messages, stream=True,
-                    stream_options={"include_usage": True}, **body)
+                    model=self.model,
+                    messages=messages,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    **body,
+                )
                 break
             except openai.APIConnectionError as exc:
                 if attempt == RETRIES or not _never_connected(exc):
@@ -219,8 +239,10 @@ class RemoteBackend:
             if isinstance(exc, openai.APIError) and getattr(exc, "body", None) is not None:
                 raise self.error(exc) from exc  # the server's own error event
             cause = exc.__cause__ or exc
-            raise RemoteError(f"the connection to {self.base_url} broke during the answer "
-                              f"({type(cause).__name__}: {' '.join(str(cause).split())})") from exc
+            raise RemoteError(
+                f"the connection to {self.base_url} broke during the answer "
+                f"({type(cause).__name__}: {' '.join(str(cause).split())})"
+            ) from exc
         finally:
             response.close()
 
@@ -228,8 +250,11 @@ class RemoteBackend:
 def request_fields(sampling: SamplingConfig) -> dict[str, Any]:
     """The API's fields for our settings. top_k and repetition_penalty are not OpenAI's: they
     go as extra fields (vLLM, SGLang and chatbot serve read them) only when they are on."""
-    body: dict[str, Any] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
-                            "max_tokens": sampling.max_new_tokens}
+    body: dict[str, Any] = {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "max_tokens": sampling.max_new_tokens,
+    }
     if sampling.seed is not None:
         body["seed"] = sampling.seed
     extra: dict[str, Any] = {}
@@ -281,7 +306,9 @@ class RemoteSession(SavedConversation, LoggedSession):
         sampling: the settings sent with each message.
     """
 
-    def __init__(self, backend: RemoteBackend, system: str | None = None, sampling: SamplingConfig | None = None) -> None:
+    def __init__(
+        self, backend: RemoteBackend, system: str | None = None, sampling: SamplingConfig | None = None
+    ) -> None:
         self.backend = backend
         self.system = system if system and system.strip() else None
         self.sampling = sampling or remote_sampling()
@@ -321,7 +348,9 @@ class RemoteSession(SavedConversation, LoggedSession):
         """
         if not text.strip():
             raise ChatbotError("empty message")
-        return self._logged(self._answer(Turn(text, "", RemoteStats()), sampling or self.sampling, new=True), text)
+        return self._logged(
+            self._answer(Turn(text, "", RemoteStats()), sampling or self.sampling, new=True), text
+        )
 
     def retry(self, sampling: SamplingConfig | None = None) -> Generator[RemoteChunk, None, None]:
         if not self.turns:
@@ -340,17 +369,26 @@ class RemoteSession(SavedConversation, LoggedSession):
             raise ChatbotError("nothing to continue")
         if not self.can_continue():
             raise ChatbotError("the last answer ended by itself; /retry asks for a new one")
-        return self._logged(self._answer(self.turns[-1], sampling or self.sampling, new=False, extend=True), None)
+        return self._logged(
+            self._answer(self.turns[-1], sampling or self.sampling, new=False, extend=True), None
+        )
 
-    def _answer(self, turn: Turn, sampling: SamplingConfig, new: bool, extend: bool = False) -> Generator[RemoteChunk, None, None]:
+    def _answer(
+        self, turn: Turn, sampling: SamplingConfig, new: bool, extend: bool = False
+    ) -> Generator[RemoteChunk, None, None]:
         history = self.messages() if new else self.messages()[:-2]
         messages: list[ChatCompletionMessageParam] = [*history, {"role": "user", "content": turn.user}]
         extra: dict[str, Any] | None = None
         before = turn.answer if extend else ""
         if extend:
             messages.append({"role": "assistant", "content": before})
-            extra = {"extra_body": {**request_fields(sampling).get("extra_body", {}),
-                                    "continue_final_message": True, "add_generation_prompt": False}}
+            extra = {
+                "extra_body": {
+                    **request_fields(sampling).get("extra_body", {}),
+                    "continue_final_message": True,
+                    "add_generation_prompt": False,
+                }
+            }
         parts: list[str] = []
         t0 = time.perf_counter()
         arrivals: list[float] = []
@@ -416,8 +454,13 @@ class RemoteSession(SavedConversation, LoggedSession):
         data = saved_dict(self.system, self.sampling, self.messages(), self.turns, model)
         return {**data, "server": self.backend.base_url}
 
-    def restore(self, data: Any, on_progress: ProgressCallback | None = None, encode: bool = True,
-                warnings: list[str] | None = None) -> int:
+    def restore(
+        self,
+        data: Any,
+        on_progress: ProgressCallback | None = None,
+        encode: bool = True,
+        warnings: list[str] | None = None,
+    ) -> int:
         """Replace the conversation with saved data; nothing to encode here. Returns 0.
 
         Raises:
@@ -430,13 +473,17 @@ class RemoteSession(SavedConversation, LoggedSession):
         return 0
 
 
-
 def _stats(t0: float, arrivals: list[float], usage: Any, finish: str | None) -> RemoteStats:
     """Figures from the chunks' arrival times and the server's usage."""
     gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     ttft = arrivals[0] - t0 if arrivals else time.perf_counter() - t0
-    stats = RemoteStats(ttft_s=ttft, context_time_s=ttft, token_latencies_s=gaps, decode_time_s=sum(gaps),
-                        finish_reason=finish or "stop")
+    stats = RemoteStats(
+        ttft_s=ttft,
+        context_time_s=ttft,
+        token_latencies_s=gaps,
+        decode_time_s=sum(gaps),
+        finish_reason=finish or "stop",
+    )
     if usage is not None:
         prompt = int(getattr(usage, "prompt_tokens", 0) or 0)
         details = getattr(usage, "prompt_tokens_details", None)
@@ -450,4 +497,3 @@ def _stats(t0: float, arrivals: list[float], usage: Any, finish: str | None) -> 
         stats.generated_tokens = len(arrivals)
         stats.estimated = True
     return stats
-

@@ -73,8 +73,9 @@ class ChatSession(SavedConversation, LoggedSession):
             strings and ids end answers. Without it they are found from the tokenizer.
     """
 
-    def __init__(self, engine: Engine, config: ChatConfig | None = None,
-                 template: TemplateInfo | None = None) -> None:
+    def __init__(
+        self, engine: Engine, config: ChatConfig | None = None, template: TemplateInfo | None = None
+    ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.text = TextCodec(self.tokenizer)
@@ -153,8 +154,9 @@ class ChatSession(SavedConversation, LoggedSession):
     def decode(self, ids: Sequence[int]) -> str:
         return self.text.decode(ids)
 
-    def _segment(self, kind: str, text: str, before: Sequence[Segment] | None = None,
-                 content: str | None = None) -> Segment:
+    def _segment(
+        self, kind: str, text: str, before: Sequence[Segment] | None = None, content: str | None = None
+    ) -> Segment:
         """A segment of `text` as it reads after `before` (default: the conversation's
         segments); see `TextCodec.segment`."""
         return segment_after(self.text, self.segments if before is None else before, kind, text, content)
@@ -202,7 +204,9 @@ class ChatSession(SavedConversation, LoggedSession):
 
     # -- a turn ---------------------------------------------------------------------------
 
-    def send(self, text: str, sampling: SamplingConfig | None = None) -> Generator[GenerationChunk, None, None]:
+    def send(
+        self, text: str, sampling: SamplingConfig | None = None
+    ) -> Generator[GenerationChunk, None, None]:
         """Add a user message and stream the answer.
 
         Nothing changes until the first chunk is asked for; an answer cut short (Ctrl-C,
@@ -320,9 +324,12 @@ class ChatSession(SavedConversation, LoggedSession):
                 answer_fed = fed[len(new_ids) :]
                 answer_ids = shown if finished or len(shown) >= len(answer_fed) else answer_fed
                 if stats is None:
-                    stats = stats_from_arrivals(min(len(fed), len(new_ids)), len(answer_ids), t0, times,
-                                                self.kv.layout())
-                self._close_turn(user, answer_ids, stats, finished, first_segment, evicted_before, resume, extend)
+                    stats = stats_from_arrivals(
+                        min(len(fed), len(new_ids)), len(answer_ids), t0, times, self.kv.layout()
+                    )
+                self._close_turn(
+                    user, answer_ids, stats, finished, first_segment, evicted_before, resume, extend
+                )
 
     def _close_turn(
         self,
@@ -367,8 +374,14 @@ class ChatSession(SavedConversation, LoggedSession):
             turn.interrupted = not finished
             turn.stats = merge_stats(turn.stats, stats) if extend else stats
         else:
-            turn = Turn(user, shown, stats, interrupted=not finished, first_segment=first_segment,
-                        evicted_before=min(evicted_before, self.evicted_total))
+            turn = Turn(
+                user,
+                shown,
+                stats,
+                interrupted=not finished,
+                first_segment=first_segment,
+                evicted_before=min(evicted_before, self.evicted_total),
+            )
             self.turns.append(turn)
         # The template's closing text after the answer (e.g. "<|im_end|>\n"). A template that
         # writes a space before the answer (Llama-2's "[/INST] ") renders the answer decoded
@@ -552,7 +565,9 @@ class ChatSession(SavedConversation, LoggedSession):
         t = self.turns[-1] if self.turns else None
         return t is not None and (t.interrupted or t.stats.finish_reason in ("length", "interrupted"))
 
-    def continue_answer(self, sampling: SamplingConfig | None = None) -> Generator[GenerationChunk, None, None]:
+    def continue_answer(
+        self, sampling: SamplingConfig | None = None
+    ) -> Generator[GenerationChunk, None, None]:
         """Resume the last answer where it stopped (after Ctrl-C or `max_new_tokens`).
 
         The end-of-turn text that closed the answer has not entered the cache yet: it is
@@ -633,8 +648,13 @@ class ChatSession(SavedConversation, LoggedSession):
 
     # -- saving and loading -----------------------------------------------------------------
 
-    def restore(self, data: Any, on_progress: ProgressCallback | None = None, encode: bool = True,
-                warnings: list[str] | None = None) -> int:
+    def restore(
+        self,
+        data: Any,
+        on_progress: ProgressCallback | None = None,
+        encode: bool = True,
+        warnings: list[str] | None = None,
+    ) -> int:
         """Replace the conversation with saved data (`to_dict` output, or a bare
         `{"messages": [...]}`) and re-encode it in chunks.
 

@@ -145,8 +145,9 @@ class SessionLog:
         self._started = path.exists()
 
     @classmethod
-    def create(cls, header: dict[str, Any], directory: Path | None = None,
-               warn: Callable[[str], None] | None = None) -> SessionLog:
+    def create(
+        cls, header: dict[str, Any], directory: Path | None = None, warn: Callable[[str], None] | None = None
+    ) -> SessionLog:
         try:
             directory = directory or sessions_dir()
         except ChatbotError as exc:
@@ -163,8 +164,15 @@ class SessionLog:
             return
         lines = []
         if not self._started:
-            lines.append({"event": Event.START.value, "version": LOG_VERSION, "id": self.session_id,
-                          "created": _now(), **self.header})
+            lines.append(
+                {
+                    "event": Event.START.value,
+                    "version": LOG_VERSION,
+                    "id": self.session_id,
+                    "created": _now(),
+                    **self.header,
+                }
+            )
         lines.append({"event": str(event), "time": _now(), **fields})
         # One write of whole lines: a crash tears at most the last line, which replay skips.
         data = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
@@ -174,7 +182,9 @@ class SessionLog:
     def _append(self, data: str) -> None:
         try:
             private_dir(self.path.parent)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), FILE_MODE)
+            fd = os.open(
+                self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), FILE_MODE
+            )
             with os.fdopen(fd, "wb") as f:
                 f.write(data.encode("utf-8", errors="surrogatepass"))
                 f.flush()
@@ -183,8 +193,10 @@ class SessionLog:
         except OSError as exc:
             self.enabled = False
             if self.warn is not None:
-                self.warn(f"warning: cannot write the session log {self.path} "
-                          f"({exc.strerror or exc}); the chat goes on without it")
+                self.warn(
+                    f"warning: cannot write the session log {self.path} "
+                    f"({exc.strerror or exc}); the chat goes on without it"
+                )
 
 
 @contextlib.contextmanager
@@ -257,8 +269,12 @@ def _turn(ev: Any) -> dict[str, Any] | None:
     if user is None or answer is None:
         return None
     stats = ev.get("stats")
-    return {"user": user, "answer": answer, "interrupted": bool(ev.get("interrupted")),
-            "stats": stats if isinstance(stats, dict) else {}}
+    return {
+        "user": user,
+        "answer": answer,
+        "interrupted": bool(ev.get("interrupted")),
+        "stats": stats if isinstance(stats, dict) else {},
+    }
 
 
 def replay(path: Path) -> dict[str, Any]:
@@ -267,8 +283,13 @@ def replay(path: Path) -> dict[str, Any]:
     Raises:
         ChatbotError: the file cannot be read or is not a session log.
     """
-    state: dict[str, Any] = {"id": path.name.removesuffix(SUFFIX), "model": None, "system": None,
-                             "settings": {}, "turns": []}
+    state: dict[str, Any] = {
+        "id": path.name.removesuffix(SUFFIX),
+        "model": None,
+        "system": None,
+        "settings": {},
+        "turns": [],
+    }
     seen_start = False
     # A message sent whose answer was never logged (the process was killed): kept as a turn
     # with an empty, interrupted answer until its "turn" event replaces it.
@@ -279,14 +300,19 @@ def replay(path: Path) -> dict[str, Any]:
             if kind == Event.START:
                 seen_start = True
                 settings = ev.get("settings")
-                state.update(model=_text(ev.get("model")), system=_text(ev.get("system")),
-                             settings=settings if isinstance(settings, dict) else {})
+                state.update(
+                    model=_text(ev.get("model")),
+                    system=_text(ev.get("system")),
+                    settings=settings if isinstance(settings, dict) else {},
+                )
             elif kind == Event.RESUME:
                 pending = False  # a message left by a killed process stays a turn of its own
             elif kind == Event.SEND and _text(ev.get("user")) is not None:
                 # (a send after a send with no turn between: the first process was killed
                 # before its resume event; both messages are kept)
-                state["turns"].append({"user": _text(ev["user"]), "answer": "", "interrupted": True, "stats": {}})
+                state["turns"].append(
+                    {"user": _text(ev["user"]), "answer": "", "interrupted": True, "stats": {}}
+                )
                 pending = True
             elif kind == Event.TURN and (turn := _turn(ev)) is not None:
                 if (ev.get("replace") or pending) and state["turns"]:
@@ -312,9 +338,11 @@ def replay(path: Path) -> dict[str, Any]:
                 loaded = ev["state"]
                 turns = loaded.get("turns")
                 settings = loaded.get("settings")
-                state.update(system=_text(loaded.get("system")),
-                             settings=settings if isinstance(settings, dict) else {},
-                             turns=[t for t in map(_turn, turns if isinstance(turns, list) else []) if t])
+                state.update(
+                    system=_text(loaded.get("system")),
+                    settings=settings if isinstance(settings, dict) else {},
+                    turns=[t for t in map(_turn, turns if isinstance(turns, list) else []) if t],
+                )
                 pending = False
     except OSError as exc:
         raise ChatbotError(f"cannot read session {path}: {exc.strerror or exc}") from None
@@ -354,8 +382,16 @@ def list_sessions(directory: Path | None = None) -> list[SessionInfo]:
             created = time.strftime("%Y-%m-%d %H:%M", time.strptime(created, "%Y%m%d-%H%M%S"))
         except ValueError:
             pass
-        infos.append(SessionInfo(state["id"], p, created, str(state.get("model") or "?"), len(state["turns"]),
-                                 " ".join(first.split())[:60]))
+        infos.append(
+            SessionInfo(
+                state["id"],
+                p,
+                created,
+                str(state.get("model") or "?"),
+                len(state["turns"]),
+                " ".join(first.split())[:60],
+            )
+        )
     return infos
 
 
@@ -382,7 +418,9 @@ def find_session(ref: str, directory: Path | None = None) -> Path:
     if len(matches) == 1:
         return matches[0]
     if matches:
-        raise ChatbotError(f"{len(matches)} sessions start with {ref!r}; give more of the id (chatbot sessions)")
+        raise ChatbotError(
+            f"{len(matches)} sessions start with {ref!r}; give more of the id (chatbot sessions)"
+        )
     raise ChatbotError(f"no session {ref!r} in {directory}; `chatbot sessions` lists them")
 
 
@@ -395,12 +433,20 @@ def print_sessions(console: Any, limit: int = 20, directory: Path | None = None)
         return
     shown = infos[:limit]
     width = max(len(i.model) for i in shown)
-    console.print(f"{'id':<20}  {'date':<16}  {'model':<{width}}  turns  first words", style="bold",
-                  markup=False, soft_wrap=True)
+    console.print(
+        f"{'id':<20}  {'date':<16}  {'model':<{width}}  turns  first words",
+        style="bold",
+        markup=False,
+        soft_wrap=True,
+    )
     for i in shown:
         line = f"{i.id:<20}  {i.created:<16}  {i.model:<{width}}  {i.turns:>5}  {i.first_words}"
         console.print(safe_text(line), markup=False, soft_wrap=True)
     if len(infos) > limit:
         console.print(f"… and {len(infos) - limit} older (--limit)", markup=False, style="dim")
-    console.print(safe_text(f"in {directory}; resume one with: chatbot run --resume ID (or --resume for the last)"),
-                  markup=False, style="dim", soft_wrap=True)
+    console.print(
+        safe_text(f"in {directory}; resume one with: chatbot run --resume ID (or --resume for the last)"),
+        markup=False,
+        style="dim",
+        soft_wrap=True,
+    )

@@ -264,14 +264,22 @@ def write_tiny_gguf(path: Path, model, tok) -> None:
     w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])  # tied: no output.weight
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
     names = {
-        "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-        "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-        "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
     }
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        w.add_tensor(f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], cfg.num_attention_heads))
-        w.add_tensor(f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], cfg.num_key_value_heads))
+        w.add_tensor(
+            f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], cfg.num_attention_heads)
+        )
+        w.add_tensor(
+            f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], cfg.num_key_value_heads)
+        )
         for ours, theirs in names.items():
             w.add_tensor(f"blk.{i}.{ours}.weight", sd[p + theirs + ".weight"])
     w.write_header_to_file()

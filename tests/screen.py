@@ -28,7 +28,11 @@ class Terminal:
     """`argv` running in a `columns` x `lines` pseudo-terminal behind an emulator."""
 
     def __init__(
-        self, argv: Sequence[str], columns: int = 80, lines: int = 24, env: dict[str, str] | None = None,
+        self,
+        argv: Sequence[str],
+        columns: int = 80,
+        lines: int = 24,
+        env: dict[str, str] | None = None,
         cwd: str | None = None,
     ) -> None:
         full_env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "", "LINES": "", **(env or {})}

@@ -73,12 +73,16 @@ def main() -> None:
     from chatbot.terminal.tty import make_consoles
 
     tokenizer = make_tokenizer()
-    answers = [tokenizer.encode(p.read_text(encoding="utf-8"), add_special_tokens=False) for p in args.answers]
+    answers = [
+        tokenizer.encode(p.read_text(encoding="utf-8"), add_special_tokens=False) for p in args.answers
+    ]
     model = ScriptedModel(make_model(len(tokenizer)), answers, tokenizer.eos_token_id, args.delay)
     engine = Engine(model, tokenizer, max_context=4096)
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=max(len(a) for a in answers) + 8)
     session = ChatSession(engine, ChatConfig(sampling=sampling))
-    loaded = LoadedModel(model=model.model, tokenizer=tokenizer, name="scripted", source="test", kind="folder")
+    loaded = LoadedModel(
+        model=model.model, tokenizer=tokenizer, name="scripted", source="test", kind="folder"
+    )
     interactive = sys.stdin.isatty()
     out, info = make_consoles(interactive)
     repl = Repl(session, loaded, out, plain=not sys.stdout.isatty(), info=info)

@@ -37,8 +37,11 @@ def save_tiny_model(folder: Path, max_position_embeddings: int = 4096) -> Path:
     tok = make_tokenizer()
     model = make_model(len(tok), max_position_embeddings=max_position_embeddings, tie_word_embeddings=False)
     special = set(tok.all_special_ids)
-    bad = [i for i in range(len(tok))
-           if i in special or not all(32 <= ord(ch) < 127 for ch in tok.decode([i])) or not tok.decode([i])]
+    bad = [
+        i
+        for i in range(len(tok))
+        if i in special or not all(32 <= ord(ch) < 127 for ch in tok.decode([i])) or not tok.decode([i])
+    ]
     with torch.no_grad():
         model.model.embed_tokens.weight[:, 0] = 0.5
         model.lm_head.weight[:, 0] = 0.0
@@ -61,8 +64,12 @@ def running_server(*args: str, env: dict[str, str] | None = None, log: Path | No
     port = free_port()
     full_env = {**os.environ, **(env or {})}
     out = open(log, "w") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([CHATBOT, "serve", *args, "--port", str(port), "--threads", "1"],
-                            stdout=out, stderr=subprocess.STDOUT, env=full_env)
+    proc = subprocess.Popen(
+        [CHATBOT, "serve", *args, "--port", str(port), "--threads", "1"],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=full_env,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + START_TIMEOUT_S

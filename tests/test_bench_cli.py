@@ -52,12 +52,18 @@ def test_bench_decode_rows_and_json(monkeypatch, tmp_path, capsys):
     assert "chatbot-auto" in capsys.readouterr().out
 
 
-def test_bench_decode_also_runs_the_turns_bench_into_the_same_json(monkeypatch, tmp_path, capsys, tiny_tokenizer):
+def test_bench_decode_also_runs_the_turns_bench_into_the_same_json(
+    monkeypatch, tmp_path, capsys, tiny_tokenizer
+):
     """`--also turns` adds the multi-turn figures (persistent cache vs re-encoding) of the
     same model to the decode bench's table and JSON; a bench it does not know is a one-line
     error before anything runs."""
     ran = []
-    monkeypatch.setattr(bench_decode, "_run_worker", lambda spec: ran.append(spec) or {"name": spec["name"], "error": "skipped"})
+    monkeypatch.setattr(
+        bench_decode,
+        "_run_worker",
+        lambda spec: ran.append(spec) or {"name": spec["name"], "error": "skipped"},
+    )
     assert_one_line_error(capsys, "bench", "decode", "--also", "turns,latency", match="unknown bench latency")
     assert ran == []
     folder = tmp_path / "tiny"

@@ -43,12 +43,20 @@ def test_garbage_gguf(capsys, tmp_path):
 
 # -- `run` and `config show` declare their shared options once ---------------------------------
 
+
 def _options(command) -> dict[str, tuple]:
     """Each option of a click command by name: what a user sees and gets."""
     return {
         p.name: (
-            tuple(p.opts), tuple(p.secondary_opts), p.default, p.help, p.type_descriptor.annotation,
-            p.is_flag, p.required, p.min, p.max,
+            tuple(p.opts),
+            tuple(p.secondary_opts),
+            p.default,
+            p.help,
+            p.type_descriptor.annotation,
+            p.is_flag,
+            p.required,
+            p.min,
+            p.max,
         )
         for p in command.params
         if p.name != "ctx"
@@ -77,6 +85,7 @@ def test_run_and_config_show_declare_their_shared_options_alike():
 
 # -- settings reach the session: flag or preset -> RunConfig -> engine and cache -------------------
 
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from helpers import make_model, make_tokenizer
@@ -94,8 +103,21 @@ def chat_lines(capsys, monkeypatch, model_dir, lines: list[str], *args: str) -> 
 
     piped = "".join(line + "\n" for line in lines).encode()
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(piped), encoding="utf-8"))
-    code, out, err = cli(capsys, "run", "--model", str(model_dir), "--device", "cpu", "--temperature", "0",
-                         "--max-new-tokens", "4", "--opt", "off", *args)
+    code, out, err = cli(
+        capsys,
+        "run",
+        "--model",
+        str(model_dir),
+        "--device",
+        "cpu",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "4",
+        "--opt",
+        "off",
+        *args,
+    )
     return code, out + err
 
 
@@ -120,10 +142,13 @@ def test_max_context_past_the_model_is_noted(capsys, monkeypatch, model_dir):
 
 def test_preset_settings_reach_the_cache(capsys, monkeypatch, model_dir, tmp_path):
     preset = tmp_path / "small.yaml"
-    preset.write_text("max_context: 48\nstreaming: {enable: true, start_size: 4, recent_size: 20}\n"
-                      "sampling: {stream_interval: 3}\n")
-    code, out = chat_lines(capsys, monkeypatch, model_dir, ["Hi", "/model"], "--config", str(preset),
-                           "--recent-size", "16")
+    preset.write_text(
+        "max_context: 48\nstreaming: {enable: true, start_size: 4, recent_size: 20}\n"
+        "sampling: {stream_interval: 3}\n"
+    )
+    code, out = chat_lines(
+        capsys, monkeypatch, model_dir, ["Hi", "/model"], "--config", str(preset), "--recent-size", "16"
+    )
     assert code == 0, out
     assert "context limit │ 48 tokens" in out
     # the flag's window (16), not the preset's (20), plus the 4 sinks

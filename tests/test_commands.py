@@ -24,10 +24,19 @@ def test_every_command_parses_and_is_documented():
         assert spec.usage.startswith(f"/{name}") and spec.usage in help_text()
 
 
-@pytest.mark.parametrize("line,name", [
-    ("/quit", "exit"), ("/q", "exit"), ("/EXIT", "exit"), ("  /help  ", "help"), ("/?", "help"),
-    ("/clear", "reset"), ("/regenerate", "retry"), ("/cont", "continue"),
-])
+@pytest.mark.parametrize(
+    "line,name",
+    [
+        ("/quit", "exit"),
+        ("/q", "exit"),
+        ("/EXIT", "exit"),
+        ("  /help  ", "help"),
+        ("/?", "help"),
+        ("/clear", "reset"),
+        ("/regenerate", "retry"),
+        ("/cont", "continue"),
+    ],
+)
 def test_aliases(line, name):
     assert parse_command(line).name == name
 
@@ -36,10 +45,16 @@ def test_is_command():
     assert is_command("/help") and not is_command("//etc/passwd is a path") and not is_command("hi /x")
 
 
-@pytest.mark.parametrize("line,hint", [
-    ("/hepl", "did you mean /help?"), ("/sytem You are", "did you mean /system?"), ("/rety", "did you mean /retry?"),
-    ("/xyzzy", "/help lists them"), ("/", "/help lists them"),
-])
+@pytest.mark.parametrize(
+    "line,hint",
+    [
+        ("/hepl", "did you mean /help?"),
+        ("/sytem You are", "did you mean /system?"),
+        ("/rety", "did you mean /retry?"),
+        ("/xyzzy", "/help lists them"),
+        ("/", "/help lists them"),
+    ],
+)
 def test_unknown_command_suggests_the_nearest(line, hint):
     with pytest.raises(CommandError, match="unknown command") as exc:
         parse_command(line)
@@ -66,24 +81,27 @@ def test_set_parses_into_values():
     assert parse_command("/set Repetition_Penalty 1.2").values == {"repetition_penalty": 1.2}
 
 
-@pytest.mark.parametrize("line,message", [
-    ("/set temperature", "needs a value"),
-    ("/set temperature hot", "temperature must be a number ≥ 0 and ≤ 100, got 'hot'"),
-    ("/set temperature -1", "≥ 0"),
-    ("/set temperature nan", "temperature must be"),
-    ("/set temperature inf", "temperature must be"),
-    ("/set top_p 0", "top_p must be a number > 0 and ≤ 1"),
-    ("/set top_k 2.5", "top_k must be an integer"),
-    ("/set max_new_tokens 0", "max_new_tokens must be an integer ≥ 1"),
-    ("/set max_new_tokens 1e99", "max_new_tokens"),
-    ("/set tempurature 1", "did you mean temperature?"),
-    ("/set colour blue", "settings: temperature, top_p"),
-    ("/set \x00\x01 \udcff", "unknown setting"),
-    ("/set a=", "expected KEY=VALUE"),
-    ("/retry temperature", "expected KEY=VALUE"),
-    ("/retry bogus=1", "unknown setting"),
-    ("/retry top_k=-3", "top_k must be an integer ≥ 0"),
-])
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ("/set temperature", "needs a value"),
+        ("/set temperature hot", "temperature must be a number ≥ 0 and ≤ 100, got 'hot'"),
+        ("/set temperature -1", "≥ 0"),
+        ("/set temperature nan", "temperature must be"),
+        ("/set temperature inf", "temperature must be"),
+        ("/set top_p 0", "top_p must be a number > 0 and ≤ 1"),
+        ("/set top_k 2.5", "top_k must be an integer"),
+        ("/set max_new_tokens 0", "max_new_tokens must be an integer ≥ 1"),
+        ("/set max_new_tokens 1e99", "max_new_tokens"),
+        ("/set tempurature 1", "did you mean temperature?"),
+        ("/set colour blue", "settings: temperature, top_p"),
+        ("/set \x00\x01 \udcff", "unknown setting"),
+        ("/set a=", "expected KEY=VALUE"),
+        ("/retry temperature", "expected KEY=VALUE"),
+        ("/retry bogus=1", "unknown setting"),
+        ("/retry top_k=-3", "top_k must be an integer ≥ 0"),
+    ],
+)
 def test_bad_settings_are_rejected_with_the_allowed_range(line, message):
     with pytest.raises(ChatbotError) as exc:
         parse_command(line)

@@ -91,8 +91,11 @@ def test_prompt_template_matches_hand_written_strings():
 
 def test_streaming_chat_cumulative_response_and_history(tiny_model, tiny_tokenizer, engine_calls):
     history = [{"role": "", "message": "You are terse."}]
-    events = list(streaming_chat(tiny_model, tiny_tokenizer, "Hello there!", history=history,
-                                 do_sample=False, max_new_tokens=6))
+    events = list(
+        streaming_chat(
+            tiny_model, tiny_tokenizer, "Hello there!", history=history, do_sample=False, max_new_tokens=6
+        )
+    )
     assert engine_calls["generate"] == 1  # the engine's loop, not one of our own
     responses = [r for r, _ in events]
     assert len(events) == 6
@@ -112,21 +115,36 @@ def test_streaming_chat_cumulative_response_and_history(tiny_model, tiny_tokeniz
 def test_streaming_chat_reuses_the_cache(tiny_model, tiny_tokenizer, engine_calls):
     history, cache = [], None
     for _, history, cache in streaming_chat(  # noqa: B020 - the upstream API's own form
-        tiny_model, tiny_tokenizer, "Hello there!", history=history,
-                                            do_sample=False, max_new_tokens=5, return_past_key_values=True):
+        tiny_model,
+        tiny_tokenizer,
+        "Hello there!",
+        history=history,
+        do_sample=False,
+        max_new_tokens=5,
+        return_past_key_values=True,
+    ):
         pass
     assert isinstance(cache, DynamicCache)
     first_prompt = get_prompt_template("Hello there!")
     held = cache.get_seq_length()
     engine_calls["prefill"].clear()
 
-    events = list(streaming_chat(tiny_model, tiny_tokenizer, "How are you today?", history=history,
-                                 past_key_values=cache, do_sample=False, max_new_tokens=5,
-                                 return_past_key_values=True))
+    events = list(
+        streaming_chat(
+            tiny_model,
+            tiny_tokenizer,
+            "How are you today?",
+            history=history,
+            past_key_values=cache,
+            do_sample=False,
+            max_new_tokens=5,
+            return_past_key_values=True,
+        )
+    )
     response, history2, cache2 = events[-1]
     assert cache2 is cache
     second_prompt = get_prompt_template("How are you today?", history)
-    rest = second_prompt[len(first_prompt + history[-1]["message"]):]
+    rest = second_prompt[len(first_prompt + history[-1]["message"]) :]
     assert rest.startswith("</s>Human: <s>How are you today?")
     new_ids = tiny_tokenizer(rest, add_special_tokens=False)["input_ids"]
     # Prefilled: the first answer's last token (never fed after a max_new_tokens stop) and
@@ -144,17 +162,33 @@ def test_streaming_chat_reuses_the_cache(tiny_model, tiny_tokenizer, engine_call
     assert len(history2) == 4 and history2[-1]["message"] == response.strip()
 
 
-def test_streaming_chat_edited_history_is_re_encoded_from_the_divergence(tiny_model, tiny_tokenizer,
-                                                                         engine_calls):
+def test_streaming_chat_edited_history_is_re_encoded_from_the_divergence(
+    tiny_model, tiny_tokenizer, engine_calls
+):
     history, cache = [], None
-    for _, history, cache in streaming_chat(tiny_model, tiny_tokenizer, "Hello there!", do_sample=False,
-                                            max_new_tokens=4, return_past_key_values=True):
+    for _, history, cache in streaming_chat(
+        tiny_model,
+        tiny_tokenizer,
+        "Hello there!",
+        do_sample=False,
+        max_new_tokens=4,
+        return_past_key_values=True,
+    ):
         pass
     edited = [history[0], {"role": "Assistant", "message": "Something else entirely."}]
     engine_calls["prefill"].clear()
-    response, _, cache = list(streaming_chat(tiny_model, tiny_tokenizer, "Next?", history=edited,
-                                             past_key_values=cache, do_sample=False, max_new_tokens=4,
-                                             return_past_key_values=True))[-1]
+    response, _, cache = list(
+        streaming_chat(
+            tiny_model,
+            tiny_tokenizer,
+            "Next?",
+            history=edited,
+            past_key_values=cache,
+            do_sample=False,
+            max_new_tokens=4,
+            return_past_key_values=True,
+        )
+    )[-1]
     full = tiny_tokenizer(get_prompt_template("Next?", edited))["input_ids"]
     shared = len(tiny_tokenizer(get_prompt_template("Hello there!"))["input_ids"])
     assert len(engine_calls["prefill"][0]) <= len(full) - shared + 2
@@ -166,18 +200,36 @@ def test_streaming_chat_stops_at_eos_and_takes_extra_settings(tiny_model, tiny_t
     prompt_ids = tiny_tokenizer(get_prompt_template("Hello there!"))["input_ids"]
     first = greedy_by_recompute(tiny_model, prompt_ids, 1)[0]
     # Any keyword of the generation config passes through, eos_token_id included.
-    events = list(streaming_chat(tiny_model, tiny_tokenizer, "Hello there!", do_sample=False,
-                                 max_new_tokens=6, eos_token_id=[first], length_penalty=3.0))
+    events = list(
+        streaming_chat(
+            tiny_model,
+            tiny_tokenizer,
+            "Hello there!",
+            do_sample=False,
+            max_new_tokens=6,
+            eos_token_id=[first],
+            length_penalty=3.0,
+        )
+    )
     assert [r for r, _ in events] == [""]  # one event: the answer ended at once
     assert events[-1][1][-1] == {"role": "Assistant", "message": ""}
 
 
-def test_streaming_chat_sampling_is_seeded_and_signature_has_no_mutable_defaults(tiny_model,
-                                                                                 tiny_tokenizer):
+def test_streaming_chat_sampling_is_seeded_and_signature_has_no_mutable_defaults(tiny_model, tiny_tokenizer):
     def run(seed):
         g = torch.Generator().manual_seed(seed)
-        return list(streaming_chat(tiny_model, tiny_tokenizer, "Hi", temperature=50.0, top_k=0, top_p=1.0,
-                                   max_new_tokens=8, generator=g))[-1][0]
+        return list(
+            streaming_chat(
+                tiny_model,
+                tiny_tokenizer,
+                "Hi",
+                temperature=50.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=8,
+                generator=g,
+            )
+        )[-1][0]
 
     assert run(3) == run(3)
     assert run(3) != run(4)
@@ -191,8 +243,11 @@ def test_streaming_chat_sampling_is_seeded_and_signature_has_no_mutable_defaults
 
 def test_stream_generate_yields_growing_ids(tiny_model, tiny_tokenizer, engine_calls):
     ids = tiny_tokenizer("The quick brown fox", return_tensors="pt")
-    outs = list(stream_generate(tiny_model, ids.input_ids, attention_mask=ids.attention_mask,
-                                max_new_tokens=5, do_sample=False))
+    outs = list(
+        stream_generate(
+            tiny_model, ids.input_ids, attention_mask=ids.attention_mask, max_new_tokens=5, do_sample=False
+        )
+    )
     assert engine_calls["generate"] == 1
     n = ids.input_ids.shape[1]
     assert [o.shape[1] for o in outs] == [n + 1, n + 2, n + 3, n + 4, n + 5]
@@ -206,8 +261,13 @@ def test_stream_generate_honours_config_processors_and_criteria(tiny_model):
     prompt = list(range(5, 20))
     free = greedy_by_recompute(tiny_model, prompt, 6)
 
-    outs = list(stream_generate(tiny_model, torch.tensor([prompt]),
-                                generation_config=GenerationConfig(max_new_tokens=3, do_sample=False)))
+    outs = list(
+        stream_generate(
+            tiny_model,
+            torch.tensor([prompt]),
+            generation_config=GenerationConfig(max_new_tokens=3, do_sample=False),
+        )
+    )
     assert outs[-1][0].tolist() == prompt + free[:3]
 
     class Forbid(LogitsProcessor):
@@ -216,55 +276,105 @@ def test_stream_generate_honours_config_processors_and_criteria(tiny_model):
             scores[:, free[0]] = -float("inf")
             return scores
 
-    outs = list(stream_generate(tiny_model, torch.tensor([prompt]), max_new_tokens=4, do_sample=False,
-                                logits_processor=LogitsProcessorList([Forbid()])))
-    assert free[0] not in outs[-1][0, len(prompt):].tolist()
+    outs = list(
+        stream_generate(
+            tiny_model,
+            torch.tensor([prompt]),
+            max_new_tokens=4,
+            do_sample=False,
+            logits_processor=LogitsProcessorList([Forbid()]),
+        )
+    )
+    assert free[0] not in outs[-1][0, len(prompt) :].tolist()
 
-    outs = list(stream_generate(tiny_model, torch.tensor([prompt]), max_new_tokens=4, do_sample=False,
-                                prefix_allowed_tokens_fn=lambda batch, ids: [7, 8]))
-    assert set(outs[-1][0, len(prompt):].tolist()) <= {7, 8}
+    outs = list(
+        stream_generate(
+            tiny_model,
+            torch.tensor([prompt]),
+            max_new_tokens=4,
+            do_sample=False,
+            prefix_allowed_tokens_fn=lambda batch, ids: [7, 8],
+        )
+    )
+    assert set(outs[-1][0, len(prompt) :].tolist()) <= {7, 8}
 
     class AfterTwo(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
             return torch.tensor([input_ids.shape[1] >= len(prompt) + 2])
 
-    outs = list(stream_generate(tiny_model, torch.tensor([prompt]), max_new_tokens=9, do_sample=False,
-                                stopping_criteria=StoppingCriteriaList([AfterTwo()])))
+    outs = list(
+        stream_generate(
+            tiny_model,
+            torch.tensor([prompt]),
+            max_new_tokens=9,
+            do_sample=False,
+            stopping_criteria=StoppingCriteriaList([AfterTwo()]),
+        )
+    )
     assert outs[-1].shape[1] == len(prompt) + 2
 
 
 def test_stream_generate_eos_is_yielded_but_not_fed(tiny_model):
     prompt = list(range(5, 20))
     g = torch.Generator().manual_seed(11)
-    free = [o[0, -1].item() for o in stream_generate(tiny_model, torch.tensor([prompt]), max_new_tokens=12,
-                                                     do_sample=True, temperature=50.0, top_k=0, generator=g)]
+    free = [
+        o[0, -1].item()
+        for o in stream_generate(
+            tiny_model,
+            torch.tensor([prompt]),
+            max_new_tokens=12,
+            do_sample=True,
+            temperature=50.0,
+            top_k=0,
+            generator=g,
+        )
+    ]
     stop = free[5]
     cut = free.index(stop)
     g = torch.Generator().manual_seed(11)
-    outs = list(stream_generate(tiny_model, torch.tensor([prompt]), max_new_tokens=12, do_sample=True,
-                                temperature=50.0, top_k=0, generator=g, eos_token_id=stop,
-                                return_past_key_values=True))
+    outs = list(
+        stream_generate(
+            tiny_model,
+            torch.tensor([prompt]),
+            max_new_tokens=12,
+            do_sample=True,
+            temperature=50.0,
+            top_k=0,
+            generator=g,
+            eos_token_id=stop,
+            return_past_key_values=True,
+        )
+    )
     ids, cache = outs[-1]
-    assert ids[0, len(prompt):].tolist() == free[: cut + 1]  # ends with the eos, as transformers
+    assert ids[0, len(prompt) :].tolist() == free[: cut + 1]  # ends with the eos, as transformers
     assert cache.get_seq_length() == ids.shape[1] - 1  # which is not in the cache
 
 
 def test_stream_generate_continues_a_returned_cache(tiny_model, engine_calls):
     prompt = list(range(5, 20))
-    ids, cache = list(stream_generate(tiny_model, torch.tensor([prompt]), max_new_tokens=4, do_sample=False,
-                                      return_past_key_values=True))[-1]
+    ids, cache = list(
+        stream_generate(
+            tiny_model, torch.tensor([prompt]), max_new_tokens=4, do_sample=False, return_past_key_values=True
+        )
+    )[-1]
     assert isinstance(cache, DynamicCache)
     engine_calls["prefill"].clear()
     more = ids[0].tolist() + [30, 31, 32]
-    outs = list(stream_generate(tiny_model, torch.tensor([more]), past_key_values=cache, max_new_tokens=3,
-                                do_sample=False))
+    outs = list(
+        stream_generate(
+            tiny_model, torch.tensor([more]), past_key_values=cache, max_new_tokens=3, do_sample=False
+        )
+    )
     assert engine_calls["prefill"][0] == [ids[0, -1].item(), 30, 31, 32]
     assert outs[-1][0].tolist() == more + greedy_by_recompute(tiny_model, more, 3)
     # Going back (an edited sequence) cuts the cache to the common prefix.
     engine_calls["prefill"].clear()
     edited = prompt[:10] + [40, 41]
-    outs = list(stream_generate(tiny_model, torch.tensor([edited]), past_key_values=cache, max_new_tokens=2,
-                                do_sample=False))
+    outs = list(
+        stream_generate(
+            tiny_model, torch.tensor([edited]), past_key_values=cache, max_new_tokens=2, do_sample=False
+        )
+    )
     assert engine_calls["prefill"][0] == [40, 41]
     assert outs[-1][0].tolist() == edited + greedy_by_recompute(tiny_model, edited, 2)
 
@@ -282,8 +392,11 @@ def test_stream_generate_refuses_batches_and_unknown_arguments(tiny_model):
 
 
 def test_stream_generator_events_usage_and_timing(tiny_model, tiny_tokenizer, engine_calls):
-    events = list(StreamGenerator(tiny_model, tiny_tokenizer, "The quick brown fox", 0,
-                                  gen_params(n_predict=7), stream_interval=3))
+    events = list(
+        StreamGenerator(
+            tiny_model, tiny_tokenizer, "The quick brown fox", 0, gen_params(n_predict=7), stream_interval=3
+        )
+    )
     assert engine_calls["generate"] == 1
     *middle, last = events
     # Yields after answer tokens 1 and 4 (every 3rd from the 1st), then the final event.
@@ -297,8 +410,11 @@ def test_stream_generator_events_usage_and_timing(tiny_model, tiny_tokenizer, en
     for e in middle:
         assert last["text"].startswith(e["text"])
     assert last["finish_reason"] == "length"
-    assert last["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 7,
-                             "total_tokens": len(prompt) + 7}
+    assert last["usage"] == {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": 7,
+        "total_tokens": len(prompt) + 7,
+    }
     timing = last["timing"]
     assert set(timing) == {"context_tokens", "context_time", "total_tokens", "generation_time_list"}
     assert timing["context_tokens"] == len(prompt)
@@ -310,8 +426,9 @@ def test_stream_generator_events_usage_and_timing(tiny_model, tiny_tokenizer, en
 
 
 def test_stream_interval_one_yields_every_token(tiny_model, tiny_tokenizer):
-    events = list(StreamGenerator(tiny_model, tiny_tokenizer, "Hello", 0, gen_params(n_predict=5),
-                                  stream_interval=1))
+    events = list(
+        StreamGenerator(tiny_model, tiny_tokenizer, "Hello", 0, gen_params(n_predict=5), stream_interval=1)
+    )
     assert [e["usage"]["completion_tokens"] for e in events] == [1, 2, 3, 4, 5]
     with pytest.raises(ValueError, match="stream_interval"):
         next(StreamGenerator(tiny_model, tiny_tokenizer, "Hello", 0, gen_params(), stream_interval=0))
@@ -325,8 +442,11 @@ def test_stream_generator_start_pos_continues_one_conversation(tiny_model, tiny_
     last1 = list(StreamGenerator(tiny_model, tiny_tokenizer, turn1, 0, gen_params(n_predict=5)))[-1]
     start_pos = last1["timing"]["total_tokens"]
     engine_calls["prefill"].clear()
-    last2 = list(StreamGenerator(tiny_model, tiny_tokenizer, turn2, start_pos, gen_params(n_predict=5),
-                                 chunk_prefilling=True))[-1]
+    last2 = list(
+        StreamGenerator(
+            tiny_model, tiny_tokenizer, turn2, start_pos, gen_params(n_predict=5), chunk_prefilling=True
+        )
+    )[-1]
     ids1 = tiny_tokenizer(turn1)["input_ids"]
     ids2 = tiny_tokenizer(turn2, add_special_tokens=False)["input_ids"]
     assert engine_calls["prefill"][0] == ids2  # only the new turn is fed
@@ -337,8 +457,16 @@ def test_stream_generator_start_pos_continues_one_conversation(tiny_model, tiny_
     assert persistent_cache(tiny_model).get_seq_length() == start_pos
 
     # Going back to the end of turn 1 and asking again gives the same answer.
-    again = list(StreamGenerator(tiny_model, tiny_tokenizer, turn2, last1["timing"]["total_tokens"],
-                                 gen_params(n_predict=5), chunk_prefilling=True))[-1]
+    again = list(
+        StreamGenerator(
+            tiny_model,
+            tiny_tokenizer,
+            turn2,
+            last1["timing"]["total_tokens"],
+            gen_params(n_predict=5),
+            chunk_prefilling=True,
+        )
+    )[-1]
     assert again["text"] == last2["text"]
     # start_pos 0 starts over.
     fresh = list(StreamGenerator(tiny_model, tiny_tokenizer, turn1, 0, gen_params(n_predict=5)))[-1]
@@ -357,8 +485,11 @@ def test_stream_generator_stop_token_is_fed_back(tiny_model, tiny_tokenizer, tin
     stop_list = [free[4]]
     n = free.index(free[4])
     torch.manual_seed(5)
-    events = list(StreamGenerator(tiny_model, tiny_tokenizer, "Hello", 0, params, stream_interval=1,
-                                  stop_token_ids=stop_list))
+    events = list(
+        StreamGenerator(
+            tiny_model, tiny_tokenizer, "Hello", 0, params, stream_interval=1, stop_token_ids=stop_list
+        )
+    )
     last = events[-1]
     assert stop_list == [free[4]]  # the caller's list is not changed
     assert last["finish_reason"] == "stop"
@@ -375,11 +506,17 @@ def test_stream_generator_stop_token_is_fed_back(tiny_model, tiny_tokenizer, tin
 def test_stream_generator_eos_and_echo(tiny_model, tiny_tokenizer):
     prompt = tiny_tokenizer("The quick brown fox")["input_ids"]
     first = greedy_by_recompute(tiny_model, prompt, 1)[0]
-    events = list(StreamGenerator(tiny_model, tiny_tokenizer, "The quick brown fox", 0, gen_params(),
-                                  stop_token_ids=[first]))
+    events = list(
+        StreamGenerator(
+            tiny_model, tiny_tokenizer, "The quick brown fox", 0, gen_params(), stop_token_ids=[first]
+        )
+    )
     assert len(events) == 1 and events[0]["finish_reason"] == "stop" and events[0]["text"] == ""
-    events = list(StreamGenerator(tiny_model, tiny_tokenizer, "The quick brown fox", 0,
-                                  gen_params(n_predict=4), echo=True))
+    events = list(
+        StreamGenerator(
+            tiny_model, tiny_tokenizer, "The quick brown fox", 0, gen_params(n_predict=4), echo=True
+        )
+    )
     answer = greedy_by_recompute(tiny_model, prompt, 4)
     assert events[-1]["text"] == tiny_tokenizer.decode(prompt + answer, skip_special_tokens=True)
     assert all(e["text"].startswith("The quick brown fox") for e in events)
@@ -403,8 +540,11 @@ def test_stream_generator_stop_strings(tiny_model, tiny_tokenizer):
     stop = free[len(free) // 2 : len(free) // 2 + 3]
     assert len(stop) == 3
     torch.manual_seed(9)
-    events = list(StreamGenerator(tiny_model, tiny_tokenizer, "Hello", 0, params, stream_interval=1,
-                                  stop_strings=[stop]))
+    events = list(
+        StreamGenerator(
+            tiny_model, tiny_tokenizer, "Hello", 0, params, stream_interval=1, stop_strings=[stop]
+        )
+    )
     expected = free[: free.find(stop)]
     assert events[-1]["text"] == expected
     assert events[-1]["finish_reason"] == "stop"
@@ -479,8 +619,16 @@ def test_sink_cache_drives_every_adapter(streaming_model, tiny_tokenizer):
     start_pos = 0
     for turn in range(6):
         text = f"<|im_start|>user\nHello there, turn {turn}!<|im_end|>\n<|im_start|>assistant\n"
-        last = list(StreamGenerator(streaming_model, tiny_tokenizer, text, start_pos, gen_params(n_predict=6),
-                                    chunk_prefilling=True))[-1]
+        last = list(
+            StreamGenerator(
+                streaming_model,
+                tiny_tokenizer,
+                text,
+                start_pos,
+                gen_params(n_predict=6),
+                chunk_prefilling=True,
+            )
+        )[-1]
         start_pos += last["timing"]["total_tokens"]
         assert kv_cache.get_seq_length() <= kv_cache.capacity
         assert kv_cache.get_seq_length() + kv_cache.evicted_total == start_pos
@@ -489,9 +637,15 @@ def test_sink_cache_drives_every_adapter(streaming_model, tiny_tokenizer):
     history, cache = [], enable_streaming_llm(streaming_model, start_size=4, recent_size=40, evict_block=8)
     for query in ["Hello there!", "How are you today?", "The quick brown fox?", "Café?"]:
         for _, history, cache in streaming_chat(  # noqa: B020 - the upstream API's own form
-            streaming_model, tiny_tokenizer, query, history=history,
-                                                past_key_values=cache, do_sample=False, max_new_tokens=6,
-                                                return_past_key_values=True):
+            streaming_model,
+            tiny_tokenizer,
+            query,
+            history=history,
+            past_key_values=cache,
+            do_sample=False,
+            max_new_tokens=6,
+            return_past_key_values=True,
+        ):
             pass
         assert isinstance(cache, SinkCache) and cache.get_seq_length() <= cache.capacity
     assert cache.evicted_total > 0 and len(history) == 8

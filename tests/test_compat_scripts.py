@@ -113,8 +113,9 @@ def test_upstream_forms_match_streamingllm_slicing_on_tensors(model, tiny_tokeni
             assert torch.equal(layer.keys[..., :start, :], k[..., :start, :])
             if tail < 40:
                 cos, sin = rotation_for_shift(tail - start, kv_cache.inv_freq)
-                assert torch.allclose(layer.keys[..., start:, :], rotate_keys(k[..., tail:, :], cos, sin),
-                                      atol=1e-6)
+                assert torch.allclose(
+                    layer.keys[..., start:, :], rotate_keys(k[..., tail:, :], cos, sin), atol=1e-6
+                )
 
 
 def test_more_coming_than_the_window_keeps_the_sinks_and_never_raises(model, tiny_tokenizer):
@@ -212,7 +213,9 @@ def test_run_streaming_llama_logic(model, tiny_tokenizer):
             assert past_key_values is kv_cache
             # What the cache holds is the sinks only (space_needed > recent_size).
             contexts.append(past_key_values.get_seq_length())
-            past_key_values, answer = greedy_generate(model, tokenizer, input_ids, past_key_values, max_gen_len)
+            past_key_values, answer = greedy_generate(
+                model, tokenizer, input_ids, past_key_values, max_gen_len
+            )
             lengths.append(past_key_values.get_seq_length())
             answers.append((input_ids[0].tolist(), answer))
     assert our_warnings(record) == []  # the model never ran on a cache of its own
@@ -301,7 +304,11 @@ def test_streamingllm_script_helpers(tmp_path):
     assert [t for s in load_jsonl(path) for t in s["turns"]] == ["a", "b", "c"]
     args = parse_args(["--enable_start_recent_kv_cache", "--start_size", "4", "--recent_size", "124"])
     assert (args.enable_start_recent_kv_cache, args.start_size, args.recent_size) == (True, 4, 124)
-    assert (parse_args([]).start_size, parse_args([]).recent_size, parse_args([]).num_eval_tokens) == (1, 255, None)
+    assert (parse_args([]).start_size, parse_args([]).recent_size, parse_args([]).num_eval_tokens) == (
+        1,
+        255,
+        None,
+    )
     (tmp_path / "x.json").write_text("{}", encoding="utf-8")  # there already: no download
     assert compat.download_url("https://example.invalid/x.json?raw=1", tmp_path) == str(tmp_path / "x.json")
 
@@ -329,9 +336,19 @@ def test_colossal_stream_chat_example_logic(model, tiny_tokenizer, monkeypatch):
         first_prompt = get_prompt_template(input_query, history, roles)
         gen_len = 0
         for response, history, past_key_values in streaming_chat(  # noqa: B020 - the script's own form
-            model, tokenizer, input_query, history=history, roles=roles, temperature=0.8, top_p=0.95,
-            top_k=50, do_sample=False, length_penalty=1.2, max_new_tokens=8,
-            past_key_values=past_key_values, return_past_key_values=True,
+            model,
+            tokenizer,
+            input_query,
+            history=history,
+            roles=roles,
+            temperature=0.8,
+            top_p=0.95,
+            top_k=50,
+            do_sample=False,
+            length_penalty=1.2,
+            max_new_tokens=8,
+            past_key_values=past_key_values,
+            return_past_key_values=True,
         ):
             output = response[gen_len:]
             printed.append(output)
@@ -348,8 +365,15 @@ def test_colossal_stream_chat_example_logic(model, tiny_tokenizer, monkeypatch):
     # "clear" in the script: a new conversation with a None cache.
     past_key_values, history = None, []
     for response, history, past_key_values in streaming_chat(  # noqa: B020 - the script's own form
-        model, tokenizer, "Hi", history=history, roles=roles, do_sample=False, max_new_tokens=4,
-        past_key_values=past_key_values, return_past_key_values=True,
+        model,
+        tokenizer,
+        "Hi",
+        history=history,
+        roles=roles,
+        do_sample=False,
+        max_new_tokens=4,
+        past_key_values=past_key_values,
+        return_past_key_values=True,
     ):
         pass
     assert len(history) == 2 and past_key_values.get_seq_length() > 0
@@ -389,8 +413,9 @@ class Prompter:
 @pytest.mark.parametrize("chunk_prefilling", [True, False])
 def test_tinychat_demo_logic(model, tiny_tokenizer, chunk_prefilling):
     tokenizer = tiny_tokenizer
-    gen_params = AttributeDict(seed=-1, n_predict=10, n_vocab=len(tokenizer), top_k=40, top_p=0.95,
-                               temp=0.0, repeat_penalty=1.0)
+    gen_params = AttributeDict(
+        seed=-1, n_predict=10, n_vocab=len(tokenizer), top_k=40, top_p=0.95, temp=0.0, repeat_penalty=1.0
+    )
 
     def stream_output(output_stream):
         pre = 0
@@ -402,8 +427,10 @@ def test_tinychat_demo_logic(model, tiny_tokenizer, chunk_prefilling):
         timing = outputs["timing"]
         generation_time_list = timing["generation_time_list"]
         assert all(isinstance(t, float) and t >= 0 for t in generation_time_list)
-        assert len(generation_time_list) in (outputs["usage"]["completion_tokens"] - 1,
-                                               outputs["usage"]["completion_tokens"])
+        assert len(generation_time_list) in (
+            outputs["usage"]["completion_tokens"] - 1,
+            outputs["usage"]["completion_tokens"],
+        )
         return " ".join(output_text), timing["total_tokens"], timing["context_tokens"]
 
     model_prompter = Prompter()
@@ -411,15 +438,25 @@ def test_tinychat_demo_logic(model, tiny_tokenizer, chunk_prefilling):
     for input_prompt in ["Hello there!", "How are you today?", "Why?"]:
         model_prompter.insert_prompt(input_prompt)
         conversation_before = conversation
-        output_stream = StreamGenerator(model, tokenizer, model_prompter.model_input, start_pos, gen_params,
-                                        device="cuda:0", stop_token_ids=[], chunk_prefilling=chunk_prefilling,
-                                        quant_llm=False)
+        output_stream = StreamGenerator(
+            model,
+            tokenizer,
+            model_prompter.model_input,
+            start_pos,
+            gen_params,
+            device="cuda:0",
+            stop_token_ids=[],
+            chunk_prefilling=chunk_prefilling,
+            quant_llm=False,
+        )
         outputs, total_tokens, context_tokens = stream_output(output_stream)
         contexts.append(context_tokens)
         if not contexts[:-1]:  # the first answer is greedy decoding of its prompt
             ids = tokenizer(model_prompter.model_input)["input_ids"]
             expected = greedy_by_recompute(model, ids, 10, stop={tokenizer.eos_token_id})
-            assert outputs == " ".join(tokenizer.decode(expected, skip_special_tokens=True).strip().split(" "))
+            assert outputs == " ".join(
+                tokenizer.decode(expected, skip_special_tokens=True).strip().split(" ")
+            )
         if chunk_prefilling:
             start_pos += total_tokens
         else:
@@ -428,8 +465,10 @@ def test_tinychat_demo_logic(model, tiny_tokenizer, chunk_prefilling):
         conversation = conversation_before + model_prompter.template
     if chunk_prefilling:
         # The cache was reused: each later turn prefilled only its own text.
-        assert contexts[1] < len(tokenizer(model_prompter.template.format(prompt="How are you today?"))
-                                 ["input_ids"]) + 1
+        assert (
+            contexts[1]
+            < len(tokenizer(model_prompter.template.format(prompt="How are you today?"))["input_ids"]) + 1
+        )
         assert compat.persistent_cache(model).get_seq_length() == start_pos
     else:
         # Every turn re-feeds the whole conversation, as the script does without the flag.
@@ -438,13 +477,20 @@ def test_tinychat_demo_logic(model, tiny_tokenizer, chunk_prefilling):
 
 def test_tinychat_generation_times_leave_out_the_callers_time(model, tiny_tokenizer):
     """Defect 5: 0.25 s of caller sleep showed up in every entry of generation_time_list."""
-    gen_params = {"temp": 0.0, "top_k": 40, "top_p": 0.95, "repeat_penalty": 1.0, "n_predict": 8,
-                  "n_vocab": len(tiny_tokenizer)}
+    gen_params = {
+        "temp": 0.0,
+        "top_k": 40,
+        "top_p": 0.95,
+        "repeat_penalty": 1.0,
+        "n_predict": 8,
+        "n_vocab": len(tiny_tokenizer),
+    }
     sleep = 0.25
     t0 = time.perf_counter()
     events = []
-    for event in StreamGenerator(model, tiny_tokenizer, "Hello there, how are you?", 0, gen_params,
-                                 stream_interval=1):
+    for event in StreamGenerator(
+        model, tiny_tokenizer, "Hello there, how are you?", 0, gen_params, stream_interval=1
+    ):
         events.append(event)
         if event["finish_reason"] is None:
             time.sleep(sleep)
@@ -465,6 +511,11 @@ def test_docs_state_what_evict_for_space_keeps_and_the_lines_to_change():
     flat = " ".join(doc.split())
     assert "start_size + recent_size - num_coming" not in flat
     assert "keeps the sinks and the newest `recent_size - num_coming` tokens" in flat
-    for script in ("stream_chat_example.py", "tinychat/demo.py", "run_streaming_llama.py", "eval_long_ppl.py"):
+    for script in (
+        "stream_chat_example.py",
+        "tinychat/demo.py",
+        "run_streaming_llama.py",
+        "eval_long_ppl.py",
+    ):
         assert re.search(rf"### .*{re.escape(script)}", doc), script
     assert doc.count("```diff") >= 4

@@ -32,8 +32,14 @@ def assert_invariant(session: ChatSession) -> None:
 def test_multi_turn_invariant_and_logits(default_model):
     engine = Engine(default_model.model, default_model.tokenizer)
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=24)
-    session = ChatSession(engine, ChatConfig(system="You are a concise assistant. Café ☕.", sampling=sampling))
-    for text in ["Hi! Name a colour.", "Why is the sky blue? Answer in one sentence.", "Merci 🙂 — 日本語で?"]:
+    session = ChatSession(
+        engine, ChatConfig(system="You are a concise assistant. Café ☕.", sampling=sampling)
+    )
+    for text in [
+        "Hi! Name a colour.",
+        "Why is the sky blue? Answer in one sentence.",
+        "Merci 🙂 — 日本語で?",
+    ]:
         list(session.send(text))
         assert_invariant(session)
     # Logits on the persistent cache equal a full recompute of the same ids.
@@ -44,8 +50,15 @@ def test_multi_turn_invariant_and_logits(default_model):
 
 
 def run_cli(args, stdin="", env=None):
-    return subprocess.run([CHATBOT, *args], check=False, input=stdin, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [CHATBOT, *args],
+        check=False,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
+    )
 
 
 STATS = re.compile(r"^context ([\d,]+) tok · .* · cache ([\d,]+)", re.MULTILINE)

@@ -68,8 +68,11 @@ def test_seeded_sampling_is_reproducible(tiny_engine):
         runs.append([t for c in chunks for t in c.token_ids])
     assert runs[0] == runs[1]
     g = torch.Generator().manual_seed(8)
-    other = [t for c in tiny_engine.generate(tiny_engine.new_cache(), list(range(5, 15)), sampling, generator=g)
-             for t in c.token_ids]
+    other = [
+        t
+        for c in tiny_engine.generate(tiny_engine.new_cache(), list(range(5, 15)), sampling, generator=g)
+        for t in c.token_ids
+    ]
     assert other != runs[0]
 
 

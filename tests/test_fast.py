@@ -184,7 +184,9 @@ def test_auto_on_block_quantized_weights_matches_recompute_and_greedy_reference(
     assert_decode_matches_recompute(decoder, model, atol=1e-3)
     prompt = list(range(5, 25))
     engine = Engine(model, tiny_tokenizer, decoder=decoder)
-    assert answer(engine.generate(engine.new_cache(), prompt, GREEDY)) == greedy_by_recompute(model, prompt, 64)
+    assert answer(engine.generate(engine.new_cache(), prompt, GREEDY)) == greedy_by_recompute(
+        model, prompt, 64
+    )
 
 
 @needs_kernels

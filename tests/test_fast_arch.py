@@ -29,9 +29,16 @@ ARCH_SETTINGS = {
 
 # The tiny shape of helpers.make_model, for configs built here (Llama-3 rope parameters).
 TINY = dict(  # noqa: C408 - keyword form, as the configs take them
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-    pad_token_id=2, tie_word_embeddings=True,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+    tie_word_embeddings=True,
 )
 
 
@@ -72,14 +79,20 @@ def test_streaming_rerotation_uses_the_models_rope(arch, tiny_tokenizer):
     model = arch_model(arch, len(tiny_tokenizer))
     with torch.no_grad():  # a rope base of its own, so a default-rope re-rotation would show
         rotary = model.model.rotary_emb
-        rotary.inv_freq.copy_(1.0 / (1234.0 ** (torch.arange(0, rotary.inv_freq.numel()) * 2 / (2 * rotary.inv_freq.numel()))))
+        rotary.inv_freq.copy_(
+            1.0 / (1234.0 ** (torch.arange(0, rotary.inv_freq.numel()) * 2 / (2 * rotary.inv_freq.numel())))
+        )
         rotary.original_inv_freq = rotary.inv_freq.clone()
     sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=120)
-    config = ChatConfig(sampling=sampling, engine=EngineConfig(enable_streaming=True, start_size=4, recent_size=48))
+    config = ChatConfig(
+        sampling=sampling, engine=EngineConfig(enable_streaming=True, start_size=4, recent_size=48)
+    )
     results = {}
     for name, decoder in [("plain", None), ("fast", FastDecoder(model, "f32"))]:
         session = ChatSession(Engine(model, tiny_tokenizer, decoder=decoder), config)
-        got = [[t for c in session.send(text) for t in c.token_ids] for text in ("Hello there!", "The quick fox")]
+        got = [
+            [t for c in session.send(text) for t in c.token_ids] for text in ("Hello there!", "The quick fox")
+        ]
         results[name] = (got, list(session.cache_ids), session.evicted_total)
         assert session.evicted_total > 0
     assert results["fast"] == results["plain"]
@@ -104,7 +117,9 @@ def llama3_gguf(tmp_path, monkeypatch, tiny_tokenizer):
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     torch.manual_seed(11)
-    config = transformers.LlamaConfig(vocab_size=len(tiny_tokenizer), rope_parameters=dict(LLAMA3_ROPE), **TINY)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tiny_tokenizer), rope_parameters=dict(LLAMA3_ROPE), **TINY
+    )
     model = transformers.LlamaForCausalLM(config).eval()
     model.config._attn_implementation = "sdpa"
     with torch.no_grad():  # sharp attention, so that a wrong rope changes the tokens
@@ -159,14 +174,20 @@ def test_llama3_streaming_rerotates_with_the_scaled_rope(llama3_gguf, tiny_token
     path, model = llama3_gguf
     loaded = load_model(str(path), device="cpu")
     sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=120)
-    config = ChatConfig(sampling=sampling, engine=EngineConfig(enable_streaming=True, start_size=4, recent_size=48))
+    config = ChatConfig(
+        sampling=sampling, engine=EngineConfig(enable_streaming=True, start_size=4, recent_size=48)
+    )
     results = {}
     for name, engine in [("transformers", Engine(model, tiny_tokenizer)),
                          ("gguf-fast", Engine(loaded.model, loaded.tokenizer, decoder=FastDecoder(loaded.model, "auto")))]:  # fmt: skip
         session = ChatSession(engine, config)
-        got = [[t for c in session.send(text) for t in c.token_ids] for text in ("Hello there!", "The quick fox")]
+        got = [
+            [t for c in session.send(text) for t in c.token_ids] for text in ("Hello there!", "The quick fox")
+        ]
         results[name] = (got, list(session.cache_ids), session.evicted_total)
         assert session.evicted_total > 0
         # the re-rotation turns keys by the scaled frequencies, transformers' llama3 ones
-        torch.testing.assert_close(session.cache.inv_freq, model.model.rotary_emb.inv_freq.float(), rtol=1e-6, atol=0)
+        torch.testing.assert_close(
+            session.cache.inv_freq, model.model.rotary_emb.inv_freq.float(), rtol=1e-6, atol=0
+        )
     assert results["gguf-fast"] == results["transformers"]

@@ -23,7 +23,9 @@ FORMATS = [*BLOCKS, *FLOAT_TYPES]
 ROWS, COLS = 24, 512  # two K-quant super-blocks, sixteen 32-blocks per row
 
 
-def random_matrix(kind: str, seed: int, rows: int = ROWS, cols: int = COLS) -> tuple[torch.Tensor, np.ndarray]:
+def random_matrix(
+    kind: str, seed: int, rows: int = ROWS, cols: int = COLS
+) -> tuple[torch.Tensor, np.ndarray]:
     """(the kernel's bytes or float32 values, the reference float32 weights [rows, cols])."""
     rng = np.random.default_rng(seed)
     if kind in BLOCKS:

@@ -26,7 +26,9 @@ def test_tensor_table_equals_gguf_reader():
     assert [(t.name, t.shape, t.type_name, t.offset, t.nbytes) for t in table] == expected
     weights = GGUFWeights(path)
     for t in reader.tensors[:5]:
-        assert np.array_equal(weights.tensors[t.name].data.reshape(-1), np.asarray(t.data).view(np.uint8).reshape(-1))
+        assert np.array_equal(
+            weights.tensors[t.name].data.reshape(-1), np.asarray(t.data).view(np.uint8).reshape(-1)
+        )
 
 
 def test_unpermute_rows_is_transformers_reverse_permutation():
@@ -99,4 +101,6 @@ def test_packed_model_logits_equal_the_dequantized_model(default_model, dense_de
     with torch.no_grad():
         for n in (1, 3, len(ids)):
             x = torch.tensor([ids[:n]])
-            torch.testing.assert_close(default_model.model(x).logits, dense_default(x).logits, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                default_model.model(x).logits, dense_default(x).logits, rtol=1e-4, atol=1e-4
+            )

@@ -22,7 +22,9 @@ def test_the_cli_engine_takes_max_context_from_engine_config(tiny_model, tiny_to
     loaded = SimpleNamespace(model=tiny_model, tokenizer=tiny_tokenizer)
     limited = _engine(loaded, EngineConfig(max_context=40), decoder=None)
     assert limited.max_context == 40
-    assert _engine(loaded, EngineConfig(), decoder=None).max_context == tiny_model.config.max_position_embeddings
+    assert (
+        _engine(loaded, EngineConfig(), decoder=None).max_context == tiny_model.config.max_position_embeddings
+    )
     session = ChatSession(limited, ChatConfig(sampling=GREEDY, engine=EngineConfig(max_context=40)))
     with pytest.raises(ContextFullError, match="> 40"):
         list(session.send(LONG))

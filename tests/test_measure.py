@@ -36,7 +36,9 @@ def test_conditions_name_the_cpu_and_the_load() -> None:
 
 
 def test_versus_llama_cpp_ratios() -> None:
-    result = {"results": [_row("chatbot-auto", 60.0, 400.0, 2.0, 500.0), _row("llama.cpp", 40.0, 200.0, 1.0, 400.0)]}
+    result = {
+        "results": [_row("chatbot-auto", 60.0, 400.0, 2.0, 500.0), _row("llama.cpp", 40.0, 200.0, 1.0, 400.0)]
+    }
     lines = bench_decode.versus_llama_cpp(result)
     assert lines[0].startswith("chatbot-auto vs llama.cpp")
     assert "decode tok/s: 60.0 vs 40.0 = 1.50x faster" in lines[1]
@@ -94,7 +96,9 @@ def test_turns_bench_takes_medians_of_interleaved_plays(tiny_model, tiny_tokeniz
     from chatbot.measure.bench import run_turns_bench
 
     loaded = SimpleNamespace(model=tiny_model, tokenizer=tiny_tokenizer, name="tiny", template=None)
-    result = run_turns_bench(loaded, ["hello there", "and more", "one more turn"], max_new_tokens=4, repeats=3)
+    result = run_turns_bench(
+        loaded, ["hello there", "and more", "one more turn"], max_new_tokens=4, repeats=3
+    )
     assert result["repeats"] == 3
     for row in result["turns"]:
         for side in ("persistent", "reencode"):
@@ -159,12 +163,17 @@ def test_row_table_and_plot(tmp_path) -> None:
         for kind in ("Q4_K_M", "Q8_0"):
             ours = _row("chatbot-auto", speed, 10 * speed, 2.0, 700.0)
             peer = _row("llama.cpp", speed / 2, 5 * speed, 1.0, 500.0)
-            rows.append(bench_scale.row_from_bench(Case("qwen2", params, kind), f, _bench_json(ours, peer), 60.0))
+            rows.append(
+                bench_scale.row_from_bench(Case("qwen2", params, kind), f, _bench_json(ours, peer), 60.0)
+            )
     rows.append({"arch": "llama", "params": "8B", "type": "Q4_K_M", "skipped": "needs ~16 GB"})
     assert rows[0]["file_mb"] == 1.0 and rows[0]["cpu"] == "Test CPU" and rows[0]["loadavg"] == [1.0, 2.0]
     assert rows[0]["chatbot-auto"]["prefill_tps"] == 400.0 and rows[0]["chatbot-auto"]["prefill_at"] == 500
     table = bench_scale.markdown_table(rows)
-    assert "| qwen2 0.5B Q4_K_M (2 rounds) | 1 | 40.0 / 20.0 (2.00x) | 400 / 200 (2.00x) | 2.0 / 1.0 (2.00x) " in table
+    assert (
+        "| qwen2 0.5B Q4_K_M (2 rounds) | 1 | 40.0 / 20.0 (2.00x) | 400 / 200 (2.00x) | 2.0 / 1.0 (2.00x) "
+        in table
+    )
     assert "| llama 8B Q4_K_M | | skipped: needs ~16 GB |" in table
     svg = bench_scale.svg_plot(rows, "title & more")
     root = ET.fromstring(svg)  # well-formed XML
@@ -212,8 +221,13 @@ def test_run_scale_measures_in_order_and_skips_with_a_reason(monkeypatch, tmp_pa
 
 
 def test_bench_scale_dry_run_lists_files_under_tmp() -> None:
-    out = subprocess.run([str(ROOT / "scripts/bench-scale"), "--dry-run", "--only", "0.5B"],
-                         capture_output=True, text=True, check=True, env={**os.environ, "TMPDIR": "/tmp"}).stdout
+    out = subprocess.run(
+        [str(ROOT / "scripts/bench-scale"), "--dry-run", "--only", "0.5B"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "TMPDIR": "/tmp"},
+    ).stdout
     assert out.splitlines() == ["qwen2 0.5B Q4_K_M: /tmp/chatbot-scale/synthetic-qwen2-0.5B-Q4_K_M.gguf",
                                 "qwen2 0.5B Q8_0: /tmp/chatbot-scale/synthetic-qwen2-0.5B-Q8_0.gguf"]  # fmt: skip
 
@@ -294,7 +308,9 @@ def test_llama_cpp_runs_only_on_the_same_file(monkeypatch) -> None:
     would run the default model) and, asked for, is a row saying why; with --model FILE.gguf
     it gets that very file."""
     specs = []
-    monkeypatch.setattr(bench_decode, "_run_worker", lambda spec: specs.append(spec) or {"name": spec["name"], "error": "x"})
+    monkeypatch.setattr(
+        bench_decode, "_run_worker", lambda spec: specs.append(spec) or {"name": spec["name"], "error": "x"}
+    )
     monkeypatch.setattr(bench_decode, "llama_cpp_available", lambda: True)
     result = bench_decode.run_decode_bench(model="/some/folder", rounds=1)
     assert bench_decode.LLAMA_CPP not in [r["name"] for r in result["results"]]

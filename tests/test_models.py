@@ -47,8 +47,11 @@ def save(tmp_path: Path, family: str, tok, name: str | None = None) -> Path:
 def chat(loaded, turns, **engine):
     session = ChatSession(
         Engine(loaded.model, loaded.tokenizer),
-        ChatConfig(system="Be brief.", sampling=SamplingConfig(temperature=0, max_new_tokens=6),
-                   engine=EngineConfig(**engine)),
+        ChatConfig(
+            system="Be brief.",
+            sampling=SamplingConfig(temperature=0, max_new_tokens=6),
+            engine=EngineConfig(**engine),
+        ),
     )
     for text in turns:
         chunks = list(session.send(text))
@@ -57,6 +60,7 @@ def chat(loaded, turns, **engine):
 
 
 # -- families -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_two_turn_chat(family, tmp_path, tok):
@@ -76,8 +80,13 @@ def test_two_turn_chat_with_the_streaming_cache(family, tmp_path, tok):
     loaded = load_model(str(save(tmp_path, family, tok)), device="cpu")
     session = chat(
         loaded,
-        ["Hello there, how are you today? I am fine, thank you.", "The quick brown fox jumps over the lazy dog."],
-        enable_streaming=True, start_size=4, recent_size=16,
+        [
+            "Hello there, how are you today? I am fine, thank you.",
+            "The quick brown fox jumps over the lazy dog.",
+        ],
+        enable_streaming=True,
+        start_size=4,
+        recent_size=16,
     )
     assert session.evicted_total > 0
     # The system prompt is pinned (--keep-system is on with a system prompt): the window is
@@ -93,8 +102,16 @@ def test_gpt2_is_refused_for_streaming(tmp_path, tok, capsys):
     loaded = load_model(str(folder), device="cpu")
     with pytest.raises(StreamingUnsupportedError, match="rotary position embeddings; gpt2 uses learned"):
         chat(loaded, ["Hello"], enable_streaming=True, recent_size=16)
-    assert_one_line_error(capsys, "run", "--model", str(folder), "--device", "cpu", "--enable-streaming",
-                          match="gpt2 uses learned absolute positions")
+    assert_one_line_error(
+        capsys,
+        "run",
+        "--model",
+        str(folder),
+        "--device",
+        "cpu",
+        "--enable-streaming",
+        match="gpt2 uses learned absolute positions",
+    )
 
 
 def test_describe_shows_what_the_banner_needs(tmp_path, tok):
@@ -106,6 +123,7 @@ def test_describe_shows_what_the_banner_needs(tmp_path, tok):
 
 
 # -- GGUF ---------------------------------------------------------------------------------------
+
 
 def test_gguf_loads_as_the_model_it_was_written_from(tiny_gguf, monkeypatch):
     """A GGUF file runs as it is: no converted copy, every matrix a packed module over the
@@ -190,6 +208,7 @@ def test_truncated_gguf_is_one_line(tiny_gguf, capsys):
 
 # -- hub ids ----------------------------------------------------------------------------------
 
+
 def test_hub_id_loads_from_the_local_cache_offline(tmp_path, tok, monkeypatch):
     import huggingface_hub.constants as hub
 
@@ -242,11 +261,19 @@ def test_hub_id_missing_offline_is_one_line(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert_one_line_error(capsys, "run", "--model", "nobody/nothing", "--revision", "v2",
-                          match="nobody/nothing@v2 is not in the local hub cache and HF_HUB_OFFLINE is set")
+    assert_one_line_error(
+        capsys,
+        "run",
+        "--model",
+        "nobody/nothing",
+        "--revision",
+        "v2",
+        match="nobody/nothing@v2 is not in the local hub cache and HF_HUB_OFFLINE is set",
+    )
 
 
 # -- device maps ------------------------------------------------------------------------------
+
 
 def test_device_map_with_disk_offload(tmp_path, tok, monkeypatch):
     """One layer on disk (accelerate's offload): same logits, and both caches still work,
@@ -255,8 +282,12 @@ def test_device_map_with_disk_offload(tmp_path, tok, monkeypatch):
     folder = save(tmp_path, "llama", tok)
     reference = build("llama", len(tok))
     placement = {
-        "model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
-        "model.layers.1": "disk", "model.norm": "cpu", "lm_head": "cpu",
+        "model.embed_tokens": "cpu",
+        "model.rotary_emb": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "disk",
+        "model.norm": "cpu",
+        "lm_head": "cpu",
     }
     loaded = load_model(str(folder), device="cpu", device_map=json.dumps(placement))
     assert loaded.devices == ["cpu", "disk"] and loaded.describe()["device"] == "cpu, disk"
@@ -265,8 +296,12 @@ def test_device_map_with_disk_offload(tmp_path, tok, monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(loaded.model(x).logits, reference(x).logits)
     chat(loaded, ["Hello there, how are you today?", "The quick brown fox."])
-    session = chat(loaded, ["Hello there, how are you today?", "The quick brown fox."],
-                   enable_streaming=True, recent_size=16)
+    session = chat(
+        loaded,
+        ["Hello there, how are you today?", "The quick brown fox."],
+        enable_streaming=True,
+        recent_size=16,
+    )
     assert session.evicted_total > 0
 
 
@@ -277,8 +312,15 @@ def test_max_memory_implies_device_map_auto(tmp_path, tok, monkeypatch, capsys):
     loaded = load_model(str(folder), device="cpu", max_memory="cpu=300KB")
     assert loaded.devices == ["cpu", "disk"]
     chat(loaded, ["Hello"], enable_streaming=True, recent_size=16)
-    assert_one_line_error(capsys, "run", "--model", str(folder), "--max-memory", "cpu=150KB",
-                          match="offloads the input embeddings")
+    assert_one_line_error(
+        capsys,
+        "run",
+        "--model",
+        str(folder),
+        "--max-memory",
+        "cpu=150KB",
+        match="offloads the input embeddings",
+    )
 
 
 def test_device_map_and_max_memory_parsing(tmp_path):
@@ -296,6 +338,7 @@ def test_device_map_and_max_memory_parsing(tmp_path):
 
 
 # -- bad input: one line, exit 2, no traceback ----------------------------------------------------
+
 
 def test_path_that_does_not_exist(capsys, tmp_path):
     nowhere = tmp_path / "nowhere"
@@ -321,7 +364,9 @@ def test_truncated_safetensors(capsys, tmp_path, tok):
 
 def test_missing_shard(capsys, tmp_path, tok):
     folder = save(tmp_path, "llama", tok)
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-00002.safetensors"}}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00002.safetensors"}})
+    )
     assert_one_line_error(capsys, "run", "--model", str(folder), match="lacks 1 of 1 weight files")
 
 
@@ -329,19 +374,32 @@ def test_non_causal_model(capsys, tmp_path, tok):
     from transformers import BertConfig, BertModel
 
     folder = tmp_path / "bert"
-    BertModel(BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         intermediate_size=64)).save_pretrained(folder)
+    BertModel(
+        BertConfig(
+            vocab_size=len(tok),
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+        )
+    ).save_pretrained(folder)
     tok.save_pretrained(folder)
-    assert_one_line_error(capsys, "run", "--model", str(folder),
-                          match="holds a bert model (BertModel): an encoder, not a causal language model")
+    assert_one_line_error(
+        capsys,
+        "run",
+        "--model",
+        str(folder),
+        match="holds a bert model (BertModel): an encoder, not a causal language model",
+    )
 
 
 def test_encoder_decoder_model(capsys, tmp_path, tok):
     from transformers import T5Config, T5ForConditionalGeneration
 
     folder = tmp_path / "t5"
-    T5ForConditionalGeneration(T5Config(vocab_size=len(tok), d_model=32, d_ff=64, num_layers=1, num_heads=2,
-                                        d_kv=16)).save_pretrained(folder)
+    T5ForConditionalGeneration(
+        T5Config(vocab_size=len(tok), d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16)
+    ).save_pretrained(folder)
     tok.save_pretrained(folder)
     assert_one_line_error(capsys, "run", "--model", str(folder), match="an encoder-decoder model")
 
@@ -358,8 +416,15 @@ def test_template_that_cannot_render_a_system_prompt(capsys, tmp_path):
     folder = tmp_path / "nosys"
     make_model(len(tok)).save_pretrained(folder)
     tok.save_pretrained(folder)
-    assert_one_line_error(capsys, "run", "--model", str(folder), "--system", "Be brief.",
-                          match="cannot render a system prompt (System role not supported)")
+    assert_one_line_error(
+        capsys,
+        "run",
+        "--model",
+        str(folder),
+        "--system",
+        "Be brief.",
+        match="cannot render a system prompt (System role not supported)",
+    )
 
 
 def test_out_of_memory_load(capsys, tmp_path, tok, monkeypatch):
@@ -370,19 +435,23 @@ def test_out_of_memory_load(capsys, tmp_path, tok, monkeypatch):
 
     folder = save(tmp_path, "llama", tok)
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", oom)
-    assert_one_line_error(capsys, "run", "--model", str(folder),
-                          match="not enough memory to load")
-    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
-                        lambda *a, **k: (_ for _ in ()).throw(RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate memory")))
+    assert_one_line_error(capsys, "run", "--model", str(folder), match="not enough memory to load")
+    monkeypatch.setattr(
+        AutoModelForCausalLM,
+        "from_pretrained",
+        lambda *a, **k: (_ for _ in ()).throw(
+            RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate memory")
+        ),
+    )
     assert_one_line_error(capsys, "run", "--model", str(folder), match="try --quantize 4bit")
 
 
 def test_custom_code_needs_trust_remote_code(capsys, tmp_path):
     folder = tmp_path / "custom"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(
-        {"model_type": "my_secret_arch", "auto_map": {"AutoConfig": "configuration_x.XConfig"}}
-    ))
+    (folder / "config.json").write_text(
+        json.dumps({"model_type": "my_secret_arch", "auto_map": {"AutoConfig": "configuration_x.XConfig"}})
+    )
     assert_one_line_error(capsys, "run", "--model", str(folder), match="rerun with --trust-remote-code")
 
 
@@ -392,13 +461,19 @@ def test_prequantized_checkpoint_names_the_missing_package(capsys, tmp_path, tok
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": False}
     (folder / "config.json").write_text(json.dumps(config))
-    assert_one_line_error(capsys, "run", "--model", str(folder), match="is a gptq 4-bit checkpoint, which needs")
-    assert_one_line_error(capsys, "run", "--model", str(folder), "--quantize", "4bit", match="already quantized")
+    assert_one_line_error(
+        capsys, "run", "--model", str(folder), match="is a gptq 4-bit checkpoint, which needs"
+    )
+    assert_one_line_error(
+        capsys, "run", "--model", str(folder), "--quantize", "4bit", match="already quantized"
+    )
 
 
 def test_unknown_template_before_loading(capsys, monkeypatch):
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
-    assert_one_line_error(capsys, "run", "--template", "alpaca", match="unknown template 'alpaca'; templates: auto")
+    assert_one_line_error(
+        capsys, "run", "--template", "alpaca", match="unknown template 'alpaca'; templates: auto"
+    )
 
 
 def test_debug_shows_the_traceback(tmp_path, monkeypatch):
@@ -410,6 +485,7 @@ def test_debug_shows_the_traceback(tmp_path, monkeypatch):
 
 
 # -- chatbot models ---------------------------------------------------------------------------
+
 
 def test_models_lists_presets_caches_and_folders(capsys, tmp_path, tok, monkeypatch):
     import huggingface_hub.constants as hub

@@ -20,8 +20,13 @@ from chatbot.models.templates import TEMPLATES
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SHIPPED = {
-    "default", "llama-2-chat", "llama-3-instruct", "mistral-instruct", "qwen2.5-instruct",
-    "vicuna", "colossal-llama",
+    "default",
+    "llama-2-chat",
+    "llama-3-instruct",
+    "mistral-instruct",
+    "qwen2.5-instruct",
+    "vicuna",
+    "colossal-llama",
 }
 
 
@@ -82,7 +87,9 @@ def test_relative_paths_are_taken_from_the_preset_folder(tmp_path):
 
 def test_flags_override_preset_override_defaults():
     preset = find_preset("vicuna")
-    settings = resolve_settings(preset, {"temperature": 0.1, "top_k": None, "device": "auto"}, {"temperature"})
+    settings = resolve_settings(
+        preset, {"temperature": 0.1, "top_k": None, "device": "auto"}, {"temperature"}
+    )
     assert settings["temperature"] == 0.1 and settings.origin["temperature"] == "flag"
     assert settings["top_p"] == 0.9 and settings.origin["top_p"] == "preset"
     assert settings["device"] == "auto" and settings.origin["device"] == "default"
@@ -92,7 +99,9 @@ def test_flags_override_preset_override_defaults():
 
 
 def test_config_show_marks_origins_and_reads_back(capsys, tmp_path):
-    code, out, err = cli(capsys, "config", "show", "--preset", "colossal-llama", "--temperature", "0.3", "--dtype", "float32")
+    code, out, err = cli(
+        capsys, "config", "show", "--preset", "colossal-llama", "--temperature", "0.3", "--dtype", "float32"
+    )
     assert code in (0, None), err
     assert "# preset: colossal-llama" in out
     assert "template: colossal  # preset colossal-llama" in out

@@ -30,7 +30,9 @@ def tiny_folder(tmp_path_factory):
 
 
 @needs_bnb
-@pytest.mark.parametrize("mode, dtype", [("4bit", torch.float32), ("4bit", torch.bfloat16), ("8bit", torch.float32)])
+@pytest.mark.parametrize(
+    "mode, dtype", [("4bit", torch.float32), ("4bit", torch.bfloat16), ("8bit", torch.float32)]
+)
 def test_both_modes_run_on_this_cpu(mode, dtype):
     check_quantization(mode, CPU, dtype)  # raises if the kernels are missing
 
@@ -51,7 +53,9 @@ def test_tiny_model_quantized(mode, tiny_folder):
     layers = [m for m in loaded.model.modules() if type(m).__name__ == LAYER[mode]]
     assert len(layers) == 2 * 7  # q, k, v, o, gate, up, down in each of the 2 layers
     assert loaded.describe()["quantization"] == (
-        "bitsandbytes 4-bit nf4 (compute float32, double quant)" if mode == "4bit" else "bitsandbytes 8-bit (LLM.int8)"
+        "bitsandbytes 4-bit nf4 (compute float32, double quant)"
+        if mode == "4bit"
+        else "bitsandbytes 8-bit (LLM.int8)"
     )
     assert loaded.num_parameters == sum(p.numel() for p in make_model(400).parameters())
     reference = make_model(400)
@@ -72,7 +76,9 @@ def test_tiny_model_quantized(mode, tiny_folder):
 def test_unsupported_combination_is_one_line(capsys, tiny_folder, monkeypatch):
     monkeypatch.setattr(quantize, "bnb_version", lambda: "0.42.0")
     monkeypatch.setattr(quantize, "_probe", lambda mode, device, dtype: "NotImplementedError: no cpu kernel")
-    line = assert_one_line_error(capsys, "run", "--model", str(tiny_folder), "--quantize", "4bit", "--device", "cpu")
+    line = assert_one_line_error(
+        capsys, "run", "--model", str(tiny_folder), "--quantize", "4bit", "--device", "cpu"
+    )
     assert line == (
         "chatbot: error: 4bit quantization does not run on cpu with bitsandbytes 0.42.0 "
         "(NotImplementedError: no cpu kernel); it needs CUDA, or drop --quantize"
@@ -90,7 +96,9 @@ def test_probe_failure_is_caught(monkeypatch):
 
     monkeypatch.setattr(bnb.nn, "Linear8bitLt", broken)
     monkeypatch.setattr(quantize, "_probed", {})
-    with pytest.raises(ModelLoadError, match=r"8bit quantization does not run on cpu .*\(no kernel for this device\)"):
+    with pytest.raises(
+        ModelLoadError, match=r"8bit quantization does not run on cpu .*\(no kernel for this device\)"
+    ):
         check_quantization("8bit", CPU, torch.float32)
 
 
@@ -111,10 +119,20 @@ def test_describe_quantization():
     assert describe_quantization(NS()) == "none"
     assert describe_quantization(NS(quantization_config={"quant_method": "gptq", "bits": 4})) == "gptq 4-bit"
     assert describe_quantization(NS(quantization_config={"quant_method": "awq"})) == "awq"
-    assert describe_quantization(NS(quantization_config={
-        "quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
-        "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_use_double_quant": True,
-    })) == "bitsandbytes 4-bit nf4 (compute bfloat16, double quant)"
+    assert (
+        describe_quantization(
+            NS(
+                quantization_config={
+                    "quant_method": "bitsandbytes",
+                    "load_in_4bit": True,
+                    "bnb_4bit_quant_type": "nf4",
+                    "bnb_4bit_compute_dtype": "bfloat16",
+                    "bnb_4bit_use_double_quant": True,
+                }
+            )
+        )
+        == "bitsandbytes 4-bit nf4 (compute bfloat16, double quant)"
+    )
 
 
 @needs_bnb
@@ -135,7 +153,9 @@ def test_default_model_quantized_still_answers(mode):
 
 @needs_bnb
 @pytest.mark.slow  # six CLI processes
-@pytest.mark.parametrize("flags", [["--quantize", "4bit"], ["--quantize", "8bit"], ["--max-memory", "cpu=300KB"]])
+@pytest.mark.parametrize(
+    "flags", [["--quantize", "4bit"], ["--quantize", "8bit"], ["--max-memory", "cpu=300KB"]]
+)
 def test_cli_default_decode_path_matches_transformers(flags, tiny_folder, tmp_path):
     """Through the CLI with its default decode path, a quantized or offloaded model answers
     as with `--opt off` (plain transformers). Run in a subprocess: a native crash must not
@@ -148,9 +168,28 @@ def test_cli_default_decode_path_matches_transformers(flags, tiny_folder, tmp_pa
     answers = []
     for opt in ("off", "auto"):
         proc = subprocess.run(
-            [sys.executable, "-m", "chatbot.cli", "run", "--model", str(tiny_folder), "--device", "cpu",
-             "--greedy", "--max-new-tokens", "8", "--opt", opt, *flags],
-            input="Hello there\n", capture_output=True, text=True, timeout=300, env=env, check=False,
+            [
+                sys.executable,
+                "-m",
+                "chatbot.cli",
+                "run",
+                "--model",
+                str(tiny_folder),
+                "--device",
+                "cpu",
+                "--greedy",
+                "--max-new-tokens",
+                "8",
+                "--opt",
+                opt,
+                *flags,
+            ],
+            input="Hello there\n",
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+            check=False,
         )
         assert proc.returncode == 0, (opt, proc.returncode, proc.stderr[-500:])
         answers.append(proc.stdout)

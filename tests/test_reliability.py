@@ -31,8 +31,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 CHATBOT = str(Path(sys.executable).with_name("chatbot"))
 # Escape sequences a hostile text may carry: OSC 52 (clipboard write), OSC 0 (window title),
 # clear screen, a cursor move, an 8-bit CSI (C1), BEL, a bidi override.
-HOSTILE = ("\x1b]52;c;cHduZWQ=\x07 \x1b]0;owned\x07 \x1b[2J\x1b[H \x1b[10A \x9b31m \x07 "
-           "\u202egnp.exe\u202c \x1bP+q\x1b\\ end")
+HOSTILE = (
+    "\x1b]52;c;cHduZWQ=\x07 \x1b]0;owned\x07 \x1b[2J\x1b[H \x1b[10A \x9b31m \x07 "
+    "\u202egnp.exe\u202c \x1bP+q\x1b\\ end"
+)
 RAW_CONTROLS = ("\x1b", "\x9b", "\x07", "\u202e", "\u202c", "\x9d")
 
 
@@ -51,8 +53,13 @@ def tiny_dir(tmp_path_factory, tiny_model, tiny_tokenizer):
 
 
 def env_for(data: Path) -> dict[str, str]:
-    return {**os.environ, "XDG_DATA_HOME": str(data), "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1",
-            "OMP_NUM_THREADS": "1"}
+    return {
+        **os.environ,
+        "XDG_DATA_HOME": str(data),
+        "TERM": "xterm",
+        "PROMPT_TOOLKIT_NO_CPR": "1",
+        "OMP_NUM_THREADS": "1",
+    }
 
 
 # -- 1. a real terminal -----------------------------------------------------------------------
@@ -91,7 +98,9 @@ def test_system_load_and_resume_on_a_real_terminal(tiny_dir, tmp_path):
     finally:
         child.close(force=True)
     assert child.exitstatus == 0, child.before
-    child = pexpect.spawn(CHATBOT, [*args, "--resume"], env=env, encoding="utf-8", timeout=60, dimensions=(30, 100))
+    child = pexpect.spawn(
+        CHATBOT, [*args, "--resume"], env=env, encoding="utf-8", timeout=60, dimensions=(30, 100)
+    )
     try:
         child.expect(r"resuming session \S+ \(2 turns\)")
         child.expect(r"loaded 2 turns")
@@ -130,12 +139,21 @@ def test_safe_text_makes_controls_visible():
 
 
 def hostile_save(path: Path) -> Path:
-    path.write_text(json.dumps({
-        "system": "sys " + HOSTILE,
-        "settings": {"temperature": 0},
-        "turns": [{"user": "user " + HOSTILE, "answer": "answer " + HOSTILE,
-                   "stats": {"finish_reason": "stop\x1b]0;t\x07"}}],
-    }))
+    path.write_text(
+        json.dumps(
+            {
+                "system": "sys " + HOSTILE,
+                "settings": {"temperature": 0},
+                "turns": [
+                    {
+                        "user": "user " + HOSTILE,
+                        "answer": "answer " + HOSTILE,
+                        "stats": {"finish_reason": "stop\x1b]0;t\x07"},
+                    }
+                ],
+            }
+        )
+    )
     return path
 
 
@@ -145,8 +163,16 @@ def test_loaded_file_shows_no_escape_sequences(tiny_model, tiny_tokenizer, tmp_p
     sequences: the text is shown, made visible; no control reaches the terminal."""
     c = Chat(tiny_model, tiny_tokenizer, tmp_path / "sessions", plain=plain)
     path = hostile_save(tmp_path / "evil.json")
-    c.lines(f"/load {path}", "/history", "/system", "/cache", "/stats", "/model",
-            "/load /no/such/\x1b]0;title\x07file", "/set temperature \x1b[2J")
+    c.lines(
+        f"/load {path}",
+        "/history",
+        "/system",
+        "/cache",
+        "/stats",
+        "/model",
+        "/load /no/such/\x1b]0;title\x07file",
+        "/set temperature \x1b[2J",
+    )
     shown = c.err.getvalue() + c.out.getvalue()
     assert_no_controls(shown)
     assert "user ␛]52;c;cHduZWQ=␇" in shown and "<U+202E>gnp.exe" in shown
@@ -163,7 +189,9 @@ def test_error_lines_are_safe(capsys):
     assert len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("plain, terminal, raw", [(True, False, True), (True, True, False), (False, True, False)])
+@pytest.mark.parametrize(
+    "plain, terminal, raw", [(True, False, True), (True, True, False), (False, True, False)]
+)
 def test_model_output_on_a_terminal_is_made_safe(tiny_model, tiny_tokenizer, tmp_path, plain, terminal, raw):
     """Model text with an OSC title sequence: visible on a terminal, unchanged in a pipe."""
     c = Chat(tiny_model, tiny_tokenizer, None, plain=plain, terminal=terminal)
@@ -197,13 +225,23 @@ def test_sessions_listing_survives_bad_logs(capsys, tmp_path, monkeypatch):
     logs = tmp_path / "chatbot" / "sessions"
     turn = '{"event": "turn", "user": "%s", "answer": "fine", "stats": {"ttft_s": NaN, "context_tokens": Infinity}}'
     bad = {
-        "20260101-000001-aaaa.jsonl": [START, turn % "deep", "[" * 1000 + "]" * 1000,
-                                       '{"event": "turn", "user": "x", "answer": ' + "[" * 5000 + "]" * 5000 + "}"],
-        "20260101-000002-bbbb.jsonl": [START, '{"event": "load", "state": {"turns": [1, "two", null, [3]]}}',
-                                       turn % "after a bad load"],
+        "20260101-000001-aaaa.jsonl": [
+            START,
+            turn % "deep",
+            "[" * 1000 + "]" * 1000,
+            '{"event": "turn", "user": "x", "answer": ' + "[" * 5000 + "]" * 5000 + "}",
+        ],
+        "20260101-000002-bbbb.jsonl": [
+            START,
+            '{"event": "load", "state": {"turns": [1, "two", null, [3]]}}',
+            turn % "after a bad load",
+        ],
         "20260101-000003-cccc.jsonl": [START, turn % "nan stats", turn % "lone \\ud800 surrogate"],
-        "20260101-000004-dddd.jsonl": [START, turn % "bad setting",
-                                       '{"event": "settings", "settings": {"temperature": -5, "top_k": "x"}}'],
+        "20260101-000004-dddd.jsonl": [
+            START,
+            turn % "bad setting",
+            '{"event": "settings", "settings": {"temperature": -5, "top_k": "x"}}',
+        ],
         "20260101-000005-eeee.jsonl": [START, turn % "evil \\u001b]52;c;eA==\\u0007 \\u009b2J \\u202e"],
     }
     for name, lines in bad.items():
@@ -222,9 +260,15 @@ def test_sessions_listing_survives_bad_logs(capsys, tmp_path, monkeypatch):
 
 def test_resume_a_log_with_bad_settings_and_stats(tiny_model, tiny_tokenizer, tmp_path):
     logs = tmp_path / "sessions"
-    path = hostile_log(logs, "20260101-000004-dddd.jsonl", [
-        START, '{"event": "turn", "user": "hi", "answer": "fine", "stats": {"ttft_s": NaN, "generated_tokens": 1e999}}',
-        '{"event": "settings", "settings": {"temperature": -5, "top_k": 7}}'])
+    path = hostile_log(
+        logs,
+        "20260101-000004-dddd.jsonl",
+        [
+            START,
+            '{"event": "turn", "user": "hi", "answer": "fine", "stats": {"ttft_s": NaN, "generated_tokens": 1e999}}',
+            '{"event": "settings", "settings": {"temperature": -5, "top_k": 7}}',
+        ],
+    )
     c = Chat(tiny_model, tiny_tokenizer, None)
     c.repl.start_log(resume=path)
     assert [t.user for t in c.session.turns] == ["hi"]
@@ -243,15 +287,22 @@ def test_bad_slash_commands_keep_the_chat(tiny_model, tiny_tokenizer, tmp_path):
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100_000 + "]" * 100_000)
     deep_obj = tmp_path / "deep_obj.json"
-    deep_obj.write_text('{"turns": [{"user": "a", "answer": "b", "stats": ' + '{"a": ' * 500 + "1" + "}" * 500 + "}]}")
+    deep_obj.write_text(
+        '{"turns": [{"user": "a", "answer": "b", "stats": ' + '{"a": ' * 500 + "1" + "}" * 500 + "}]}"
+    )
     binary = tmp_path / "binary.json"
     binary.write_bytes(bytes(range(256)) * 10)
-    not_text = [{"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]},
-                {"messages": [{"role": "user", "content": ["a"]}, {"role": "assistant", "content": "x"}]},
-                {"turns": [{"user": {"a": 1}, "answer": "x"}]},
-                {"turns": [{"user": "a", "answer": "b"}], "system": 5},
-                {"turns": [{"user": "a", "answer": "b"}], "settings": {"temperature": "hot", "seed": 1e400}},
-                {"turns": "many"}, {"messages": [1, 2]}, [1, 2, 3], {"turns": [None]}]
+    not_text = [
+        {"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]},
+        {"messages": [{"role": "user", "content": ["a"]}, {"role": "assistant", "content": "x"}]},
+        {"turns": [{"user": {"a": 1}, "answer": "x"}]},
+        {"turns": [{"user": "a", "answer": "b"}], "system": 5},
+        {"turns": [{"user": "a", "answer": "b"}], "settings": {"temperature": "hot", "seed": 1e400}},
+        {"turns": "many"},
+        {"messages": [1, 2]},
+        [1, 2, 3],
+        {"turns": [None]},
+    ]
     paths = []
     for i, data in enumerate(not_text):
         p = tmp_path / f"odd{i}.json"
@@ -262,17 +313,34 @@ def test_bad_slash_commands_keep_the_chat(tiny_model, tiny_tokenizer, tmp_path):
     c.lines("Hello there!")
     before = [(t.user, t.answer) for t in c.session.turns]
     started = time.perf_counter()
-    c.lines(f"/load {deep}", f"/load {deep_obj}", f"/load {binary}", "/load /dev/zero", "/load /dev/urandom",
-            f"/load {fifo}", f"/load {tmp_path}", *(f"/load {p}" for p in paths),
-            "/set temperature inf", "/set temperature nan", "/set top_k inf", "/set seed nan", "/set seed 1e999",
-            "/retry temperature=nan top_k=inf", "/set max_new_tokens 1e400", "/set temperature 1e-300",
-            "/set repetition_penalty 1e-300", "/set top_p 1e-320")
+    c.lines(
+        f"/load {deep}",
+        f"/load {deep_obj}",
+        f"/load {binary}",
+        "/load /dev/zero",
+        "/load /dev/urandom",
+        f"/load {fifo}",
+        f"/load {tmp_path}",
+        *(f"/load {p}" for p in paths),
+        "/set temperature inf",
+        "/set temperature nan",
+        "/set top_k inf",
+        "/set seed nan",
+        "/set seed 1e999",
+        "/retry temperature=nan top_k=inf",
+        "/set max_new_tokens 1e400",
+        "/set temperature 1e-300",
+        "/set repetition_penalty 1e-300",
+        "/set top_p 1e-320",
+    )
     assert time.perf_counter() - started < 30  # no hang on the FIFO, no read of /dev/zero
     err = c.err.getvalue()
     assert "internal error" not in err and "Traceback" not in err
     n_errors = sum(1 for line in err.splitlines() if line.startswith("error: "))
     assert n_errors >= 20, err
-    assert "nested too deeply" in err and "it is a FIFO" in err and "it is a device" in err and "binary" in err
+    assert (
+        "nested too deeply" in err and "it is a FIFO" in err and "it is a device" in err and "binary" in err
+    )
     # the chat goes on, and what was loaded (only the file with bad settings) is whole
     c.lines("/retry", "still here?")
     assert c.session.turns[-1].user == "still here?"
@@ -322,15 +390,26 @@ def test_bad_config_files_are_one_line(capsys, tmp_path):
     deep_map = tmp_path / "deep_map.yaml"
     deep_map.write_text("".join("  " * i + f"k{i}:\n" for i in range(200)) + "  " * 200 + "v: 1\n")
     bomb = tmp_path / "bomb.yaml"
-    bomb.write_text("a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
-        f"{chr(98 + i)}: &{chr(98 + i)} [" + ", ".join([f"*{chr(97 + i)}"] * 10) + "]\n" for i in range(8)))
+    bomb.write_text(
+        "a: &a [x, x, x, x, x, x, x, x, x, x]\n"
+        + "".join(
+            f"{chr(98 + i)}: &{chr(98 + i)} [" + ", ".join([f"*{chr(97 + i)}"] * 10) + "]\n" for i in range(8)
+        )
+    )
     fifo = tmp_path / "fifo.yaml"
     os.mkfifo(fifo)
     big = tmp_path / "big.yaml"
     big.write_text("# " + "x" * (2 << 20) + "\n")
-    for path, message in [(binary, "binary"), (deep, "nested too deeply"), (deep_map, "nested too deeply"),
-                          (bomb, "too big"), (fifo, "it is a FIFO"), (Path("/dev/zero"), "it is a device"),
-                          (big, "too large"), (tmp_path, "it is a folder")]:
+    for path, message in [
+        (binary, "binary"),
+        (deep, "nested too deeply"),
+        (deep_map, "nested too deeply"),
+        (bomb, "too big"),
+        (fifo, "it is a FIFO"),
+        (Path("/dev/zero"), "it is a device"),
+        (big, "too large"),
+        (tmp_path, "it is a folder"),
+    ]:
         started = time.perf_counter()
         code, _out, err = cli(capsys, "run", "--config", str(path))
         assert time.perf_counter() - started < 20
@@ -338,14 +417,20 @@ def test_bad_config_files_are_one_line(capsys, tmp_path):
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--start-size", "1000000000"], "start_size must be an integer ≥ 0 and ≤ 16777216"),
-    (["--recent-size", "1000000000000"], "recent_size must be an integer ≥ 16 and ≤ 16777216"),
-    (["--start-size", "500", "--recent-size", "100"], "start_size (500) must not be larger than the recent window"),
-    (["--max-context", "99999999999"], "max_context must be"),
-    (["--prefill-chunk", "99999999999"], "prefill_chunk must be"),
-    (["--temperature", "1e-300"], "temperature must be 0 or at least 0.01"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--start-size", "1000000000"], "start_size must be an integer ≥ 0 and ≤ 16777216"),
+        (["--recent-size", "1000000000000"], "recent_size must be an integer ≥ 16 and ≤ 16777216"),
+        (
+            ["--start-size", "500", "--recent-size", "100"],
+            "start_size (500) must not be larger than the recent window",
+        ),
+        (["--max-context", "99999999999"], "max_context must be"),
+        (["--prefill-chunk", "99999999999"], "prefill_chunk must be"),
+        (["--temperature", "1e-300"], "temperature must be 0 or at least 0.01"),
+    ],
+)
 def test_absurd_sizes_are_refused_before_loading(capsys, args, message):
     code, _out, err = cli(capsys, "run", "--enable-streaming", *args)
     assert code == 2 and message in err, err
@@ -353,7 +438,9 @@ def test_absurd_sizes_are_refused_before_loading(capsys, args, message):
 
 
 def test_window_larger_than_the_context(capsys, tiny_dir, empty_stdin):
-    code, _out, err = cli(capsys, "run", "--model", str(tiny_dir), "--enable-streaming", "--recent-size", "600")
+    code, _out, err = cli(
+        capsys, "run", "--model", str(tiny_dir), "--enable-streaming", "--recent-size", "600"
+    )
     assert code == 2, err
     assert "start_size + recent_size (4 + 600) must be at most the context (512 tokens)" in err
 
@@ -441,12 +528,22 @@ def test_kill_9_mid_answer_keeps_the_message(tiny_dir, tmp_path):
     whose answer was cut (with what is logged of it: nothing, marked interrupted)."""
     env = env_for(tmp_path)
     args = [CHATBOT, "run", "--model", str(tiny_dir), "--threads", "1", "--temperature", "0"]
-    proc = subprocess.Popen([*args, "--max-new-tokens", "4"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(
+        [*args, "--max-new-tokens", "4"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
     proc.communicate(b"first message\nsecond message\n", timeout=120)
     assert proc.returncode == 0
-    proc = subprocess.Popen([*args, "--resume", "--max-new-tokens", "100000", "--stream-interval", "1"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(
+        [*args, "--resume", "--max-new-tokens", "100000", "--stream-interval", "1"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(b"a long answer please\n")
     proc.stdin.flush()
@@ -457,8 +554,14 @@ def test_kill_9_mid_answer_keeps_the_message(tiny_dir, tmp_path):
     turns = session_log.replay(path)["turns"]
     assert [t["user"] for t in turns] == ["first message", "second message", "a long answer please"]
     assert turns[-1]["interrupted"] and not turns[0]["interrupted"]
-    out = subprocess.run([*args, "--resume", "--max-new-tokens", "2"], input=b"/history\n", capture_output=True, check=False,
-                         env=env, timeout=120)
+    out = subprocess.run(
+        [*args, "--resume", "--max-new-tokens", "2"],
+        input=b"/history\n",
+        capture_output=True,
+        check=False,
+        env=env,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert b"(3 turns)" in out.stderr and b"[interrupted]" in out.stderr
 
@@ -527,7 +630,9 @@ def test_load_renders_linear_in_turns(tiny_engine, monkeypatch, system):
         costs[n] = seen[0]
         text = s.segments[0].text if system else ""
         sys_msgs = s._system_messages()
-        assert turn_pieces_windowed(s.render, sys_msgs, s.turns, text) == turn_pieces(s.render, sys_msgs, s.turns, text)
+        assert turn_pieces_windowed(s.render, sys_msgs, s.turns, text) == turn_pieces(
+            s.render, sys_msgs, s.turns, text
+        )
         assert s.rendered == s.render(s.messages(), False)
     assert costs[200] <= 2.2 * costs[100] and costs[100] <= 2.2 * costs[50], costs
     assert costs[200] < 20 * 200  # a few short windows per turn (quadratic: ~2 x 200²)
@@ -645,7 +750,9 @@ def test_resume_of_a_chat_that_no_longer_fits(tiny_model, tiny_tokenizer, tmp_pa
     """A log whose turns outgrew the context (an interrupted answer ran long) resumes with a
     note instead of ending the program; /undo makes room and the chat goes on."""
     long = json.dumps("word " * 40)
-    turns = [f'{{"event": "turn", "user": "question {i}", "answer": {long}, "stats": {{}}}}' for i in range(3)]
+    turns = [
+        f'{{"event": "turn", "user": "question {i}", "answer": {long}, "stats": {{}}}}' for i in range(3)
+    ]
     path = hostile_log(tmp_path / "sessions", "20260101-000009-ffff.jsonl", [START, *turns])
     c = Chat(tiny_model, tiny_tokenizer, None)
     c.repl.start_log(resume=path)
@@ -657,19 +764,30 @@ def test_resume_of_a_chat_that_no_longer_fits(tiny_model, tiny_tokenizer, tmp_pa
 def test_messages_of_killed_processes_are_all_kept(tmp_path):
     """Two processes killed mid-answer in a row, each resumed: both messages stay, each as its
     own interrupted turn, and the finished turns around them are untouched."""
-    path = hostile_log(tmp_path, "20260101-000010-abcd.jsonl", [
-        START,
-        '{"event": "send", "user": "one"}', '{"event": "turn", "user": "one", "answer": "1", "stats": {}}',
-        '{"event": "send", "user": "two"}',  # killed here
-        '{"event": "resume", "model": "m"}',
-        '{"event": "send", "user": "three"}',  # killed here too
-        '{"event": "resume", "model": "m"}',
-        '{"event": "send", "user": "four"}', '{"event": "turn", "user": "four", "answer": "4", "stats": {}}',
-        '{"event": "send", "user": "five"}', '{"event": "cancel"}',  # refused (context full)
-    ])
+    path = hostile_log(
+        tmp_path,
+        "20260101-000010-abcd.jsonl",
+        [
+            START,
+            '{"event": "send", "user": "one"}',
+            '{"event": "turn", "user": "one", "answer": "1", "stats": {}}',
+            '{"event": "send", "user": "two"}',  # killed here
+            '{"event": "resume", "model": "m"}',
+            '{"event": "send", "user": "three"}',  # killed here too
+            '{"event": "resume", "model": "m"}',
+            '{"event": "send", "user": "four"}',
+            '{"event": "turn", "user": "four", "answer": "4", "stats": {}}',
+            '{"event": "send", "user": "five"}',
+            '{"event": "cancel"}',  # refused (context full)
+        ],
+    )
     turns = session_log.replay(path)["turns"]
     assert [(t["user"], t["answer"], t["interrupted"]) for t in turns] == [
-        ("one", "1", False), ("two", "", True), ("three", "", True), ("four", "4", False)]
+        ("one", "1", False),
+        ("two", "", True),
+        ("three", "", True),
+        ("four", "4", False),
+    ]
 
 
 def test_log_writes_are_not_torn_by_ctrl_c(tmp_path):

@@ -26,8 +26,16 @@ KEY_ENV = {"TEST_REMOTE_KEY": "k3y"}
 def server(tmp_path_factory):
     folder = save_tiny_model(tmp_path_factory.mktemp("tiny"))
     log = tmp_path_factory.mktemp("log") / "serve.log"
-    with running_server("--model", str(folder), "--served-model-name", "tiny", "--api-key-env", "TEST_REMOTE_KEY",
-                        env=KEY_ENV, log=log) as url:
+    with running_server(
+        "--model",
+        str(folder),
+        "--served-model-name",
+        "tiny",
+        "--api-key-env",
+        "TEST_REMOTE_KEY",
+        env=KEY_ENV,
+        log=log,
+    ) as url:
         yield url
 
 
@@ -38,8 +46,15 @@ def env(tmp_path):
 
 def run_piped(server, env, lines, *flags, timeout=180):
     args = [CHATBOT, "run", "--server", server, "--api-key-env", "TEST_REMOTE_KEY", *flags]
-    return subprocess.run(args, input="".join(f"{line}\n" for line in lines), capture_output=True, text=True, check=False,
-                          env=env, timeout=timeout)
+    return subprocess.run(
+        args,
+        input="".join(f"{line}\n" for line in lines),
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
+        timeout=timeout,
+    )
 
 
 def direct_answer(server, messages, max_tokens):
@@ -48,18 +63,44 @@ def direct_answer(server, messages, max_tokens):
     return r.choices[0].message.content
 
 
-STATS = re.compile(r"prompt (\d+) tok \((\d+) cached\) · first token [\d.]+ s · (\d+) tok · .*ms/tok · server")
+STATS = re.compile(
+    r"prompt (\d+) tok \((\d+) cached\) · first token [\d.]+ s · (\d+) tok · .*ms/tok · server"
+)
 
 
 def test_piped_chat_with_commands(server, env, tmp_path):
     saved = tmp_path / "chat.json"
-    proc = run_piped(server, env, [
-        "Hello there!", "How are you today?", "/retry", "/continue", "/cache", "/model", "/undo", "/stats",
-        f"/save {saved}", "/history"], "--temperature", "0", "--max-new-tokens", "6")
+    proc = run_piped(
+        server,
+        env,
+        [
+            "Hello there!",
+            "How are you today?",
+            "/retry",
+            "/continue",
+            "/cache",
+            "/model",
+            "/undo",
+            "/stats",
+            f"/save {saved}",
+            "/history",
+        ],
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "6",
+    )
     assert proc.returncode == 0, proc.stderr
     first = direct_answer(server, [{"role": "user", "content": "Hello there!"}], 6)
-    second = direct_answer(server, [{"role": "user", "content": "Hello there!"}, {"role": "assistant", "content": first},
-                                    {"role": "user", "content": "How are you today?"}], 6)
+    second = direct_answer(
+        server,
+        [
+            {"role": "user", "content": "Hello there!"},
+            {"role": "assistant", "content": first},
+            {"role": "user", "content": "How are you today?"},
+        ],
+        6,
+    )
     out = proc.stdout.splitlines()
     assert out[0] == first and out[1] == second and out[2] == second  # greedy: /retry gives it again
     stats = [tuple(map(int, m.groups())) for m in STATS.finditer(proc.stderr)]
@@ -81,9 +122,13 @@ def test_piped_chat_with_commands(server, env, tmp_path):
 
 def test_resume_and_load_a_remote_chat(server, env, tmp_path):
     saved = tmp_path / "chat.json"
-    first = run_piped(server, env, ["Hello there!", f"/save {saved}"], "--temperature", "0", "--max-new-tokens", "5")
+    first = run_piped(
+        server, env, ["Hello there!", f"/save {saved}"], "--temperature", "0", "--max-new-tokens", "5"
+    )
     assert first.returncode == 0, first.stderr
-    again = run_piped(server, env, ["/history", "And the fox?"], "--resume", "--max-new-tokens", "5", "--temperature", "0")
+    again = run_piped(
+        server, env, ["/history", "And the fox?"], "--resume", "--max-new-tokens", "5", "--temperature", "0"
+    )
     assert again.returncode == 0, again.stderr
     assert "resuming session" in again.stderr and "Hello there!" in again.stderr
     p, c, _ = map(int, STATS.search(again.stderr).groups())
@@ -96,10 +141,26 @@ def test_ctrl_c_in_a_terminal_closes_the_stream(server, env):
     """In a pseudo-terminal: Ctrl-C stops a long answer at once (the server stops too) and
     keeps it; /continue goes on; /model lists the server's models; Ctrl-D leaves."""
     pexpect = pytest.importorskip("pexpect")
-    child = pexpect.spawn(CHATBOT, ["run", "--server", server, "--api-key-env", "TEST_REMOTE_KEY",
-                                    "--max-new-tokens", "3500", "--temperature", "1", "--seed", "3"],
-                          env={**env, "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1"}, encoding="utf-8",
-                          timeout=60, dimensions=(30, 100))
+    child = pexpect.spawn(
+        CHATBOT,
+        [
+            "run",
+            "--server",
+            server,
+            "--api-key-env",
+            "TEST_REMOTE_KEY",
+            "--max-new-tokens",
+            "3500",
+            "--temperature",
+            "1",
+            "--seed",
+            "3",
+        ],
+        env={**env, "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1"},
+        encoding="utf-8",
+        timeout=60,
+        dimensions=(30, 100),
+    )
     try:
         child.expect("Ctrl-D to exit")
         child.expect(">")
@@ -204,11 +265,14 @@ def test_unreachable_server_and_bad_names(env, capsys, server):
     assert len(bad_key.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("flags, match", [
-    (["--enable-streaming"], "--enable-streaming does not apply with --server"),
-    (["--opt", "int8"], "--opt does not apply with --server"),
-    (["--temperature", "-1"], "temperature must be"),
-])
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (["--enable-streaming"], "--enable-streaming does not apply with --server"),
+        (["--opt", "int8"], "--opt does not apply with --server"),
+        (["--temperature", "-1"], "temperature must be"),
+    ],
+)
 def test_refused_flags(capsys, flags, match):
     from helpers import assert_one_line_error
 
@@ -224,7 +288,14 @@ def test_api_key_env_without_server(capsys):
 def _llama_cpp_server_missing() -> str | None:
     if importlib.util.find_spec("llama_cpp") is None:
         return "llama-cpp-python is not installed"
-    for extra in ("llama_cpp.server", "uvicorn", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings"):
+    for extra in (
+        "llama_cpp.server",
+        "uvicorn",
+        "fastapi",
+        "sse_starlette",
+        "starlette_context",
+        "pydantic_settings",
+    ):
         try:
             if importlib.util.find_spec(extra) is None:
                 return f"llama-cpp-python's server needs {extra} (pip install 'llama-cpp-python[server]')"
@@ -247,9 +318,23 @@ def test_against_llama_cpp_server(tmp_path, env):
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     gguf = os.path.join(spec.submodule_search_locations[0], DEFAULT_GGUF)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1",
-                             "--port", str(port), "--n_ctx", "2048"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            gguf,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--n_ctx",
+            "2048",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}/v1"
     try:
         deadline = time.monotonic() + 120
@@ -261,8 +346,15 @@ def test_against_llama_cpp_server(tmp_path, env):
                 pass
             assert proc.poll() is None and time.monotonic() < deadline, "llama_cpp.server did not start"
             time.sleep(0.5)
-        result = run_piped(url, env, ["Say hello.", "What is 2 + 2?", "/model"], "--temperature", "0",
-                           "--max-new-tokens", "16")
+        result = run_piped(
+            url,
+            env,
+            ["Say hello.", "What is 2 + 2?", "/model"],
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "16",
+        )
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -279,15 +371,23 @@ def test_stats_from_the_stream():
     from chatbot.terminal.render import format_remote_stats_line
 
     arrivals = [10.5, 10.6, 10.8, 10.9]
-    usage = SimpleNamespace(prompt_tokens=120, completion_tokens=4, total_tokens=124,
-                            prompt_tokens_details=SimpleNamespace(cached_tokens=100))
+    usage = SimpleNamespace(
+        prompt_tokens=120,
+        completion_tokens=4,
+        total_tokens=124,
+        prompt_tokens_details=SimpleNamespace(cached_tokens=100),
+    )
     s = _stats(10.0, arrivals, usage, "length")
     assert s.ttft_s == pytest.approx(0.5) and s.token_latencies_s == pytest.approx([0.1, 0.2, 0.1])
     assert (s.prompt_tokens, s.cached_tokens, s.context_tokens, s.generated_tokens) == (120, 100, 20, 4)
     assert s.ms_per_token_p50 == pytest.approx(100) and s.ms_per_token_p90 == pytest.approx(200)
     line = format_remote_stats_line(s)
-    assert line.startswith("prompt 120 tok (100 cached) · first token 0.50 s · 4 tok · 7.5 tok/s · p50 100 / p90 200")
+    assert line.startswith(
+        "prompt 120 tok (100 cached) · first token 0.50 s · 4 tok · 7.5 tok/s · p50 100 / p90 200"
+    )
     assert line.endswith("server · max tokens")
     guess = _stats(10.0, arrivals, None, "stop")
     assert guess.estimated and guess.generated_tokens == 4 and guess.cached_tokens is None
-    assert "4 tok (estimated)" in format_remote_stats_line(guess) and "prompt" not in format_remote_stats_line(guess)
+    assert "4 tok (estimated)" in format_remote_stats_line(
+        guess
+    ) and "prompt" not in format_remote_stats_line(guess)

@@ -36,13 +36,25 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 class Chat:
     """A Repl on the tiny model whose output lands in strings."""
 
-    def __init__(self, model, tokenizer, log_dir: Path | None, plain: bool = True, terminal: bool = False,
-                 system: str | None = None, **engine_cfg) -> None:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        log_dir: Path | None,
+        plain: bool = True,
+        terminal: bool = False,
+        system: str | None = None,
+        **engine_cfg,
+    ) -> None:
         self.loaded = LoadedModel(model, tokenizer, "tiny-llama", "test", "folder")
         engine = Engine(model, tokenizer)
-        self.session = ChatSession(engine, ChatConfig(system=system, sampling=SAMPLING, engine=EngineConfig(**engine_cfg)))
+        self.session = ChatSession(
+            engine, ChatConfig(system=system, sampling=SAMPLING, engine=EngineConfig(**engine_cfg))
+        )
         self.out, self.err = io.StringIO(), io.StringIO()
-        console = Console(file=self.out, width=120, force_terminal=terminal, color_system=None, highlight=False)
+        console = Console(
+            file=self.out, width=120, force_terminal=terminal, color_system=None, highlight=False
+        )
         info = Console(file=self.err, width=120, force_terminal=False, highlight=False, soft_wrap=True)
         self.repl = Repl(self.session, self.loaded, console, plain=plain, info=info)
         if log_dir is not None:
@@ -98,7 +110,11 @@ def test_scripted_session_uses_every_command(tiny_model, tiny_tokenizer, tmp_pat
         "/help",
         "Hello there!",
         "first line\x1b\rsecond line",  # Alt+Enter: a new line in the same message
-        '"""', "block one", "", "block two", '"""',  # a """ block
+        '"""',
+        "block one",
+        "",
+        "block two",
+        '"""',  # a """ block
         "\x1b[200~pasted\nlines\x1b[201~",  # bracketed paste
         "/set",
         "/set temperature 0.5 seed 3",
@@ -126,8 +142,13 @@ def test_scripted_session_uses_every_command(tiny_model, tiny_tokenizer, tmp_pat
     s = c.session
     users = [t.user for t in s.turns]
     # /undo removed the pasted message.
-    assert users == ["Hello there!", "first line\nsecond line", "block one\n\nblock two",
-                     ("stop me " * 6).strip(), "/slash message"]
+    assert users == [
+        "Hello there!",
+        "first line\nsecond line",
+        "block one\n\nblock two",
+        ("stop me " * 6).strip(),
+        "/slash message",
+    ]
     assert "never sent" not in out + err
     assert "/continue" in err and "Alt+Enter" in err  # /help
     assert "temperature must be a number" in err
@@ -217,9 +238,12 @@ def test_garbage_input_from_a_pipe(chat):
     raw = (
         b"\xff\xfe invalid \xc3\x28 utf-8\n"
         b"control \x00\x07\x1b[31m chars\x7f\n"
-        + b"A" * 250_000 + b"\n"
-        + bytes(range(256)) + b"\n"  # a binary paste: too long for the tiny context
-        + bytes(range(128, 160)) + b"\x00\x01 ok\n"
+        + b"A" * 250_000
+        + b"\n"
+        + bytes(range(256))
+        + b"\n"  # a binary paste: too long for the tiny context
+        + bytes(range(128, 160))
+        + b"\x00\x01 ok\n"
         + b"/set temperature \xff\n/set nonsense\n/set\x00 top_k -1\n/set top_p 2 3\n"
         + b"\n   \n\t\n"
         + b"still here\n"
@@ -314,7 +338,9 @@ def test_split_thinking():
 def test_toolbar_and_completer(chat):
     chat.lines("Hello there!")
     bar = "".join(text for _, text in chat.repl.toolbar())
-    assert "tiny-llama" in bar and f"cache {chat.session.conversation_tokens:,}/512" in bar and "greedy" in bar
+    assert (
+        "tiny-llama" in bar and f"cache {chat.session.conversation_tokens:,}/512" in bar and "greedy" in bar
+    )
     comp = SlashCompleter()
     got = [c.text for c in comp.get_completions(Document("/con"), None)]
     assert got == ["/continue"]
@@ -353,8 +379,14 @@ def test_real_chat_interrupt_and_resume(tmp_path):
     pexpect = pytest.importorskip("pexpect")
     env = {**os.environ, "XDG_DATA_HOME": str(tmp_path), "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1"}
     # Answers long enough that the Ctrl-C 4 s in always finds one streaming, on a fast machine too.
-    child = pexpect.spawn(CHATBOT, ["run", "--temperature", "0", "--max-new-tokens", "4000", "--threads", "1"],
-                          env=env, encoding="utf-8", timeout=240, dimensions=(30, 100))
+    child = pexpect.spawn(
+        CHATBOT,
+        ["run", "--temperature", "0", "--max-new-tokens", "4000", "--threads", "1"],
+        env=env,
+        encoding="utf-8",
+        timeout=240,
+        dimensions=(30, 100),
+    )
     try:
         child.expect("Ctrl-D to exit")
         child.expect(">")
@@ -388,11 +420,20 @@ def test_real_chat_interrupt_and_resume(tmp_path):
     finally:
         child.close(force=True)
     assert child.exitstatus == 0
-    proc = subprocess.run([CHATBOT, "run", "--resume", "--max-new-tokens", "4"], check=False, input="/history\n",
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [CHATBOT, "run", "--resume", "--max-new-tokens", "4"],
+        check=False,
+        input="/history\n",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "resuming session" in proc.stderr and "Say hi." in proc.stderr and "[interrupted]" in proc.stderr
-    listing = subprocess.run([CHATBOT, "sessions"], check=False, capture_output=True, text=True, env=env, timeout=60)
+    listing = subprocess.run(
+        [CHATBOT, "sessions"], check=False, capture_output=True, text=True, env=env, timeout=60
+    )
     assert "Write a long story" in listing.stdout and "SmolLM2" in listing.stdout
 
 

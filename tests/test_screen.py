@@ -111,7 +111,10 @@ def test_every_word_of_the_answer_and_the_commands_is_on_screen(tmp_path, termin
     assert any(re.search(r"cache [\d,]+", line) for line in shown)
 
     send(term, "/history")
-    assert missing_words("you Show me some Markdown. bot " + readable(answer), after(term.lines(), "> /history")) == []
+    assert (
+        missing_words("you Show me some Markdown. bot " + readable(answer), after(term.lines(), "> /history"))
+        == []
+    )
     send(term, "/help")
     assert missing_words(help_text(), after(term.lines(), "> /help")) == []
     send(term, "/stats")
@@ -248,11 +251,15 @@ def test_narrowing_a_reflowing_terminal_mid_answer_repeats_nothing(tmp_path):
     name = f"chatbot-test-{os.getpid()}-{tmp_path.name}"
     command = f"{sys.executable} {SCRIPT} first.md answer.md --delay 0.02"
     tmux = ["tmux", "-L", name]
-    subprocess.run([*tmux, "new-session", "-d", "-s", name, "-x", "100", "-y", "30", "-c", str(tmp_path),
-                    command], check=True)
+    subprocess.run(
+        [*tmux, "new-session", "-d", "-s", name, "-x", "100", "-y", "30", "-c", str(tmp_path), command],
+        check=True,
+    )
 
     def pane() -> list[str]:
-        out = subprocess.run([*tmux, "capture-pane", "-p", "-t", name, "-S", "-"], capture_output=True, text=True, check=False)
+        out = subprocess.run(
+            [*tmux, "capture-pane", "-p", "-t", name, "-S", "-"], capture_output=True, text=True, check=False
+        )
         return [line.rstrip() for line in out.stdout.splitlines()]
 
     def wait(predicate, what: str, timeout: float = 120) -> None:

@@ -31,7 +31,9 @@ def model_dir(tmp_path_factory):
 def server(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("log") / "serve.log"
     # --opt off: transformers' forward pass, so that answers match the in-process reference.
-    with running_server("--model", str(model_dir), "--opt", "off", "--served-model-name", "tiny", log=log) as url:
+    with running_server(
+        "--model", str(model_dir), "--opt", "off", "--served-model-name", "tiny", log=log
+    ) as url:
         yield url
 
 
@@ -42,8 +44,9 @@ def client(server):
 
 def stream_answer(client, messages, **kw):
     """(text, usage, finish_reason, number of content chunks) of one streamed answer."""
-    stream = client.chat.completions.create(model="tiny", messages=messages, stream=True,
-                                            stream_options={"include_usage": True}, **kw)
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, stream=True, stream_options={"include_usage": True}, **kw
+    )
     text, usage, finish, n = "", None, None, 0
     for chunk in stream:
         if chunk.usage is not None:
@@ -70,8 +73,14 @@ def reference_answer(model_dir, messages, max_new_tokens):
     sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=max_new_tokens)
     session = ChatSession(Engine(model, tok), ChatConfig(system=system, sampling=sampling))
     rest = messages[1:] if system else messages
-    session.restore({"system": system, "turns": [{"user": u["content"], "answer": a["content"]}
-                                                 for u, a in zip(rest[:-1:2], rest[1::2])]})
+    session.restore(
+        {
+            "system": system,
+            "turns": [
+                {"user": u["content"], "answer": a["content"]} for u, a in zip(rest[:-1:2], rest[1::2])
+            ],
+        }
+    )
     return "".join(c.text for c in session.send(rest[-1]["content"]))
 
 
@@ -85,10 +94,12 @@ def test_models_and_health(client, server):
 
 def test_streamed_and_not_streamed_match_a_local_session(client, model_dir):
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there!"}]
-    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, **GREEDY,
-                                           extra_body={"cache_salt": uuid.uuid4().hex})
-    text, usage, finish, n = stream_answer(client, messages, max_tokens=12, **GREEDY,
-                                           extra_body={"cache_salt": uuid.uuid4().hex})
+    whole = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=12, **GREEDY, extra_body={"cache_salt": uuid.uuid4().hex}
+    )
+    text, usage, finish, n = stream_answer(
+        client, messages, max_tokens=12, **GREEDY, extra_body={"cache_salt": uuid.uuid4().hex}
+    )
     expected = reference_answer(model_dir, messages, 12)
     assert whole.choices[0].message.content == text == expected
     assert whole.choices[0].finish_reason == finish == "length"
@@ -104,10 +115,13 @@ def test_multi_turn_prefix_cache_hit(client, server):
     salt = uuid.uuid4().hex
     messages = [{"role": "system", "content": "Answer briefly."}]
     cached_run = []
-    for i, user in enumerate(["Hello there!", "How are you today?", "Tell me about the quick brown fox.",
-                              "And the lazy dog?"]):
+    for i, user in enumerate(
+        ["Hello there!", "How are you today?", "Tell me about the quick brown fox.", "And the lazy dog?"]
+    ):
         messages.append({"role": "user", "content": user})
-        text, usage, _, _ = stream_answer(client, messages, max_tokens=10, **GREEDY, extra_body={"cache_salt": salt})
+        text, usage, _, _ = stream_answer(
+            client, messages, max_tokens=10, **GREEDY, extra_body={"cache_salt": salt}
+        )
         cached = usage.prompt_tokens_details.cached_tokens
         if i == 0:
             assert cached == 0
@@ -124,8 +138,9 @@ def test_multi_turn_prefix_cache_hit(client, server):
     replay = [messages[0]]
     for (text, usage), user in zip(cached_run, messages[1::2]):
         replay.append(user)
-        again, usage2, _, _ = stream_answer(client, replay, max_tokens=10, **GREEDY,
-                                            extra_body={"cache_salt": uuid.uuid4().hex})
+        again, usage2, _, _ = stream_answer(
+            client, replay, max_tokens=10, **GREEDY, extra_body={"cache_salt": uuid.uuid4().hex}
+        )
         assert again == text
         assert usage2.prompt_tokens == usage.prompt_tokens and usage2.prompt_tokens_details.cached_tokens == 0
         replay.append({"role": "assistant", "content": again})
@@ -139,8 +154,9 @@ def test_a_retry_takes_the_conversation_over(client):
     first, u1, _, _ = stream_answer(client, messages, max_tokens=8, **GREEDY, extra_body={"cache_salt": salt})
     messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "How are you?"}]
     _, u2, _, _ = stream_answer(client, messages, max_tokens=8, **GREEDY, extra_body={"cache_salt": salt})
-    _, u3, _, _ = stream_answer(client, messages, max_tokens=8, temperature=1.0, seed=3,
-                                extra_body={"cache_salt": salt})
+    _, u3, _, _ = stream_answer(
+        client, messages, max_tokens=8, temperature=1.0, seed=3, extra_body={"cache_salt": salt}
+    )
     assert u3.prompt_tokens == u2.prompt_tokens
     # cut back to the end of turn 1 (its closing tokens included), not re-encoded
     cached = u3.prompt_tokens_details.cached_tokens
@@ -153,11 +169,17 @@ def test_continue_final_message(client):
     """An answer cut at 6 tokens and continued for 6 more equals a 12-token answer."""
     messages = [{"role": "user", "content": "Tell me about the quick brown fox."}]
     whole, _, _, _ = stream_answer(client, messages, max_tokens=12, **GREEDY, extra_body={"cache_salt": "a"})
-    part, _, finish, _ = stream_answer(client, messages, max_tokens=6, **GREEDY, extra_body={"cache_salt": "b"})
+    part, _, finish, _ = stream_answer(
+        client, messages, max_tokens=6, **GREEDY, extra_body={"cache_salt": "b"}
+    )
     assert finish == "length"
     more, usage, _, _ = stream_answer(
-        client, [*messages, {"role": "assistant", "content": part}], max_tokens=6, **GREEDY,
-        extra_body={"cache_salt": "b", "continue_final_message": True, "add_generation_prompt": False})
+        client,
+        [*messages, {"role": "assistant", "content": part}],
+        max_tokens=6,
+        **GREEDY,
+        extra_body={"cache_salt": "b", "continue_final_message": True, "add_generation_prompt": False},
+    )
     assert part + more == whole
     assert usage.prompt_tokens_details.cached_tokens > 0
 
@@ -171,18 +193,44 @@ def test_continue_final_message(client):
         ({"model": "tiny", "messages": [{"role": "user", "content": "   "}]}, 400, "empty"),
         ({"model": "tiny", "messages": "hello"}, 400, "messages"),
         ({"model": "tiny", "messages": [{"role": "user", "content": 42}]}, 400, "content"),
-        ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
-        ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**12}, 400, "max_tokens"),
-        ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, 400,
-         "less than the context"),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"},
+            400,
+            "temperature",
+        ),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**12},
+            400,
+            "max_tokens",
+        ),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000},
+            400,
+            "less than the context",
+        ),
         ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": 2}, 400, "top_p"),
         ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "n must be 1"),
-        ({"model": "tiny", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}, 400,
-         "alternate"),
-        ({"model": "tiny", "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
-         400, "continue_final_message"),
-        ({"model": "tiny", "messages": [{"role": "user", "content": "word " * 5000}], "max_tokens": 4}, 400,
-         "context"),
+        (
+            {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+            },
+            400,
+            "alternate",
+        ),
+        (
+            {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+            },
+            400,
+            "continue_final_message",
+        ),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "word " * 5000}], "max_tokens": 4},
+            400,
+            "context",
+        ),
     ],
 )
 def test_bad_requests_get_openai_errors(server, body, status, match):
@@ -192,14 +240,21 @@ def test_bad_requests_get_openai_errors(server, body, status, match):
     assert match in error["message"], error
     assert error["type"] in ("invalid_request_error", "not_found_error")
     # ... and the server goes on serving
-    ok = httpx.post(f"{server}/chat/completions", timeout=60,
-                    json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    ok = httpx.post(
+        f"{server}/chat/completions",
+        timeout=60,
+        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
     assert ok.status_code == 200
 
 
 def test_malformed_json_and_unknown_paths(server, client):
-    r = httpx.post(f"{server}/chat/completions", content=b'{"model": "tiny", messages', timeout=30,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{server}/chat/completions",
+        content=b'{"model": "tiny", messages',
+        timeout=30,
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
     assert httpx.get(f"{server}/nothing-here", timeout=30).status_code == 404
     with pytest.raises(openai.BadRequestError, match="unknown role"):
@@ -211,8 +266,14 @@ def test_disconnect_stops_generation_and_health_stays_free(server, client):
     conversation kept holds a partial answer, not thousands of tokens)."""
     before = health(server)
     stream = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Write a very long story."}], stream=True,
-        max_tokens=3500, temperature=1.0, seed=1, extra_body={"cache_salt": uuid.uuid4().hex})
+        model="tiny",
+        messages=[{"role": "user", "content": "Write a very long story."}],
+        stream=True,
+        max_tokens=3500,
+        temperature=1.0,
+        seed=1,
+        extra_body={"cache_salt": uuid.uuid4().hex},
+    )
     n = 0
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -239,8 +300,9 @@ def test_concurrent_clients_queue_and_all_complete(server):
     def one(i: int) -> None:
         c = openai.OpenAI(base_url=server, api_key="x", max_retries=0, timeout=120)
         try:
-            _, usage, finish, _ = stream_answer(c, [{"role": "user", "content": f"Hello number {i}"}],
-                                                   max_tokens=16, **GREEDY)
+            _, usage, finish, _ = stream_answer(
+                c, [{"role": "user", "content": f"Hello number {i}"}], max_tokens=16, **GREEDY
+            )
             results.append((finish, usage.completion_tokens))
         except Exception as exc:  # noqa: BLE001 - collected and asserted below
             results.append(exc)
@@ -256,9 +318,21 @@ def test_concurrent_clients_queue_and_all_complete(server):
 @pytest.fixture(scope="module")
 def keyed_streaming_server(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("log") / "serve.log"
-    with running_server("--model", str(model_dir), "--api-key-env", "TEST_CHATBOT_KEY", "--enable-streaming",
-                        "--recent-size", "64", "--start-size", "4", "--served-model-name", "tiny",
-                        env={"TEST_CHATBOT_KEY": "s3cret"}, log=log) as url:
+    with running_server(
+        "--model",
+        str(model_dir),
+        "--api-key-env",
+        "TEST_CHATBOT_KEY",
+        "--enable-streaming",
+        "--recent-size",
+        "64",
+        "--start-size",
+        "4",
+        "--served-model-name",
+        "tiny",
+        env={"TEST_CHATBOT_KEY": "s3cret"},
+        log=log,
+    ) as url:
         yield url
 
 
@@ -273,7 +347,9 @@ def test_bearer_key(keyed_streaming_server):
     assert httpx.get(f"{url}/models", timeout=10).status_code == 401
     assert health(url)["status"] == "ok"  # /health needs no key
     ok = openai.OpenAI(base_url=url, api_key="s3cret", max_retries=0)
-    assert ok.chat.completions.create(model="tiny", messages=messages, max_tokens=2).usage.completion_tokens == 2
+    assert (
+        ok.chat.completions.create(model="tiny", messages=messages, max_tokens=2).usage.completion_tokens == 2
+    )
 
 
 def test_streaming_cache_never_runs_out(keyed_streaming_server):
@@ -283,7 +359,9 @@ def test_streaming_cache_never_runs_out(keyed_streaming_server):
     messages: list[dict] = []
     usages = []
     for i in range(6):
-        messages.append({"role": "user", "content": f"Message {i}: the quick brown fox jumps over the lazy dog."})
+        messages.append(
+            {"role": "user", "content": f"Message {i}: the quick brown fox jumps over the lazy dog."}
+        )
         text, usage, _, _ = stream_answer(c, messages, max_tokens=16, **GREEDY)
         messages.append({"role": "assistant", "content": text})
         usages.append(usage)
@@ -305,11 +383,19 @@ def test_serve_bad_flags(capsys, tmp_path, monkeypatch):
 
 def test_json_usage_shape(server):
     """The non-streamed answer's JSON has the fields OpenAI clients read."""
-    r = httpx.post(f"{server}/chat/completions", timeout=60,
-                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    r = httpx.post(
+        f"{server}/chat/completions",
+        timeout=60,
+        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+    )
     data = r.json()
     assert data["object"] == "chat.completion" and data["choices"][0]["message"]["role"] == "assistant"
-    assert set(data["usage"]) >= {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
+    assert set(data["usage"]) >= {
+        "prompt_tokens",
+        "completion_tokens",
+        "total_tokens",
+        "prompt_tokens_details",
+    }
     assert json.loads(r.text) == data
 
 
@@ -324,8 +410,21 @@ def test_bench_turns_through_http(server, capsys, tmp_path):
     conv = tmp_path / "conv.json"
     conv.write_text(json.dumps({"turns": ["Hello there!", "How are you today?", "And the lazy dog?"]}))
     out_json = tmp_path / "turns.json"
-    code, out, err = cli(capsys, "bench", "turns", "--server", server, "--model", "tiny", "--conversation", str(conv),
-                         "--max-new-tokens", "6", "--json", str(out_json))
+    code, out, err = cli(
+        capsys,
+        "bench",
+        "turns",
+        "--server",
+        server,
+        "--model",
+        "tiny",
+        "--conversation",
+        str(conv),
+        "--max-new-tokens",
+        "6",
+        "--json",
+        str(out_json),
+    )
     assert code == 0, err
     assert "faster with the prefix cache" in out and "3/3 answers" in out
     data = json.loads(out_json.read_text())
@@ -342,8 +441,21 @@ def _load(server, capsys, tmp_path, duration):
     from helpers import cli
 
     out_json = tmp_path / "load.json"
-    code, out, err = cli(capsys, "bench", "load", "--server", server, "--clients", "8", "--duration", str(duration),
-                         "--max-new-tokens", "8", "--json", str(out_json))
+    code, out, err = cli(
+        capsys,
+        "bench",
+        "load",
+        "--server",
+        server,
+        "--clients",
+        "8",
+        "--duration",
+        str(duration),
+        "--max-new-tokens",
+        "8",
+        "--json",
+        str(out_json),
+    )
     assert code == 0, out + err
     data = json.loads(out_json.read_text())
     assert data["errors"] == 0 and data["incomplete"] == 0 and data["complete"] >= 8
@@ -429,13 +541,24 @@ def test_text_completions(client, model_dir):
 
     prompt = "The quick brown fox"
     whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0)
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="tiny", prompt=prompt, max_tokens=10, temperature=0, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=10, temperature=0, stream=True
+        )
+        if c.choices
+    )
     tok = AutoTokenizer.from_pretrained(model_dir)
     engine = Engine(LlamaForCausalLM.from_pretrained(model_dir).eval(), tok)
     ids = tok(prompt)["input_ids"]
-    expected = "".join(c.text for c in engine.generate(engine.new_cache(), ids, SamplingConfig(
-        temperature=0.0, repetition_penalty=1.0, max_new_tokens=10)))
+    expected = "".join(
+        c.text
+        for c in engine.generate(
+            engine.new_cache(),
+            ids,
+            SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=10),
+        )
+    )
     assert whole.choices[0].text == streamed == expected
     assert whole.usage.prompt_tokens == len(ids) and whole.usage.completion_tokens == 10
     with pytest.raises(openai.BadRequestError, match="one prompt"):
@@ -446,9 +569,18 @@ def test_a_client_leaving_a_non_streamed_request_stops_it(server):
     """Not streamed: the server notices the closed connection while it generates."""
     before = health(server)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server}/chat/completions", timeout=httpx.Timeout(0.3, connect=5.0), json={
-            "model": "tiny", "messages": [{"role": "user", "content": "A long story, please."}],
-            "max_tokens": 3500, "temperature": 1.0, "seed": 2, "cache_salt": uuid.uuid4().hex})
+        httpx.post(
+            f"{server}/chat/completions",
+            timeout=httpx.Timeout(0.3, connect=5.0),
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "A long story, please."}],
+                "max_tokens": 3500,
+                "temperature": 1.0,
+                "seed": 2,
+                "cache_salt": uuid.uuid4().hex,
+            },
+        )
     deadline = time.monotonic() + 30
     while health(server)["generating"] and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -64,7 +64,9 @@ def answer(chunks) -> tuple[str, object]:
 
 
 def make(engine, system=None, sampling=GREEDY, **engine_cfg) -> ChatSession:
-    return ChatSession(engine, ChatConfig(system=system, sampling=sampling, engine=EngineConfig(**engine_cfg)))
+    return ChatSession(
+        engine, ChatConfig(system=system, sampling=sampling, engine=EngineConfig(**engine_cfg))
+    )
 
 
 class Interrupter:
@@ -126,7 +128,9 @@ def test_retry_refeeds_one_token(tiny_engine):
     assert stats.context_tokens == 1  # only the prompt's last token was fed again
     assert len(s.turns) == n_turns and s.turns[-1].answer == first
     assert_invariant(s)
-    hot = SamplingConfig(temperature=5.0, top_k=0, top_p=1.0, repetition_penalty=1.0, max_new_tokens=10, seed=3)
+    hot = SamplingConfig(
+        temperature=5.0, top_k=0, top_p=1.0, repetition_penalty=1.0, max_new_tokens=10, seed=3
+    )
     other, _ = answer(s.retry(hot))
     assert other != first and s.turns[-1].answer == other
     assert_invariant(s)
@@ -135,13 +139,17 @@ def test_retry_refeeds_one_token(tiny_engine):
 
 
 def test_continue_after_max_tokens_equals_one_long_answer(tiny_engine):
-    long = make(tiny_engine, sampling=SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=16))
+    long = make(
+        tiny_engine, sampling=SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=16)
+    )
     whole, _ = answer(long.send("Hello there!"))
     s = make(tiny_engine, sampling=SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=6))
     part, stats = answer(s.send("Hello there!"))
     assert stats.finish_reason == "length" and whole.startswith(part)
     assert_invariant(s)
-    more, _ = answer(s.continue_answer(SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=10)))
+    more, _ = answer(
+        s.continue_answer(SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=10))
+    )
     assert part + more == whole
     assert s.turns[-1].answer == whole and len(s.turns) == 1
     assert s.turns[-1].stats.generated_tokens == 16
@@ -223,7 +231,9 @@ def test_reset_and_drop_cache(tiny_engine):
 
 
 def test_save_and_load_round_trip(tiny_engine, tmp_path):
-    s = make(tiny_engine, system="Be brief.", sampling=SamplingConfig(temperature=0.0, max_new_tokens=7, seed=5))
+    s = make(
+        tiny_engine, system="Be brief.", sampling=SamplingConfig(temperature=0.0, max_new_tokens=7, seed=5)
+    )
     answer(s.send("Hello there!"))
     answer(s.send("日本語 🙂 and\nnew lines"))
     path = s.save(tmp_path / "chat.json", model="tiny")
@@ -238,7 +248,8 @@ def test_save_and_load_round_trip(tiny_engine, tmp_path):
     assert t.messages() == s.messages() and t.system == "Be brief."
     assert t.sampling.max_new_tokens == 7 and t.sampling.seed == 5
     assert [x.stats.token_latencies_s for x in t.turns] == [
-        [round(v, 6) for v in x.stats.token_latencies_s] for x in s.turns]
+        [round(v, 6) for v in x.stats.token_latencies_s] for x in s.turns
+    ]
     assert progress == sorted(progress) and progress[-1] == len(t.all_ids) == t.n_fed
     assert_invariant(t)
     answer(t.send("More"))
@@ -278,11 +289,17 @@ def test_load_plain_messages_and_bad_files(tiny_engine, tmp_path):
     assert other.sampling.top_k == 3 and other.sampling.temperature == GREEDY.temperature
     assert len(warnings) == 1 and "temperature must be" in warnings[0]
     p = tmp_path / "plain.json"
-    p.write_text(json.dumps({"messages": [
-        {"role": "system", "content": "Sys"},
-        {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": "Hello!"},
-    ]}))
+    p.write_text(
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "system", "content": "Sys"},
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Hello!"},
+                ]
+            }
+        )
+    )
     s.restore(read_saved(p))
     assert s.system == "Sys" and [t.answer for t in s.turns] == ["Hello!"]
     assert_invariant(s)
@@ -292,8 +309,16 @@ def test_load_too_long_keeps_conversation_pending(tiny_model, tiny_tokenizer, tm
     engine = Engine(tiny_model, tiny_tokenizer, max_context=60)
     s = make(engine)
     p = tmp_path / "long.json"
-    p.write_text(json.dumps({"messages": [{"role": "user", "content": "Hello there! " * 20},
-                                          {"role": "assistant", "content": "ok"}]}))
+    p.write_text(
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": "Hello there! " * 20},
+                    {"role": "assistant", "content": "ok"},
+                ]
+            }
+        )
+    )
     with pytest.raises(ContextFullError):
         s.restore(read_saved(p))
     assert len(s.turns) == 1 and s.n_fed == 0
@@ -317,8 +342,12 @@ def test_random_interrupts_keep_the_invariant(any_engine, tiny_model):
     """Ctrl-C at random forward passes (prefill chunks and decode steps, either layer),
     during send, retry and continue: the session always goes on, consistent."""
     rng = random.Random(1234)
-    s = make(any_engine, system="Be brief.", prefill_chunk=8,
-             sampling=SamplingConfig(temperature=1.0, top_k=40, repetition_penalty=1.1, max_new_tokens=12, seed=1))
+    s = make(
+        any_engine,
+        system="Be brief.",
+        prefill_chunk=8,
+        sampling=SamplingConfig(temperature=1.0, top_k=40, repetition_penalty=1.1, max_new_tokens=12, seed=1),
+    )
     texts = ["Hello there!", "How are you today? " * 3, "Café 🙂 日本語", "def add(a, b):\n    return a + b"]
     interrupted = 0
     for i in range(120):
@@ -347,7 +376,12 @@ def test_random_interrupts_keep_the_invariant(any_engine, tiny_model):
 
 def test_interrupt_in_consumer_keeps_shown_text(tiny_engine):
     """A Ctrl-C that lands while the caller renders (the generator is closed at a yield)."""
-    s = make(tiny_engine, sampling=SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=12, stream_interval=2))
+    s = make(
+        tiny_engine,
+        sampling=SamplingConfig(
+            temperature=0.0, repetition_penalty=1.0, max_new_tokens=12, stream_interval=2
+        ),
+    )
     chunks = s.send("Hello there!")
     shown = ""
     for c in chunks:
@@ -374,8 +408,14 @@ def test_interrupt_before_anything_is_fed_leaves_no_turn(tiny_engine, tiny_model
 
 
 def test_streaming_cache_undo_after_eviction_falls_back(tiny_engine):
-    s = make(tiny_engine, system="Be brief.", enable_streaming=True, start_size=4, recent_size=64,
-             sampling=SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=16))
+    s = make(
+        tiny_engine,
+        system="Be brief.",
+        enable_streaming=True,
+        start_size=4,
+        recent_size=64,
+        sampling=SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=16),
+    )
     for text in ["Hello there! How are you today?", "The quick brown fox.", "Café, naïve, résumé."]:
         answer(s.send(text))
         assert_invariant(s, check_logits=False)
@@ -410,8 +450,11 @@ def test_interrupted_load_keeps_the_rest_pending(tiny_engine, tiny_model, tmp_pa
 def test_commands_keep_the_invariant_on_the_default_model(default_model, tmp_path):
     """The real tokenizer and template (ChatML, BPE with answers kept as generated)."""
     engine = Engine(default_model.model, default_model.tokenizer)
-    s = make(engine, system="You are a concise assistant. Café ☕.",
-             sampling=SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=12))
+    s = make(
+        engine,
+        system="You are a concise assistant. Café ☕.",
+        sampling=SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=12),
+    )
 
     def check():
         assert_invariant(s, check_logits=False)
@@ -422,7 +465,11 @@ def test_commands_keep_the_invariant_on_the_default_model(default_model, tmp_pat
                 layer.crop(-1)
             pending, ids = ids[-1:], ids[:-1]
         with torch.no_grad():
-            got = engine.model(input_ids=torch.tensor([pending]), cache=cache, use_cache=True).logits[0, -1].float()
+            got = (
+                engine.model(input_ids=torch.tensor([pending]), cache=cache, use_cache=True)
+                .logits[0, -1]
+                .float()
+            )
         ref = full_logits(engine.model, ids + pending)[-1]
         assert torch.allclose(got, ref, atol=2e-3, rtol=1e-3)
 

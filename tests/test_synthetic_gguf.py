@@ -23,7 +23,6 @@ ROOT = Path(__file__).resolve().parent.parent
 CHATBOT = str(Path(sys.executable).with_name("chatbot"))
 
 
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """Tiny files of each architecture, written once for the module."""
@@ -143,7 +142,9 @@ def test_script_help_and_bad_size():
     script = ROOT / "scripts" / "make-synthetic-gguf"
     proc = subprocess.run([str(script), "--help"], check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "--arch" in proc.stdout
-    proc = subprocess.run([str(script), "--params", "huge"], check=False, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [str(script), "--params", "huge"], check=False, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2 and "--params takes a size" in proc.stderr.splitlines()[-1]
 
 
@@ -162,11 +163,15 @@ def test_streaming_on_the_files_own_blocks_equals_plain_engine(files, arch):
 
     loaded = load_model(str(files[arch]))
     sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=100)
-    config = ChatConfig(sampling=sampling, engine=EngineConfig(enable_streaming=True, start_size=4, recent_size=48))
+    config = ChatConfig(
+        sampling=sampling, engine=EngineConfig(enable_streaming=True, start_size=4, recent_size=48)
+    )
     results = {}
     for name, decoder in [("plain", None), ("fast", FastDecoder(loaded.model, "auto"))]:
         session = ChatSession(Engine(loaded.model, loaded.tokenizer, decoder=decoder), config)
-        got = [[t for c in session.send(text) for t in c.token_ids] for text in ("Hello there!", "The quick fox")]
+        got = [
+            [t for c in session.send(text) for t in c.token_ids] for text in ("Hello there!", "The quick fox")
+        ]
         results[name] = (got, list(session.cache_ids), session.evicted_total)
         assert session.evicted_total > 0
     assert results["fast"] == results["plain"]

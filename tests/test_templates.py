@@ -38,19 +38,32 @@ def with_template(name):
 @pytest.mark.parametrize(
     "name, expected",
     [
-        ("chatml", ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-                    "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nMore<|im_end|>\n"
-                    "<|im_start|>assistant\n")),
+        (
+            "chatml",
+            (
+                "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nMore<|im_end|>\n"
+                "<|im_start|>assistant\n"
+            ),
+        ),
         ("llama2", "<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST] Hello! </s><s>[INST] More [/INST]"),
         ("mistral", "<s>[INST] Be brief.\n\nHi [/INST] Hello!</s>[INST] More [/INST]"),
-        ("llama3", ("<s><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
-                    "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
-                    "<|start_header_id|>assistant<|end_header_id|>\n\nHello!<|eot_id|>"
-                    "<|start_header_id|>user<|end_header_id|>\n\nMore<|eot_id|>"
-                    "<|start_header_id|>assistant<|end_header_id|>\n\n")),
+        (
+            "llama3",
+            (
+                "<s><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+                "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+                "<|start_header_id|>assistant<|end_header_id|>\n\nHello!<|eot_id|>"
+                "<|start_header_id|>user<|end_header_id|>\n\nMore<|eot_id|>"
+                "<|start_header_id|>assistant<|end_header_id|>\n\n"
+            ),
+        ),
         ("vicuna", "<s>Be brief. USER: Hi ASSISTANT: Hello!</s>USER: More ASSISTANT:"),
         # ColossalAI's get_prompt_template, plus the BOS its tokenizer call adds in front
-        ("colossal", "<s><s>Be brief.\n\nHuman: <s>Hi</s>Assistant: <s>Hello!</s>Human: <s>More</s>Assistant: <s>"),
+        (
+            "colossal",
+            "<s><s>Be brief.\n\nHuman: <s>Hi</s>Assistant: <s>Hello!</s>Human: <s>More</s>Assistant: <s>",
+        ),
         ("plain", "<s>Be brief.\n\nUser: Hi\nAssistant: Hello!\nUser: More\nAssistant:"),
     ],
 )
@@ -92,7 +105,10 @@ def test_prefix_stable(name, answer):
 def test_stop_ids_are_single_tokens_of_the_vocabulary():
     tok = make_tokenizer()  # ChatML specials: <|im_end|> is one token, eos is <|im_end|>
     info = apply_template(tok, None, "chatml")
-    assert info.stop_ids == [tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|im_start|>")]
+    assert info.stop_ids == [
+        tok.convert_tokens_to_ids("<|im_end|>"),
+        tok.convert_tokens_to_ids("<|im_start|>"),
+    ]
     tok = make_tokenizer()
     info = apply_template(tok, None, "vicuna")  # "</s>" is written as the tokenizer's eos
     assert info.stop_ids == [tok.eos_token_id]
@@ -171,7 +187,9 @@ def test_check_template_refuses_a_system_prompt_it_cannot_render():
 
 def test_check_template_refuses_a_template_that_drops_the_system_prompt():
     tok = make_tokenizer()
-    tok.chat_template = "{% for m in messages %}{% if m['role'] != 'system' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] != 'system' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    )
     with pytest.raises(ConfigError, match="drops the system prompt"):
         check_template(tok, "Be brief.")
 
@@ -221,7 +239,8 @@ def test_session_chats_with_each_fallback(name, answers):
     if answers == "space-led":
         model = Scripted(model, tok.encode(" Fine, thank you.", add_special_tokens=False))
     session = ChatSession(
-        Engine(model, tok), ChatConfig(system=SYSTEM, sampling=SamplingConfig(temperature=0, max_new_tokens=5))
+        Engine(model, tok),
+        ChatConfig(system=SYSTEM, sampling=SamplingConfig(temperature=0, max_new_tokens=5)),
     )
     list(session.send("Hello there"))
     before = len(session.all_ids)
@@ -254,8 +273,14 @@ def test_stop_on_multi_token_strings_ends_the_answer():
     prompt = tok.encode(render(tok, [{"role": "user", "content": "Hi"}]), add_special_tokens=False)
     stop = StopOnStrings(tok, info.stop_strings)
     model.step = 0
-    chunks = list(engine.generate(engine.new_cache(), prompt, SamplingConfig(temperature=0, max_new_tokens=20),
-                                  stopping_criteria=stop))
+    chunks = list(
+        engine.generate(
+            engine.new_cache(),
+            prompt,
+            SamplingConfig(temperature=0, max_new_tokens=20),
+            stopping_criteria=stop,
+        )
+    )
     text = "".join(c.text for c in chunks)
     assert chunks[-1].finish_reason == "stop"
     assert "USER:" in text and not text.endswith(" next")

@@ -157,7 +157,9 @@ def stream_generate(
     if stop_strings:
         if tokenizer is None:
             raise ValueError("stop_strings needs the tokenizer: pass tokenizer= to stream_generate")
-        criteria.append(StopOnStrings(tokenizer, [stop_strings] if isinstance(stop_strings, str) else stop_strings))
+        criteria.append(
+            StopOnStrings(tokenizer, [stop_strings] if isinstance(stop_strings, str) else stop_strings)
+        )
     sampling = SamplingConfig(
         temperature=1.0 if config.do_sample else 0.0,  # the processors do the rest
         top_p=1.0,

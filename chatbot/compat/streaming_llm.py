@@ -220,7 +220,10 @@ class StartRecentKVCache:
         if isinstance(past_key_values, _StartRecentCache):
             return past_key_values
         if isinstance(past_key_values, Cache):
-            pairs = [(getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in past_key_values.layers]
+            pairs = [
+                (getattr(layer, "keys", None), getattr(layer, "values", None))
+                for layer in past_key_values.layers
+            ]
         elif isinstance(past_key_values, (tuple, list)):
             pairs = [(kv[0], kv[1]) for kv in past_key_values]
         else:

@@ -554,7 +554,10 @@ class FastDecoder:
         # first layer's q and k (which would show a wrong row order) and the embedding's
         # first rows. Float32 rounding of the dequantization may differ in the last bit.
         layer0 = model.model.layers[0]
-        pairs = [(embed, model.get_input_embeddings().weight), (lm_head, model.get_output_embeddings().weight)]
+        pairs = [
+            (embed, model.get_input_embeddings().weight),
+            (lm_head, model.get_output_embeddings().weight),
+        ]
         for i, layer in enumerate(model.model.layers):
             att, mlp = layer.self_attn, layer.mlp
             mods = [(wqkv[i], [att.q_proj, att.k_proj, att.v_proj]), (wo[i], [att.o_proj]),

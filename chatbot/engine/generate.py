@@ -102,7 +102,9 @@ class Engine:
             StreamingUnsupportedError: the model cannot take an attention-sink cache.
         """
         if recent_size is not None:
-            cache: Cache = SinkCache.for_model(self.model, 4 if start_size is None else start_size, recent_size)
+            cache: Cache = SinkCache.for_model(
+                self.model, 4 if start_size is None else start_size, recent_size
+            )
         elif self.decoder is not None:
             cache = self.decoder.new_cache()
         else:

@@ -103,7 +103,9 @@ def read_tensor_table(path: str | Path) -> tuple[str, list[TensorInfo]]:
         qtype = GGMLQuantizationType(kind)
         per_block, block_bytes = GGML_QUANT_SIZES[qtype]
         count = int(np.prod(shape))
-        table.append(TensorInfo(name, tuple(shape), qtype.name, start + offset, count // per_block * block_bytes))
+        table.append(
+            TensorInfo(name, tuple(shape), qtype.name, start + offset, count // per_block * block_bytes)
+        )
     return arch, table
 
 

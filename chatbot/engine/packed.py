@@ -78,7 +78,12 @@ def packed_matmul(p: kernels.PackedMatrix, x: torch.Tensor, threads: int | None 
         scratch = torch.empty(3 * (p.cols // kernels.QK + 1) + p.cols, dtype=torch.float32)
         for i in range(n):
             lib.chatbot_matvec(
-                ctypes.byref(mat), x[i].data_ptr(), scratch.data_ptr(), y[i].data_ptr(), threads, kernels.ACT_F32
+                ctypes.byref(mat),
+                x[i].data_ptr(),
+                scratch.data_ptr(),
+                y[i].data_ptr(),
+                threads,
+                kernels.ACT_F32,
             )
         return y
     band = max(1, min(p.rows, BAND_FLOATS // p.cols))

@@ -307,7 +307,10 @@ class SinkCache(Cache):
                 # StartRecentKVCache's keys sit at their old positions, with a gap: taking
                 # them as positions 0..n-1 would silently misplace them.
                 raise TypeError("a cache that kept its keys at their old positions cannot be taken in")
-            pairs = [(getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in past_key_values.layers]
+            pairs = [
+                (getattr(layer, "keys", None), getattr(layer, "values", None))
+                for layer in past_key_values.layers
+            ]
             evicted = int(getattr(past_key_values, "evicted_total", 0))
         elif isinstance(past_key_values, (tuple, list)):
             pairs = [(kv[0], kv[1]) for kv in past_key_values]
@@ -504,9 +507,7 @@ def check_streaming_support(model_or_config: Any, capacity: int | None = None) -
                 f"--enable-streaming cannot read the rotary frequencies of {model_type} "
                 "(per-layer-type or non-standard rotary embedding)"
             )
-        head_dim = getattr(config, "head_dim", None) or (
-            config.hidden_size // config.num_attention_heads
-        )
+        head_dim = getattr(config, "head_dim", None) or (config.hidden_size // config.num_attention_heads)
         if inv_freq.numel() * 2 != head_dim:
             raise StreamingUnsupportedError(
                 f"--enable-streaming needs rotary embeddings on the whole head; {model_type} "

@@ -144,7 +144,9 @@ def merge_stats(first: TurnStats, more: TurnStats) -> TurnStats:
     )
 
 
-def stats_from_arrivals(context: int, generated: int, t0: float, times: list[tuple[float, int]], cache: CacheLayout) -> TurnStats:
+def stats_from_arrivals(
+    context: int, generated: int, t0: float, times: list[tuple[float, int]], cache: CacheLayout
+) -> TurnStats:
     """Approximate figures for an answer cut short, from the chunks' arrival times."""
     latencies: list[float] = []
     for (prev, _), (now, n) in itertools.pairwise(times):

@@ -29,7 +29,9 @@ def load_conversation(path: Path | None) -> list[str]:
             text = Path(path).read_text()
         turns = json.loads(text)["turns"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f'cannot read conversation {path}: expected {{"turns": ["...", ...]}} ({exc})') from None
+        raise ConfigError(
+            f'cannot read conversation {path}: expected {{"turns": ["...", ...]}} ({exc})'
+        ) from None
     if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
         raise ConfigError(f"{path}: turns must be a non-empty list of non-empty strings")
     return turns
@@ -44,9 +46,15 @@ def _play(session: ChatSession, turns: list[str], reencode: bool) -> list[dict[s
         for chunk in session.send(text):
             stats = chunk.stats or stats
         assert stats is not None
-        rows.append({"prefill_tokens": stats.context_tokens, "ttft_s": stats.ttft_s,
-                     "decode_tps": stats.decode_tps, "cache_tokens": stats.cache_tokens,
-                     "loadavg": loadavg()[0]})
+        rows.append(
+            {
+                "prefill_tokens": stats.context_tokens,
+                "ttft_s": stats.ttft_s,
+                "decode_tps": stats.decode_tps,
+                "cache_tokens": stats.cache_tokens,
+                "loadavg": loadavg()[0],
+            }
+        )
     return rows
 
 

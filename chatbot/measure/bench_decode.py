@@ -276,7 +276,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         from chatbot.models.loader import load_model
 
         if name in CUDA_SETUPS:
-            loaded = load_model(spec.get("model"), device="cuda", dtype="bfloat16", quantize=CUDA_SETUPS[name])
+            loaded = load_model(
+                spec.get("model"), device="cuda", dtype="bfloat16", quantize=CUDA_SETUPS[name]
+            )
         else:
             loaded = load_model(spec.get("model"), device="cpu", dtype="float32")
         ids = list(loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -322,7 +324,15 @@ def _median_result(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if not ok:
         return {"name": runs[0]["name"], "error": runs[0]["error"]}
     out: dict[str, Any] = {"name": ok[0]["name"], "runs": len(ok)}
-    keys = ("decode_tps", "ttft_s", "ms_per_token_p50", "ms_per_token_p90", "peak_mem_mb", "setup_s", "load_s")
+    keys = (
+        "decode_tps",
+        "ttft_s",
+        "ms_per_token_p50",
+        "ms_per_token_p90",
+        "peak_mem_mb",
+        "setup_s",
+        "load_s",
+    )
     for key in keys:
         values = [r[key] for r in ok if key in r]
         if values:
@@ -334,7 +344,15 @@ def _median_result(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if loads:  # the 1-minute load average as each of this set-up's runs ended
         out["loadavg"] = round(statistics.median(loads), 2)
         out["loadavg_runs"] = [round(x, 2) for x in loads]
-    for key in ("weights", "weight_mb", "bytes_per_weight", "weights_from", "ppl", "tokens", "gpu_peak_mem_mb"):
+    for key in (
+        "weights",
+        "weight_mb",
+        "bytes_per_weight",
+        "weights_from",
+        "ppl",
+        "tokens",
+        "gpu_peak_mem_mb",
+    ):
         for r in ok:
             if key in r:
                 out[key] = r[key]
@@ -394,7 +412,9 @@ def run_decode_bench(
     for round_no in range(rounds):
         for name in setups:
             if name == LLAMA_CPP and other_model:
-                runs[name].append({"name": name, "error": "llama.cpp reads GGUF files: give --gguf FILE (the same model)"})
+                runs[name].append(
+                    {"name": name, "error": "llama.cpp reads GGUF files: give --gguf FILE (the same model)"}
+                )
                 continue
             if progress:
                 progress(f"round {round_no + 1}/{rounds}: {name}")

@@ -24,8 +24,12 @@ from chatbot.measure.report import conditions, loadavg
 
 
 def _client(base_url: str, api_key: str | None, timeout: float = 600.0) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base_url, api_key=api_key or "none", max_retries=0,
-                         timeout=openai.Timeout(timeout, connect=5.0))
+    return openai.OpenAI(
+        base_url=base_url,
+        api_key=api_key or "none",
+        max_retries=0,
+        timeout=openai.Timeout(timeout, connect=5.0),
+    )
 
 
 def _model_of(client: openai.OpenAI, model: str | None) -> str:
@@ -42,17 +46,28 @@ def _model_of(client: openai.OpenAI, model: str | None) -> str:
     return model
 
 
-def stream_once(client: openai.OpenAI, model: str, messages: list[ChatCompletionMessageParam],
-                max_tokens: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def stream_once(
+    client: openai.OpenAI,
+    model: str,
+    messages: list[ChatCompletionMessageParam],
+    max_tokens: int,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """One greedy streamed answer: its text, time to first token, usage and finish reason."""
     t0 = time.perf_counter()
     ttft = None
     text: list[str] = []
     usage = None
     finish = None
-    stream = client.chat.completions.create(model=model, messages=messages, stream=True,
-                                            stream_options={"include_usage": True}, max_tokens=max_tokens,
-                                            temperature=0.0, extra_body=extra or None)
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        stream=True,
+        stream_options={"include_usage": True},
+        max_tokens=max_tokens,
+        temperature=0.0,
+        extra_body=extra or None,
+    )
     try:
         for chunk in stream:
             if chunk.usage is not None:
@@ -80,8 +95,14 @@ def stream_once(client: openai.OpenAI, model: str, messages: list[ChatCompletion
     }
 
 
-def run_http_turns_bench(base_url: str, turns: list[str], max_new_tokens: int = 64, model: str | None = None,
-                         api_key: str | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_http_turns_bench(
+    base_url: str,
+    turns: list[str],
+    max_new_tokens: int = 64,
+    model: str | None = None,
+    api_key: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Play the user turns through HTTP with the server's prefix cache (one `cache_salt` for
     the conversation), then replay the same messages (the first play's answers) with the
     cache bypassed (a fresh salt per request, which vLLM and chatbot serve honour)."""
@@ -99,25 +120,33 @@ def run_http_turns_bench(base_url: str, turns: list[str], max_new_tokens: int = 
             progress(f"prefix cache: turn {i}/{len(turns)}: first token {row['ttft_s']:.3f} s")
     uncached_rows = []
     for i in range(len(turns)):
-        row = stream_once(client, model, messages[: 2 * i + 1], max_new_tokens, {"cache_salt": uuid.uuid4().hex})
+        row = stream_once(
+            client, model, messages[: 2 * i + 1], max_new_tokens, {"cache_salt": uuid.uuid4().hex}
+        )
         uncached_rows.append(row)
         if progress:
             progress(f"cache bypassed: turn {i + 1}/{len(turns)}: first token {row['ttft_s']:.3f} s")
 
     def slim(row: dict[str, Any]) -> dict[str, Any]:
         prompt, cached = row["prompt_tokens"], row["cached_tokens"]
-        return {"prompt_tokens": prompt, "cached_tokens": cached,
-                "prefill_tokens": None if prompt is None else prompt - (cached or 0),
-                "ttft_s": row["ttft_s"], "completion_tokens": row["completion_tokens"],
-                "loadavg": row.get("loadavg")}
+        return {
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "prefill_tokens": None if prompt is None else prompt - (cached or 0),
+            "ttft_s": row["ttft_s"],
+            "completion_tokens": row["completion_tokens"],
+            "loadavg": row.get("loadavg"),
+        }
 
     last_c, last_u = cached_rows[-1], uncached_rows[-1]
     return {
         "server": base_url,
         "model": model,
         "max_new_tokens": max_new_tokens,
-        "turns": [{"turn": i + 1, "prefix_cache": slim(c), "no_cache": slim(u)}
-                  for i, (c, u) in enumerate(zip(cached_rows, uncached_rows))],
+        "turns": [
+            {"turn": i + 1, "prefix_cache": slim(c), "no_cache": slim(u)}
+            for i, (c, u) in enumerate(zip(cached_rows, uncached_rows))
+        ],
         "ratio_last_turn": last_u["ttft_s"] / last_c["ttft_s"] if last_c["ttft_s"] else None,
         "same_answers": sum(c["text"] == u["text"] for c, u in zip(cached_rows, uncached_rows)),
         "conditions": conditions(),
@@ -128,8 +157,9 @@ def _server_rss(base_url: str, api_key: str | None) -> int | None:
     """The server's resident memory from chatbot serve's /health (None for other servers)."""
     root = base_url.rstrip("/").removesuffix("/v1")
     try:
-        data = httpx.get(f"{root}/health", timeout=5,
-                         headers={"Authorization": f"Bearer {api_key}"} if api_key else None).json()
+        data = httpx.get(
+            f"{root}/health", timeout=5, headers={"Authorization": f"Bearer {api_key}"} if api_key else None
+        ).json()
         return int(data["rss_bytes"])
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return None
@@ -139,9 +169,16 @@ def _quantile(values: list[float], q: float) -> float:
     return quantile(values, q) if values else float("nan")  # nan: no request finished
 
 
-def run_load_bench(base_url: str, turns: list[str], clients: int = 8, duration_s: float = 60.0,
-                   max_new_tokens: int = 32, model: str | None = None, api_key: str | None = None,
-                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_load_bench(
+    base_url: str,
+    turns: list[str],
+    clients: int = 8,
+    duration_s: float = 60.0,
+    max_new_tokens: int = 32,
+    model: str | None = None,
+    api_key: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """`clients` threads, each chatting through the conversation turn by turn (streamed,
     greedy), until `duration_s` has passed; requests already sent are finished. The server's
     RSS is sampled once a second (chatbot serve's /health).
@@ -203,10 +240,15 @@ def run_load_bench(base_url: str, turns: list[str], clients: int = 8, duration_s
         return eligible[0] if eligible else (rss[-1][1] if rss else None)
 
     return {
-        "server": base_url, "model": model, "clients": clients, "duration_s": duration_s,
-        "elapsed_s": elapsed, "max_new_tokens": max_new_tokens,
+        "server": base_url,
+        "model": model,
+        "clients": clients,
+        "duration_s": duration_s,
+        "elapsed_s": elapsed,
+        "max_new_tokens": max_new_tokens,
         **results,
-        "ttft_p50_s": _quantile(ttfts, 0.5), "ttft_p99_s": _quantile(ttfts, 0.99),
+        "ttft_p50_s": _quantile(ttfts, 0.5),
+        "ttft_p99_s": _quantile(ttfts, 0.99),
         "ttft_mean_s": statistics.fmean(ttfts) if ttfts else float("nan"),
         "tokens_per_s": results["tokens"] / elapsed if elapsed else 0.0,
         "rss_start_bytes": rss[0][1] if rss else None,

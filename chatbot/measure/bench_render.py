@@ -56,11 +56,22 @@ def answer_pieces(tokens: int) -> list[str]:
     return pieces[:tokens]
 
 
-def _feed(make: Callable[[Console, Callable[[], float]], Any], pieces: list[str], rate: float, width: int,
-          height: int) -> dict[str, float]:
+def _feed(
+    make: Callable[[Console, Callable[[], float]], Any],
+    pieces: list[str],
+    rate: float,
+    width: int,
+    height: int,
+) -> dict[str, float]:
     screen = io.StringIO()
-    console = Console(file=screen, force_terminal=True, width=width, height=height,
-                      color_system="truecolor", highlight=False)
+    console = Console(
+        file=screen,
+        force_terminal=True,
+        width=width,
+        height=height,
+        color_system="truecolor",
+        highlight=False,
+    )
     now = [0.0]
     per_piece = []
     start = time.perf_counter()
@@ -88,8 +99,12 @@ class _WholeAnswerLive:
         self.text = ""
         self.clock = clock
         self.last = -1e9
-        self.live = Live(console=console, auto_refresh=False, vertical_overflow="crop",
-                         get_renderable=lambda: Markdown(self.text))
+        self.live = Live(
+            console=console,
+            auto_refresh=False,
+            vertical_overflow="crop",
+            get_renderable=lambda: Markdown(self.text),
+        )
 
     def __enter__(self) -> _WholeAnswerLive:  # noqa: PYI034
         self.live.start()
@@ -105,8 +120,9 @@ class _WholeAnswerLive:
         self.live.stop()
 
 
-def run_render_bench(tokens: int = 2000, rate: float = 150.0, width: int = 80, height: int = 24,
-                     repeats: int = 3) -> dict[str, Any]:
+def run_render_bench(
+    tokens: int = 2000, rate: float = 150.0, width: int = 80, height: int = 24, repeats: int = 3
+) -> dict[str, Any]:
     """Median of `repeats` runs of each renderer over the same pieces."""
     pieces = answer_pieces(tokens)
     setups: dict[str, Callable[[Console, Callable[[], float]], Any]] = {
@@ -115,10 +131,19 @@ def run_render_bench(tokens: int = 2000, rate: float = 150.0, width: int = 80, h
     }
     rows = []
     for name, make in setups.items():
-        runs = sorted((_feed(make, pieces, rate, width, height) for _ in range(repeats)),
-                      key=lambda r: r["ms_per_token"])
+        runs = sorted(
+            (_feed(make, pieces, rate, width, height) for _ in range(repeats)),
+            key=lambda r: r["ms_per_token"],
+        )
         rows.append({"renderer": name, **runs[len(runs) // 2]})
     from chatbot.measure.report import conditions
 
-    return {"tokens": len(pieces), "rate_tok_s": rate, "width": width, "height": height,
-            "budget_ms_per_token": 1000 / rate, "rows": rows, "conditions": conditions()}
+    return {
+        "tokens": len(pieces),
+        "rate_tok_s": rate,
+        "width": width,
+        "height": height,
+        "budget_ms_per_token": 1000 / rate,
+        "rows": rows,
+        "conditions": conditions(),
+    }

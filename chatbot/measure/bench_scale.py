@@ -106,14 +106,19 @@ def memory_needed_mb(case: Case, measured: list[dict[str, Any]], file_mb: float)
         for row in measured
         for side in (OURS, PEER)
         if params_count(row["params"]) == largest
-        and isinstance(row.get(side), dict) and "peak_mem_mb" in row[side]
+        and isinstance(row.get(side), dict)
+        and "peak_mem_mb" in row[side]
     ]
     guess = max(per_param) * params_count(case.params) if per_param else 0.0
     return max(guess, 1.1 * file_mb)
 
 
 def skip_reason(
-    case: Case, measured: list[dict[str, Any]], file_mb: float, available_mb: float | None, seconds_left: float
+    case: Case,
+    measured: list[dict[str, Any]],
+    file_mb: float,
+    available_mb: float | None,
+    seconds_left: float,
 ) -> str | None:
     """Why `case` cannot run now (one line), or None when it can."""
     need = memory_needed_mb(case, measured, file_mb)
@@ -274,8 +279,10 @@ def _ratio(row: dict[str, Any], key: str) -> str:
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The rows as a Markdown table, ours / llama.cpp per figure, with the ratio."""
     lines = [
-        ("| model | file MB | decode tok/s ours / llama.cpp | prefill tok/s @500 ours / llama.cpp "
-        "| load s ours / llama.cpp | peak RSS MB ours / llama.cpp | load avg start / end |"),
+        (
+            "| model | file MB | decode tok/s ours / llama.cpp | prefill tok/s @500 ours / llama.cpp "
+            "| load s ours / llama.cpp | peak RSS MB ours / llama.cpp | load avg start / end |"
+        ),
         "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
@@ -335,7 +342,9 @@ def svg_plot(rows: list[dict[str, Any]], title: str) -> str:
             out.append(f'<line x1="{x0}" x2="{x0 + pw}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>')
             out.append(f'<text x="{x0 - 4}" y="{y + 4:.1f}" text-anchor="end">{tick:g}</text>')
         for params in sizes:
-            out.append(f'<text x="{x_of(params):.1f}" y="{y0 + ph + 14}" text-anchor="middle">{params}</text>')
+            out.append(
+                f'<text x="{x_of(params):.1f}" y="{y0 + ph + 14}" text-anchor="middle">{params}</text>'
+            )
         for side in (OURS, PEER):
             for t, kind in enumerate(types):
                 pts = [(x_of(r["params"]), y_of(r[side][key])) for r in measured
@@ -344,7 +353,9 @@ def svg_plot(rows: list[dict[str, Any]], title: str) -> str:
                     continue
                 path = " ".join(f"{x:.1f},{y:.1f}" for x, y in pts)
                 dash = f' stroke-dasharray="{dashes[t % len(dashes)]}"' if dashes[t % len(dashes)] else ""
-                out.append(f'<polyline points="{path}" fill="none" stroke="{colors[side]}" stroke-width="2"{dash}/>')
+                out.append(
+                    f'<polyline points="{path}" fill="none" stroke="{colors[side]}" stroke-width="2"{dash}/>'
+                )
                 out.extend(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{colors[side]}"/>' for x, y in pts)
     ly = height - 22
     legend = [(f"ours ({OURS})", colors[OURS], ""), ("llama.cpp", colors[PEER], "")]
@@ -352,7 +363,9 @@ def svg_plot(rows: list[dict[str, Any]], title: str) -> str:
     for j, (name, color, dash) in enumerate(legend):
         lx = left + j * 150
         extra = f' stroke-dasharray="{dash}"' if dash else ""
-        out.append(f'<line x1="{lx}" x2="{lx + 30}" y1="{ly}" y2="{ly}" stroke="{color}" stroke-width="2"{extra}/>')
+        out.append(
+            f'<line x1="{lx}" x2="{lx + 30}" y1="{ly}" y2="{ly}" stroke="{color}" stroke-width="2"{extra}/>'
+        )
         out.append(f'<text x="{lx + 36}" y="{ly + 4}">{_esc(name)}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
@@ -412,19 +425,32 @@ def main(argv: list[str] | None = None) -> int:
     import importlib.util
 
     p = argparse.ArgumentParser(prog="scripts/bench-scale", description=__doc__.split("\n\n")[0])
-    p.add_argument("--threads", type=int, default=1,
-                   help="threads for both sides (default 1: a small machine shared with other jobs)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="threads for both sides (default 1: a small machine shared with other jobs)",
+    )
     p.add_argument("--rounds", type=int, default=2, help="bench decode rounds per file (medians)")
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--prefill", default="50,500", help="prompt lengths prefill is timed at")
     p.add_argument("--minutes", type=float, default=60.0, help="stop starting new files after this long")
-    p.add_argument("--only", help="comma-separated sizes, types or size:type to keep, e.g. 0.5B,Q8_0,135M:Q4_K_M")
-    p.add_argument("--folder", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "chatbot-scale",
-                   help="where the synthetic files are written (default /tmp/chatbot-scale)")
+    p.add_argument(
+        "--only", help="comma-separated sizes, types or size:type to keep, e.g. 0.5B,Q8_0,135M:Q4_K_M"
+    )
+    p.add_argument(
+        "--folder",
+        type=Path,
+        default=Path(os.environ.get("TMPDIR", "/tmp")) / "chatbot-scale",
+        help="where the synthetic files are written (default /tmp/chatbot-scale)",
+    )
     p.add_argument("--doc", type=Path, default=Path("docs/benchmarks.md"))
     p.add_argument("--code", default="", help="which code was measured, for the doc (default: git describe)")
-    p.add_argument("--reuse", action="store_true",
-                   help="take the figures of files an earlier run measured (their JSON under the temporary folder)")
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="take the figures of files an earlier run measured (their JSON under the temporary folder)",
+    )
     p.add_argument("--dry-run", action="store_true", help="list the files and exit")
     a = p.parse_args(argv)
     cases = list(DEFAULT_CASES)
@@ -437,7 +463,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{c.label}: {c.path(a.folder)}")
         return 0
     if importlib.util.find_spec("llama_cpp") is None:
-        print("bench-scale: llama-cpp-python is not installed; the llama.cpp column stays empty", file=sys.stderr)
+        print(
+            "bench-scale: llama-cpp-python is not installed; the llama.cpp column stays empty",
+            file=sys.stderr,
+        )
     # The code measured: HEAD as the run starts (a long run may outlive later commits).
     code = a.code or subprocess.run(["git", "log", "-1", "--format=%h %s"], capture_output=True, text=True,
                                     check=False).stdout.strip()[:90]  # fmt: skip

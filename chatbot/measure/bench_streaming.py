@@ -86,23 +86,27 @@ def run_streaming_bench(
                 stats = chunk.stats or stats
             assert stats is not None
             tail = ids[max(0, fed + 1 - window) : fed + 1]
-            marks.append({
-                "multiple": m,
-                "tokens_passed": fed + 1 + stats.generated_tokens,
-                "decode_tps": stats.decode_tps,
-                "cache_tokens": cache.length,
-                "cache_bytes": cache.nbytes,
-                "recompute_tps": _recompute_decode_tps(loaded.model, tail, recompute_tokens),
-                "loadavg": loadavg()[0],
-            })
+            marks.append(
+                {
+                    "multiple": m,
+                    "tokens_passed": fed + 1 + stats.generated_tokens,
+                    "decode_tps": stats.decode_tps,
+                    "cache_tokens": cache.length,
+                    "cache_bytes": cache.nbytes,
+                    "recompute_tps": _recompute_decode_tps(loaded.model, tail, recompute_tokens),
+                    "loadavg": loadavg()[0],
+                }
+            )
             # Drop what the decode added so the next mark starts from the text again.
             fed += 1
         last = marks[-1]
-        runs.append({
-            "recent_size": recent,
-            "window": window,
-            "marks": marks,
-            "speedup_vs_recompute": last["decode_tps"] / last["recompute_tps"],
-        })
+        runs.append(
+            {
+                "recent_size": recent,
+                "window": window,
+                "marks": marks,
+                "speedup_vs_recompute": last["decode_tps"] / last["recompute_tps"],
+            }
+        )
     level = decoder.info().level if decoder is not None else "off"
     return {"model": loaded.name, "start_size": start_size, "opt": level, "runs": runs}

@@ -36,7 +36,9 @@ def _decode_tps(model: Any, decoder: Any, ids: list[int], tokens: int) -> float:
 
     cache = decoder.new_cache()
     with torch.inference_mode():
-        logits = model(input_ids=torch.tensor([ids[:PROMPT_TOKENS]]), cache=cache, use_cache=True).logits[0, -1]
+        logits = model(input_ids=torch.tensor([ids[:PROMPT_TOKENS]]), cache=cache, use_cache=True).logits[
+            0, -1
+        ]
         start = time.perf_counter()
         for _ in range(tokens):
             logits = decoder.decode(cache, int(torch.argmax(logits)))
@@ -130,8 +132,10 @@ def format_threads(result: dict[str, Any]) -> str:
     """A Markdown table: one row per (wait policy, threads), quiet and busy tok/s."""
     s, m = result["settings"], result["machine"]
     lines = [
-        (f"decode tok/s, {s['model']} at --opt auto, {s['tokens']} tokens after a {PROMPT_TOKENS}-token prompt, "
-         f"medians of {s['rounds']} rounds; busy = {s['busy']} competing spinning process(es)"),
+        (
+            f"decode tok/s, {s['model']} at --opt auto, {s['tokens']} tokens after a {PROMPT_TOKENS}-token prompt, "
+            f"medians of {s['rounds']} rounds; busy = {s['busy']} competing spinning process(es)"
+        ),
         "",
         "| wait policy | threads | quiet tok/s | busy tok/s | busy / quiet | load avg quiet / busy |",
         "|---|---|---|---|---|---|",
@@ -146,7 +150,9 @@ def format_threads(result: dict[str, Any]) -> str:
             if label == "policy" and r["policy_picked"]:
                 name = f"policy (picked {'/'.join(str(n) for n in r['policy_picked'])})"
             ratio = tps["busy"] / tps["quiet"] if tps["quiet"] else float("nan")
-            lines.append(f"| {wait} | {name} | {tps['quiet']:.1f} | {tps['busy']:.1f} | {ratio:.2f} | {load} |")
+            lines.append(
+                f"| {wait} | {name} | {tps['quiet']:.1f} | {tps['busy']:.1f} | {ratio:.2f} | {load} |"
+            )
     lines += ["", f"CPU: {m['cpu_model']} ({m['cpu_count']} CPUs); load average at the end {m['loadavg']}"]
     return "\n".join(lines)
 

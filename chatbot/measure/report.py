@@ -67,22 +67,40 @@ def print_turns(console: Console, result: dict[str, Any]) -> None:
     repeats = result.get("repeats", 1)
     table = Table(title=f"multi-turn chat, {result['model']}, greedy, {result['max_new_tokens']} new tokens per turn, "
                         f"medians of {repeats} plays")  # fmt: skip
-    for col in ("turn", "prefill tok (persistent)", "first token s (persistent)",
-                "prefill tok (re-encode)", "first token s (re-encode)", "ratio", "load avg"):
+    for col in (
+        "turn",
+        "prefill tok (persistent)",
+        "first token s (persistent)",
+        "prefill tok (re-encode)",
+        "first token s (re-encode)",
+        "ratio",
+        "load avg",
+    ):
         table.add_column(col, justify="right")
     for row in result["turns"]:
         p, r = row["persistent"], row["reencode"]
         ratio = r["ttft_s"] / p["ttft_s"] if p["ttft_s"] else float("nan")
         load = f"{(p['loadavg'] + r['loadavg']) / 2:.2f}" if "loadavg" in p and "loadavg" in r else ""
-        table.add_row(str(row["turn"]), f"{p['prefill_tokens']:,}", f"{p['ttft_s']:.3f}",
-                      f"{r['prefill_tokens']:,}", f"{r['ttft_s']:.3f}", f"{ratio:.1f}x", load)
+        table.add_row(
+            str(row["turn"]),
+            f"{p['prefill_tokens']:,}",
+            f"{p['ttft_s']:.3f}",
+            f"{r['prefill_tokens']:,}",
+            f"{r['ttft_s']:.3f}",
+            f"{ratio:.1f}x",
+            load,
+        )
     console.print(table)
     console.print(
         f"last turn: time to first token {result['ratio_last_turn']:.1f}x faster with the persistent cache; "
         f"{result['prefill_ratio_last_turn']:.1f}x fewer tokens prefilled"
     )
-    console.print(f"{result.get('conditions') or conditions()}; load avg: the 1-minute load average after "
-                  "each turn (median over the plays)", style="dim", markup=False)
+    console.print(
+        f"{result.get('conditions') or conditions()}; load avg: the 1-minute load average after "
+        "each turn (median over the plays)",
+        style="dim",
+        markup=False,
+    )
 
 
 def read_text(path: Path) -> str:
@@ -98,38 +116,74 @@ def read_text(path: Path) -> str:
 def print_streaming(console: Console, result: dict[str, Any]) -> None:
     for run in result["runs"]:
         opt = f", --opt {result['opt']}" if "opt" in result else ""
-        table = Table(title=f"{result['model']}: {result['start_size']} sinks + {run['recent_size']} recent (window {run['window']}){opt}")
-        for col in ("window passed", "tokens passed", "decode tok/s", "cache tokens", "cache MB", "recompute tok/s",
-                    "speed-up", "load avg"):
+        table = Table(
+            title=f"{result['model']}: {result['start_size']} sinks + {run['recent_size']} recent (window {run['window']}){opt}"
+        )
+        for col in (
+            "window passed",
+            "tokens passed",
+            "decode tok/s",
+            "cache tokens",
+            "cache MB",
+            "recompute tok/s",
+            "speed-up",
+            "load avg",
+        ):
             table.add_column(col, justify="right")
         for m in run["marks"]:
-            table.add_row(f"{m['multiple']}x", f"{m['tokens_passed']:,}", f"{m['decode_tps']:.1f}",
-                          f"{m['cache_tokens']:,}", f"{m['cache_bytes'] / 1e6:.1f}", f"{m['recompute_tps']:.2f}",
-                          f"{m['decode_tps'] / m['recompute_tps']:.1f}x",
-                          f"{m['loadavg']:.2f}" if "loadavg" in m else "")
+            table.add_row(
+                f"{m['multiple']}x",
+                f"{m['tokens_passed']:,}",
+                f"{m['decode_tps']:.1f}",
+                f"{m['cache_tokens']:,}",
+                f"{m['cache_bytes'] / 1e6:.1f}",
+                f"{m['recompute_tps']:.2f}",
+                f"{m['decode_tps'] / m['recompute_tps']:.1f}x",
+                f"{m['loadavg']:.2f}" if "loadavg" in m else "",
+            )
         console.print(table)
-        console.print(f"at {run['marks'][-1]['multiple']}x the window: {run['speedup_vs_recompute']:.1f}x faster than sliding window with recomputation")
-    console.print(f"{conditions()}; load avg: the 1-minute load average at each mark", style="dim", markup=False)
+        console.print(
+            f"at {run['marks'][-1]['multiple']}x the window: {run['speedup_vs_recompute']:.1f}x faster than sliding window with recomputation"
+        )
+    console.print(
+        f"{conditions()}; load avg: the 1-minute load average at each mark", style="dim", markup=False
+    )
 
 
 def print_render(console: Console, result: dict[str, Any]) -> None:
-    table = Table(title=f"renderer cost, {result['tokens']:,} tokens at {result['rate_tok_s']:g} tok/s, "
-                  f"{result['width']} columns (budget {result['budget_ms_per_token']:.2f} ms/token)")
+    table = Table(
+        title=f"renderer cost, {result['tokens']:,} tokens at {result['rate_tok_s']:g} tok/s, "
+        f"{result['width']} columns (budget {result['budget_ms_per_token']:.2f} ms/token)"
+    )
     for col in ("renderer", "ms/token", "p99 ms", "max ms", "share of decode time"):
         table.add_column(col, justify="left" if col == "renderer" else "right")
     for r in result["rows"]:
-        table.add_row(r["renderer"], f"{r['ms_per_token']:.3f}", f"{r['p99_ms']:.2f}", f"{r['max_ms']:.1f}",
-                      f"{100 * r['budget_share']:.1f}%")
+        table.add_row(
+            r["renderer"],
+            f"{r['ms_per_token']:.3f}",
+            f"{r['p99_ms']:.2f}",
+            f"{r['max_ms']:.1f}",
+            f"{100 * r['budget_share']:.1f}%",
+        )
     console.print(table)
     console.print(result.get("conditions") or conditions(), style="dim", markup=False)
 
 
 def print_http_turns(console: Console, result: dict[str, Any]) -> None:
     """`chatbot bench turns --server`: the server's prefix cache against no cache, per turn."""
-    table = Table(title=f"multi-turn chat through HTTP, {result['model']} at {result['server']}, greedy, "
-                        f"{result['max_new_tokens']} new tokens per turn")
-    for col in ("turn", "prompt tok", "cached tok", "first token s (prefix cache)",
-                "first token s (no cache)", "ratio", "load avg"):
+    table = Table(
+        title=f"multi-turn chat through HTTP, {result['model']} at {result['server']}, greedy, "
+        f"{result['max_new_tokens']} new tokens per turn"
+    )
+    for col in (
+        "turn",
+        "prompt tok",
+        "cached tok",
+        "first token s (prefix cache)",
+        "first token s (no cache)",
+        "ratio",
+        "load avg",
+    ):
         table.add_column(col, justify="right")
     for row in result["turns"]:
         c, u = row["prefix_cache"], row["no_cache"]
@@ -137,30 +191,47 @@ def print_http_turns(console: Console, result: dict[str, Any]) -> None:
         cached = "-" if c["cached_tokens"] is None else f"{c['cached_tokens']:,}"
         prompt = "-" if c["prompt_tokens"] is None else f"{c['prompt_tokens']:,}"
         load = f"{c['loadavg']:.2f}" if c.get("loadavg") is not None else ""
-        table.add_row(str(row["turn"]), prompt, cached, f"{c['ttft_s']:.3f}", f"{u['ttft_s']:.3f}", f"{ratio:.1f}x",
-                      load)
+        table.add_row(
+            str(row["turn"]),
+            prompt,
+            cached,
+            f"{c['ttft_s']:.3f}",
+            f"{u['ttft_s']:.3f}",
+            f"{ratio:.1f}x",
+            load,
+        )
     console.print(table)
-    console.print(f"last turn: time to first token {result['ratio_last_turn']:.1f}x faster with the prefix cache; "
-                  f"{result['same_answers']}/{len(result['turns'])} answers identical with and without it")
-    console.print(f"{result.get('conditions') or conditions()} (this machine's; the server's if it runs here)",
-                  style="dim", markup=False)
+    console.print(
+        f"last turn: time to first token {result['ratio_last_turn']:.1f}x faster with the prefix cache; "
+        f"{result['same_answers']}/{len(result['turns'])} answers identical with and without it"
+    )
+    console.print(
+        f"{result.get('conditions') or conditions()} (this machine's; the server's if it runs here)",
+        style="dim",
+        markup=False,
+    )
 
 
 def print_load(console: Console, result: dict[str, Any]) -> None:
     """`chatbot bench load`: answers, errors, time to first token, server memory."""
+
     def mb(v: Any) -> str:
         return "-" if v is None else f"{v / 2**20:,.0f} MiB"
 
-    table = Table(title=f"{result['clients']} streaming clients for {result['duration_s']:.0f} s, "
-                        f"{result['model']} at {result['server']}", show_header=False)
+    table = Table(
+        title=f"{result['clients']} streaming clients for {result['duration_s']:.0f} s, "
+        f"{result['model']} at {result['server']}",
+        show_header=False,
+    )
     rows = {
         "answers complete": f"{result['complete']:,}",
         "answers incomplete": f"{result['incomplete']:,}",
         "errors": f"{result['errors']:,}",
         "time to first token p50 / p99": f"{result['ttft_p50_s']:.2f} s / {result['ttft_p99_s']:.2f} s",
         "tokens generated": f"{result['tokens']:,} ({result['tokens_per_s']:.1f} tok/s over all clients)",
-        "server RSS start / after 1/4 / end": " / ".join(mb(result[k]) for k in
-                                                        ("rss_start_bytes", "rss_quarter_bytes", "rss_end_bytes")),
+        "server RSS start / after 1/4 / end": " / ".join(
+            mb(result[k]) for k in ("rss_start_bytes", "rss_quarter_bytes", "rss_end_bytes")
+        ),
     }
     rows["CPU and load (this machine)"] = result.get("conditions") or conditions()
     for k, v in rows.items():

@@ -124,7 +124,9 @@ def apply_rope_freqs(model: Any, src: GGUFWeights) -> bool:
     factors = _vector(src, "rope_freqs.weight")
     rotary = model.model.rotary_emb
     if factors.numel() != rotary.inv_freq.numel():
-        raise NotPackable(f"rope_freqs.weight has {factors.numel()} factors for {rotary.inv_freq.numel()} frequencies")
+        raise NotPackable(
+            f"rope_freqs.weight has {factors.numel()} factors for {rotary.inv_freq.numel()} frequencies"
+        )
     scaled = (rotary.inv_freq.to(torch.float32) / factors).to(rotary.inv_freq.dtype)
     rotary.inv_freq = scaled
     rotary.original_inv_freq = scaled.clone()
@@ -141,7 +143,12 @@ def build_packed_model(path: Path, config: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
     src = GGUFWeights(path)
-    if src.architecture not in ARCHITECTURES or config.model_type not in ("llama", "mistral", "qwen2", "qwen3"):
+    if src.architecture not in ARCHITECTURES or config.model_type not in (
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+    ):
         raise NotPackable(f"no block-format model for {src.architecture} files")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

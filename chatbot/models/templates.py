@@ -68,11 +68,8 @@ CHATML = ChatTemplate(
 LLAMA2 = ChatTemplate(
     "llama2",
     "Llama-2-chat: <s>[INST] <<SYS>>...<</SYS>> user [/INST] answer </s>",
-    _SPLIT_SYSTEM
-    + "{%- for message in loop_messages -%}"
-    "{%- if message['role'] == 'user' -%}"
-    + _BOS
-    + "{{ '[INST] ' }}"
+    _SPLIT_SYSTEM + "{%- for message in loop_messages -%}"
+    "{%- if message['role'] == 'user' -%}" + _BOS + "{{ '[INST] ' }}"
     "{%- if loop.first and system is not none -%}{{ '<<SYS>>\n' + system + '\n<</SYS>>\n\n' }}{%- endif -%}"
     "{{ message['content'] + ' [/INST]' }}"
     "{%- elif message['role'] == 'assistant' -%}"
@@ -86,9 +83,7 @@ LLAMA2 = ChatTemplate(
 MISTRAL = ChatTemplate(
     "mistral",
     "Mistral-instruct: <s>[INST] user [/INST] answer</s> (system prompt joined to the first message)",
-    _SPLIT_SYSTEM
-    + _BOS
-    + "{%- for message in loop_messages -%}"
+    _SPLIT_SYSTEM + _BOS + "{%- for message in loop_messages -%}"
     "{%- if message['role'] == 'user' -%}"
     "{{ '[INST] ' }}"
     "{%- if loop.first and system is not none -%}{{ system + '\n\n' }}{%- endif -%}"
@@ -104,8 +99,7 @@ MISTRAL = ChatTemplate(
 LLAMA3 = ChatTemplate(
     "llama3",
     "Llama-3-instruct: <|start_header_id|>role<|end_header_id|> ... <|eot_id|>",
-    _BOS
-    + "{%- for message in messages -%}"
+    _BOS + "{%- for message in messages -%}"
     "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] + '<|eot_id|>' }}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif -%}",
@@ -122,10 +116,15 @@ VICUNA = ChatTemplate(
     "Vicuna v1.1 (FastChat): SYSTEM USER: ... ASSISTANT: ...</s>",
     _SPLIT_SYSTEM
     + _BOS
-    + "{{ (system if system is not none else '" + VICUNA_SYSTEM.replace("'", "\\'") + "') + ' ' }}"
+    + "{{ (system if system is not none else '"
+    + VICUNA_SYSTEM.replace("'", "\\'")
+    + "') + ' ' }}"
     "{%- for message in loop_messages -%}"
     "{%- if message['role'] == 'user' -%}{{ 'USER: ' + message['content'] + ' ' }}"
-    "{%- elif message['role'] == 'assistant' -%}{{ 'ASSISTANT:' }}" + _SP + "{{ message['content'] }}" + _EOS
+    "{%- elif message['role'] == 'assistant' -%}{{ 'ASSISTANT:' }}"
+    + _SP
+    + "{{ message['content'] }}"
+    + _EOS
     + "{%- endif -%}{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ 'ASSISTANT:' }}{%- endif -%}",
     ("</s>", "USER:"),
@@ -137,11 +136,16 @@ VICUNA = ChatTemplate(
 COLOSSAL = ChatTemplate(
     "colossal",
     "Colossal-LLaMA: <s>SYSTEM\\n\\nHuman: <s>...</s>Assistant: <s>...</s>",
-    _BOS
-    + "{%- for message in messages -%}"
+    _BOS + "{%- for message in messages -%}"
     "{%- if message['role'] == 'system' -%}" + _BOS + "{{ message['content'] + '\n\n' }}"
-    "{%- elif message['role'] == 'user' -%}{{ 'Human: ' }}" + _BOS + "{{ message['content'] }}" + _EOS
-    + "{%- elif message['role'] == 'assistant' -%}{{ 'Assistant: ' }}" + _BOS + "{{ message['content'] }}" + _EOS
+    "{%- elif message['role'] == 'user' -%}{{ 'Human: ' }}"
+    + _BOS
+    + "{{ message['content'] }}"
+    + _EOS
+    + "{%- elif message['role'] == 'assistant' -%}{{ 'Assistant: ' }}"
+    + _BOS
+    + "{{ message['content'] }}"
+    + _EOS
     + "{%- endif -%}{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ 'Assistant: ' }}" + _BOS + "{%- endif -%}",
     ("</s>", "Human:"),
@@ -150,8 +154,7 @@ COLOSSAL = ChatTemplate(
 PLAIN = ChatTemplate(
     "plain",
     "plain text for base (non-chat) models: User: ... / Assistant: ...",
-    _BOS
-    + "{%- for message in messages -%}"
+    _BOS + "{%- for message in messages -%}"
     "{%- if message['role'] == 'system' -%}{{ message['content'] + '\n\n' }}"
     "{%- elif message['role'] == 'user' -%}{{ 'User: ' + message['content'] + '\n' }}"
     "{%- elif message['role'] == 'assistant' -%}{{ 'Assistant:' }}" + _SP + "{{ message['content'] + '\n' }}"
@@ -189,7 +192,9 @@ class TemplateInfo:
 def template_by_name(name: str) -> ChatTemplate:
     """Raises ConfigError for an unknown name."""
     if name not in TEMPLATES:
-        raise ConfigError(f"unknown template {name!r}; templates: {', '.join(TEMPLATE_CHOICES)}, or a .jinja file")
+        raise ConfigError(
+            f"unknown template {name!r}; templates: {', '.join(TEMPLATE_CHOICES)}, or a .jinja file"
+        )
     return TEMPLATES[name]
 
 
@@ -324,7 +329,9 @@ def check_template(tokenizer: Any, system: str | None, name: str = "this model")
                 f"the chat template of {name} cannot render a system prompt ({reason}): "
                 "drop --system, or pick a template with one, e.g. --template chatml"
             ) from None
-        raise ConfigError(f"the chat template of {name} does not render ({reason}): pick one with --template") from None
+        raise ConfigError(
+            f"the chat template of {name} does not render ({reason}): pick one with --template"
+        ) from None
     if system and system.strip() not in text:
         raise ConfigError(
             f"the chat template of {name} drops the system prompt: drop --system, or pick a "
@@ -363,7 +370,9 @@ def end_of_turn_ids(tokenizer: Any) -> list[int]:
     return [int(i) for i in ids if i in special][:1]
 
 
-def answer_stops(tokenizer: Any, model: Any | None = None, info: TemplateInfo | None = None) -> tuple[list[int], StopStrings]:
+def answer_stops(
+    tokenizer: Any, model: Any | None = None, info: TemplateInfo | None = None
+) -> tuple[list[int], StopStrings]:
     """The ids and the texts that end an answer.
 
     Ids: the tokenizer's EOS, the model's `generation_config` EOS ids, the special token the

@@ -118,8 +118,14 @@ class CompletionRequest(_Request):
 class APIError(Exception):
     """An OpenAI-style error answer."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
@@ -180,7 +186,9 @@ class Worker:
             try:
                 self._run(job)
             except Exception as exc:  # noqa: BLE001 - one request must not take the worker down
-                job.emit(("error", APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")))
+                job.emit(
+                    ("error", APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+                )
             finally:
                 self.busy = False
                 self.served += 1
@@ -204,8 +212,14 @@ class Worker:
         if job.sampling.seed is not None:
             generator.manual_seed(job.sampling.seed)
         eos = engine.tokenizer.eos_token_id
-        chunks = engine.generate(cache, ids, job.sampling, stop_ids=[] if eos is None else [int(eos)],
-                                 prefill_chunk=ec.prefill_chunk, generator=generator)
+        chunks = engine.generate(
+            cache,
+            ids,
+            job.sampling,
+            stop_ids=[] if eos is None else [int(eos)],
+            prefill_chunk=ec.prefill_chunk,
+            generator=generator,
+        )
         stats = None
         try:
             for chunk in chunks:
@@ -215,15 +229,32 @@ class Worker:
                 if job.cancel.is_set():
                     return
         except ContextFullError as exc:
-            job.emit(("error", APIError(400, f"{exc}".split(":")[0] + ": the prompt does not fit the context",
-                                        param="prompt", code="context_length_exceeded")))
+            job.emit(
+                (
+                    "error",
+                    APIError(
+                        400,
+                        f"{exc}".split(":")[0] + ": the prompt does not fit the context",
+                        param="prompt",
+                        code="context_length_exceeded",
+                    ),
+                )
+            )
             return
         finally:
             chunks.close()
         assert stats is not None
-        job.emit(("done", {"finish_reason": "stop" if stats.finish_reason == "stop" else "length",
-                           "prompt_tokens": len(ids), "completion_tokens": stats.generated_tokens,
-                           "cached_tokens": 0}))
+        job.emit(
+            (
+                "done",
+                {
+                    "finish_reason": "stop" if stats.finish_reason == "stop" else "length",
+                    "prompt_tokens": len(ids),
+                    "completion_tokens": stats.generated_tokens,
+                    "cached_tokens": 0,
+                },
+            )
+        )
 
     def _run(self, job: Job) -> None:
         conv = job.conversation
@@ -265,18 +296,34 @@ class Worker:
                 return
             assert stats is not None
             cached = max(0, prompt_tokens - stats.context_tokens)
-            finish = {"stop": "stop", "length": "length", "context": "length"}.get(stats.finish_reason, "stop")
-            job.emit(("done", {
-                "finish_reason": finish,
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": stats.generated_tokens,
-                "cached_tokens": cached,
-                "prefill_s": stats.context_time_s,
-            }))
+            finish = {"stop": "stop", "length": "length", "context": "length"}.get(
+                stats.finish_reason, "stop"
+            )
+            job.emit(
+                (
+                    "done",
+                    {
+                        "finish_reason": finish,
+                        "prompt_tokens": prompt_tokens,
+                        "completion_tokens": stats.generated_tokens,
+                        "cached_tokens": cached,
+                        "prefill_s": stats.context_time_s,
+                    },
+                )
+            )
         except ContextFullError as exc:
-            job.emit(("error", APIError(400, str(exc).split(":")[0] + ": the conversation does not fit the "
-                                        f"model's context ({self.pool.engine.max_context:,} tokens)",
-                                        param="messages", code="context_length_exceeded")))
+            job.emit(
+                (
+                    "error",
+                    APIError(
+                        400,
+                        str(exc).split(":")[0] + ": the conversation does not fit the "
+                        f"model's context ({self.pool.engine.max_context:,} tokens)",
+                        param="messages",
+                        code="context_length_exceeded",
+                    ),
+                )
+            )
         except ChatbotError as exc:
             job.emit(("error", APIError(400, str(exc))))
         except BaseException:
@@ -358,9 +405,15 @@ def create_app(
         if api_key and request.url.path.startswith("/v1"):
             given = request.headers.get("authorization", "")
             scheme, _, token = given.partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-                return APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
-                                "authentication_error", code="invalid_api_key").response()
+            if scheme.lower() != "bearer" or not secrets.compare_digest(
+                token.strip().encode(), api_key.encode()
+            ):
+                return APIError(
+                    401,
+                    "invalid or missing API key (send Authorization: Bearer KEY)",
+                    "authentication_error",
+                    code="invalid_api_key",
+                ).response()
         return await call_next(request)
 
     @app.get("/health")
@@ -381,31 +434,58 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": created, "owned_by": "chatbot",
-            "max_model_len": None if streaming_cache else max_context,
-        }]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "chatbot",
+                    "max_model_len": None if streaming_cache else max_context,
+                }
+            ],
+        }
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Any:
         if body.model != model_name:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server has {model_name!r}",
-                           "not_found_error", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model {body.model!r} does not exist; this server has {model_name!r}",
+                "not_found_error",
+                param="model",
+                code="model_not_found",
+            )
         conv = conversation_of(body)
         sampling = sampling_of(body, pool.sampling, None if streaming_cache else max_context)
-        return await answer(request, Job(conv, sampling, _nowhere), body.stream, body.stream_options, chat=True)
+        return await answer(
+            request, Job(conv, sampling, _nowhere), body.stream, body.stream_options, chat=True
+        )
 
     @app.post("/v1/completions")
     async def complete(body: CompletionRequest, request: Request) -> Any:
         if body.model != model_name:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server has {model_name!r}",
-                           "not_found_error", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model {body.model!r} does not exist; this server has {model_name!r}",
+                "not_found_error",
+                param="model",
+                code="model_not_found",
+            )
         prompt = body.text()
         sampling = sampling_of(body, pool.sampling, None if streaming_cache else max_context)
-        return await answer(request, Job(None, sampling, _nowhere, prompt=prompt), body.stream, body.stream_options,
-                            chat=False)
+        return await answer(
+            request,
+            Job(None, sampling, _nowhere, prompt=prompt),
+            body.stream,
+            body.stream_options,
+            chat=False,
+        )
 
-    async def answer(request: Request, job: Job, stream: bool, options: StreamOptions | None, chat: bool) -> Any:
+    async def answer(
+        request: Request, job: Job, stream: bool, options: StreamOptions | None, chat: bool
+    ) -> Any:
         """Queue the job; answer with server-sent events or one JSON object."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -430,9 +510,11 @@ def create_app(
             if stream:
                 await _stop(watcher)
                 include_usage = bool(options and options.include_usage)
-                return StreamingResponse(_sse(first, events, job, rid, include_usage, chat),
-                                         media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                return StreamingResponse(
+                    _sse(first, events, job, rid, include_usage, chat),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                )
             text: list[str] = []
             event: tuple[str, Any] | None = first
             while event is not None and event[0] == "text":
@@ -446,26 +528,60 @@ def create_app(
             raise event[1]
         done = event[1]
         if not chat:
-            return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
-                    "choices": [{"index": 0, "text": "".join(text), "finish_reason": done["finish_reason"],
-                                 "logprobs": None}],
-                    "usage": _usage(done)}
+            return {
+                "id": rid,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": model_name,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": "".join(text),
+                        "finish_reason": done["finish_reason"],
+                        "logprobs": None,
+                    }
+                ],
+                "usage": _usage(done),
+            }
         return {
-            "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                         "finish_reason": done["finish_reason"], "logprobs": None}],
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "".join(text)},
+                    "finish_reason": done["finish_reason"],
+                    "logprobs": None,
+                }
+            ],
             "usage": _usage(done),
         }
 
-    async def _sse(first: tuple[str, Any], events: asyncio.Queue[tuple[str, Any]], job: Job, rid: str,
-                   include_usage: bool, chat: bool) -> AsyncIterator[str]:
+    async def _sse(
+        first: tuple[str, Any],
+        events: asyncio.Queue[tuple[str, Any]],
+        job: Job,
+        rid: str,
+        include_usage: bool,
+        chat: bool,
+    ) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
             choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
             choice.update({"delta": delta} if chat else {"text": delta.get("content", "")})
-            return _data({"id": rid, "object": kind, "created": int(time.time()), "model": model_name,
-                          "choices": [choice]})
+            return _data(
+                {
+                    "id": rid,
+                    "object": kind,
+                    "created": int(time.time()),
+                    "model": model_name,
+                    "choices": [choice],
+                }
+            )
+
         try:
             if chat:
                 yield chunk({"role": "assistant", "content": ""})
@@ -481,8 +597,16 @@ def create_app(
             done = event[1]
             yield chunk({}, done["finish_reason"])
             if include_usage:
-                yield _data({"id": rid, "object": kind, "created": int(time.time()),
-                             "model": model_name, "choices": [], "usage": _usage(done)})
+                yield _data(
+                    {
+                        "id": rid,
+                        "object": kind,
+                        "created": int(time.time()),
+                        "model": model_name,
+                        "choices": [],
+                        "usage": _usage(done),
+                    }
+                )
             yield "data: [DONE]\n\n"
         finally:
             job.cancel.set()  # a no-op when the answer is complete; stops it when the client left
@@ -548,17 +672,23 @@ def conversation_of(body: ChatRequest) -> Conversation:
     for i, m in enumerate(msgs):
         want = "user" if i % 2 == 0 else "assistant"
         if m.role != want:
-            raise APIError(400, f"messages[{i + len(system_parts)}]: expected a {want} message, got {m.role} "
-                           "(after the system messages, user and assistant messages alternate)",
-                           param="messages")
+            raise APIError(
+                400,
+                f"messages[{i + len(system_parts)}]: expected a {want} message, got {m.role} "
+                "(after the system messages, user and assistant messages alternate)",
+                param="messages",
+            )
     if not msgs:
         raise APIError(400, "messages: no user message to answer", param="messages")
     pairs = [(msgs[i].text(), msgs[i + 1].text()) for i in range(0, len(msgs) - 1, 2)]
     last = msgs[-1]
     if last.role == "assistant":
         if not body.continue_final_message:
-            raise APIError(400, "the last message is the assistant's; set continue_final_message to go on "
-                           "with it", param="messages")
+            raise APIError(
+                400,
+                "the last message is the assistant's; set continue_final_message to go on with it",
+                param="messages",
+            )
         return Conversation(system, pairs, pairs[-1][0], partial_answer=pairs[-1][1], salt=body.cache_salt)
     if body.continue_final_message:
         raise APIError(400, "continue_final_message needs an assistant message last", param="messages")
@@ -567,7 +697,9 @@ def conversation_of(body: ChatRequest) -> Conversation:
     return Conversation(system, pairs, last.text(), salt=body.cache_salt)
 
 
-def sampling_of(body: ChatRequest | CompletionRequest, base: SamplingConfig, max_context: int | None) -> SamplingConfig:
+def sampling_of(
+    body: ChatRequest | CompletionRequest, base: SamplingConfig, max_context: int | None
+) -> SamplingConfig:
     """The request's sampling settings over the server's defaults.
 
     Raises:
@@ -576,13 +708,20 @@ def sampling_of(body: ChatRequest | CompletionRequest, base: SamplingConfig, max
     if body.n != 1:
         raise APIError(400, "n must be 1 (one answer per request)", param="n")
     if body.stop:
-        raise APIError(400, "stop strings are not supported; the answer ends at the model's end of turn",
-                       param="stop")
+        raise APIError(
+            400, "stop strings are not supported; the answer ends at the model's end of turn", param="stop"
+        )
     sampling = base
     max_tokens = getattr(body, "max_completion_tokens", None)
     max_tokens = max_tokens if max_tokens is not None else body.max_tokens
-    fields = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
-              "repetition_penalty": body.repetition_penalty, "max_new_tokens": max_tokens, "seed": body.seed}
+    fields = {
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "repetition_penalty": body.repetition_penalty,
+        "max_new_tokens": max_tokens,
+        "seed": body.seed,
+    }
     for key, value in fields.items():
         if value is None:
             continue
@@ -592,8 +731,12 @@ def sampling_of(body: ChatRequest | CompletionRequest, base: SamplingConfig, max
         except ConfigError as exc:
             raise APIError(400, str(exc).replace("max_new_tokens", "max_tokens"), param=param) from None
     if max_context is not None and sampling.max_new_tokens >= max_context:
-        raise APIError(400, f"max_tokens must be less than the context ({max_context:,} tokens), "
-                       f"got {sampling.max_new_tokens:,}", param="max_tokens")
+        raise APIError(
+            400,
+            f"max_tokens must be less than the context ({max_context:,} tokens), "
+            f"got {sampling.max_new_tokens:,}",
+            param="max_tokens",
+        )
     return sampling
 
 

@@ -177,7 +177,9 @@ class PrefixCachePool:
             return
         self.entries[entry.key] = entry
         self.entries.move_to_end(entry.key)
-        while len(self.entries) > self.max_entries or (len(self.entries) > 1 and self.kept_bytes > self.max_bytes):
+        while len(self.entries) > self.max_entries or (
+            len(self.entries) > 1 and self.kept_bytes > self.max_bytes
+        ):
             _, old = self.entries.popitem(last=False)
             old.session.reset()
             self.stats.evictions += 1
@@ -232,6 +234,9 @@ def _shared_turns(turns: list[Turn], conv: Conversation) -> int:
 
 
 def _restore(session: ChatSession, conv: Conversation) -> None:
-    data = {"system": conv.system, "turns": [{"user": u, "answer": a} for u, a in conv.turns],
-            "settings": session.sampling.as_dict()}
+    data = {
+        "system": conv.system,
+        "turns": [{"user": u, "answer": a} for u, a in conv.turns],
+        "settings": session.sampling.as_dict(),
+    }
     session.restore(data, encode=False)

@@ -32,24 +32,60 @@ COMMANDS: dict[str, CommandSpec] = {
         CommandSpec("exit", "/exit", "leave the chat (also /quit, Ctrl-D)"),
         CommandSpec("reset", "/reset", "forget the conversation and empty the cache; keep the system prompt"),
         CommandSpec("undo", "/undo", "drop the last exchange (the cache is cut back, not re-encoded)"),
-        CommandSpec("retry", "/retry [KEY=VALUE ...]", "regenerate the last answer, optionally with other settings for this try", "settings"),
+        CommandSpec(
+            "retry",
+            "/retry [KEY=VALUE ...]",
+            "regenerate the last answer, optionally with other settings for this try",
+            "settings",
+        ),
         CommandSpec("continue", "/continue", "go on with an answer cut short by Ctrl-C or the token limit"),
-        CommandSpec("system", "/system [TEXT]", "show the system prompt, or replace it (re-encodes once); /system --clear removes it", "text"),
+        CommandSpec(
+            "system",
+            "/system [TEXT]",
+            "show the system prompt, or replace it (re-encodes once); /system --clear removes it",
+            "text",
+        ),
         CommandSpec("set", "/set [KEY VALUE]", "list the sampling settings, or change one", "setting"),
-        CommandSpec("save", "/save [FILE]", "write the chat to a JSON file (default: in the data directory)", "path"),
-        CommandSpec("load", "/load FILE", "replace the chat with a saved one and re-encode it", "path", required=True),
+        CommandSpec(
+            "save", "/save [FILE]", "write the chat to a JSON file (default: in the data directory)", "path"
+        ),
+        CommandSpec(
+            "load", "/load FILE", "replace the chat with a saved one and re-encode it", "path", required=True
+        ),
         CommandSpec("history", "/history", "show the conversation so far"),
         CommandSpec("stats", "/stats", "a table of every turn so far, with totals"),
-        CommandSpec("model", "/model", "what is loaded: name, parameters, dtype, device, quantization, context, decode path"),
+        CommandSpec(
+            "model",
+            "/model",
+            "what is loaded: name, parameters, dtype, device, quantization, context, decode path",
+        ),
         CommandSpec("cache", "/cache", "the cache layout: pinned and recent tokens, capacity, evictions"),
     )
 }
-ALIASES = {"quit": "exit", "q": "exit", "?": "help", "h": "help", "clear": "reset", "regenerate": "retry",
-           "redo": "retry", "cont": "continue", "c": "continue"}
+ALIASES = {
+    "quit": "exit",
+    "q": "exit",
+    "?": "help",
+    "h": "help",
+    "clear": "reset",
+    "regenerate": "retry",
+    "redo": "retry",
+    "cont": "continue",
+    "c": "continue",
+}
 SETTING_ALIASES = {
-    "temp": "temperature", "t": "temperature", "p": "top_p", "topp": "top_p", "k": "top_k", "topk": "top_k",
-    "rep": "repetition_penalty", "repeat_penalty": "repetition_penalty", "max": "max_new_tokens",
-    "max_tokens": "max_new_tokens", "n": "max_new_tokens", "interval": "stream_interval",
+    "temp": "temperature",
+    "t": "temperature",
+    "p": "top_p",
+    "topp": "top_p",
+    "k": "top_k",
+    "topk": "top_k",
+    "rep": "repetition_penalty",
+    "repeat_penalty": "repetition_penalty",
+    "max": "max_new_tokens",
+    "max_tokens": "max_new_tokens",
+    "n": "max_new_tokens",
+    "interval": "stream_interval",
 }
 SETTINGS = tuple(SamplingConfig.RANGES)
 CLEAR_FLAG = "--clear"
@@ -170,7 +206,11 @@ def complete(line: str) -> tuple[list[str], int, str | None]:
     word = line[word_start:]
     words_before = rest[: len(rest) - len(word)].split()
     if spec.arg == "text":
-        return ([CLEAR_FLAG] if not words_before and CLEAR_FLAG.startswith(word) and word else []), word_start, None
+        return (
+            ([CLEAR_FLAG] if not words_before and CLEAR_FLAG.startswith(word) and word else []),
+            word_start,
+            None,
+        )
     if spec.arg == "settings":
         if "=" in word:
             return [], len(line), None

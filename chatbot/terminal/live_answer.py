@@ -85,9 +85,14 @@ def _fence(text: str, closed_too: bool) -> tuple[str, str] | None:
     token = tokens[0]
     assert token.map is not None
     lines = text.splitlines()
-    closed = token.map[1] - token.map[0] >= 2 and token.map[1] <= len(lines) and (
-        lines[token.map[1] - 1].strip().startswith(token.markup)
-        and not lines[token.map[1] - 1].strip().strip(token.markup[0]))
+    closed = (
+        token.map[1] - token.map[0] >= 2
+        and token.map[1] <= len(lines)
+        and (
+            lines[token.map[1] - 1].strip().startswith(token.markup)
+            and not lines[token.map[1] - 1].strip().strip(token.markup[0])
+        )
+    )
     if closed and not closed_too:
         return None
     return token.content, token.info
@@ -229,8 +234,12 @@ class MarkdownAnswer:
 
     def _blank_before_open(self) -> bool:
         """The open block's first line is still to be printed, after a blank line."""
-        return (self._skip == 0 and not self._lead_blank_done and self._thinking_close is None
-                and not self._fence_continued)
+        return (
+            self._skip == 0
+            and not self._lead_blank_done
+            and self._thinking_close is None
+            and not self._fence_continued
+        )
 
     def _renderable(self, source: str, thinking: bool, final: bool, continued: bool) -> RenderableType:
         if thinking:
@@ -244,8 +253,14 @@ class MarkdownAnswer:
             return Syntax(fence[0].rstrip(), lexer, theme=CODE_THEME, word_wrap=True, padding=padding)
         return AnswerMarkdown(source, code_theme=CODE_THEME)
 
-    def _render(self, source: str, thinking: bool, final: bool, width: int | None = None,
-                continued: bool | None = None) -> list[list[Segment]]:
+    def _render(
+        self,
+        source: str,
+        thinking: bool,
+        final: bool,
+        width: int | None = None,
+        continued: bool | None = None,
+    ) -> list[list[Segment]]:
         if not source.strip():
             return []
         continued = self._fence_continued if continued is None else continued
@@ -317,8 +332,13 @@ class MarkdownAnswer:
         first = not self._fence_continued
         blank = first and self._blank_before_open()
         lexer = info.partition(" ")[0] or "text"
-        head = Syntax("\n".join(body[:count]), lexer, theme=CODE_THEME, word_wrap=True,
-                      padding=(1 if first else 0, 1, 0, 1))
+        head = Syntax(
+            "\n".join(body[:count]),
+            lexer,
+            theme=CODE_THEME,
+            word_wrap=True,
+            padding=(1 if first else 0, 1, 0, 1),
+        )
         self._open = opener + "\n" + "\n".join(body[count:])
         self._fence_continued = True
         self._emit(self._render_lines(head), blank=blank)
@@ -360,7 +380,9 @@ class MarkdownAnswer:
         if key != self._tail_key:
             lines = self._render(self._open, self._thinking_close is not None, final=False, width=width)
             lines = lines[self._skip :]
-            self._tail = _Lines(lines, blank_first=bool(lines) and self._printed and self._blank_before_open())
+            self._tail = _Lines(
+                lines, blank_first=bool(lines) and self._printed and self._blank_before_open()
+            )
             self._tail_key = key
         return self._tail
 

@@ -41,7 +41,11 @@ def format_stats_line(stats: TurnStats) -> str:
         parts.append(f"{stats.ms_per_token_mean:.1f} ms/tok (p90 {stats.ms_per_token_p90:.0f})")
     parts.append(format_cache(stats))
     if stats.finish_reason in ("length", "context", "interrupted"):
-        parts.append({"length": "max tokens", "context": "context full", "interrupted": "interrupted"}[stats.finish_reason])
+        parts.append(
+            {"length": "max tokens", "context": "context full", "interrupted": "interrupted"}[
+                stats.finish_reason
+            ]
+        )
     return " · ".join(parts)
 
 
@@ -53,8 +57,10 @@ def format_remote_stats_line(stats: Any) -> str:
     estimated = getattr(stats, "estimated", False)
     parts = []
     if not estimated:
-        parts.append(f"prompt {getattr(stats, 'prompt_tokens', 0):,} tok"
-                     + (f" ({cached:,} cached)" if cached is not None else ""))
+        parts.append(
+            f"prompt {getattr(stats, 'prompt_tokens', 0):,} tok"
+            + (f" ({cached:,} cached)" if cached is not None else "")
+        )
     parts.append(f"first token {stats.ttft_s:.2f} s")
     parts.append(f"{stats.generated_tokens:,} tok" + (" (estimated)" if estimated else ""))
     if stats.token_latencies_s:
@@ -71,8 +77,12 @@ def stats_table(turns: list[Any], summary: dict[str, Any]) -> Table:
     last = turns[-1].stats if turns else None
     window = (f" (streaming cache: {last.sinks} sinks + recent, at most {last.cache_capacity:,} tokens)"
               if last is not None and last.sinks and last.cache_capacity else "")  # fmt: skip
-    table = Table(title=f"turns{window}", show_footer=False, caption="fed: context tokens prefilled for the turn; TTFT: time to first token; "
-                  "p50/p90: ms per new token")
+    table = Table(
+        title=f"turns{window}",
+        show_footer=False,
+        caption="fed: context tokens prefilled for the turn; TTFT: time to first token; "
+        "p50/p90: ms per new token",
+    )
     # Two-line headers and unwrapped cells: the table fits an 80-column terminal whole.
     for col in ("#", "fed\ntok", "fed\ns", "TTFT\ns", "new\ntok", "tok/s", "p50\nms",
                 "p90\nms", "cache", "end"):  # fmt: skip
@@ -80,13 +90,29 @@ def stats_table(turns: list[Any], summary: dict[str, Any]) -> Table:
     for i, t in enumerate(turns, 1):
         s = t.stats
         table.add_row(
-            str(i), f"{s.context_tokens:,}", f"{s.context_time_s:.2f}", f"{s.ttft_s:.2f}",
-            f"{s.generated_tokens:,}", f"{s.decode_tps:.1f}", f"{s.ms_per_token_p50:.1f}",
-            f"{s.ms_per_token_p90:.1f}", f"{s.cache_tokens:,}", safe_text(s.finish_reason),
+            str(i),
+            f"{s.context_tokens:,}",
+            f"{s.context_time_s:.2f}",
+            f"{s.ttft_s:.2f}",
+            f"{s.generated_tokens:,}",
+            f"{s.decode_tps:.1f}",
+            f"{s.ms_per_token_p50:.1f}",
+            f"{s.ms_per_token_p90:.1f}",
+            f"{s.cache_tokens:,}",
+            safe_text(s.finish_reason),
         )
     table.add_row(
-        "all", f"{summary['context_tokens']:,}", "", "", f"{summary['generated_tokens']:,}",
-        f"{summary['decode_tps']:.1f}", "", "", f"{summary['cache_tokens']:,}", "", style="bold",
+        "all",
+        f"{summary['context_tokens']:,}",
+        "",
+        "",
+        f"{summary['generated_tokens']:,}",
+        f"{summary['decode_tps']:.1f}",
+        "",
+        "",
+        f"{summary['cache_tokens']:,}",
+        "",
+        style="bold",
     )
     return table
 
@@ -206,7 +232,9 @@ def sampling_brief(s: Any) -> str:
     return text
 
 
-def history_renderable(turns: list[Any], system: str | None, markdown: bool = True, first: int = 1) -> RenderableType:
+def history_renderable(
+    turns: list[Any], system: str | None, markdown: bool = True, first: int = 1
+) -> RenderableType:
     """The conversation so far, for /history; turns are numbered from `first`. Every text is
     shown with its control sequences made visible (it may come from a loaded file)."""
     items: list[RenderableType] = []

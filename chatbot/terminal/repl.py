@@ -124,8 +124,13 @@ class Repl:
 
     # -- the session log ---------------------------------------------------------------
 
-    def start_log(self, resume: Path | None = None, directory: Path | None = None,
-                  overrides: dict[str, Any] | None = None, system: str | None = None) -> None:
+    def start_log(
+        self,
+        resume: Path | None = None,
+        directory: Path | None = None,
+        overrides: dict[str, Any] | None = None,
+        system: str | None = None,
+    ) -> None:
         """Log this chat; with `resume`, first restore the logged session and append to it.
 
         Args:
@@ -145,8 +150,12 @@ class Repl:
                 self.note(f"that session was with {state['model']}; continuing with {self.loaded.name}")
             self._restore(state)
             self.log = SessionLog(resume, self._log_header(), warn=self.note)
-            self.log.write(Event.RESUME, model=self.loaded.name, system=self.session.system,
-                           settings=self.session.sampling.as_dict())
+            self.log.write(
+                Event.RESUME,
+                model=self.loaded.name,
+                system=self.session.system,
+                settings=self.session.sampling.as_dict(),
+            )
             if self.session.turns:
                 last = self.session.turns[-2:]
                 first = len(self.session.turns) - len(last) + 1
@@ -158,8 +167,11 @@ class Repl:
         self.session.model_name = self.loaded.name
 
     def _log_header(self) -> dict[str, Any]:
-        return {"model": self.loaded.name, "system": self.session.system,
-                "settings": self.session.sampling.as_dict()}
+        return {
+            "model": self.loaded.name,
+            "system": self.session.system,
+            "settings": self.session.sampling.as_dict(),
+        }
 
     # -- commands ----------------------------------------------------------------------
 
@@ -194,8 +206,11 @@ class Repl:
 
     def _system(self, command: Command) -> None:
         if not command.arg:
-            self.note(f"system prompt: {self.session.system}" if self.session.system else
-                      "no system prompt; /system TEXT sets one")
+            self.note(
+                f"system prompt: {self.session.system}"
+                if self.session.system
+                else "no system prompt; /system TEXT sets one"
+            )
             return
         text = None if command.arg == CLEAR_FLAG else command.arg
         try:
@@ -225,8 +240,11 @@ class Repl:
         self.note(", ".join(f"{k} = {'random' if v is None else v}" for k, v in command.values.items()))
 
     def _save(self, command: Command) -> None:
-        path = expand(command.arg) if command.arg else (
-            data_dir() / "saved" / time.strftime("chat-%Y%m%d-%H%M%S.json"))
+        path = (
+            expand(command.arg)
+            if command.arg
+            else (data_dir() / "saved" / time.strftime("chat-%Y%m%d-%H%M%S.json"))
+        )
         written = self.session.save(path, model=self.loaded.name)
         self.note(f"saved {len(self.session.turns)} turns to {written}")
 
@@ -246,16 +264,25 @@ class Repl:
                 n = self.session.restore(data, progress, warnings=problems)
             for problem in problems:
                 self.note(f"warning: {problem}")
-            self.note(f"loaded {len(self.session.turns)} turns" + (
-                " (the server encodes them with the next message)" if self.remote is not None else
-                f" ({n:,} tokens encoded)"))
+            self.note(
+                f"loaded {len(self.session.turns)} turns"
+                + (
+                    " (the server encodes them with the next message)"
+                    if self.remote is not None
+                    else f" ({n:,} tokens encoded)"
+                )
+            )
         except KeyboardInterrupt:
-            self.note(f"loaded {len(self.session.turns)} turns; encoding stopped, the rest is "
-                      "encoded with the next message")
+            self.note(
+                f"loaded {len(self.session.turns)} turns; encoding stopped, the rest is "
+                "encoded with the next message"
+            )
         except ContextFullError as exc:
             # The conversation is kept (not encoded): the user decides what to drop.
-            self.note(f"loaded {len(self.session.turns)} turns, but they do not fit: {exc}; "
-                      "/undo drops the last turn")
+            self.note(
+                f"loaded {len(self.session.turns)} turns, but they do not fit: {exc}; "
+                "/undo drops the last turn"
+            )
 
     def _history(self, _: Command) -> None:
         self.info.print(history_renderable(self.session.turns, self.session.system, markdown=not self.plain))
@@ -276,33 +303,51 @@ class Repl:
         rows = dict(self.loaded.describe())
         rows["context limit"] = f"{s.max_context:,} tokens"
         rows["cache"] = f"{len(s.cache_ids):,} / {s.capacity:,} tokens" + (
-            " (attention sinks + recent window)" if s.kv.is_bounded else "")
+            " (attention sinks + recent window)" if s.kv.is_bounded else ""
+        )
         rows["sampling"] = sampling_brief(s.sampling)
         decoder = s.engine.decoder
-        rows["decode"] = decoder.info().label() if decoder is not None else "transformers (model forward pass)"
+        rows["decode"] = (
+            decoder.info().label() if decoder is not None else "transformers (model forward pass)"
+        )
         self.info.print(key_value_table("model", rows))
 
     def _cache(self, _: Command) -> None:
         if not isinstance(self.session, ChatSession):  # a RemoteSession
             last = self.session.turns[-1].stats if self.session.turns else None
             cached = getattr(last, "cached_tokens", None)
-            self.info.print(key_value_table("cache (on the server)", {
-                "kept by": f"the server's prefix cache ({self.session.backend.base_url})",
-                "conversation (last usage)": f"{self.session.conversation_tokens:,} tokens",
-                "reused at the last message": "-" if last is None else
-                    "not reported by the server" if cached is None else f"{cached:,} tokens",
-                "prefilled at the last message": "-" if last is None else f"{last.context_tokens:,} tokens",
-            }))
+            self.info.print(
+                key_value_table(
+                    "cache (on the server)",
+                    {
+                        "kept by": f"the server's prefix cache ({self.session.backend.base_url})",
+                        "conversation (last usage)": f"{self.session.conversation_tokens:,} tokens",
+                        "reused at the last message": "-"
+                        if last is None
+                        else "not reported by the server"
+                        if cached is None
+                        else f"{cached:,} tokens",
+                        "prefilled at the last message": "-"
+                        if last is None
+                        else f"{last.context_tokens:,} tokens",
+                    },
+                )
+            )
             return
         lay = self.session.cache_layout()
-        self.info.print(key_value_table("cache", {
-            "tokens": f"{lay.length:,} / {lay.capacity:,}",
-            "pending (enter with the next message)": f"{len(self.session.pending_ids):,}",
-            "pinned (sinks, system)": f"{lay.pinned:,}",
-            "recent": f"{lay.recent:,}",
-            "evicted so far": f"{lay.evicted_total:,}",
-            "oldest text in window": " ".join(lay.oldest_text.split())[:80] or "-",
-        }))
+        self.info.print(
+            key_value_table(
+                "cache",
+                {
+                    "tokens": f"{lay.length:,} / {lay.capacity:,}",
+                    "pending (enter with the next message)": f"{len(self.session.pending_ids):,}",
+                    "pinned (sinks, system)": f"{lay.pinned:,}",
+                    "recent": f"{lay.recent:,}",
+                    "evicted so far": f"{lay.evicted_total:,}",
+                    "oldest text in window": " ".join(lay.oldest_text.split())[:80] or "-",
+                },
+            )
+        )
 
     # -- output ------------------------------------------------------------------------
 
@@ -319,8 +364,14 @@ class Repl:
             yield None
             return
         # The total is unknown (None) until the first update: the column must show that too.
-        progress = Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-                            console=self.info, transient=True)
+        progress = Progress(
+            TextColumn(what),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("tokens"),
+            console=self.info,
+            transient=True,
+        )
         task = progress.add_task(what, total=None)
 
         def update(done: int, total: int) -> None:
@@ -393,7 +444,9 @@ class Repl:
         elif problem is not None:
             self.error(problem)
         elif stats is not None and self.show_stats:
-            self.note(format_remote_stats_line(stats) if self.remote is not None else format_stats_line(stats))
+            self.note(
+                format_remote_stats_line(stats) if self.remote is not None else format_stats_line(stats)
+            )
 
     # -- loops -------------------------------------------------------------------------
 

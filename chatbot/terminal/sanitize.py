@@ -21,8 +21,9 @@ BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u206
 # C0 controls but tab and newline, DEL, C1 controls, bidi controls, lone surrogates (which
 # cannot be encoded and crash a write to the terminal) and the line/paragraph separators
 # (some terminals treat them as new lines in the middle of a record).
-_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
-                     "\u2028\u2029\ud800-\udfff]")
+_UNSAFE = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\u2028\u2029\ud800-\udfff]"
+)
 
 
 def _visible(match: re.Match[str]) -> str:

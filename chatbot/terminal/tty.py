@@ -23,7 +23,9 @@ def make_consoles(interactive: bool) -> tuple[Console, Console]:
     out = Console(highlight=False, soft_wrap=not out_tty, _environ=environ if out_tty else None)
     if interactive and out_tty:
         return out, out
-    return out, Console(stderr=True, highlight=False, soft_wrap=not err_tty, _environ=environ if err_tty else None)
+    return out, Console(
+        stderr=True, highlight=False, soft_wrap=not err_tty, _environ=environ if err_tty else None
+    )
 
 
 @contextlib.contextmanager
