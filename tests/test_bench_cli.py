@@ -20,11 +20,16 @@ def test_bench_decode_rows_and_json(monkeypatch, tmp_path, capsys):
         base = {"transformers-generate": 8.0, "chatbot-auto": 30.0}[spec["name"]]
         n = len(order)
         return {
-            "name": spec["name"], "decode_tps": base + n, "ms_per_token_p50": 1000 / (base + n),
-            "ms_per_token_p90": 1200 / (base + n), "prefill_tps": {"50": 100.0 + n, "500": 300.0, "2000": 250.0},
-            "ttft_s": 0.5, "ttft_s_by_prompt": {"50": 0.5, "500": 1.6, "2000": 8.0}, "peak_mem_mb": 900.0,
+            "name": spec["name"],
+            "decode_tps": base + n,
+            "ms_per_token_p50": 1000 / (base + n),
+            "ms_per_token_p90": 1200 / (base + n),
+            "prefill_tps": {"50": 100.0 + n, "500": 300.0, "2000": 250.0},
+            "ttft_s": 0.5,
+            "ttft_s_by_prompt": {"50": 0.5, "500": 1.6, "2000": 8.0},
+            "peak_mem_mb": 900.0,
             "tokens": [1, 2, 3] if spec["name"] == "transformers-generate" else [1, 2, 4],
-        }  # fmt: skip
+        }
 
     monkeypatch.setattr(bench_decode, "_run_worker", fake_worker)
     out = tmp_path / "bench.json"

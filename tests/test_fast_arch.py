@@ -178,8 +178,10 @@ def test_llama3_streaming_rerotates_with_the_scaled_rope(llama3_gguf, tiny_token
         sampling=sampling, engine=EngineConfig(enable_streaming=True, start_size=4, recent_size=48)
     )
     results = {}
-    for name, engine in [("transformers", Engine(model, tiny_tokenizer)),
-                         ("gguf-fast", Engine(loaded.model, loaded.tokenizer, decoder=FastDecoder(loaded.model, "auto")))]:  # fmt: skip
+    for name, engine in [
+        ("transformers", Engine(model, tiny_tokenizer)),
+        ("gguf-fast", Engine(loaded.model, loaded.tokenizer, decoder=FastDecoder(loaded.model, "auto"))),
+    ]:
         session = ChatSession(engine, config)
         got = [
             [t for c in session.send(text) for t in c.token_ids] for text in ("Hello there!", "The quick fox")

@@ -79,8 +79,12 @@ def test_matvec_equals_float64_product_of_reference(kind, act):
         got = kernels.matvec(packed, x, threads, act=act).numpy()
         assert np.all(np.abs(got - exact) <= 2e-6 * bound + 1e-6), kind
     if act == kernels.ACT_I16 and kind in INT16_FORMATS:  # and it is not the float32 product
-        assert not np.allclose(kernels.matvec(packed, x, 1, act=act).numpy(), ref.astype(np.float64) @ x.numpy(),
-                               rtol=0, atol=1e-7)  # fmt: skip
+        assert not np.allclose(
+            kernels.matvec(packed, x, 1, act=act).numpy(),
+            ref.astype(np.float64) @ x.numpy(),
+            rtol=0,
+            atol=1e-7,
+        )
 
 
 def test_byte_sizes_are_ggml_block_sizes():

@@ -21,8 +21,10 @@ def test_tensor_table_equals_gguf_reader():
     reader = GGUFReader(str(path))
     arch, table = read_tensor_table(path)
     assert arch == str(reader.fields["general.architecture"].contents()) == "llama"
-    expected = [(t.name, tuple(int(n) for n in t.shape), t.tensor_type.name, int(t.data_offset), int(t.n_bytes))
-                for t in reader.tensors]  # fmt: skip
+    expected = [
+        (t.name, tuple(int(n) for n in t.shape), t.tensor_type.name, int(t.data_offset), int(t.n_bytes))
+        for t in reader.tensors
+    ]
     assert [(t.name, t.shape, t.type_name, t.offset, t.nbytes) for t in table] == expected
     weights = GGUFWeights(path)
     for t in reader.tensors[:5]:
@@ -80,8 +82,12 @@ def test_default_model_decodes_from_its_file_losslessly(default_model, dense_def
     layer, ref = model.model.layers[3], dense_default.model.layers[3]
     q, k, v = decoder.wqkv[3]
     assert q is layer.self_attn.q_proj.packed and decoder.embed is model.model.embed_tokens.packed
-    for packed, w in [(q, ref.self_attn.q_proj.weight), (k, ref.self_attn.k_proj.weight),
-                      (v, ref.self_attn.v_proj.weight), (decoder.wdown[3][0], ref.mlp.down_proj.weight)]:  # fmt: skip
+    for packed, w in [
+        (q, ref.self_attn.q_proj.weight),
+        (k, ref.self_attn.k_proj.weight),
+        (v, ref.self_attn.v_proj.weight),
+        (decoder.wdown[3][0], ref.mlp.down_proj.weight),
+    ]:
         assert torch.allclose(kernels.unpack(packed), w.float(), rtol=1e-6, atol=1e-7)
     embed = dense_weight(model.model.embed_tokens)
     assert torch.allclose(embed, dense_default.model.embed_tokens.weight, rtol=1e-6, atol=1e-7)

@@ -21,10 +21,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _row(name: str, decode: float, prefill: float, load_s: float, rss: float) -> dict:
     return {
-        "name": name, "decode_tps": decode, "prefill_tps": {"50": prefill / 2, "500": prefill},
-        "load_s": load_s, "peak_mem_mb": rss, "loadavg": 1.5, "ttft_s": 0.1, "ttft_s_by_prompt": {"50": 0.1, "500": 1.0},
-        "ms_per_token_p50": 1000 / decode, "ms_per_token_p90": 1100 / decode,
-    }  # fmt: skip
+        "name": name,
+        "decode_tps": decode,
+        "prefill_tps": {"50": prefill / 2, "500": prefill},
+        "load_s": load_s,
+        "peak_mem_mb": rss,
+        "loadavg": 1.5,
+        "ttft_s": 0.1,
+        "ttft_s_by_prompt": {"50": 0.1, "500": 1.0},
+        "ms_per_token_p50": 1000 / decode,
+        "ms_per_token_p90": 1100 / decode,
+    }
 
 
 def test_conditions_name_the_cpu_and_the_load() -> None:
@@ -127,9 +134,16 @@ def test_print_turns_shows_load_average(capsys) -> None:
 
 
 def _bench_json(ours: dict, peer: dict) -> dict:
-    return {"machine": {"cpu_model": "Test CPU", "torch_threads": 1, "loadavg_start": [1.0], "loadavg_end": [2.0]},
-            "results": [{"name": "chatbot-auto", **ours}, {"name": "llama.cpp", **peer}],
-            "settings": {"rounds": 2}}  # fmt: skip
+    return {
+        "machine": {
+            "cpu_model": "Test CPU",
+            "torch_threads": 1,
+            "loadavg_start": [1.0],
+            "loadavg_end": [2.0],
+        },
+        "results": [{"name": "chatbot-auto", **ours}, {"name": "llama.cpp", **peer}],
+        "settings": {"rounds": 2},
+    }
 
 
 def test_params_count() -> None:
@@ -228,8 +242,10 @@ def test_bench_scale_dry_run_lists_files_under_tmp() -> None:
         check=True,
         env={**os.environ, "TMPDIR": "/tmp"},
     ).stdout
-    assert out.splitlines() == ["qwen2 0.5B Q4_K_M: /tmp/chatbot-scale/synthetic-qwen2-0.5B-Q4_K_M.gguf",
-                                "qwen2 0.5B Q8_0: /tmp/chatbot-scale/synthetic-qwen2-0.5B-Q8_0.gguf"]  # fmt: skip
+    assert out.splitlines() == [
+        "qwen2 0.5B Q4_K_M: /tmp/chatbot-scale/synthetic-qwen2-0.5B-Q4_K_M.gguf",
+        "qwen2 0.5B Q8_0: /tmp/chatbot-scale/synthetic-qwen2-0.5B-Q8_0.gguf",
+    ]
 
 
 # --- bench-threads, gpu-check --------------------------------------------------------------------
@@ -292,9 +308,17 @@ def test_every_printer_names_the_cpu_and_load(capsys) -> None:
     report.print_render(console, {"tokens": 10, "rate_tok_s": 150, "width": 80, "budget_ms_per_token": 6.7,
                                   "rows": [row]})  # fmt: skip
     side = {"prompt_tokens": 10, "cached_tokens": 5, "ttft_s": 0.1, "loadavg": 7.89}
-    report.print_http_turns(console, {"model": "m", "server": "s", "max_new_tokens": 4, "ratio_last_turn": 1.0,
-                                      "same_answers": 1, "turns": [{"turn": 1, "prefix_cache": side,
-                                                                    "no_cache": side}]})  # fmt: skip
+    report.print_http_turns(
+        console,
+        {
+            "model": "m",
+            "server": "s",
+            "max_new_tokens": 4,
+            "ratio_last_turn": 1.0,
+            "same_answers": 1,
+            "turns": [{"turn": 1, "prefix_cache": side, "no_cache": side}],
+        },
+    )
     out = capsys.readouterr().out
     assert "4.56" in out and "7.89" in out
     assert out.count(", load average ") == 3 and out.count(report.cpu_model()) == 3

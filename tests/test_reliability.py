@@ -214,7 +214,10 @@ def hostile_log(directory: Path, name: str, lines: list[str]) -> Path:
     return path
 
 
-START = '{"event": "start", "version": 1, "id": "x", "model": "m\\u001b]0;t\\u0007", "system": null, "settings": {}}'
+START = (
+    '{"event": "start", "version": 1, "id": "x", "model": "m\\u001b]0;t\\u0007", '
+    '"system": null, "settings": {}}'
+)
 
 
 def test_sessions_listing_survives_bad_logs(capsys, tmp_path, monkeypatch):
@@ -223,7 +226,10 @@ def test_sessions_listing_survives_bad_logs(capsys, tmp_path, monkeypatch):
     can still be resumed."""
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
     logs = tmp_path / "chatbot" / "sessions"
-    turn = '{"event": "turn", "user": "%s", "answer": "fine", "stats": {"ttft_s": NaN, "context_tokens": Infinity}}'
+    turn = (
+        '{"event": "turn", "user": "%s", "answer": "fine", '
+        '"stats": {"ttft_s": NaN, "context_tokens": Infinity}}'
+    )
     bad = {
         "20260101-000001-aaaa.jsonl": [
             START,
@@ -265,7 +271,10 @@ def test_resume_a_log_with_bad_settings_and_stats(tiny_model, tiny_tokenizer, tm
         "20260101-000004-dddd.jsonl",
         [
             START,
-            '{"event": "turn", "user": "hi", "answer": "fine", "stats": {"ttft_s": NaN, "generated_tokens": 1e999}}',
+            (
+                '{"event": "turn", "user": "hi", "answer": "fine", '
+                '"stats": {"ttft_s": NaN, "generated_tokens": 1e999}}'
+            ),
             '{"event": "settings", "settings": {"temperature": -5, "top_k": 7}}',
         ],
     )

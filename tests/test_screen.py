@@ -125,7 +125,10 @@ def test_every_word_of_the_answer_and_the_commands_is_on_screen(tmp_path, termin
 
 
 def test_a_closed_code_fence_is_highlighted_and_thinking_is_dimmed(tmp_path, terminals):
-    answer = "<think>\nThe user wants code.\n</think>\nHere it is:\n\n```python\ndef add(a, b):\n    return a + b\n```\n"
+    answer = (
+        "<think>\nThe user wants code.\n</think>\nHere it is:\n\n"
+        "```python\ndef add(a, b):\n    return a + b\n```\n"
+    )
     term = start(tmp_path, [answer], 80)
     terminals.append(term)
     send(term, "code please")

@@ -126,10 +126,27 @@ def test_cli_chats_and_benches_a_synthetic_file(files, tmp_path):
     assert "Traceback" not in proc.stderr and "fast decode off" not in proc.stderr
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [CHATBOT, "bench", "decode", "--model", str(files["qwen2"]), "--setups", "chatbot-auto,chatbot-auto-model",
-         "--rounds", "1", "--decode-tokens", "8", "--json", str(out)],
-        check=False, capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
+        [
+            CHATBOT,
+            "bench",
+            "decode",
+            "--model",
+            str(files["qwen2"]),
+            "--setups",
+            "chatbot-auto,chatbot-auto-model",
+            "--rounds",
+            "1",
+            "--decode-tokens",
+            "8",
+            "--json",
+            str(out),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     results = {r["name"]: r for r in json.loads(out.read_text())["results"]}
     auto, model = results["chatbot-auto"], results["chatbot-auto-model"]

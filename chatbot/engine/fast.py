@@ -24,8 +24,8 @@ The weights are packed once per model, in one of these formats (`DecodeOptions.w
 transformers forward pass up to rounding. ``auto`` hands the inputs of its Q4_1/Q8_0 products
 to the kernels as int16 per block of 32 (an error of at most 1/65,534 of the block's largest
 value) for exact 16-bit integer dot products: nearly as fast as int8 and 258x finer (derived in
-kernels.c, ACT_I16; same greedy tokens as float32 on the default model; perplexity +0.0008%). ``int8`` and ``int4``
-quantize each activation vector to int8 per block of 32, as llama.cpp does.
+kernels.c, ACT_I16; same greedy tokens as float32 on the default model; perplexity +0.0008%).
+``int8`` and ``int4`` quantize each activation vector to int8 per block of 32, as llama.cpp does.
 
 The cache: every layer of a transformers cache (`DynamicCache` or our `SinkCache`) is
 replaced by a `BufferLayer`, which keeps keys and values in a preallocated buffer
@@ -395,9 +395,12 @@ class FastDecoder:
         def bias(*mods: Any) -> torch.Tensor | None:
             if all(getattr(m, "bias", None) is None for m in mods):
                 return None
-            return torch.cat([
-                m.bias.detach().float() if m.bias is not None else torch.zeros(m.weight.shape[0]) for m in mods
-            ]).contiguous()  # fmt: skip
+            return torch.cat(
+                [
+                    m.bias.detach().float() if m.bias is not None else torch.zeros(m.weight.shape[0])
+                    for m in mods
+                ]
+            ).contiguous()
 
         self.source = "model"
         gguf = gguf if gguf is not None else getattr(model, "chatbot_gguf", None)

@@ -133,7 +133,10 @@ class PackedLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.packed.format_name}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"format={self.packed.format_name}"
+        )
 
 
 class PackedEmbedding(nn.Module):

@@ -501,12 +501,15 @@ def print_decode(console: Any, result: dict[str, Any]) -> None:
     m = result["machine"]
     load = f"; load average {m['loadavg_start'][0]} -> {m['loadavg_end'][0]}" if "loadavg_start" in m else ""
     cpu = m.get("cpu_model", m["processor"])
-    console.print(f"[dim]{cpu}, {m['cpu_count']} CPUs, torch {m['torch']}{load}. load avg: the 1-minute load "
-                  "average as the set-up's runs ended (median); load s: from starting its process to the model "
-                  "ready to run (imports, reading the file, packing). prefill: tokens/s "
-                  f"at that prompt length; TTFT: time to first token after a {s['decode_prompt_tokens']}-token "
-                  "prompt; p50/p90 ms: per decoded token; same tok: greedy tokens equal to transformers' before the first "
-                  "difference; B/weight: bytes per weight of the matrices the native kernels read[/dim]")  # fmt: skip
+    console.print(
+        f"[dim]{cpu}, {m['cpu_count']} CPUs, torch {m['torch']}{load}. load avg: the 1-minute load "
+        "average as the set-up's runs ended (median); load s: from starting its process to the model "
+        "ready to run (imports, reading the file, packing). prefill: tokens/s "
+        f"at that prompt length; TTFT: time to first token after a {s['decode_prompt_tokens']}-token "
+        "prompt; p50/p90 ms: per decoded token; same tok: greedy tokens equal to transformers' "
+        "before the first difference; B/weight: bytes per weight of the matrices the native "
+        "kernels read[/dim]"
+    )
 
 
 def versus_llama_cpp(result: dict[str, Any], ours: str = "chatbot-auto") -> list[str]:

@@ -123,14 +123,19 @@ def skip_reason(
     """Why `case` cannot run now (one line), or None when it can."""
     need = memory_needed_mb(case, measured, file_mb)
     if available_mb is not None and need > available_mb - KEEP_FREE_MB:
-        return (f"needs ~{need / 1024:.1f} GB (scaled from the last row), {available_mb / 1024:.1f} GB available "
-                f"({KEEP_FREE_MB / 1024:.0f} GB kept free for the other processes)")  # fmt: skip
+        return (
+            f"needs ~{need / 1024:.1f} GB (scaled from the last row), {available_mb / 1024:.1f} GB available "
+            f"({KEEP_FREE_MB / 1024:.0f} GB kept free for the other processes)"
+        )
     last = next((r for r in reversed(measured) if r.get("wall_s")), None)
     if last is not None:
         # Bench time grows about with the parameter count (every token reads every weight).
         expect = last["wall_s"] * params_count(case.params) / params_count(last["params"])
         if expect > seconds_left:
-            return f"would take ~{expect / 60:.0f} min (scaled from the last row), {seconds_left / 60:.0f} min left"
+            return (
+                f"would take ~{expect / 60:.0f} min (scaled from the last row), "
+                f"{seconds_left / 60:.0f} min left"
+            )
     return None
 
 
@@ -193,11 +198,19 @@ def warm_up(path: Path, python: str = sys.executable) -> float | None:
 def row_from_bench(case: Case, path: Path, data: dict[str, Any], wall_s: float) -> dict[str, Any]:
     """The figures of one file, ours and llama.cpp's, from `bench decode`'s JSON."""
     row: dict[str, Any] = {
-        "arch": case.arch, "params": case.params, "type": case.type, "file_mb": path.stat().st_size / 2**20,
-        "wall_s": wall_s, "cpu": data["machine"].get("cpu_model", data["machine"].get("processor")),
-        "threads": data["machine"].get("torch_threads"), "rounds": data.get("settings", {}).get("rounds"),
-        "loadavg": [data["machine"].get("loadavg_start", [None])[0], data["machine"].get("loadavg_end", [None])[0]],
-    }  # fmt: skip
+        "arch": case.arch,
+        "params": case.params,
+        "type": case.type,
+        "file_mb": path.stat().st_size / 2**20,
+        "wall_s": wall_s,
+        "cpu": data["machine"].get("cpu_model", data["machine"].get("processor")),
+        "threads": data["machine"].get("torch_threads"),
+        "rounds": data.get("settings", {}).get("rounds"),
+        "loadavg": [
+            data["machine"].get("loadavg_start", [None])[0],
+            data["machine"].get("loadavg_end", [None])[0],
+        ],
+    }
     for r in data["results"]:
         if r["name"] not in (OURS, PEER):
             continue
@@ -315,10 +328,14 @@ def svg_plot(rows: list[dict[str, Any]], title: str) -> str:
     dashes = ["", "6,4", "2,3"]
     pw, ph, left, top = 300, 190, 60, 40  # panel size and margins
     width, height = 2 * (pw + left + 20), 2 * (ph + top + 40) + 50
-    out = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'font-family="sans-serif" font-size="11">'),
-           f'<rect width="{width}" height="{height}" fill="white"/>',
-           f'<text x="{width / 2}" y="18" text-anchor="middle" font-size="13">{_esc(title)}</text>']  # fmt: skip
+    out = [
+        (
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'font-family="sans-serif" font-size="11">'
+        ),
+        f'<rect width="{width}" height="{height}" fill="white"/>',
+        f'<text x="{width / 2}" y="18" text-anchor="middle" font-size="13">{_esc(title)}</text>',
+    ]
     for i, (key, label, better_up) in enumerate(FIGURES):
         x0 = left + (i % 2) * (pw + left + 20)
         y0 = top + (i // 2) * (ph + top + 40)
@@ -347,8 +364,11 @@ def svg_plot(rows: list[dict[str, Any]], title: str) -> str:
             )
         for side in (OURS, PEER):
             for t, kind in enumerate(types):
-                pts = [(x_of(r["params"]), y_of(r[side][key])) for r in measured
-                       if r["type"] == kind and isinstance(r.get(side), dict) and r[side].get(key)]  # fmt: skip
+                pts = [
+                    (x_of(r["params"]), y_of(r[side][key]))
+                    for r in measured
+                    if r["type"] == kind and isinstance(r.get(side), dict) and r[side].get(key)
+                ]
                 if not pts:
                     continue
                 path = " ".join(f"{x:.1f},{y:.1f}" for x, y in pts)
@@ -470,9 +490,17 @@ def main(argv: list[str] | None = None) -> int:
     # The code measured: HEAD as the run starts (a long run may outlive later commits).
     code = a.code or subprocess.run(["git", "log", "-1", "--format=%h %s"], capture_output=True, text=True,
                                     check=False).stdout.strip()[:90]  # fmt: skip
-    rows = run_scale(cases, a.folder, threads=a.threads, rounds=a.rounds, decode_tokens=a.decode_tokens,
-                     prefill=a.prefill, minutes=a.minutes, reuse=a.reuse,
-                     progress=lambda line: print(f"bench-scale: {line}", file=sys.stderr, flush=True))  # fmt: skip
+    rows = run_scale(
+        cases,
+        a.folder,
+        threads=a.threads,
+        rounds=a.rounds,
+        decode_tokens=a.decode_tokens,
+        prefill=a.prefill,
+        minutes=a.minutes,
+        reuse=a.reuse,
+        progress=lambda line: print(f"bench-scale: {line}", file=sys.stderr, flush=True),
+    )
     command = "scripts/bench-scale " + " ".join(argv if argv is not None else sys.argv[1:])
     svg = a.doc.parent / "bench_scale.svg"
     title = f"ours vs llama.cpp, same GGUF files, {a.threads} thread(s) each"

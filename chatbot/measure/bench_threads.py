@@ -133,7 +133,8 @@ def format_threads(result: dict[str, Any]) -> str:
     s, m = result["settings"], result["machine"]
     lines = [
         (
-            f"decode tok/s, {s['model']} at --opt auto, {s['tokens']} tokens after a {PROMPT_TOKENS}-token prompt, "
+            f"decode tok/s, {s['model']} at --opt auto, {s['tokens']} tokens after a "
+            f"{PROMPT_TOKENS}-token prompt, "
             f"medians of {s['rounds']} rounds; busy = {s['busy']} competing spinning process(es)"
         ),
         "",

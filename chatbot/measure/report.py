@@ -37,7 +37,10 @@ def conditions() -> str:
     import os
 
     one, five, fifteen = loadavg()
-    return f"{cpu_model()}, {os.cpu_count()} CPUs, load average {one:.2f} / {five:.2f} / {fifteen:.2f} (1/5/15 min)"
+    return (
+        f"{cpu_model()}, {os.cpu_count()} CPUs, "
+        f"load average {one:.2f} / {five:.2f} / {fifteen:.2f} (1/5/15 min)"
+    )
 
 
 def machine_info() -> dict[str, Any]:
@@ -65,8 +68,10 @@ def write_json(path: Path, result: dict[str, Any]) -> None:
 
 def print_turns(console: Console, result: dict[str, Any]) -> None:
     repeats = result.get("repeats", 1)
-    table = Table(title=f"multi-turn chat, {result['model']}, greedy, {result['max_new_tokens']} new tokens per turn, "
-                        f"medians of {repeats} plays")  # fmt: skip
+    table = Table(
+        title=f"multi-turn chat, {result['model']}, greedy, {result['max_new_tokens']} new tokens per turn, "
+        f"medians of {repeats} plays"
+    )
     for col in (
         "turn",
         "prefill tok (persistent)",
@@ -117,7 +122,8 @@ def print_streaming(console: Console, result: dict[str, Any]) -> None:
     for run in result["runs"]:
         opt = f", --opt {result['opt']}" if "opt" in result else ""
         table = Table(
-            title=f"{result['model']}: {result['start_size']} sinks + {run['recent_size']} recent (window {run['window']}){opt}"
+            title=f"{result['model']}: {result['start_size']} sinks + {run['recent_size']} recent "
+            f"(window {run['window']}){opt}"
         )
         for col in (
             "window passed",
@@ -143,7 +149,8 @@ def print_streaming(console: Console, result: dict[str, Any]) -> None:
             )
         console.print(table)
         console.print(
-            f"at {run['marks'][-1]['multiple']}x the window: {run['speedup_vs_recompute']:.1f}x faster than sliding window with recomputation"
+            f"at {run['marks'][-1]['multiple']}x the window: {run['speedup_vs_recompute']:.1f}x faster "
+            "than sliding window with recomputation"
         )
     console.print(
         f"{conditions()}; load avg: the 1-minute load average at each mark", style="dim", markup=False

@@ -89,8 +89,10 @@ def load_config_and_tokenizer(path: Path, cache: Path, notes: list[str]) -> tupl
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     except OSError as exc:
-        notes.append(f"cannot write the tokenizer cache {cache.parent} ({exc.strerror or exc}); "
-                     "the next start reads the tokenizer from the file again (set XDG_CACHE_HOME)")  # fmt: skip
+        notes.append(
+            f"cannot write the tokenizer cache {cache.parent} ({exc.strerror or exc}); "
+            "the next start reads the tokenizer from the file again (set XDG_CACHE_HOME)"
+        )
     return config, tokenizer
 
 

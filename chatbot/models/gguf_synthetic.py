@@ -280,8 +280,12 @@ def write_synthetic_gguf(
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(list(tok["merges"]))
-    for key, add in [("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id),
-                     ("unknown_token_id", w.add_unk_token_id), ("padding_token_id", w.add_pad_token_id)]:  # fmt: skip
+    for key, add in [
+        ("bos_token_id", w.add_bos_token_id),
+        ("eos_token_id", w.add_eos_token_id),
+        ("unknown_token_id", w.add_unk_token_id),
+        ("padding_token_id", w.add_pad_token_id),
+    ]:
         if key in tok:
             add(int(tok[key]))
     w.add_chat_template(str(tok["chat_template"]))
@@ -382,8 +386,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"make-synthetic-gguf: error: {exc}", file=sys.stderr)
         return 2
     types = ", ".join(f"{n} {k}" for k, n in sorted(summary["types"].items(), key=lambda kv: -kv[1]))
-    print(f"{out}: {args.arch} shaped as {shape.name}, {summary['params'] / 1e9:.2f}B parameters, "
-          f"{summary['bytes'] / 2**20:.0f} MiB ({types} matrices) in {time.perf_counter() - start:.1f} s")  # fmt: skip
+    print(
+        f"{out}: {args.arch} shaped as {shape.name}, {summary['params'] / 1e9:.2f}B parameters, "
+        f"{summary['bytes'] / 2**20:.0f} MiB ({types} matrices) in {time.perf_counter() - start:.1f} s"
+    )
     return 0
 
 

@@ -349,7 +349,8 @@ def check_safetensors(folder: Path) -> None:
         missing = [s for s in shards if not (folder / s).is_file()]
         if missing:
             raise ModelLoadError(
-                f"{folder} lacks {len(missing)} of {len(shards)} weight files ({missing[0]}…): download the model again"
+                f"{folder} lacks {len(missing)} of {len(shards)} weight files ({missing[0]}…): "
+                "download the model again"
             )
     for file in sorted(folder.glob("*.safetensors")):
         size = file.stat().st_size

@@ -100,7 +100,8 @@ LLAMA3 = ChatTemplate(
     "llama3",
     "Llama-3-instruct: <|start_header_id|>role<|end_header_id|> ... <|eot_id|>",
     _BOS + "{%- for message in messages -%}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] + '<|eot_id|>' }}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content']"
+    " + '<|eot_id|>' }}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif -%}",
     ("<|eot_id|>", "<|start_header_id|>"),
