@@ -32,7 +32,6 @@ is cut back to the answer's tokens.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Generator, Sequence
 from typing import Any
@@ -51,19 +50,18 @@ from chatbot.alignment import (
 from chatbot.config import ChatConfig, SamplingConfig
 from chatbot.engine.generate import Engine, GenerationChunk
 from chatbot.engine.sampling import sampling_from_model  # noqa: F401 - re-exported
-from chatbot.engine.sink_cache import default_recent_size
 from chatbot.engine.stats import TurnStats, merge_stats, stats_from_arrivals, summarize
 from chatbot.engine.stops import StopOnStrings, StopView
-from chatbot.engine.tracked_cache import CacheLayout, TrackedCache
 from chatbot.errors import ChatbotError
 from chatbot.models.templates import TemplateInfo, answer_stops
 from chatbot.persist import SavedConversation, Turn, parse_saved
+from chatbot.session_cache import ConversationCache
 from chatbot.session_log import Event, LoggedSession
 
 ProgressCallback = Callable[[int, int], None]  # (tokens done, tokens in all)
 
 
-class ChatSession(SavedConversation, LoggedSession):
+class ChatSession(ConversationCache, SavedConversation, LoggedSession):
     """Messages, the token ids in the cache, and `send()` that streams an answer.
 
     Args:
@@ -93,42 +91,6 @@ class ChatSession(SavedConversation, LoggedSession):
         self.stop_ids, self.stops = answer_stops(self.tokenizer, engine.model, template)
 
     # -- set-up -------------------------------------------------------------------------
-
-    @property
-    def max_context(self) -> int:
-        """The most tokens this conversation may hold: the config's, else the engine's."""
-        return self.config.engine.max_context or self.engine.max_context
-
-    def make_cache(self) -> TrackedCache:
-        ec = self.config.engine
-        limit = self.max_context
-        if not ec.enable_streaming:
-            cache = self.engine.new_cache()
-            cache.max_context = limit
-            return cache
-        recent = ec.recent_size or default_recent_size(limit)
-        ec.check_window(ec.start_size, recent, limit)
-        cache = self.engine.new_cache(ec.start_size, recent)
-        cache.max_context = limit
-        keep = ec.keep_system if ec.keep_system is not None else bool(self.system)
-        if keep:
-            # A system prompt longer than the context allows is pinned only as far as it fits
-            # beside the window; the rest is evicted like any old text.
-            room = max(ec.start_size, limit - recent)
-            cache.pin(min(self.system_prompt_tokens(), room))
-        return cache
-
-    def system_prompt_tokens(self) -> int:
-        """How many tokens the rendered system prompt takes at the start of the conversation."""
-        if not self.system:
-            return 0
-        msgs = [{"role": "system", "content": self.system}]
-        try:
-            sys_text = self.render(msgs, False)
-            full = self.render([*msgs, {"role": "user", "content": "x"}], False)
-        except Exception:  # noqa: BLE001 - a template (user code) that cannot render a lone system message
-            return 0
-        return len(self.encode(sys_text)) if full.startswith(sys_text) else 0
 
     def _seed_generator(self) -> None:
         if self.sampling.seed is not None:
@@ -164,38 +126,6 @@ class ChatSession(SavedConversation, LoggedSession):
     @property
     def rendered(self) -> str:
         return "".join(s.text for s in self.segments)
-
-    @property
-    def all_ids(self) -> list[int]:
-        return [i for s in self.segments for i in s.ids]
-
-    @property
-    def cache(self) -> Any:
-        """The transformers cache the model writes into."""
-        return self.kv.cache
-
-    @property
-    def cache_ids(self) -> list[int]:
-        """The ids the cache holds now (after evictions)."""
-        return self.kv.ids
-
-    @property
-    def n_fed(self) -> int:
-        """How many ids of the conversation have gone through the cache (evicted ones too)."""
-        return len(self.kv.seen)
-
-    @property
-    def pending_ids(self) -> list[int]:
-        return self.all_ids[self.n_fed :]
-
-    @property
-    def evicted_total(self) -> int:
-        return self.kv.evicted_total
-
-    @property
-    def capacity(self) -> int:
-        """The most tokens the cache holds: the window of a bounded cache, else the context."""
-        return self.kv.capacity
 
     @property
     def conversation_tokens(self) -> int:
@@ -415,28 +345,6 @@ class ChatSession(SavedConversation, LoggedSession):
             self.segments.append(self._segment("prompt", suffix))
         self._truncate(len(self.segments), self.kv.common_prefix(self.all_ids), self.evicted_total)
 
-    # -- the cache --------------------------------------------------------------------------
-
-    def _forget_cache(self) -> None:
-        """Empty the cache; every id of the conversation becomes pending."""
-        self.kv.reset()
-        self.kv = self.make_cache()  # re-pinned for the current system prompt
-        for turn in self.turns:  # a new cache has evicted nothing yet
-            turn.evicted_before = 0
-
-    def _skip_to_window(self) -> None:
-        """An emptied streaming cache is refilled with what it would hold had it never been
-        emptied: the pinned start (sinks, system prompt) and the last `recent_size` ids. The
-        ids between are counted as evicted instead of being encoded only to be evicted (after
-        /undo or /retry past an eviction, a /load, a new system prompt), so the cost is the
-        window, not the whole conversation.
-        """
-        try:
-            self.engine.refill_window(self.kv, self.all_ids, self.config.engine.prefill_chunk)
-        finally:
-            if not self.kv.settle():
-                self._forget_cache()
-
     def _rebuild_segments(self) -> None:
         """Tokenize the whole conversation afresh, turn by turn; the cache keeps only the
         ids it shares with the new tokenization (a bounded cache is emptied).
@@ -451,33 +359,9 @@ class ChatSession(SavedConversation, LoggedSession):
             turn.evicted_before = 0
         self._keep_common_prefix()
 
-    def _keep_common_prefix(self) -> None:
-        """Cut the cache back to the longest prefix of what it took in that the conversation
-        still starts with; empty a bounded cache (its window is refilled instead)."""
-        keep = self.kv.common_prefix(self.all_ids)
-        if keep == 0 or self.kv.is_bounded or not self.kv.crop_to(keep):
-            self._forget_cache()
-            return
-        for turn in self.turns:
-            turn.evicted_before = 0
-
     def _ensure_consistent(self) -> None:
         if self.rendered != self.render(self.messages(), False):
             self._rebuild_segments()
-
-    def _truncate(self, n_segments: int, keep: int, evicted_before: int) -> None:
-        """Keep `segments[:n_segments]` and at most `keep` ids of them in the cache.
-
-        The cache is cut back (no re-encoding) when nothing was evicted since the cut point
-        entered it; otherwise it is emptied and the next turn re-encodes.
-        """
-        self.segments = self.segments[:n_segments]
-        target = max(0, min(self.n_fed, keep, len(self.all_ids)))
-        cut = self.n_fed - target
-        if cut == 0:
-            return
-        if target == 0 or self.evicted_total != evicted_before or not self.kv.crop_to(target):
-            self._forget_cache()
 
     def _turn_start(self, turn: Turn) -> int:
         """Index of the turn's prompt segment, rebuilding the segments if it is unknown."""
@@ -612,30 +496,6 @@ class ChatSession(SavedConversation, LoggedSession):
         self._rebuild_segments()
         return self.prefill_pending(on_progress)
 
-    def prefill_pending(self, on_progress: ProgressCallback | None = None) -> int:
-        """Feed every pending id into the cache now, in chunks (e.g. after a load).
-
-        Interrupted, it keeps what was fed; the rest stays pending for the next turn.
-
-        Returns:
-            the number of tokens fed.
-
-        Raises:
-            ContextFullError: the pending ids do not fit in a growing cache.
-        """
-        self._skip_to_window()
-        ids = self.pending_ids
-        if not ids:
-            return 0
-        self.kv.check_room(len(ids))
-        before = self.n_fed
-        try:
-            self.engine.prefill(self.kv, ids, self.config.engine.prefill_chunk, on_progress=on_progress)
-        finally:
-            if not self.kv.settle():
-                self._forget_cache()
-        return max(0, self.n_fed - before)
-
     def set_sampling(self, sampling: SamplingConfig) -> None:
         self._use_sampling(sampling)
         self._log(Event.SETTINGS, settings=sampling.as_dict())
@@ -677,13 +537,6 @@ class ChatSession(SavedConversation, LoggedSession):
         return self.prefill_pending(on_progress) if encode else 0
 
     # -- reports ----------------------------------------------------------------------------
-
-    def cache_layout(self) -> CacheLayout:
-        """Where the cache stands, and the oldest text it holds after the pinned part."""
-        layout = self.kv.layout()
-        tail = self.cache_ids[layout.pinned : layout.pinned + 24]
-        oldest = self.tokenizer.decode(tail, skip_special_tokens=True).strip() if tail else ""
-        return dataclasses.replace(layout, oldest_text=oldest)
 
     def summary(self) -> dict[str, Any]:
         """Totals over all turns, for /stats."""
