@@ -1,0 +1,215 @@
+"""The engine's one worker thread: `Job` (one generation and where its events go) and
+`Worker`, which runs jobs in order on the prefix-cache pool and sends their events back.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from chatbot.config import SamplingConfig
+from chatbot.errors import ChatbotError, ContextFullError
+from chatbot.server.pool import Conversation, PrefixCachePool
+from chatbot.server.protocol import APIError
+
+
+@dataclass
+class Job:
+    """One generation: what to answer, and where its events go."""
+
+    conversation: Conversation | None  # None: a raw text completion of `prompt`
+    sampling: SamplingConfig
+    emit: Callable[[tuple[str, Any]], None]
+    cancel: threading.Event = field(default_factory=threading.Event)
+    prompt: str = ""
+
+
+class Worker:
+    """The one thread that runs the engine: jobs in order, events back to the event loop.
+
+    Events: ("text", str) for each piece of the answer, then ("done", usage dict with the
+    finish reason), or ("error", APIError) when nothing could be generated.
+    """
+
+    def __init__(self, pool: PrefixCachePool) -> None:
+        self.pool = pool
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.busy = False
+        self.served = 0
+        self.thread = threading.Thread(target=self._loop, name="chatbot-engine", daemon=True)
+        self.thread.start()
+
+    @property
+    def queued(self) -> int:
+        return self.jobs.qsize()
+
+    def submit(self, job: Job) -> None:
+        self.jobs.put(job)
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+
+    def _loop(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            if job.cancel.is_set():  # the client left while it waited
+                continue
+            self.busy = True
+            try:
+                self._run(job)
+            except Exception as exc:  # noqa: BLE001 - one request must not take the worker down
+                job.emit(
+                    ("error", APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+                )
+            finally:
+                self.busy = False
+                self.served += 1
+
+    def _complete(self, job: Job) -> None:
+        """A raw prompt on a fresh cache (no template, no prefix cache)."""
+        engine = self.pool.engine
+        ids = list(engine.tokenizer(job.prompt)["input_ids"])
+        if not ids:
+            job.emit(("error", APIError(400, "the prompt is empty", param="prompt")))
+            return
+        ec = self.pool.engine_config
+        if ec.enable_streaming:
+            from chatbot.engine.sink_cache import default_recent_size
+
+            recent = ec.recent_size or default_recent_size(engine.max_context)
+            cache = engine.new_cache(ec.start_size, recent)
+        else:
+            cache = engine.new_cache()
+        generator = torch.Generator(device=engine.device)
+        if job.sampling.seed is not None:
+            generator.manual_seed(job.sampling.seed)
+        eos = engine.tokenizer.eos_token_id
+        chunks = engine.generate(
+            cache,
+            ids,
+            job.sampling,
+            stop_ids=[] if eos is None else [int(eos)],
+            prefill_chunk=ec.prefill_chunk,
+            generator=generator,
+        )
+        stats = None
+        try:
+            for chunk in chunks:
+                if chunk.text:
+                    job.emit(("text", chunk.text))
+                stats = chunk.stats or stats
+                if job.cancel.is_set():
+                    return
+        except ContextFullError as exc:
+            job.emit(
+                (
+                    "error",
+                    APIError(
+                        400,
+                        f"{exc}".split(":")[0] + ": the prompt does not fit the context",
+                        param="prompt",
+                        code="context_length_exceeded",
+                    ),
+                )
+            )
+            return
+        finally:
+            chunks.close()
+        assert stats is not None
+        job.emit(
+            (
+                "done",
+                {
+                    "finish_reason": "stop" if stats.finish_reason == "stop" else "length",
+                    "prompt_tokens": len(ids),
+                    "completion_tokens": stats.generated_tokens,
+                    "cached_tokens": 0,
+                },
+            )
+        )
+
+    def _run(self, job: Job) -> None:
+        conv = job.conversation
+        if conv is None:
+            self._complete(job)
+            return
+        try:
+            entry = self.pool.checkout(conv)
+        except ChatbotError as exc:
+            job.emit(("error", APIError(400, str(exc))))
+            return
+        session = entry.session
+        keep = True
+        try:
+            if conv.partial_answer is not None:
+                session.turns[-1].interrupted = True  # lets continue_answer go on from it
+                chunks = session.continue_answer(job.sampling)
+            else:
+                chunks = session.send(conv.user, job.sampling)
+            if job.sampling.seed is not None:
+                session.generator.manual_seed(job.sampling.seed)
+            prompt_tokens = 0
+            stats = None
+            first = True
+            try:
+                for chunk in chunks:
+                    if first:
+                        # Only the prompt is in the cache yet (a token enters after it is shown).
+                        prompt_tokens = len(session.cache_ids) + session.evicted_total
+                        first = False
+                    if chunk.text:
+                        job.emit(("text", chunk.text))
+                    stats = chunk.stats or stats
+                    if job.cancel.is_set():
+                        break
+            finally:
+                chunks.close()  # an answer cut short is kept in the session
+            if job.cancel.is_set():
+                return
+            assert stats is not None
+            cached = max(0, prompt_tokens - stats.context_tokens)
+            finish = {"stop": "stop", "length": "length", "context": "length"}.get(
+                stats.finish_reason, "stop"
+            )
+            job.emit(
+                (
+                    "done",
+                    {
+                        "finish_reason": finish,
+                        "prompt_tokens": prompt_tokens,
+                        "completion_tokens": stats.generated_tokens,
+                        "cached_tokens": cached,
+                        "prefill_s": stats.context_time_s,
+                    },
+                )
+            )
+        except ContextFullError as exc:
+            job.emit(
+                (
+                    "error",
+                    APIError(
+                        400,
+                        str(exc).split(":")[0] + ": the conversation does not fit the "
+                        f"model's context ({self.pool.engine.max_context:,} tokens)",
+                        param="messages",
+                        code="context_length_exceeded",
+                    ),
+                )
+            )
+        except ChatbotError as exc:
+            job.emit(("error", APIError(400, str(exc))))
+        except BaseException:
+            keep = False
+            raise
+        finally:
+            if keep:
+                self.pool.checkin(entry)
+            else:
+                self.pool.discard(entry)
