@@ -27,18 +27,15 @@ value) for exact 16-bit integer dot products: nearly as fast as int8 and 258x fi
 kernels.c, ACT_I16; same greedy tokens as float32 on the default model; perplexity +0.0008%).
 ``int8`` and ``int4`` quantize each activation vector to int8 per block of 32, as llama.cpp does.
 
-The cache: every layer of a transformers cache (`DynamicCache` or our `SinkCache`) is
-replaced by a `BufferLayer`, which keeps keys and values in a preallocated buffer
-``[1, kv_heads, capacity, head_dim]`` and writes new tokens in place, gpt-fast style. It is
-still a transformers cache layer (prefill, `crop`, `reset` work as before), and it implements
-the sink cache's `drop` in place, so `--enable-streaming` (eviction and re-rotation) keeps
-working on the fast path.
+The cache: every layer of a transformers cache is replaced by a `BufferLayer`
+(`chatbot.engine.buffer_cache`), which writes new tokens in place in a preallocated buffer;
+`--enable-streaming` (eviction and re-rotation) keeps working on the fast path. The weights
+are packed by `chatbot.engine.fast_weights`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,179 +43,33 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache
 
 from chatbot.engine import kernels
-from chatbot.engine.gguf_weights import GGUFWeights
-from chatbot.engine.packed import PackedEmbedding, PackedLinear, dense_weight
-from chatbot.engine.sink_cache import SinkLayer, rotate_keys
+from chatbot.engine.buffer_cache import BufferLayer, adopt_layers  # also re-exported (tests)
+from chatbot.engine.fast_weights import from_gguf, from_model, from_packed, is_packed
 from chatbot.errors import ChatbotError
+
+__all__ = [
+    "LEVELS",
+    "BufferLayer",
+    "DecodeInfo",
+    "FastDecoder",
+    "FastPathUnavailable",
+    "ThreadTuner",
+    "adopt_layers",
+    "make_decoder",
+]
 
 LEVELS = ("off", "f32", "auto", "int8", "int4")
 """Optimization levels: ``off`` is plain transformers; the others pick the weight format."""
 
 _SUPPORTED_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 _SUPPORTED_ROPE = {"default", "linear", "llama3", "yarn"}
-_versions = itertools.count(1)
 
 
 class FastPathUnavailable(ChatbotError):
     """The fast decode path cannot run this model here; the engine falls back to transformers."""
-
-
-# --- the cache ---------------------------------------------------------------------------
-
-
-class BufferLayer(SinkLayer):
-    """A cache layer whose keys and values live in a preallocated buffer, written in place.
-
-    `keys` / `values` are views of the first `length` positions, so code written for
-    `DynamicLayer` reads them as before. The buffer grows by doubling when full (a copy,
-    amortized); `version` changes whenever it is reallocated, so holders of raw pointers
-    know to refresh them.
-    """
-
-    MIN_CAPACITY = 256
-
-    def __init__(self) -> None:
-        self._k: torch.Tensor | None = None  # [B, H, capacity, D]
-        self._v: torch.Tensor | None = None
-        self.length = 0
-        self.version = 0
-        super().__init__()
-
-    # Views of the filled part; assigning a tensor replaces the contents.
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return None if self._k is None else self._k[:, :, : self.length]
-
-    @keys.setter
-    def keys(self, value: torch.Tensor | None) -> None:
-        self._assign("_k", value)
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return None if self._v is None else self._v[:, :, : self.length]
-
-    @values.setter
-    def values(self, value: torch.Tensor | None) -> None:
-        self._assign("_v", value)
-
-    def _assign(self, name: str, value: torch.Tensor | None) -> None:
-        if value is None:
-            setattr(self, name, None)
-            if self._k is None and self._v is None:
-                self.length = 0
-            return
-        n = value.shape[-2]
-        cap = max(self.capacity, self._grown(n))
-        buf = value.new_zeros(*value.shape[:-2], cap, value.shape[-1])
-        buf[:, :, :n] = value
-        setattr(self, name, buf)
-        self.length = n
-        self.version = next(_versions)
-
-    @property
-    def capacity(self) -> int:
-        return 0 if self._k is None else self._k.shape[-2]
-
-    def _grown(self, needed: int) -> int:
-        cap = max(self.capacity, self.MIN_CAPACITY)
-        while cap < needed:
-            cap *= 2
-        return cap
-
-    def reserve(self, needed: int, like: torch.Tensor | None = None) -> None:
-        """Make room for `needed` positions (reallocating, and copying what is held)."""
-        if self._k is not None and self.capacity >= needed:
-            return
-        ref = self._k if self._k is not None else like
-        assert ref is not None, "reserve() before the first update needs a tensor to copy the shape from"
-        cap = self._grown(needed)
-        shape = (*ref.shape[:-2], cap, ref.shape[-1])
-        k, v = ref.new_zeros(shape), ref.new_zeros(shape)
-        if self._k is not None and self._v is not None:
-            k[:, :, : self.length] = self._k[:, :, : self.length]
-            v[:, :, : self.length] = self._v[:, :, : self.length]
-        self._k, self._v = k, v
-        self.version = next(_versions)
-
-    # -- CacheLayerMixin ------------------------------------------------------------------
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-        self.is_initialized = True
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        n = key_states.shape[-2]
-        self.reserve(self.length + n, like=key_states)
-        assert self._k is not None and self._v is not None
-        self._k[:, :, self.length : self.length + n] = key_states
-        self._v[:, :, self.length : self.length + n] = value_states
-        self.length += n
-        return self._k[:, :, : self.length], self._v[:, :, : self.length]
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError("crop takes a negative count of tokens to remove from the end")
-        self.length = max(0, self.length + tokens_to_remove)
-
-    def reset(self) -> None:
-        # Keep the buffers: the next conversation reuses them.
-        self.length = 0
-
-    def drop(self, start: int, end: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """Remove positions ``[start, end)`` in place and re-rotate the keys after them."""
-        if self._k is None or self._v is None or end <= start:
-            return
-        n = self.length
-        end = min(end, n)
-        moved = n - end
-        if moved > 0:
-            self._k[:, :, start : start + moved] = rotate_keys(self._k[:, :, end:n], cos, sin)
-            self._v[:, :, start : start + moved] = self._v[:, :, end:n].clone()
-        self.length = n - (end - start)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the preallocated buffers (what the layer holds, filled or not)."""
-        if self._k is None or self._v is None:
-            return 0
-        return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()
-
-
-def adopt_layers(cache: Cache) -> bool:
-    """Swap every layer of `cache` for a `BufferLayer` holding the same keys and values.
-
-    Returns:
-        True if the cache now holds only buffer layers (False: a layer kind we cannot take
-        over, e.g. a sliding-window layer; the cache is left unchanged).
-    """
-    layers: list[Any] = cache.layers
-    if all(type(layer) is BufferLayer for layer in layers):
-        return True
-    # Type identity, not names or isinstance: a subclass (a sliding-window layer is a
-    # DynamicLayer subclass) or a same-named class elsewhere stores its tokens differently.
-    if not all(type(layer) in (DynamicLayer, SinkLayer, BufferLayer) for layer in layers):
-        return False
-    for i, layer in enumerate(layers):
-        if type(layer) is BufferLayer:
-            continue
-        new = BufferLayer()
-        keys, values = layer.keys, layer.values
-        if layer.is_initialized and keys is not None and values is not None and keys.numel() > 0:
-            new.lazy_initialization(keys, values)
-            new.reserve(keys.shape[-2], like=keys)
-            new.update(keys, values)
-        layers[i] = new
-    return True
 
 
 # --- threads ---------------------------------------------------------------------------------
@@ -293,23 +144,6 @@ class DecodeInfo:
         mats = " + ".join(f"{n} {name}" for name, n in sorted(self.formats.items(), key=lambda kv: -kv[1]))
         return (f"native kernels (--opt {self.level}): {mats} matrices, {self.weight_bytes / 2**20:.0f} MB, "
                 f"{self.activations} activations, up to {self.threads} threads")  # fmt: skip
-
-
-def _is_packed(model: Any) -> bool:
-    """Every matrix of the model is a packed module (a GGUF model loaded as it is)."""
-    mods = [model.get_input_embeddings(), model.get_output_embeddings()]
-    for layer in model.model.layers:
-        att, mlp = layer.self_attn, layer.mlp
-        mods += [att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-    return all(isinstance(m, (PackedLinear, PackedEmbedding)) for m in mods)
-
-
-def _tied(model: Any) -> bool:
-    """The output matrix is the input embedding (as packed matrices or as tensors)."""
-    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if isinstance(embed, PackedEmbedding) or isinstance(head, PackedLinear):
-        return getattr(embed, "packed", None) is getattr(head, "packed", 0)
-    return bool(head.weight.data_ptr() == embed.weight.data_ptr())
 
 
 def _check_model(model: Any) -> Any:
@@ -406,13 +240,13 @@ class FastDecoder:
         gguf = gguf if gguf is not None else getattr(model, "chatbot_gguf", None)
         with torch.no_grad():
             from_file = use_gguf and level == "auto"
-            packed = self._from_packed(model) if from_file else None
-            if packed is None and from_file and gguf and not _is_packed(model):
-                packed = self._from_gguf(model, gguf, heads, kv_heads)
+            packed = from_packed(model) if from_file else None
+            if packed is None and from_file and gguf and not is_packed(model):
+                packed = from_gguf(model, gguf, heads, kv_heads)
             if packed is not None:
                 self.source = "gguf"
             else:
-                packed = self._from_model(model, level)
+                packed = from_model(model, level)
             self.embed, self.lm_head, self.wqkv, self.wo, self.wgu, self.wdown = packed
             self.attn_norm, self.ffn_norm, self.biases = [], [], []
             self.q_norm: list[torch.Tensor] = []
@@ -482,98 +316,6 @@ class FastDecoder:
         if any(p.fmt in kernels.INT16_PRODUCTS for p in mats):
             return kernels.ACT_I16
         return kernels.ACT_F32
-
-    @staticmethod
-    def _packer(level: str) -> Any:
-        """pack(role, *row_blocks) -> one packed matrix in the level's format."""
-
-        def pack(role: str, *parts: torch.Tensor) -> kernels.PackedMatrix:
-            parts = tuple(w.detach() for w in parts)
-            if level == "auto":
-                return kernels.pack_lossless(*parts)
-            if level == "f32" or any(w.shape[1] % kernels.QK for w in parts):
-                return kernels.stack([kernels.pack_f32(w) for w in parts])
-            fmt = kernels.FMT_Q8_0 if level == "int8" or role == "embed" else kernels.FMT_Q4_1
-            return kernels.quantize_rows(list(parts), fmt)[0]
-
-        return pack
-
-    @classmethod
-    def _from_model(cls, model: Any, level: str) -> tuple[Any, ...]:
-        """(embed, lm_head, then per layer the row blocks of qkv, o, gate/up, down), packed
-        from the model's float weights in the level's format."""
-        pack = cls._packer(level)
-        w = dense_weight  # a packed module's weights are dequantized, one matrix at a time
-        embed = pack("embed", w(model.get_input_embeddings()))
-        lm_head = embed if _tied(model) else pack("embed", w(model.get_output_embeddings()))
-        wqkv, wo, wgu, wdown = [], [], [], []
-        for layer in model.model.layers:
-            att, mlp = layer.self_attn, layer.mlp
-            wqkv.append([pack("layer", w(att.q_proj), w(att.k_proj), w(att.v_proj))])
-            wo.append([pack("layer", w(att.o_proj))])
-            wgu.append([pack("layer", w(mlp.gate_proj), w(mlp.up_proj))])
-            wdown.append([pack("layer", w(mlp.down_proj))])
-        return embed, lm_head, wqkv, wo, wgu, wdown
-
-    @staticmethod
-    def _from_packed(model: Any) -> tuple[Any, ...] | None:
-        """The same matrices as `_from_model`, shared with a model whose modules hold them
-        packed already (`chatbot.models.gguf_model`: a GGUF file's blocks); None otherwise."""
-        if not _is_packed(model):
-            return None
-        embed = model.get_input_embeddings().packed
-        lm_head = model.get_output_embeddings().packed
-        wqkv, wo, wgu, wdown = [], [], [], []
-        for layer in model.model.layers:
-            att, mlp = layer.self_attn, layer.mlp
-            wqkv.append([att.q_proj.packed, att.k_proj.packed, att.v_proj.packed])
-            wo.append([att.o_proj.packed])
-            wgu.append([mlp.gate_proj.packed, mlp.up_proj.packed])
-            wdown.append([mlp.down_proj.packed])
-        return embed, lm_head, wqkv, wo, wgu, wdown
-
-    @staticmethod
-    def _from_gguf(model: Any, path: str | Path, heads: int, kv_heads: int) -> tuple[Any, ...] | None:
-        """The same matrices as `_from_model`, taken from the GGUF file the model was loaded
-        from, in their stored formats (no copy). None where the file does not hold the
-        model's weights as expected (then the model's own weights are packed instead)."""
-        try:
-            src = GGUFWeights(path)
-            embed = src.matrix("token_embd.weight")
-            lm_head = embed if _tied(model) else src.matrix("output.weight")
-            wqkv, wo, wgu, wdown = [], [], [], []
-            for i in range(len(model.model.layers)):
-                b = f"blk.{i}."
-                wqkv.append([
-                    src.matrix(b + "attn_q.weight", heads), src.matrix(b + "attn_k.weight", kv_heads),
-                    src.matrix(b + "attn_v.weight"),
-                ])  # fmt: skip
-                wo.append([src.matrix(b + "attn_output.weight")])
-                wgu.append([src.matrix(b + "ffn_gate.weight"), src.matrix(b + "ffn_up.weight")])
-                wdown.append([src.matrix(b + "ffn_down.weight")])
-        except (KeyError, ValueError, OSError):
-            return None
-        # Same shapes as the model's, and the same weights where it is cheap to look: the
-        # first layer's q and k (which would show a wrong row order) and the embedding's
-        # first rows. Float32 rounding of the dequantization may differ in the last bit.
-        layer0 = model.model.layers[0]
-        pairs = [
-            (embed, model.get_input_embeddings().weight),
-            (lm_head, model.get_output_embeddings().weight),
-        ]
-        for i, layer in enumerate(model.model.layers):
-            att, mlp = layer.self_attn, layer.mlp
-            mods = [(wqkv[i], [att.q_proj, att.k_proj, att.v_proj]), (wo[i], [att.o_proj]),
-                    (wgu[i], [mlp.gate_proj, mlp.up_proj]), (wdown[i], [mlp.down_proj])]  # fmt: skip
-            for parts, ms in mods:
-                pairs += [(p, m.weight) for p, m in zip(parts, ms, strict=True)]
-        if any((p.rows, p.cols) != tuple(w.shape) for p, w in pairs):
-            return None
-        checks = [(wqkv[0][0], layer0.self_attn.q_proj.weight), (wqkv[0][1], layer0.self_attn.k_proj.weight)]
-        for p, w in checks:
-            if not torch.allclose(kernels.unpack(p, threads=1), w.detach().float(), rtol=1e-5, atol=1e-7):
-                return None
-        return embed, lm_head, wqkv, wo, wgu, wdown
 
     def _ensure_rope(self, length: int) -> None:
         """cos/sin tables for positions [0, length), computed as transformers does."""
