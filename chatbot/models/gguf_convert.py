@@ -1,0 +1,164 @@
+"""A GGUF file's checks and its float32 conversion cache.
+
+`check_gguf` reads a file's header and tensor table before anything slow. A GGUF file that
+cannot run as it is gets dequantized by transformers once (`convert_gguf`); the safetensors
+copy is kept under the user's cache directory (`cache_root`), keyed by the file's content hash
+(`converted_dir`), and trusted only while its manifest matches its files (`_manifest_ok`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from chatbot.errors import ModelLoadError
+from chatbot.models.load_checks import _quiet_transformers, _short
+
+MANIFEST = "chatbot-manifest.json"
+_CONVERSION_VERSION = 1
+
+
+def cache_root() -> Path:
+    """`$XDG_CACHE_HOME/chatbot` (default `~/.cache/chatbot`)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "chatbot"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _identity(path: Path) -> str:
+    """Key for a converted copy: a hash of the file's content, remembered per (size, mtime)."""
+    st = path.stat()
+    memo = cache_root() / "hashes.json"
+    key = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    try:
+        known = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if isinstance(known, dict) and isinstance(known.get(key), str):
+        return known[key]
+    digest = _sha256(path)
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        known = known if isinstance(known, dict) else {}
+        known[key] = digest
+        tmp = memo.with_suffix(".tmp")
+        tmp.write_text(json.dumps(known))
+        os.replace(tmp, memo)
+    except OSError:
+        pass
+    return digest
+
+
+def converted_dir(gguf: Path) -> Path:
+    return cache_root() / "gguf" / f"{gguf.stem}-{_identity(gguf)[:16]}"
+
+
+def _manifest_ok(folder: Path) -> bool:
+    """A converted copy is trusted only if every file it lists has its recorded size."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        if manifest.get("version") != _CONVERSION_VERSION:
+            return False
+        files = manifest["files"]
+        return bool(files) and all((folder / name).stat().st_size == size for name, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantize `gguf` through transformers and write a safetensors copy to `target`.
+
+    Written to a temporary folder beside `target` and renamed into place, so a crash never
+    leaves a half-written copy that looks complete.
+
+    Raises:
+        ModelLoadError: the file is not a GGUF model transformers can read.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    check_gguf(gguf)
+    try:
+        with _quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+            )
+    except Exception as exc:  # transformers raises many kinds for a bad file
+        raise ModelLoadError(f"cannot read GGUF file {gguf}: {_short(exc)}") from exc
+    # The dequantized weights are plain tensors; drop the marker that forbids saving them.
+    model.hf_quantizer = None  # type: ignore[assignment]
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        with _quiet_transformers():
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
+        manifest = {"version": _CONVERSION_VERSION, "gguf": str(gguf), "files": files}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_gguf(path: Path) -> None:
+    """Read a GGUF file's header and tensor table; make sure every tensor's data is there.
+
+    Raises:
+        ModelLoadError: not a GGUF file, or truncated/corrupt.
+    """
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"cannot read GGUF file {path}: it is not a GGUF file (no 'GGUF' magic)")
+    try:
+        # the tensor table only: gguf's reader would parse the whole vocabulary first
+        from chatbot.engine.gguf_weights import read_tensor_table
+
+        _, table = read_tensor_table(path)
+        end = max((t.offset + t.nbytes for t in table), default=0)
+    except Exception as exc:
+        raise ModelLoadError(
+            f"cannot read GGUF file {path}: it is truncated or corrupt ({_short(exc)}); download it again"
+        ) from exc
+    if end > size:
+        raise ModelLoadError(
+            f"cannot read GGUF file {path}: it is truncated ({size} of {end} bytes); download it again"
+        )
+
+
+def _writable_target(target: Path, notes: list[str]) -> Path:
+    """`target`, or a folder in the system's temporary directory when the conversion cache
+    cannot be written (checked before converting, not after)."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=target.parent))
+        return target
+    except OSError as exc:
+        tmp_root = Path(tempfile.mkdtemp(prefix="chatbot-gguf-"))
+        atexit.register(shutil.rmtree, tmp_root, True)
+        notes.append(
+            f"cannot write the conversion cache {target.parent} ({exc.strerror or exc}); "
+            "converted into a temporary folder for this run (set XDG_CACHE_HOME)"
+        )
+        return tmp_root / target.name
