@@ -27,6 +27,17 @@ MAX_DEPTH = 64  # nesting of JSON / YAML: ours is at most 4 deep
 MAX_NODES = 2_000_000  # values in one document (YAML aliases can multiply them)
 
 
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, for an error message (from its st_mode)."""
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
 def expand(path: str | os.PathLike[str]) -> Path:
     """`~` expanded; a clear error (not RuntimeError) when there is no home directory.
 
@@ -58,16 +69,7 @@ def open_regular(path: str | os.PathLike[str], what: str = "file") -> int:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            kind = (
-                "a folder"
-                if stat.S_ISDIR(mode)
-                else "a FIFO"
-                if stat.S_ISFIFO(mode)
-                else "a device"
-                if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-                else "not a regular file"
-            )
-            raise ChatbotError(f"cannot read {p}: it is {kind}, not a {what}")
+            raise ChatbotError(f"cannot read {p}: it is {file_kind(mode)}, not a {what}")
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
     except BaseException:

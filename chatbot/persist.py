@@ -18,7 +18,7 @@ from typing import Any
 from chatbot.config import SamplingConfig
 from chatbot.engine.stats import TurnStats, stats_from_dict, stats_to_dict
 from chatbot.errors import ChatbotError, ConfigError
-from chatbot.limits import MAX_SAVED_BYTES, expand, loads_json, read_text
+from chatbot.limits import MAX_SAVED_BYTES, expand, file_kind, loads_json, read_text
 
 SAVE_FORMAT = "chatbot-session"
 SAVE_VERSION = 1
@@ -201,13 +201,4 @@ def _check_save_target(target: Path) -> None:
             raise ChatbotError(f"cannot save to {target}: a loop of symbolic links") from None
         raise ChatbotError(f"cannot save to {target}: {exc.strerror or exc}") from None
     if not stat.S_ISREG(mode):
-        kind = (
-            "a folder"
-            if stat.S_ISDIR(mode)
-            else "a FIFO"
-            if stat.S_ISFIFO(mode)
-            else "a device"
-            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-            else "not a regular file"
-        )
-        raise ChatbotError(f"cannot save to {target}: it is {kind}")
+        raise ChatbotError(f"cannot save to {target}: it is {file_kind(mode)}")
