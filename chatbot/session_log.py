@@ -81,9 +81,7 @@ class LoggedSession:
                 self._log(Event.SEND, user=user)
             yield from chunks
         finally:
-            close = getattr(chunks, "close", None)
-            if close is not None:
-                close()  # the session closes the turn first
+            chunks.close()  # the session closes the turn first
             if redone is not None:
                 self._log(Event.TURN, replace=True, **redone.as_dict())
             elif len(self.turns) > count:
