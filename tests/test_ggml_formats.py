@@ -54,10 +54,14 @@ def test_dequantization_equals_ggml(kind):
 INT16_FORMATS = {"Q8_0", "Q4_1", "Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
 
 
-def int16_activations(x: np.ndarray) -> np.ndarray:
-    """x as the kernels hold it for `--opt auto`'s integer products: per block of 32, a float32
-    scale absmax / 32767 and int16 values (round half to even, as nearbyintf)."""
-    b = x.reshape(-1, 32).astype(np.float32)
+K_QUANTS = {"Q4_K", "Q5_K", "Q6_K"}
+
+
+def int16_activations(x: np.ndarray, block: int = 32) -> np.ndarray:
+    """x as the kernels hold it for `--opt auto`'s integer products: per block (32 values, or
+    a K-quant super-block of 256), a float32 scale absmax / 32767 and int16 values (round half
+    to even, as nearbyintf)."""
+    b = x.reshape(-1, block).astype(np.float32)
     d = (np.abs(b).max(axis=1, keepdims=True) / np.float32(32767)).astype(np.float32)
     inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
     return (np.rint(b * inv) * d).reshape(-1)
@@ -72,7 +76,9 @@ def test_matvec_equals_float64_product_of_reference(kind, act):
     data, ref = random_matrix(kind, seed=2)
     packed = kernels.from_raw(data, kernels.GGUF_FORMATS[kind], ROWS, COLS)
     x = torch.from_numpy(np.random.default_rng(3).standard_normal(COLS).astype(np.float32))
-    xs = int16_activations(x.numpy()) if act == kernels.ACT_I16 and kind in INT16_FORMATS else x.numpy()
+    block = 256 if kind in K_QUANTS else 32
+    int16 = act == kernels.ACT_I16 and kind in INT16_FORMATS
+    xs = int16_activations(x.numpy(), block) if int16 else x.numpy()
     exact = ref.astype(np.float64) @ xs.astype(np.float64)
     bound = np.abs(ref).astype(np.float64) @ np.abs(xs).astype(np.float64)
     for threads in (1, 2):
@@ -101,15 +107,37 @@ def test_from_raw_refuses_wrong_sizes():
         kernels.from_raw(torch.zeros(4, 100, dtype=torch.uint8), kernels.FMT_Q4_K, 4, 256)
 
 
-def test_scalar_build_matches_reference(tmp_path):
-    """The portable C (no AVX2: what a CPU without it, or another architecture, runs)."""
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(ln.split(":", 1)[1].split()) for ln in f if ln.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+BUILDS = {
+    # the portable C: what a CPU without AVX2, or another architecture, runs (float32 inputs)
+    "scalar": (["-O2"], [kernels.ACT_F32]),
+    # this CPU without AVX-512 (a Zen 3 or an older Xeon): the 256-bit integer products
+    "avx2": (["-O3", "-march=native", "-mno-avx512f"], [kernels.ACT_F32, kernels.ACT_I16]),
+}
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+def test_other_builds_match_reference(tmp_path, build):
+    """The library as other CPUs build it, against the reference; the tests above check the
+    build for this CPU."""
     cc = kernels._compiler()
     if cc is None:
         pytest.skip("no C compiler")
-    lib_path = tmp_path / "scalar.so"
-    flags = ["-O2", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+    if build == "avx2" and not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    extra, acts = BUILDS[build]
+    lib_path = tmp_path / f"{build}.so"
+    flags = [*extra, "-fopenmp", "-shared", "-fPIC", "-std=c11"]
     subprocess.run([cc, *flags, "-o", str(lib_path), str(kernels.SOURCE), "-lm"], check=True)
     lib = ctypes.CDLL(str(lib_path))
+    lib.chatbot_matvec_scratch.restype = ctypes.c_long
     x = torch.from_numpy(np.random.default_rng(4).standard_normal(COLS).astype(np.float32))
     for kind in FORMATS:
         data, ref = random_matrix(kind, seed=5)
@@ -117,12 +145,15 @@ def test_scalar_build_matches_reference(tmp_path):
         out = torch.empty(ROWS, COLS)
         lib.chatbot_dequantize(ctypes.byref(mat), ctypes.c_void_p(out.data_ptr()), 1)
         np.testing.assert_allclose(out.numpy(), ref, rtol=2e-7, atol=1e-9, err_msg=kind)
-        y = torch.empty(ROWS)
-        scratch = torch.empty(3 * (COLS // 32 + 1) + COLS // 4 + COLS // 2 + 2)
-        lib.chatbot_matvec(
-            ctypes.byref(mat), ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(scratch.data_ptr()),
-            ctypes.c_void_p(y.data_ptr()), 1, kernels.ACT_F32,
-        )  # fmt: skip
-        exact = ref.astype(np.float64) @ x.numpy().astype(np.float64)
-        bound = np.abs(ref).astype(np.float64) @ np.abs(x.numpy()).astype(np.float64)
-        assert np.all(np.abs(y.numpy() - exact) <= 2e-6 * bound + 1e-6), kind
+        for act in acts:
+            int16 = act == kernels.ACT_I16 and kind in INT16_FORMATS
+            xs = int16_activations(x.numpy(), 256 if kind in K_QUANTS else 32) if int16 else x.numpy()
+            y = torch.empty(ROWS)
+            scratch = torch.empty(lib.chatbot_matvec_scratch(COLS))
+            lib.chatbot_matvec(
+                ctypes.byref(mat), ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(scratch.data_ptr()),
+                ctypes.c_void_p(y.data_ptr()), 1, act,
+            )  # fmt: skip
+            exact = ref.astype(np.float64) @ xs.astype(np.float64)
+            bound = np.abs(ref).astype(np.float64) @ np.abs(xs).astype(np.float64)
+            assert np.all(np.abs(y.numpy() - exact) <= 2e-6 * bound + 1e-6), (kind, act)

@@ -36,6 +36,7 @@
 #endif
 
 #define QK 32
+#define QK_K 256
 
 enum {
     FMT_F32 = 0, FMT_BF16 = 1, FMT_Q8_0 = 2, FMT_Q4_1 = 3, FMT_F16 = 4, FMT_Q4_0 = 5, FMT_Q5_0 = 6,
@@ -295,7 +296,6 @@ static float dot_q4_1(const block_q4_1 *b, const float *x, const float *xsum, in
  *         scales (and mins); byte layouts in dequant_block below.
  * Byte j of a 32-block's nibbles holds q[j] (low) and q[j + 16] (high), as for Q4_1.
  */
-#define QK_K 256
 
 static inline uint16_t rd16(const uint8_t *p) {
     uint16_t v;
@@ -624,7 +624,9 @@ static size_t row_bytes(const Mat *m) {
 /* An input vector of a matrix product, with what the block formats need of it: block sums
  * (the min term of Q4_1), and for integer dot products an integer copy: ACT_Q8: int8 per
  * block of 32 in `q`, a scale `qd` and the scale times the block's integer sum `qs` (as
- * ggml's Q8_1); ACT_I16: int16 in `q16`, `qd` and `qs` as for ACT_Q8. */
+ * ggml's Q8_1); ACT_I16: int16 in `q16`, `qd` and `qs` as for ACT_Q8, and for the K-quants
+ * (made on first use, `prepare_k`) int16 per super-block of 256 in `k16`, its scale `kd`
+ * and the integer sum of each block of 32 in `kbs` (exact as a float: |sum| <= 32 x 32767). */
 typedef struct {
     const float *x;
     float *xsum; /* [k / 32] */
@@ -632,11 +634,52 @@ typedef struct {
     int16_t *q16; /* [k] */
     float *qd;   /* [k / 32] */
     float *qs;   /* [k / 32] */
+    int16_t *k16; /* [k] */
+    float *kd;    /* [k / 256] */
+    float *kbs;   /* [k / 32] */
     int act;
+    int k;
+    int kready;
 } Vec;
+
+/* The arrays of a Vec of up to w values, in floats, in the order vec_place lays them out. */
+static void vec_parts(int w, long parts[8]) {
+    const long nb = w / QK + 1;
+    const long n[8] = {nb, nb, nb, w / 4 + 1, w / 2 + 1, w / 2 + 1, w / QK_K + 1, nb};
+    for (int i = 0; i < 8; i++) parts[i] = (n[i] + 15) / 16 * 16; /* whole 64-byte lines */
+}
+
+/* Floats of scratch a Vec of up to w values takes. */
+static long vec_floats(int w) {
+    long parts[8], n = 0;
+    vec_parts(w, parts);
+    for (int i = 0; i < 8; i++) n += parts[i];
+    return n;
+}
+
+/* Point the arrays of `v` into `base` (vec_floats(w) floats). */
+static void vec_place(Vec *v, float *base, int w) {
+    long parts[8];
+    float *p[8];
+    vec_parts(w, parts);
+    for (int i = 0; i < 8; i++) {
+        p[i] = base;
+        base += parts[i];
+    }
+    v->xsum = p[0];
+    v->qd = p[1];
+    v->qs = p[2];
+    v->q = (int8_t *)p[3];
+    v->q16 = (int16_t *)p[4];
+    v->k16 = (int16_t *)p[5];
+    v->kd = p[6];
+    v->kbs = p[7];
+}
 
 static void prepare_vec(Vec *v, const float *x, int k, int act) {
     v->x = x;
+    v->k = k;
+    v->kready = 0;
     v->act = k % QK == 0 ? act : ACT_F32;
     for (int j = 0; j < k / QK; j++) {
         const float *b = x + j * QK;
@@ -669,6 +712,34 @@ static void prepare_vec(Vec *v, const float *x, int k, int act) {
         }
     }
 }
+
+/* The K-quant form of an ACT_I16 vector (once per vector, before its first K-quant product;
+ * a vector shared by threads must be made ready before they start). One scale per
+ * super-block lets a whole super-block's products add up in int32 before one conversion to
+ * float, as the K-quants' own integer sub-block scales allow; still 128x finer than
+ * llama.cpp's int8 per 256 (ggml's Q8_K). */
+static void prepare_k(Vec *v) {
+    if (v->kready || v->act != ACT_I16 || v->k % QK_K) return;
+    for (int i = 0; i < v->k / QK_K; i++) {
+        const float *b = v->x + i * QK_K;
+        float amax = 0.0f;
+        for (int t = 0; t < QK_K; t++) amax = fabsf(b[t]) > amax ? fabsf(b[t]) : amax;
+        const float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        for (int j = 0; j < QK_K / QK; j++) {
+            int sum = 0;
+            for (int t = j * QK; t < (j + 1) * QK; t++) {
+                const int q = (int)nearbyintf(b[t] * id);
+                v->k16[i * QK_K + t] = (int16_t)q;
+                sum += q;
+            }
+            v->kbs[i * (QK_K / QK) + j] = (float)sum;
+        }
+        v->kd[i] = d;
+    }
+    v->kready = 1;
+}
+
+static inline int is_k_quant(int fmt) { return fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K; }
 
 #ifdef CB_AVX2
 static inline __m256 sum_i16_pairs_ps(__m256i x) {
@@ -921,6 +992,185 @@ static float dot_q6_k_i16(const uint8_t *row, const Vec *v, int k) {
     }
     return hsum256(_mm256_add_ps(acc, acc1));
 }
+
+/* K-quants . K16 activations (int16 per super-block of 256, prepare_k). Each sub-block's
+ * integer scale multiplies its 4-6 bit weights in int16 (|q sc| <= 31 x 63, or 32 x 128 for
+ * Q6_K), the products with the activations add up in int32 lanes (vpdpwssd, or madd + add),
+ * and a super-block (a half for Q6_K) is converted to float once. Bounds of an int32 lane,
+ * |x| <= 32767: Q4_K 32 x 15 x 63 x 32767 < 2^31 at 8 lanes (AVX2), Q5_K 32 x 31 x 63 x 32767
+ * < 2^31, Q6_K 16 x 32 x 128 x 32767 < 2^31 per half (128 values over 8 lanes). The sums are
+ * exact, so the result is the float64 product of the weights with the rounded activations up
+ * to float32 rounding of the sub-totals. */
+
+/* the eight 6-bit scales and mins of a Q4_K / Q5_K super-block (its 12 scale bytes) */
+static inline void k4_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    uint32_t a0, a1, a2;
+    memcpy(&a0, s, 4);
+    memcpy(&a1, s + 4, 4);
+    memcpy(&a2, s + 8, 4);
+    const uint32_t lo6 = 0x3f3f3f3f, lo4 = 0x0f0f0f0f, lo2 = 0x03030303;
+    const uint32_t t[4] = {a0 & lo6, (a2 & lo4) | (((a0 >> 6) & lo2) << 4), a1 & lo6,
+                           ((a2 >> 4) & lo4) | (((a1 >> 6) & lo2) << 4)};
+    memcpy(sc, t, 8);
+    memcpy(mn, t + 2, 8);
+}
+
+/* dmin dx sum over the 8 blocks of 32 of m_j sum(qx) (the mins of a Q4_K / Q5_K super-block) */
+static inline __m256 k4_mins(const uint8_t mn[8], float dmin_dx, const float *kbs, __m256 acc) {
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn)));
+    return _mm256_fmadd_ps(_mm256_set1_ps(dmin_dx), _mm256_mul_ps(m, _mm256_loadu_ps(kbs)), acc);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#ifdef __AVX512VNNI__
+#define DPW512(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
+#else
+#define DPW512(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
+#endif
+
+static float dot_q45_k_k16(int five, const uint8_t *row, const Vec *v, int k) {
+    const int nb = k / QK_K, bb = five ? 176 : 144;
+    const __m512i m4 = _mm512_set1_epi16(0x0f), b4 = _mm512_set1_epi16(0x10);
+    __m512 acc = _mm512_setzero_ps();
+    __m256 accm = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++, row += bb) {
+        uint8_t sc[8], mn[8];
+        k4_scales(row + 4, sc, mn);
+        const uint8_t *q = row + 16 + 32 * five;
+        const int16_t *x = v->k16 + i * QK_K;
+        const __m512i hb = five ? _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(row + 16))), 4)
+                                : _mm512_setzero_si512();
+        __m512i s = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            /* byte l of the 32 holds value l of block 2j (low nibble) and of block 2j+1 (high) */
+            const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * j)));
+            __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_srli_epi16(w, 4);
+            if (five) { /* the 5th bits: bit 2j of qh[l] for block 2j, bit 2j+1 for 2j+1 */
+                lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_srli_epi16(hb, 2 * j), b4));
+                hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(hb, 2 * j + 1), b4));
+            }
+            lo = _mm512_mullo_epi16(lo, _mm512_set1_epi16((short)sc[2 * j]));
+            hi = _mm512_mullo_epi16(hi, _mm512_set1_epi16((short)sc[2 * j + 1]));
+            s = DPW512(s, lo, _mm512_loadu_si512(x + 64 * j));
+            s = DPW512(s, hi, _mm512_loadu_si512(x + 64 * j + 32));
+        }
+        const float dx = v->kd[i];
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(rdh(row) * dx), _mm512_cvtepi32_ps(s), acc);
+        accm = k4_mins(mn, rdh(row + 2) * dx, v->kbs + 8 * i, accm);
+    }
+    return _mm512_reduce_add_ps(acc) - hsum256(accm);
+}
+
+static float dot_q6_k_k16(const uint8_t *row, const Vec *v, int k) {
+    const int nb = k / QK_K;
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30), off = _mm512_set1_epi8(32);
+    /* lanes 0-15 of value register r (values 32r..32r+31) take scale 2r, lanes 16-31 2r+1 */
+    const __m512i pick = _mm512_set_epi16(1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < nb; i++, row += 210) {
+        const float dd = rdh(row + 208) * v->kd[i];
+        const __m512i scales = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 192))));
+        const int16_t *x = v->k16 + i * QK_K;
+        for (int n = 0; n < 2; n++) {
+            const __m512i a = _mm512_loadu_si512(row + 64 * n);
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(row + 128 + 32 * n));
+            const __m512i h01 = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
+            /* bytes 0-31: values 0-31 (low nibbles of ql[0..31], bits 0-1 of qh), 32-63: values
+             * 32-63 (ql[32..63], bits 2-3); then the high nibbles with bits 4-5 and 6-7 */
+            const __m512i A = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(a, m4),
+                                              _mm512_and_si512(_mm512_slli_epi16(h01, 4), m30)), off);
+            const __m512i B = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), m4),
+                                              _mm512_and_si512(h01, m30)), off);
+            const __m512i w[4] = {_mm512_cvtepi8_epi16(_mm512_castsi512_si256(A)),
+                                  _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(A, 1)),
+                                  _mm512_cvtepi8_epi16(_mm512_castsi512_si256(B)),
+                                  _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(B, 1))};
+            __m512i s = _mm512_setzero_si512();
+            for (int t = 0; t < 4; t++) {
+                const int r = 4 * n + t;
+                const __m512i sc = _mm512_permutexvar_epi16(_mm512_add_epi16(pick, _mm512_set1_epi16((short)(2 * r))), scales);
+                s = DPW512(s, _mm512_mullo_epi16(w[t], sc), _mm512_loadu_si512(x + 32 * r));
+            }
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(s), acc);
+        }
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+#else
+#ifdef __AVXVNNI__
+#define DPW256(acc, a, b) _mm256_dpwssd_avx_epi32(acc, a, b)
+#else
+#define DPW256(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+#endif
+
+static float dot_q45_k_k16(int five, const uint8_t *row, const Vec *v, int k) {
+    const int nb = k / QK_K, bb = five ? 176 : 144;
+    const __m256i m4 = _mm256_set1_epi16(0x0f), b4 = _mm256_set1_epi16(0x10);
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++, row += bb) {
+        uint8_t sc[8], mn[8];
+        k4_scales(row + 4, sc, mn);
+        const uint8_t *q = row + 16 + 32 * five;
+        const int16_t *x = v->k16 + i * QK_K;
+        __m256i s = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i scl = _mm256_set1_epi16((short)sc[2 * j]), sch = _mm256_set1_epi16((short)sc[2 * j + 1]);
+            for (int half = 0; half < 2; half++) { /* bytes 16 half .. 16 half + 15 of the 32 */
+                const int l = 16 * half;
+                const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + 32 * j + l)));
+                __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_srli_epi16(w, 4);
+                if (five) {
+                    const __m256i hb = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + 16 + l))), 4);
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_srli_epi16(hb, 2 * j), b4));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi16(hb, 2 * j + 1), b4));
+                }
+                s = DPW256(s, _mm256_mullo_epi16(lo, scl), _mm256_loadu_si256((const __m256i *)(x + 64 * j + l)));
+                s = DPW256(s, _mm256_mullo_epi16(hi, sch), _mm256_loadu_si256((const __m256i *)(x + 64 * j + 32 + l)));
+            }
+        }
+        const float dx = v->kd[i];
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(rdh(row) * dx), _mm256_cvtepi32_ps(s), acc);
+        accm = k4_mins(mn, rdh(row + 2) * dx, v->kbs + 8 * i, accm);
+    }
+    return hsum256(acc) - hsum256(accm);
+}
+
+static float dot_q6_k_k16(const uint8_t *row, const Vec *v, int k) {
+    const int nb = k / QK_K;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++, row += 210) {
+        const float dd = rdh(row + 208) * v->kd[i];
+        const int8_t *scales = (const int8_t *)(row + 192);
+        const int16_t *x = v->k16 + i * QK_K;
+        for (int n = 0; n < 2; n++) {
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(row + 64 * n));
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(row + 64 * n + 32));
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(row + 128 + 32 * n));
+            /* values 0-31, 32-63, 64-95, 96-127 of this half, as signed bytes */
+            const __m256i q[4] = {
+                _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(a, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30)), off),
+                _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(b, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30)), off),
+                _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), _mm256_and_si256(h, m30)), off),
+                _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4),
+                                                _mm256_and_si256(_mm256_srli_epi16(h, 2), m30)), off)};
+            __m256i s = _mm256_setzero_si256();
+            for (int t = 0; t < 4; t++) {
+                const int r = 4 * n + t; /* values 32r..32r+31: scales 2r (first 16), 2r+1 */
+                const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q[t]));
+                const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q[t], 1));
+                s = DPW256(s, _mm256_mullo_epi16(w0, _mm256_set1_epi16(scales[2 * r])),
+                           _mm256_loadu_si256((const __m256i *)(x + 32 * r)));
+                s = DPW256(s, _mm256_mullo_epi16(w1, _mm256_set1_epi16(scales[2 * r + 1])),
+                           _mm256_loadu_si256((const __m256i *)(x + 32 * r + 16)));
+            }
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(dd), _mm256_cvtepi32_ps(s), acc);
+        }
+    }
+    return hsum256(acc);
+}
+#endif
 #endif
 
 static inline float dot_vec(const Mat *m, int n, const Vec *v) {
@@ -943,9 +1193,11 @@ static inline float dot_vec(const Mat *m, int n, const Vec *v) {
         }
 #ifdef CB_AVX2
     case FMT_Q4_K: case FMT_Q5_K:
+        if (v->kready) return dot_q45_k_k16(m->fmt == FMT_Q5_K, (const uint8_t *)row, v, m->cols);
         if (v->act == ACT_I16) return dot_q45_k_i16(m->fmt == FMT_Q5_K, (const uint8_t *)row, v, m->cols);
         return dot_q45_k(m->fmt == FMT_Q5_K, (const uint8_t *)row, v->x, v->xsum, m->cols);
     case FMT_Q6_K:
+        if (v->kready) return dot_q6_k_k16((const uint8_t *)row, v, m->cols);
         if (v->act == ACT_I16) return dot_q6_k_i16((const uint8_t *)row, v, m->cols);
         return dot_q6_k((const uint8_t *)row, v->x, m->cols);
     case FMT_Q4_0: case FMT_Q5_0: case FMT_Q5_1:
@@ -956,14 +1208,26 @@ static inline float dot_vec(const Mat *m, int n, const Vec *v) {
     }
 }
 
-/* y = W x; to be called by every thread of a parallel region (rows are shared out). */
-static void matvec_par(const Mat *m, const Vec *v, float *y) {
+/* Make `v` ready for products with `m` (the K-quant form; AVX2 and up only). */
+static inline void ready_for(Vec *v, const Mat *m) {
+#ifdef CB_AVX2
+    if (is_k_quant(m->fmt)) prepare_k(v);
+#else
+    (void)v, (void)m;
+#endif
+}
+
+/* y = W x; to be called by every thread of a parallel region (rows are shared out), each with
+ * its own `v`, or with one shared `v` made ready before the region. */
+static void matvec_par(const Mat *m, Vec *v, float *y) {
+    ready_for(v, m);
 #pragma omp for schedule(static)
     for (int n = 0; n < m->rows; n++) y[n] = dot_vec(m, n, v);
 }
 
 /* y = W x + bias for a group of row blocks; called by every thread of a parallel region. */
-static void group_matvec_par(const Group *g, const Vec *v, float *y) {
+static void group_matvec_par(const Group *g, Vec *v, float *y) {
+    for (int p = 0; p < g->n_parts; p++) ready_for(v, &g->part[p]);
 #pragma omp for schedule(static)
     for (int n = 0; n < g->rows; n++) {
         int p = 0, r = n;
@@ -1079,10 +1343,8 @@ static long shared_floats(const Model *m) {
 }
 
 static long private_floats(const Model *m) {
-    /* x, xn, hid, roped q, roped k, then a Vec: xsum, qd, qs, q (int8: a quarter of the
-     * floats) and q16 (int16: half); rounded up to whole cache lines */
-    const int w = widest_input(m);
-    const long n = 2L * m->dim + m->ffn_dim + 2L * m->head_dim + 3L * (w / QK + 1) + (w / 4 + 1) + (w / 2 + 1);
+    /* x, xn, hid, roped q, roped k, then a Vec; rounded up to whole cache lines */
+    const long n = 2L * m->dim + m->ffn_dim + 2L * m->head_dim + vec_floats(widest_input(m));
     return (n + 15) / 16 * 16;
 }
 
@@ -1127,13 +1389,8 @@ int chatbot_decode(const Model *m, int token, int pos, float *logits) {
         float *hid = xn + E;
         float *qr = hid + F;
         float *kr = qr + D;
-        const int nbw = widest_input(m) / QK + 1;
         Vec vec = {0};
-        vec.xsum = kr + D;
-        vec.qd = vec.xsum + nbw;
-        vec.qs = vec.qd + nbw;
-        vec.q = (int8_t *)(vec.qs + nbw);
-        vec.q16 = (int16_t *)(vec.qs + nbw + widest_input(m) / 4 + 1);
+        vec_place(&vec, kr + D, widest_input(m));
         embed_row(m->embed, token, x);
         for (int l = 0; l < m->n_layers; l++) {
             float *kc = m->kcache[l], *vc = m->vcache[l];
@@ -1181,17 +1438,16 @@ int chatbot_decode(const Model *m, int token, int pos, float *logits) {
     return 0;
 }
 
-/* y = W x for one matrix (tests and micro-benchmarks); `act` as in Model. `scratch`
- * needs 3 (cols / 32 + 1) + (cols / 4 + 1) + (cols / 2 + 1) floats. */
+/* Floats of scratch chatbot_matvec needs for a matrix of `cols` columns. */
+long chatbot_matvec_scratch(int cols) { return vec_floats(cols); }
+
+/* y = W x for one matrix (tests, micro-benchmarks, a few rows of prefill); `act` as in Model;
+ * `scratch`: chatbot_matvec_scratch(cols) floats. */
 void chatbot_matvec(const Mat *m, const float *x, float *scratch, float *y, int n_threads, int act) {
-    const int nb = m->cols / QK + 1;
     Vec vec = {0};
-    vec.xsum = scratch;
-    vec.qd = scratch + nb;
-    vec.qs = scratch + 2 * nb;
-    vec.q = (int8_t *)(scratch + 3 * nb);
-    vec.q16 = (int16_t *)(scratch + 3 * nb + m->cols / 4 + 1);
+    vec_place(&vec, scratch, m->cols);
     prepare_vec(&vec, x, m->cols, act);
+    ready_for(&vec, m);
 #pragma omp parallel num_threads(n_threads)
     matvec_par(m, &vec, y);
 }

@@ -267,6 +267,8 @@ def load_library() -> ctypes.CDLL:
             ctypes.c_int,
         ]
         lib.chatbot_matvec.restype = None
+        lib.chatbot_matvec_scratch.argtypes = [ctypes.c_int]
+        lib.chatbot_matvec_scratch.restype = ctypes.c_long
         lib.chatbot_dequantize.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int]
         lib.chatbot_dequantize.restype = None
         lib.chatbot_rows.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
@@ -445,13 +447,18 @@ def unpack(p: PackedMatrix, threads: int | None = None) -> torch.Tensor:
     return out
 
 
+def matvec_scratch(cols: int) -> torch.Tensor:
+    """A scratch buffer for `chatbot_matvec` on a matrix of `cols` columns."""
+    return torch.empty(int(load_library().chatbot_matvec_scratch(cols)), dtype=torch.float32)
+
+
 def matvec(p: PackedMatrix, x: torch.Tensor, threads: int | None = None, act: int = ACT_F32) -> torch.Tensor:
     """W x with the native kernel (x: float32 [cols]); for tests and micro-benchmarks.
     `act`: the form x takes in Q8_0/Q4_1 products (`ACT_F32`, `ACT_Q8`, `ACT_I16`)."""
     lib = load_library()
     x = x.detach().to(torch.float32).contiguous()
     y = torch.empty(p.rows, dtype=torch.float32)
-    scratch = torch.empty(3 * (p.cols // QK + 1) + (p.cols // 4 + 1) + (p.cols // 2 + 1), dtype=torch.float32)
+    scratch = matvec_scratch(p.cols)
     mat = p.as_struct()
     lib.chatbot_matvec(
         ctypes.byref(mat),

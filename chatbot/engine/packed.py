@@ -75,7 +75,7 @@ def packed_matmul(p: kernels.PackedMatrix, x: torch.Tensor, threads: int | None 
     if n <= SMALL_INPUT_ROWS:
         y = torch.empty(n, p.rows, dtype=torch.float32)
         mat = p.as_struct()
-        scratch = torch.empty(3 * (p.cols // kernels.QK + 1) + p.cols, dtype=torch.float32)
+        scratch = kernels.matvec_scratch(p.cols)
         for i in range(n):
             lib.chatbot_matvec(
                 ctypes.byref(mat),
