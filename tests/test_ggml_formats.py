@@ -157,3 +157,37 @@ def test_other_builds_match_reference(tmp_path, build):
             exact = ref.astype(np.float64) @ xs.astype(np.float64)
             bound = np.abs(ref).astype(np.float64) @ np.abs(xs).astype(np.float64)
             assert np.all(np.abs(y.numpy() - exact) <= 2e-6 * bound + 1e-6), (kind, act)
+
+
+def unit_activations(x: np.ndarray, kind: str) -> np.ndarray:
+    """x as the batched int16 product holds it: int16 per unit of values sharing one weight
+    scale (16 for Q6_K, else 32)."""
+    return int16_activations(x, 16 if kind == "Q6_K" else 32)
+
+
+BATCHED = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_batched_int16_product_equals_float64_reference(kind):
+    """The prefill product of `--opt auto` (`matmul_i16`): for every input, the exact product
+    of the reference weights with that input rounded to int16 per unit. Rows not a multiple of
+    16 and inputs not a multiple of 8 check the padded tails. Formats without it say so (None)."""
+    rows = 37
+    data, ref = random_matrix(kind, seed=6, rows=rows)
+    packed = kernels.from_raw(data, kernels.GGUF_FORMATS[kind], rows, COLS)
+    x = np.random.default_rng(7).standard_normal((13, COLS)).astype(np.float32)
+    x[3] *= 100.0  # inputs of very different sizes: each has its own scales
+    x[5] = 0.0
+    got = kernels.matmul_i16(packed, torch.from_numpy(x), threads=2)
+    if got is None:
+        assert kind not in BATCHED or "avx512bw" not in _cpu_flags()
+        return
+    assert kind in BATCHED
+    xs = np.stack([unit_activations(v, kind) for v in x])
+    exact = xs.astype(np.float64) @ ref.astype(np.float64).T
+    bound = np.abs(xs).astype(np.float64) @ np.abs(ref).astype(np.float64).T
+    assert np.all(np.abs(got.numpy() - exact) <= 2e-6 * bound + 1e-6), kind
+    assert np.all(got.numpy()[5] == 0.0)
+    # and not the float32 product: the int16 rounding is there
+    assert not np.allclose(got.numpy(), x.astype(np.float64) @ ref.astype(np.float64).T, rtol=0, atol=1e-7)

@@ -27,6 +27,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 
@@ -713,6 +714,7 @@ static void prepare_vec(Vec *v, const float *x, int k, int act) {
     }
 }
 
+#ifdef CB_AVX2
 /* The K-quant form of an ACT_I16 vector (once per vector, before its first K-quant product;
  * a vector shared by threads must be made ready before they start). One scale per
  * super-block lets a whole super-block's products add up in int32 before one conversion to
@@ -738,6 +740,7 @@ static void prepare_k(Vec *v) {
     }
     v->kready = 1;
 }
+#endif
 
 static inline int is_k_quant(int fmt) { return fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K; }
 
@@ -1463,6 +1466,255 @@ void chatbot_dequantize(const Mat *m, float *out, int n_threads) {
 #pragma omp parallel for num_threads(n_threads) schedule(static)
     for (int n = 0; n < m->rows; n++) embed_row(m, n, out + (size_t)n * m->cols);
 }
+
+/* ---------------------------------------------------------------- batched products (prefill)
+ *
+ * Y = X W^T for n inputs at once, as `--opt auto` decodes: each input quantized to int16 per
+ * unit (the values of a weight row that share one float scale: 32, or 16 for Q6_K), products
+ * exact in int32, one float scale per unit and row. The weights are unpacked once per call, 16
+ * rows at a time, into small integers laid out rows-in-lanes: for each pair of values, the 16
+ * rows' pairs side by side, so one vpdpwssd multiplies 16 rows by one pair of an input (the
+ * pair broadcast) and its 16 int32 lanes are the 16 rows' sums. A unit's float scales are then
+ * a vector over the rows, shared by all inputs, and the 16 rows' results of an input are one
+ * vector: no horizontal sums. 8 inputs per tile keep 8 integer and 8 float accumulators in
+ * registers, so each unpacked weight vector loaded serves 8 products. */
+
+#if defined(CB_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__)
+/* values sharing one float scale in the batched product, or 0: no batched product for fmt */
+static int mm_unit(int fmt) {
+    switch (fmt) {
+    case FMT_Q8_0: case FMT_Q4_0: case FMT_Q4_1: case FMT_Q5_0: case FMT_Q5_1: case FMT_Q4_K: case FMT_Q5_K:
+        return 32;
+    case FMT_Q6_K: return 16;
+    default: return 0;
+    }
+}
+
+/* 32 bytes -> 32 int16 at q */
+static inline void store_i16(int16_t *q, __m256i bytes, int is_signed) {
+    _mm512_storeu_si512(q, is_signed ? _mm512_cvtepi8_epi16(bytes) : _mm512_cvtepu8_epi16(bytes));
+}
+
+/* One block as small integers q (block_len values) and, per unit, a scale s and an offset o:
+ * the weights are s q + o, as dequant_block computes them. */
+static void mm_unpack_block(int fmt, const uint8_t *b, int16_t *q, float *s, float *o) {
+    switch (fmt) {
+    case FMT_Q8_0:
+        store_i16(q, _mm256_loadu_si256((const __m256i *)(b + 2)), 1);
+        s[0] = rdh(b), o[0] = 0.0f;
+        break;
+    case FMT_Q4_0: case FMT_Q4_1: case FMT_Q5_0: case FMT_Q5_1: {
+        const int one = fmt == FMT_Q4_1 || fmt == FMT_Q5_1, five = fmt == FMT_Q5_0 || fmt == FMT_Q5_1;
+        const int zero = one ? 0 : (five ? 16 : 8);
+        __m256i w = nibbles32(b + 2 + 2 * one + 4 * five);
+        if (five) {
+            uint32_t qh;
+            memcpy(&qh, b + 2 + 2 * one, 4);
+            w = _mm256_or_si256(w, bit4_from_bits(qh));
+        }
+        store_i16(q, _mm256_sub_epi8(w, _mm256_set1_epi8((char)zero)), 1);
+        s[0] = rdh(b), o[0] = one ? rdh(b + 2) : 0.0f;
+        break;
+    }
+    case FMT_Q4_K: case FMT_Q5_K: {
+        const int five = fmt == FMT_Q5_K;
+        const float d = rdh(b), dmin = rdh(b + 2);
+        const uint8_t *qs = b + 16 + 32 * five;
+        const __m512i m4 = _mm512_set1_epi16(0x0f), b4 = _mm512_set1_epi16(0x10);
+        const __m512i hb = five ? _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 16))), 4)
+                                : _mm512_setzero_si512();
+        uint8_t sc[8], mn[8];
+        k4_scales(b + 4, sc, mn);
+        for (int j = 0; j < 4; j++) {
+            const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qs + 32 * j)));
+            __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_srli_epi16(w, 4);
+            if (five) {
+                lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_srli_epi16(hb, 2 * j), b4));
+                hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(hb, 2 * j + 1), b4));
+            }
+            _mm512_storeu_si512(q + 64 * j, lo);
+            _mm512_storeu_si512(q + 64 * j + 32, hi);
+        }
+        for (int u = 0; u < 8; u++) s[u] = d * (float)sc[u], o[u] = -dmin * (float)mn[u];
+        break;
+    }
+    case FMT_Q6_K: {
+        const float d = rdh(b + 208);
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+        for (int n = 0; n < 2; n++) {
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(b + 64 * n));
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(b + 64 * n + 32));
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
+            int16_t *y = q + 128 * n;
+            store_i16(y, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(a, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30)), off), 1);
+            store_i16(y + 32, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(c, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30)), off), 1);
+            store_i16(y + 64, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), _mm256_and_si256(h, m30)), off), 1);
+            store_i16(y + 96, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4),
+                                                               _mm256_and_si256(_mm256_srli_epi16(h, 2), m30)), off), 1);
+        }
+        for (int u = 0; u < 16; u++) s[u] = d * (float)sc[u], o[u] = 0.0f;
+        break;
+    }
+    }
+}
+
+#define MM_ROWS 16
+#define MM_TOK 8
+
+/* The 16 rows' results (a vector) for inputs t0..t0+7 over all units. w: the unpacked group,
+ * [unit][pair][16 rows][2]; ws, wo: [unit][16 rows]; xq: the inputs' int16 values (row
+ * stride k); xd, xs: per input and unit, the scale and scale x integer sum (stride nu).
+ * Written out for each unit length, with one named accumulator per input, so that the
+ * compiler keeps all sixteen accumulators in registers. */
+#define MM_DP(t) acc##t = DPW512(acc##t, wv, _mm512_set1_epi32(xpair(xu + (size_t)(t) * k + 2 * p)))
+#define MM_F(t)                                                                                   \
+    f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc##t), _mm512_mul_ps(sv, _mm512_set1_ps(xd[(t) * nu + u])), f[t]); \
+    f[t] = _mm512_fmadd_ps(ov, _mm512_set1_ps(xs[(t) * nu + u]), f[t])
+#define MM_TILE(NAME, UNIT)                                                                                  \
+    static void NAME(const int16_t *w, const float *ws, const float *wo, const int16_t *xq, const float *xd, \
+                     const float *xs, int k, int nu, __m512 f[MM_TOK]) {                                    \
+        for (int t = 0; t < MM_TOK; t++) f[t] = _mm512_setzero_ps();                                         \
+        for (int u = 0; u < nu; u++) {                                                                       \
+            __m512i acc0 = _mm512_setzero_si512(), acc1 = acc0, acc2 = acc0, acc3 = acc0, acc4 = acc0,       \
+                    acc5 = acc0, acc6 = acc0, acc7 = acc0;                                                   \
+            const int16_t *wu = w + (size_t)u * (UNIT) * MM_ROWS, *xu = xq + u * (UNIT);                     \
+            for (int p = 0; p < (UNIT) / 2; p++) {                                                           \
+                const __m512i wv = _mm512_load_si512(wu + p * 2 * MM_ROWS);                                  \
+                MM_DP(0); MM_DP(1); MM_DP(2); MM_DP(3); MM_DP(4); MM_DP(5); MM_DP(6); MM_DP(7);              \
+            }                                                                                                \
+            const __m512 sv = _mm512_load_ps(ws + u * MM_ROWS), ov = _mm512_load_ps(wo + u * MM_ROWS);       \
+            MM_F(0); MM_F(1); MM_F(2); MM_F(3); MM_F(4); MM_F(5); MM_F(6); MM_F(7);                          \
+        }                                                                                                    \
+    }
+
+static inline int32_t xpair(const int16_t *x) {
+    int32_t v;
+    memcpy(&v, x, 4);
+    return v;
+}
+
+MM_TILE(mm_tile32, 32)
+MM_TILE(mm_tile16, 16)
+
+/* out[c][r] = in[r][c] for a 16 x 16 block of int32 (in: row stride `stride`; out: 16 rows of
+ * 16, contiguous): unpack pairs, then quads, then 128-bit lanes twice. */
+static void transpose16(const int32_t *in, int stride, int32_t *out) {
+    __m512i r[16], t[16], u[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(in + (size_t)i * stride);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* u[i + k], lane L: column 4 L + k of rows i..i+3 */
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int k = 0; k < 4; k++) {
+        const __m512i a = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88), b = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xdd);
+        const __m512i c = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88), d = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xdd);
+        _mm512_storeu_si512(out + (size_t)k * 16, _mm512_shuffle_i32x4(a, c, 0x88));
+        _mm512_storeu_si512(out + (size_t)(4 + k) * 16, _mm512_shuffle_i32x4(b, d, 0x88));
+        _mm512_storeu_si512(out + (size_t)(8 + k) * 16, _mm512_shuffle_i32x4(a, c, 0xdd));
+        _mm512_storeu_si512(out + (size_t)(12 + k) * 16, _mm512_shuffle_i32x4(b, d, 0xdd));
+    }
+}
+
+/* Round n up to a multiple of 64 (aligned_alloc wants whole alignments). */
+static size_t up64(size_t n) { return (n + 63) / 64 * 64; }
+
+/* Y [n, rows] = X [n, cols] W^T with int16 inputs (see above). Returns 0, or -1 (nothing
+ * written) for a format without a batched product or memory refused. */
+int chatbot_matmul(const Mat *m, const float *x, int n, float *y, int n_threads) {
+    const int unit = mm_unit(m->fmt);
+    if (!unit || n < 1 || m->cols % block_len(m->fmt)) return -1;
+    const int k = m->cols, nu = k / unit, np = (n + MM_TOK - 1) / MM_TOK * MM_TOK;
+    const int bl = block_len(m->fmt), bb = block_bytes(m->fmt), upb = bl / unit;
+    const size_t rb = row_bytes(m);
+    int16_t *xq = aligned_alloc(64, up64((size_t)np * k * 2));
+    float *xd = aligned_alloc(64, up64((size_t)np * nu * 4)), *xs = aligned_alloc(64, up64((size_t)np * nu * 4));
+    int failed = !xq || !xd || !xs;
+    if (!failed) {
+#pragma omp parallel for num_threads(n_threads) schedule(static)
+        for (int t = 0; t < np; t++) {
+            for (int u = 0; u < nu; u++) {
+                int16_t *q = xq + (size_t)t * k + u * unit;
+                if (t >= n) { /* padding inputs: zero */
+                    memset(q, 0, (size_t)unit * 2);
+                    xd[t * nu + u] = xs[t * nu + u] = 0.0f;
+                    continue;
+                }
+                const float *b = x + (size_t)t * k + u * unit;
+                float amax = 0.0f;
+                for (int i = 0; i < unit; i++) amax = fabsf(b[i]) > amax ? fabsf(b[i]) : amax;
+                const float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+                int sum = 0;
+                for (int i = 0; i < unit; i++) {
+                    q[i] = (int16_t)nearbyintf(b[i] * id);
+                    sum += q[i];
+                }
+                xd[t * nu + u] = d;
+                xs[t * nu + u] = d * (float)sum;
+            }
+        }
+    }
+    const int groups = (m->rows + MM_ROWS - 1) / MM_ROWS;
+#pragma omp parallel num_threads(n_threads) reduction(| : failed)
+    {
+        int16_t *w = aligned_alloc(64, up64((size_t)MM_ROWS * k * 2));
+        float *ws = aligned_alloc(64, up64((size_t)nu * MM_ROWS * 4)), *wo = aligned_alloc(64, up64((size_t)nu * MM_ROWS * 4));
+        const int ok = !failed && w && ws && wo;
+        failed |= !ok;
+        int16_t stage[MM_ROWS * QK_K] __attribute__((aligned(64)));
+        float sb[QK_K / 16], ob[QK_K / 16];
+#pragma omp for schedule(dynamic, 1)
+        for (int g = 0; g < groups; g++) {
+            if (!ok) continue;
+            const int r0 = g * MM_ROWS, nr = m->rows - r0 < MM_ROWS ? m->rows - r0 : MM_ROWS;
+            for (int blk = 0; blk < k / bl; blk++) {
+                for (int r = 0; r < MM_ROWS; r++) {
+                    if (r < nr) {
+                        const uint8_t *b = (const uint8_t *)m->data + (size_t)(r0 + r) * rb + (size_t)blk * bb;
+                        mm_unpack_block(m->fmt, b, stage + r * QK_K, sb, ob);
+                    } else { /* rows past the end: zero weights */
+                        memset(stage + r * QK_K, 0, sizeof(int16_t) * QK_K);
+                        memset(sb, 0, sizeof sb);
+                        memset(ob, 0, sizeof ob);
+                    }
+                    for (int u = 0; u < upb; u++) {
+                        ws[(blk * upb + u) * MM_ROWS + r] = sb[u];
+                        wo[(blk * upb + u) * MM_ROWS + r] = ob[u];
+                    }
+                }
+                /* pairs of values as int32: [16 rows][bl / 2] -> [bl / 2][16 rows] */
+                for (int c = 0; c < bl / 2; c += 16)
+                    transpose16((const int32_t *)stage + c, QK_K / 2, (int32_t *)w + ((size_t)blk * bl / 2 + c) * MM_ROWS);
+            }
+            const __mmask16 keep = (__mmask16)((1u << nr) - 1u);
+            for (int t0 = 0; t0 < np; t0 += MM_TOK) {
+                __m512 out[MM_TOK];
+                (unit == 32 ? mm_tile32 : mm_tile16)(w, ws, wo, xq + (size_t)t0 * k, xd + t0 * nu, xs + t0 * nu, k, nu, out);
+                for (int t = 0; t < MM_TOK && t0 + t < n; t++)
+                    _mm512_mask_storeu_ps(y + (size_t)(t0 + t) * m->rows + r0, keep, out[t]);
+            }
+        }
+        free(w);
+        free(ws);
+        free(wo);
+    }
+    free(xq);
+    free(xd);
+    free(xs);
+    return failed ? -1 : 0;
+}
+#else
+int chatbot_matmul(const Mat *m, const float *x, int n, float *y, int n_threads) {
+    (void)m, (void)x, (void)n, (void)y, (void)n_threads;
+    return -1; /* the caller dequantizes and multiplies in float32 */
+}
+#endif
 
 /* Pack float32 rows [rows, cols] into Q8_0 or Q4_1 at `out`. stats[0]: the largest
  * |w - dequantized w| (0 for a matrix that was in that format already); stats[1]: the

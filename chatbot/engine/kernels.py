@@ -267,6 +267,14 @@ def load_library() -> ctypes.CDLL:
             ctypes.c_int,
         ]
         lib.chatbot_matvec.restype = None
+        lib.chatbot_matmul.argtypes = [
+            ctypes.POINTER(Mat),
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_int,
+        ]
+        lib.chatbot_matmul.restype = ctypes.c_int
         lib.chatbot_matvec_scratch.argtypes = [ctypes.c_int]
         lib.chatbot_matvec_scratch.restype = ctypes.c_long
         lib.chatbot_dequantize.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int]
@@ -468,6 +476,20 @@ def matvec(p: PackedMatrix, x: torch.Tensor, threads: int | None = None, act: in
         threads or torch.get_num_threads(),
         int(act),
     )
+    return y
+
+
+def matmul_i16(p: PackedMatrix, x: torch.Tensor, threads: int | None = None) -> torch.Tensor | None:
+    """x @ W.T ([n, cols] -> [n, rows]) with x as int16 per block, exact integer products (the
+    batched form of `act=ACT_I16`, kernels.c); None where the kernels have no batched product
+    for this format or CPU (AVX-512 and a block format): the caller multiplies otherwise."""
+    lib = load_library()
+    x = x.detach().to(torch.float32).contiguous()
+    y = torch.empty(x.shape[0], p.rows, dtype=torch.float32)
+    mat = p.as_struct()
+    threads = threads or torch.get_num_threads()
+    if lib.chatbot_matmul(ctypes.byref(mat), x.data_ptr(), x.shape[0], y.data_ptr(), threads) != 0:
+        return None
     return y
 
 

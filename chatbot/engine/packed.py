@@ -56,21 +56,31 @@ def _row_bytes(p: kernels.PackedMatrix) -> int:
     return p.cols // per_block * block_bytes
 
 
-def packed_matmul(p: kernels.PackedMatrix, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+def packed_matmul(
+    p: kernels.PackedMatrix, x: torch.Tensor, threads: int | None = None, act: int = kernels.ACT_F32
+) -> torch.Tensor:
     """x @ W.T for a packed W ([rows, cols]) and float32 x ([n, cols]); returns [n, rows].
 
     Args:
         p: the packed matrix.
         x: float32 inputs, one per row.
-        threads: OpenMP threads for the native parts (default 1: each call is short, and
-            on a busy machine a descheduled thread would stall the others at its barrier,
-            hundreds of times per forward pass; torch's GEMM does the heavy part).
+        threads: OpenMP threads for the native parts of the float32 form (default 1: each
+            call is short, and on a busy machine a descheduled thread would stall the others
+            at its barrier, hundreds of times per forward pass; torch's GEMM does the heavy
+            part). The int16 form's batched product uses torch's thread count.
+        act: `ACT_F32` (float32 inputs: the float32 product of the stored weights) or
+            `ACT_I16` (`--opt auto`: inputs as int16 per block, exact integer products, as
+            the decode kernels take them; formats without integer products use float32).
     """
     x = x.to(torch.float32).contiguous()
     n = x.shape[0]
-    threads = threads or 1
     if p.fmt == kernels.FMT_F32:
         return torch.nn.functional.linear(x, p.data)
+    if act == kernels.ACT_I16 and n > SMALL_INPUT_ROWS:
+        y = kernels.matmul_i16(p, x, threads)
+        if y is not None:
+            return y
+    threads = threads or 1
     lib = kernels.load_library()
     if n <= SMALL_INPUT_ROWS:
         y = torch.empty(n, p.rows, dtype=torch.float32)
@@ -83,7 +93,7 @@ def packed_matmul(p: kernels.PackedMatrix, x: torch.Tensor, threads: int | None 
                 scratch.data_ptr(),
                 y[i].data_ptr(),
                 threads,
-                kernels.ACT_F32,
+                act,
             )
         return y
     band = max(1, min(p.rows, BAND_FLOATS // p.cols))
@@ -120,6 +130,8 @@ class PackedLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self._shape = torch.empty(packed.rows, packed.cols, dtype=torch.float32, device="meta")
+        self.act = kernels.ACT_F32
+        """The form of the inputs (`packed_matmul`): float32 unless `use_activations` says int16."""
 
     @property
     def weight(self) -> torch.Tensor:
@@ -127,7 +139,7 @@ class PackedLinear(nn.Module):
         return self._shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = packed_matmul(self.packed, x.reshape(-1, self.in_features))
+        y = packed_matmul(self.packed, x.reshape(-1, self.in_features), act=self.act)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -167,6 +179,15 @@ class PackedEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, format={self.packed.format_name}"
+
+
+def use_activations(model: nn.Module, act: int) -> int:
+    """Make every packed linear of `model` take its inputs in the form `act` (`ACT_F32` or
+    `ACT_I16`), so that prefill computes as the decode kernels do; returns how many."""
+    mods = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    for m in mods:
+        m.act = act
+    return len(mods)
 
 
 def dense_weight(module: nn.Module) -> torch.Tensor:
