@@ -640,7 +640,7 @@ typedef struct {
     float *kbs;   /* [k / 32] */
     int act;
     int k;
-    int kready;
+    int kready, bready; /* the K-quant form, the per-block form made */
 } Vec;
 
 /* The arrays of a Vec of up to w values, in floats, in the order vec_place lays them out. */
@@ -677,12 +677,21 @@ static void vec_place(Vec *v, float *base, int w) {
     v->kbs = p[7];
 }
 
+/* Take x as the input of the next products; its forms are made as they are needed
+ * (`ready_for`). */
 static void prepare_vec(Vec *v, const float *x, int k, int act) {
     v->x = x;
     v->k = k;
-    v->kready = 0;
+    v->kready = v->bready = 0;
     v->act = k % QK == 0 ? act : ACT_F32;
-    for (int j = 0; j < k / QK; j++) {
+}
+
+/* The per-block form: block sums, and the int8 or int16 values of ACT_Q8 / ACT_I16. */
+static void prepare_blocks(Vec *v) {
+    if (v->bready) return;
+    v->bready = 1;
+    const float *x = v->x;
+    for (int j = 0; j < v->k / QK; j++) {
         const float *b = x + j * QK;
         float s = 0.0f, amax = 0.0f;
         for (int i = 0; i < QK; i++) {
@@ -722,19 +731,31 @@ static void prepare_vec(Vec *v, const float *x, int k, int act) {
  * llama.cpp's int8 per 256 (ggml's Q8_K). */
 static void prepare_k(Vec *v) {
     if (v->kready || v->act != ACT_I16 || v->k % QK_K) return;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int i = 0; i < v->k / QK_K; i++) {
         const float *b = v->x + i * QK_K;
-        float amax = 0.0f;
-        for (int t = 0; t < QK_K; t++) amax = fabsf(b[t]) > amax ? fabsf(b[t]) : amax;
+        __m256 mx = _mm256_setzero_ps();
+        for (int t = 0; t < QK_K; t += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(b + t)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
         const float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        const __m256 vid = _mm256_set1_ps(id);
         for (int j = 0; j < QK_K / QK; j++) {
-            int sum = 0;
-            for (int t = j * QK; t < (j + 1) * QK; t++) {
-                const int q = (int)nearbyintf(b[t] * id);
-                v->k16[i * QK_K + t] = (int16_t)q;
-                sum += q;
+            __m256i sum = _mm256_setzero_si256();
+            for (int t = j * QK; t < (j + 1) * QK; t += 16) {
+                /* round to nearest even, as nearbyintf */
+                const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(b + t), vid));
+                const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(b + t + 8), vid));
+                sum = _mm256_add_epi32(sum, _mm256_add_epi32(q0, q1));
+                /* packs works per 128-bit lane: put the quads back in order */
+                _mm256_storeu_si256((__m256i *)(v->k16 + i * QK_K + t),
+                                    _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8));
             }
-            v->kbs[i * (QK_K / QK) + j] = (float)sum;
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+            v->kbs[i * (QK_K / QK) + j] = (float)_mm_cvtsi128_si32(s4);
         }
         v->kd[i] = d;
     }
@@ -1024,6 +1045,9 @@ static inline __m256 k4_mins(const uint8_t mn[8], float dmin_dx, const float *kb
     return _mm256_fmadd_ps(_mm256_set1_ps(dmin_dx), _mm256_mul_ps(m, _mm256_loadu_ps(kbs)), acc);
 }
 
+#ifndef PREFETCH
+#define PREFETCH 8192
+#endif
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #ifdef __AVX512VNNI__
 #define DPW512(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
@@ -1031,19 +1055,24 @@ static inline __m256 k4_mins(const uint8_t mn[8], float dmin_dx, const float *kb
 #define DPW512(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
 #endif
 
-static float dot_q45_k_k16(int five, const uint8_t *row, const Vec *v, int k) {
+static inline __attribute__((always_inline)) float dot_q45_k_k16_(const int five, const uint8_t *row, const Vec *v, int k) {
     const int nb = k / QK_K, bb = five ? 176 : 144;
     const __m512i m4 = _mm512_set1_epi16(0x0f), b4 = _mm512_set1_epi16(0x10);
     __m512 acc = _mm512_setzero_ps();
     __m256 accm = _mm256_setzero_ps();
     for (int i = 0; i < nb; i++, row += bb) {
         uint8_t sc[8], mn[8];
+        _mm_prefetch((const char *)row + PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)row + PREFETCH + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)row + PREFETCH + 128, _MM_HINT_T0);
         k4_scales(row + 4, sc, mn);
+        /* the 8 scales as int16, each spread over a register by vpermw below */
+        const __m512i scv = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
         const uint8_t *q = row + 16 + 32 * five;
         const int16_t *x = v->k16 + i * QK_K;
         const __m512i hb = five ? _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(row + 16))), 4)
                                 : _mm512_setzero_si512();
-        __m512i s = _mm512_setzero_si512();
+        __m512i s = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
         for (int j = 0; j < 4; j++) {
             /* byte l of the 32 holds value l of block 2j (low nibble) and of block 2j+1 (high) */
             const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * j)));
@@ -1052,16 +1081,21 @@ static float dot_q45_k_k16(int five, const uint8_t *row, const Vec *v, int k) {
                 lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_srli_epi16(hb, 2 * j), b4));
                 hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(hb, 2 * j + 1), b4));
             }
-            lo = _mm512_mullo_epi16(lo, _mm512_set1_epi16((short)sc[2 * j]));
-            hi = _mm512_mullo_epi16(hi, _mm512_set1_epi16((short)sc[2 * j + 1]));
+            lo = _mm512_mullo_epi16(lo, _mm512_permutexvar_epi16(_mm512_set1_epi16((short)(2 * j)), scv));
+            hi = _mm512_mullo_epi16(hi, _mm512_permutexvar_epi16(_mm512_set1_epi16((short)(2 * j + 1)), scv));
             s = DPW512(s, lo, _mm512_loadu_si512(x + 64 * j));
-            s = DPW512(s, hi, _mm512_loadu_si512(x + 64 * j + 32));
+            s1 = DPW512(s1, hi, _mm512_loadu_si512(x + 64 * j + 32));
         }
         const float dx = v->kd[i];
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(rdh(row) * dx), _mm512_cvtepi32_ps(s), acc);
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(rdh(row) * dx), _mm512_cvtepi32_ps(_mm512_add_epi32(s, s1)), acc);
         accm = k4_mins(mn, rdh(row + 2) * dx, v->kbs + 8 * i, accm);
     }
     return _mm512_reduce_add_ps(acc) - hsum256(accm);
+}
+
+/* one function per format, the format's constant folded in */
+static float dot_q45_k_k16(int five, const uint8_t *row, const Vec *v, int k) {
+    return five ? dot_q45_k_k16_(1, row, v, k) : dot_q45_k_k16_(0, row, v, k);
 }
 
 static float dot_q6_k_k16(const uint8_t *row, const Vec *v, int k) {
@@ -1072,6 +1106,7 @@ static float dot_q6_k_k16(const uint8_t *row, const Vec *v, int k) {
                                           0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
     __m512 acc = _mm512_setzero_ps();
     for (int i = 0; i < nb; i++, row += 210) {
+        for (int c = 0; c < 210; c += 64) _mm_prefetch((const char *)row + PREFETCH + c, _MM_HINT_T0);
         const float dd = rdh(row + 208) * v->kd[i];
         const __m512i scales = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 192))));
         const int16_t *x = v->k16 + i * QK_K;
@@ -1211,13 +1246,17 @@ static inline float dot_vec(const Mat *m, int n, const Vec *v) {
     }
 }
 
-/* Make `v` ready for products with `m` (the K-quant form; AVX2 and up only). */
+/* Make the form of `v` that products with `m` read: the K-quant form (int16 inputs on AVX2
+ * and up), else the per-block form. */
 static inline void ready_for(Vec *v, const Mat *m) {
 #ifdef CB_AVX2
-    if (is_k_quant(m->fmt)) prepare_k(v);
-#else
-    (void)v, (void)m;
+    if (is_k_quant(m->fmt) && v->act == ACT_I16 && v->k % QK_K == 0) {
+        prepare_k(v);
+        return;
+    }
 #endif
+    (void)m;
+    prepare_blocks(v);
 }
 
 /* y = W x; to be called by every thread of a parallel region (rows are shared out), each with
