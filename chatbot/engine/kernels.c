@@ -37,6 +37,9 @@
 #endif
 
 #define QK 32
+/* bytes ahead of the weights being read that the matrix products prefetch: the hardware
+ * prefetcher alone left one core at ~24 GB/s on a 1 GB model (8 KB: 8% faster decode) */
+#define PREFETCH 8192
 #define QK_K 256
 
 enum {
@@ -859,6 +862,7 @@ static float dot_q8_0_i16(const block_q8_0 *b, const Vec *v, int k) {
     __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int j = 0;
     for (; j + 2 <= nb; j += 2) {
+        _mm_prefetch((const char *)(b + j) + PREFETCH, _MM_HINT_T0);
         acc = q8_0_i16_block(b, v, j, acc);
         acc1 = q8_0_i16_block(b, v, j + 1, acc1);
     }
@@ -884,6 +888,7 @@ static float dot_q4_1_i16(const block_q4_1 *b, const Vec *v, int k) {
     __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int j = 0;
     for (; j + 2 <= nb; j += 2) { /* two chains, as in dot_q8_0_i16 */
+        _mm_prefetch((const char *)(b + j) + PREFETCH, _MM_HINT_T0);
         acc = q4_1_i16_block(b, v, j, acc);
         acc1 = q4_1_i16_block(b, v, j + 1, acc1);
     }
@@ -938,6 +943,7 @@ static float dot_q45_0_i16(int fmt, const uint8_t *row, const Vec *v, int k) {
     __m256 acc = _mm256_setzero_ps();
     float ms = 0.0f;
     for (int j = 0; j < nb; j++, row += bb) {
+        _mm_prefetch((const char *)row + PREFETCH, _MM_HINT_T0);
         __m256i w = nibbles32(row + (five ? 6 + 2 * with_m : 2));
         if (five) {
             uint32_t qh;
@@ -1045,9 +1051,6 @@ static inline __m256 k4_mins(const uint8_t mn[8], float dmin_dx, const float *kb
     return _mm256_fmadd_ps(_mm256_set1_ps(dmin_dx), _mm256_mul_ps(m, _mm256_loadu_ps(kbs)), acc);
 }
 
-#ifndef PREFETCH
-#define PREFETCH 8192
-#endif
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #ifdef __AVX512VNNI__
 #define DPW512(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
