@@ -37,3 +37,25 @@ def paused_gc(freeze: bool = False) -> Iterator[None]:
             if freeze:
                 gc.freeze()
             gc.enable()
+
+
+_paused_until_ready = False
+
+
+def pause_until_ready() -> None:
+    """For an entry point (`chatbot run`, a bench worker): pause the collector from process
+    start, before torch and transformers are imported, until `ready`."""
+    global _paused_until_ready
+    if gc.isenabled():
+        gc.disable()
+        _paused_until_ready = True
+
+
+def ready() -> None:
+    """The start-up is over (the prompt is next): freeze what it made, as `paused_gc(freeze=
+    True)` does, and turn the collector back on, if `pause_until_ready` turned it off."""
+    global _paused_until_ready
+    if _paused_until_ready:
+        _paused_until_ready = False
+        gc.freeze()
+        gc.enable()
