@@ -156,3 +156,47 @@ def test_cached_tokenizer_is_the_first_loads_and_its_classs(tmp_path, monkeypatc
     assert second.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == rendered
     assert second.eos_token == own.eos_token and second.all_special_ids == own.all_special_ids
     assert len(second) == len(own)
+
+
+def test_entry_point_pause_lasts_until_ready():
+    from chatbot.models.gc_pause import pause_until_ready, ready
+
+    ready()  # nothing paused: nothing to do
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    pause_until_ready()
+    assert not gc.isenabled()
+    with paused_gc():  # load_model inside the start-up pause leaves it on
+        pass
+    assert not gc.isenabled()
+    ready()
+    assert gc.isenabled() and gc.get_freeze_count() > 0
+    gc.unfreeze()
+    gc.disable()  # a host that turned the collector off keeps it off
+    pause_until_ready()
+    ready()
+    assert not gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_chatbot_run_turns_the_collector_back_on_for_the_chat(tiny_gguf, monkeypatch):
+    """`chatbot run` (the process's own entry, argv from sys.argv) loads with the collector
+    paused and chats with it running."""
+    import io
+    import sys
+
+    from chatbot import cli
+    from chatbot.terminal import repl
+
+    path, _, _ = tiny_gguf
+    seen = []
+    real_run = repl.run
+
+    def spy(*a, **k):
+        seen.append(gc.isenabled())
+        return real_run(*a, **k)
+
+    monkeypatch.setattr(repl, "run", spy)
+    monkeypatch.setattr(sys, "argv", ["chatbot", "run", "--model", str(path), "--greedy", "--no-stats",
+                                      "--max-new-tokens", "5"])  # fmt: skip
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Hello there\n/quit\n")))
+    cli.main()
+    assert seen == [True] and gc.isenabled() and gc.get_freeze_count() > 0
