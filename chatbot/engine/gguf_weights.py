@@ -102,7 +102,7 @@ def read_tensor_table(path: str | Path) -> tuple[str, list[TensorInfo]]:
 
 
 def _parse_header(buf: mmap.mmap, path: str | Path) -> tuple[int, str, list[TensorInfo]]:
-    """(where the tensor data starts, architecture, tensor table) of a mapped GGUF file."""
+    """(where the header ends, architecture, tensor table) of a mapped GGUF file."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     magic, version = struct.unpack_from("<4sI", buf, 0)
