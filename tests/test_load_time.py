@@ -1,0 +1,202 @@
+"""What makes a GGUF load fast without changing what it loads: the collector paused while
+loading, the tensor table read once per load (and again when the file changes), and the
+cached tokenizer read straight from its tokenizer.json where its class only rebuilds that."""
+
+from __future__ import annotations
+
+import gc
+import json
+
+import pytest
+from gguf import GGUFReader
+
+from chatbot.engine.gguf_weights import read_tensor_table
+from chatbot.models.gc_pause import paused_gc
+from chatbot.models.gguf_synthetic import SHAPES, write_synthetic_gguf
+from chatbot.models.loader import cache_root, load_model
+
+# Text where the pre-tokenizers disagree: NFC folds a decomposed accent (Qwen2's normalizer,
+# none in transformers' GGUF reading), digits split one by one, upper-case contractions.
+TEXTS = [
+    "Hello there! How are you today? Café 🙂",
+    "Cafe\u0301 cre\u0300me bru\u0302le\u0301e",
+    "I DON'T know, YOU'LL see: 1234567 + 3.14159 = 1234570.14159",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "  tabs\tand\n\nnewlines   ",
+    "日本語のテキスト, ünïcödé, ascii",
+    "",
+]
+
+
+@pytest.fixture(autouse=True)
+def _restore_gc():
+    yield
+    gc.enable()
+    gc.unfreeze()
+
+
+def test_paused_gc_restores_the_collector():
+    assert gc.isenabled()
+    with paused_gc():
+        assert not gc.isenabled()
+        with paused_gc(freeze=True):  # nested: the outer block decides
+            assert not gc.isenabled()
+        assert not gc.isenabled() and gc.get_freeze_count() == 0
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    with pytest.raises(RuntimeError), paused_gc():
+        raise RuntimeError("a failed load")
+    assert gc.isenabled()
+    gc.disable()  # the host's own pause is left alone
+    with paused_gc(freeze=True):
+        pass
+    assert not gc.isenabled() and gc.get_freeze_count() == 0
+    gc.enable()
+    with paused_gc(freeze=True):
+        made = [[] for _ in range(10)]
+    assert gc.isenabled() and gc.get_freeze_count() > len(made)
+
+
+def test_load_model_pauses_the_collector_and_restores_it(tiny_gguf, monkeypatch):
+    from chatbot.models import loader
+
+    seen = []
+    real = loader._load_gguf
+
+    def spy(*a, **k):
+        seen.append(gc.isenabled())
+        return real(*a, **k)
+
+    monkeypatch.setattr(loader, "_load_gguf", spy)
+    path, _, _ = tiny_gguf
+    load_model(str(path), device="cpu")
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    load_model(str(path), device="cpu")
+    assert not gc.isenabled()
+
+
+def _reader_table(path):
+    reader = GGUFReader(str(path))
+    arch = str(reader.fields["general.architecture"].contents())
+    rows = [
+        (t.name, tuple(int(n) for n in t.shape), t.tensor_type.name, int(t.data_offset), int(t.n_bytes))
+        for t in reader.tensors
+    ]
+    return arch, rows
+
+
+def _rows(table):
+    return [(t.name, t.shape, t.type_name, t.offset, t.nbytes) for t in table]
+
+
+def test_tensor_table_follows_the_file_it_reads(tmp_path):
+    """K-quant files as gguf's reader sees them; the same path rewritten with another
+    architecture and types is read again, not served from the last read."""
+    path = tmp_path / "model.gguf"
+    write_synthetic_gguf(path, "qwen2", SHAPES["qwen2"]["tiny"], "Q4_K_M", seed=1)
+    arch, table = read_tensor_table(path)
+    assert (arch, _rows(table)) == _reader_table(path)
+    assert {t.type_name for t in table} >= {"Q4_K", "Q6_K"}
+    again = read_tensor_table(path)
+    assert _rows(again[1]) == _rows(table)
+    write_synthetic_gguf(path, "llama", SHAPES["llama"]["tiny"], "Q8_0", seed=2)
+    arch, table = read_tensor_table(path)
+    assert arch == "llama" and (arch, _rows(table)) == _reader_table(path)
+    other = tmp_path / "other.gguf"
+    write_synthetic_gguf(other, "qwen3", SHAPES["qwen3"]["tiny"], "Q4_K_M", seed=3)
+    assert (read_tensor_table(other)[0], _rows(read_tensor_table(other)[1])) == _reader_table(other)
+    assert _rows(read_tensor_table(path)[1]) == _reader_table(path)[1]
+
+
+def test_truncated_header_is_a_value_error(tmp_path):
+    path = tmp_path / "model.gguf"
+    write_synthetic_gguf(path, "llama", SHAPES["llama"]["tiny"], "Q8_0", seed=2)
+    data = path.read_bytes()
+    path.write_bytes(data[:5000])  # inside the vocabulary
+    with pytest.raises(ValueError, match="truncated"):
+        read_tensor_table(path)
+    path.write_bytes(b"")
+    with pytest.raises(ValueError, match="not a GGUF"):
+        read_tensor_table(path)
+
+
+def _ids(tok, text):
+    return tok(text, add_special_tokens=True)["input_ids"]
+
+
+@pytest.mark.parametrize(("arch", "fast"), [("qwen2", True), ("llama", False)])
+def test_cached_tokenizer_is_the_first_loads_and_its_classs(tmp_path, monkeypatch, arch, fast):
+    """The first load (from the file) and the next (from the cache, read straight from
+    tokenizer.json for Qwen2Tokenizer) tokenize alike, as transformers' own class loads the
+    cached files."""
+    from transformers import AutoTokenizer, TokenizersBackend
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = tmp_path / f"{arch}.gguf"
+    write_synthetic_gguf(path, arch, SHAPES[arch]["tiny"], "Q8_0", seed=1)
+    first = load_model(str(path), device="cpu").tokenizer
+    (folder,) = (cache_root() / "gguf-meta").iterdir()
+    manifest = json.loads((folder / "chatbot-manifest.json").read_text())
+    assert manifest["fast_tokenizer"] is fast
+    again = load_model(str(path), device="cpu")
+    second = again.tokenizer
+    assert again.notes == []
+    assert type(second) is TokenizersBackend
+    assert (type(first) is TokenizersBackend) is not fast
+    own = AutoTokenizer.from_pretrained(str(folder))  # transformers' class, from the cache
+    assert type(own).__name__ == ("Qwen2Tokenizer" if arch == "qwen2" else "TokenizersBackend")
+    for text in TEXTS:
+        assert _ids(first, text) == _ids(second, text) == _ids(own, text), text
+        ids = _ids(own, text)
+        assert first.decode(ids) == second.decode(ids) == own.decode(ids)
+    if arch == "qwen2":  # Qwen2's own normalizer: a decomposed accent is folded
+        assert _ids(second, "Cafe\u0301") == _ids(second, "Café")
+    messages = [{"role": "user", "content": "hi"}]
+    rendered = own.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert second.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == rendered
+    assert second.eos_token == own.eos_token and second.all_special_ids == own.all_special_ids
+    assert len(second) == len(own)
+
+
+def test_entry_point_pause_lasts_until_ready():
+    from chatbot.models.gc_pause import pause_until_ready, ready
+
+    ready()  # nothing paused: nothing to do
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    pause_until_ready()
+    assert not gc.isenabled()
+    with paused_gc():  # load_model inside the start-up pause leaves it on
+        pass
+    assert not gc.isenabled()
+    ready()
+    assert gc.isenabled() and gc.get_freeze_count() > 0
+    gc.unfreeze()
+    gc.disable()  # a host that turned the collector off keeps it off
+    pause_until_ready()
+    ready()
+    assert not gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_chatbot_run_turns_the_collector_back_on_for_the_chat(tiny_gguf, monkeypatch):
+    """`chatbot run` (the process's own entry, argv from sys.argv) loads with the collector
+    paused and chats with it running."""
+    import io
+    import sys
+
+    from chatbot import cli
+    from chatbot.terminal import repl
+
+    path, _, _ = tiny_gguf
+    seen = []
+    real_run = repl.run
+
+    def spy(*a, **k):
+        seen.append(gc.isenabled())
+        return real_run(*a, **k)
+
+    monkeypatch.setattr(repl, "run", spy)
+    monkeypatch.setattr(sys, "argv", ["chatbot", "run", "--model", str(path), "--greedy", "--no-stats",
+                                      "--max-new-tokens", "5"])  # fmt: skip
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Hello there\n/quit\n")))
+    cli.main()
+    assert seen == [True] and gc.isenabled() and gc.get_freeze_count() > 0
