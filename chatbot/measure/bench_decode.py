@@ -265,20 +265,19 @@ def _llama_cpp_worker(gguf: Path, text: str, threads: int, decode_tokens: int) -
 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Measure one set-up (run in a fresh process by `run_decode_bench`)."""
-    import torch
-
     global PREFILL_SIZES
     PREFILL_SIZES = tuple(spec.get("prefill_sizes") or PREFILL_SIZES)  # this process only
-    torch.set_num_threads(spec["threads"])
     name = spec["name"]
     text = bench_text(Path(spec["text"]) if spec.get("text") else None)
     if name == LLAMA_CPP:
-        from chatbot.models.loader import default_gguf_path
-
-        gguf = Path(spec["gguf"]) if spec.get("gguf") else default_gguf_path()
-        out = _llama_cpp_worker(gguf, text, spec["threads"], spec["decode_tokens"])
+        # llama.cpp's process imports neither torch nor transformers: its load time is its own
+        out = _llama_cpp_worker(Path(spec["gguf"]), text, spec["threads"], spec["decode_tokens"])
     else:
+        import torch
+
         from chatbot.models.loader import load_model
+
+        torch.set_num_threads(spec["threads"])
 
         if name in CUDA_SETUPS:
             loaded = load_model(
@@ -300,6 +299,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     out["name"] = name
     out["peak_mem_mb"] = _peak_rss_mb()
     if name in CUDA_SETUPS:
+        import torch
+
         out["gpu_peak_mem_mb"] = torch.cuda.max_memory_allocated() / 2**20
     out["loadavg"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     return out
@@ -405,6 +406,10 @@ def run_decode_bench(
 
     if gguf is None and model and model.lower().endswith(".gguf"):
         gguf = Path(model)  # llama.cpp runs the very file we load
+    if gguf is None and model is None:
+        from chatbot.models.loader import default_gguf_path
+
+        gguf = default_gguf_path()
     # Given another model and no GGUF, llama.cpp would run the default model: no comparison.
     other_model = model is not None and gguf is None
     if setups is None:
