@@ -3,8 +3,8 @@
 transformers spends about half of a one-token forward pass in Python and framework code
 (masks, position ids, ~700 small ops for a 30-layer model), and its float32 matrix-vector
 products reach well under half of the memory bandwidth. Here, prefill stays with
-transformers (its batched float32 matmuls are fast; for a GGUF model loaded as it is, each
-matrix is dequantized band by band for them, `chatbot.engine.packed`), and every decoded
+transformers' forward pass (for a GGUF model loaded as it is, its products run on the blocks:
+`chatbot.engine.packed`, batched int16 products under `auto`), and every decoded
 token is one call into `kernels.c`, which runs the whole forward pass for one token in one
 OpenMP region.
 

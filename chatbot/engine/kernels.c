@@ -5,12 +5,11 @@
  * pointer. One call runs the whole forward pass of one token inside one OpenMP parallel
  * region, so a decode step costs one Python->C transition instead of ~700 torch ops.
  *
- * Weight formats (rows of a [N, K] matrix, K a multiple of 32 for the block formats):
- *   F32   float32 [N, K]
- *   BF16  bfloat16 [N, K]
- *   Q8_0  blocks of 32: fp16 scale d, 32 int8 q       w = d * q          (ggml's Q8_0)
- *   Q4_1  blocks of 32: fp16 d, fp16 m, 16 bytes      w = d * q + m      (ggml's Q4_1)
- *         byte j holds q[j] in its low nibble and q[j + 16] in its high nibble.
+ * Weight formats (rows of a [N, K] matrix) are ggml's, as a GGUF file stores them: F32, F16,
+ * BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32) and Q2_K..Q6_K (super-blocks of 256);
+ * e.g. Q8_0: fp16 scale d, 32 int8 q, w = d q; Q4_1: fp16 d, fp16 m, 16 bytes, w = d q + m,
+ * byte j holding q[j] in its low nibble and q[j + 16] in its high nibble (dequant_block has
+ * every layout).
  * Activations (the input vectors of the matrix products) take one of three forms, `act`:
  *   ACT_F32  float32; a block dot product widens the weights to float32 in registers, so a
  *            weight that is exactly representable gives the float32 result (up to order).
@@ -20,7 +19,11 @@
  *   ACT_I16  per block of 32: a float scale and int16 values (|x| <= 32767): 16-bit
  *            integer products (madd), an error of at most 1/65534 of the block's largest
  *            value where ACT_Q8 has 1/254: 65534 / 254 = 258x finer. (This is the one place
- *            the figure is derived; the Python side refers here.)
+ *            the figure is derived; the Python side refers here.) The K-quants take the same
+ *            int16 per super-block of 256 (prepare_k), so that a super-block's products add
+ *            up in int32 before one conversion to float.
+ * Prefill (many inputs at once) has its own batched ACT_I16 product, chatbot_matmul (AVX-512:
+ * weights unpacked to int16 rows-in-lanes, see there).
  *
  * Cache: per layer, keys and values as [n_kv_heads, cap, head_dim] float32 (batch 1), the
  * layout of a transformers cache tensor [1, H, S, D] with a preallocated S = cap.
@@ -1593,13 +1596,14 @@ void chatbot_dequantize(const Mat *m, float *out, int n_threads) {
  *
  * Y = X W^T for n inputs at once, as `--opt auto` decodes: each input quantized to int16 per
  * unit (the values of a weight row that share one float scale: 32, or 16 for Q6_K), products
- * exact in int32, one float scale per unit and row. The weights are unpacked once per call, 16
- * rows at a time, into small integers laid out rows-in-lanes: for each pair of values, the 16
- * rows' pairs side by side, so one vpdpwssd multiplies 16 rows by one pair of an input (the
- * pair broadcast) and its 16 int32 lanes are the 16 rows' sums. A unit's float scales are then
- * a vector over the rows, shared by all inputs, and the 16 rows' results of an input are one
- * vector: no horizontal sums. 8 inputs per tile keep 8 integer and 8 float accumulators in
- * registers, so each unpacked weight vector loaded serves 8 products. */
+ * exact in int32, one float scale per unit and row. The weights are unpacked once per call, 32
+ * rows at a time, into small integers laid out rows-in-lanes: for each pair of values, the 32
+ * rows' pairs side by side (two vectors of 16), so one vpdpwssd multiplies 16 rows by one pair
+ * of an input (the pair broadcast) and its 16 int32 lanes are the 16 rows' sums. A unit's
+ * float scales are then vectors over the rows, shared by all inputs, and the rows' results of
+ * an input are vectors: no horizontal sums. A tile of 32 rows x 8 inputs keeps 16 integer
+ * accumulators in registers; each broadcast input pair serves two products, each weight
+ * vector loaded eight. */
 
 #if defined(CB_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__)
 /* values sharing one float scale in the batched product, or 0: no batched product for fmt */
@@ -1684,8 +1688,8 @@ static void mm_unpack_block(int fmt, const uint8_t *b, int16_t *q, float *s, flo
 #define MM_ROWS 32 /* two vectors of 16 rows */
 #define MM_TOK 8
 
-/* The 16 rows' results (a vector) for inputs t0..t0+7 over all units. w: the unpacked group,
- * [unit][pair][16 rows][2]; ws, wo: [unit][16 rows]; xq: the inputs' int16 values (row
+/* The 32 rows' results (two vectors each) for inputs t0..t0+7 over all units, into f[2 t] and
+ * f[2 t + 1]. w: the unpacked group, [unit][pair][32 rows][2]; ws, wo: [unit][32 rows]; xq: the inputs' int16 values (row
  * stride k); xd, xs: per input and unit, the scale and scale x integer sum (stride nu).
  * Written out for each unit length, with one named accumulator per input, so that the
  * compiler keeps all sixteen accumulators in registers. */
@@ -1822,7 +1826,7 @@ int chatbot_matmul(const Mat *m, const float *x, int n, float *y, int n_threads)
                         wo[(blk * upb + u) * MM_ROWS + r] = ob[u];
                     }
                 }
-                /* pairs of values as int32: [16 rows][bl / 2] -> [bl / 2][16 rows] */
+                /* pairs of values as int32: [32 rows][bl / 2] -> [bl / 2][32 rows], 16 rows at a time */
                 for (int h = 0; h < MM_ROWS; h += 16)
                     for (int c = 0; c < bl / 2; c += 16)
                         transpose16((const int32_t *)stage + h * QK_K / 2 + c, QK_K / 2,

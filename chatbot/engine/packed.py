@@ -7,12 +7,15 @@ does (prefill, `--opt off`, the compat APIs, perplexity) without a float32 copy 
 
 - a product with a few rows of input (decoding one token through transformers) runs the
   native matrix-vector kernel on the packed rows, in float32 activations;
-- a product with more rows (prefill) dequantizes the matrix into a per-thread scratch buffer,
-  in bands of at most 64 MB, and multiplies each band with torch's GEMM, so at most one
-  matrix (or band) of float32 weights exists at a time.
+- a product with more rows (prefill) either runs the kernels' batched integer product on the
+  blocks (`act = ACT_I16`, which `--opt auto` sets through `use_activations`; AVX-512), or
+  dequantizes the matrix into a per-thread scratch buffer, in bands of at most 64 MB, and
+  multiplies each band with torch's GEMM, so at most one matrix (or band) of float32 weights
+  exists at a time.
 
-Both compute in float32 with the weights the file stores, exactly as a model dequantized
-once would, up to the order of the additions.
+In float32 (the default, `--opt f32` and `off`) both compute with the weights the file
+stores, exactly as a model dequantized once would, up to the order of the additions; with
+int16 inputs, as the decode kernels of `--opt auto` do (kernels.c, ACT_I16).
 
 `weight` of these modules is a stand-in with the true shape and dtype and no storage (the
 embedding's on the CPU, so that code asking where the input ids go gets an answer; the
