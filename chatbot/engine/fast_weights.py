@@ -20,9 +20,13 @@ from chatbot.engine.packed import PackedEmbedding, PackedLinear, dense_weight
 
 
 def is_packed(model: Any) -> bool:
-    """Every matrix of the model is a packed module (a GGUF model loaded as it is)."""
+    """Every matrix of the model is a packed module (a GGUF model loaded as it is); False for a
+    model not laid out as the Llama family is (gpt2...)."""
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers"):
+        return False
     mods = [model.get_input_embeddings(), model.get_output_embeddings()]
-    for layer in model.model.layers:
+    for layer in inner.layers:
         att, mlp = layer.self_attn, layer.mlp
         mods += [att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
     return all(isinstance(m, (PackedLinear, PackedEmbedding)) for m in mods)
