@@ -1773,37 +1773,41 @@ int chatbot_matmul(const Mat *m, const float *x, int n, float *y, int n_threads)
     const size_t rb = row_bytes(m);
     int16_t *xq = aligned_alloc(64, up64((size_t)np * k * 2));
     float *xd = aligned_alloc(64, up64((size_t)np * nu * 4)), *xs = aligned_alloc(64, up64((size_t)np * nu * 4));
-    int failed = !xq || !xd || !xs;
-    if (!failed) {
+    if (!xq || !xd || !xs) {
+        free(xq);
+        free(xd);
+        free(xs);
+        return -1;
+    }
 #pragma omp parallel for num_threads(n_threads) schedule(static)
-        for (int t = 0; t < np; t++) {
-            for (int u = 0; u < nu; u++) {
-                int16_t *q = xq + (size_t)t * k + u * unit;
-                if (t >= n) { /* padding inputs: zero */
-                    memset(q, 0, (size_t)unit * 2);
-                    xd[t * nu + u] = xs[t * nu + u] = 0.0f;
-                    continue;
-                }
-                const float *b = x + (size_t)t * k + u * unit;
-                float amax = 0.0f;
-                for (int i = 0; i < unit; i++) amax = fabsf(b[i]) > amax ? fabsf(b[i]) : amax;
-                const float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-                int sum = 0;
-                for (int i = 0; i < unit; i++) {
-                    q[i] = (int16_t)nearbyintf(b[i] * id);
-                    sum += q[i];
-                }
-                xd[t * nu + u] = d;
-                xs[t * nu + u] = d * (float)sum;
+    for (int t = 0; t < np; t++) {
+        for (int u = 0; u < nu; u++) {
+            int16_t *q = xq + (size_t)t * k + u * unit;
+            if (t >= n) { /* padding inputs: zero */
+                memset(q, 0, (size_t)unit * 2);
+                xd[t * nu + u] = xs[t * nu + u] = 0.0f;
+                continue;
             }
+            const float *b = x + (size_t)t * k + u * unit;
+            float amax = 0.0f;
+            for (int i = 0; i < unit; i++) amax = fabsf(b[i]) > amax ? fabsf(b[i]) : amax;
+            const float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+            int sum = 0;
+            for (int i = 0; i < unit; i++) {
+                q[i] = (int16_t)nearbyintf(b[i] * id);
+                sum += q[i];
+            }
+            xd[t * nu + u] = d;
+            xs[t * nu + u] = d * (float)sum;
         }
     }
+    int failed = 0; /* a thread without its buffers: the caller computes it all otherwise */
     const int groups = (m->rows + MM_ROWS - 1) / MM_ROWS;
 #pragma omp parallel num_threads(n_threads) reduction(| : failed)
     {
         int16_t *w = aligned_alloc(64, up64((size_t)MM_ROWS * k * 2));
         float *ws = aligned_alloc(64, up64((size_t)nu * MM_ROWS * 4)), *wo = aligned_alloc(64, up64((size_t)nu * MM_ROWS * 4));
-        const int ok = !failed && w && ws && wo;
+        const int ok = w && ws && wo;
         failed |= !ok;
         int16_t stage[MM_ROWS * QK_K] __attribute__((aligned(64)));
         float sb[QK_K / 16], ob[QK_K / 16];
