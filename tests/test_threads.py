@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from helpers import needs_kernels
 
 from chatbot.engine import threads
 
@@ -119,3 +121,30 @@ def test_the_cli_sets_the_wait_before_torch_loads() -> None:
     mine = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env={**env, "OMP_WAIT_POLICY": "active"})  # fmt: skip
     assert mine.stdout.split() == ["False", "None"]
+
+
+@needs_kernels
+def test_prefill_product_times_both_thread_counts():
+    """The batched int16 product (prefill under `--opt auto`) picks 1 or torch's thread count
+    from measured times, as the decoder does, and gives the same result either way."""
+    import numpy as np
+
+    from chatbot.engine import kernels, packed
+    from chatbot.models.gguf_synthetic import random_blocks
+
+    rows, cols = 64, 512
+    raw = random_blocks("Q4_K", rows * cols, np.random.default_rng(0), scale=0.5).reshape(rows, -1)
+    p = kernels.from_raw(torch.from_numpy(raw.view(np.uint8)).reshape(rows, -1), kernels.FMT_Q4_K, rows, cols)
+    x = torch.randn(12, cols)
+    if kernels.matmul_i16(p, x, 1) is None:
+        pytest.skip("no batched int16 product on this CPU (AVX-512)")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        packed._tuners.pop(2, None)
+        ys = [packed.packed_matmul(p, x, act=kernels.ACT_I16) for _ in range(3)]
+        assert set(packed._tuners[2].seconds) == {1, 2}
+        for y in ys:
+            assert torch.equal(y, kernels.matmul_i16(p, x, 1))
+    finally:
+        torch.set_num_threads(before)

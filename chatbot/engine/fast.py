@@ -49,6 +49,7 @@ from chatbot.engine import kernels
 from chatbot.engine.buffer_cache import BufferLayer, adopt_layers  # also re-exported (tests)
 from chatbot.engine.fast_weights import from_gguf, from_model, from_packed, is_packed
 from chatbot.engine.packed import use_activations
+from chatbot.engine.threads import ThreadTuner
 from chatbot.errors import ChatbotError
 
 __all__ = [
@@ -71,53 +72,6 @@ _SUPPORTED_ROPE = {"default", "linear", "llama3", "yarn"}
 
 class FastPathUnavailable(ChatbotError):
     """The fast decode path cannot run this model here; the engine falls back to transformers."""
-
-
-# --- threads ---------------------------------------------------------------------------------
-
-
-class ThreadTuner:
-    """Picks the kernels' thread count from measured step times: 1 or `most`.
-
-    Each layer of a decode step ends in a few barriers where every thread waits for the
-    others. On a quiet machine two threads nearly halve a step; on a busy one (more runnable
-    threads than cores) a descheduled thread stalls its partner at every barrier, and one
-    thread is several times faster. So both are timed as decoding goes: mostly the faster
-    one runs, and the other is tried again after `explore_every` steps times how much
-    slower it was, so that re-checking a bad choice costs at most ~1/`explore_every`.
-    """
-
-    def __init__(self, most: int, explore_every: int = 32, smoothing: float = 0.25) -> None:
-        self.candidates = sorted({1, max(1, most)})
-        self.explore_every = explore_every
-        self.smoothing = smoothing
-        self.seconds: dict[int, float] = {}
-        self.since_explore = 0
-        self.exploring: int | None = None
-
-    def pick(self) -> int:
-        for n in self.candidates:
-            if n not in self.seconds:
-                return n
-        best = min(self.candidates, key=lambda n: self.seconds[n])
-        if len(self.candidates) == 1:
-            return best
-        other = next(n for n in self.candidates if n != best)
-        self.since_explore += 1
-        if self.since_explore >= self.explore_every * self.seconds[other] / self.seconds[best]:
-            self.since_explore = 0
-            self.exploring = other
-            return other
-        return best
-
-    def record(self, threads: int, seconds: float) -> None:
-        old = self.seconds.get(threads)
-        if old is None or threads == self.exploring:
-            # A re-check replaces what is known of that count: the old figure is stale.
-            self.seconds[threads] = seconds
-            self.exploring = None
-        else:
-            self.seconds[threads] = old + self.smoothing * (seconds - old)
 
 
 # --- the decoder ---------------------------------------------------------------------------

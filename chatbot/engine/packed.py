@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 
 import torch
 from torch import nn
 
 from chatbot.engine import kernels
+from chatbot.engine.threads import ThreadTuner
 
 SMALL_INPUT_ROWS = 4
 """Up to this many input rows, a product runs as matrix-vector products on the packed rows."""
@@ -44,6 +46,24 @@ threads, and on a busy one the ~95 calls per layer of 2 MB bands made a 1.5B mod
 3x slower (66 s against 21 s for 41 tokens at a load average of 7 on 2 cores)."""
 
 _local = threading.local()
+_tuners: dict[int, ThreadTuner] = {}
+"""Thread counts of the batched int16 product, by the most it may use: timed per weight and
+input, as the decoder times its steps. A forward pass makes ~7 products per layer, each ending
+in a barrier; on a busy machine a descheduled thread stalls the other there (a 50-token prefill
+of the default model took 0.1-4.3 s with two threads while another job ran, 77 ms with one)."""
+
+
+def _i16_product(p: kernels.PackedMatrix, x: torch.Tensor, threads: int | None) -> torch.Tensor | None:
+    if threads:
+        return kernels.matmul_i16(p, x, threads)
+    most = torch.get_num_threads()
+    tuner = _tuners.get(most) or _tuners.setdefault(most, ThreadTuner(most))
+    n = tuner.pick()
+    start = time.perf_counter()
+    y = kernels.matmul_i16(p, x, n)
+    if y is not None:
+        tuner.record(n, (time.perf_counter() - start) / (x.shape[0] * p.rows * p.cols))
+    return y
 
 
 def _scratch(floats: int) -> torch.Tensor:
@@ -67,10 +87,10 @@ def packed_matmul(
     Args:
         p: the packed matrix.
         x: float32 inputs, one per row.
-        threads: OpenMP threads for the native parts of the float32 form (default 1: each
-            call is short, and on a busy machine a descheduled thread would stall the others
-            at its barrier, hundreds of times per forward pass; torch's GEMM does the heavy
-            part). The int16 form's batched product uses torch's thread count.
+        threads: OpenMP threads for the native parts (default, float32 form: 1, each call is
+            short, and on a busy machine a descheduled thread would stall the others at its
+            barrier, hundreds of times per forward pass; torch's GEMM does the heavy part;
+            int16 form: 1 or torch's thread count, whichever measures faster, `_tuners`).
         act: `ACT_F32` (float32 inputs: the float32 product of the stored weights) or
             `ACT_I16` (`--opt auto`: inputs as int16 per block, exact integer products, as
             the decode kernels take them; formats without integer products use float32).
@@ -80,7 +100,7 @@ def packed_matmul(
     if p.fmt == kernels.FMT_F32:
         return torch.nn.functional.linear(x, p.data)
     if act == kernels.ACT_I16 and n > SMALL_INPUT_ROWS:
-        y = kernels.matmul_i16(p, x, threads)
+        y = _i16_product(p, x, threads)
         if y is not None:
             return y
     threads = threads or 1
