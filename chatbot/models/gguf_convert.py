@@ -20,8 +20,8 @@ import torch
 
 from chatbot.errors import ModelLoadError
 from chatbot.models.load_checks import _quiet_transformers, _short
+from chatbot.models.manifest import MANIFEST, publish, read_manifest  # noqa: F401  (MANIFEST: re-exported)
 
-MANIFEST = "chatbot-manifest.json"
 _CONVERSION_VERSION = 1
 
 
@@ -69,14 +69,8 @@ def converted_dir(gguf: Path) -> Path:
 
 def _manifest_ok(folder: Path) -> bool:
     """A converted copy is trusted only if every file it lists has its recorded size."""
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-        if manifest.get("version") != _CONVERSION_VERSION:
-            return False
-        files = manifest["files"]
-        return bool(files) and all((folder / name).stat().st_size == size for name, size in files.items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
+    manifest = read_manifest(folder)
+    return manifest is not None and manifest.get("version") == _CONVERSION_VERSION
 
 
 def convert_gguf(gguf: Path, target: Path) -> None:
@@ -109,12 +103,7 @@ def convert_gguf(gguf: Path, target: Path) -> None:
         with _quiet_transformers():
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-        files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
-        manifest = {"version": _CONVERSION_VERSION, "gguf": str(gguf), "files": files}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
+        publish(tmp, target, version=_CONVERSION_VERSION, gguf=str(gguf))
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

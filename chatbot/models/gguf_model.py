@@ -12,8 +12,6 @@ materialised: norms, biases and the rotary tables.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -24,11 +22,11 @@ from torch import nn
 
 from chatbot.engine.gguf_weights import GGUFWeights, read_tensor_table
 from chatbot.engine.packed import PackedEmbedding, PackedLinear
+from chatbot.models.manifest import publish, read_manifest
 
 ARCHITECTURES = {"llama", "qwen2", "qwen3"}
 """GGUF architectures built from their blocks (llama.cpp writes mistral models as llama)."""
 _CACHE_VERSION = 2  # 2: the tokenizer saved as its class rebuilds it, and read whole
-_MANIFEST = "chatbot-manifest.json"
 _MISSING = object()
 _TOKENIZER_SETTINGS = ("model_max_length", "padding_side", "truncation_side", "model_input_names",
                        "clean_up_tokenization_spaces", "add_bos_token", "add_eos_token")  # fmt: skip
@@ -48,18 +46,6 @@ def metadata_key(path: Path) -> str:
     with path.open("rb") as f:
         h.update(f.read(end))
     return h.hexdigest()[:16]
-
-
-def _manifest(folder: Path) -> dict[str, Any] | None:
-    """The cache's manifest when every file it lists is there with its size, else None."""
-    try:
-        manifest = json.loads((folder / _MANIFEST).read_text())
-        ok = bool(manifest["files"]) and all(
-            (folder / name).stat().st_size == size for name, size in manifest["files"].items()
-        )
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-    return manifest if ok and isinstance(manifest, dict) else None
 
 
 def _builds_backend_only(cls: type) -> bool:
@@ -124,7 +110,7 @@ def load_config_and_tokenizer(path: Path, cache: Path, notes: list[str]) -> tupl
     """
     from transformers import AutoConfig, AutoTokenizer
 
-    manifest = _manifest(cache)
+    manifest = read_manifest(cache)
     if manifest is not None:
         try:
             return AutoConfig.from_pretrained(str(cache)), _load_cached_tokenizer(cache, manifest)
@@ -162,13 +148,8 @@ def _save_tokenizer(tokenizer: Any, config: Any, path: Path, cache: Path) -> Any
         # the backend as the class builds it, and can be read whole (`_fast_tokenizer_ok`).
         tokenizer = AutoTokenizer.from_pretrained(str(tmp))
         tokenizer.save_pretrained(tmp)
-        files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
         fast = _fast_tokenizer_ok(tmp, tokenizer)
-        manifest = {"gguf": str(path), "files": files, "fast_tokenizer": fast}
-        (tmp / _MANIFEST).write_text(json.dumps(manifest))
-        if cache.exists():
-            shutil.rmtree(cache)
-        os.replace(tmp, cache)
+        publish(tmp, cache, gguf=str(path), fast_tokenizer=fast)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
