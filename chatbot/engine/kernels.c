@@ -736,7 +736,7 @@ static void prepare_blocks(Vec *v) {
  * float, as the K-quants' own integer sub-block scales allow; still 128x finer than
  * llama.cpp's int8 per 256 (ggml's Q8_K). */
 static void prepare_k(Vec *v) {
-    if (v->kready || v->act != ACT_I16 || v->k % QK_K) return;
+    if (v->kready) return; /* ready_for calls it for int16 inputs of whole super-blocks only */
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int i = 0; i < v->k / QK_K; i++) {
         const float *b = v->x + i * QK_K;
@@ -1033,72 +1033,6 @@ static float dot_q45_0_i16(int fmt, const uint8_t *row, const Vec *v, int k) {
 
 #endif
 
-/* Q4_K / Q5_K: per sub-block of 32 (one activation block each), d sc dx sum(q qx) - dmin m dx sum(qx) */
-static float dot_q45_k_i16(int five, const uint8_t *row, const Vec *v, int k) {
-    const int nb = k / QK_K, bb = five ? 176 : 144;
-    const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
-    __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(); /* two FMA chains */
-    float ms = 0.0f;
-    for (int i = 0; i < nb; i++, row += bb) {
-        const float d = rdh(row), dmin = rdh(row + 2);
-        const uint8_t *scales = row + 4, *q = row + 16 + 32 * five;
-        const __m256i hbits = five ? _mm256_loadu_si256((const __m256i *)(row + 16)) : _mm256_setzero_si256();
-        for (int j = 0; j < 4; j++, q += 32) {
-            const int b0 = i * 8 + 2 * j, b1 = b0 + 1;
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)q);
-            __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-            if (five) {
-                const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j), one);
-                const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j + 1), one);
-                lo = _mm256_or_si256(lo, _mm256_slli_epi16(h0, 4));
-                hi = _mm256_or_si256(hi, _mm256_slli_epi16(h1, 4));
-            }
-            uint8_t s0, m0, s1, m1;
-            scale_min_k4(2 * j, scales, &s0, &m0);
-            scale_min_k4(2 * j + 1, scales, &s1, &m1);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)s0 * v->qd[b0]), u8_block_sums(lo, 0, v->q16 + b0 * QK), acc);
-            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)s1 * v->qd[b1]), u8_block_sums(hi, 0, v->q16 + b1 * QK), acc1);
-            ms += dmin * ((float)m0 * v->qs[b0] + (float)m1 * v->qs[b1]);
-        }
-    }
-    return hsum256(_mm256_add_ps(acc, acc1)) - ms;
-}
-
-/* Q6_K: per sub-block of 16, d sc dx sum((q - 32) qx); two sub-blocks per activation block */
-static float dot_q6_k_i16(const uint8_t *row, const Vec *v, int k) {
-    const int nb = k / QK_K;
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30), z = _mm256_set1_epi16(32);
-    __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(); /* two FMA chains */
-    for (int i = 0; i < nb; i++, row += 210) {
-        const float d = rdh(row + 208);
-        const int8_t *sc = (const int8_t *)(row + 192);
-        for (int n = 0; n < 2; n++) {
-            const uint8_t *ql = row + 64 * n, *qh = row + 128 + 32 * n;
-            const __m256i a = _mm256_loadu_si256((const __m256i *)ql);
-            const __m256i b = _mm256_loadu_si256((const __m256i *)(ql + 32));
-            const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
-            __m256i q[4];
-            q[0] = _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
-            q[1] = _mm256_or_si256(_mm256_and_si256(b, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
-            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), _mm256_and_si256(h, m30));
-            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4),
-                                   _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
-            for (int t = 0; t < 4; t++) {
-                const int blk = i * 8 + n * 4 + t;
-                const int16_t *x = v->q16 + blk * QK;
-                const __m256i w0 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(q[t])), z);
-                const __m256i w1 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(q[t], 1)), z);
-                const __m256 p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x)));
-                const __m256 p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
-                const float dq = d * v->qd[blk];
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(dq * (float)sc[8 * n + 2 * t]), p0, acc);
-                acc1 = _mm256_fmadd_ps(_mm256_set1_ps(dq * (float)sc[8 * n + 2 * t + 1]), p1, acc1);
-            }
-        }
-    }
-    return hsum256(_mm256_add_ps(acc, acc1));
-}
-
 /* K-quants . K16 activations (int16 per super-block of 256, prepare_k). Each sub-block's
  * integer scale multiplies its 4-6 bit weights in int16 (|q sc| <= 31 x 63, or 32 x 128 for
  * Q6_K), the products with the activations add up in int32 lanes (vpdpwssd, or madd + add),
@@ -1318,11 +1252,9 @@ static inline float dot_vec(const Mat *m, int n, const Vec *v) {
 #ifdef CB_AVX2
     case FMT_Q4_K: case FMT_Q5_K:
         if (v->kready) return dot_q45_k_k16(m->fmt == FMT_Q5_K, (const uint8_t *)row, v, m->cols);
-        if (v->act == ACT_I16) return dot_q45_k_i16(m->fmt == FMT_Q5_K, (const uint8_t *)row, v, m->cols);
         return dot_q45_k(m->fmt == FMT_Q5_K, (const uint8_t *)row, v->x, v->xsum, m->cols);
     case FMT_Q6_K:
         if (v->kready) return dot_q6_k_k16((const uint8_t *)row, v, m->cols);
-        if (v->act == ACT_I16) return dot_q6_k_i16((const uint8_t *)row, v, m->cols);
         return dot_q6_k((const uint8_t *)row, v->x, m->cols);
     case FMT_Q4_0: case FMT_Q5_0: case FMT_Q5_1:
         if (v->act == ACT_I16) return dot_q45_0_i16(m->fmt, (const uint8_t *)row, v, m->cols);
