@@ -249,7 +249,7 @@ def test_crop_after_decoding_then_continue(tiny_model, tiny_tokenizer):
 @needs_kernels
 def test_rope_table_and_cache_grow_past_their_first_size(tiny_model):
     decoder = FastDecoder(tiny_model, "f32")
-    decoder._rope_cos = decoder._rope_cos[:8]  # pretend the table was made for 8 positions
+    decoder._rope_tables = [(c[:8], s[:8]) for c, s in decoder._rope_tables]  # as if made for 8 positions
     decoder.struct.rope_len = 8
     ids = torch.randint(3, 300, (300,), generator=torch.Generator().manual_seed(5)).tolist()
     cache = decoder.new_cache()
@@ -338,18 +338,26 @@ def test_thread_tuner_settles_on_the_faster_count_and_rechecks_rarely():
     assert ThreadTuner(1).pick() == 1
 
 
-def test_adopt_refuses_a_sliding_window_layer_and_a_lookalike_by_name():
-    """Only transformers' own DynamicLayer, SinkLayer and BufferLayer are taken over: a
-    subclass that stores its tokens differently, or a class that merely shares the name,
-    leaves the cache unchanged."""
+def test_adopt_refuses_a_filled_sliding_window_layer_and_a_lookalike_by_name():
+    """Only transformers' own DynamicLayer, SinkLayer and BufferLayer are taken over, and an
+    empty sliding-window layer (nothing to lose: the buffer keeps every token, the window is
+    a mask); a sliding-window layer holding tokens (it dropped the older ones), a subclass
+    that stores its tokens differently, or a class that merely shares the name, leaves the
+    cache unchanged."""
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+    filled = DynamicSlidingWindowLayer(sliding_window=8)
+    filled.update(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16))
     lookalike = type("DynamicLayer", (DynamicSlidingWindowLayer,), {})
-    for layer in (DynamicSlidingWindowLayer(sliding_window=8), lookalike(sliding_window=8)):
+    for layer in (filled, lookalike(sliding_window=8)):
         cache = DynamicCache()
         cache.layers = [DynamicLayer(), layer]
         assert adopt_layers(cache) is False
         assert cache.layers[1] is layer and type(cache.layers[0]) is DynamicLayer
+    cache = DynamicCache()
+    cache.layers = [DynamicLayer(), DynamicSlidingWindowLayer(sliding_window=8)]
+    assert adopt_layers(cache) is True
+    assert [type(layer) for layer in cache.layers] == [BufferLayer, BufferLayer]
 
 
 @needs_kernels

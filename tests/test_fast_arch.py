@@ -1,5 +1,5 @@
 """The fast decode path on the other architectures it runs: qwen2 (q/k/v bias), qwen3 (q/k
-RMSNorm per head), and llama with attention and MLP biases. Each tiny random model is checked
+RMSNorm per head), llama with attention and MLP biases, gemma2 and gemma3. Each tiny random model is checked
 against transformers: logits after every native step against a full recompute, greedy tokens
 against a recompute, and a streaming conversation (sink cache evicting and re-rotating keys
 with the model's own rope) against the plain engine."""
@@ -24,7 +24,18 @@ ARCH_SETTINGS = {
     "qwen2": {"arch": "qwen2"},
     "qwen3": {"arch": "qwen3", "head_dim": 32},
     "llama-bias": {"arch": "llama", "attention_bias": True, "mlp_bias": True},
-}
+    # gemma: four norms per layer (1 + w), GeGLU, a scaled embedding, query_pre_attn_scalar,
+    # soft-capped scores and logits (caps small enough to bite on a tiny model), and
+    # sliding-window layers with a window the tests decode well past.
+    "gemma2": {"arch": "gemma2", "attn": "eager", "head_dim": 32, "query_pre_attn_scalar": 24,
+               "sliding_window": 8, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0},
+    # gemma3: q/k norms and a rope per layer type (local base 100, global 10000 scaled x4)
+    "gemma3": {"arch": "gemma3", "attn": "eager", "head_dim": 32, "query_pre_attn_scalar": 24,
+               "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+               "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                   "full_attention": {"rope_type": "linear", "rope_theta": 10000.0,
+                                                      "factor": 4.0}}},
+}  # fmt: skip
 
 
 # The tiny shape of helpers.make_model, for configs built here (Llama-3 rope parameters).
@@ -55,7 +66,7 @@ def test_logits_match_full_recompute(arch, tiny_tokenizer):
     model = arch_model(arch, len(tiny_tokenizer))
     decoder = FastDecoder(model, "f32", threads=2)
     ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()
-    cache = decoder.new_cache()
+    cache = decoder.new_cache()  # gemma: prefill through transformers, past its window of 8
     with torch.no_grad():
         model(input_ids=torch.tensor([ids[:10]]), cache=cache, use_cache=True)
     for i in range(10, 40):
@@ -193,3 +204,27 @@ def test_llama3_streaming_rerotates_with_the_scaled_rope(llama3_gguf, tiny_token
             session.cache.inv_freq, model.model.rotary_emb.inv_freq.float(), rtol=1e-6, atol=0
         )
     assert results["gguf-fast"] == results["transformers"]
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_each_gemma_feature_changes_the_logits(arch, tiny_tokenizer):
+    """The gemma tests above would catch a kernel that skipped any of gemma's features: with
+    each one turned off in the decoder, its logits leave transformers' by far more than the
+    tolerance (the features the architecture has; gemma3 has no soft-capping)."""
+    model = arch_model(arch, len(tiny_tokenizer))
+    ids = torch.randint(3, 300, (24,), generator=torch.Generator().manual_seed(5)).tolist()
+    reference = [full_logits(model, ids[: i + 1])[-1] for i in range(len(ids))]
+    features = {"window": None, "embed_scale": 0.0}
+    if arch == "gemma2":
+        features.update(attn_softcap=0.0, final_softcap=0.0)
+    else:
+        features.update(rope_sel=None)
+    for field, off in [(None, None), *features.items()]:
+        decoder = FastDecoder(model, "f32", threads=1)
+        if field is not None:
+            setattr(decoder.struct, field, off)
+        cache = decoder.new_cache()
+        with torch.no_grad():
+            model(input_ids=torch.tensor([ids[:4]]), cache=cache, use_cache=True)
+        error = max((decoder.decode(cache, ids[i]) - reference[i]).abs().max().item() for i in range(4, 24))
+        assert (error < 1e-4) == (field is None), (field, error)

@@ -14,7 +14,7 @@ import itertools
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from chatbot.engine.sink_cache import SinkLayer, rotate_keys
 
@@ -156,9 +156,18 @@ def adopt_layers(cache: Cache) -> bool:
     layers: list[Any] = cache.layers
     if all(type(layer) is BufferLayer for layer in layers):
         return True
+
     # Type identity, not names or isinstance: a subclass (a sliding-window layer is a
     # DynamicLayer subclass) or a same-named class elsewhere stores its tokens differently.
-    if not all(type(layer) in (DynamicLayer, SinkLayer, BufferLayer) for layer in layers):
+    # An empty sliding-window layer holds nothing to lose: as a buffer layer it keeps every
+    # token, and the window is applied by the attention mask (transformers' for prefill,
+    # the kernels' for decode) instead of by dropping old tokens.
+    def adoptable(layer: Any) -> bool:
+        if type(layer) is DynamicSlidingWindowLayer:
+            return not layer.is_initialized
+        return type(layer) in (DynamicLayer, SinkLayer, BufferLayer)
+
+    if not all(adoptable(layer) for layer in layers):
         return False
     for i, layer in enumerate(layers):
         if type(layer) is BufferLayer:

@@ -66,8 +66,17 @@ __all__ = [
 LEVELS = ("off", "f32", "auto", "int8", "int4")
 """Optimization levels: ``off`` is plain transformers; the others pick the weight format."""
 
-_SUPPORTED_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+_SUPPORTED_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"}
 _SUPPORTED_ROPE = {"default", "linear", "llama3", "yarn"}
+# The MLP activations the kernels compute (gelu_new is the same tanh approximation).
+_ACTIVATIONS = {
+    "silu": kernels.ACT_FN_SILU,
+    "gelu_pytorch_tanh": kernels.ACT_FN_GELU_TANH,
+    "gelu_new": kernels.ACT_FN_GELU_TANH,
+}
+
+
+_MISSING = object()
 
 
 class FastPathUnavailable(ChatbotError):
@@ -128,23 +137,82 @@ def _check_model(model: Any) -> Any:
     dtype = model.get_input_embeddings().weight.dtype
     if dtype != torch.float32:
         raise FastPathUnavailable(f"the fast decode path needs a float32 model on the CPU, not {dtype}")
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise FastPathUnavailable(f"no fast decode for the {config.hidden_act} activation")
+    if _activation(config) not in _ACTIVATIONS:
+        raise FastPathUnavailable(f"no fast decode for the {_activation(config)} activation")
     rope = getattr(config, "rope_parameters", None) or {}
-    rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
-    if rope_type not in _SUPPORTED_ROPE:
-        raise FastPathUnavailable(f"no fast decode for {rope_type} rotary embeddings")
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True):
-        raise FastPathUnavailable("no fast decode for sliding-window attention")
+    # one dict, or one per layer type (gemma3: local and global layers)
+    nested = [d for d in rope.values() if isinstance(d, dict)] if isinstance(rope, dict) else []
+    for params in nested or [rope if isinstance(rope, dict) else {}]:
+        rope_type = params.get("rope_type", "default")
+        if rope_type not in _SUPPORTED_ROPE:
+            raise FastPathUnavailable(f"no fast decode for {rope_type} rotary embeddings")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise FastPathUnavailable("no fast decode for bidirectional attention")
     return config
+
+
+def _activation(config: Any) -> str:
+    """The MLP activation's name: Gemma calls it ``hidden_activation``, the others ``hidden_act``."""
+    return str(getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu"))
+
+
+def _norm_weight(module: Any) -> torch.Tensor:
+    """The float32 vector w of an RMSNorm module, as the kernels apply it: ``w * x / rms(x)``.
+    That is the module's weight, or 1 + weight for Gemma's norms; which one is found by
+    running the module on a fixed vector (no list of classes to keep up to date).
+
+    Raises:
+        FastPathUnavailable: the module is neither.
+    """
+    w = module.weight.detach().float()
+    eps = float(getattr(module, "variance_epsilon", None) or getattr(module, "eps", None) or 1e-6)
+    x = torch.linspace(-2.0, 3.0, w.numel(), dtype=torch.float32)
+    y = module(x[None]).detach().float()[0]
+    base = x * torch.rsqrt(x.pow(2).mean() + eps)
+    for weight in (w, 1.0 + w):
+        if torch.allclose(y, base * weight, rtol=1e-4, atol=1e-6):
+            return weight.contiguous()
+    raise FastPathUnavailable(f"no fast decode for the norm {type(module).__name__}")
+
+
+def _layer_window(attention: Any, config: Any) -> int:
+    """How many positions (the new one included) a layer attends to; 0: all of them. A
+    layer's own ``sliding_window`` (gemma, qwen2: None on full-attention layers), else the
+    config's (mistral applies it to every layer)."""
+    window: Any = getattr(attention, "sliding_window", _MISSING)
+    if window is _MISSING:
+        window = getattr(config, "sliding_window", None)
+        if not getattr(config, "use_sliding_window", True):
+            window = None
+    return int(window or 0)
+
+
+def _layer_ropes(rotary: Any, config: Any, n_layers: int) -> list[tuple[torch.Tensor, float]]:
+    """(inverse frequencies, attention scaling) of each layer's rotary embedding: one for all
+    layers, or one per layer type (gemma3's module has ``{type}_inv_freq``).
+
+    Raises:
+        FastPathUnavailable: a layer type without frequencies.
+    """
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * n_layers)
+    ropes = []
+    for kind in types:
+        inv = getattr(rotary, f"{kind}_inv_freq", None)
+        scale = getattr(rotary, f"{kind}_attention_scaling", None)
+        if inv is None:
+            inv, scale = getattr(rotary, "inv_freq", None), getattr(rotary, "attention_scaling", 1.0)
+        if not isinstance(inv, torch.Tensor):
+            raise FastPathUnavailable(f"no rotary frequencies for the {kind} layers")
+        ropes.append((inv.detach().float(), float(1.0 if scale is None else scale)))
+    return ropes
 
 
 class FastDecoder:
     """Decodes one token per native call, on a cache of `BufferLayer`s.
 
     Args:
-        model: a llama, mistral, qwen2 or qwen3 transformers causal LM, float32, on the CPU.
+        model: a llama, mistral, qwen2, qwen3, gemma2 or gemma3 (text) transformers causal LM,
+            float32, on the CPU.
         level: one of `LEVELS` but ``off``: how the weights are packed.
         threads: OpenMP threads for the kernels; None: 1 or torch's thread count
             (`torch.set_num_threads`), whichever measures faster (`ThreadTuner`).
@@ -206,22 +274,43 @@ class FastDecoder:
             self.attn_norm, self.ffn_norm, self.biases = [], [], []
             self.q_norm: list[torch.Tensor] = []
             self.k_norm: list[torch.Tensor] = []
+            self.post_attn_norm: list[torch.Tensor] = []  # gemma: the blocks' outputs are normed too
+            self.post_ffn_norm: list[torch.Tensor] = []
             for layer in inner.layers:
                 att, mlp = layer.self_attn, layer.mlp
                 self.biases.append((
                     bias(att.q_proj, att.k_proj, att.v_proj), bias(att.o_proj),
                     bias(mlp.gate_proj, mlp.up_proj), bias(mlp.down_proj),
                 ))  # fmt: skip
-                self.attn_norm.append(layer.input_layernorm.weight.detach().float().contiguous())
-                self.ffn_norm.append(layer.post_attention_layernorm.weight.detach().float().contiguous())
-                if getattr(att, "q_norm", None) is not None:  # qwen3
-                    self.q_norm.append(att.q_norm.weight.detach().float().contiguous())
-                    self.k_norm.append(att.k_norm.weight.detach().float().contiguous())
-            self.final_norm = inner.norm.weight.detach().float().contiguous()
-            rotary = inner.rotary_emb
-            self.inv_freq = rotary.inv_freq.detach().float()
-            self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
-        self.eps = float(getattr(inner.layers[0].input_layernorm, "variance_epsilon", config.rms_norm_eps))
+                self.attn_norm.append(_norm_weight(layer.input_layernorm))
+                if getattr(layer, "pre_feedforward_layernorm", None) is not None:  # gemma2/3
+                    self.post_attn_norm.append(_norm_weight(layer.post_attention_layernorm))
+                    self.ffn_norm.append(_norm_weight(layer.pre_feedforward_layernorm))
+                    self.post_ffn_norm.append(_norm_weight(layer.post_feedforward_layernorm))
+                else:
+                    self.ffn_norm.append(_norm_weight(layer.post_attention_layernorm))
+                if getattr(att, "q_norm", None) is not None:  # qwen3, gemma3
+                    self.q_norm.append(_norm_weight(att.q_norm))
+                    self.k_norm.append(_norm_weight(att.k_norm))
+            self.final_norm = _norm_weight(inner.norm)
+            # One rotary table, or two (gemma3: local and global layers), each layer told which.
+            ropes = _layer_ropes(inner.rotary_emb, config, n_layers)
+            self._ropes: list[tuple[torch.Tensor, float]] = []
+            selectors = []
+            for inv, scale in ropes:
+                same = [i for i, (o, c) in enumerate(self._ropes) if c == scale and torch.equal(o, inv)]
+                if not same:
+                    self._ropes.append((inv, scale))
+                selectors.append(same[0] if same else len(self._ropes) - 1)
+            if len(self._ropes) > 2:
+                raise FastPathUnavailable(f"no fast decode for {len(self._ropes)} kinds of rotary embedding")
+            self.windows = [_layer_window(layer.self_attn, config) for layer in inner.layers]
+            embed_scale = getattr(model.get_input_embeddings(), "embed_scale", None)
+            self.embed_scale = float(embed_scale) if embed_scale is not None else 0.0
+        norm0 = inner.layers[0].input_layernorm
+        self.eps = float(
+            getattr(norm0, "variance_epsilon", None) or getattr(norm0, "eps", None) or config.rms_norm_eps
+        )
         self.attn_scale = float(getattr(inner.layers[0].self_attn, "scaling", head_dim**-0.5))
         self.dims = (n_layers, config.hidden_size, heads, kv_heads, head_dim, config.intermediate_size)
 
@@ -240,10 +329,19 @@ class FastDecoder:
         self._ffn_norm = ptrs(*[t.data_ptr() for t in self.ffn_norm])
         self._q_norm = ptrs(*[t.data_ptr() for t in self.q_norm]) if self.q_norm else None
         self._k_norm = ptrs(*[t.data_ptr() for t in self.k_norm]) if self.k_norm else None
+        self._post_attn = ptrs(*[t.data_ptr() for t in self.post_attn_norm]) if self.post_attn_norm else None
+        self._post_ffn = ptrs(*[t.data_ptr() for t in self.post_ffn_norm]) if self.post_ffn_norm else None
+        ints = ctypes.c_int32 * n_layers
+        self._windows = ints(*self.windows) if any(self.windows) else None
+        self._rope_sel = ints(*selectors) if any(selectors) else None
+        self._rope_tables: list[tuple[torch.Tensor, torch.Tensor]] = []
+        caps = [
+            float(getattr(config, name, None) or 0.0)
+            for name in ("attn_logit_softcapping", "final_logit_softcapping")
+        ]
         self._kptrs = ptrs()
         self._vptrs = ptrs()
         self._cache_key: tuple[int, ...] = ()
-        self._rope_cos = self._rope_sin = torch.empty(0)
         self._scratch = torch.empty(0)
         self.struct = kernels.ModelStruct(
             n_layers=n_layers, dim=config.hidden_size, n_heads=heads, n_kv_heads=kv_heads,
@@ -254,6 +352,9 @@ class FastDecoder:
             wqkv=self._mats["wqkv"], wo=self._mats["wo"], wgu=self._mats["wgu"], wdown=self._mats["wdown"],
             kcache=self._kptrs, vcache=self._vptrs, act=self._activation_form(),
             q_norm=self._q_norm, k_norm=self._k_norm,
+            post_attn_norm=self._post_attn, post_ffn_norm=self._post_ffn,
+            window=self._windows, rope_sel=self._rope_sel, embed_scale=self.embed_scale,
+            attn_softcap=caps[0], final_softcap=caps[1], act_fn=_ACTIVATIONS[_activation(config)],
         )  # fmt: skip
         # Grown on demand: a 128k-context model need not hold 128k rows of cos/sin.
         self._ensure_rope(min(4096, int(getattr(config, "max_position_embeddings", 2048) or 2048)))
@@ -283,11 +384,16 @@ class FastDecoder:
         if length <= self.struct.rope_len:
             return
         length = max(length, 2 * self.struct.rope_len)
-        freqs = torch.arange(length, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
-        self._rope_cos = (freqs.cos() * self.rope_scaling).contiguous()
-        self._rope_sin = (freqs.sin() * self.rope_scaling).contiguous()
-        self.struct.rope_cos = self._rope_cos.data_ptr()
-        self.struct.rope_sin = self._rope_sin.data_ptr()
+        positions = torch.arange(length, dtype=torch.float32)[:, None]
+        self._rope_tables = []
+        for inv_freq, scaling in self._ropes:
+            freqs = positions * inv_freq[None, :]
+            cos, sin = (freqs.cos() * scaling).contiguous(), (freqs.sin() * scaling).contiguous()
+            self._rope_tables.append((cos, sin))
+        cos, sin = self._rope_tables[0]
+        cos2, sin2 = self._rope_tables[-1]
+        self.struct.rope_cos, self.struct.rope_sin = cos.data_ptr(), sin.data_ptr()
+        self.struct.rope_cos2, self.struct.rope_sin2 = cos2.data_ptr(), sin2.data_ptr()
         self.struct.rope_len = length
 
     def _parts(self) -> list[kernels.PackedMatrix]:

@@ -100,7 +100,20 @@ typedef struct {
     int32_t pad_;
     const float *const *q_norm; /* NULL, or per layer [head_dim]: RMSNorm of each q head (qwen3) */
     const float *const *k_norm;
+    /* Gemma 2/3 (all NULL or 0 for the others): */
+    const float *const *post_attn_norm; /* NULL, or per layer [dim]: RMSNorm of the attention's output */
+    const float *const *post_ffn_norm;  /* NULL, or per layer [dim]: RMSNorm of the MLP's output */
+    const int32_t *window;   /* NULL, or per layer: attend to the last `window` positions only (0: all) */
+    const int32_t *rope_sel; /* NULL, or per layer: 1 takes the second rotary table */
+    const float *rope_cos2;  /* [rope_len, head_dim / 2]: a second rope (gemma3's local layers) */
+    const float *rope_sin2;
+    float embed_scale;   /* the embedding rows times this (0: 1) */
+    float attn_softcap;  /* scores -> cap * tanh(scores / cap) (0: none) */
+    float final_softcap; /* the same on the logits */
+    int32_t act_fn;      /* ACT_FN_SILU or ACT_FN_GELU_TANH */
 } Model;
+
+enum { ACT_FN_SILU = 0, ACT_FN_GELU_TANH = 1 };
 
 /* ---------------------------------------------------------------- scalar helpers */
 
@@ -1333,18 +1346,35 @@ static void rope(float *v, const float *cs, const float *sn, int d) {
     }
 }
 
-/* One head of attention over the cached positions [0, n) and the new one:
- * softmax(q.K^T * scale) V, with the new key and value in `k_new`, `v_new`. */
-static void attend(const float *q, const float *kc, const float *vc, const float *k_new, const float *v_new,
-                   int n, int d, float scale, float *sc, float *out) {
-    float mx = -INFINITY;
-    for (int t = 0; t < n; t++) {
-        sc[t] = dot_f32(kc + (size_t)t * d, q, d) * scale;
-        mx = sc[t] > mx ? sc[t] : mx;
+/* x -> cap * tanh(x / cap) over n floats, in place (Gemma 2's soft-capping), with
+ * tanh(y) = 1 - 2 / (1 + exp(2y)): near 0 that loses the relative precision of tanh but not
+ * its absolute one (~1e-7 of cap). */
+static void softcap(float *x, int n, float cap) {
+    const float inv = 1.0f / cap;
+    int i = 0;
+#ifdef CB_AVX2
+    const __m256 vinv2 = _mm256_set1_ps(2.0f * inv), vcap = _mm256_set1_ps(cap);
+    const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp256(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv2));
+        const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(one, e)));
+        _mm256_storeu_ps(x + i, _mm256_mul_ps(t, vcap));
     }
+#endif
+    for (; i < n; i++) x[i] = cap * tanhf(x[i] * inv);
+}
+
+/* One head of attention over the cached positions [0, n) and the new one:
+ * softmax(q.K^T * scale) V, with the new key and value in `k_new`, `v_new`; `cap` > 0
+ * soft-caps the scores first. */
+static void attend(const float *q, const float *kc, const float *vc, const float *k_new, const float *v_new,
+                   int n, int d, float scale, float cap, float *sc, float *out) {
+    for (int t = 0; t < n; t++) sc[t] = dot_f32(kc + (size_t)t * d, q, d) * scale;
     sc[n] = dot_f32(k_new, q, d) * scale;
-    mx = sc[n] > mx ? sc[n] : mx;
     const int total = n + 1;
+    if (cap > 0.0f) softcap(sc, total, cap);
+    float mx = -INFINITY;
+    for (int t = 0; t < total; t++) mx = sc[t] > mx ? sc[t] : mx;
     float sum = 0.0f;
     int t = 0;
 #ifdef CB_AVX2
@@ -1388,6 +1418,26 @@ static void silu_mul(const float *g, const float *u, int n, float *out) {
     }
 #endif
     for (; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+/* out = gelu_tanh(g) * u over n floats: transformers' gelu_pytorch_tanh,
+ * 0.5 x (1 + tanh(c (x + 0.044715 x^3))), written as x * sigmoid(2 c (x + 0.044715 x^3)). */
+static void gelu_tanh_mul(const float *g, const float *u, int n, float *out) {
+    const float c2 = 2.0f * 0.7978845608028654f, a = 0.044715f;
+    int i = 0;
+#ifdef CB_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f), vc = _mm256_set1_ps(-c2), va = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i);
+        const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(va, x), _mm256_mul_ps(x, x), x);
+        const __m256 e = exp256(_mm256_mul_ps(vc, inner));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; i++) {
+        const float x = g[i];
+        out[i] = x / (1.0f + expf(-c2 * (x + a * x * x * x))) * u[i];
+    }
 }
 
 static inline int widest_input(const Model *m) {
@@ -1452,8 +1502,16 @@ int chatbot_decode(const Model *m, int token, int pos, float *logits) {
         Vec vec = {0};
         vec_place(&vec, kr + D, widest_input(m));
         embed_row(m->embed, token, x);
+        if (m->embed_scale != 0.0f)
+            for (int i = 0; i < E; i++) x[i] *= m->embed_scale;
         for (int l = 0; l < m->n_layers; l++) {
             float *kc = m->kcache[l], *vc = m->vcache[l];
+            const int second = m->rope_sel && m->rope_sel[l];
+            const float *lcs = second ? m->rope_cos2 + (size_t)pos * half : cs;
+            const float *lsn = second ? m->rope_sin2 + (size_t)pos * half : sn;
+            /* a sliding-window layer sees the positions (pos - window, pos] */
+            const int w = m->window ? m->window[l] : 0;
+            const int first = w > 0 && pos + 1 > w ? pos + 1 - w : 0;
             rmsnorm(x, m->attn_norm[l], E, m->eps, xn);
             prepare_vec(&vec, xn, E, m->act);
             group_matvec_par(&m->wqkv[l], &vec, qkv);
@@ -1468,8 +1526,8 @@ int chatbot_decode(const Model *m, int token, int pos, float *logits) {
                     rmsnorm(qr, m->q_norm[l], D, m->eps, qr);
                     rmsnorm(kr, m->k_norm[l], D, m->eps, kr);
                 }
-                rope(qr, cs, sn, D);
-                rope(kr, cs, sn, D);
+                rope(qr, lcs, lsn, D);
+                rope(kr, lcs, lsn, D);
                 /* Nobody reads position `pos` of this layer's cache before the next call
                  * (attention below takes the new key and value from kr and v), so the
                  * first head of each group stores them without a barrier. */
@@ -1477,23 +1535,42 @@ int chatbot_decode(const Model *m, int token, int pos, float *logits) {
                     memcpy(kc + off + (size_t)pos * D, kr, (size_t)D * 4);
                     memcpy(vc + off + (size_t)pos * D, v, (size_t)D * 4);
                 }
-                attend(qr, kc + off, vc + off, kr, v, pos, D, m->attn_scale, scores + (size_t)h * m->cap,
-                       att + h * D);
+                attend(qr, kc + off + (size_t)first * D, vc + off + (size_t)first * D, kr, v, pos - first, D,
+                       m->attn_scale, m->attn_softcap, scores + (size_t)h * m->cap, att + h * D);
             }
             prepare_vec(&vec, att, H * D, m->act);
             group_matvec_par(&m->wo[l], &vec, o);
-            for (int i = 0; i < E; i++) x[i] += o[i];
+            if (m->post_attn_norm) {
+                rmsnorm(o, m->post_attn_norm[l], E, m->eps, xn);
+                for (int i = 0; i < E; i++) x[i] += xn[i];
+            } else {
+                for (int i = 0; i < E; i++) x[i] += o[i];
+            }
             rmsnorm(x, m->ffn_norm[l], E, m->eps, xn);
             prepare_vec(&vec, xn, E, m->act);
             group_matvec_par(&m->wgu[l], &vec, gu);
-            silu_mul(gu, gu + F, F, hid);
+            if (m->act_fn == ACT_FN_GELU_TANH)
+                gelu_tanh_mul(gu, gu + F, F, hid);
+            else
+                silu_mul(gu, gu + F, F, hid);
             prepare_vec(&vec, hid, F, m->act);
             group_matvec_par(&m->wdown[l], &vec, dn);
-            for (int i = 0; i < E; i++) x[i] += dn[i];
+            if (m->post_ffn_norm) {
+                rmsnorm(dn, m->post_ffn_norm[l], E, m->eps, xn);
+                for (int i = 0; i < E; i++) x[i] += xn[i];
+            } else {
+                for (int i = 0; i < E; i++) x[i] += dn[i];
+            }
         }
         rmsnorm(x, m->final_norm, E, m->eps, xn);
         prepare_vec(&vec, xn, E, m->act);
         matvec_par(m->lm_head, &vec, logits);
+        if (m->final_softcap > 0.0f) {
+            const int V = m->lm_head->rows, chunk = 4096;
+#pragma omp for schedule(static)
+            for (int c = 0; c < (V + chunk - 1) / chunk; c++)
+                softcap(logits + (size_t)c * chunk, V - c * chunk < chunk ? V - c * chunk : chunk, m->final_softcap);
+        }
     }
     return 0;
 }

@@ -40,6 +40,7 @@ QK_K = 256  # weights per K-quant super-block
 FMT_F32, FMT_BF16, FMT_Q8_0, FMT_Q4_1, FMT_F16, FMT_Q4_0, FMT_Q5_0 = 0, 1, 2, 3, 4, 5, 6
 FMT_Q5_1, FMT_Q2_K, FMT_Q3_K, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K = 7, 8, 9, 10, 11, 12
 ACT_F32, ACT_Q8, ACT_I16 = 0, 1, 2  # the form of activations in Q8_0/Q4_1 products (kernels.c)
+ACT_FN_SILU, ACT_FN_GELU_TANH = 0, 1  # the MLP's activation (kernels.c)
 FORMAT_NAMES = {
     FMT_F32: "f32", FMT_BF16: "bf16", FMT_Q8_0: "q8_0", FMT_Q4_1: "q4_1", FMT_F16: "f16",
     FMT_Q4_0: "q4_0", FMT_Q5_0: "q5_0", FMT_Q5_1: "q5_1", FMT_Q2_K: "q2_k", FMT_Q3_K: "q3_k",
@@ -122,6 +123,16 @@ class ModelStruct(ctypes.Structure):
         ("pad_", ctypes.c_int32),
         ("q_norm", ctypes.POINTER(ctypes.c_void_p)),
         ("k_norm", ctypes.POINTER(ctypes.c_void_p)),
+        ("post_attn_norm", ctypes.POINTER(ctypes.c_void_p)),
+        ("post_ffn_norm", ctypes.POINTER(ctypes.c_void_p)),
+        ("window", ctypes.POINTER(ctypes.c_int32)),
+        ("rope_sel", ctypes.POINTER(ctypes.c_int32)),
+        ("rope_cos2", ctypes.c_void_p),
+        ("rope_sin2", ctypes.c_void_p),
+        ("embed_scale", ctypes.c_float),
+        ("attn_softcap", ctypes.c_float),
+        ("final_softcap", ctypes.c_float),
+        ("act_fn", ctypes.c_int32),
     ]
 
 
