@@ -200,3 +200,29 @@ def test_chatbot_run_turns_the_collector_back_on_for_the_chat(tiny_gguf, monkeyp
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Hello there\n/quit\n")))
     cli.main()
     assert seen == [True] and gc.isenabled() and gc.get_freeze_count() > 0
+
+
+def test_a_cached_load_does_not_import_transformers_gguf_reader(tiny_gguf, tmp_path):
+    """Once a file's config and tokenizer are cached, loading it as it is reads its own tensor
+    table: a fresh process must not import transformers' GGUF reader (~0.2 s of start-up)."""
+    import os
+    import subprocess
+    import sys
+
+    path, _, _ = tiny_gguf
+    script = (
+        "import sys; from chatbot.models.loader import load_model; "
+        f"m = load_model({str(path)!r}); "
+        "print(type(m.model.model.embed_tokens).__name__, "
+        "'transformers.modeling_gguf_pytorch_utils' in sys.modules)"
+    )
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300, check=False
+        )
+        for _ in range(2)
+    ]
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-2000:]
+    # the first load reads the metadata through transformers (and caches it), the next does not
+    assert [r.stdout.split() for r in runs] == [["PackedEmbedding", "True"], ["PackedEmbedding", "False"]]

@@ -86,7 +86,7 @@ def convert_gguf(gguf: Path, target: Path) -> None:
 
     check_gguf(gguf)
     try:
-        with _quiet_transformers():
+        with _quiet_transformers(gguf=True):
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
             model = AutoModelForCausalLM.from_pretrained(
                 str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32

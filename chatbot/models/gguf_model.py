@@ -22,6 +22,7 @@ from torch import nn
 
 from chatbot.engine.gguf_weights import GGUFWeights, read_tensor_table
 from chatbot.engine.packed import PackedEmbedding, PackedLinear
+from chatbot.models.load_checks import _quiet_transformers
 from chatbot.models.manifest import publish, read_manifest
 
 ARCHITECTURES = {"llama", "qwen2", "qwen3"}
@@ -118,8 +119,9 @@ def load_config_and_tokenizer(path: Path, cache: Path, notes: list[str]) -> tupl
             notes.append(f"the cached tokenizer of {path.name} in {cache} did not load; rebuilt it")
     elif cache.exists():
         notes.append(f"the cached tokenizer of {path.name} in {cache} was incomplete; rebuilt it")
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with _quiet_transformers(gguf=True):
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     try:
         return config, _save_tokenizer(tokenizer, config, path, cache)
     except OSError as exc:

@@ -61,18 +61,22 @@ def _no_bar(iterable: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 @contextmanager
-def _quiet_transformers():
-    """Silence progress bars and info logs of a load; errors still raise."""
+def _quiet_transformers(gguf: bool = False):
+    """Silence progress bars and info logs of a load; errors still raise. `gguf`: the load
+    reads a GGUF file through transformers, whose reader has a bare tqdm bar of its own
+    (which would fight the CLI's spinner); importing that reader takes ~0.2 s, so only loads
+    that use it ask for it (a GGUF file run as it is reads its own tensor table)."""
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    # the GGUF reader has a bare tqdm bar of its own, which would fight the CLI's spinner
-    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    gguf_utils: Any = None
+    if gguf:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
-    gguf_tqdm = gguf_utils.tqdm
-    gguf_utils.tqdm = _no_bar
+        gguf_tqdm = gguf_utils.tqdm
+        gguf_utils.tqdm = _no_bar
     # accelerate warns that offloaded weights sit on the meta device: the banner says so
     acc = logging.getLogger("accelerate")
     acc_level = acc.level
@@ -85,7 +89,8 @@ def _quiet_transformers():
         hf_logging.set_verbosity(level)
         hf_logging.enable_progress_bar()
         acc.setLevel(acc_level)
-        gguf_utils.tqdm = gguf_tqdm
+        if gguf_utils is not None:
+            gguf_utils.tqdm = gguf_tqdm
 
 
 def _short(exc: BaseException) -> str:
