@@ -228,3 +228,23 @@ def test_each_gemma_feature_changes_the_logits(arch, tiny_tokenizer):
             model(input_ids=torch.tensor([ids[:4]]), cache=cache, use_cache=True)
         error = max((decoder.decode(cache, ids[i]) - reference[i]).abs().max().item() for i in range(4, 24))
         assert (error < 1e-4) == (field is None), (field, error)
+
+
+def test_gemma3_with_its_vision_tower_falls_back_with_a_reason():
+    """A multimodal Gemma 3 checkpoint (text config gemma3_text, layers under a language
+    model) is refused with a reason, not an AttributeError."""
+    import transformers
+
+    from chatbot.engine.fast import make_decoder
+
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=300)  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=28, patch_size=14)  # fmt: skip
+    model = transformers.Gemma3ForConditionalGeneration(
+        transformers.Gemma3Config(text_config=text, vision_config=vision)
+    ).eval()
+    decoder, reason = make_decoder(model, "auto")
+    assert decoder is None and reason == (
+        "fast decode off: no fast decode for Gemma3ForConditionalGeneration (a text-only model runs)"
+    )

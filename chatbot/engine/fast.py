@@ -122,6 +122,8 @@ def _check_model(model: Any) -> Any:
         raise FastPathUnavailable(
             f"no fast decode for {kind} models (only {', '.join(sorted(_SUPPORTED_TYPES))})"
         )
+    if not hasattr(getattr(model, "model", None), "layers"):  # e.g. Gemma 3 with its vision tower
+        raise FastPathUnavailable(f"no fast decode for {type(model).__name__} (a text-only model runs)")
     device = model.get_input_embeddings().weight.device
     if device.type != "cpu":
         raise FastPathUnavailable(f"the fast decode path runs on the CPU; this model is on {device}")
