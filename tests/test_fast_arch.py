@@ -237,9 +237,9 @@ def test_gemma3_with_its_vision_tower_falls_back_with_a_reason():
 
     from chatbot.engine.fast import make_decoder
 
-    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,  # noqa: C408
                 num_key_value_heads=2, head_dim=16, vocab_size=300)  # fmt: skip
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,  # noqa: C408
                   image_size=28, patch_size=14)  # fmt: skip
     model = transformers.Gemma3ForConditionalGeneration(
         transformers.Gemma3Config(text_config=text, vision_config=vision)
