@@ -210,6 +210,12 @@ def test_update_markdown_replaces_only_its_section(tmp_path) -> None:
     doc.write_text(text + "\nafter\n")
     bench_scale.update_markdown(doc, "third")
     assert doc.read_text().endswith("\nafter\n")
+    # the architectures' table has markers of its own and leaves the sizes' table alone
+    bench_scale.update_markdown(doc, "gemma table", bench_scale.ARCH_MARKERS)
+    bench_scale.update_markdown(doc, "gemma again", bench_scale.ARCH_MARKERS)
+    text = doc.read_text()
+    assert "third" in text and "gemma again" in text and "gemma table" not in text
+    assert text.count(bench_scale.ARCH_MARKERS[0]) == 1 and text.count(bench_scale.START) == 1
 
 
 def test_run_scale_measures_in_order_and_skips_with_a_reason(monkeypatch, tmp_path) -> None:
@@ -245,6 +251,17 @@ def test_bench_scale_dry_run_lists_files_under_tmp() -> None:
     assert out.splitlines() == [
         "qwen2 0.5B Q4_K_M: /tmp/chatbot-scale/synthetic-qwen2-0.5B-Q4_K_M.gguf",
         "qwen2 0.5B Q8_0: /tmp/chatbot-scale/synthetic-qwen2-0.5B-Q8_0.gguf",
+    ]
+    archs = subprocess.run(
+        [str(ROOT / "scripts/bench-scale"), "--archs", "--dry-run", "--only", "Q4_K_M"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "TMPDIR": "/tmp"},
+    ).stdout
+    assert archs.splitlines() == [
+        "gemma3 1B Q4_K_M: /tmp/chatbot-scale/synthetic-gemma3-1B-Q4_K_M.gguf",
+        "gemma2 2B Q4_K_M: /tmp/chatbot-scale/synthetic-gemma2-2B-Q4_K_M.gguf",
     ]
 
 

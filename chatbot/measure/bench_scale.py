@@ -28,6 +28,8 @@ from typing import Any
 
 START = "<!-- bench-scale:start -->"
 END = "<!-- bench-scale:end -->"
+ARCH_MARKERS = ("<!-- bench-archs:start -->", "<!-- bench-archs:end -->")
+"""Where `--archs` writes its table (the other architectures, at one size each)."""
 OURS = "chatbot-auto"
 KEEP_FREE_MB = 3072  # the machine is shared: never push the others into swap or the OOM killer
 PEER = "llama.cpp"
@@ -73,6 +75,13 @@ DEFAULT_CASES = (Case(DEFAULT_ARCH, "135M", "Q4_1"),) + tuple(
     )
     for kind in kinds
 )
+ARCH_CASES = tuple(
+    Case(arch, params, kind)
+    for arch, params in (("gemma3", "1B"), ("gemma2", "2B"))
+    for kind in ("Q4_K_M", "Q8_0")
+)
+"""`--archs`: the architectures with more to them than Llama's layer (Gemma's four norms per
+layer, GeGLU, soft-capping, sliding windows, a 256k vocabulary), at their published sizes."""
 
 
 def params_count(params: str) -> float:
@@ -406,21 +415,22 @@ def _ticks(lo: float, hi: float) -> list[float]:
     return ticks
 
 
-def update_markdown(doc: Path, section: str) -> None:
-    """Put `section` between the bench-scale markers of `doc` (appended with them when the
+def update_markdown(doc: Path, section: str, markers: tuple[str, str] = (START, END)) -> None:
+    """Put `section` between the (start, end) `markers` of `doc` (appended with them when the
     markers are not there yet)."""
+    start, end = markers
     text = doc.read_text(encoding="utf-8") if doc.is_file() else ""
-    block = f"{START}\n{section.rstrip()}\n{END}"
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        text = head + block + rest.split(END, 1)[1]
+    block = f"{start}\n{section.rstrip()}\n{end}"
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        text = head + block + rest.split(end, 1)[1]
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
     doc.write_text(text, encoding="utf-8")
 
 
-def section(rows: list[dict[str, Any]], command: str, code: str, svg_name: str) -> str:
-    """The Markdown written into docs/benchmarks.md."""
+def section(rows: list[dict[str, Any]], command: str, code: str, svg_name: str | None) -> str:
+    """The Markdown written into docs/benchmarks.md (`svg_name`: the plot below the table)."""
     measured = [r for r in rows if "skipped" not in r]
     cpu = measured[0]["cpu"] if measured else "?"
     threads = measured[0]["threads"] if measured else "?"
@@ -433,8 +443,7 @@ def section(rows: list[dict[str, Any]], command: str, code: str, svg_name: str) 
         "and ended."),
         "",
         markdown_table(rows),
-        "",
-        f"![ours against llama.cpp by model size]({svg_name})",
+        *(["", f"![ours against llama.cpp by model size]({svg_name})"] if svg_name else []),
     ])  # fmt: skip
 
 
@@ -471,9 +480,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="take the figures of files an earlier run measured (their JSON under the temporary folder)",
     )
+    p.add_argument(
+        "--archs",
+        action="store_true",
+        help="the other architectures (gemma3 1B, gemma2 2B) instead of the sizes; their own table",
+    )
     p.add_argument("--dry-run", action="store_true", help="list the files and exit")
     a = p.parse_args(argv)
-    cases = list(DEFAULT_CASES)
+    cases = list(ARCH_CASES if a.archs else DEFAULT_CASES)
     if a.only:
         keep = {k.strip().lower() for k in a.only.split(",")}
         cases = [c for c in cases if keep & {c.params.lower(), c.type.lower(), c.arch,
@@ -502,13 +516,19 @@ def main(argv: list[str] | None = None) -> int:
         progress=lambda line: print(f"bench-scale: {line}", file=sys.stderr, flush=True),
     )
     command = "scripts/bench-scale " + " ".join(argv if argv is not None else sys.argv[1:])
-    svg = a.doc.parent / "bench_scale.svg"
-    title = f"ours vs llama.cpp, same GGUF files, {a.threads} thread(s) each"
-    svg.write_text(svg_plot(rows, title), encoding="utf-8")
-    (a.doc.parent / "bench_scale.json").write_text(json.dumps(rows, indent=1), encoding="utf-8")
-    update_markdown(a.doc, section(rows, command.strip(), code, svg.name))
+    out_json = a.doc.parent / ("bench_archs.json" if a.archs else "bench_scale.json")
+    out_json.write_text(json.dumps(rows, indent=1), encoding="utf-8")
+    if a.archs:
+        update_markdown(a.doc, section(rows, command.strip(), code, None), ARCH_MARKERS)
+        written = f"{a.doc}, {out_json}"
+    else:
+        svg = a.doc.parent / "bench_scale.svg"
+        title = f"ours vs llama.cpp, same GGUF files, {a.threads} thread(s) each"
+        svg.write_text(svg_plot(rows, title), encoding="utf-8")
+        update_markdown(a.doc, section(rows, command.strip(), code, svg.name))
+        written = f"{a.doc}, {svg}, {out_json}"
     print(markdown_table(rows))
-    print(f"wrote {a.doc}, {svg}, {a.doc.parent / 'bench_scale.json'}")
+    print(f"wrote {written}")
     return 0
 
 
