@@ -140,6 +140,29 @@ def test_track_keeps_a_record_until_the_cache_changes_elsewhere(engine):
         track(kv.cache, 96, assume=ids)  # a cache without a record needs the whole sequence
 
 
+def test_a_cache_and_its_record_are_freed_once_unreachable(engine):
+    """A record and its cache keep each other alive only while something else holds one of
+    them: caches made and dropped (one per request, per /reset) are freed, keys and values
+    included, whether the caller held the record or the bare cache."""
+    import gc
+    import weakref
+
+    gone = []
+    for bare in (False, True):
+        kv = engine.new_cache()
+        engine.prefill(kv, ids_of(12))
+        held = kv.cache if bare else kv
+        assert lookup(kv.cache) is kv  # the bare cache finds its record while held
+        refs = [weakref.ref(kv.cache), weakref.ref(kv), weakref.ref(kv.cache.layers[0].keys)]
+        del kv
+        if bare:
+            assert lookup(held) is not None
+        del held
+        gc.collect()
+        gone.append([ref() is None for ref in refs])
+    assert gone == [[True] * 3, [True] * 3]
+
+
 def test_unknown_ids_match_nothing(engine):
     kv = engine.new_cache()
     engine.prefill(kv, ids_of(8))

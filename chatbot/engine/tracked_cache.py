@@ -24,7 +24,6 @@ recorded and, when it cannot vouch for the cache, empties it.
 from __future__ import annotations
 
 import os
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, cast
@@ -78,7 +77,7 @@ class TrackedCache:
         self._evicted = 0
         # The one place that asks what kind of cache this is.
         self._sink: SinkCache | None = cache if isinstance(cache, SinkCache) else None
-        _TRACKED[cache] = self  # callers that pass the bare cache around find this record
+        _register(cache, self)  # callers that pass the bare cache around find this record
 
     # -- what it is ------------------------------------------------------------------------
 
@@ -309,8 +308,15 @@ class TrackedCache:
         )
 
 
-# Caches handed to the compat adapters by their callers, and what each has taken in.
-_TRACKED: weakref.WeakKeyDictionary[Cache, TrackedCache] = weakref.WeakKeyDictionary()
+# The record of a cache is kept on the cache itself, under this attribute: a record and its
+# cache refer to each other, a cycle the garbage collector frees once neither is reachable.
+# (A WeakKeyDictionary from cache to record never freed either: its value held its key, so
+# every cache made, e.g. one per request or per /reset, stayed in memory for good.)
+_ATTR = "_chatbot_tracked"
+
+
+def _register(cache: Cache, tracked: TrackedCache) -> None:
+    object.__setattr__(cache, _ATTR, tracked)
 
 
 # Stands for an id a cache holds that nobody recorded: it matches no real id.
@@ -319,7 +325,7 @@ UNKNOWN = -1
 
 def lookup(cache: Cache) -> TrackedCache | None:
     """The record of `cache`, if it has one that still matches it (not changed elsewhere)."""
-    tracked = _TRACKED.get(cache)
+    tracked: TrackedCache | None = getattr(cache, _ATTR, None)
     if tracked is None:
         return None
     evicted = int(cache.evicted_total) if isinstance(cache, SinkCache) else 0
@@ -357,13 +363,13 @@ def track(cache: Cache, max_context: int, assume: Sequence[int] | None = None) -
     pinned = min(tracked.pinned, length) if evicted else length
     tracked.ids = ids[:pinned] + ids[held - (length - pinned) : held]
     tracked._evicted = evicted
-    _TRACKED[cache] = tracked
     return tracked
 
 
 def forget(cache: Cache) -> None:
     """Drop the record of `cache` (it will be taken as new by `track`)."""
-    _TRACKED.pop(cache, None)
+    if hasattr(cache, _ATTR):
+        object.__delattr__(cache, _ATTR)
 
 
 __all__ = ["DEBUG", "UNKNOWN", "CacheLayout", "TrackedCache", "forget", "lookup", "track"]
