@@ -124,6 +124,20 @@ def test_layer_inv_freqs_follow_the_layer_types():
         _ = cache.inv_freq  # no single rope to hand out
 
 
+def test_per_layer_frequencies_give_per_layer_rotations():
+    local = 1.0 / (10000 ** (torch.arange(0, 16, 2, dtype=torch.float) / 16))
+    glob = 1.0 / (1e6 ** (torch.arange(0, 16, 2, dtype=torch.float) / 16)) / 8
+    cache = SinkCache(num_layers=3, inv_freq=[local, local, glob], start_size=2, recent_size=16)
+    (c0, s0), (c1, s1), (c2, s2) = cache.rotations_for_shift(5)
+    assert c0 is c1 and s0 is s1  # layers sharing a rope share its rotation
+    # a rotation by -5 * freq in the rotate_half layout, computed here from the definition
+    assert torch.allclose(c2, torch.cos(-5 * torch.cat([glob, glob])))
+    assert torch.allclose(s2, torch.sin(-5 * torch.cat([glob, glob])))
+    assert torch.allclose(s0, torch.sin(-5 * torch.cat([local, local])))
+    with pytest.raises(ValueError, match="for 2 layers, the cache has 3"):
+        SinkCache(num_layers=3, inv_freq=[local, glob], recent_size=16)
+
+
 def test_a_layer_type_without_frequencies_is_refused():
     g3 = gemma("gemma3", [S, F])
     del g3.model.rotary_emb.full_attention_inv_freq
