@@ -53,6 +53,7 @@ from chatbot.cli_common import (
     _load,
     _set_threads,
     _settings,
+    _streaming_note,
 )
 from chatbot.config import EngineConfig, SamplingConfig
 from chatbot.errors import ChatbotError, ConfigError
@@ -167,7 +168,8 @@ def run(
     out, info = make_consoles(interactive)
     plain = plain or not sys.stdout.isatty()
     repl = Repl(session, loaded, out, plain=plain, show_stats=not no_stats, info=info)
-    for note in [*loaded.notes, *filter(None, [decoder_note, _context_note(loaded, settings.engine)])]:
+    notes = [decoder_note, _context_note(loaded, settings.engine), _streaming_note(engine, settings.engine)]
+    for note in [*loaded.notes, *filter(None, notes)]:
         repl.note(note)
     if interactive:
         d = loaded.describe()
@@ -296,7 +298,8 @@ def serve(
     name = served_model_name or loaded.name
     application = create_app(pool, name, api_key=key, streaming_cache=enable_streaming)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
-    for note in [*loaded.notes, *filter(None, [decoder_note, _context_note(loaded, engine_cfg)])]:
+    notes = [decoder_note, _context_note(loaded, engine_cfg), _streaming_note(engine, engine_cfg)]
+    for note in [*loaded.notes, *filter(None, notes)]:
         err.print(note, style="dim", markup=False)
     shown = "localhost" if host in ("127.0.0.1", "::1") else host
     err.print(

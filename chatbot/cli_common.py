@@ -212,6 +212,25 @@ def _context_note(loaded: Any, config: EngineConfig) -> str | None:
     )
 
 
+def _streaming_note(engine: Any, config: EngineConfig) -> str | None:
+    """A note when --enable-streaming takes a smaller recent window than usual by default,
+    so that the cache fits in the model's sliding window (gemma)."""
+    if not config.enable_streaming or config.recent_size is not None:
+        return None
+    from chatbot.engine.sink_cache import default_recent_size, streaming_window
+
+    limit = config.max_context or engine.max_context
+    window = streaming_window(engine.model)
+    recent = default_recent_size(limit, window, config.start_size)
+    if window is None or recent == default_recent_size(limit):
+        return None
+    return (
+        f"note: this model's sliding-window layers attend to {window:,} tokens, so --enable-streaming "
+        f"keeps {config.start_size} sinks + {recent:,} recent tokens (the rest of the window is for "
+        "a pinned system prompt; --recent-size to change)"
+    )
+
+
 def _api_key(var: str | None) -> str | None:
     """The API key in the environment variable `var` (None: no key)."""
     if var is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from chatbot.engine.sink_cache import default_recent_size
+from chatbot.engine.sink_cache import default_recent_size, streaming_window
 from chatbot.engine.tracked_cache import CacheLayout, TrackedCache
 
 if TYPE_CHECKING:
@@ -62,15 +62,17 @@ class ConversationCache:
             cache = self.engine.new_cache()
             cache.max_context = limit
             return cache
-        recent = ec.recent_size or default_recent_size(limit)
+        # A model with sliding-window layers (gemma) needs the whole cache inside its window.
+        window = streaming_window(self.engine.model)
+        recent = ec.recent_size or default_recent_size(limit, window, ec.start_size)
         ec.check_window(ec.start_size, recent, limit)
         cache = self.engine.new_cache(ec.start_size, recent)
         cache.max_context = limit
         keep = ec.keep_system if ec.keep_system is not None else bool(self.system)
         if keep:
-            # A system prompt longer than the context allows is pinned only as far as it fits
-            # beside the window; the rest is evicted like any old text.
-            room = max(ec.start_size, limit - recent)
+            # A system prompt longer than the context (or the sliding window) allows is pinned
+            # only as far as it fits beside the recent window; the rest is evicted like any old text.
+            room = max(ec.start_size, min(limit, window or limit) - recent)
             cache.pin(min(self.system_prompt_tokens(), room))
         return cache
 

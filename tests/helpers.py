@@ -161,6 +161,8 @@ ARCHS = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),  # the text model (gemma3-1b's shape)
     "gpt2": ("GPT2Config", "GPT2LMHeadModel"),  # takes the sizes below by their common names
 }
 
@@ -206,6 +208,8 @@ def make_model(
     )
     if arch != "gpt2":
         settings.update(intermediate_size=128, num_key_value_heads=2)
+    if arch.startswith("gemma"):
+        settings.update(head_dim=16)  # gemma configs default to 256, whatever the width
     if sharp:
         settings["tie_word_embeddings"] = True
     torch.manual_seed(seed)

@@ -10,10 +10,18 @@ position ids of new tokens from `get_seq_length()`, which is the physical length
 Llama-family attention applies RoPE before ``cache.update``, so cached keys are already
 rotated; moving a key from position ``p`` to ``p - d`` is a pure rotation by
 ``-d * inv_freq`` (no ``attention_scaling``: the cached key already carries it once).
+
+Each layer is re-rotated with its own frequencies: models with several kinds of layer
+(gemma3: sliding-window layers with a local rope base, full-attention layers with a global
+base and rope scaling) keep one ``{layer_type}_inv_freq`` per kind on their rotary module,
+and ``config.layer_types`` says which kind each layer is. Sliding-window layers are fine as
+long as the whole cache fits in the window: positions never leave ``[0, capacity)``, so the
+window mask never hides a cached token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, cast, overload
 
 import torch
@@ -27,8 +35,11 @@ __all__ = [
     "SinkLayer",
     "StreamingUnsupportedError",
     "check_streaming_support",
+    "default_recent_size",
+    "layer_inv_freqs",
     "rotate_keys",
     "rotation_for_shift",
+    "streaming_window",
 ]
 
 
@@ -107,7 +118,7 @@ class SinkCache(Cache):
     def __init__(
         self,
         num_layers: int,
-        inv_freq: torch.Tensor,
+        inv_freq: torch.Tensor | Sequence[torch.Tensor],
         start_size: int = 4,
         recent_size: int = 2000,
         evict_block: int = 64,
@@ -115,7 +126,8 @@ class SinkCache(Cache):
         """
         Args:
             num_layers: decoder layers of the model (one `SinkLayer` each).
-            inv_freq: rotary inverse frequencies ``[head_dim // 2]`` (with rope scaling applied).
+            inv_freq: rotary inverse frequencies ``[head_dim // 2]`` (with rope scaling
+                applied): one tensor for every layer, or one per layer (`layer_inv_freqs`).
             start_size: attention-sink tokens always kept at the start (0: plain sliding window).
             recent_size: tokens of the recent window.
             evict_block: evictions drop a multiple of this many tokens, so re-rotation
@@ -123,7 +135,7 @@ class SinkCache(Cache):
 
         Raises:
             ValueError: for a non-positive `num_layers`, `recent_size` or `evict_block`,
-                or a negative `start_size`.
+                a negative `start_size`, or per-layer frequencies for another number of layers.
         """
         if num_layers <= 0:
             raise ValueError(f"num_layers must be positive, got {num_layers}")
@@ -133,8 +145,18 @@ class SinkCache(Cache):
             raise ValueError(f"recent_size must be positive, got {recent_size}")
         if evict_block <= 0:
             raise ValueError(f"evict_block must be positive, got {evict_block}")
+        per_layer = [inv_freq] * num_layers if isinstance(inv_freq, torch.Tensor) else list(inv_freq)
+        if len(per_layer) != num_layers:
+            raise ValueError(
+                f"got rotary frequencies for {len(per_layer)} layers, the cache has {num_layers}"
+            )
         super().__init__(layers=[SinkLayer() for _ in range(num_layers)])
-        self.inv_freq = inv_freq.detach().to(torch.float32).flatten()
+        # Layers sharing a frequency tensor share its float32 copy (and its rotation in `_drop`).
+        copies: dict[int, torch.Tensor] = {}
+        for f in per_layer:
+            if id(f) not in copies:
+                copies[id(f)] = f.detach().to(torch.float32).flatten()
+        self.inv_freqs: list[torch.Tensor] = [copies[id(f)] for f in per_layer]
         self.start_size = start_size
         self.recent_size = recent_size
         # A block larger than a quarter of the window would throw away most of it at once.
@@ -143,6 +165,18 @@ class SinkCache(Cache):
         self.evicted_total = 0
         # Set by `for_model` for a sliding-window model: the cache must fit in its window.
         self.max_capacity: int | None = None
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """The rotary frequencies every layer shares.
+
+        Raises:
+            ValueError: the layers have frequencies of their own (see `inv_freqs`).
+        """
+        first = self.inv_freqs[0]
+        if any(f is not first for f in self.inv_freqs):
+            raise ValueError("this cache re-rotates each layer with its own frequencies: read inv_freqs")
+        return first
 
     @classmethod
     def for_model(
@@ -158,18 +192,16 @@ class SinkCache(Cache):
             StreamingUnsupportedError: the model's positions cannot be re-rotated
                 (see `check_streaming_support`).
         """
-        check_streaming_support(model, capacity=start_size + recent_size)
-        rotary = _find_rotary(model)
-        assert rotary is not None  # check_streaming_support refused otherwise
+        check_streaming_support(model, capacity=start_size + recent_size, start_size=start_size)
         config = model.config.get_text_config(decoder=True)
         cache = cls(
             num_layers=config.num_hidden_layers,
-            inv_freq=rotary.inv_freq,
+            inv_freq=layer_inv_freqs(model),
             start_size=start_size,
             recent_size=recent_size,
             evict_block=evict_block,
         )
-        cache.max_capacity = _sliding_window(config)
+        cache.max_capacity = streaming_window(config)
         return cache
 
     # --- layout -----------------------------------------------------------------------
@@ -206,7 +238,8 @@ class SinkCache(Cache):
         if self.max_capacity is not None and pinned + self.recent_size > self.max_capacity:
             raise StreamingUnsupportedError(
                 f"keeping {pinned} tokens plus a recent window of {self.recent_size} exceeds the "
-                f"model's sliding window of {self.max_capacity} tokens; lower --recent-size"
+                f"model's sliding window of {self.max_capacity} tokens; lower --recent-size "
+                f"(to {max(1, self.max_capacity - pinned)} or less)"
             )
         self._pinned = pinned
 
@@ -274,9 +307,18 @@ class SinkCache(Cache):
         block = -(-needed // self.evict_block) * self.evict_block
         return self._drop(self._pinned, self._pinned + min(block, evictable))
 
+    def rotations_for_shift(self, shift: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's ``(cos, sin)`` that moves its keys back by `shift` positions (layers
+        sharing frequencies share the tensors)."""
+        by_freq: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for f in self.inv_freqs:
+            if id(f) not in by_freq:
+                by_freq[id(f)] = rotation_for_shift(shift, f)
+        return [by_freq[id(f)] for f in self.inv_freqs]
+
     def _drop(self, start: int, end: int) -> tuple[int, int]:
-        cos, sin = rotation_for_shift(end - start, self.inv_freq)
-        for layer in self.sink_layers:
+        rotations = self.rotations_for_shift(end - start)
+        for layer, (cos, sin) in zip(self.sink_layers, rotations):
             layer.drop(start, end, cos, sin)
         self.evicted_total += end - start
         return start, end
@@ -400,7 +442,9 @@ _INTERLEAVED_ROPE = {"gptj", "codegen"}
 
 
 def _find_rotary(model: Any) -> Any | None:
-    candidates = [getattr(model, "model", None), getattr(model, "base_model", None), model]
+    inner = getattr(model, "model", None)
+    # A multimodal wrapper (Gemma3ForConditionalGeneration) keeps it on its language model.
+    candidates = [inner, getattr(inner, "language_model", None), getattr(model, "base_model", None), model]
     for module in candidates:
         rotary = getattr(module, "rotary_emb", None) if module is not None else None
         if rotary is not None:
@@ -425,22 +469,83 @@ def _sliding_window(config: Any) -> int | None:
     return int(window)
 
 
-def check_streaming_support(model_or_config: Any, capacity: int | None = None) -> None:
-    """Refuse models whose cached keys cannot be moved to new positions.
-
-    Args:
-        model_or_config: a loaded model (checked for a ``rotary_emb`` with ``inv_freq``
-            whose size matches the head dim) or a bare `PretrainedConfig`.
-        capacity: start + recent of the intended cache; a sliding-window model is accepted
-            when the whole cache fits in its window (the window mask then never bites).
-
-    Raises:
-        StreamingUnsupportedError: with a message naming the reason.
-    """
+def _text_config(model_or_config: Any) -> tuple[Any, bool]:
+    """The decoder's config of a model or config, and whether a model was given."""
     is_model = hasattr(model_or_config, "config") and not hasattr(model_or_config, "to_dict")
     config = model_or_config.config if is_model else model_or_config
     if hasattr(config, "get_text_config"):
         config = config.get_text_config(decoder=True)
+    return config, is_model
+
+
+def streaming_window(model_or_config: Any) -> int | None:
+    """The smallest attention window among the model's layers, which a streaming cache must
+    fit in (None: every layer attends to the whole cache).
+
+    ``config.layer_types`` says which layers slide (gemma2, gemma3, qwen2 with
+    ``use_sliding_window``); without it a ``sliding_window`` applies to every layer (Mistral).
+    """
+    config, _ = _text_config(model_or_config)
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types:
+        return _sliding_window(config)
+    window = getattr(config, "sliding_window", None)
+    return int(window) if window and "sliding_attention" in layer_types else None
+
+
+def layer_inv_freqs(model: Any) -> list[torch.Tensor]:
+    """Each decoder layer's rotary inverse frequencies, as the model rotates its keys.
+
+    The rotary module holds one ``inv_freq`` for every layer or, in a model with several
+    kinds of layer (gemma3: local and global rope), one ``{layer_type}_inv_freq`` per kind;
+    ``config.layer_types[i]`` is the kind of layer ``i``.
+
+    Raises:
+        StreamingUnsupportedError: no rotary module, or a layer whose frequencies it lacks.
+    """
+    config, _ = _text_config(model)
+    model_type = getattr(config, "model_type", "") or "this model"
+    rotary = _find_rotary(model)
+    if rotary is None:
+        raise StreamingUnsupportedError(
+            f"--enable-streaming needs rotary position embeddings; no rotary embedding module "
+            f"found on {type(model).__name__}"
+        )
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    shared = getattr(rotary, "inv_freq", None)
+    freqs = []
+    for i in range(config.num_hidden_layers):
+        kind = layer_types[i] if i < len(layer_types) else None
+        freq = getattr(rotary, f"{kind}_inv_freq", None) if kind else None
+        freq = freq if isinstance(freq, torch.Tensor) else shared
+        if not isinstance(freq, torch.Tensor):
+            raise StreamingUnsupportedError(
+                f"--enable-streaming cannot read the rotary frequencies of {model_type}"
+                + (f" {kind} layers" if kind else "")
+                + " (non-standard rotary embedding)"
+            )
+        freqs.append(freq)
+    return freqs
+
+
+def check_streaming_support(
+    model_or_config: Any, capacity: int | None = None, start_size: int | None = None
+) -> None:
+    """Refuse models whose cached keys cannot be moved to new positions.
+
+    Args:
+        model_or_config: a loaded model (checked for rotary frequencies for every layer,
+            see `layer_inv_freqs`, whose size matches the head dim) or a bare `PretrainedConfig`.
+        capacity: start + recent of the intended cache; a model with sliding-window layers
+            is accepted when the whole cache fits in the smallest window (the window mask
+            then never bites).
+        start_size: the sinks of the intended cache, for the ``--recent-size`` that would
+            fit (default 4).
+
+    Raises:
+        StreamingUnsupportedError: with a message naming the reason.
+    """
+    config, is_model = _text_config(model_or_config)
     model_type = getattr(config, "model_type", "") or "this model"
     need = "--enable-streaming needs rotary position embeddings"
 
@@ -481,41 +586,52 @@ def check_streaming_support(model_or_config: Any, capacity: int | None = None) -
         )
 
     layer_types = getattr(config, "layer_types", None) or []
-    other_types = sorted({t for t in layer_types if t != "full_attention"})
+    other_types = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
     if other_types:
         raise StreamingUnsupportedError(
-            f"--enable-streaming needs full attention in every layer; {model_type} has "
-            f"{', '.join(other_types)} layers"
+            f"--enable-streaming needs full or sliding-window attention in every layer; {model_type} "
+            f"has {', '.join(other_types)} layers"
         )
-    sliding_window = _sliding_window(config)
-    if sliding_window is not None and (capacity is None or capacity > sliding_window):
+    window = streaming_window(config)
+    if window is not None and (capacity is None or capacity > window):
+        fits = window - (4 if start_size is None else start_size)
+        where = " (its sliding_attention layers)" if "sliding_attention" in layer_types else ""
         raise StreamingUnsupportedError(
-            f"--enable-streaming needs full attention; {model_type} uses a sliding "
-            f"window of {sliding_window} tokens"
-            + ("" if capacity is None else f" (smaller than the cache's {capacity} tokens)")
+            f"--enable-streaming needs the whole cache inside {model_type}'s sliding window of "
+            f"{window} tokens{where}"
+            + (
+                ""
+                if capacity is None
+                else f", smaller than the cache's {capacity} tokens"
+                if start_size is None
+                else f"; {start_size} sinks + {capacity - start_size} recent make {capacity}"
+            )
+            + (f"; use --recent-size {fits} or less" if fits > 0 else "; use fewer --start-size tokens")
         )
 
     if is_model:
-        rotary = _find_rotary(model_or_config)
-        if rotary is None:
-            raise StreamingUnsupportedError(
-                f"{need}; no rotary embedding module found on {type(model_or_config).__name__}"
-            )
-        inv_freq = getattr(rotary, "inv_freq", None)
-        if not isinstance(inv_freq, torch.Tensor):
-            raise StreamingUnsupportedError(
-                f"--enable-streaming cannot read the rotary frequencies of {model_type} "
-                "(per-layer-type or non-standard rotary embedding)"
-            )
         head_dim = getattr(config, "head_dim", None) or (config.hidden_size // config.num_attention_heads)
-        if inv_freq.numel() * 2 != head_dim:
-            raise StreamingUnsupportedError(
-                f"--enable-streaming needs rotary embeddings on the whole head; {model_type} "
-                f"rotates {inv_freq.numel() * 2} of {head_dim} dims"
-            )
+        for inv_freq in layer_inv_freqs(model_or_config):
+            if inv_freq.numel() * 2 != head_dim:
+                raise StreamingUnsupportedError(
+                    f"--enable-streaming needs rotary embeddings on the whole head; {model_type} "
+                    f"rotates {inv_freq.numel() * 2} of {head_dim} dims"
+                )
 
 
-def default_recent_size(max_context: int) -> int:
+def default_recent_size(max_context: int, window: int | None = None, start_size: int = 4) -> int:
     """A sensible window for --enable-streaming: about a quarter of the trained context,
-    e.g. 2000 for an 8k model, at least 256."""
-    return max(256, min(2000, max_context // 4))
+    e.g. 2000 for an 8k model, at least 256.
+
+    Args:
+        max_context: the model's context (or --max-context).
+        window: the model's smallest sliding window (`streaming_window`). Where the sinks
+            and that default would not fit in it, the recent window takes what is left of
+            the sliding window after a quarter of it, kept for the sinks and a pinned
+            system prompt (384 for gemma3-1b's 512).
+        start_size: the sinks.
+    """
+    recent = max(256, min(2000, max_context // 4))
+    if window is not None and start_size + recent > window:
+        recent = max(1, window - max(start_size, window // 4))
+    return recent

@@ -81,9 +81,10 @@ class Worker:
             return
         ec = self.pool.engine_config
         if ec.enable_streaming:
-            from chatbot.engine.sink_cache import default_recent_size
+            from chatbot.engine.sink_cache import default_recent_size, streaming_window
 
-            recent = ec.recent_size or default_recent_size(engine.max_context)
+            window = streaming_window(engine.model)
+            recent = ec.recent_size or default_recent_size(engine.max_context, window, ec.start_size)
             cache = engine.new_cache(ec.start_size, recent)
         else:
             cache = engine.new_cache()
