@@ -248,3 +248,25 @@ def test_gemma3_with_its_vision_tower_falls_back_with_a_reason():
     assert decoder is None and reason == (
         "fast decode off: no fast decode for Gemma3ForConditionalGeneration (a text-only model runs)"
     )
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_streams_on_the_fast_path_as_on_transformers(arch, tiny_tokenizer):
+    """--enable-streaming on gemma (the cache inside its sliding window of 64): the fast
+    path's tokens, cache ids and evictions equal the plain engine's; gemma3's local and
+    global layers each keep their own rope through the re-rotations."""
+    settings = {**ARCH_SETTINGS[arch], "sliding_window": 64}
+    model = make_model(len(tiny_tokenizer), seed=7, randomize=True, **settings)
+    sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=100)
+    config = ChatConfig(
+        sampling=sampling, engine=EngineConfig(enable_streaming=True, start_size=4, recent_size=40)
+    )
+    results = {}
+    for name, decoder in [("plain", None), ("fast", FastDecoder(model, "f32"))]:
+        session = ChatSession(Engine(model, tiny_tokenizer, decoder=decoder), config)
+        got = [
+            [t for c in session.send(text) for t in c.token_ids] for text in ("Hello there!", "The quick fox")
+        ]
+        results[name] = (got, list(session.cache_ids), session.evicted_total)
+        assert session.evicted_total > 0
+    assert results["fast"] == results["plain"]
