@@ -310,3 +310,39 @@ def test_turns_cross_the_sliding_window(files):
         at = [i for i in range(len(held) - k + 1) if held[i : i + k] == answer]
         prefix = held[: at[-1]] if at else held
         assert len(prefix) > 16 and answer == greedy_by_recompute(loaded.model, prefix, k)
+
+
+def test_gemma3_rope_scaling_of_the_global_layers(tmp_path):
+    """A Gemma-3 4B-27B file's linear rope scaling (``gemma3.rope.scaling.*``, which
+    transformers' GGUF reader skips) divides the global layers' frequencies by its factor, as
+    the model's config.json (``rope_scaling: linear, factor 8``) does in transformers; the
+    sliding layers keep theirs. Logits equal transformers' model of that config."""
+    import transformers
+
+    from chatbot.models.loader import load_model
+
+    assert SHAPES["gemma3"]["4B"].linear_rope == 8.0
+    shape = dataclasses.replace(SHAPES["gemma3"]["tiny"], linear_rope=8.0, sliding_window=8)
+    path = tmp_path / "gemma3-scaled.gguf"
+    write_synthetic_gguf(path, "gemma3", shape, "Q8_0", seed=6)
+    model = load_model(str(path)).model
+    assert model.config.rope_parameters["full_attention"]["rope_type"] == "linear"
+    # the config transformers makes of Gemma-3-4B's config.json, with the tiny sizes
+    config = transformers.AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name)
+    scaled = transformers.Gemma3TextConfig(**{
+        **config.to_dict(), "rope_parameters": None, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "rope_theta": 1e6,
+    })  # fmt: skip
+    assert scaled.rope_parameters["full_attention"] == {"rope_type": "linear", "factor": 8.0,
+                                                        "rope_theta": 1e6}  # fmt: skip
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, config=scaled, dtype=torch.float32
+    ).eval()
+    rotary, theirs = model.model.rotary_emb, ref.model.rotary_emb
+    for kind in ("full_attention", "sliding_attention"):
+        torch.testing.assert_close(getattr(rotary, f"{kind}_inv_freq"), getattr(theirs, f"{kind}_inv_freq"))
+    unscaled = reference(path).model.rotary_emb.full_attention_inv_freq
+    torch.testing.assert_close(rotary.full_attention_inv_freq, unscaled / 8)
+    ids = list(range(600, 640))
+    torch.testing.assert_close(full_logits(model, ids), full_logits(ref, ids), rtol=0, atol=ATOL)
+    assert not torch.allclose(full_logits(model, ids), full_logits(reference(path), ids), atol=1e-2)

@@ -212,6 +212,37 @@ def apply_rope_freqs(model: Any, src: GGUFWeights) -> bool:
     return True
 
 
+def apply_rope_scaling(path: Path, config: Any) -> bool:
+    """Put a gemma3 file's rope scaling into `config`, as the model's config.json has it:
+    Gemma 3 4B-27B divide the positions of their global (full-attention) layers by 8
+    (``rope_scaling: linear``), which llama.cpp's converter writes as
+    ``gemma3.rope.scaling.type``/``.factor`` and transformers' GGUF reader does not read.
+    The sliding layers keep their unscaled rope, as in transformers and llama.cpp.
+
+    Returns:
+        True if the file had a scaling (and `config` now has it).
+
+    Raises:
+        NotPackable: a kind of scaling other than linear.
+    """
+    arch, _ = read_tensor_table(path)
+    if arch != "gemma3" or not isinstance(getattr(config, "rope_parameters", None), dict):
+        return False
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    metadata, _ = read_gguf_metadata(str(path))  # (a vocabulary is skipped, not parsed)
+    kind = metadata.get(f"{arch}.rope.scaling.type", "none")
+    factor = float(metadata.get(f"{arch}.rope.scaling.factor", 1.0))
+    if kind == "none" or factor == 1.0:
+        return False
+    if kind != "linear":
+        raise NotPackable(f"the file's rope scaling is {kind}, which gemma3 models do not use")
+    full = dict(config.rope_parameters["full_attention"])
+    full.update(rope_type="linear", factor=factor)
+    config.rope_parameters["full_attention"] = full
+    return True
+
+
 def build_packed_model(path: Path, config: Any) -> Any:
     """A transformers causal LM for `config` whose matrices are the blocks of the GGUF file
     `path`, memory-mapped.
@@ -225,6 +256,7 @@ def build_packed_model(path: Path, config: Any) -> Any:
     if src.architecture not in ARCHITECTURES or config.model_type not in MODEL_TYPES:
         raise NotPackable(f"no block-format model for {src.architecture} files")
     gemma = src.architecture in ("gemma2", "gemma3")
+    apply_rope_scaling(path, config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     inner = model.model
