@@ -349,3 +349,22 @@ def test_gemma3_rope_scaling_of_the_global_layers(tmp_path):
     ids = list(range(600, 640))
     torch.testing.assert_close(full_logits(model, ids), full_logits(ref, ids), rtol=0, atol=ATOL)
     assert not torch.allclose(full_logits(model, ids), full_logits(reference(path), ids), atol=1e-2)
+
+
+def test_llama_cpp_scales_the_global_layers_rope_as_we_do(tmp_path):
+    """llama.cpp (when installed) reads a gemma3 file's linear rope scaling: its logits
+    are near ours (F16 weights: ~4e-3 apart) and far from transformers' GGUF load, which
+    skips the scaling (~0.5 apart over 100 tokens past an 8-token window)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from chatbot.models.loader import load_model
+
+    shape = dataclasses.replace(SHAPES["gemma3"]["tiny"], linear_rope=8.0, sliding_window=8)
+    path = tmp_path / "gemma3-scaled.gguf"
+    write_synthetic_gguf(path, "gemma3", shape, "F16", seed=6)
+    ids = [2, *range(600, 699)]
+    ours, unscaled = full_logits(load_model(str(path)).model, ids), full_logits(reference(path), ids)
+    llm = llama_cpp.Llama(str(path), n_ctx=128, n_threads=1, verbose=False, logits_all=True)
+    llm.eval(ids)
+    theirs = torch.tensor(np.array(llm.scores[: len(ids)]), dtype=torch.float32)
+    assert float((theirs - ours).abs().max()) < 0.02
+    assert float((theirs - unscaled).abs().max()) > 0.2
