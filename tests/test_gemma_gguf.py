@@ -368,3 +368,26 @@ def test_llama_cpp_scales_the_global_layers_rope_as_we_do(tmp_path):
     theirs = torch.tensor(np.array(llm.scores[: len(ids)]), dtype=torch.float32)
     assert float((theirs - ours).abs().max()) < 0.02
     assert float((theirs - unscaled).abs().max()) > 0.2
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "qwen2", "qwen3"])
+def test_tokenizer_named_by_type_is_autotokenizers_own(tmp_path, arch):
+    """The loader names the tokenizer class by the model type (sparing AutoTokenizer a second
+    full parse of the file's metadata); the tokenizer is the one AutoTokenizer picks itself."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from chatbot.models.gguf_model import _tokenizer_type
+
+    path = tmp_path / f"{arch}.gguf"
+    write_synthetic_gguf(path, arch, SHAPES[arch]["tiny"], "Q8_0", seed=7)
+    config = AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name)
+    typed = _tokenizer_type(path, config)
+    assert typed == {"tokenizer_type": config.model_type}
+    ours = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name, **typed)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    assert type(ours) is type(theirs)
+    assert ours.backend_tokenizer.to_str() == theirs.backend_tokenizer.to_str()
+    assert ours.chat_template == theirs.chat_template and ours.special_tokens_map == theirs.special_tokens_map
+    assert ours.add_bos_token == theirs.add_bos_token
+    (tmp_path / "tokenizer_config.json").write_text("{}")  # a folder's own class may differ: not named
+    assert _tokenizer_type(path, config) == {}
