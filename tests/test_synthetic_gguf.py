@@ -44,6 +44,58 @@ def test_sizes_are_the_published_models():
         pick_shape("gpt5", "1B")
 
 
+def test_gemma_sizes_are_the_published_models():
+    """Gemma-2-2B: 2.61B parameters; Gemma-3-1B: 1.00B; Gemma-3-4B's text model: 3.88B (the
+    published 4.3B counts its vision tower, which a text GGUF does not hold)."""
+    assert abs(pick_shape("gemma2", "2B").params() / 2.614e9 - 1) < 0.01
+    assert abs(pick_shape("gemma3", "1B").params() / 1.000e9 - 1) < 0.01
+    assert abs(pick_shape("gemma3", "4B").params() / 3.880e9 - 1) < 0.01
+    g3 = pick_shape("gemma3", "1B")
+    assert (g3.hidden, g3.heads, g3.kv_heads, g3.head_dim, g3.vocab, g3.sliding_window) == (
+        1152, 4, 1, 256, 262144, 512
+    )
+    # 1152 columns are not whole super-blocks: llama.cpp's fallbacks, as in real 1B files
+    assert tensor_type("Q4_K_M", "attn_q", 5, 26, 1152) == "Q5_0"
+    assert tensor_type("Q4_K_M", "token_embd_tied", 0, 26, 1152) == "Q8_0"
+    for arch in ("gemma2", "gemma3"):  # the tiny files are whole super-blocks
+        tiny = SHAPES[arch]["tiny"]
+        assert tiny.hidden % 256 == tiny.ffn % 256 == (tiny.heads * tiny.head_dim) % 256 == 0
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_script_writes_gemma_files(tmp_path, arch):
+    script = ROOT / "scripts" / "make-synthetic-gguf"
+    out = tmp_path / f"{arch}.gguf"
+    proc = subprocess.run([str(script), "--arch", arch, "--params", "tiny", "--type", "Q8_0", "-o", str(out)],
+                          check=False, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert f"{arch} shaped as tiny" in proc.stdout
+    reader = GGUFReader(str(out))
+    assert reader.fields["general.architecture"].contents() == arch
+    assert {t.tensor_type.name for t in reader.tensors} == {"Q8_0", "F32"}
+
+
+@pytest.mark.slow
+def test_gemma_vocabulary_of_the_real_size():
+    """A real-size Gemma vocabulary (Gemma 3: 262,144) is padded with unused tokens to the
+    model's size, and transformers reads it whole."""
+    import dataclasses
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    vocab = pick_shape("gemma3", "1B").vocab
+    with tempfile.TemporaryDirectory() as folder:
+        big = Path(folder) / "gemma3-vocab.gguf"
+        shape = dataclasses.replace(SHAPES["gemma3"]["tiny"], vocab=vocab)
+        write_synthetic_gguf(big, "gemma3", shape, "Q8_0")
+        tokens = GGUFReader(str(big)).fields["tokenizer.ggml.tokens"].contents()
+        assert len(tokens) == vocab and tokens[-1].startswith("<unused") and "\u2581the" in tokens
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=big.name)
+    assert len(tok) == vocab
+    assert tok.convert_ids_to_tokens(tok("Hello the world")["input_ids"])[:2] == ["<bos>", "Hello"]
+
+
 def test_q4_k_m_tensor_types_follow_llama_cpp():
     assert tensor_type("Q4_K_M", "attn_q", 5, 24, 1536) == "Q4_K"
     assert tensor_type("Q4_K_M", "output", 0, 24, 1536) == "Q6_K"

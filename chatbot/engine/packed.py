@@ -204,6 +204,30 @@ class PackedEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, format={self.packed.format_name}"
 
 
+class ScaledPackedEmbedding(PackedEmbedding):
+    """`PackedEmbedding` whose rows are multiplied by `embed_scale`, as Gemma's scaled word
+    embedding (`Gemma2TextScaledWordEmbedding`: sqrt(hidden size)) multiplies them, with the
+    same attributes: `embed_scale` a 0-dim float32 buffer, `scalar_embed_scale` the float.
+    A tied output matrix shares `packed` unscaled.
+
+    Args:
+        packed: the table [num_embeddings, embedding_dim] in a kernel format.
+        embed_scale: the factor.
+    """
+
+    def __init__(self, packed: kernels.PackedMatrix, embed_scale: float) -> None:
+        super().__init__(packed)
+        self.scalar_embed_scale = embed_scale
+        self.embed_scale: torch.Tensor
+        self.register_buffer("embed_scale", torch.tensor(embed_scale, dtype=torch.float32), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.embed_scale.to(self.weight.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, embed_scale={self.scalar_embed_scale:g}"
+
+
 def use_activations(model: nn.Module, act: int) -> int:
     """Make every packed linear of `model` take its inputs in the form `act` (`ACT_F32` or
     `ACT_I16`), so that prefill computes as the decode kernels do; returns how many."""

@@ -7,6 +7,14 @@ model is built on the meta device, then every matrix becomes a `PackedLinear` /
 `PackedEmbedding` over the file's memory map (`chatbot.engine.gguf_weights`: no copy but the
 q/k rows of llama files, which llama.cpp stores permuted), and only what is small is
 materialised: norms, biases and the rotary tables.
+
+Gemma 2 and 3 files (llama.cpp's `gemma2`, `gemma3`) differ in three ways, each undone as
+transformers' GGUF reader does: llama.cpp stores every RMSNorm weight as 1 + the weight
+transformers' Gemma RMSNorm holds (it computes x * (1 + w)), so 1 is subtracted; the
+embedding is scaled by sqrt(hidden size) (`ScaledPackedEmbedding`, with the `embed_scale`
+buffer of transformers' module; the tied output matrix is not scaled); each layer has four
+norms (before and after attention and MLP; gemma3 also q/k norms). Their q/k rows are not
+permuted. Attention windows, soft-capping and per-layer rope come from the config.
 """
 
 from __future__ import annotations
@@ -21,12 +29,21 @@ import torch
 from torch import nn
 
 from chatbot.engine.gguf_weights import GGUFWeights, read_tensor_table
-from chatbot.engine.packed import PackedEmbedding, PackedLinear
+from chatbot.engine.packed import PackedEmbedding, PackedLinear, ScaledPackedEmbedding
 from chatbot.models.load_checks import _quiet_transformers
 from chatbot.models.manifest import publish, read_manifest
 
-ARCHITECTURES = {"llama", "qwen2", "qwen3"}
+ARCHITECTURES = {"llama", "qwen2", "qwen3", "gemma2", "gemma3"}
 """GGUF architectures built from their blocks (llama.cpp writes mistral models as llama)."""
+MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"}
+"""transformers' model types of those files (a gemma3 file is its text model, `gemma3_text`)."""
+_GEMMA_NORMS = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+"""A Gemma decoder layer's norms and the GGUF tensors (``blk.N.<name>.weight``) they come from."""
 _CACHE_VERSION = 2  # 2: the tokenizer saved as its class rebuilds it, and read whole
 _MISSING = object()
 _TOKENIZER_SETTINGS = ("model_max_length", "padding_side", "truncation_side", "model_input_names",
@@ -121,7 +138,8 @@ def load_config_and_tokenizer(path: Path, cache: Path, notes: list[str]) -> tupl
         notes.append(f"the cached tokenizer of {path.name} in {cache} was incomplete; rebuilt it")
     with _quiet_transformers(gguf=True):
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        typed = _tokenizer_type(path, config)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, **typed)
     try:
         return config, _save_tokenizer(tokenizer, config, path, cache)
     except OSError as exc:
@@ -130,6 +148,19 @@ def load_config_and_tokenizer(path: Path, cache: Path, notes: list[str]) -> tupl
             "the next start reads the tokenizer from the file again (set XDG_CACHE_HOME)"
         )
         return config, tokenizer
+
+
+def _tokenizer_type(path: Path, config: Any) -> dict[str, str]:
+    """`tokenizer_type` for AutoTokenizer where the model type names the tokenizer class it
+    would pick anyway (and no tokenizer_config.json beside the file could name another):
+    without it, AutoTokenizer reads the file's config a second time, with gguf's reader,
+    which parses every vocabulary entry (11 of a 262k Gemma vocabulary's 12 s)."""
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    beside = (path.parent / "tokenizer_config.json").exists()
+    if TOKENIZER_MAPPING_NAMES.get(config.model_type) and not beside:
+        return {"tokenizer_type": config.model_type}
+    return {}
 
 
 def _save_tokenizer(tokenizer: Any, config: Any, path: Path, cache: Path) -> Any:
@@ -197,6 +228,37 @@ def apply_rope_freqs(model: Any, src: GGUFWeights) -> bool:
     return True
 
 
+def apply_rope_scaling(path: Path, config: Any) -> bool:
+    """Put a gemma3 file's rope scaling into `config`, as the model's config.json has it:
+    Gemma 3 4B-27B divide the positions of their global (full-attention) layers by 8
+    (``rope_scaling: linear``), which llama.cpp's converter writes as
+    ``gemma3.rope.scaling.type``/``.factor`` and transformers' GGUF reader does not read.
+    The sliding layers keep their unscaled rope, as in transformers and llama.cpp.
+
+    Returns:
+        True if the file had a scaling (and `config` now has it).
+
+    Raises:
+        NotPackable: a kind of scaling other than linear.
+    """
+    arch, _ = read_tensor_table(path)
+    if arch != "gemma3" or not isinstance(getattr(config, "rope_parameters", None), dict):
+        return False
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    metadata, _ = read_gguf_metadata(str(path))  # (a vocabulary is skipped, not parsed)
+    kind = metadata.get(f"{arch}.rope.scaling.type", "none")
+    factor = float(metadata.get(f"{arch}.rope.scaling.factor", 1.0))
+    if kind == "none" or factor == 1.0:
+        return False
+    if kind != "linear":
+        raise NotPackable(f"the file's rope scaling is {kind}, which gemma3 models do not use")
+    full = dict(config.rope_parameters["full_attention"])
+    full.update(rope_type="linear", factor=factor)
+    config.rope_parameters["full_attention"] = full
+    return True
+
+
 def build_packed_model(path: Path, config: Any) -> Any:
     """A transformers causal LM for `config` whose matrices are the blocks of the GGUF file
     `path`, memory-mapped.
@@ -207,13 +269,10 @@ def build_packed_model(path: Path, config: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
     src = GGUFWeights(path)
-    if src.architecture not in ARCHITECTURES or config.model_type not in (
-        "llama",
-        "mistral",
-        "qwen2",
-        "qwen3",
-    ):
+    if src.architecture not in ARCHITECTURES or config.model_type not in MODEL_TYPES:
         raise NotPackable(f"no block-format model for {src.architecture} files")
+    gemma = src.architecture in ("gemma2", "gemma3")
+    apply_rope_scaling(path, config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     inner = model.model
@@ -241,9 +300,17 @@ def build_packed_model(path: Path, config: Any) -> Any:
         w = _vector(src, name)
         if w.shape != _weight(module).shape:
             raise NotPackable(f"{name} has {w.numel()} weights, the config says {_weight(module).numel()}")
+        if gemma:
+            w -= 1.0  # stored as 1 + w: Gemma's RMSNorm multiplies by (1 + w)
         module.weight = nn.Parameter(w, requires_grad=False)
 
-    embed = PackedEmbedding(matrix("token_embd.weight"))
+    if gemma:
+        scale = getattr(inner.embed_tokens, "scalar_embed_scale", None)
+        if not isinstance(scale, float):
+            raise NotPackable(f"{type(inner.embed_tokens).__name__} has no embedding scale")
+        embed: PackedEmbedding = ScaledPackedEmbedding(matrix("token_embd.weight"), scale)
+    else:
+        embed = PackedEmbedding(matrix("token_embd.weight"))
     if embed.weight.shape != inner.embed_tokens.weight.shape:
         raise NotPackable("token_embd.weight does not have the config's shape")
     inner.embed_tokens = embed
@@ -261,14 +328,18 @@ def build_packed_model(path: Path, config: Any) -> Any:
         mlp.gate_proj = linear(mlp.gate_proj, b + "ffn_gate.weight")
         mlp.up_proj = linear(mlp.up_proj, b + "ffn_up.weight")
         mlp.down_proj = linear(mlp.down_proj, b + "ffn_down.weight")
-        norm(layer.input_layernorm, b + "attn_norm.weight")
-        norm(layer.post_attention_layernorm, b + "ffn_norm.weight")
-        if getattr(att, "q_norm", None) is not None:  # qwen3
+        if gemma:
+            for module, tensor in _GEMMA_NORMS.items():
+                norm(getattr(layer, module), f"{b}{tensor}.weight")
+        else:
+            norm(layer.input_layernorm, b + "attn_norm.weight")
+            norm(layer.post_attention_layernorm, b + "ffn_norm.weight")
+        if getattr(att, "q_norm", None) is not None:  # qwen3, gemma3
             norm(att.q_norm, b + "attn_q_norm.weight")
             norm(att.k_norm, b + "attn_k_norm.weight")
     norm(inner.norm, "output_norm.weight")
-    # The rotary tables (inv_freq with any rope scaling) are computed, not stored: build
-    # them again off the meta device.
+    # The rotary tables (inv_freq with any rope scaling; gemma3: one per layer type, as
+    # `{layer_type}_inv_freq`) are computed, not stored: build them again off the meta device.
     inner.rotary_emb = type(inner.rotary_emb)(config=config)
     apply_rope_freqs(model, src)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]

@@ -87,11 +87,15 @@ class Shape:
     rope_theta: float = 10000.0
     # Llama-3.1/3.2 rope scaling: (factor, low_freq_factor, high_freq_factor, original context)
     llama3_rope: tuple[float, float, float, int] | None = None
+    sliding_window: int = 0  # gemma: the window of the sliding-attention layers
+    context: int = 32768
+    linear_rope: float = 0.0  # Gemma-3 4B+: the global layers' positions divided by this
 
     def params(self) -> int:
         d = self.head_dim or self.hidden // self.heads
         attn = self.hidden * d * (2 * self.heads + 2 * self.kv_heads)
-        per_layer = attn + 3 * self.hidden * self.ffn + 2 * self.hidden
+        norms = 4 if self.sliding_window else 2  # gemma: a norm before and after each block
+        per_layer = attn + 3 * self.hidden * self.ffn + norms * self.hidden
         return self.layers * per_layer + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
 
 
@@ -153,7 +157,25 @@ SHAPES: dict[str, dict[str, Shape]] = {
         "4B": Shape("Qwen3-4B", 2560, 36, 32, 8, 9728, 151936, True, head_dim=128, rope_theta=1e6),
         "8B": Shape("Qwen3-8B", 4096, 36, 32, 8, 12288, 151936, False, head_dim=128, rope_theta=1e6),
     },
-}
+    # Gemma: heads of 256 (transformers scales the scores by 1/16, the query_pre_attn_scalar
+    # it does not read from the file, as llama.cpp does by the head size: so the tiny files
+    # have 256-wide heads too); small windows in the tiny files, so tests cross them;
+    # gemma3's every sixth layer is global, so its tiny file has six.
+    "gemma2": {
+        "tiny": Shape("tiny", 256, 2, 2, 1, 512, 16384, True, head_dim=256, sliding_window=16, context=8192),
+        "2B": Shape("Gemma-2-2B", 2304, 26, 8, 4, 9216, 256000, True, head_dim=256, sliding_window=4096,
+                    context=8192),
+    },
+    "gemma3": {
+        "tiny": Shape("tiny", 256, 6, 2, 1, 512, 16384, True, head_dim=256, rope_theta=1e6,
+                      sliding_window=16),
+        "1B": Shape("Gemma-3-1B", 1152, 26, 4, 1, 6912, 262144, True, head_dim=256, rope_theta=1e6,
+                    sliding_window=512),
+        "4B": Shape("Gemma-3-4B", 2560, 34, 8, 4, 10240, 262144, True, head_dim=256, rope_theta=1e6,
+                    sliding_window=1024, context=131072, linear_rope=8.0),
+    },
+}  # fmt: skip
+GEMMA = ("gemma2", "gemma3")
 FILE_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0", "F16")
 # llama.cpp's fallback when a row is not whole 256-weight super-blocks (llama_tensor_get_type)
 _K_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
@@ -234,46 +256,102 @@ def _tokenizer_fields(source: Path) -> dict[str, Any]:
     return out
 
 
-def write_synthetic_gguf(
-    path: Path, arch: str, shape: Shape, file_type: str, seed: int = 0, tokenizer_from: Path | None = None
-) -> dict[str, Any]:
-    """Write a GGUF model file of `arch` with `shape`, random weights (fixed `seed`) in the
-    tensor types llama.cpp gives a `file_type` file, and the default model's tokenizer
-    (its vocabulary padded with unused tokens to the shape's size).
+# Gemma's turn layout: "<start_of_turn>user\n...<end_of_turn>\n<start_of_turn>model\n", the
+# messages trimmed. Gemma 2 refuses a system message; Gemma 3 puts it before the first user
+# message.
+_GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "SYSTEM"
+    "{%- else -%}{%- set prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + (prefix if loop.first else '') + message['content'] | trim"
+    " + '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
+GEMMA_TEMPLATES = {
+    "gemma2": _GEMMA_TEMPLATE.replace(
+        "SYSTEM", "{{ raise_exception('System role not supported') }}"
+    ),
+    "gemma3": _GEMMA_TEMPLATE.replace(
+        "SYSTEM",
+        "{%- set prefix = messages[0]['content'] | trim + '\\n\\n' -%}"
+        "{%- set loop_messages = messages[1:] -%}",
+    ),
+}
+GEMMA_SPECIALS = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4,
+                  "<start_of_turn>": 106, "<end_of_turn>": 107}  # fmt: skip
+"""Gemma's special tokens where its vocabulary has them (5-105 are unused)."""
+
+
+def sentencepiece_vocab(vocab: int, source: Path) -> dict[str, Any]:
+    """A sentencepiece ("llama") vocabulary of `vocab` tokens laid out as Gemma's: the special
+    tokens (`GEMMA_SPECIALS`), the 256 byte tokens ``<0x00>``..``<0xFF>``, then text pieces
+    ("\u2581" for a space) best first, then ``<unused N>`` to the size. The pieces are the
+    byte-level BPE vocabulary of `source` (a GGUF file) spelled as text, in its order, so
+    that each is two earlier ones joined (as the merges transformers and llama.cpp derive
+    from a Gemma vocabulary, which lists none, expect); their scores fall with the position.
 
     Returns:
-        A summary: parameters, bytes, tensor types and their counts.
+        tokens, scores, token_type (gguf.TokenType values) and the special ids.
     """
     import gguf
+    from gguf import GGUFReader
 
-    from chatbot.models.loader import default_gguf_path
+    reader = GGUFReader(str(source))
+    bpe = reader.fields["tokenizer.ggml.tokens"].contents()
+    bpe_types = reader.fields["tokenizer.ggml.token_type"].contents()
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    if file_type not in FILE_TYPES:
-        raise ValueError(f"unknown type {file_type!r}: choose from {', '.join(FILE_TYPES)}")
-    rng = np.random.default_rng(seed)
-    tok = _tokenizer_fields(tokenizer_from or default_gguf_path())
+    # byte-level BPE spells each byte as a printable character (GPT-2's table)
+    to_byte = {c: b for b, c in bytes_to_unicode().items()}
+    tokens = [f"<unused{i - 5}>" for i in range(108)]
+    types = [int(gguf.TokenType.UNUSED)] * 108
+    for text, i in GEMMA_SPECIALS.items():
+        tokens[i] = text
+        types[i] = int(gguf.TokenType.UNKNOWN if text == "<unk>" else gguf.TokenType.CONTROL)
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [int(gguf.TokenType.BYTE)] * 256
+    seen = set(tokens)
+    n_fixed = len(tokens)
+    for piece, kind in zip(bpe, bpe_types, strict=True):
+        if len(tokens) >= vocab:
+            break
+        try:
+            text = bytes(to_byte[c] for c in piece).decode("utf-8")
+        except (KeyError, UnicodeDecodeError):  # a piece of a character: bytes cover it
+            continue
+        if kind != int(gguf.TokenType.NORMAL) or any(ord(c) < 32 and c not in "\n\t" for c in text):
+            continue
+        text = text.replace(" ", "\u2581")
+        if text not in seen:
+            seen.add(text)
+            tokens.append(text)
+            types.append(int(gguf.TokenType.NORMAL))
+    scores = [0.0] * n_fixed + [-float(i) for i in range(len(tokens) - n_fixed)]
+    pad = vocab - len(tokens)
+    tokens += [f"<unused{101 + i}>" for i in range(pad)]
+    types += [int(gguf.TokenType.UNUSED)] * pad
+    scores += [0.0] * pad
+    return {"tokens": tokens, "scores": scores, "token_type": types}
+
+
+def _add_bpe_tokenizer(w: Any, vocab: int, source: Path) -> None:
+    """The tokenizer of `source` (a byte-level BPE), padded with unused tokens to `vocab`."""
+    import gguf
+
+    tok = _tokenizer_fields(source)
     tokens = list(tok["tokens"])
-    if len(tokens) > shape.vocab:
-        raise ValueError(f"the tokenizer has {len(tokens)} tokens, more than the vocabulary {shape.vocab}")
+    if len(tokens) > vocab:
+        raise ValueError(f"the tokenizer has {len(tokens)} tokens, more than the vocabulary {vocab}")
     types = list(tok["token_type"])
-    tokens += [f"<|unused_{i}|>" for i in range(shape.vocab - len(tokens))]
-    types += [int(gguf.TokenType.UNUSED)] * (shape.vocab - len(types))
-
-    head_dim = shape.head_dim or shape.hidden // shape.heads
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(f"synthetic {shape.name}")
-    w.add_block_count(shape.layers)
-    w.add_context_length(32768)
-    w.add_embedding_length(shape.hidden)
-    w.add_feed_forward_length(shape.ffn)
-    w.add_head_count(shape.heads)
-    w.add_head_count_kv(shape.kv_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(shape.rope_theta)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_vocab_size(shape.vocab)
+    tokens += [f"<|unused_{i}|>" for i in range(vocab - len(tokens))]
+    types += [int(gguf.TokenType.UNUSED)] * (vocab - len(types))
     w.add_tokenizer_model(str(tok["model"]))
     if "pre" in tok:
         w.add_tokenizer_pre(str(tok["pre"]))
@@ -290,6 +368,76 @@ def write_synthetic_gguf(
             add(int(tok[key]))
     w.add_chat_template(str(tok["chat_template"]))
 
+
+def _add_sentencepiece_tokenizer(w: Any, arch: str, vocab: int, source: Path) -> None:
+    """A Gemma-like sentencepiece vocabulary, written as llama.cpp's converter writes Gemma's
+    (no merges, BOS added, no space prefix)."""
+    sp = sentencepiece_vocab(vocab, source)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(sp["tokens"])
+    w.add_token_scores(sp["scores"])
+    w.add_token_types(sp["token_type"])
+    w.add_bos_token_id(GEMMA_SPECIALS["<bos>"])
+    w.add_eos_token_id(GEMMA_SPECIALS["<eos>"])
+    w.add_unk_token_id(GEMMA_SPECIALS["<unk>"])
+    w.add_pad_token_id(GEMMA_SPECIALS["<pad>"])
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_add_space_prefix(False)
+    w.add_chat_template(GEMMA_TEMPLATES[arch])
+
+
+def write_synthetic_gguf(
+    path: Path, arch: str, shape: Shape, file_type: str, seed: int = 0, tokenizer_from: Path | None = None
+) -> dict[str, Any]:
+    """Write a GGUF model file of `arch` with `shape`, random weights (fixed `seed`) in the
+    tensor types llama.cpp gives a `file_type` file, and a tokenizer: for llama/qwen the
+    default model's (its vocabulary padded with unused tokens to the shape's size), for
+    gemma a sentencepiece vocabulary made from it (`sentencepiece_vocab`) with Gemma's
+    chat template. Gemma files hold what llama.cpp's converter writes: four norms per layer
+    (gemma3: and q/k norms), each stored as 1 + the weight transformers' RMSNorm holds, and
+    the sliding window (and gemma2's soft-capping) in the metadata.
+
+    Returns:
+        A summary: parameters, bytes, tensor types and their counts.
+    """
+    import gguf
+
+    from chatbot.models.loader import default_gguf_path
+
+    if file_type not in FILE_TYPES:
+        raise ValueError(f"unknown type {file_type!r}: choose from {', '.join(FILE_TYPES)}")
+    rng = np.random.default_rng(seed)
+    head_dim = shape.head_dim or shape.hidden // shape.heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"synthetic {shape.name}")
+    w.add_block_count(shape.layers)
+    w.add_context_length(shape.context)
+    w.add_embedding_length(shape.hidden)
+    w.add_feed_forward_length(shape.ffn)
+    w.add_head_count(shape.heads)
+    w.add_head_count_kv(shape.kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    if arch not in GEMMA:
+        w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(shape.rope_theta)
+    w.add_layer_norm_rms_eps(1e-6)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(50.0)
+        w.add_final_logit_softcapping(30.0)
+    if shape.sliding_window:
+        w.add_sliding_window(shape.sliding_window)
+    if shape.linear_rope:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(shape.linear_rope)
+    w.add_vocab_size(shape.vocab)
+    if arch in GEMMA:
+        _add_sentencepiece_tokenizer(w, arch, shape.vocab, tokenizer_from or default_gguf_path())
+    else:
+        _add_bpe_tokenizer(w, shape.vocab, tokenizer_from or default_gguf_path())
+
     # (name, rows, cols, role, layer); 1-D tensors have rows == 0
     plan: list[tuple[str, int, int, str, int]] = [
         ("token_embd.weight", shape.vocab, shape.hidden, "token_embd_tied" if shape.tied else "token_embd", 0)
@@ -304,16 +452,20 @@ def write_synthetic_gguf(
         if arch == "qwen2":
             plan += [(b + "attn_q.bias", 0, q_rows, "bias", i), (b + "attn_k.bias", 0, kv_rows, "bias", i),
                      (b + "attn_v.bias", 0, kv_rows, "bias", i)]  # fmt: skip
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             plan += [
                 (b + "attn_q_norm.weight", 0, head_dim, "norm", i),
                 (b + "attn_k_norm.weight", 0, head_dim, "norm", i),
             ]
-        plan += [(b + "attn_output.weight", shape.hidden, q_rows, "attn_output", i),
-                 (b + "ffn_norm.weight", 0, shape.hidden, "norm", i),
+        plan += [(b + "attn_output.weight", shape.hidden, q_rows, "attn_output", i)]
+        if arch in GEMMA:
+            plan += [(b + "post_attention_norm.weight", 0, shape.hidden, "norm", i)]
+        plan += [(b + "ffn_norm.weight", 0, shape.hidden, "norm", i),
                  (b + "ffn_gate.weight", shape.ffn, shape.hidden, "ffn_gate", i),
                  (b + "ffn_up.weight", shape.ffn, shape.hidden, "ffn_up", i),
                  (b + "ffn_down.weight", shape.hidden, shape.ffn, "ffn_down", i)]  # fmt: skip
+        if arch in GEMMA:
+            plan += [(b + "post_ffw_norm.weight", 0, shape.hidden, "norm", i)]
     plan.append(("output_norm.weight", 0, shape.hidden, "norm", 0))
     if shape.llama3_rope is not None:
         plan.append(("rope_freqs.weight", 0, head_dim // 2, "rope_freqs", 0))

@@ -1,8 +1,8 @@
 """Find and load a model: the embedded default, a transformers folder, a GGUF file, a hub id.
 
-A GGUF file of a llama, mistral, qwen2 or qwen3 model is run as it is on the CPU: its matrices
-stay in their block formats on a memory map of the file (`gguf_model`), with the config and
-tokenizer read from its metadata (cached, a few MB). Other GGUF files, or any GGUF with a GPU,
+A GGUF file of a llama, mistral, qwen2, qwen3, gemma2 or gemma3 model is run as it is on the
+CPU: its matrices stay in their block formats on a memory map of the file (`gguf_model`), with
+the config and tokenizer read from its metadata (cached, a few MB). Other GGUF files, or any GGUF with a GPU,
 `--quantize` or a dtype other than float32, are dequantized by transformers once and a
 converted copy (safetensors + tokenizer files) is kept in the user's cache directory, keyed
 by the file's content hash. A copy whose manifest does not match its files is rebuilt.
