@@ -288,13 +288,6 @@ def test_cli_chats_with_a_gemma_file(tmp_path, arch):
     assert proc.stderr.count("tok/s") == 2 and len(proc.stdout.strip().splitlines()) == 2, proc.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="the engine's DynamicCache(config=...) makes sliding-window layers, which cannot be "
-    "cropped once past the window (transformers: 'crop was called, but the current layer does not "
-    "track past states'); a DynamicCache() of full layers keeps the window in the masks",
-)
 def test_turns_cross_the_sliding_window(files):
     """Three turns of a chat on a model whose 16-token window the conversation passes: each
     answer is the greedy continuation of the conversation, recomputed without a cache."""

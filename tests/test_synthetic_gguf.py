@@ -52,7 +52,12 @@ def test_gemma_sizes_are_the_published_models():
     assert abs(pick_shape("gemma3", "4B").params() / 3.880e9 - 1) < 0.01
     g3 = pick_shape("gemma3", "1B")
     assert (g3.hidden, g3.heads, g3.kv_heads, g3.head_dim, g3.vocab, g3.sliding_window) == (
-        1152, 4, 1, 256, 262144, 512
+        1152,
+        4,
+        1,
+        256,
+        262144,
+        512,
     )
     # 1152 columns are not whole super-blocks: llama.cpp's fallbacks, as in real 1B files
     assert tensor_type("Q4_K_M", "attn_q", 5, 26, 1152) == "Q5_0"

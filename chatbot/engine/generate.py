@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     RepetitionPenaltyLogitsProcessor,
@@ -69,6 +69,19 @@ def build_logits_processor(sampling: SamplingConfig) -> LogitsProcessorList:
     return processors
 
 
+def full_cache(config: Any) -> DynamicCache:
+    """transformers' cache for `config`, with full layers where it would make sliding-window
+    ones (gemma, mistral): those drop what falls out of the window, and a chat crops its cache
+    back (a stop string, /undo, /retry), which they refuse once past the window. A full layer
+    keeps every token; the window is still applied, by the attention masks (as llama.cpp keeps
+    a full cache by default too)."""
+    cache = DynamicCache(config=config)
+    cache.layers = [
+        DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer for layer in cache.layers
+    ]
+    return cache
+
+
 class Engine:
     """Runs one causal LM: prefill new tokens into a cache, then decode token by token.
 
@@ -108,7 +121,7 @@ class Engine:
         elif self.decoder is not None:
             cache = self.decoder.new_cache()
         else:
-            cache = DynamicCache(config=self.model.config)
+            cache = full_cache(self.model.config)
         return TrackedCache(cache, self.max_context)
 
     def track(self, cache: Cache, assume: Sequence[int] | None = None) -> TrackedCache:

@@ -275,9 +275,7 @@ _GEMMA_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
 )
 GEMMA_TEMPLATES = {
-    "gemma2": _GEMMA_TEMPLATE.replace(
-        "SYSTEM", "{{ raise_exception('System role not supported') }}"
-    ),
+    "gemma2": _GEMMA_TEMPLATE.replace("SYSTEM", "{{ raise_exception('System role not supported') }}"),
     "gemma3": _GEMMA_TEMPLATE.replace(
         "SYSTEM",
         "{%- set prefix = messages[0]['content'] | trim + '\\n\\n' -%}"
