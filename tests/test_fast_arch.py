@@ -83,6 +83,24 @@ def test_greedy_tokens_equal_transformers(arch, tiny_tokenizer):
     assert got == greedy_by_recompute(model, prompt, GREEDY.max_new_tokens)
 
 
+def assert_fast_streams_as_plain(model, tokenizer, recent_size: int, new_tokens: int) -> None:
+    """Two turns with a sink cache small enough to evict while decoding: the fast path gives
+    the plain engine's tokens, cache ids and eviction count."""
+    sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=new_tokens)
+    config = ChatConfig(
+        sampling=sampling, engine=EngineConfig(enable_streaming=True, start_size=4, recent_size=recent_size)
+    )
+    results = {}
+    for name, decoder in [("plain", None), ("fast", FastDecoder(model, "f32"))]:
+        session = ChatSession(Engine(model, tokenizer, decoder=decoder), config)
+        got = [
+            [t for c in session.send(text) for t in c.token_ids] for text in ("Hello there!", "The quick fox")
+        ]
+        results[name] = (got, list(session.cache_ids), session.evicted_total)
+        assert session.evicted_total > 0
+    assert results["fast"] == results["plain"]
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_streaming_rerotation_uses_the_models_rope(arch, tiny_tokenizer):
     """A sink cache small enough to evict while decoding: the fast path gives the plain
@@ -94,19 +112,7 @@ def test_streaming_rerotation_uses_the_models_rope(arch, tiny_tokenizer):
             1.0 / (1234.0 ** (torch.arange(0, rotary.inv_freq.numel()) * 2 / (2 * rotary.inv_freq.numel())))
         )
         rotary.original_inv_freq = rotary.inv_freq.clone()
-    sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=120)
-    config = ChatConfig(
-        sampling=sampling, engine=EngineConfig(enable_streaming=True, start_size=4, recent_size=48)
-    )
-    results = {}
-    for name, decoder in [("plain", None), ("fast", FastDecoder(model, "f32"))]:
-        session = ChatSession(Engine(model, tiny_tokenizer, decoder=decoder), config)
-        got = [
-            [t for c in session.send(text) for t in c.token_ids] for text in ("Hello there!", "The quick fox")
-        ]
-        results[name] = (got, list(session.cache_ids), session.evicted_total)
-        assert session.evicted_total > 0
-    assert results["fast"] == results["plain"]
+    assert_fast_streams_as_plain(model, tiny_tokenizer, recent_size=48, new_tokens=120)
 
 
 # --- Llama-3 rope scaling from a GGUF file ----------------------------------------------------
@@ -257,16 +263,4 @@ def test_gemma_streams_on_the_fast_path_as_on_transformers(arch, tiny_tokenizer)
     global layers each keep their own rope through the re-rotations."""
     settings = {**ARCH_SETTINGS[arch], "sliding_window": 64}
     model = make_model(len(tiny_tokenizer), seed=7, randomize=True, **settings)
-    sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=100)
-    config = ChatConfig(
-        sampling=sampling, engine=EngineConfig(enable_streaming=True, start_size=4, recent_size=40)
-    )
-    results = {}
-    for name, decoder in [("plain", None), ("fast", FastDecoder(model, "f32"))]:
-        session = ChatSession(Engine(model, tiny_tokenizer, decoder=decoder), config)
-        got = [
-            [t for c in session.send(text) for t in c.token_ids] for text in ("Hello there!", "The quick fox")
-        ]
-        results[name] = (got, list(session.cache_ids), session.evicted_total)
-        assert session.evicted_total > 0
-    assert results["fast"] == results["plain"]
+    assert_fast_streams_as_plain(model, tiny_tokenizer, recent_size=40, new_tokens=100)
