@@ -9,6 +9,12 @@ from typing import Any, ClassVar
 
 from chatbot.errors import ConfigError
 
+QUANTIZE_CHOICES = ("4bit", "8bit")
+"""bitsandbytes modes of `--quantize` (`chatbot.models.quantize`)."""
+OPT_LEVELS = ("off", "f32", "auto", "int8", "int4")
+"""`--opt`: ``off`` is plain transformers; the others pick the weight format of the native
+kernels (`chatbot.engine.fast`)."""
+
 # Above any context a model has today; bounds token counts given on the command line.
 MAX_TOKENS = 1 << 24
 

@@ -23,3 +23,9 @@ class StreamingUnsupportedError(ChatbotError):
 
 class CommandError(ChatbotError):
     """A slash-command could not be parsed or run."""
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message cut to its first line (300 characters at most), for one-line errors."""
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:300]

@@ -51,7 +51,8 @@ from chatbot.config import ChatConfig, SamplingConfig
 from chatbot.engine.generate import Engine, GenerationChunk
 from chatbot.engine.sampling import sampling_from_model  # noqa: F401 - re-exported
 from chatbot.engine.stats import TurnStats, merge_stats, stats_from_arrivals, summarize
-from chatbot.engine.stops import StopOnStrings, StopView
+from chatbot.engine.stop_criteria import StopOnStrings
+from chatbot.engine.stops import StopView
 from chatbot.errors import ChatbotError
 from chatbot.models.templates import TemplateInfo, answer_stops
 from chatbot.persist import SavedConversation, Turn, parse_saved

@@ -262,7 +262,8 @@ def test_stop_on_multi_token_strings_ends_the_answer():
     contains it, and never on the prompt's own "USER:"."""
     from chatbot.config import SamplingConfig
     from chatbot.engine.generate import Engine
-    from chatbot.engine.stops import StopOnStrings, StopStrings
+    from chatbot.engine.stop_criteria import StopOnStrings
+    from chatbot.engine.stops import StopStrings
 
     tok = make_tokenizer()
     info = apply_template(tok, None, "vicuna")

@@ -17,7 +17,7 @@ from chatbot.compat._common import _NoText, _single_row, _sync_cache
 from chatbot.config import SamplingConfig
 from chatbot.engine.detokenize import IncrementalDetokenizer
 from chatbot.engine.generate import Engine
-from chatbot.engine.stops import StopOnStrings
+from chatbot.engine.stop_criteria import StopOnStrings
 from chatbot.engine.tracked_cache import lookup
 
 DEFAULT_ROLES = ("", "Human", "Assistant")

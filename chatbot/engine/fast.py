@@ -45,6 +45,7 @@ from typing import Any, cast
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
+from chatbot.config import OPT_LEVELS
 from chatbot.engine import kernels
 from chatbot.engine.buffer_cache import BufferLayer, adopt_layers  # also re-exported (tests)
 from chatbot.engine.fast_weights import from_gguf, from_model, from_packed, is_packed
@@ -63,7 +64,7 @@ __all__ = [
     "make_decoder",
 ]
 
-LEVELS = ("off", "f32", "auto", "int8", "int4")
+LEVELS = OPT_LEVELS
 """Optimization levels: ``off`` is plain transformers; the others pick the weight format."""
 
 _SUPPORTED_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"}

@@ -10,12 +10,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from chatbot.engine.seq import quantile
 from chatbot.limits import finite
 
 if TYPE_CHECKING:
+    import torch
+
     from chatbot.engine.tracked_cache import CacheLayout
 
 
@@ -80,6 +80,8 @@ class TurnStats:
 
 def synchronize(device: torch.device) -> None:
     """Wait for queued device work so that a timer read after it is honest."""
+    import torch  # here: the terminal's start-up imports this module without torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elif device.type == "mps":
@@ -89,6 +91,8 @@ def synchronize(device: torch.device) -> None:
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak accelerator memory on a GPU; the process's peak resident set on the CPU."""
     if device.type == "cuda":
+        import torch
+
         return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)

@@ -4,8 +4,9 @@ and the server.
 
 - `StopStrings` finds the first stop string in a text and how much of a growing text must
   be held back because it may still become one (a stream never shows half a stop string).
-- `StopOnStrings` is the stopping criterion for `Engine.generate` (and transformers): true
-  once the answer's text contains a stop string.
+- `StopOnStrings` (`chatbot.engine.stop_criteria`, apart: it needs torch and transformers,
+  which the terminal's start-up does not import) is the stopping criterion for
+  `Engine.generate` (and transformers): true once the answer's text contains a stop string.
 - `StopView` is what a streamed answer may show now.
 """
 
@@ -13,10 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
-
-import torch
-from transformers.generation.stopping_criteria import StoppingCriteria
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from chatbot.engine.generate import GenerationChunk
@@ -61,36 +59,6 @@ class StopStrings:
         if at >= 0:
             return text[:at]
         return text if final else text[: len(text) - self.held_back(text)]
-
-
-class StopOnStrings(StoppingCriteria):
-    """A stopping criterion: true once the answer's text contains a stop string.
-
-    Make one per answer: it counts the answer tokens it is asked about, so a stop string
-    in the prompt never matches (set `answer_tokens` to the length of an answer being
-    continued, so that its end counts too). The token that completes the stop string stays
-    in the answer (as in transformers).
-
-    Args:
-        tokenizer: decodes the answer's last tokens.
-        stops: the stop strings.
-    """
-
-    def __init__(self, tokenizer: Any, stops: StopStrings | Iterable[str]) -> None:
-        self.tokenizer = tokenizer
-        self.stops = stops if isinstance(stops, StopStrings) else StopStrings(stops)
-        # a stop string spans at most one token per character; a few more for the text before it
-        self.window = max((len(s) for s in self.stops.strings), default=0) + 4
-        self.answer_tokens = 0
-
-    def __call__(self, input_ids: torch.Tensor, scores: Any = None, **kwargs: Any) -> torch.BoolTensor:
-        self.answer_tokens += 1
-        hit = False
-        if self.stops:
-            n = min(self.answer_tokens, self.window)
-            tail = self.tokenizer.decode(input_ids[0, -n:].tolist(), skip_special_tokens=False)
-            hit = self.stops.find(tail) >= 0
-        return torch.full((input_ids.shape[0],), hit, dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]
 
 
 class StopView:

@@ -21,6 +21,7 @@ import torch
 from chatbot.errors import ModelLoadError
 from chatbot.models.load_checks import _quiet_transformers, _short
 from chatbot.models.manifest import MANIFEST, publish, read_manifest  # noqa: F401  (MANIFEST: re-exported)
+from chatbot.models.source import check_gguf
 
 _CONVERSION_VERSION = 1
 
@@ -107,33 +108,6 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def check_gguf(path: Path) -> None:
-    """Read a GGUF file's header and tensor table; make sure every tensor's data is there.
-
-    Raises:
-        ModelLoadError: not a GGUF file, or truncated/corrupt.
-    """
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ModelLoadError(f"cannot read GGUF file {path}: it is not a GGUF file (no 'GGUF' magic)")
-    try:
-        # the tensor table only: gguf's reader would parse the whole vocabulary first
-        from chatbot.engine.gguf_weights import read_tensor_table
-
-        _, table = read_tensor_table(path)
-        end = max((t.offset + t.nbytes for t in table), default=0)
-    except Exception as exc:
-        raise ModelLoadError(
-            f"cannot read GGUF file {path}: it is truncated or corrupt ({_short(exc)}); download it again"
-        ) from exc
-    if end > size:
-        raise ModelLoadError(
-            f"cannot read GGUF file {path}: it is truncated ({size} of {end} bytes); download it again"
-        )
 
 
 def _writable_target(target: Path, notes: list[str]) -> Path:

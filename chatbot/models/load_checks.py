@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from chatbot.errors import ConfigError, ModelLoadError
+from chatbot.errors import first_line as _short  # noqa: F401 - imported from here
 
 
 def pick_device(device: str = "auto") -> torch.device:
@@ -91,11 +92,6 @@ def _quiet_transformers(gguf: bool = False):
         acc.setLevel(acc_level)
         if gguf_utils is not None:
             gguf_utils.tqdm = gguf_tqdm
-
-
-def _short(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:300]
 
 
 def check_safetensors(folder: Path) -> None:

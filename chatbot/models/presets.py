@@ -32,9 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chatbot.config import EngineConfig, LoadConfig, Range, RunConfig, SamplingConfig
+from chatbot.config import QUANTIZE_CHOICES, EngineConfig, LoadConfig, Range, RunConfig, SamplingConfig
 from chatbot.errors import ConfigError
-from chatbot.models.quantize import QUANTIZE_CHOICES
 from chatbot.models.templates import TEMPLATES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")

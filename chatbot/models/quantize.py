@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
+from chatbot.config import QUANTIZE_CHOICES
 from chatbot.errors import ModelLoadError
 
-QUANTIZE_CHOICES = ("4bit", "8bit")
 _probed: dict[tuple[str, str, torch.dtype], str | None] = {}
 
 
