@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -47,6 +50,7 @@ from chatbot.cli_common import (
     TopPOpt,
     TrustOpt,
     _api_key,
+    _check_threads,
     _context_note,
     _decoder,
     _engine,
@@ -148,43 +152,93 @@ def run(
         raise ConfigError("--api-key-env goes with --server URL")
     # Every setting, resolved and checked once, before the (slow) model load.
     settings = _settings(ctx, preset, config).run_config(prefill_chunk)
-    _set_threads(threads)
-
-    from chatbot.models.templates import check_template
-    from chatbot.session import ChatSession, sampling_from_model
+    threads = _check_threads(threads)
+    from chatbot.models.source import check_source
     from chatbot.terminal.repl import Repl, resolve_resume
     from chatbot.terminal.repl import run as run_repl
     from chatbot.terminal.tty import make_consoles
 
+    # A wrong path fails now; a damaged file, when its tables are read (after the prompt).
+    source = check_source(settings.load.model, tables=False)
     resume_path = resolve_resume(resume)
-    loaded = _load(settings.load.model, **settings.load.options())
+    interactive = sys.stdin.isatty()
+    out, info = make_consoles(interactive)
+    plain = plain or not sys.stdout.isatty()
+    logged = {k: v for k, v in settings.sampling.items() if v is not None and k != "stream_interval"}
+
+    def start_log() -> None:
+        repl.start_log(resume_path, overrides=logged, system=settings.system)
+
+    if interactive:
+        # The prompt comes up now (~0.4 s: no torch yet) and the model loads meanwhile; a
+        # message sent before it is ready waits for it.
+        pending = _in_background(lambda: _start_chat(settings, opt, threads, banner=True, background=True))
+        repl = Repl.loading(
+            pending, source.name, out, plain=plain, show_stats=not no_stats, info=info, on_ready=start_log
+        )
+    else:
+        chat = _start_chat(settings, opt, threads, banner=False, background=False)
+        repl = Repl(chat.session, chat.loaded, out, plain=plain, show_stats=not no_stats, info=info)
+        for note in chat.notes:
+            repl.note(note)
+        start_log()
+        gc_ready()  # the collector, paused by `main` since the start, runs again from here on
+    run_repl(repl, interactive)
+    if repl.load_error is not None:
+        raise repl.load_error
+    if repl.pending is not None and not repl.pending.done():
+        # Left before the model was loaded: nothing to save, and a thread inside torch's
+        # import must not run into the interpreter's shutdown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _start_chat(settings: Any, opt: str, threads: int | None, banner: bool, background: bool) -> Any:
+    """Load the model and make the chat session (`chatbot.terminal.repl.ChatStart`), with the
+    notes to show (and the one-line banner on a terminal). `background`: in a thread while the
+    prompt is up (no spinner; the collector is turned back on at the end)."""
+    _set_threads(threads)
+    from chatbot.models.templates import check_template
+    from chatbot.session import ChatSession, sampling_from_model
+    from chatbot.terminal.repl import ChatStart
+
+    loaded = _load(settings.load.model, quiet=background, **settings.load.options())
     check_template(loaded.tokenizer, settings.system, loaded.name)
     sampling = sampling_from_model(loaded.model, **settings.sampling)
     decoder, decoder_note = _decoder(loaded.model, opt)
     engine = _engine(loaded, settings.engine, decoder)
     session = ChatSession(engine, settings.chat_config(sampling), loaded.template)
-
-    interactive = sys.stdin.isatty()
-    out, info = make_consoles(interactive)
-    plain = plain or not sys.stdout.isatty()
-    repl = Repl(session, loaded, out, plain=plain, show_stats=not no_stats, info=info)
     notes = [decoder_note, _context_note(loaded, settings.engine), _streaming_note(engine, settings.engine)]
-    for note in [*loaded.notes, *filter(None, notes)]:
-        repl.note(note)
-    if interactive:
+    shown = [*loaded.notes, *filter(None, notes)]
+    if banner:
         d = loaded.describe()
         quant = f" · {d['quantization']}" if d["quantization"] != "none" else ""
         decode = f"native {decoder.info().activations} ({opt})" if decoder else "transformers"
-        repl.note(
+        shown.append(
             " · ".join(f"{d[k]}" for k in ("model", "parameters", "dtype", "device"))
             + quant
             + f" · context {d['context']} · template {d['template']} · loaded in {d['load time']}"
             + f" · decode: {decode}"
         )
-    logged = {k: v for k, v in settings.sampling.items() if v is not None and k != "stream_interval"}
-    repl.start_log(resume_path, overrides=logged, system=settings.system)
-    gc_ready()  # the collector, paused by `main` since the start, runs again from the prompt on
-    run_repl(repl, interactive)
+    if background:
+        gc_ready()  # the collector, paused by `main` since the start, runs again from here on
+    return ChatStart(session, loaded, shown)
+
+
+def _in_background(work: Callable[[], Any]) -> Future[Any]:
+    """Run `work` in a daemon thread; its result or exception goes to the future."""
+    future: Future[Any] = Future()
+
+    def run() -> None:
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(work())
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which reports it
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="chatbot-load", daemon=True).start()
+    return future
 
 
 def _size(text: str) -> int:

@@ -25,10 +25,10 @@ if TYPE_CHECKING:
 
 
 def _check_opt(value: str) -> str:
-    from chatbot.engine.fast import LEVELS
+    from chatbot.config import OPT_LEVELS
 
-    if value not in LEVELS:
-        raise typer.BadParameter(f"{value!r} is not one of {', '.join(LEVELS)}")
+    if value not in OPT_LEVELS:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(OPT_LEVELS)}")
     return value
 
 
@@ -145,6 +145,17 @@ def _decoder(model: Any, opt: str) -> tuple[Any, str | None]:
     return decoder, reason if reason and (opt != "auto" or on_cpu) else None
 
 
+def _check_threads(threads: int | None) -> int | None:
+    """--threads, capped at the cores here (with a note); checked before the model loads."""
+    cores = os.cpu_count() or 1
+    if threads and threads > cores:  # more threads than cores only make them wait for each other
+        Console(stderr=True, highlight=False).print(
+            f"note: --threads {threads} is more than the {cores} cores here; using {cores}", markup=False
+        )
+        return cores
+    return threads
+
+
 def _set_threads(threads: int | None) -> None:
     import torch
 
@@ -155,13 +166,7 @@ def _set_threads(threads: int | None) -> None:
 
         torch.set_num_threads(default_threads(most=torch.get_num_threads()))
         return
-    cores = os.cpu_count() or 1
-    if threads > cores:  # more threads than cores only make them wait for each other
-        Console(stderr=True, highlight=False).print(
-            f"note: --threads {threads} is more than the {cores} cores here; using {cores}", markup=False
-        )
-        threads = cores
-    torch.set_num_threads(threads)
+    torch.set_num_threads(_check_threads(threads) or threads)
 
 
 def _load(model: str | None, device: str, dtype: str, quiet: bool = False, **options: Any) -> Any:

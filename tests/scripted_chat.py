@@ -4,14 +4,18 @@ REPL and renderer, with a model that replays given Markdown token by token.
 Run as a program (the screen tests start it in a pseudo-terminal):
     python tests/scripted_chat.py ANSWER.md [ANSWER2.md ...] [--delay SECONDS]
 The n-th message gets the n-th answer (the last one repeats). Each decode step sleeps
-`--delay` seconds, so a test can act in the middle of an answer.
+`--delay` seconds, so a test can act in the middle of an answer. With `--load-when PATH`,
+the REPL starts as `chatbot run` does, with its model still loading: the load ends when the
+test creates PATH (with `--load-fails`, it ends with an error).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -61,6 +65,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("answers", nargs="+", type=Path)
     parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--load-when", type=Path)
+    parser.add_argument("--load-fails", action="store_true")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -68,7 +74,8 @@ def main() -> None:
     from chatbot.engine.generate import Engine
     from chatbot.models.loader import LoadedModel
     from chatbot.session import ChatSession
-    from chatbot.terminal.repl import Repl
+    from chatbot.errors import ModelLoadError
+    from chatbot.terminal.repl import ChatStart, Repl
     from chatbot.terminal.repl import run as run_repl
     from chatbot.terminal.tty import make_consoles
 
@@ -85,9 +92,29 @@ def main() -> None:
     )
     interactive = sys.stdin.isatty()
     out, info = make_consoles(interactive)
-    repl = Repl(session, loaded, out, plain=not sys.stdout.isatty(), info=info)
-    repl.start_log()
+    if args.load_when is None:
+        repl = Repl(session, loaded, out, plain=not sys.stdout.isatty(), info=info)
+        repl.start_log()
+        run_repl(repl, interactive)
+        return
+    pending: Future[ChatStart] = Future()
+
+    def load() -> None:
+        while not args.load_when.exists():
+            time.sleep(0.02)
+        if args.load_fails:
+            pending.set_exception(ModelLoadError("cannot read GGUF file scripted.gguf: it is truncated"))
+        else:
+            pending.set_result(ChatStart(session, loaded, ["scripted · loaded in 0.0 s"]))
+
+    threading.Thread(target=load, daemon=True).start()
+    repl = Repl.loading(
+        pending, "scripted", out, plain=not sys.stdout.isatty(), info=info, on_ready=lambda: repl.start_log()
+    )
     run_repl(repl, interactive)
+    if repl.load_error is not None:  # as `chatbot run`'s main: one line, status 2
+        print(f"chatbot: error: {repl.load_error}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

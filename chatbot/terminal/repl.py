@@ -8,14 +8,19 @@ appended to the session log before the next prompt.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from prompt_toolkit import PromptSession
+from prompt_toolkit.application import get_app, run_in_terminal
 from prompt_toolkit.formatted_text import StyleAndTextTuples
 from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
@@ -25,8 +30,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from chatbot.errors import ChatbotError, ContextFullError
 from chatbot.limits import expand
-from chatbot.models.loader import LoadedModel
-from chatbot.session import ChatSession
 from chatbot.session_log import FILE_MODE, Event, SessionLog, data_dir, find_session, private_dir, replay
 from chatbot.terminal.commands import (
     CLEAR_FLAG,
@@ -53,8 +56,10 @@ from chatbot.terminal.render import (
 from chatbot.terminal.sanitize import safe_line, safe_text
 from chatbot.terminal.tty import interrupt_once, make_consoles, no_echo
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch and transformers come with these: the prompt must not wait for them
+    from chatbot.models.loader import LoadedModel
     from chatbot.remote import RemoteBackend, RemoteSession
+    from chatbot.session import ChatSession
 
 MAX_MESSAGE_CHARS = 200_000
 KEYS = [
@@ -68,7 +73,20 @@ KEYS = [
 ]
 KEYS_HELP = "keys:\n" + "\n".join(f"  {key.ljust(26)} {what}" for key, what in KEYS)
 
-__all__ = ["BlockReader", "Repl", "clean_message", "data_dir", "make_consoles", "read_lines", "run"]
+__all__ = [
+    "BlockReader", "ChatStart", "Repl", "clean_message", "data_dir", "make_consoles", "read_lines", "run",
+]  # fmt: skip
+WITHOUT_MODEL = {"help", "exit"}
+"""Commands that run while the model is still loading; the others (and messages) wait for it."""
+
+
+@dataclass
+class ChatStart:
+    """What a model load yields for the chat: the session, the model, the notes to show."""
+
+    session: ChatSession
+    loaded: LoadedModel
+    notes: list[str] = field(default_factory=list)
 
 
 class Repl:
@@ -104,6 +122,12 @@ class Repl:
         # A server answers instead of a local model (chatbot.remote.RemoteSession).
         self.remote = getattr(session, "backend", None)
         self.running = True
+        # A model loading in the background (`loading`): the prompt is up meanwhile.
+        self.pending: Future[ChatStart] | None = None
+        self.loading_name = ""
+        self.on_ready: Callable[[], None] | None = None
+        self.load_error: BaseException | None = None
+        self._draft = ""  # a message typed before the model was ready and not sent (Ctrl-C)
         self.blocks = BlockReader()
         self.handlers: dict[str, Callable[[Command], None]] = {
             "help": self._help,
@@ -121,6 +145,91 @@ class Repl:
             "model": self._model,
             "cache": self._cache,
         }
+
+    @classmethod
+    def loading(
+        cls,
+        pending: Future[ChatStart],
+        name: str,
+        console: Console,
+        plain: bool = False,
+        show_stats: bool = True,
+        info: Console | None = None,
+        on_ready: Callable[[], None] | None = None,
+    ) -> Repl:
+        """A REPL whose model is still loading (in another thread, into `pending`): the prompt
+        comes up at once, and a message or command that needs the model waits for it. When
+        the load ends while the prompt is up, its notes are printed above the prompt; then
+        `on_ready` runs (starting the session log). A failed load ends the REPL, with the
+        exception in `load_error` for the caller to report."""
+        # No session before the load ends: every use of it goes through `ready` first.
+        repl = cls(cast(Any, None), cast(Any, None), console, plain=plain, show_stats=show_stats, info=info)
+        repl.pending, repl.loading_name, repl.on_ready = pending, name, on_ready
+        return repl
+
+    def _adopt(self) -> bool:
+        """Take the chat a background load produced, once it is over: True when the model is
+        ready. Runs in the main thread only (from the loop, or inside the prompt's)."""
+        pending = self.pending
+        if pending is None:
+            return True
+        if not pending.done():
+            return False
+        self.pending = None
+        error = pending.exception()
+        if error is not None:
+            self.load_error, self.running = error, False
+            return False
+        start = pending.result()
+        self.session, self.loaded = start.session, start.loaded
+        for note in start.notes:
+            self.note(note)
+        try:
+            if self.on_ready is not None:
+                self.on_ready()
+        except ChatbotError as exc:  # e.g. the session log to resume is unreadable
+            self.load_error, self.running = exc, False
+            return False
+        return True
+
+    def ready(self, draft: str = "") -> bool:
+        """Wait for a model still loading (saying so); False if the load failed, or if Ctrl-C
+        stopped the wait (then `draft`, the message that waited, comes back at the prompt)."""
+        pending = self.pending
+        if pending is not None and not pending.done():
+            try:
+                with self.info.status(f"loading {self.loading_name}… (Ctrl-C: back to the prompt)"):
+                    wait([pending])  # Ctrl-C interrupts it (the main thread's waits are)
+            except KeyboardInterrupt:
+                self._draft = draft
+                self.note("(the model is still loading; nothing was sent)")
+                return False
+        return self._adopt()
+
+    def _watch_load(self) -> None:
+        """`pre_run` of each prompt (in its event loop): when the background load ends while
+        this prompt is up, print its notes above the prompt, or leave on a failed load."""
+        pending = self.pending
+        if pending is None:
+            return
+        app = get_app()
+        loop = asyncio.get_running_loop()
+        context = contextvars.copy_context()  # holds the running prompt, for run_in_terminal
+
+        async def adopt_async() -> None:
+            await run_in_terminal(self._adopt)
+            if not self.running and app.is_running:
+                app.exit(result="")
+
+        def adopt() -> None:
+            if app.is_running and self.pending is pending:
+                app.create_background_task(adopt_async())
+
+        def ended(_: Future[ChatStart]) -> None:  # in the loading thread
+            with contextlib.suppress(RuntimeError):  # that prompt's loop is closed: the next one adopts
+                loop.call_soon_threadsafe(adopt, context=context)
+
+        pending.add_done_callback(ended)
 
     # -- the session log ---------------------------------------------------------------
 
@@ -294,8 +403,10 @@ class Repl:
         self.info.print(stats_renderable(self.info, self.session.turns, self.session.summary()))
 
     def _model(self, _: Command) -> None:
+        from chatbot.remote import RemoteSession  # here: httpx is not needed before the prompt
+
         s = self.session
-        if not isinstance(s, ChatSession):  # a RemoteSession: the server has the model
+        if isinstance(s, RemoteSession):  # the server has the model
             s.backend.list_models()  # GET /v1/models now: the list may have changed
             rows = {**s.backend.describe(), "sampling": sampling_brief(s.sampling)}
             self.info.print(key_value_table("model (on the server)", rows))
@@ -313,7 +424,9 @@ class Repl:
         self.info.print(key_value_table("model", rows))
 
     def _cache(self, _: Command) -> None:
-        if not isinstance(self.session, ChatSession):  # a RemoteSession
+        from chatbot.remote import RemoteSession
+
+        if isinstance(self.session, RemoteSession):
             last = self.session.turns[-1].stats if self.session.turns else None
             cached = getattr(last, "cached_tokens", None)
             self.info.print(
@@ -390,6 +503,8 @@ class Repl:
         if is_command(line) and "\n" not in line.strip():
             try:
                 command = parse_command(line)
+                if command.name not in WITHOUT_MODEL and not self.ready():
+                    return
                 self.handlers[command.name](command)
             except ChatbotError as exc:
                 self.error(str(exc))
@@ -402,6 +517,8 @@ class Repl:
         line = line.strip("\n").rstrip()
         if len(line) > MAX_MESSAGE_CHARS:
             self.error(f"message too long ({len(line):,} characters; the limit is {MAX_MESSAGE_CHARS:,})")
+            return
+        if not self.ready(draft=line):
             return
         self.chat(line)
 
@@ -470,6 +587,9 @@ class Repl:
 
             app = get_app_or_none()
             width = app.output.get_size().columns if app is not None else 80
+        if self.pending is not None:
+            line = f" loading {self.loading_name}… · /help"
+            return [("", line if len(line) < width else line[: width - 2] + "…")]
         s = self.session
         if self.remote is not None:
             model = f"{self.remote.name} @ {self.remote.base_url}"
@@ -535,8 +655,13 @@ class Repl:
         prompt = self.make_prompt(input, output)
         self.note("type a message; /help for commands and keys; Ctrl-D to exit")
         while self.running:
+            if not self._adopt() and not self.running:
+                break  # the model failed to load: the caller reports why
+            draft, self._draft = self._draft, ""
             try:
-                line = prompt.prompt("… " if self.blocks.is_open else "> ")
+                line = prompt.prompt(
+                    "… " if self.blocks.is_open else "> ", default=draft, pre_run=self._watch_load
+                )
             except KeyboardInterrupt:
                 if self.blocks.is_open:
                     self.blocks.close()

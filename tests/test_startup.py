@@ -1,0 +1,211 @@
+"""`chatbot run` shows its prompt while the model loads (in a background thread): what a person
+sees on a terminal (a pseudo-terminal behind pyte) before, during and after the load.
+
+The REPL's side runs with a scripted model whose "load" ends when the test says so (a file
+appears: tests/scripted_chat.py --load-when), so every state is reached on purpose, not by
+timing. The real command runs on the default model and on a damaged GGUF file.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from screen import Terminal
+
+pytest.importorskip("pyte")
+
+SCRIPT = Path(__file__).parent / "scripted_chat.py"
+ANSWER = "The answer is **forty-two**, as computed."
+
+
+def scripted(tmp_path: Path, fails: bool = False, columns: int = 80) -> tuple[Terminal, Path]:
+    answer = tmp_path / "answer.md"
+    answer.write_text(ANSWER, encoding="utf-8")
+    flag = tmp_path / "loaded"
+    argv = [sys.executable, str(SCRIPT), str(answer), "--load-when", str(flag)]
+    if fails:
+        argv.append("--load-fails")
+    env = {"XDG_DATA_HOME": str(tmp_path / "data")}
+    term = Terminal(argv, columns=columns, lines=24, cwd=str(tmp_path), env=env)
+    term.wait_prompt(120)
+    return term, flag
+
+
+@pytest.fixture
+def terminals():
+    opened: list[Terminal] = []
+    yield opened
+    for term in opened:
+        term.close()
+
+
+def screen_text(term: Terminal) -> str:
+    return "\n".join(term.lines())
+
+
+def toolbar(term: Terminal) -> str:
+    """The line under the prompt: the screen's last line that is not empty."""
+    return next((line for line in reversed(term.screen_lines()) if line.strip()), "")
+
+
+def wait_toolbar(term: Terminal, text: str) -> None:
+    term.wait_for(lambda: text in toolbar(term), 30, f"{text!r} in the toolbar")
+
+
+def test_the_prompt_is_up_while_the_model_loads_and_a_message_waits_for_it(tmp_path, terminals):
+    term, flag = scripted(tmp_path)
+    terminals.append(term)
+    wait_toolbar(term, "loading scripted… · /help")
+    term.type("what is the answer?\r")
+    term.wait_text("(Ctrl-C: back to the prompt)", 30)
+    assert "forty-two" not in screen_text(term)
+    flag.touch()
+    term.wait_text("tok/s", 60)
+    lines = term.lines()
+    sent = lines.index("> what is the answer?")
+    banner = lines.index("scripted · loaded in 0.0 s")
+    answer = next(i for i, line in enumerate(lines) if "forty-two" in line)
+    assert sent < banner < answer  # the load's notes, then the answer to the waiting message
+    term.wait_prompt(30)
+    wait_toolbar(term, "scripted · cache")  # the toolbar of a loaded model
+
+
+def test_a_load_that_ends_at_the_prompt_prints_its_notes_above_it(tmp_path, terminals):
+    term, flag = scripted(tmp_path)
+    terminals.append(term)
+    term.type("half a mess")  # typing, not sent
+    flag.touch()
+    term.wait_text("scripted · loaded in 0.0 s", 30)
+    wait_toolbar(term, "scripted · cache")
+    assert "> half a mess" in term.screen_lines()  # the typed text is kept
+    term.type("age\r")
+    term.wait_text("tok/s", 60)
+    assert "forty-two" in screen_text(term)
+
+
+def test_ctrl_c_while_waiting_for_the_model_gives_the_message_back(tmp_path, terminals):
+    term, flag = scripted(tmp_path)
+    terminals.append(term)
+    term.type("keep this message\r")
+    term.wait_text("(Ctrl-C: back to the prompt)", 30)
+    term.type("\x03")
+    term.wait_text("(the model is still loading; nothing was sent)", 30)
+    term.wait_for(lambda: "> keep this message" in term.screen_lines(), 30, "the message back at the prompt")
+    flag.touch()
+    wait_toolbar(term, "scripted · cache")
+    term.type("\r")
+    term.wait_text("tok/s", 60)
+    assert "forty-two" in screen_text(term)
+    log = next((tmp_path / "data").rglob("*.jsonl"))
+    events = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()]
+    assert [e["user"] for e in events if e["event"] == "turn"] == ["keep this message"]  # sent once
+
+
+def test_help_runs_while_loading_and_other_commands_wait(tmp_path, terminals):
+    term, flag = scripted(tmp_path)
+    terminals.append(term)
+    term.type("/help\r")
+    term.wait_text("/retry", 30)
+    term.wait_prompt(30)
+    wait_toolbar(term, "loading scripted…")  # /help did not wait for the model
+    term.type("/history\r")
+    term.wait_text("(Ctrl-C: back to the prompt)", 30)
+    flag.touch()
+    term.wait_text("scripted · loaded in 0.0 s", 30)
+    term.wait_prompt(30)
+
+
+def test_a_load_that_fails_at_the_prompt_leaves_with_one_line(tmp_path, terminals):
+    term, flag = scripted(tmp_path, fails=True)
+    terminals.append(term)
+    flag.touch()
+    term.wait_for(lambda: not term.proc.isalive(), 30, "the program to end")
+    term.pump(0.3)
+    assert term.proc.exitstatus == 2
+    text = screen_text(term)
+    assert "chatbot: error: cannot read GGUF file scripted.gguf: it is truncated" in text
+    assert "Traceback" not in term.raw
+
+
+def test_exit_while_loading_leaves_at_once(tmp_path, terminals):
+    term, _ = scripted(tmp_path)
+    terminals.append(term)
+    term.type("/exit\r")
+    term.wait_for(lambda: not term.proc.isalive(), 10, "the program to end")
+    term.pump(0.3)
+    assert term.proc.exitstatus == 0
+    assert "Traceback" not in term.raw
+
+
+# -- the real command -----------------------------------------------------------------------
+
+
+def chatbot(tmp_path: Path, *args: str) -> Terminal:
+    env = {"XDG_DATA_HOME": str(tmp_path / "data")}
+    return Terminal([sys.executable, "-m", "chatbot.cli", "run", *args], columns=80, lines=24, env=env)
+
+
+@pytest.mark.slow
+def test_chatbot_run_shows_the_prompt_first_and_answers_a_message_sent_at_once(tmp_path, terminals):
+    term = chatbot(tmp_path, "--greedy", "--max-new-tokens", "8")
+    terminals.append(term)
+    term.wait_prompt(120)
+    term.type("Name a colour.\r")
+    term.wait_text("tok/s", 180)
+    raw = term.raw
+    # The prompt (its toolbar saying the model loads) was drawn before the model was ready.
+    assert raw.index("loading SmolLM2-135M-Instruct…") < raw.index("loaded in")
+    lines = term.lines()
+    assert lines.index("> Name a colour.") < next(i for i, x in enumerate(lines) if "loaded in" in x)
+    term.wait_prompt(60)
+    term.type("/exit\r")
+    term.wait_for(lambda: not term.proc.isalive(), 30, "the program to end")
+    term.pump(0.3)
+    assert term.proc.exitstatus == 0
+
+
+def test_chatbot_run_on_a_damaged_gguf_shows_one_error_line(tmp_path, terminals):
+    bad = tmp_path / "damaged.gguf"
+    bad.write_bytes(b"GGUF" + bytes(range(256)) * 4)  # the magic, then no valid header
+    term = chatbot(tmp_path, "--model", str(bad))
+    terminals.append(term)
+    term.wait_for(lambda: not term.proc.isalive(), 120, "the program to end")
+    term.pump(0.3)
+    assert term.proc.exitstatus == 2
+    errors = [line for line in term.lines() if line.startswith("chatbot: error:")]
+    assert errors and "cannot read GGUF file" in errors[0] and "damaged.gguf" in "".join(term.lines())
+    assert "Traceback" not in term.raw
+
+
+def test_a_missing_model_file_fails_before_any_prompt(tmp_path):
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "chatbot.cli", "run", "--model", str(tmp_path / "nope.gguf")],
+        capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"chatbot: error: no such file or folder: {tmp_path / 'nope.gguf'}"
+    assert time.perf_counter() - start < 60
+
+
+def test_what_runs_before_the_prompt_imports_neither_torch_nor_numpy():
+    """The prompt comes up in ~0.4 s because nothing before it imports torch (0.6 s),
+    transformers (0.8 s) or numpy: the CLI, the settings, the model check and the REPL."""
+    code = (
+        "import sys\n"
+        "from chatbot.cli import app\n"
+        "from chatbot.models.presets import resolve_settings, select_preset\n"
+        "from chatbot.models.source import check_source\n"
+        "from chatbot.terminal.repl import Repl, ChatStart\n"
+        "from chatbot.terminal.tty import make_consoles\n"
+        "source = check_source(None, tables=False)\n"
+        "heavy = [m for m in ('torch', 'transformers', 'numpy', 'gguf') if m in sys.modules]\n"
+        "print(source.kind, source.name, heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "default SmolLM2-135M-Instruct []"
