@@ -186,7 +186,7 @@ def test_a_missing_model_file_fails_before_any_prompt(tmp_path):
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "chatbot.cli", "run", "--model", str(tmp_path / "nope.gguf")],
-        capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120,
+        capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120, check=False,
     )  # fmt: skip
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"chatbot: error: no such file or folder: {tmp_path / 'nope.gguf'}"
@@ -207,5 +207,7 @@ def test_what_runs_before_the_prompt_imports_neither_torch_nor_numpy():
         "heavy = [m for m in ('torch', 'transformers', 'numpy', 'gguf') if m in sys.modules]\n"
         "print(source.kind, source.name, heavy)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
     assert out.stdout.strip() == "default SmolLM2-135M-Instruct []"
