@@ -125,11 +125,9 @@ class StartupWatch:
         return self.prompt_s is not None and self.ready_s is not None
 
     def missing(self) -> str:
-        return " and ".join(
-            what
-            for what, at in (("its prompt", self.prompt_s), ("the model banner", self.ready_s))
-            if at is None
-        )
+        """What has not appeared yet: "the prompt", "the model banner" or both."""
+        pairs = (("the prompt", self.prompt_s), ("the model banner", self.ready_s))
+        return " and ".join(what for what, at in pairs if at is None)
 
     def last_line(self) -> str:
         return last_line(strip_ansi(bytes(self.raw)))
@@ -207,7 +205,7 @@ def run_in_pty(
             if now > deadline:
                 if quit_at is None:
                     raise ChatbotError(
-                        f"chatbot run showed no {watch.missing()} within {timeout_s:.0f} s; "
+                        f"chatbot run: no sign of {watch.missing()} within {timeout_s:.0f} s; "
                         f"its last line: {watch.last_line()}"
                     )
                 raise ChatbotError(f"chatbot run did not leave within {exit_timeout_s:.0f} s of /quit")
