@@ -129,6 +129,38 @@ def test_pty_driver_on_a_repl_that_prompts_before_its_banner(tmp_path):
     assert 0 <= run["exit_s"] < 5
 
 
+# The same with prompt_toolkit itself: the prompt and its toolbar, and a load finishing in a
+# thread that prints the banner above the prompt (patch_stdout), as `chatbot run` may.
+PROMPT_TOOLKIT_REPL = textwrap.dedent(
+    """
+    import sys, threading, time
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.patch_stdout import patch_stdout
+
+    def load():
+        time.sleep(float(sys.argv[1]))
+        print("\x1b[2mSmolLM2 · 134.5M · float32 · cpu · context 8192 · template tokenizer · "
+              "loaded in 0.5 s · decode: native int16 (auto)\x1b[0m")
+
+    print("type a message; /help for commands and keys; Ctrl-D to exit")
+    session = PromptSession(bottom_toolbar=lambda: " SmolLM2 · cache 0/8,192 · /help")
+    with patch_stdout(raw=True):
+        threading.Thread(target=load, daemon=True).start()
+        while session.prompt("> ") != "/quit":
+            pass
+    """
+)
+
+
+def test_pty_driver_on_prompt_toolkit_printing_the_banner_above_its_prompt(tmp_path):
+    script = tmp_path / "repl.py"
+    script.write_text(PROMPT_TOOLKIT_REPL)
+    run = run_in_pty([sys.executable, str(script), "0.8"], timeout_s=30)
+    assert run["order"] == "prompt first" and run["exit_status"] == 0
+    assert run["cpr_answered"] >= 1  # prompt_toolkit asked where the cursor is
+    assert run["ready_s"] - run["prompt_s"] >= 0.7
+
+
 def test_pty_driver_errors_are_one_line(tmp_path):
     """A process that dies before its prompt, one that never shows it, one that fails on
     /quit: errors that say which, with its last line."""

@@ -213,6 +213,8 @@ def run_in_pty(
             if data is None:
                 exit_status = _exit_code(pid)
                 break
+            if not data:
+                continue
             for _ in range(watch.feed(data, time.perf_counter())):
                 os.write(fd, CPR_ANSWER)
             if quit_at is None and watch.both_seen:
@@ -433,7 +435,7 @@ def print_startup(console: Any, result: dict[str, Any]) -> None:
     s, m, ours = result["settings"], result["machine"], result["ours"]
     name = Path(s["model"]).name
     threads = f"{s['threads']} thread{'s' if s['threads'] != 1 else ''}"
-    table = Table(title=f"start-up: {name}, {threads}, medians of {s['rounds']} alternated rounds")
+    table = Table(title=f"start-up: {name}, {threads}, medians of {s['rounds']} rounds")
     table.add_column("", no_wrap=True)
     table.add_column("median s", justify="right", no_wrap=True)
     table.add_column("runs s", justify="right")
@@ -466,10 +468,10 @@ def print_startup(console: Any, result: dict[str, Any]) -> None:
     load = f"load average {m['loadavg_start'][0]:.2f} -> {m['loadavg_end'][0]:.2f}"
     console.print(
         f"{m['cpu_model']}, {m['cpu_count']} CPUs, {load} (1 min); {threads} on both sides; "
-        f"{' / '.join(ours['order'])}. Each side in a fresh process, timed from its start (Python's "
-        "own start-up in both): ours in an 80x24 pseudo-terminal to the first prompt drawn and "
-        "to the banner '... loaded in ...'; llama.cpp to Llama(...) built. first run: the untimed "
-        "warm-up (the first load of a GGUF file writes its metadata cache).",
+        f"{' / '.join(ours['order'])}. Each side in a fresh process, the sides alternated, timed "
+        "from its start (Python's own start-up in both): ours in an 80x24 pseudo-terminal to the "
+        "first prompt drawn and to the banner '... loaded in ...'; llama.cpp to Llama(...) built. "
+        "first run: the untimed warm-up (the first load of a GGUF file writes its metadata cache).",
         style="dim",
         markup=False,
     )
