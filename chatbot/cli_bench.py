@@ -338,3 +338,33 @@ def bench_decode(
         write_json(json_out, result)
     if png:
         plot_decode(result, png)
+
+
+@bench_app.command("startup")
+def bench_startup(
+    model: Annotated[
+        Path | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="The GGUF file (default: the embedded default model: chatbot run without --model).",
+        ),
+    ] = None,
+    rounds: Annotated[
+        int, typer.Option(help="Timed runs per side, alternated; figures are medians.", min=1)
+    ] = 5,
+    threads: ThreadsOpt = None,
+    json_out: JsonOpt = None,
+) -> None:
+    """Time from `chatbot run` to its prompt and to its model ready (in a pseudo-terminal),
+    against llama.cpp loading the same file (each in a fresh process)."""
+    from chatbot.measure.bench_startup import print_startup, run_startup_bench
+    from chatbot.measure.report import write_json
+
+    err = Console(stderr=True, highlight=False)
+    result = run_startup_bench(
+        model, rounds=rounds, threads=threads, progress=lambda line: err.print(f"[dim]{line}[/dim]")
+    )
+    print_startup(Console(), result)
+    if json_out:
+        write_json(json_out, result)
