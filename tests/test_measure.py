@@ -177,18 +177,24 @@ def test_row_table_and_plot(tmp_path) -> None:
         for kind in ("Q4_K_M", "Q8_0"):
             ours = _row("chatbot-auto", speed, 10 * speed, 2.0, 700.0)
             peer = _row("llama.cpp", speed / 2, 5 * speed, 1.0, 500.0)
-            rows.append(
-                bench_scale.row_from_bench(Case("qwen2", params, kind), f, _bench_json(ours, peer), 60.0)
-            )
+            data = _bench_json(ours, peer)
+            if params == "0.5B":
+                data["startup"] = {"ours": {"prompt_s": 0.4, "ready_s": 2.2}, "llama_cpp": {"load_s": 0.25}}
+            else:
+                data["startup"] = {"error": "bench startup failed (2): timed out"}
+            rows.append(bench_scale.row_from_bench(Case("qwen2", params, kind), f, data, 60.0))
     rows.append({"arch": "llama", "params": "8B", "type": "Q4_K_M", "skipped": "needs ~16 GB"})
     assert rows[0]["file_mb"] == 1.0 and rows[0]["cpu"] == "Test CPU" and rows[0]["loadavg"] == [1.0, 2.0]
     assert rows[0]["chatbot-auto"]["prefill_tps"] == 400.0 and rows[0]["chatbot-auto"]["prefill_at"] == 500
     table = bench_scale.markdown_table(rows)
     assert (
         "| qwen2 0.5B Q4_K_M (2 rounds) | 1 | 40.0 / 20.0 (2.00x) | 400 / 200 (2.00x) | 2.0 / 1.0 (2.00x) "
-        in table
+        "| 0.40 / 0.25 (1.60x) | 700 / 500 (1.40x) |" in table
     )
-    assert "| llama 8B Q4_K_M | | skipped: needs ~16 GB |" in table
+    assert rows[0]["chatbot-auto"]["ready_s"] == 2.2
+    assert "| 2.0 / 1.0 (2.00x) | bench startup failed (2): timed out | 700 / 500 (1.40x) |" in table
+    assert "| llama 8B Q4_K_M | | skipped: needs ~16 GB | | | | | |" in table
+    assert all(line.count("|") == table.splitlines()[0].count("|") for line in table.splitlines())
     svg = bench_scale.svg_plot(rows, "title & more")
     root = ET.fromstring(svg)  # well-formed XML
     ns = "{http://www.w3.org/2000/svg}"

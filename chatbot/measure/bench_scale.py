@@ -182,8 +182,24 @@ def bench_one(
         raise RuntimeError(f"bench decode failed ({proc.returncode}): {tail[0]}")
     data: dict[str, Any] = json.loads(out.read_text())
     data["first_load_s"] = first_load_s
+    data["startup"] = startup_one(path, threads=threads, rounds=rounds, python=python)
     out.write_text(json.dumps(data, indent=1))
     return data
+
+
+def startup_one(path: Path, *, threads: int, rounds: int, python: str = sys.executable) -> dict[str, Any]:
+    """`chatbot bench startup` on one file (`chatbot run` to its prompt and to the model
+    ready, against llama.cpp's load): its JSON, or ``{"error": ...}``."""
+    out = bench_json_path(path).with_suffix(".startup.json")
+    out.unlink(missing_ok=True)
+    cmd = [python, "-m", "chatbot.cli", "bench", "startup", "--model", str(path), "--threads", str(threads),
+           "--rounds", str(max(rounds, 3)), "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0 or not out.is_file():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"error": f"bench startup failed ({proc.returncode}): {tail[0]}"}
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
 
 
 WARM_UP = """
@@ -235,6 +251,17 @@ def row_from_bench(case: Case, path: Path, data: dict[str, Any], wall_s: float) 
         }  # fmt: skip
     if isinstance(row.get(OURS), dict):
         row[OURS]["first_load_s"] = data.get("first_load_s")
+    startup = data.get("startup") or {}
+    if "error" in startup:
+        row["startup_error"] = startup["error"]
+    elif startup:
+        for name, side, key in (
+            (OURS, "ours", "prompt_s"),
+            (OURS, "ours", "ready_s"),
+            (PEER, "llama_cpp", "load_s"),
+        ):
+            if isinstance(row.get(name), dict) and (startup.get(side) or {}).get(key) is not None:
+                row[name]["prompt_s" if name == PEER else key] = startup[side][key]
     return row
 
 
@@ -303,18 +330,23 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         (
             "| model | file MB | decode tok/s ours / llama.cpp | prefill tok/s @500 ours / llama.cpp "
-            "| load s ours / llama.cpp | peak RSS MB ours / llama.cpp | load avg start / end |"
+            "| load s ours / llama.cpp | `chatbot run` to the prompt s / llama.cpp's load "
+            "| peak RSS MB ours / llama.cpp | load avg start / end |"
         ),
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         name = f"{row['arch']} {row['params']} {row['type']}"
         if "skipped" in row:
-            lines.append(f"| {name} | | skipped: {row['skipped']} | | | | |")
+            lines.append(f"| {name} | | skipped: {row['skipped']} | | | | | |")
             continue
         cells = []
-        for key, digits in (("decode_tps", 1), ("prefill_tps", 0), ("load_s", 1), ("peak_mem_mb", 0)):
+        keys = (("decode_tps", 1), ("prefill_tps", 0), ("load_s", 1), ("prompt_s", 2), ("peak_mem_mb", 0))
+        for key, digits in keys:
             a, b = row.get(OURS, {}), row.get(PEER, {})
+            if key == "prompt_s" and "startup_error" in row:
+                cells.append(row["startup_error"])
+                continue
             if "error" in a or "error" in b:
                 cells.append(f"ours: {a.get('error', 'ok')}; llama.cpp: {b.get('error', 'ok')}")
                 continue
@@ -439,8 +471,10 @@ def section(rows: list[dict[str, Any]], command: str, code: str, svg_name: str |
         (f"CPU: {cpu}, {os.cpu_count()} CPUs, {threads} threads on both sides. Each cell: ours / llama.cpp "
         "(ratio, ours over llama.cpp), the median of the bench's rounds; load s: from starting the process "
         "to the model ready, after one untimed first load of the file (it writes our small metadata cache; "
-        "its time is `first_load_s` in the JSON); the load average (1 minute) as each file's bench started "
-        "and ended."),
+        "its time is `first_load_s` in the JSON); to the prompt: `chatbot bench startup`, from starting "
+        "`chatbot run --model FILE` in a pseudo-terminal to its prompt drawn (the model then loads behind "
+        "it; `ready_s` in the JSON is to its banner), against llama.cpp's process to `Llama(...)` built, "
+        "medians of at least 3 rounds; the load average (1 minute) as each file's bench started and ended."),
         "",
         markdown_table(rows),
         *(["", f"![ours against llama.cpp by model size]({svg_name})"] if svg_name else []),
