@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -183,27 +184,52 @@ def run(
             repl.note(note)
         start_log()
         gc_ready()  # the collector, paused by `main` since the start, runs again from here on
-    run_repl(repl, interactive)
+    try:
+        run_repl(repl, interactive)
+    finally:
+        if repl.pending is not None and not repl.pending.done():
+            _leave_while_loading()
     if repl.load_error is not None:
         raise repl.load_error
-    if repl.pending is not None and not repl.pending.done():
-        # Left before the model was loaded: nothing to save, and a thread inside torch's
-        # import must not run into the interpreter's shutdown.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+
+
+def _leave_while_loading() -> None:
+    """Leave at once, the model still loading: a thread inside torch's import (or writing a
+    cache) must not run into the interpreter's shutdown. Nothing of the chat is lost: no
+    message was sent yet (a sent one waits for the model). Folders being written are removed."""
+    from chatbot.models.manifest import remove_partial
+
+    remove_partial()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130 if sys.exc_info()[0] is KeyboardInterrupt else 0)
 
 
 def _start_chat(settings: Any, opt: str, threads: int | None, banner: bool, background: bool) -> Any:
     """Load the model and make the chat session (`chatbot.terminal.repl.ChatStart`), with the
     notes to show (and the one-line banner on a terminal). `background`: in a thread while the
-    prompt is up (no spinner; the collector is turned back on at the end)."""
+    prompt is up: no spinner and no progress bars, warnings become notes (printed above the
+    prompt, not across it), and the collector is turned back on at the end."""
+    if not background:
+        return _make_chat(settings, opt, threads, banner, quiet=False)
+    from huggingface_hub.utils import disable_progress_bars
+
+    disable_progress_bars()
+    with warnings.catch_warnings(record=True) as caught:  # the filters in force still apply
+        start = _make_chat(settings, opt, threads, banner, quiet=True)
+    said = dict.fromkeys(f"warning: {' '.join(str(w.message).split())[:300]}" for w in caught)
+    start.notes[:0] = list(said)
+    gc_ready()  # the collector, paused by `main` since the start, runs again from here on
+    return start
+
+
+def _make_chat(settings: Any, opt: str, threads: int | None, banner: bool, quiet: bool) -> Any:
     _set_threads(threads)
     from chatbot.models.templates import check_template
     from chatbot.session import ChatSession, sampling_from_model
     from chatbot.terminal.repl import ChatStart
 
-    loaded = _load(settings.load.model, quiet=background, **settings.load.options())
+    loaded = _load(settings.load.model, quiet=quiet, **settings.load.options())
     check_template(loaded.tokenizer, settings.system, loaded.name)
     sampling = sampling_from_model(loaded.model, **settings.sampling)
     decoder, decoder_note = _decoder(loaded.model, opt)
@@ -221,8 +247,6 @@ def _start_chat(settings: Any, opt: str, threads: int | None, banner: bool, back
             + f" · context {d['context']} · template {d['template']} · loaded in {d['load time']}"
             + f" · decode: {decode}"
         )
-    if background:
-        gc_ready()  # the collector, paused by `main` since the start, runs again from here on
     return ChatStart(session, loaded, shown)
 
 

@@ -390,6 +390,9 @@ def test_real_chat_interrupt_and_resume(tmp_path):
     try:
         child.expect("Ctrl-D to exit")
         child.expect(">")
+        # The prompt comes before the model: wait for its banner, so that the words matched
+        # below are the answer's, not the banner's.
+        child.expect("loaded in")
         child.sendline("Write a long story about a dragon.")
         child.expect("dragon\\.")  # the line as typed
         # The answer has begun: the message is in the session log (written just before the

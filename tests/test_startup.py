@@ -79,10 +79,12 @@ def test_a_load_that_ends_at_the_prompt_prints_its_notes_above_it(tmp_path, term
     term, flag = scripted(tmp_path)
     terminals.append(term)
     term.type("half a mess")  # typing, not sent
+    term.wait_for(lambda: "> half a mess" in term.screen_lines(), 30, "the typed text")
     flag.touch()
     term.wait_text("scripted · loaded in 0.0 s", 30)
     wait_toolbar(term, "scripted · cache")
     assert "> half a mess" in term.screen_lines()  # the typed text is kept
+    assert term.lines().count("scripted · loaded in 0.0 s") == 1
     term.type("age\r")
     term.wait_text("tok/s", 60)
     assert "forty-two" in screen_text(term)
@@ -115,9 +117,28 @@ def test_help_runs_while_loading_and_other_commands_wait(tmp_path, terminals):
     wait_toolbar(term, "loading scripted…")  # /help did not wait for the model
     term.type("/history\r")
     term.wait_text("(Ctrl-C: back to the prompt)", 30)
+    assert "(no messages yet)" not in screen_text(term)
     flag.touch()
-    term.wait_text("scripted · loaded in 0.0 s", 30)
+    term.wait_text("(no messages yet)", 30)  # /history ran once the model was there
+    lines = term.lines()
+    assert lines.index("scripted · loaded in 0.0 s") < lines.index("(no messages yet)")
     term.wait_prompt(30)
+
+
+def test_a_message_given_back_after_ctrl_c_is_the_one_typed(tmp_path, terminals):
+    """`//text` sends "/text" as a message; given back, it must still be `//text`, or Enter
+    would run the command /text."""
+    term, flag = scripted(tmp_path)
+    terminals.append(term)
+    term.type("//undo is a command\r")
+    term.wait_text("(Ctrl-C: back to the prompt)", 30)
+    term.type("\x03")
+    term.wait_for(lambda: "> //undo is a command" in term.screen_lines(), 30, "the message as typed")
+    flag.touch()
+    wait_toolbar(term, "scripted · cache")
+    term.type("\r")
+    term.wait_text("tok/s", 60)
+    assert "forty-two" in screen_text(term)
 
 
 def test_a_load_that_fails_at_the_prompt_leaves_with_one_line(tmp_path, terminals):
@@ -169,6 +190,18 @@ def test_chatbot_run_shows_the_prompt_first_and_answers_a_message_sent_at_once(t
     assert term.proc.exitstatus == 0
 
 
+def test_chatbot_run_left_while_loading_exits_at_once_and_cleanly(tmp_path, terminals):
+    term = chatbot(tmp_path)
+    terminals.append(term)
+    term.wait_prompt(120)
+    term.type("/exit\r")
+    term.wait_for(lambda: not term.proc.isalive(), 60, "the program to end")
+    term.pump(0.3)
+    assert "loaded in" not in term.raw  # it left before the model was ready
+    assert term.proc.exitstatus == 0
+    assert "Traceback" not in term.raw and "Fatal" not in term.raw
+
+
 def test_chatbot_run_on_a_damaged_gguf_shows_one_error_line(tmp_path, terminals):
     bad = tmp_path / "damaged.gguf"
     bad.write_bytes(b"GGUF" + bytes(range(256)) * 4)  # the magic, then no valid header
@@ -211,3 +244,60 @@ def test_what_runs_before_the_prompt_imports_neither_torch_nor_numpy():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert out.stdout.strip() == "default SmolLM2-135M-Instruct []"
+
+
+def test_folders_being_written_are_removed_by_a_hurried_exit(tmp_path):
+    """`chatbot run` quit while its model loads leaves with os._exit (no `finally`, no
+    atexit): the cache folder being written at that moment must still go."""
+    code = (
+        "import os, sys\n"
+        "from pathlib import Path\n"
+        "from chatbot.models.manifest import remove_partial, scratch_folder, staging\n"
+        "target = Path(sys.argv[1]) / 'converted'\n"
+        "scratch = scratch_folder('chatbot-test-')\n"
+        "with staging(target) as tmp:\n"
+        "    (tmp / 'model.safetensors').write_bytes(b'0' * 1000)\n"
+        "    print(tmp, scratch, flush=True)\n"
+        "    remove_partial()\n"
+        "    os._exit(0)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True, timeout=60
+    )
+    tmp, scratch = map(Path, out.stdout.split())
+    assert tmp.parent == tmp_path and tmp.name.startswith("converted.tmp-")
+    assert not tmp.exists() and not scratch.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_published_folder_is_not_removed_by_a_hurried_exit(tmp_path):
+    from chatbot.models.manifest import publish, read_manifest, remove_partial, staging
+
+    target = tmp_path / "cache"
+    with staging(target) as tmp:
+        (tmp / "config.json").write_text("{}")
+        publish(tmp, target)
+    remove_partial()
+    assert read_manifest(target) is not None and sorted(p.name for p in tmp_path.iterdir()) == ["cache"]
+
+
+def test_warnings_of_a_background_load_become_notes_above_the_prompt(monkeypatch):
+    """A library warning printed by the loading thread would land across the prompt; it is
+    shown as a note instead (once), before the load's own notes."""
+    import warnings
+
+    from chatbot import cli
+    from chatbot.terminal.repl import ChatStart
+
+    def make(settings, opt, threads, banner, quiet):
+        assert quiet  # no spinner under the prompt
+        for _ in range(2):
+            warnings.warn("a deprecated\n   option", FutureWarning, stacklevel=1)
+        return ChatStart(session=None, loaded=None, notes=["banner"])  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cli, "_make_chat", make)
+    monkeypatch.setattr(cli, "gc_ready", lambda: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        start = cli._start_chat(None, "auto", None, banner=True, background=True)
+    assert start.notes == ["warning: a deprecated option", "banner"]

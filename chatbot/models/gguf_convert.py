@@ -8,11 +8,9 @@ copy is kept under the user's cache directory (`cache_root`), keyed by the file'
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import torch
 
 from chatbot.errors import ModelLoadError
 from chatbot.models.load_checks import _quiet_transformers, _short
-from chatbot.models.manifest import MANIFEST, publish, read_manifest  # noqa: F401  (MANIFEST: re-exported)
+from chatbot.models.manifest import MANIFEST, publish, read_manifest, scratch_folder, staging  # noqa: F401  (MANIFEST: re-exported)
 from chatbot.models.source import check_gguf
 
 _CONVERSION_VERSION = 1
@@ -98,16 +96,11 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
-    try:
+    with staging(target) as tmp:
         with _quiet_transformers():
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
         publish(tmp, target, version=_CONVERSION_VERSION, gguf=str(gguf))
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _writable_target(target: Path, notes: list[str]) -> Path:
@@ -118,8 +111,7 @@ def _writable_target(target: Path, notes: list[str]) -> Path:
         os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=target.parent))
         return target
     except OSError as exc:
-        tmp_root = Path(tempfile.mkdtemp(prefix="chatbot-gguf-"))
-        atexit.register(shutil.rmtree, tmp_root, True)
+        tmp_root = scratch_folder("chatbot-gguf-")
         notes.append(
             f"cannot write the conversion cache {target.parent} ({exc.strerror or exc}); "
             "converted into a temporary folder for this run (set XDG_CACHE_HOME)"

@@ -20,8 +20,6 @@ permuted. Attention windows, soft-capping and per-layer rope come from the confi
 from __future__ import annotations
 
 import hashlib
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +29,7 @@ from torch import nn
 from chatbot.engine.gguf_weights import GGUFWeights, read_tensor_table
 from chatbot.engine.packed import PackedEmbedding, PackedLinear, ScaledPackedEmbedding
 from chatbot.models.load_checks import _quiet_transformers
-from chatbot.models.manifest import publish, read_manifest
+from chatbot.models.manifest import publish, read_manifest, staging
 
 ARCHITECTURES = {"llama", "qwen2", "qwen3", "gemma2", "gemma3"}
 """GGUF architectures built from their blocks (llama.cpp writes mistral models as llama)."""
@@ -172,9 +170,7 @@ def _save_tokenizer(tokenizer: Any, config: Any, path: Path, cache: Path) -> Any
     """
     from transformers import AutoTokenizer
 
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=cache.name + ".tmp-", dir=cache.parent))
-    try:
+    with staging(cache) as tmp:
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         # What the class makes of the saved files, saved again: tokenizer.json then holds
@@ -183,9 +179,6 @@ def _save_tokenizer(tokenizer: Any, config: Any, path: Path, cache: Path) -> Any
         tokenizer.save_pretrained(tmp)
         fast = _fast_tokenizer_ok(tmp, tokenizer)
         publish(tmp, cache, gguf=str(path), fast_tokenizer=fast)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return tokenizer
 
 

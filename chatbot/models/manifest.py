@@ -1,17 +1,56 @@
 """Cache folders published whole: files written to a temporary folder, listed with their
 sizes in a manifest, and renamed into place in one step, so that a crash leaves either the
 old folder or the new one and a damaged copy is noticed (a listed file missing or of another
-size) and rebuilt. Used by the GGUF metadata cache and the dequantized-GGUF copies."""
+size) and rebuilt. Used by the GGUF metadata cache and the dequantized-GGUF copies.
+
+The folders being written are known here (`staging`, `scratch_folder`), so that a process
+leaving without its normal shutdown (`chatbot run` quit while its model still loads in a
+thread) removes them first (`remove_partial`) instead of leaving gigabytes behind."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 MANIFEST = "chatbot-manifest.json"
+_PARTIAL: set[Path] = set()  # folders being written, or to remove when the process ends
+
+
+@contextmanager
+def staging(target: Path) -> Iterator[Path]:
+    """A new temporary folder beside `target` to write its files into (then `publish`);
+    removed on leaving, whatever happens."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    _PARTIAL.add(tmp)
+    try:
+        yield tmp
+    finally:
+        _PARTIAL.discard(tmp)
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def scratch_folder(prefix: str) -> Path:
+    """A temporary folder for this process only, removed when it ends."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    _PARTIAL.add(tmp)
+    atexit.register(shutil.rmtree, tmp, True)
+    return tmp
+
+
+def remove_partial() -> None:
+    """Remove the folders being written (`staging`) and the scratch folders: for a process
+    about to leave with `os._exit`, which runs no `finally` and no `atexit`."""
+    for tmp in list(_PARTIAL):
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def read_manifest(folder: Path) -> dict[str, Any] | None:

@@ -172,7 +172,7 @@ class Repl:
         ready. Runs in the main thread only (from the loop, or inside the prompt's)."""
         pending = self.pending
         if pending is None:
-            return True
+            return self.load_error is None
         if not pending.done():
             return False
         self.pending = None
@@ -187,7 +187,7 @@ class Repl:
         try:
             if self.on_ready is not None:
                 self.on_ready()
-        except ChatbotError as exc:  # e.g. the session log to resume is unreadable
+        except Exception as exc:  # noqa: BLE001 - e.g. an unreadable log to resume: the caller reports it
             self.load_error, self.running = exc, False
             return False
         return True
@@ -403,14 +403,13 @@ class Repl:
         self.info.print(stats_renderable(self.info, self.session.turns, self.session.summary()))
 
     def _model(self, _: Command) -> None:
-        from chatbot.remote import RemoteSession  # here: httpx is not needed before the prompt
-
-        s = self.session
-        if isinstance(s, RemoteSession):  # the server has the model
-            s.backend.list_models()  # GET /v1/models now: the list may have changed
-            rows = {**s.backend.describe(), "sampling": sampling_brief(s.sampling)}
+        if self.remote is not None:  # the server has the model
+            remote = cast("RemoteSession", self.session)
+            remote.backend.list_models()  # GET /v1/models now: the list may have changed
+            rows = {**remote.backend.describe(), "sampling": sampling_brief(remote.sampling)}
             self.info.print(key_value_table("model (on the server)", rows))
             return
+        s = cast("ChatSession", self.session)
         rows = dict(self.loaded.describe())
         rows["context limit"] = f"{s.max_context:,} tokens"
         rows["cache"] = f"{len(s.cache_ids):,} / {s.capacity:,} tokens" + (
@@ -424,17 +423,16 @@ class Repl:
         self.info.print(key_value_table("model", rows))
 
     def _cache(self, _: Command) -> None:
-        from chatbot.remote import RemoteSession
-
-        if isinstance(self.session, RemoteSession):
-            last = self.session.turns[-1].stats if self.session.turns else None
+        if self.remote is not None:
+            remote = cast("RemoteSession", self.session)
+            last = remote.turns[-1].stats if remote.turns else None
             cached = getattr(last, "cached_tokens", None)
             self.info.print(
                 key_value_table(
                     "cache (on the server)",
                     {
-                        "kept by": f"the server's prefix cache ({self.session.backend.base_url})",
-                        "conversation (last usage)": f"{self.session.conversation_tokens:,} tokens",
+                        "kept by": f"the server's prefix cache ({remote.backend.base_url})",
+                        "conversation (last usage)": f"{remote.conversation_tokens:,} tokens",
                         "reused at the last message": "-"
                         if last is None
                         else "not reported by the server"
@@ -447,13 +445,14 @@ class Repl:
                 )
             )
             return
-        lay = self.session.cache_layout()
+        local = cast("ChatSession", self.session)
+        lay = local.cache_layout()
         self.info.print(
             key_value_table(
                 "cache",
                 {
                     "tokens": f"{lay.length:,} / {lay.capacity:,}",
-                    "pending (enter with the next message)": f"{len(self.session.pending_ids):,}",
+                    "pending (enter with the next message)": f"{len(local.pending_ids):,}",
                     "pinned (sinks, system)": f"{lay.pinned:,}",
                     "recent": f"{lay.recent:,}",
                     "evicted so far": f"{lay.evicted_total:,}",
@@ -512,13 +511,14 @@ class Repl:
                 # A command failed in a way we did not foresee: say so and keep the chat.
                 self.error(f"{line.split()[0]} failed: {type(exc).__name__}: {exc}")
             return
+        typed = line
         if line.startswith("//"):
             line = line[1:]
         line = line.strip("\n").rstrip()
         if len(line) > MAX_MESSAGE_CHARS:
             self.error(f"message too long ({len(line):,} characters; the limit is {MAX_MESSAGE_CHARS:,})")
             return
-        if not self.ready(draft=line):
+        if not self.ready(draft=typed):
             return
         self.chat(line)
 
@@ -587,7 +587,7 @@ class Repl:
 
             app = get_app_or_none()
             width = app.output.get_size().columns if app is not None else 80
-        if self.pending is not None:
+        if self.pending is not None or self.session is None:
             line = f" loading {self.loading_name}… · /help"
             return [("", line if len(line) < width else line[: width - 2] + "…")]
         s = self.session
@@ -672,6 +672,8 @@ class Repl:
             except EOFError:
                 if self.blocks.is_open:
                     self.handle(self.blocks.close())
+                break
+            if not self.running:  # the load failed while the prompt was up
                 break
             message = self.blocks.feed(line)
             if message is not None:
