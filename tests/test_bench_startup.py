@@ -189,16 +189,16 @@ def test_bad_model_files_are_one_line_errors(capsys, tmp_path):
     assert_one_line_error(capsys, "bench", "startup", "--model", str(tmp_path), match="is not a file")
 
 
-def test_chatbot_run_dying_before_its_prompt_is_a_one_line_error(capsys, tmp_path):
-    """A GGUF header and nothing more: `chatbot run` fails to load it, and the bench says so
-    with its error line."""
+def test_chatbot_run_dying_before_its_banner_is_a_one_line_error(capsys, tmp_path):
+    """A GGUF header and nothing more: `chatbot run` shows its prompt (the file's magic is
+    right), fails to load it, and the bench says so with its error line."""
     bad = tmp_path / "cut.gguf"
     bad.write_bytes(b"GGUF\x03\x00\x00\x00")
     code, _, err = cli(capsys, "bench", "startup", "--model", str(bad), "--rounds", "1")
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and "Traceback" not in err
     assert lines[:-1] == ["untimed first run: chatbot run"]  # the progress line, then the error
-    assert lines[-1].startswith("chatbot: error: chatbot run exited (status 2) before the prompt and ")
+    assert lines[-1].startswith("chatbot: error: chatbot run exited (status 2) before the model banner: ")
     assert "chatbot: error: cannot read GGUF file" in lines[-1].removeprefix("chatbot: error:")  # run's own
 
 
