@@ -96,3 +96,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def terminals():
+    """Pseudo-terminals a test opens (tests/screen.py), closed after it."""
+    opened: list = []
+    yield opened
+    for term in opened:
+        term.close()

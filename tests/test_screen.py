@@ -86,14 +86,6 @@ def after(lines: list[str], marker: str) -> list[str]:
     return lines[index + 1 :]
 
 
-@pytest.fixture
-def terminals():
-    opened: list[Terminal] = []
-    yield opened
-    for term in opened:
-        term.close()
-
-
 @pytest.mark.parametrize("columns", [40, 80, 120])
 def test_every_word_of_the_answer_and_the_commands_is_on_screen(tmp_path, terminals, columns):
     from chatbot.terminal.commands import help_text

@@ -36,14 +36,6 @@ def scripted(tmp_path: Path, fails: bool = False, columns: int = 80) -> tuple[Te
     return term, flag
 
 
-@pytest.fixture
-def terminals():
-    opened: list[Terminal] = []
-    yield opened
-    for term in opened:
-        term.close()
-
-
 def screen_text(term: Terminal) -> str:
     return "\n".join(term.lines())
 
@@ -90,14 +82,17 @@ def test_a_load_that_ends_at_the_prompt_prints_its_notes_above_it(tmp_path, term
     assert "forty-two" in screen_text(term)
 
 
-def test_ctrl_c_while_waiting_for_the_model_gives_the_message_back(tmp_path, terminals):
+@pytest.mark.parametrize("message", ["keep this message", "//undo is a command"])
+def test_ctrl_c_while_waiting_for_the_model_gives_the_message_back(tmp_path, terminals, message):
+    """The message comes back as typed: `//text` sends "/text" as a message, and given back
+    as "/text", Enter would run the command."""
     term, flag = scripted(tmp_path)
     terminals.append(term)
-    term.type("keep this message\r")
+    term.type(message + "\r")
     term.wait_text("(Ctrl-C: back to the prompt)", 30)
     term.type("\x03")
     term.wait_text("(the model is still loading; nothing was sent)", 30)
-    term.wait_for(lambda: "> keep this message" in term.screen_lines(), 30, "the message back at the prompt")
+    term.wait_for(lambda: f"> {message}" in term.screen_lines(), 30, "the message back at the prompt")
     flag.touch()
     wait_toolbar(term, "scripted · cache")
     term.type("\r")
@@ -105,7 +100,8 @@ def test_ctrl_c_while_waiting_for_the_model_gives_the_message_back(tmp_path, ter
     assert "forty-two" in screen_text(term)
     log = next((tmp_path / "data").rglob("*.jsonl"))
     events = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()]
-    assert [e["user"] for e in events if e["event"] == "turn"] == ["keep this message"]  # sent once
+    sent = message.removeprefix("/") if message.startswith("//") else message
+    assert [e["user"] for e in events if e["event"] == "turn"] == [sent]  # sent once, as a message
 
 
 def test_help_runs_while_loading_and_other_commands_wait(tmp_path, terminals):
@@ -123,22 +119,6 @@ def test_help_runs_while_loading_and_other_commands_wait(tmp_path, terminals):
     lines = term.lines()
     assert lines.index("scripted · loaded in 0.0 s") < lines.index("(no messages yet)")
     term.wait_prompt(30)
-
-
-def test_a_message_given_back_after_ctrl_c_is_the_one_typed(tmp_path, terminals):
-    """`//text` sends "/text" as a message; given back, it must still be `//text`, or Enter
-    would run the command /text."""
-    term, flag = scripted(tmp_path)
-    terminals.append(term)
-    term.type("//undo is a command\r")
-    term.wait_text("(Ctrl-C: back to the prompt)", 30)
-    term.type("\x03")
-    term.wait_for(lambda: "> //undo is a command" in term.screen_lines(), 30, "the message as typed")
-    flag.touch()
-    wait_toolbar(term, "scripted · cache")
-    term.type("\r")
-    term.wait_text("tok/s", 60)
-    assert "forty-two" in screen_text(term)
 
 
 def test_a_load_that_fails_at_the_prompt_leaves_with_one_line(tmp_path, terminals):
