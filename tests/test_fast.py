@@ -6,7 +6,9 @@ torch here, logits from a full recompute with transformers, tokens from the plai
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -259,6 +261,56 @@ def test_rope_table_and_cache_grow_past_their_first_size(tiny_model):
         logits = decoder.decode(cache, ids[i])
     assert decoder.struct.rope_len >= 301 and cache.layers[0].capacity == 512
     assert torch.allclose(logits, full_logits(tiny_model, ids)[-1], atol=1e-4)
+
+
+@needs_kernels
+def test_a_turn_sizes_the_cache_once_and_a_longer_one_grows_it_by_half(tiny_model, tiny_tokenizer):
+    """The cache's buffers are made before the prefill, for the prompt and the answer, and
+    are not regrown (reallocated) during the turn; the next turn that needs more room grows
+    them to 1.5x rather than 2x, and the answers stay exact."""
+    decoder = FastDecoder(tiny_model, "f32")
+    engine = Engine(tiny_model, tiny_tokenizer, max_context=1024, decoder=decoder)
+    kv = engine.new_cache()
+    ids = torch.randint(3, 300, (400,), generator=torch.Generator().manual_seed(9)).tolist()
+    sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=84, stream_interval=1)
+    chunks = engine.generate(kv, ids[:300], sampling, prefill_chunk=64)
+    first = next(chunks)
+    layers = kv.cache.layers
+    versions = [layer.version for layer in layers]
+    got = list(first.token_ids) + answer(chunks)
+    assert [layer.version for layer in layers] == versions  # no reallocation after the prefill
+    assert {layer.capacity for layer in layers} == {384}  # 300 + 84 (a multiple of 64), not 512
+    assert got == greedy_by_recompute(tiny_model, ids[:300], 84)
+    held = kv.length
+    more = ids[300:400]
+    again = answer(
+        engine.generate(kv, more, SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=8))
+    )
+    assert {layer.capacity for layer in layers} == {576}  # 1.5x (383 + 100 + 8 need less), not 768
+    assert again == greedy_by_recompute(tiny_model, kv.ids[:held] + more, 8)
+
+
+def test_a_released_cache_is_freed_without_the_garbage_collector(tiny_model, tiny_tokenizer):
+    """A record and its cache refer to each other; `release` lets a holder free them at once
+    (a finished server request, a bench run), and a session's /reset does it too."""
+    sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=4)
+    engine = Engine(tiny_model, tiny_tokenizer)
+    gc.disable()
+    try:
+        kv = engine.new_cache()
+        answer(engine.generate(kv, [5, 6, 7], sampling))
+        kept = weakref.ref(kv.cache)
+        kv.release()
+        del kv
+        assert kept() is None
+        session = ChatSession(engine, ChatConfig(sampling=sampling))
+        answer(session.send("Hello there!"))
+        old = weakref.ref(session.kv.cache)
+        session.reset()
+        assert old() is None
+        assert answer(session.send("Hello there!"))  # the new cache works
+    finally:
+        gc.enable()
 
 
 # --- lossy levels ------------------------------------------------------------------------------

@@ -80,13 +80,14 @@ class BufferLayer(SinkLayer):
             cap *= 2
         return cap
 
-    def reserve(self, needed: int, like: torch.Tensor | None = None) -> None:
-        """Make room for `needed` positions (reallocating, and copying what is held)."""
+    def reserve(self, needed: int, like: torch.Tensor | None = None, exact: bool = False) -> None:
+        """Make room for `needed` positions (reallocating, and copying what is held): a
+        capacity doubled until it holds them, or with `exact`, `needed` itself."""
         if self._k is not None and self.capacity >= needed:
             return
         ref = self._k if self._k is not None else like
         assert ref is not None, "reserve() before the first update needs a tensor to copy the shape from"
-        cap = self._grown(needed)
+        cap = needed if exact else self._grown(needed)
         shape = (*ref.shape[:-2], cap, ref.shape[-1])
         k, v = ref.new_zeros(shape), ref.new_zeros(shape)
         if self._k is not None and self._v is not None:

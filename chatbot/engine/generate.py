@@ -33,6 +33,9 @@ from chatbot.engine.tracked_cache import TrackedCache, track
 # transformers' StoppingCriteria(List) or any callable of the same shape:
 # (ids [1, n] incl. the new token, scores [1, vocab]) -> bool or BoolTensor [1].
 StopCallback = Callable[[torch.Tensor, torch.Tensor], Any]
+ANSWER_ROOM = 1024
+"""The most answer tokens a prefill makes room for in the fast path's cache buffers up front
+(a longer answer grows them once more)."""
 
 
 @dataclass(frozen=True)
@@ -151,18 +154,23 @@ class Engine:
         prefill_chunk: int = 512,
         reserve: int = 0,
         on_progress: Callable[[int, int], None] | None = None,
+        answer: int = 0,
     ) -> torch.Tensor:
         """Feed `ids` into the cache in chunks; return the logits after the last one.
 
         `reserve` asks a bounded cache to leave room for that many tokens after the prompt
         (the answer), so that decoding seldom has to evict. `on_progress` is told (tokens
         done, tokens in all) after each chunk. Interrupted, the cache holds the chunks that
-        were fed (`TrackedCache.settle` evens out a torn one).
+        were fed (`TrackedCache.settle` evens out a torn one). On the fast path the cache's
+        buffers are first sized for the ids and `answer` tokens after them (at most the
+        cache's capacity), so that they are not regrown between the pass's activations.
         """
         if not ids:
             raise ValueError("prefill needs at least one token")
         if self.decoder is not None:
-            self.decoder.prepare(kv.cache)  # the fast path keeps the cache in its own layers
+            # The fast path keeps the cache in its own layers, preallocated.
+            needed = min(kv.capacity, kv.length + len(ids) + answer)
+            self.decoder.reserve(kv.cache, needed, limit=kv.capacity)
         step = kv.chunk_size(prefill_chunk)
         recent = kv.recent_size
         logits = None
@@ -248,7 +256,8 @@ class Engine:
 
         t0 = time.perf_counter()
         reserve = min(sampling.max_new_tokens, 256) if kv.is_bounded else 0
-        logits = self.prefill(kv, new_ids, prefill_chunk, reserve)
+        answer = min(sampling.max_new_tokens, ANSWER_ROOM)
+        logits = self.prefill(kv, new_ids, prefill_chunk, reserve, answer=answer)
         synchronize(self.device)
         stats.context_time_s = time.perf_counter() - t0
 

@@ -258,6 +258,15 @@ class TrackedCache:
         self.seen = []
         self._evicted = 0
 
+    def release(self) -> None:
+        """For the holder of this record, done with its cache (a finished request, a
+        replaced conversation): break the cycle between the two, so that dropping the
+        record frees the cache's buffers at once. Otherwise only the garbage collector's
+        next full pass finds them: a bench running ten 2,000-token prefills of the default
+        model, one new cache each, peaked at 719 MB rather than 596 MB. The cache itself
+        stays usable, by this record or (as a new one) through `track`."""
+        forget(self.cache)
+
     def settle(self) -> bool:
         """After a run that may have been interrupted: cut the cache back to the ids
         recorded; if it still does not match them, empty it. True when it was sound."""

@@ -100,9 +100,11 @@ def _engine_worker(
         sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=n_new)
         stats: Any = None
         tokens: list[int] = []
-        for chunk in engine.generate(engine.new_cache(), prompt, sampling):
+        kv = engine.new_cache()  # a conversation of its own, freed after it as a chat frees it
+        for chunk in engine.generate(kv, prompt, sampling):
             tokens.extend(chunk.token_ids)
             stats = chunk.stats or stats
+        kv.release()
         return stats, tokens
 
     run(ids[:16], 4)  # warm-up: first-call allocations, thread pools

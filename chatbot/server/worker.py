@@ -123,6 +123,7 @@ class Worker:
             return
         finally:
             chunks.close()
+            cache.release()  # this request's cache is freed when it returns
         assert stats is not None
         job.emit(
             (
