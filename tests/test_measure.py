@@ -52,8 +52,28 @@ def test_versus_llama_cpp_ratios() -> None:
     assert "prefill tok/s @500: 400.0 vs 200.0 = 2.00x faster" in lines[2]
     assert "load s: 2.0 vs 1.0 = 2.00x the time" in lines[3]
     assert "peak RSS MB: 500.0 vs 400.0 = 1.25x the memory" in lines[4]
+    assert len(lines) == 5  # no runtime figures: no split of the peak
+    result["results"][0]["runtime_mb"], result["results"][1]["runtime_mb"] = 330.0, 50.0
+    lines = bench_decode.versus_llama_cpp(result)
+    assert "RSS before the model (runtime) MB: 330.0 vs 50.0 = 6.60x the memory" in lines[5]
+    assert "peak RSS above it MB: 170.0 vs 350.0 = 0.49x the memory" in lines[6]
     failed = {"results": [_row("chatbot-auto", 60, 400, 2, 500), {"name": "llama.cpp", "error": "x"}]}
     assert bench_decode.versus_llama_cpp(failed) == []
+
+
+def test_a_worker_reports_its_runtime_apart_from_the_model(tmp_path, tiny_tokenizer) -> None:
+    """A real worker process on a tiny model: the resident set before the model (torch and
+    transformers imported) is recorded beside the peak, and is most of it."""
+    from helpers import make_model
+
+    folder = tmp_path / "tiny"
+    make_model(len(tiny_tokenizer), max_position_embeddings=4096).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    spec = {"name": "chatbot-auto", "model": str(folder), "threads": 1, "decode_tokens": 4, "text": None,
+            "ppl_tokens": 0, "gguf": None, "prefill_sizes": [50]}  # fmt: skip
+    out = bench_decode._run_worker(spec)
+    assert "error" not in out, out
+    assert 150 < out["runtime_mb"] < out["peak_mem_mb"] < 2 * out["runtime_mb"]  # torch alone: ~220 MB
 
 
 def test_worker_load_time_runs_from_process_start(monkeypatch) -> None:

@@ -246,8 +246,8 @@ def row_from_bench(case: Case, path: Path, data: dict[str, Any], wall_s: float) 
         size = "500" if "500" in sizes else max(sizes, key=int)
         row[r["name"]] = {
             "decode_tps": r["decode_tps"], "prefill_tps": sizes[size], "prefill_at": int(size),
-            "load_s": r.get("load_s"), "peak_mem_mb": r["peak_mem_mb"], "loadavg": r.get("loadavg"),
-            "weights": r.get("weights"),
+            "load_s": r.get("load_s"), "peak_mem_mb": r["peak_mem_mb"], "runtime_mb": r.get("runtime_mb"),
+            "loadavg": r.get("loadavg"), "weights": r.get("weights"),
         }  # fmt: skip
     if isinstance(row.get(OURS), dict):
         row[OURS]["first_load_s"] = data.get("first_load_s")
