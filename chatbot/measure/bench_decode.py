@@ -88,7 +88,7 @@ def _runtime_mb() -> float | None:
     happen during the load anyway, so taking them first changes no other figure."""
     import tokenizers  # noqa: F401
     import torch  # noqa: F401
-    import transformers.cache_utils  # noqa: F401
+    import transformers.cache_utils
     import transformers.modeling_utils  # noqa: F401
 
     return _rss_mb()
