@@ -8,11 +8,13 @@ the answers must match while the prefilled token counts show the cache hit.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import threading
 import time
 import uuid
+import weakref
 
 import httpx
 import openai
@@ -529,6 +531,44 @@ def test_pool_memory_cap_and_off(tiny_model, tiny_tokenizer):
     off = _pool(tiny_model, tiny_tokenizer, max_entries=0)
     _ask(off, Conversation(None, [], "Hello"))
     assert not off.entries
+
+
+def test_finished_caches_are_freed_at_once(tiny_model, tiny_tokenizer, monkeypatch):
+    """With the garbage collector off, the cache of an evicted conversation and that of a
+    finished text completion are freed as soon as nothing holds them (a cache and its record
+    refer to each other; left to the collector, each stayed until its next full pass)."""
+    from chatbot.server.pool import Conversation
+    from chatbot.server.worker import Job, Worker
+
+    pool = _pool(tiny_tokenizer=tiny_tokenizer, tiny_model=tiny_model, max_entries=1)
+    made = []
+    new_cache = pool.engine.new_cache
+
+    def recording(*args, **kwargs):
+        kv = new_cache(*args, **kwargs)
+        made.append(weakref.ref(kv.cache))
+        return kv
+
+    monkeypatch.setattr(pool.engine, "new_cache", recording)
+    gc.collect()
+    gc.disable()
+    try:
+        _ask(pool, Conversation(None, [], "Hello a"))
+        _ask(pool, Conversation(None, [], "Hello b"))  # evicts "a"
+        assert pool.stats.evictions == 1
+        assert made[0]() is None  # "a"'s cache
+        worker = Worker(pool)
+        events = []
+        done = threading.Event()
+        job = Job(None, pool.sampling, lambda e: (events.append(e), e[0] in ("done", "error") and done.set()),
+                  prompt="Once upon a time")  # fmt: skip
+        worker.submit(job)
+        assert done.wait(30) and events[-1][0] == "done"
+        worker.stop()
+        worker.thread.join(10)
+        assert made[-1]() is None  # the completion's cache
+    finally:
+        gc.enable()
 
 
 def test_text_completions(client, model_dir):
