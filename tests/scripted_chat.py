@@ -30,11 +30,14 @@ class ScriptedModel:
     usual, then the logits of the last position are replaced so that the next token is the
     script's. A prompt (more than one new token) starts the next answer of the script."""
 
-    def __init__(self, model, answers: list[list[int]], eos: int, delay: float = 0.0) -> None:
+    def __init__(
+        self, model, answers: list[list[int]], eos: int, delay: float = 0.0, prefill_delay: float = 0.0
+    ) -> None:
         self.model = model
         self.answers = answers
         self.eos = eos
         self.delay = delay
+        self.prefill_delay = prefill_delay
         self.turn = -1
         self.pos = 0
 
@@ -49,6 +52,9 @@ class ScriptedModel:
         if ids.shape[-1] > 1:  # a prompt: the next answer begins
             self.turn += 1
             self.pos = 0
+            if self.prefill_delay:
+                delay, self.prefill_delay = self.prefill_delay, 0.0  # the first prompt's pass only
+                time.sleep(delay)
         else:
             self.pos += 1
             if self.delay:
@@ -67,6 +73,10 @@ def main() -> None:
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--load-when", type=Path)
     parser.add_argument("--load-fails", action="store_true")
+    parser.add_argument("--resume", type=Path, help="a session log to resume once loaded")
+    parser.add_argument(
+        "--prefill-delay", type=float, default=0.0, help="seconds the first prompt's pass sleeps"
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -83,7 +93,9 @@ def main() -> None:
     answers = [
         tokenizer.encode(p.read_text(encoding="utf-8"), add_special_tokens=False) for p in args.answers
     ]
-    model = ScriptedModel(make_model(len(tokenizer)), answers, tokenizer.eos_token_id, args.delay)
+    model = ScriptedModel(
+        make_model(len(tokenizer)), answers, tokenizer.eos_token_id, args.delay, args.prefill_delay
+    )
     engine = Engine(model, tokenizer, max_context=4096)
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=max(len(a) for a in answers) + 8)
     session = ChatSession(engine, ChatConfig(sampling=sampling))
@@ -109,7 +121,12 @@ def main() -> None:
 
     threading.Thread(target=load, daemon=True).start()
     repl = Repl.loading(
-        pending, "scripted", out, plain=not sys.stdout.isatty(), info=info, on_ready=lambda: repl.start_log()
+        pending,
+        "scripted",
+        out,
+        plain=not sys.stdout.isatty(),
+        info=info,
+        on_ready=lambda: repl.start_log(args.resume),
     )
     run_repl(repl, interactive)
     if repl.load_error is not None:  # as `chatbot run`'s main: one line, status 2

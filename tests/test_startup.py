@@ -9,6 +9,7 @@ timing. The real command runs on the default model and on a damaged GGUF file.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -77,6 +78,42 @@ def test_a_load_that_ends_at_the_prompt_prints_its_notes_above_it(tmp_path, term
     wait_toolbar(term, "scripted · cache")
     assert "> half a mess" in term.screen_lines()  # the typed text is kept
     assert term.lines().count("scripted · loaded in 0.0 s") == 1
+    term.type("age\r")
+    term.wait_text("tok/s", 60)
+    assert "forty-two" in screen_text(term)
+
+
+def test_ctrl_c_while_a_resumed_chat_is_encoded_at_the_prompt_keeps_the_typed_text(tmp_path, terminals):
+    """The load ends with the prompt up and `--resume` re-encodes the logged chat there;
+    Ctrl-C stops the encoding (the rest is encoded with the next message) and leaves what was
+    typed at the prompt as it was, and the chat goes on."""
+    answer = tmp_path / "answer.md"
+    answer.write_text(ANSWER, encoding="utf-8")
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path / "data")}
+    first = subprocess.run([sys.executable, str(SCRIPT), str(answer)], input="an earlier question\n",
+                           env=env, capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    (log,) = (tmp_path / "data").rglob("*.jsonl")
+    flag = tmp_path / "loaded"
+    argv = [sys.executable, str(SCRIPT), str(answer), "--load-when", str(flag), "--resume", str(log),
+            "--prefill-delay", "20"]  # fmt: skip
+    term = Terminal(
+        argv, columns=80, lines=24, cwd=str(tmp_path), env={"XDG_DATA_HOME": str(tmp_path / "data")}
+    )
+    terminals.append(term)
+    term.wait_prompt(120)
+    term.type("half a mess")
+    term.wait_for(lambda: "> half a mess" in term.screen_lines(), 30, "the typed text")
+    flag.touch()
+    term.wait_text("resuming session", 30)
+    time.sleep(0.5)  # inside the encoding's pass
+    term.type("\x03")
+    term.wait_text("encoding stopped", 15)  # well before the 20 s pass would end
+    term.wait_for(lambda: "> half a mess" in term.screen_lines(), 15, "the typed text, kept")
+    time.sleep(0.5)
+    assert "(Ctrl-D or /exit to leave)" not in screen_text(term)  # no second Ctrl-C reached the prompt
+    prompt = next(line for line in reversed(term.screen_lines()) if line.startswith(">"))
+    assert prompt == "> half a mess"
     term.type("age\r")
     term.wait_text("tok/s", 60)
     assert "forty-two" in screen_text(term)

@@ -83,14 +83,23 @@ class Interrupts:
 
 @contextlib.contextmanager
 def interrupt_once() -> Iterator[Interrupts]:
-    """While inside, Ctrl-C is handled by an `Interrupts` (see there)."""
+    """While inside, Ctrl-C is handled by an `Interrupts` (see there), and by it alone.
+
+    Inside a prompt's event loop (prompt_toolkit's `run_in_terminal`: a resumed chat encoded
+    when the model's load ends at the prompt), asyncio's signal wake-up descriptor is set
+    aside meanwhile: through it, the Ctrl-C handled here would reach the prompt afterwards as
+    a second one, and wipe what was typed there.
+    """
     interrupts = Interrupts()
     try:
         previous = signal.signal(signal.SIGINT, interrupts.handler)
     except ValueError:  # not the main thread
         yield interrupts
         return
+    wakeup = signal.set_wakeup_fd(-1)
     try:
         yield interrupts
     finally:
+        if wakeup != -1:
+            signal.set_wakeup_fd(wakeup)
         signal.signal(signal.SIGINT, previous)
