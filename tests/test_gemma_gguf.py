@@ -246,17 +246,18 @@ def test_memory_stays_near_the_file_size(tmp_path, files):
     path = tmp_path / "gemma2-mid.gguf"
     write_synthetic_gguf(path, "gemma2", shape, "Q4_K_M", seed=4)
     code = (
-        "import json, resource, sys, torch\n"
+        "import json, sys, torch\n"
+        "from chatbot.engine.stats import peak_rss_bytes\n"
         "from chatbot.models.loader import load_model\n"
         "torch.set_num_threads(1)\n"
         "warm = load_model(sys.argv[2])\n"
         "with torch.no_grad(): warm.model(input_ids=torch.tensor([[2, 500, 501, 502]]))\n"
         "del warm\n"
-        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "base = peak_rss_bytes() / 1024\n"
         "m = load_model(sys.argv[1])\n"
         "ids = m.tokenizer('The quick brown fox jumps over the lazy dog. ' * 4)['input_ids']\n"
         "with torch.no_grad(): m.model(input_ids=torch.tensor([ids]))\n"
-        "peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "peak = peak_rss_bytes() / 1024\n"
         "print(json.dumps({'grew_mb': (peak - base) / 1024, 'params': m.num_parameters}))\n"
     )
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}

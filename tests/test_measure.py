@@ -61,6 +61,27 @@ def test_versus_llama_cpp_ratios() -> None:
     assert bench_decode.versus_llama_cpp(failed) == []
 
 
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="VmHWM is Linux's")
+def test_peak_rss_is_the_process_own_not_its_parent(tmp_path) -> None:
+    """A process started by one with 400 MB resident reports its own peak (ru_maxrss would
+    report the parent's: the bench's workers read their parent's peak that way)."""
+    child = (
+        "import json, resource; from chatbot.engine.stats import peak_rss_bytes; "
+        "print(json.dumps([peak_rss_bytes() / 2**20, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]))"
+    )
+    parent = (
+        "import subprocess, sys\n"
+        "big = bytearray(400 * 2**20)\n"
+        "for i in range(0, len(big), 4096): big[i] = 1\n"
+        f"print(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True).stdout)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", parent], capture_output=True, text=True, timeout=120, check=True
+    )
+    own, inherited = json.loads(out.stdout.strip())
+    assert own < 150 < 400 < inherited
+
+
 def test_a_worker_reports_its_runtime_apart_from_the_model(tmp_path, tiny_tokenizer) -> None:
     """A real worker process on a tiny model: the resident set before the model (torch and
     transformers imported) is recorded beside the peak, and is most of it."""

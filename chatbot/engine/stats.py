@@ -88,14 +88,33 @@ def synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set: Linux's VmHWM, else `ru_maxrss`.
+
+    Not `ru_maxrss` on Linux: a process started by another keeps, in its `ru_maxrss`, the peak
+    of the parent it was forked from (exec records the old memory map's high-water mark), so
+    a worker started by a 1.8 GB test process read 1.8 GB, and one started by a bench parent
+    that holds torch read at least that parent's peak. VmHWM is the high-water mark of the
+    process's own memory map.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak accelerator memory on a GPU; the process's peak resident set on the CPU."""
     if device.type == "cuda":
         import torch
 
         return int(torch.cuda.max_memory_allocated(device))
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
+    return peak_rss_bytes()
 
 
 def stats_to_dict(stats: TurnStats) -> dict[str, Any]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -66,8 +65,9 @@ def bench_text(path: Path | None) -> str:
 
 
 def _peak_rss_mb() -> float:
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / 1024 / (1024 if sys.platform == "darwin" else 1)
+    from chatbot.engine.stats import peak_rss_bytes
+
+    return peak_rss_bytes() / 2**20
 
 
 def _rss_mb() -> float | None:

@@ -16,9 +16,7 @@ import asyncio
 import contextlib
 import json
 import os
-import resource
 import secrets
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -29,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from chatbot.engine.stats import peak_rss_bytes
 from chatbot.server.pool import PrefixCachePool
 from chatbot.server.protocol import (
     APIError,
@@ -53,8 +52,7 @@ def rss_bytes() -> int:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return int(peak if sys.platform == "darwin" else peak * 1024)
+        return peak_rss_bytes()
 
 
 def create_app(
