@@ -67,7 +67,8 @@ def test_peak_rss_is_the_process_own_not_its_parent(tmp_path) -> None:
     report the parent's: the bench's workers read their parent's peak that way)."""
     child = (
         "import json, resource; from chatbot.engine.stats import peak_rss_bytes; "
-        "print(json.dumps([peak_rss_bytes() / 2**20, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]))"
+        "maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
+        "print(json.dumps([peak_rss_bytes() / 2**20, maxrss / 1024]))"
     )
     parent = (
         "import subprocess, sys\n"
