@@ -80,7 +80,7 @@ def test_peak_rss_is_the_process_own_not_its_parent(tmp_path) -> None:
         [sys.executable, "-c", parent], capture_output=True, text=True, timeout=120, check=True
     )
     own, inherited = json.loads(out.stdout.strip())
-    assert own < 150 < 400 < inherited
+    assert own < 150 and inherited > 400  # the child holds ~15 MB; ru_maxrss, the parent's 400+
 
 
 def test_a_worker_reports_its_runtime_apart_from_the_model(tmp_path, tiny_tokenizer) -> None:
