@@ -19,6 +19,7 @@ import weakref
 import httpx
 import openai
 import pytest
+from helpers import needs_kernels
 from serve_helpers import health, running_server, save_tiny_model
 
 GREEDY = {"temperature": 0.0}
@@ -531,6 +532,28 @@ def test_pool_memory_cap_and_off(tiny_model, tiny_tokenizer):
     off = _pool(tiny_model, tiny_tokenizer, max_entries=0)
     _ask(off, Conversation(None, [], "Hello"))
     assert not off.entries
+
+
+@needs_kernels
+def test_pool_counts_the_fast_paths_buffers_against_its_memory_cap(tiny_model, tiny_tokenizer):
+    """On the fast path a conversation's buffers are sized ahead of its tokens (room for the
+    answer): the pool counts what they hold, so `--cache-memory` caps real memory."""
+    from chatbot.config import EngineConfig, SamplingConfig
+    from chatbot.engine.fast import FastDecoder
+    from chatbot.engine.generate import Engine
+    from chatbot.server.pool import Conversation, PrefixCachePool
+
+    sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=200)
+    engine = Engine(tiny_model, tiny_tokenizer, decoder=FastDecoder(tiny_model, "f32"))
+    pool = PrefixCachePool(engine, EngineConfig(), sampling, max_entries=8)
+    _, entry = _ask(pool, Conversation(None, [], "Hello a"))
+    held = len(entry.session.cache_ids) * pool.bytes_per_token
+    buffers = sum(layer.nbytes for layer in entry.session.kv.cache.layers)
+    assert buffers > held  # room for a 200-token answer was made
+    assert pool.entry_bytes(entry) == buffers == pool.kept_bytes
+    pool.max_bytes = int(buffers * 1.5)  # one conversation's tokens would fit three times
+    _ask(pool, Conversation(None, [], "Hello b"))
+    assert len(pool.entries) == 1 and pool.kept_bytes <= pool.max_bytes
 
 
 def test_finished_caches_are_freed_at_once(tiny_model, tiny_tokenizer, monkeypatch):

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
+from chatbot.engine.buffer_cache import BufferLayer
 from chatbot.engine.generate import Engine
 from chatbot.models.templates import TemplateInfo
 from chatbot.persist import Turn
@@ -121,7 +122,12 @@ class PrefixCachePool:
     # -- figures ------------------------------------------------------------------------
 
     def entry_bytes(self, entry: Entry) -> int:
-        return len(entry.session.cache_ids) * self.bytes_per_token
+        """The KV bytes a kept conversation takes: its tokens', or on the fast path the
+        buffers' it holds, when more (they are sized ahead, for an answer and for growth)."""
+        held = len(entry.session.cache_ids) * self.bytes_per_token
+        layers = entry.session.kv.cache.layers
+        allocated = sum(layer.nbytes for layer in layers if isinstance(layer, BufferLayer))
+        return max(held, allocated)
 
     @property
     def kept_bytes(self) -> int:
