@@ -454,7 +454,9 @@ class FastDecoder:
         and a 2,001st token doubled its cache to 4,096 positions.
         """
         self.prepare(cache)
-        layers = cast(list[BufferLayer], cache.layers)
+        self._reserve_layers(cast(list[BufferLayer], cache.layers), needed, limit)
+
+    def _reserve_layers(self, layers: Sequence[BufferLayer], needed: int, limit: int | None = None) -> None:
         cap = min(layer.capacity for layer in layers)
         if cap >= needed and all(layer.capacity == cap for layer in layers):
             return
@@ -471,16 +473,9 @@ class FastDecoder:
             layer.reserve(target, like=like, exact=True)
 
     def _bind_cache(self, layers: Sequence[BufferLayer], needed: int) -> None:
-        """Give every layer room for `needed` positions in buffers of one common capacity,
-        and point the kernels at them."""
-        cap = max(layer.capacity for layer in layers)
-        if cap < needed or any(layer.capacity != cap for layer in layers):
-            # Capacities are all MIN_CAPACITY * 2**k, so growing each to `target` evens them.
-            first = next(layer for layer in layers if layer._k is not None)
-            target = first._grown(max(needed, cap))
-            for layer in layers:
-                layer.reserve(target, like=first._k)
-                layer.is_initialized = True
+        """Give every layer room for `needed` positions in buffers of one common capacity
+        (as `reserve`), and point the kernels at them."""
+        self._reserve_layers(layers, needed)
         key = tuple(layer.version for layer in layers)
         if key == self._cache_key:
             return
