@@ -88,6 +88,18 @@ def synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+def proc_status_kb(field: str) -> int | None:
+    """A figure of this process's `/proc/self/status` in kB (e.g. "VmRSS"); None off Linux."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set: Linux's VmHWM, else `ru_maxrss`.
 
@@ -97,13 +109,9 @@ def peak_rss_bytes() -> int:
     that holds torch read at least that parent's peak. VmHWM is the high-water mark of the
     process's own memory map.
     """
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    hwm = proc_status_kb("VmHWM")
+    if hwm is not None:
+        return hwm * 1024
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
 

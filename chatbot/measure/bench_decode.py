@@ -72,14 +72,10 @@ def _peak_rss_mb() -> float:
 
 def _rss_mb() -> float | None:
     """The resident set now (Linux), in MB; None elsewhere."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
+    from chatbot.engine.stats import proc_status_kb
+
+    kb = proc_status_kb("VmRSS")
+    return None if kb is None else kb / 1024
 
 
 def _runtime_mb() -> float | None:
