@@ -555,10 +555,19 @@ def _optional_values(args: list[str]) -> list[str]:
     return out
 
 
+def _open_closed_streams() -> None:
+    """A standard stream the shell closed (`chatbot run <&-`, `>&-`) is None in Python: read
+    it as an empty input, write it away, as /dev/null would."""
+    for name, mode in (("stdin", "r"), ("stdout", "w"), ("stderr", "w")):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, mode, encoding="utf-8"))  # noqa: SIM115
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app and turn every error into one line."""
     from chatbot.terminal.sanitize import safe_line
 
+    _open_closed_streams()
     command = typer.main.get_command(app)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     args = _optional_values(list(sys.argv[1:] if argv is None else argv))

@@ -12,6 +12,11 @@ from typing import IO, Any
 
 from rich.console import Console
 
+try:
+    import termios
+except ImportError:  # Windows
+    termios = None  # type: ignore[assignment]
+
 
 def make_consoles(interactive: bool) -> tuple[Console, Console]:
     """The consoles for answers (stdout) and for notes and stats: stdout on a terminal, else
@@ -28,17 +33,29 @@ def make_consoles(interactive: bool) -> tuple[Console, Console]:
     )
 
 
+def _terminal_fd(stream: IO[str] | None) -> int | None:
+    """The descriptor of `stream` where it is a terminal; None for a pipe or a file
+    (`printf 'Hi' | chatbot run` typed in a terminal), a closed stream, or no termios."""
+    if termios is None or stream is None:
+        return None
+    try:
+        fd = stream.fileno()
+        return fd if os.isatty(fd) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 @contextlib.contextmanager
-def no_echo(stream: IO[str]) -> Iterator[None]:
+def no_echo(stream: IO[str] | None) -> Iterator[None]:
     """While inside, keys typed on the terminal are not echoed (they stay in the input for
     the next prompt): an echoed ^C or typed-ahead text would land in the live answer and
     shift it. Ctrl-C still interrupts. Nothing happens when `stream` is not a terminal."""
+    fd = _terminal_fd(stream)
     try:
-        import termios
-
-        fd = stream.fileno()
-        saved = termios.tcgetattr(fd)
-    except (ImportError, OSError, ValueError, AttributeError):
+        saved = None if fd is None else termios.tcgetattr(fd)
+    except (termios.error, OSError):  # termios.error is no OSError: the terminal went away
+        saved = None
+    if fd is None or saved is None:
         yield
         return
     quiet = list(saved)
@@ -47,7 +64,8 @@ def no_echo(stream: IO[str]) -> Iterator[None]:
     try:
         yield
     finally:
-        termios.tcsetattr(fd, termios.TCSANOW, saved)
+        with contextlib.suppress(termios.error, OSError):
+            termios.tcsetattr(fd, termios.TCSANOW, saved)
 
 
 class Interrupts:
