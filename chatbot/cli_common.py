@@ -76,7 +76,7 @@ TemplateOpt = Annotated[
     ),
 ]
 PresetOpt = Annotated[
-    str | None, typer.Option(help="A preset from configs/ by name (see: chatbot models); flags override it.")
+    str | None, typer.Option(help="A preset by name (see: chatbot models); flags override it.")
 ]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="A preset file (YAML); flags override it.")]
 

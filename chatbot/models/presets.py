@@ -177,16 +177,19 @@ class Settings:
 
 # -- finding and reading presets --------------------------------------------------------------
 
+SHIPPED_PRESETS = Path(__file__).resolve().parents[1] / "configs"
+
 
 def preset_dirs() -> list[Path]:
     """Where presets are looked up, first match wins: $CHATBOT_PRESETS, the user's
-    `$XDG_CONFIG_HOME/chatbot/presets`, then the `configs/` folder shipped with the code."""
+    `$XDG_CONFIG_HOME/chatbot/presets`, then the presets shipped inside the package
+    (`chatbot/configs/`, package data: a wheel or `pip install .` has them too)."""
     dirs = []
     if os.environ.get("CHATBOT_PRESETS"):
         dirs.append(Path(os.environ["CHATBOT_PRESETS"]).expanduser())
     base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
     dirs.append(Path(base) / "chatbot" / "presets")
-    dirs.append(Path(__file__).resolve().parents[2] / "configs")
+    dirs.append(SHIPPED_PRESETS)
     return dirs
 
 
