@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -234,53 +235,102 @@ def test_keys_typed_during_an_answer_wait_for_the_next_prompt(tmp_path, terminal
     assert [line for line in answer if "typed" in line] == ["> typed ahead"]
 
 
-@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
-def test_narrowing_a_reflowing_terminal_mid_answer_repeats_nothing(tmp_path):
-    """tmux (like most terminals) re-wraps long rows when it gets narrower, so the live
-    region takes more rows than were drawn; pyte does not, hence tmux here."""
-    paragraphs = [f"para{i} " + " ".join(f"r{i}x{j:02d}" for j in range(30)) for i in range(4)]
-    # A first answer fills the screen, as in a chat under way: the cursor is at the bottom
-    # row, where the terminal keeps it while it re-wraps the rows above.
-    (tmp_path / "first.md").write_text("\n".join(f"- line {i}" for i in range(40)) + "\n", encoding="utf-8")
-    (tmp_path / "answer.md").write_text("\n\n".join(paragraphs) + "\n", encoding="utf-8")
-    name = f"chatbot-test-{os.getpid()}-{tmp_path.name}"
-    command = f"{sys.executable} {SCRIPT} first.md answer.md --delay 0.02"
-    tmux = ["tmux", "-L", name]
-    subprocess.run(
-        [*tmux, "new-session", "-d", "-s", name, "-x", "100", "-y", "30", "-c", str(tmp_path), command],
-        check=True,
-    )
+class Tmux:
+    """A program in a tmux window: tmux (like most terminals) re-wraps long rows when the
+    window gets narrower, which pyte does not."""
 
-    def pane() -> list[str]:
+    def __init__(self, tmp_path: Path, command: str, columns: int, lines: int) -> None:
+        self.name = f"chatbot-test-{os.getpid()}-{tmp_path.name}"
+        self.tmux = ["tmux", "-L", self.name]
+        subprocess.run(
+            [*self.tmux, "new-session", "-d", "-s", self.name, "-x", str(columns), "-y", str(lines)]
+            + ["-c", str(tmp_path), command],
+            check=True,
+        )
+
+    def pane(self) -> list[str]:
         out = subprocess.run(
-            [*tmux, "capture-pane", "-p", "-t", name, "-S", "-"], capture_output=True, text=True, check=False
+            [*self.tmux, "capture-pane", "-p", "-t", self.name, "-S", "-"],
+            capture_output=True,
+            text=True,
+            check=False,
         )
         return [line.rstrip() for line in out.stdout.splitlines()]
 
-    def wait(predicate, what: str, timeout: float = 120) -> None:
+    def wait(self, predicate: Callable[[], bool], what: str, timeout: float = 120) -> None:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if predicate():
                 return
             time.sleep(0.2)
-        raise AssertionError(f"timed out waiting for {what}:\n" + "\n".join(pane()))
+        raise AssertionError(f"timed out waiting for {what}:\n" + "\n".join(self.pane()))
 
+    def wait_text(self, text: str, timeout: float = 120) -> None:
+        self.wait(lambda: text in "\n".join(self.pane()), repr(text), timeout)
+
+    def send(self, text: str) -> None:
+        subprocess.run([*self.tmux, "send-keys", "-t", self.name, text, "Enter"], check=True)
+
+    def resize(self, columns: int, lines: int) -> None:
+        subprocess.run(
+            [*self.tmux, "resize-window", "-t", self.name, "-x", str(columns), "-y", str(lines)], check=True
+        )
+
+    def close(self) -> list[str]:
+        """The last pane, then the window closed."""
+        lines = self.pane()
+        subprocess.run([*self.tmux, "kill-server"], check=False)
+        return lines
+
+
+needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+
+
+@needs_tmux
+def test_narrowing_a_reflowing_terminal_mid_answer_repeats_nothing(tmp_path):
+    paragraphs = [f"para{i} " + " ".join(f"r{i}x{j:02d}" for j in range(30)) for i in range(4)]
+    # A first answer fills the screen, as in a chat under way: the cursor is at the bottom
+    # row, where the terminal keeps it while it re-wraps the rows above.
+    (tmp_path / "first.md").write_text("\n".join(f"- line {i}" for i in range(40)) + "\n", encoding="utf-8")
+    (tmp_path / "answer.md").write_text("\n\n".join(paragraphs) + "\n", encoding="utf-8")
+    window = Tmux(tmp_path, f"{sys.executable} {SCRIPT} first.md answer.md --delay 0.02", 100, 30)
     try:
-        wait(lambda: any(line == ">" for line in pane()), "the prompt")
-        subprocess.run([*tmux, "send-keys", "-t", name, "fill the screen", "Enter"], check=True)
-        wait(lambda: "tok/s" in "\n".join(pane()), "the first answer")
-        subprocess.run([*tmux, "send-keys", "-t", name, "narrow", "Enter"], check=True)
-        wait(lambda: "r1x10" in "\n".join(pane()), "the second paragraph")
-        subprocess.run([*tmux, "resize-window", "-t", name, "-x", "60", "-y", "30"], check=True)
-        wait(lambda: "tok/s" in "\n".join(after(pane(), "> narrow")), "the end of the answer")
+        window.wait(lambda: any(line == ">" for line in window.pane()), "the prompt")
+        window.send("fill the screen")
+        window.wait_text("tok/s")
+        window.send("narrow")
+        window.wait_text("r1x10")
+        window.resize(60, 30)
+        window.wait(lambda: "tok/s" in "\n".join(after(window.pane(), "> narrow")), "the end of the answer")
     finally:
-        lines = pane()
-        subprocess.run([*tmux, "kill-server"], check=False)
+        lines = window.close()
     shown = "\n".join(after(lines, "> narrow"))
     assert re.findall(r"r\dx\d\d", shown) == re.findall(r"r\dx\d\d", "\n".join(paragraphs))
     assert [line for line in shown.splitlines() if "para" in line] == [
         line for line in shown.splitlines() if re.match(r"para\d ", line)
     ] and len(re.findall(r"para\d", shown)) == 4
+
+
+@needs_tmux
+def test_a_code_block_keeps_one_row_a_line_after_the_window_is_narrowed(tmp_path):
+    """Code blocks have a background colour to the right edge; drawn as padding spaces, each
+    row would re-wrap onto two when the window narrows (a blank row under every line)."""
+    code = [f"value_{i} = compute({i})" for i in range(6)]
+    answer = "Code:\n\n```python\n" + "\n".join(code) + "\n```\n\nAfter the code.\n"
+    (tmp_path / "answer.md").write_text(answer, encoding="utf-8")
+    window = Tmux(tmp_path, f"{sys.executable} {SCRIPT} answer.md", 120, 40)
+    try:
+        window.wait(lambda: any(line == ">" for line in window.pane()), "the prompt")
+        window.send("show code")
+        window.wait_text("tok/s")
+        window.resize(50, 40)
+        time.sleep(1.0)  # tmux re-wraps the rows already there
+    finally:
+        lines = window.close()
+    shown = after(lines, "> show code")
+    first = next(i for i, line in enumerate(shown) if "value_0 " in line)
+    assert [line.strip() for line in shown[first : first + len(code)]] == code
+    assert "After the code." in shown
 
 
 def render_on_screen(text: str, columns: int, lines: int) -> list[str]:

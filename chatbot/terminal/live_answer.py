@@ -22,13 +22,15 @@ from typing import IO
 from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.live import Live
-from rich.segment import Segment
+from rich.segment import ControlType, Segment
+from rich.style import Style
 from rich.syntax import Syntax
 from rich.text import Text
 
 from chatbot.terminal.render import THINK_OPEN, AnswerMarkdown, markdown_parser
 
 CODE_THEME = "monokai"
+_ERASE_TO_END = "\x1b[K"  # filled by the terminal with the background colour set before it
 THINKING_STYLE = "dim italic"
 # The parser Rich's Markdown uses, so that blocks are cut where Rich would see them.
 _PARSER = markdown_parser()
@@ -56,23 +58,31 @@ def open_block_start(text: str) -> int:
 
 
 def _trim(line: list[Segment]) -> list[Segment]:
-    """The line without its trailing padding (spaces with no background colour).
+    """The line without its trailing padding: spaces with no background colour are dropped;
+    spaces with one (a code block's) become "erase to the end of the row", which the
+    terminal fills with that colour.
 
     A line padded to the full width leaves the cursor at the right edge, where whatever
     the terminal adds (an echoed ^C, a glyph it counts wider than Rich does) wraps onto a
     new row that the live region does not know about, and the region is then re-drawn one
-    row too low.
+    row too low. And after the window is narrowed, the terminal re-wraps each padded row
+    onto two: a code block would show a blank row under every line.
     """
     line = list(line)
+    fill: Style | None = None
     while line:
         last = line[-1]
-        if last.control or (last.style is not None and last.style.bgcolor is not None):
+        if last.control:
             break
         text = last.text.rstrip(" ")
+        if text != last.text and last.style is not None and last.style.bgcolor is not None:
+            fill = fill or Style(bgcolor=last.style.bgcolor)
         if text:
             line[-1] = Segment(text, last.style, last.control)
             break
         line.pop()
+    if fill is not None:
+        line.append(Segment(_ERASE_TO_END, fill, [(ControlType.ERASE_IN_LINE, 0)]))
     return line
 
 
