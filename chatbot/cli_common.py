@@ -140,8 +140,13 @@ def _decoder(model: Any, opt: str) -> tuple[Any, str | None]:
     """The fast decode step for --opt, or None and a note saying why it is off."""
     from chatbot.engine.fast import make_decoder
 
+    from chatbot.engine.kernels import failure
+
     decoder, reason = make_decoder(model, opt)
     on_cpu = model.get_input_embeddings().weight.device.type == "cpu"
+    missing = failure()
+    if reason and missing and missing in reason and getattr(model, "chatbot_gguf", None):
+        return decoder, None  # the GGUF loader's note said so already
     return decoder, reason if reason and (opt != "auto" or on_cpu) else None
 
 

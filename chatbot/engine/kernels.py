@@ -223,6 +223,11 @@ def build(cc: str, target: Path) -> None:
             os.unlink(tmp)
 
 
+def failure() -> str | None:
+    """Why the kernels could not be loaded, once `load_library` has failed; else None."""
+    return _failure
+
+
 def load_library() -> ctypes.CDLL:
     """The kernels library, built on first use and cached on disk.
 

@@ -231,6 +231,19 @@ def _packable(opts: LoadOptions) -> bool:
     )  # fmt: skip
 
 
+def _kernels_load(gguf: Path, notes: list[str]) -> bool:
+    """Whether the native kernels build and load (a file run as stored needs them for every
+    product); if not, a note says why and what the chat runs on instead."""
+    from chatbot.engine.kernels import KernelsUnavailable, load_library
+
+    try:
+        load_library()
+    except KernelsUnavailable as exc:
+        notes.append(f"{exc}; {gguf.name} runs through transformers from a dequantized copy (slower)")
+        return False
+    return True
+
+
 def _load_gguf(gguf: Path, opts: LoadOptions, checked: bool = False) -> tuple[Any, Any, list[str]]:
     """A GGUF file as it is (`gguf_model`: its blocks on a memory map, no conversion), or,
     where that cannot run (another architecture, a GPU, --quantize, another dtype), through
@@ -245,7 +258,7 @@ def _load_gguf(gguf: Path, opts: LoadOptions, checked: bool = False) -> tuple[An
     notes: list[str] = []
     if not checked:
         check_gguf(gguf)
-    if _packable(opts):
+    if _packable(opts) and _kernels_load(gguf, notes):
         try:
             with _quiet_transformers():
                 cache = cache_root() / "gguf-meta" / f"{gguf.stem}-{metadata_key(gguf)}"
