@@ -139,7 +139,6 @@ ConversationOpt = Annotated[
 def _decoder(model: Any, opt: str) -> tuple[Any, str | None]:
     """The fast decode step for --opt, or None and a note saying why it is off."""
     from chatbot.engine.fast import make_decoder
-
     from chatbot.engine.kernels import failure
 
     decoder, reason = make_decoder(model, opt)
