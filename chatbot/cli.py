@@ -478,6 +478,66 @@ def sessions(
 
 app.command("eval-ppl")(eval_ppl)
 app.add_typer(bench_app, name="bench")
+@app.command()
+def doctor(
+    ctx: typer.Context,
+    model: ModelOpt = None,
+    preset: PresetOpt = None,
+    config: ConfigOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    opt: OptOpt = "auto",
+    load: Annotated[
+        bool, typer.Option(help="Load --model to tell its decode path (--no-load: the machine only).")
+    ] = True,
+    debug: DebugOpt = False,
+) -> None:
+    """Print what this machine gives the chatbot, for bug reports and piped runs: the CPU and
+    the SIMD level the kernels use, the C compiler and OpenMP, the kernels' cache, the GPUs,
+    and the decode path --model takes (`decode: native ...` or `decode: transformers (why)`)."""
+    from chatbot import doctor as facts
+
+    out = Console(highlight=False, soft_wrap=True)
+
+    def line(key: str, value: str) -> None:
+        out.print(f"{key}: {value}", markup=False)
+
+    env = facts.environment()
+    line("chatbot", f"{env['chatbot']} (python {env['python']}, torch {env['torch']}, "
+         f"transformers {env['transformers']})")  # fmt: skip
+    line("platform", env["platform"])
+    line("cpu", f"{facts.cpu_model()} · {facts.usable_cpus()} usable CPUs · {facts.machine()}")
+    cc = facts.compiler()
+    if cc.command is None:
+        line("compiler", "none found (set CC, or install gcc): GGUF files run through transformers")
+    else:
+        openmp = "with OpenMP" if cc.openmp else "without OpenMP (-fopenmp fails): the kernels cannot build"
+        line("compiler", f"{cc.command} ({cc.version}) {openmp}")
+        line("simd", f"{cc.simd} (what -march=native gives the kernels here)")
+    gpu = facts.gpus()
+    line("gpu", ", ".join(gpu.cuda) if gpu.cuda else ("Apple MPS" if gpu.mps else "none visible to torch"))
+    loaded = decoder = reason = None
+    if load:  # before the kernels' line: loading a GGUF file builds them
+        settings = _settings(ctx, preset, config).run_config()
+        loaded = _load(settings.load.model, quiet=True, **settings.load.options())
+        from chatbot.engine.fast import make_decoder
+
+        decoder, reason = make_decoder(loaded.model, opt)
+    folder, library = facts.kernels_cache(cc)
+    built = "built" if library is not None and library.is_file() else "not built yet"
+    line("kernels", f"{library if library is not None else folder} ({built})")
+    if loaded is None:
+        return
+    from chatbot.engine.kernels import failure
+
+    line("model", f"{loaded.name} · {loaded.describe()['dtype']} · {loaded.describe()['device']}")
+    if decoder is not None:
+        line("decode", decoder.info().label().replace("native kernels", "native", 1))
+    else:
+        why = failure() or (reason or "--opt off").removeprefix("fast decode off: ")
+        line("decode", f"transformers ({why})")
+
+
 config_app = typer.Typer(help="Presets and effective settings.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 

@@ -1,0 +1,130 @@
+"""What this machine gives the chatbot, for `chatbot doctor`: the CPU and the SIMD level the
+kernels are built for, the C compiler and whether it has OpenMP, where the kernels are cached,
+the GPUs torch sees, and which decode path a model takes. Facts only; the CLI prints them."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from chatbot.engine import kernels
+
+# What the kernels' source tests (kernels.c), from the widest down: the level they run at.
+_SIMD_LEVELS = [
+    ("AVX-512 VNNI", ("__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX512VNNI__", "__AVX2__")),
+    ("AVX-512", ("__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX2__")),
+    ("AVX2", ("__AVX2__", "__FMA__", "__F16C__")),
+    ("NEON (no NEON kernels yet: portable C)", ("__ARM_NEON",)),
+]
+
+
+@dataclass
+class Compiler:
+    """The C compiler the kernels would be built with (None: there is none)."""
+
+    command: str | None
+    version: str = ""
+    openmp: bool = False
+    macros: set[str] = field(default_factory=set)  # what -march=native defines
+
+    @property
+    def simd(self) -> str:
+        """The SIMD level kernels.c is compiled for on this CPU."""
+        for name, needs in _SIMD_LEVELS:
+            if all(m in self.macros for m in needs):
+                return name
+        return "none (portable C, scalar)" if self.macros else "unknown"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what the platform says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.startswith(("model name", "Model", "Hardware")) and ":" in line:
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> str:
+    """The CPU architecture: x86_64, aarch64, arm64..."""
+    return platform.machine()
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity), as torch and the kernels see them."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _run(args: list[str], stdin: str = "") -> subprocess.CompletedProcess[str] | None:
+    try:
+        return subprocess.run(args, input=stdin, capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def compiler() -> Compiler:
+    """The compiler `kernels.load_library` would use, its version, its -march=native macros
+    and whether `-fopenmp` builds and links (Apple's clang and clang without libomp fail)."""
+    cc = kernels._compiler()
+    if cc is None:
+        return Compiler(None)
+    version = _run([cc, "--version"])
+    first = version.stdout.splitlines()[0] if version is not None and version.stdout else ""
+    macros = _run([cc, "-march=native", "-dM", "-E", "-x", "c", "-"])
+    defined = set()
+    if macros is not None and macros.returncode == 0:
+        defined = {line.split()[1] for line in macros.stdout.splitlines() if line.startswith("#define ")}
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "omp.c"
+        src.write_text("#include <omp.h>\nint main(void) { return omp_get_max_threads() > 0 ? 0 : 1; }\n")
+        built = _run([cc, "-fopenmp", "-o", str(Path(tmp) / "omp"), str(src)])
+    openmp = built is not None and built.returncode == 0
+    return Compiler(shutil.which(cc) or cc, first, openmp, defined)
+
+
+@dataclass
+class Gpu:
+    """The accelerators torch sees."""
+
+    cuda: list[str]
+    mps: bool
+
+
+def gpus() -> Gpu:
+    import torch
+
+    cuda = []
+    if torch.cuda.is_available():
+        cuda = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+    return Gpu(cuda, mps)
+
+
+def kernels_cache(cc: Compiler) -> tuple[Path, Path | None]:
+    """The kernels' cache folder, and the library this compiler and CPU would use (None
+    without a compiler)."""
+    return kernels.kernels_dir(), kernels.library_path(cc.command) if cc.command else None
+
+
+def environment() -> dict[str, str]:
+    """Python, the platform, and the versions of the libraries the chat runs on."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": sys.version.split()[0], "platform": platform.platform()}
+    for name in ("chatbot", "torch", "transformers"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "not installed"
+    return out

@@ -1,0 +1,80 @@
+"""`chatbot doctor`: what the machine gives the chatbot, and the decode path a model takes,
+checked against the machine itself (its compiler, /proc/cpuinfo) and against what a chat on
+the same model does."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import make_model, make_tokenizer, write_tiny_gguf
+
+
+def doctor(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "chatbot.cli", "doctor", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
+
+
+def fields(out: str) -> dict[str, str]:
+    return dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    tok = make_tokenizer()
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    write_tiny_gguf(path, make_model(len(tok)), tok)
+    return path
+
+
+def test_the_machine_and_a_native_decode_path(tiny, tmp_path):
+    done = doctor("--model", str(tiny), env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert done.returncode == 0, done.stderr
+    got = fields(done.stdout)
+    assert {"chatbot", "platform", "cpu", "compiler", "simd", "kernels", "gpu", "model", "decode"} <= set(got)
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if " avx512bw " in flags and " avx512vl " in flags:
+        assert got["simd"].startswith("AVX-512")
+    elif " avx2 " in flags:
+        assert got["simd"].startswith("AVX2")
+    assert "with OpenMP" in got["compiler"]
+    assert str(tmp_path / "cache" / "chatbot" / "kernels") in got["kernels"]
+    assert got["kernels"].endswith("(built)")  # loading the model built them
+    assert [line for line in done.stdout.splitlines() if line.startswith("decode: ")] == [
+        "decode: " + got["decode"]
+    ]
+    assert got["decode"].startswith("native (--opt auto): ")
+    off = fields(doctor("--model", str(tiny), "--opt", "off").stdout)
+    assert off["decode"] == "transformers (--opt off)"
+
+
+def test_no_compiler_says_transformers_and_why(tiny, tmp_path):
+    done = doctor("--model", str(tiny), env={"PATH": "", "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert done.returncode == 0, done.stderr
+    got = fields(done.stdout)
+    assert got["compiler"].startswith("none found")
+    assert got["kernels"].endswith("(not built yet)")
+    assert got["decode"].startswith("transformers (no C compiler found")
+
+
+def test_a_compiler_without_openmp_is_named_so(tmp_path):
+    """As Apple's clang or Debian's clang without libomp: -fopenmp fails."""
+    fake = tmp_path / "cc-no-omp"
+    refuse = 'for a in "$@"; do [ "$a" = -fopenmp ] && { echo "no omp.h" >&2; exit 1; }; done'
+    fake.write_text(f'#!/bin/sh\n{refuse}\nexec cc "$@"\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    done = doctor("--no-load", env={"CC": str(fake), "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert done.returncode == 0, done.stderr
+    got = fields(done.stdout)
+    assert str(fake) in got["compiler"] and "without OpenMP" in got["compiler"]
+    assert "model" not in got and "decode" not in got
