@@ -10,6 +10,7 @@ new system prompt, ...). Replaying the events gives the conversation back; a tor
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
@@ -127,11 +128,17 @@ def new_session_id() -> str:
 class SessionLog:
     """Appends events to one session's file; the file is created at the first event.
 
+    A write that fails for want of space (a full disk, a quota) leaves the file as it was
+    before that write: the part of the line that reached the disk is cut off again, so the
+    log stays whole lines up to the last complete event. The events that could not be
+    written wait in memory and go out with the next write that succeeds, once there is room
+    again (they are lost if the process ends first). Any other failure stops the log.
+
     Args:
         path: the JSON-lines file.
         header: what the first line says (model, system prompt, settings).
-        warn: told once when the file cannot be written; logging then stops and the chat
-            goes on.
+        warn: told once when the file cannot be written (once per full-disk spell); the
+            chat goes on.
     """
 
     def __init__(self, path: Path, header: dict[str, Any], warn: Callable[[str], None] | None = None) -> None:
@@ -141,6 +148,14 @@ class SessionLog:
         self.warn = warn
         self.enabled = True
         self._started = path.exists()
+        # Encoded event lines not on disk yet (the disk was full when they were written).
+        self._waiting: list[bytes] = []
+        self._spell = False  # a full-disk spell is going on (and was warned of)
+
+    @property
+    def behind(self) -> int:
+        """How many events wait in memory for room on the disk."""
+        return len(self._waiting)
 
     @classmethod
     def create(
@@ -157,44 +172,108 @@ class SessionLog:
         return cls(directory / (new_session_id() + SUFFIX), header, warn)
 
     def write(self, event: str, **fields: Any) -> None:
-        """Append one event line and flush it to disk; failures disable the log with one warning."""
+        """Append one event line and flush it to disk (with any that wait for room).
+
+        A full disk keeps the event in memory, with one warning; any other failure disables
+        the log with one warning. The chat goes on in both cases.
+        """
         if not self.enabled:
             return
-        lines = []
         if not self._started:
-            lines.append(
-                {
-                    "event": Event.START.value,
-                    "version": LOG_VERSION,
-                    "id": self.session_id,
-                    "created": _now(),
-                    **self.header,
-                }
+            self._waiting.append(
+                _line(
+                    {
+                        "event": Event.START.value,
+                        "version": LOG_VERSION,
+                        "id": self.session_id,
+                        "created": _now(),
+                        **self.header,
+                    }
+                )
             )
-        lines.append({"event": str(event), "time": _now(), **fields})
-        # One write of whole lines: a crash tears at most the last line, which replay skips.
-        data = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
+            self._started = True
+        self._waiting.append(_line({"event": str(event), "time": _now(), **fields}))
         with _sigint_blocked():
-            self._append(data)
+            self._flush()
 
-    def _append(self, data: str) -> None:
+    def _flush(self) -> None:
+        """Append the waiting lines in one write; on failure the file is cut back to its
+        size before it, so that a torn line never glues itself to the next event."""
+        data = b"".join(self._waiting)
         try:
             private_dir(self.path.parent)
             fd = os.open(
-                self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), FILE_MODE
+                self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), FILE_MODE
             )
-            with os.fdopen(fd, "wb") as f:
-                f.write(data.encode("utf-8", errors="surrogatepass"))
-                f.flush()
-                os.fsync(f.fileno())
-            self._started = True
         except OSError as exc:
-            self.enabled = False
-            if self.warn is not None:
+            self._failed(exc)
+            return
+        size: int | None = None
+        try:
+            size = os.fstat(fd).st_size
+            # A line torn by a crash (or a kill) is closed first: it stays a line that
+            # `read_events` skips, instead of swallowing this write's first event.
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                data = b"\n" + data
+            write_all(fd, data)
+            os.fsync(fd)
+        except OSError as exc:
+            if size is not None:
+                with contextlib.suppress(OSError):  # (a device such as /dev/full cannot be cut)
+                    os.ftruncate(fd, size)
+            self._failed(exc)
+            return
+        finally:
+            os.close(fd)
+        if self._spell and self.warn is not None:
+            self.warn(f"the session log caught up ({len(self._waiting)} events written)")
+        self._waiting.clear()
+        self._spell = False
+
+    def _failed(self, exc: OSError) -> None:
+        no_room = exc.errno in _NO_ROOM
+        if no_room and sum(map(len, self._waiting)) <= MAX_WAITING_BYTES:
+            if not self._spell and self.warn is not None:
+                self.warn(
+                    f"warning: no room to write the session log {self.path} ({exc.strerror or exc}); "
+                    "the chat goes on, and the log catches up once there is space "
+                    "(what is logged so far is kept)"
+                )
+            self._spell = True
+            return
+        self.enabled = False
+        self._waiting.clear()
+        if self.warn is not None:
+            if no_room:
+                self.warn(
+                    f"warning: still no room for the session log {self.path}; it stops here "
+                    "(what it holds can be resumed) and the chat goes on without it"
+                )
+            else:
                 self.warn(
                     f"warning: cannot write the session log {self.path} "
                     f"({exc.strerror or exc}); the chat goes on without it"
                 )
+
+
+# A full disk and an exceeded quota pass; other write errors stop the log.
+_NO_ROOM = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+# Events kept in memory while the disk is full, at most (then the log stops).
+MAX_WAITING_BYTES = 16 << 20
+
+
+def _line(event: dict[str, Any]) -> bytes:
+    return (json.dumps(event, ensure_ascii=False) + "\n").encode("utf-8", errors="surrogatepass")
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """`os.write` until all of `data` is written (a write may take only part of it)."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view = view[n:]
 
 
 @contextlib.contextmanager

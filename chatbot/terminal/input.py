@@ -3,12 +3,17 @@ slash-commands completed, and lines read from a pipe.'''
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import os
 from collections.abc import Iterable, Iterator
 from typing import IO
 
 from prompt_toolkit.completion import CompleteEvent, Completer, Completion, PathCompleter
 from prompt_toolkit.document import Document
+from prompt_toolkit.history import FileHistory
 
+from chatbot.session_log import FILE_MODE, write_all
 from chatbot.terminal.commands import complete
 
 BLOCK = '"""'
@@ -82,3 +87,54 @@ def read_lines(stream: IO[bytes]) -> Iterable[str]:
     """Lines of a byte stream as text; invalid UTF-8 becomes U+FFFD instead of an error."""
     for raw in stream:
         yield raw.decode("utf-8", errors="replace")
+
+
+class KeptHistory(FileHistory):
+    """prompt_toolkit's `FileHistory` that survives a file it cannot write (a full disk).
+
+    prompt_toolkit stores a line inside its event loop, where an exception is reported as
+    "Unhandled exception in event loop" with "Press ENTER to continue..." at every line.
+    Here the first failure is kept in `warning` instead (for the REPL to show once, after
+    the prompt), a line torn by it is cut off again, and from then on the history is kept
+    in memory only. The file format is `FileHistory`'s.
+    """
+
+    def __init__(self, filename: str) -> None:
+        super().__init__(filename)
+        self.failed = False
+        self.warning: str | None = None
+
+    def store_string(self, string: str) -> None:
+        if self.failed:
+            return
+        text = f"\n# {datetime.datetime.now()}\n" + "".join(f"+{line}\n" for line in string.split("\n"))
+        try:
+            fd = os.open(
+                self.filename, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), FILE_MODE
+            )
+        except OSError as exc:
+            self._failed(exc)
+            return
+        size: int | None = None
+        try:
+            size = os.fstat(fd).st_size
+            write_all(fd, text.encode("utf-8", errors="replace"))
+        except OSError as exc:
+            if size is not None:
+                with contextlib.suppress(OSError):  # (a device such as /dev/full cannot be cut)
+                    os.ftruncate(fd, size)
+            self._failed(exc)
+        finally:
+            os.close(fd)
+
+    def _failed(self, exc: OSError) -> None:
+        self.failed = True
+        self.warning = (
+            f"warning: cannot write the input history {os.fsdecode(self.filename)} ({exc.strerror or exc}); "
+            "this session's lines are kept in memory only"
+        )
+
+    def take_warning(self) -> str | None:
+        """The warning of a failed write, once (None when there is nothing new to say)."""
+        warning, self.warning = self.warning, None
+        return warning

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 from prompt_toolkit import PromptSession
 from prompt_toolkit.application import get_app, run_in_terminal
 from prompt_toolkit.formatted_text import StyleAndTextTuples
-from prompt_toolkit.history import FileHistory, History, InMemoryHistory
+from prompt_toolkit.history import History, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 from prompt_toolkit.output import create_output
 from rich.console import Console
@@ -41,7 +41,7 @@ from chatbot.terminal.commands import (
     settings_rows,
     settings_text,
 )
-from chatbot.terminal.input import BlockReader, SlashCompleter, clean_message, read_lines
+from chatbot.terminal.input import BlockReader, KeptHistory, SlashCompleter, clean_message, read_lines
 from chatbot.terminal.live_answer import MarkdownAnswer, PlainAnswer
 from chatbot.terminal.render import (
     columns,
@@ -612,7 +612,9 @@ class Repl:
         try:
             path = private_dir(data_dir()) / "history"
             path.touch(mode=FILE_MODE)
-            history = FileHistory(str(path))
+            # A line that cannot be written later (a full disk) is kept in memory, with one
+            # warning after the prompt (`_history_warning`).
+            history = KeptHistory(str(path))
         except OSError as exc:
             self.note(f"warning: cannot keep input history ({exc.strerror}); going on without it")
             history = InMemoryHistory()
@@ -647,6 +649,12 @@ class Repl:
         )
         return session
 
+    def _history_warning(self, history: History) -> None:
+        """Say once that the input history could not be written (it was, inside the prompt)."""
+        warning = history.take_warning() if isinstance(history, KeptHistory) else None
+        if warning:
+            self.note(warning)
+
     def run_terminal(self, input: Any = None, output: Any = None) -> None:
         """The interactive prompt: Ctrl-C clears the line or stops an answer, Ctrl-D exits."""
         if output is None:
@@ -673,6 +681,7 @@ class Repl:
                 if self.blocks.is_open:
                     self.handle(self.blocks.close())
                 break
+            self._history_warning(prompt.history)
             if not self.running:  # the load failed while the prompt was up
                 break
             message = self.blocks.feed(line)
