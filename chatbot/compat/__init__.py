@@ -11,9 +11,12 @@ None of them has a decoding loop of its own: each drives `Engine.generate` (and
 `Engine.prefill` to top up a cache) on the engine's caches, a `DynamicCache` or our
 `SinkCache`, through their `TrackedCache` records, exactly as the CLI does. Everything is
 re-exported here, so ``from chatbot.compat import streaming_chat`` works as before. The
-originals' known faults are fixed and listed in docs/api.md.
+originals' known faults are fixed and listed in docs/api.md. Arguments are checked as the
+CLI checks its flags; a bad one raises `CompatArgumentError` (a `ConfigError` and a
+`ValueError`).
 """
 
+from chatbot.compat._common import CompatArgumentError
 from chatbot.compat.colossal import (
     _CHATS,  # noqa: F401 - for tests
     DEFAULT_ROLES,
@@ -32,6 +35,7 @@ from chatbot.compat.tinychat import StreamGenerator, persistent_cache, reset_per
 
 __all__ = [
     "DEFAULT_ROLES",
+    "CompatArgumentError",
     "StartRecentKVCache",
     "StreamGenerator",
     "download_url",

@@ -13,7 +13,17 @@ from transformers.cache_utils import Cache
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
-from chatbot.compat._common import _NoText, _single_row, _sync_cache
+from chatbot.compat._common import (
+    CompatArgumentError,
+    _check_model,
+    _check_sampling,
+    _check_text,
+    _check_tokenizer,
+    _check_vocab,
+    _NoText,
+    _single_row,
+    _sync_cache,
+)
 from chatbot.config import SamplingConfig
 from chatbot.engine.detokenize import IncrementalDetokenizer
 from chatbot.engine.generate import Engine
@@ -53,9 +63,14 @@ def get_prompt_template(
     Returns:
         ``"<s>{system}\\n\\n"`` for the system message, ``"{role}: <s>{message}</s>"`` for each
         other message, then ``"{user}: <s>{query}</s>{assistant}: <s>"``.
+
+    Raises:
+        CompatArgumentError: a history entry without a string ``role`` and ``message`` (an
+            empty message is fine), roles that are not three strings, a query that is not text.
     """
-    system_role, user_role, assistant_role = roles[0], roles[1], roles[2]
-    messages = [*(history or []), {"role": user_role, "message": input_query.strip()}]
+    _check_text(input_query, "input_query", "get_prompt_template")
+    system_role, user_role, assistant_role = _check_roles(roles)
+    messages = [*_check_history(history), {"role": user_role, "message": input_query.strip()}]
     parts: list[str] = []
     for item in messages:
         role, message = item.get("role"), item.get("message")
@@ -67,6 +82,44 @@ def get_prompt_template(
             parts.append(f"{role}: <s>")
     parts.append(f"{assistant_role}: <s>")
     return "".join(parts)
+
+
+def _check_roles(roles: Any) -> tuple[str, str, str]:
+    """Raises: CompatArgumentError: `roles` is not (system, user, assistant) names."""
+    if isinstance(roles, str) or not isinstance(roles, Sequence) or len(roles) != 3:
+        raise CompatArgumentError(f"roles must be three names (system, user, assistant), got {roles!r:.80}")
+    if not all(isinstance(r, str) for r in roles):
+        raise CompatArgumentError(f"roles must be strings, got {roles!r:.80}")
+    return roles[0], roles[1], roles[2]
+
+
+def _check_history(history: Any) -> list[Mapping[str, Any]]:
+    """The history's entries, each a mapping with a string ``role`` and ``message``.
+
+    Raises:
+        CompatArgumentError: naming the first entry that is not one.
+    """
+    if history is None:
+        return []
+    if isinstance(history, (str, bytes, Mapping)) or not isinstance(history, Sequence):
+        raise CompatArgumentError(
+            f"history must be a list of {{'role': ..., 'message': ...}} entries, got {type(history).__name__}"
+        )
+    for i, entry in enumerate(history):
+        if not isinstance(entry, Mapping):
+            problem = f"is a {type(entry).__name__}, not a {{'role': ..., 'message': ...}} dict"
+        elif not isinstance(entry.get("role"), str):
+            problem = (
+                "has no 'role' string" if entry.get("role") is None else "has a 'role' that is not a string"
+            )
+        elif "message" not in entry:
+            problem = "has no 'message'"
+        elif not isinstance(entry["message"], str):
+            problem = f"has a 'message' that is not a string ({type(entry['message']).__name__})"
+        else:
+            continue
+        raise CompatArgumentError(f"history[{i}] {problem}: {entry!r:.100}")
+    return list(history)
 
 
 def stream_generate(
@@ -107,8 +160,13 @@ def stream_generate(
     Raises:
         TypeError: for a keyword that is neither a generation setting nor one of the above.
         ValueError: for a batch of more than one sequence.
+        CompatArgumentError: no model, ids that are not integers or not in the vocabulary, or
+            a sampling setting (temperature, top_p, top_k, repetition_penalty,
+            max_new_tokens) outside the range the CLI allows.
         ContextFullError: the prompt does not fit a growing cache.
     """
+    _check_model(model, "stream_generate")
+    kwargs.update(_check_sampling("stream_generate", kwargs))
     cache = kwargs.pop("past_key_values", None)
     alt_cache = kwargs.pop("cache", None)
     cache = cache if cache is not None else alt_cache
@@ -116,6 +174,7 @@ def stream_generate(
     tokenizer = kwargs.pop("tokenizer", None)
     generator = kwargs.pop("generator", None)
     ids = _single_row(input_ids, attention_mask)
+    _check_vocab(ids, model, "stream_generate")
 
     # transformers' private builders (pinned to 5.24) give the exact config, processors and
     # criteria that `generate` would use: the model's defaults filled in, then `kwargs`.
@@ -241,8 +300,26 @@ def streaming_chat(
         ``(response, history)`` or ``(response, history, cache)`` after each token:
         `response` is the answer so far (cumulative, eos excluded), `history` has the new
         user message and the answer so far (stripped) as its last two entries.
+
+    Raises:
+        CompatArgumentError: no model or tokenizer, a history entry without a ``message``
+            string, or a setting outside the range the CLI allows (temperature 0 to 100,
+            top_p above 0 and at most 1, top_k >= 0, max_new_tokens >= 1). As in the CLI,
+            temperature 0 means greedy.
     """
     del length_penalty  # beam search only
+    _check_model(model, "streaming_chat")
+    _check_tokenizer(tokenizer, "streaming_chat")
+    given: dict[str, Any] = {
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "max_new_tokens": max_new_tokens,
+    }
+    given.update(_check_sampling("streaming_chat", given))
+    temperature, top_p, top_k, max_new_tokens = given.values()
+    if do_sample and temperature == 0:
+        do_sample = False  # the CLI's greedy (transformers would refuse a zero temperature)
     engine = Engine(model, tokenizer)
     cache = past_key_values if past_key_values is not None else engine.new_cache().cache
     prompt = get_prompt_template(input_query, history, roles)

@@ -12,12 +12,24 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from chatbot.compat._common import _NoText
-from chatbot.config import SamplingConfig
+from chatbot.compat._common import (
+    CompatArgumentError,
+    _check_model,
+    _check_range,
+    _check_text,
+    _check_tokenizer,
+    _check_vocab,
+    _NoText,
+    _token_id,
+)
+from chatbot.config import MAX_TOKENS, Range, SamplingConfig
 from chatbot.engine.detokenize import IncrementalDetokenizer
 from chatbot.engine.generate import Engine
 from chatbot.engine.stops import StopStrings
 from chatbot.engine.tracked_cache import TrackedCache
+from chatbot.errors import ConfigError
+
+_RANGES = SamplingConfig.RANGES
 
 # TinyChat models own their KV cache; ours live here, one per model.
 _PERSISTENT: weakref.WeakKeyDictionary[Any, Cache] = weakref.WeakKeyDictionary()
@@ -37,20 +49,25 @@ class _GenParams:
 
     @classmethod
     def read(cls, params: Any, vocab: int) -> _GenParams:
-        """From TinyChat's AttributeDict, a plain dict or any object with the fields."""
+        """From TinyChat's AttributeDict, a plain dict or any object with the fields (None:
+        TinyChat's defaults), each checked. TinyChat's meanings are kept: a temp or top_p
+        of 0 is greedy, a top_k <= 0 the whole vocabulary, a repeat_penalty up to 1 none.
 
-        def get(key: str, default: Any) -> Any:
-            if isinstance(params, Mapping):
-                return params.get(key, default)
-            return getattr(params, key, default)
+        Raises:
+            CompatArgumentError: a value of the wrong kind or outside its range, named.
+        """
+
+        def get(key: str, default: Any, allowed: Range) -> Any:
+            value = params.get(key, default) if isinstance(params, Mapping) else getattr(params, key, default)
+            return _check_range("StreamGenerator", f"gen_params {key}", value, allowed)
 
         return cls(
-            temp=float(get("temp", 0.7)),
-            top_k=int(get("top_k", 40)),
-            top_p=float(get("top_p", 0.95)),
-            repeat_penalty=float(get("repeat_penalty", 1.1)),
-            n_predict=int(get("n_predict", 512)),
-            n_vocab=int(get("n_vocab", vocab)),
+            temp=get("temp", 0.7, _RANGES["temperature"]),
+            top_k=get("top_k", 40, Range(int, -MAX_TOKENS, MAX_TOKENS)),
+            top_p=get("top_p", 0.95, Range(float, 0.0, 1.0)),
+            repeat_penalty=get("repeat_penalty", 1.1, Range(float, 0.0, _RANGES["repetition_penalty"].high)),
+            n_predict=get("n_predict", 512, _RANGES["max_new_tokens"]),
+            n_vocab=get("n_vocab", vocab, Range(int, 1, MAX_TOKENS)),
         )
 
     def sampling(self) -> SamplingConfig:
@@ -58,17 +75,20 @@ class _GenParams:
         vocabulary, the repetition penalty only above 1.
 
         Raises:
-            ConfigError: a value outside the ranges the engine accepts.
+            CompatArgumentError: a value outside the ranges the engine accepts.
         """
         greedy = self.temp < 1e-5 or self.top_p < 1e-8
-        return SamplingConfig(
-            temperature=0.0 if greedy else self.temp,
-            top_p=1.0 if greedy else min(self.top_p, 1.0),
-            top_k=0 if self.top_k <= 0 or self.top_k >= self.n_vocab else self.top_k,
-            repetition_penalty=max(1.0, self.repeat_penalty),
-            max_new_tokens=self.n_predict,
-            stream_interval=1,
-        ).validated()
+        try:
+            return SamplingConfig(
+                temperature=0.0 if greedy else self.temp,
+                top_p=1.0 if greedy else min(self.top_p, 1.0),
+                top_k=0 if self.top_k <= 0 or self.top_k >= self.n_vocab else self.top_k,
+                repetition_penalty=max(1.0, self.repeat_penalty),
+                max_new_tokens=self.n_predict,
+                stream_interval=1,
+            ).validated()
+        except ConfigError as exc:
+            raise CompatArgumentError(f"StreamGenerator: gen_params {exc}") from None
 
 
 def persistent_cache(model: Any) -> Cache:
@@ -167,13 +187,20 @@ def StreamGenerator(
         our own work only, not the caller's time between two dicts).
 
     Raises:
-        ValueError: `start_pos` does not match the cache, or `stream_interval` < 1.
-        ConfigError: `gen_params` out of range.
+        ValueError: `start_pos` does not match the cache.
+        CompatArgumentError: no model or tokenizer, input that is not text, `start_pos` or a
+            stop token id that is not an integer, `stream_interval` < 1, or `gen_params`
+            of the wrong kind or out of range (temp 0 to 100, top_p 0 to 1, n_predict >= 1).
         ContextFullError: the input does not fit the model's context.
     """
     del device, quant_llm
-    if stream_interval < 1:
-        raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+    _check_model(model, "StreamGenerator")
+    _check_tokenizer(tokenizer, "StreamGenerator")
+    _check_text(input, "input", "StreamGenerator")
+    start_pos = _token_id(start_pos, "start_pos", "StreamGenerator", "an integer (a token count)")
+    stream_interval = _check_range("StreamGenerator", "stream_interval", stream_interval)
+    stop_ids = [_token_id(t, f"stop_token_ids[{i}]", "StreamGenerator") for i, t in enumerate(stop_token_ids)]
+    _check_vocab(stop_ids, model, "StreamGenerator")
     engine = Engine(model, tokenizer)
     sampling = _GenParams.read(gen_params, len(tokenizer)).sampling()
     kv = engine.track(persistent_cache(model))
@@ -182,7 +209,7 @@ def StreamGenerator(
     input_ids = list(tokenizer(input, add_special_tokens=add_bos)["input_ids"])
     if not input_ids:
         raise ValueError("input is empty")
-    stop = set(stop_token_ids)
+    stop = set(stop_ids)
     if tokenizer.eos_token_id is not None:
         stop.add(int(tokenizer.eos_token_id))
     stops = StopStrings(stop_strings)
