@@ -4,8 +4,11 @@ The library is compiled with the system C compiler (``cc -O3 -march=native -fope
 first time it is needed (0.8 s of CPU time with gcc on this machine's EPYC; 2.2 s of wall time
 while other work shared its two cores), and kept in ``$XDG_CACHE_HOME/chatbot/kernels``
 under a key made of the source, the compiler and the CPU, so later runs load it at once.
-Where there is no compiler, or the build fails, `load_library` raises `KernelsUnavailable`
-and callers fall back to torch.
+Beside it, ``<name>.so.sha256`` records the checksum and size of what was built: a cached file
+that does not match it (cut short, zeroed pages, another library, a directory in its place) is
+never handed to the dynamic loader, which would crash the process on some of these (SIGBUS,
+SIGSEGV), but built again. Where there is no compiler, or the build fails, `load_library`
+raises `KernelsUnavailable` and callers fall back to torch.
 
 Weight formats (see kernels.c): float32, bfloat16, float16, and ggml's block formats as they
 are stored in GGUF files: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32 weights) and the K-quants
@@ -15,6 +18,7 @@ as it is (memory-mapped, no copy); `pack_q8_0` / `pack_q4_1` quantize float weig
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -23,6 +27,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -201,15 +206,103 @@ def library_path(cc: str) -> Path:
     return kernels_dir() / f"chatbot_kernels-{key}.so"
 
 
+def checksum_path(library: Path) -> Path:
+    """Where the checksum of a built library is kept: beside it, ``<name>.so.sha256``."""
+    return library.with_name(library.name + ".sha256")
+
+
+def _digest(path: Path | str) -> tuple[str, int]:
+    """The sha256 and size of a file, read with read(): a damaged file mapped into memory
+    (as the dynamic loader maps it) can kill the process, reading it cannot."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+            size += len(block)
+    return digest.hexdigest(), size
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write `path` by renaming a complete, synced temporary file over it."""
+    fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o644)  # as readable as the library (mkstemp makes it 0600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+_MISSING = "is missing"  # what `_untrusted` says of a library not built yet
+
+
+def _untrusted(library: Path) -> str | None:
+    """Why the cached `library` must not be loaded (it says what the file is), or None when
+    it is the file that `build` made there: the size and sha256 its checksum file records."""
+    if not os.path.lexists(library):
+        return _MISSING
+    try:
+        recorded = checksum_path(library).read_text().split()
+        digest, size = recorded[0], int(recorded[1])
+    except (OSError, ValueError, IndexError):
+        return "has no checksum (it was not built by this version, or was changed since)"
+    try:
+        actual, actual_size = _digest(library)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    if actual_size != size:
+        return f"is damaged: {actual_size:,} bytes where {size:,} were built"
+    if actual != digest:
+        return "is damaged: its sha256 differs from the one recorded when it was built"
+    return None
+
+
+@contextlib.contextmanager
+def _cache_lock(folder: Path) -> Iterator[None]:
+    """An exclusive lock on the kernel cache while one process checks, builds and loads the
+    library: a second process started at the same moment waits, then loads the first one's
+    build instead of compiling beside it, and never reads a library and checksum that do not
+    belong together. Where locks are not available (no fcntl, a read-only or network
+    folder) it goes on without: the checksum still keeps a damaged file out."""
+    fd: int | None = None
+    try:
+        import fcntl
+
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except (ImportError, OSError):
+        pass
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+
 def build(cc: str, target: Path) -> None:
-    """Compile kernels.c into `target` (atomically: a half-written file never has its name).
+    """Compile kernels.c into `target`, then record its checksum (`checksum_path`).
+
+    Both files are written atomically (a half-written file never has its name), the
+    library first: a checksum is always that of a complete build, so a reader that finds
+    the library matching it has that build, whatever other processes did in between.
 
     Raises:
-        KernelsUnavailable: the compiler failed; the message holds its first error lines.
+        KernelsUnavailable: the compiler failed (the message holds its first error lines),
+            or the cache folder cannot be written (the message names what to delete or fix).
     """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+    except OSError as exc:
+        raise KernelsUnavailable(
+            f"cannot write the native kernels into {target.parent}: {exc.strerror or exc}"
+        ) from None
     try:
         proc = subprocess.run(
             [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, check=False
@@ -217,7 +310,21 @@ def build(cc: str, target: Path) -> None:
         if proc.returncode != 0:
             first = " ".join((proc.stderr or proc.stdout).strip().splitlines()[:3])
             raise KernelsUnavailable(f"building the native kernels with {cc} failed: {first}")
-        os.replace(tmp, target)
+        try:
+            digest, size = _digest(tmp)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # on disk before its name is: no zeroed pages after a power cut
+            finally:
+                os.close(fd)
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)  # a file cannot be renamed over a directory
+            os.replace(tmp, target)
+            _write_atomically(checksum_path(target), f"{digest} {size}\n")
+        except OSError as exc:
+            raise KernelsUnavailable(
+                f"cannot write the native kernels to {target} ({exc.strerror or exc}); delete {target}"
+            ) from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -228,11 +335,75 @@ def failure() -> str | None:
     return _failure
 
 
-def load_library() -> ctypes.CDLL:
-    """The kernels library, built on first use and cached on disk.
+def _open(path: Path) -> ctypes.CDLL:
+    """Load a library that passed its checksum, and check that it is these kernels.
 
     Raises:
-        KernelsUnavailable: no C compiler, a failed build, or a platform without OpenMP.
+        KernelsUnavailable: the dynamic loader refused it, or it is another library or
+            another version of the kernels (`check_abi`).
+    """
+    try:
+        # torch is imported already, so the library's libgomp resolves to the copy torch
+        # loaded: one OpenMP runtime, one thread pool.
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise KernelsUnavailable(f"cannot load the native kernels: {exc}") from None
+    try:
+        check_abi(lib)
+    except (KernelsUnavailable, AttributeError) as exc:
+        with contextlib.suppress(AttributeError, OSError):
+            # unloaded, so that a library rebuilt under the same name is loaded afresh
+            # (the dynamic loader hands back a library still loaded under that name)
+            import _ctypes
+
+            _ctypes.dlclose(lib._handle)
+        if isinstance(exc, KernelsUnavailable):
+            raise
+        raise KernelsUnavailable(f"the native kernels lack {exc}") from None
+    return lib
+
+
+def _load_cached(cc: str, path: Path) -> ctypes.CDLL:
+    """The library at `path` where it matches its checksum and loads; otherwise (missing,
+    damaged, another library, refused by the dynamic loader) built again, once.
+
+    Raises:
+        KernelsUnavailable: the build failed, or what it built does not load either; the
+            message says what happened to which file.
+    """
+    problem = _untrusted(path)
+    if problem is None:
+        try:
+            return _open(path)
+        except KernelsUnavailable as exc:
+            problem = f"does not load ({exc})"
+    try:
+        build(cc, path)
+    except KernelsUnavailable as exc:
+        if problem == _MISSING:
+            raise
+        raise KernelsUnavailable(
+            f"{exc}; the cached {path} {problem}, so it was not used (delete it)"
+        ) from None
+    problem = _untrusted(path)
+    if problem is None:
+        try:
+            return _open(path)
+        except KernelsUnavailable as exc:
+            problem = f"does not load ({exc})"
+    raise KernelsUnavailable(
+        f"the native kernels just rebuilt in {path} {problem}; delete {path} and "
+        f"{checksum_path(path).name} beside it if this persists"
+    )
+
+
+def load_library() -> ctypes.CDLL:
+    """The kernels library, built on first use and cached on disk; a cached file that does
+    not match the checksum recorded when it was built is built again, once, not loaded.
+
+    Raises:
+        KernelsUnavailable: no C compiler, a failed build, a platform without OpenMP, or a
+            rebuilt library that still does not load (the message names the file).
     """
     global _library, _failure
     with _lock:
@@ -249,21 +420,13 @@ def load_library() -> ctypes.CDLL:
                     "no C compiler found (set CC, or install gcc) for the native kernels"
                 )
             path = library_path(cc)
-            if not path.is_file():
-                build(cc, path)
-            # torch is imported already, so the library's libgomp resolves to the copy torch
-            # loaded: one OpenMP runtime, one thread pool.
-            lib = ctypes.CDLL(str(path))
+            with _cache_lock(path.parent):
+                lib = _load_cached(cc, path)
         except KernelsUnavailable as exc:
             _failure = str(exc)
             raise
-        except OSError as exc:
+        except OSError as exc:  # running the compiler for its version, reading kernels.c
             _failure = f"cannot load the native kernels: {exc}"
-            raise KernelsUnavailable(_failure) from None
-        try:
-            check_abi(lib)
-        except (KernelsUnavailable, AttributeError) as exc:
-            _failure = str(exc) if isinstance(exc, KernelsUnavailable) else f"the native kernels lack {exc}"
             raise KernelsUnavailable(_failure) from None
         lib.chatbot_decode.argtypes = [
             ctypes.POINTER(ModelStruct),

@@ -13,9 +13,18 @@ from typing import Any
 import torch
 
 from chatbot.config import SamplingConfig
+from chatbot.engine.kernels import KernelsUnavailable
 from chatbot.errors import ChatbotError, ContextFullError
 from chatbot.server.pool import Conversation, PrefixCachePool
 from chatbot.server.protocol import APIError
+
+
+def _error(exc: ChatbotError) -> APIError:
+    """The answer to a request the engine refused: the server's fault (500) where its native
+    kernels do not load, which no request could change; else the request's (400)."""
+    if isinstance(exc, KernelsUnavailable):
+        return APIError(500, str(exc), "server_error")
+    return APIError(400, str(exc))
 
 
 @dataclass
@@ -145,7 +154,7 @@ class Worker:
         try:
             entry = self.pool.checkout(conv)
         except ChatbotError as exc:
-            job.emit(("error", APIError(400, str(exc))))
+            job.emit(("error", _error(exc)))
             return
         session = entry.session
         keep = True
@@ -206,7 +215,7 @@ class Worker:
                 )
             )
         except ChatbotError as exc:
-            job.emit(("error", APIError(400, str(exc))))
+            job.emit(("error", _error(exc)))
         except BaseException:
             keep = False
             raise
