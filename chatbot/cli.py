@@ -339,6 +339,13 @@ def serve(
     trust_remote_code: TrustOpt = False,
     threads: ThreadsOpt = None,
     opt: OptOpt = "auto",
+    max_body: Annotated[
+        str,
+        typer.Option(
+            help="Cap on a request body, e.g. 4MiB; a larger one is refused unread (413). "
+            "auto: 128 bytes per token of context, at least 1 MiB."
+        ),
+    ] = "auto",
     log_level: Annotated[
         str, typer.Option(help="uvicorn's log level: warning, info (one line per request), debug.")
     ] = "warning",
@@ -350,6 +357,9 @@ def serve(
     _DEBUG = debug
     key = _api_key(api_key_env)
     memory = _size(cache_memory)
+    body_cap = None if max_body.strip().lower() == "auto" else _size(max_body)
+    if body_cap is not None and body_cap < 1024:
+        raise ConfigError(f"--max-body {max_body} is too small for a request (at least 1KiB)")
     overrides: dict[str, Any] = {"temperature": temperature, "max_new_tokens": max_new_tokens}
     SamplingConfig(**{k: v for k, v in overrides.items() if v is not None}).validated()
     engine_cfg = EngineConfig(
@@ -374,7 +384,7 @@ def serve(
         engine, engine_cfg, sampling, max_entries=kept, max_bytes=memory, template=loaded.template
     )
     name = served_model_name or loaded.name
-    application = create_app(pool, name, api_key=key, streaming_cache=enable_streaming)
+    application = create_app(pool, name, api_key=key, streaming_cache=enable_streaming, max_body=body_cap)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     notes = [decoder_note, _context_note(loaded, engine_cfg), _streaming_note(engine, engine_cfg)]
     for note in [*loaded.notes, *filter(None, notes)]:

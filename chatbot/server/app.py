@@ -8,6 +8,10 @@ the next token; the partial answer stays in that conversation's cache.
 
 Routes and streaming are here; the request models and their checks are in `protocol`, the
 worker thread in `worker`.
+
+A request is checked before it costs the worker anything: its body is read against a size cap
+(413), its text must decode (400), and a prompt that cannot fit the context by its length
+alone is refused without being tokenized (400); none of these touch the prefix-cache pool.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from chatbot.server.protocol import (
     APIError,
     ChatRequest,
     CompletionRequest,
+    PromptBound,
     StreamOptions,
     conversation_of,
     sampling_of,
@@ -41,6 +46,18 @@ from chatbot.server.worker import Job, Worker
 
 # How often a waiting handler checks whether its client is still there.
 POLL_S = 0.25
+
+# The default cap on a request body: 128 bytes per token of context, at least 1 MiB. A prompt
+# that fills the context is about 4 bytes a token of English, up to 6x that JSON-escaped
+# (`\u4e2d` for a 3-byte character), and no token stands for more than ~100 bytes (SmolLM2's
+# longest, a run of spaces, is 81): an 8k context gets 1 MiB, a 128k one 16 MiB.
+BODY_BYTES_PER_TOKEN = 128
+MIN_BODY_BYTES = 1 << 20
+
+
+def default_max_body(max_context: int) -> int:
+    """The body cap `chatbot serve` uses unless --max-body says otherwise."""
+    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_context)
 
 
 # -- the app --------------------------------------------------------------------------------------
@@ -61,6 +78,7 @@ def create_app(
     api_key: str | None = None,
     streaming_cache: bool = False,
     created: int | None = None,
+    max_body: int | None = None,
 ) -> FastAPI:
     """The ASGI app serving `pool`'s engine as `model_name`.
 
@@ -69,9 +87,12 @@ def create_app(
         model_name: the id clients ask for.
         api_key: when set, /v1 needs `Authorization: Bearer <api_key>`.
         streaming_cache: conversations run on sink caches (no context limit).
+        max_body: cap on a request body in bytes (default: `default_max_body`).
     """
     created = created or int(time.time())
     max_context = pool.engine.max_context
+    max_body = max_body or default_max_body(max_context)
+    bound = PromptBound.of(pool.engine.tokenizer, None if streaming_cache else max_context)
     worker = Worker(pool)
 
     @contextlib.asynccontextmanager
@@ -82,6 +103,9 @@ def create_app(
     app = FastAPI(title="chatbot", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = worker
     app.state.pool = pool
+    app.state.max_body = max_body
+    # Added before the key check, so inside it: a request without the key is refused unread.
+    app.add_middleware(BodyLimit, max_bytes=max_body)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -90,13 +114,17 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        # The deepest error: in a union (content: a string or a list of parts) the branch that
+        # got furthest, not the first branch's "should be a valid string".
+        first = max(errors, key=lambda e: len(e.get("loc", ()))) if errors else {}
+        # The field's path, without pydantic's names for the branches of a union ("str",
+        # "function-after[_encodable(), str]", "list[ContentPart]").
+        loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _union_branch(p)]
         if first.get("type") == "json_invalid":
             message = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg', ''))}"
         else:
             where = ".".join(loc) or "body"
-            message = f"{where}: {first.get('msg', 'invalid value')}"
+            message = f"{where}: {str(first.get('msg', 'invalid value')).removeprefix('Value error, ')}"
             if first.get("type") == "literal_error" and loc and loc[-1] == "role":
                 message = f"{where}: unknown role {first.get('input')!r} (use system, user or assistant)"
         return APIError(400, message, param=".".join(loc) or None).response()
@@ -135,6 +163,7 @@ def create_app(
             "context": None if streaming_cache else max_context,
             "streaming_cache": streaming_cache,
             "prefix_cache": pool.describe(),
+            "max_body_bytes": max_body,
             "rss_bytes": rss_bytes(),
         }
 
@@ -165,6 +194,7 @@ def create_app(
             )
         conv = conversation_of(body)
         sampling = sampling_of(body, pool.sampling, None if streaming_cache else max_context)
+        bound.check_conversation(conv)
         return await answer(
             request, Job(conv, sampling, _nowhere), body.stream, body.stream_options, chat=True
         )
@@ -181,6 +211,7 @@ def create_app(
             )
         prompt = body.text()
         sampling = sampling_of(body, pool.sampling, None if streaming_cache else max_context)
+        bound.check_prompt(prompt)
         return await answer(
             request,
             Job(None, sampling, _nowhere, prompt=prompt),
@@ -318,6 +349,73 @@ def create_app(
             job.cancel.set()  # a no-op when the answer is complete; stops it when the client left
 
     return app
+
+
+class BodyLimit:
+    """ASGI middleware: a request body is read whole, up to `max_bytes`, before the app sees
+    it. Over the cap (by Content-Length, before reading, or counted as a chunked body
+    arrives) is a 413 at once; bytes that are not UTF-8 are a 400 (JSON between systems is
+    UTF-8, and a body of raw bytes would otherwise reach the parser's generic error).
+
+    The app then reads the buffered body, and after it the connection's own messages (a
+    disconnect). The rest of a refused body is read and dropped by uvicorn, so the client
+    gets the answer and the connection stays usable; memory stays at the cap.
+    """
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(int(declared)).response()(scope, receive, send)
+            return
+        parts: list[bytes] = []
+        size = 0
+        left: dict[str, Any] | None = None  # the client went away before the body was whole
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                left = message
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._too_large(None).response()(scope, receive, send)
+                return
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(parts)
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            bad = body[exc.start : exc.start + 1].hex()
+            error = APIError(400, f"the body is not UTF-8: byte 0x{bad} at offset {exc.start:,}")
+            await error.response()(scope, receive, send)
+            return
+        pending = [left or {"type": "http.request", "body": body, "more_body": False}]
+
+        async def replay() -> dict[str, Any]:
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, send)
+
+    def _too_large(self, declared: int | None) -> APIError:
+        size = f" ({declared:,} bytes)" if declared is not None else ""
+        return APIError(
+            413,
+            f"the request body{size} is over this server's limit of {self.max_bytes:,} bytes "
+            "(chatbot serve --max-body)",
+            code="request_too_large",
+        )
+
+
+def _union_branch(part: Any) -> bool:
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "none"))
 
 
 def _nowhere(event: tuple[str, Any]) -> None:

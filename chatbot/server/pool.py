@@ -47,6 +47,7 @@ class Entry:
     key: int
     session: ChatSession
     salt: str | None
+    fresh: bool = True  # made for this request, never kept: a refused request drops it
 
 
 @dataclass
@@ -181,6 +182,7 @@ class PrefixCachePool:
         """Keep the entry as the most recently used; evict beyond the limits."""
         if self.max_entries <= 0:
             return
+        entry.fresh = False
         self.entries[entry.key] = entry
         self.entries.move_to_end(entry.key)
         while len(self.entries) > self.max_entries or (

@@ -6,10 +6,12 @@ No engine, no worker: everything here is plain validation.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from chatbot.config import SamplingConfig
 from chatbot.errors import ConfigError
@@ -18,15 +20,32 @@ from chatbot.server.pool import Conversation
 # -- requests ---------------------------------------------------------------------------------
 
 
+def _encodable(text: str) -> str:
+    """`text` if it encodes as UTF-8; JSON can carry a lone surrogate (`"\\ud800"`), which no
+    tokenizer (and no JSON answer quoting it) can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"not valid Unicode: a lone surrogate {ascii(text[exc.start])[1:-1]} at character "
+            f"{exc.start:,} (a \\ud800-\\udfff escape must be half of a high-low pair)"
+        ) from None
+    return text
+
+
+# Every string a request's text comes in: it decodes, or the request is a 400 naming the field.
+Text = Annotated[str, AfterValidator(_encodable)]
+
+
 class ContentPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart] | None = None
+    content: Text | list[ContentPart] | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -45,7 +64,7 @@ class _Request(BaseModel):
     vLLM does."""
 
     model_config = ConfigDict(extra="allow")
-    model: str
+    model: Text
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None
@@ -54,7 +73,7 @@ class _Request(BaseModel):
     repetition_penalty: float | None = None
     seed: int | None = None
     n: int = 1
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
 
 
 class ChatRequest(_Request):
@@ -64,7 +83,7 @@ class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    cache_salt: str | None = None
+    cache_salt: Text | None = None
     continue_final_message: bool = False
     add_generation_prompt: bool = True
 
@@ -72,7 +91,7 @@ class ChatRequest(_Request):
 class CompletionRequest(_Request):
     """OpenAI's (legacy) text completion request: a raw prompt, no chat template."""
 
-    prompt: str | list[str]
+    prompt: Text | list[Text]
     max_tokens: int | None = 16  # the API's default
     echo: bool = False
 
@@ -110,6 +129,129 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
+
+
+# -- the context, before tokenizing -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PromptBound:
+    """Refuses a prompt that cannot fit the context from its UTF-8 length alone, before the
+    worker tokenizes it (which takes about a second a megabyte, and holds up every request
+    behind it): a token stands for at most `bytes_per_token` bytes of text, so a prompt of
+    B bytes is at least B / bytes_per_token tokens. The exact check (the session's) follows.
+
+    Args:
+        tokenizer: the model's tokenizer (its chat template renders conversations).
+        max_context: the context in tokens; None (a sink cache) checks nothing.
+        bytes_per_token: the most bytes of text one token stands for; None where no bound
+            from bytes holds (see `longest_token_bytes`).
+    """
+
+    tokenizer: Any
+    max_context: int | None
+    bytes_per_token: int | None
+
+    @classmethod
+    def of(cls, tokenizer: Any, max_context: int | None) -> PromptBound:
+        return cls(tokenizer, max_context, longest_token_bytes(tokenizer))
+
+    def min_tokens(self, text: str) -> int:
+        """At least this many tokens encode `text` (0 when no bound holds)."""
+        if not self.bytes_per_token:
+            return 0
+        return -(-len(text.encode("utf-8", "surrogatepass")) // self.bytes_per_token)
+
+    def check_prompt(self, prompt: str) -> None:
+        """Raises APIError (400, context_length_exceeded) when a raw prompt cannot fit."""
+        self._check(self.min_tokens(prompt), "the prompt", "prompt")
+
+    def check_conversation(self, conv: Conversation) -> None:
+        """Raises APIError (400, context_length_exceeded) when the conversation, as the chat
+        template renders it, cannot fit."""
+        if self.max_context is None or not self.bytes_per_token:
+            return
+        messages = [{"role": "system", "content": conv.system}] if conv.system else []
+        for user, answer in conv.turns:
+            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+        if conv.partial_answer is None:
+            messages.append({"role": "user", "content": conv.user})
+        else:  # the answer goes on from its text, after the generation prompt
+            messages = messages[:-1]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - a template that refuses it: the session says why
+            return
+        if conv.partial_answer is not None:
+            text += conv.partial_answer
+        self._check(self.min_tokens(text), "the conversation", "messages")
+
+    def _check(self, at_least: int, what: str, param: str) -> None:
+        if self.max_context is not None and at_least + 1 > self.max_context:
+            raise APIError(
+                400,
+                f"context full: {what} does not fit the model's context ({self.max_context:,} tokens): "
+                f"it is at least {at_least:,} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+
+# How much one normalizer step can shorten text: NFC composes at most three characters'
+# bytes into one's (Hangul jamo L+V+T, 9 bytes, into a syllable, 3 bytes).
+_SHRINKS = {"Prepend": 1, "NFC": 3}
+_KEEPS_TEXT = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "Split"}
+
+
+def longest_token_bytes(tokenizer: Any) -> int | None:
+    """The most bytes of input text one token can stand for, read once from a fast
+    tokenizer's vocabulary (SmolLM2: 81, a run of spaces), times what its normalizer can
+    shorten text by.
+
+    None where text can be dropped or folded before it becomes tokens, so no bound from bytes
+    holds: a slow tokenizer, a model other than BPE, BPE without byte-level or byte-fallback
+    tokens (unknown characters vanish), a normalizer or pre-tokenizer that strips, lowercases
+    or drops whitespace.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    try:
+        spec = json.loads(backend.to_str())
+    except (AttributeError, TypeError, ValueError):
+        return None
+    model = spec.get("model") or {}
+    pre = _steps(spec.get("pre_tokenizer"))
+    byte_level = any(step.get("type") == "ByteLevel" for step in pre)
+    if model.get("type") != "BPE" or not (byte_level or model.get("byte_fallback")):
+        return None
+    if any(step.get("type") not in _KEEPS_TEXT or step.get("behavior") == "Removed" for step in pre):
+        return None
+    shrink = 1
+    for step in _steps(spec.get("normalizer")):
+        kind = step.get("type")
+        if kind == "Replace" and step.get("pattern") == {"String": " "} and step.get("content") == "\u2581":
+            continue  # SentencePiece's space, counted back as one byte below
+        if kind not in _SHRINKS:
+            return None
+        shrink *= _SHRINKS[kind]
+    vocab = model.get("vocab") or {}
+    if byte_level:  # one character a byte (GPT-2's byte-to-unicode table)
+        longest = max((len(token) for token in vocab), default=1)
+    else:
+        longest = max((len(token.replace("\u2581", " ").encode()) for token in vocab), default=1)
+    added = max((len(str(t.get("content", "")).encode()) for t in spec.get("added_tokens") or []), default=1)
+    return max(longest, added, 1) * shrink
+
+
+def _steps(spec: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """A normalizer's or pre-tokenizer's steps, a Sequence flattened."""
+    if not spec:
+        return []
+    if spec.get("type") == "Sequence":
+        inner = spec.get("normalizers") or spec.get("pretokenizers") or []
+        return [step for part in inner for step in _steps(part)]
+    return [spec]
 
 
 # -- from a request ----------------------------------------------------------------------------

@@ -202,6 +202,7 @@ class Worker:
                 )
             )
         except ContextFullError as exc:
+            keep = not entry.fresh  # a refused conversation takes no kept one's place
             job.emit(
                 (
                     "error",
@@ -215,6 +216,7 @@ class Worker:
                 )
             )
         except ChatbotError as exc:
+            keep = not entry.fresh
             job.emit(("error", _error(exc)))
         except BaseException:
             keep = False
