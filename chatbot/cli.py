@@ -488,6 +488,8 @@ def sessions(
 
 app.command("eval-ppl")(eval_ppl)
 app.add_typer(bench_app, name="bench")
+
+
 @app.command()
 def doctor(
     ctx: typer.Context,
