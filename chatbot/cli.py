@@ -322,6 +322,14 @@ def serve(
     cache_memory: Annotated[
         str, typer.Option(help="Cap on the KV cache memory kept between requests, e.g. 2GiB.")
     ] = "2GiB",
+    preset: Annotated[
+        str | None,
+        typer.Option(
+            help="A preset by name (see: chatbot models): its model and its sampling as the defaults "
+            "of requests (default: the default model's preset when no --model is given)."
+        ),
+    ] = None,
+    config: ConfigOpt = None,
     temperature: Annotated[
         float | None, typer.Option(help="Default temperature (requests may set their own).")
     ] = None,
@@ -352,7 +360,11 @@ def serve(
     debug: DebugOpt = False,
 ) -> None:
     """Serve the model over the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
-    /v1/models, /health), with conversation caches kept as a prefix cache."""
+    /v1/models, /health), with conversation caches kept as a prefix cache.
+
+    A request that leaves temperature, top_p or max_tokens out gets the model's: its preset's
+    sampling (--preset/--config; the default model's preset for the default model), else its
+    generation_config, then the flags here."""
     global _DEBUG
     _DEBUG = debug
     key = _api_key(api_key_env)
@@ -362,6 +374,22 @@ def serve(
         raise ConfigError(f"--max-body {max_body} is too small for a request (at least 1KiB)")
     overrides: dict[str, Any] = {"temperature": temperature, "max_new_tokens": max_new_tokens}
     SamplingConfig(**{k: v for k, v in overrides.items() if v is not None}).validated()
+    from chatbot.models.presets import SAMPLING_KEYS, find_preset, select_preset
+
+    chosen = select_preset(preset, config, model)
+    if chosen is not None and not (preset or config):
+        model = None  # --model named the preset: its model
+    elif chosen is None and model is None:
+        chosen = find_preset("default")
+    preset_sampling: dict[str, Any] = {}
+    defaults_from = "the model's generation_config"
+    if chosen is not None:
+        model = model or chosen.values.get("model")
+        preset_sampling = {k: chosen.values[k] for k in SAMPLING_KEYS if chosen.values.get(k) is not None}
+        preset_sampling.pop("stream_interval", None)
+        defaults_from = f"preset {chosen.name}, then the model's generation_config"
+    if any(v is not None for v in overrides.values()):
+        defaults_from += ", then the serve flags"
     engine_cfg = EngineConfig(
         prefill_chunk=prefill_chunk,
         enable_streaming=enable_streaming,
@@ -376,7 +404,7 @@ def serve(
     from chatbot.server.pool import PrefixCachePool, server_sampling
 
     loaded = _load(model, device, dtype, template=template, trust_remote_code=trust_remote_code)
-    sampling = server_sampling(loaded.model, **overrides)
+    sampling = server_sampling(loaded.model, preset_sampling, **overrides)
     decoder, decoder_note = _decoder(loaded.model, opt)
     engine = _engine(loaded, engine_cfg, decoder)
     kept = cache_conversations if prefix_cache else 0
@@ -384,7 +412,14 @@ def serve(
         engine, engine_cfg, sampling, max_entries=kept, max_bytes=memory, template=loaded.template
     )
     name = served_model_name or loaded.name
-    application = create_app(pool, name, api_key=key, streaming_cache=enable_streaming, max_body=body_cap)
+    application = create_app(
+        pool,
+        name,
+        api_key=key,
+        streaming_cache=enable_streaming,
+        max_body=body_cap,
+        defaults_from=defaults_from,
+    )
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     notes = [decoder_note, _context_note(loaded, engine_cfg), _streaming_note(engine, engine_cfg)]
     for note in [*loaded.notes, *filter(None, notes)]:

@@ -33,6 +33,8 @@ from chatbot.engine.tracked_cache import TrackedCache, track
 # transformers' StoppingCriteria(List) or any callable of the same shape:
 # (ids [1, n] incl. the new token, scores [1, vocab]) -> bool or BoolTensor [1].
 StopCallback = Callable[[torch.Tensor, torch.Tensor], Any]
+# Told of each answer token as it is chosen: (the model's raw logits [vocab], the token id).
+TokenObserver = Callable[[torch.Tensor, int], None]
 ANSWER_ROOM = 1024
 """The most answer tokens a prefill makes room for in the fast path's cache buffers up front
 (a longer answer grows them once more)."""
@@ -106,6 +108,10 @@ class Engine:
         self.device = model.get_input_embeddings().weight.device
         trained = getattr(model.config, "max_position_embeddings", None) or 2048
         self.max_context = max_context or trained
+        # Told of each answer token of `generate` (not of a stop id) with the logits it was
+        # chosen from, before any sampling transform (the server's logprobs); the caller that
+        # owns the engine sets it for one answer and clears it after.
+        self.token_observer: TokenObserver | None = None
 
     # -- caches -----------------------------------------------------------------------
 
@@ -282,6 +288,8 @@ class Engine:
             if token in stop:
                 finish = "stop"
                 break
+            if self.token_observer is not None:
+                self.token_observer(logits, token)
             stats.generated_tokens += 1
             seen[0, n_seen] = token
             n_seen += 1

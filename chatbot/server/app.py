@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chatbot.engine.stats import peak_rss_bytes
+from chatbot.server.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from chatbot.server.pool import PrefixCachePool
 from chatbot.server.protocol import (
     APIError,
@@ -79,6 +80,7 @@ def create_app(
     streaming_cache: bool = False,
     created: int | None = None,
     max_body: int | None = None,
+    defaults_from: str | None = None,
 ) -> FastAPI:
     """The ASGI app serving `pool`'s engine as `model_name`.
 
@@ -88,6 +90,7 @@ def create_app(
         api_key: when set, /v1 needs `Authorization: Bearer <api_key>`.
         streaming_cache: conversations run on sink caches (no context limit).
         max_body: cap on a request body in bytes (default: `default_max_body`).
+        defaults_from: where the pool's sampling defaults come from, for /health.
     """
     created = created or int(time.time())
     max_context = pool.engine.max_context
@@ -122,6 +125,7 @@ def create_app(
         loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _union_branch(p)]
         if first.get("type") == "json_invalid":
             message = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg', ''))}"
+            return APIError(400, message).response()  # its loc is a character offset, no field
         else:
             where = ".".join(loc) or "body"
             message = f"{where}: {str(first.get('msg', 'invalid value')).removeprefix('Value error, ')}"
@@ -130,9 +134,11 @@ def create_app(
         return APIError(400, message, param=".".join(loc) or None).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), kind).response()
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = str(exc.detail)
+        if exc.status_code in (404, 405):  # OpenAI's words for a path it does not serve
+            message = f"Invalid URL ({request.method} {request.url.path})"
+        return APIError(exc.status_code, message).response()
 
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Any:
@@ -143,10 +149,7 @@ def create_app(
                 token.strip().encode(), api_key.encode()
             ):
                 return APIError(
-                    401,
-                    "invalid or missing API key (send Authorization: Bearer KEY)",
-                    "authentication_error",
-                    code="invalid_api_key",
+                    401, "invalid or missing API key (send Authorization: Bearer KEY)", code="invalid_api_key"
                 ).response()
         return await call_next(request)
 
@@ -165,60 +168,61 @@ def create_app(
             "prefix_cache": pool.describe(),
             "max_body_bytes": max_body,
             "rss_bytes": rss_bytes(),
+            # What a request that leaves them out gets (the model's preset and generation
+            # config, then the serve flags); see `sampling_of`.
+            "sampling_defaults": {**_defaults(pool), "from": defaults_from},
         }
+
+    model_card = {
+        "id": model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "chatbot",
+        "max_model_len": None if streaming_cache else max_context,
+    }
+
+    def check_model(name: str, param: str | None = "model") -> None:
+        if name != model_name:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server has {model_name!r}",
+                param=param,
+                code="model_not_found",
+            )
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model_name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "chatbot",
-                    "max_model_len": None if streaming_cache else max_context,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        check_model(model_id, None)
+        return model_card
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Any:
-        if body.model != model_name:
-            raise APIError(
-                404,
-                f"the model {body.model!r} does not exist; this server has {model_name!r}",
-                "not_found_error",
-                param="model",
-                code="model_not_found",
-            )
+        check_model(body.model)
         conv = conversation_of(body)
         sampling = sampling_of(body, pool.sampling, None if streaming_cache else max_context)
+        job = Job(conv, sampling, _nowhere, stops=body.stop_strings(), logprobs=body.top_logprobs_wanted())
         bound.check_conversation(conv)
-        return await answer(
-            request, Job(conv, sampling, _nowhere), body.stream, body.stream_options, chat=True
-        )
+        return await answer(request, job, body.stream, body.stream_options, chat=True)
 
     @app.post("/v1/completions")
     async def complete(body: CompletionRequest, request: Request) -> Any:
-        if body.model != model_name:
-            raise APIError(
-                404,
-                f"the model {body.model!r} does not exist; this server has {model_name!r}",
-                "not_found_error",
-                param="model",
-                code="model_not_found",
-            )
+        check_model(body.model)
         prompt = body.text()
         sampling = sampling_of(body, pool.sampling, None if streaming_cache else max_context)
-        bound.check_prompt(prompt)
-        return await answer(
-            request,
-            Job(None, sampling, _nowhere, prompt=prompt),
-            body.stream,
-            body.stream_options,
-            chat=False,
+        job = Job(
+            None,
+            sampling,
+            _nowhere,
+            prompt=prompt,
+            stops=body.stop_strings(),
+            logprobs=body.top_logprobs_wanted(),
         )
+        bound.check_prompt(prompt)
+        return await answer(request, job, body.stream, body.stream_options, chat=False)
 
     async def answer(
         request: Request, job: Job, stream: bool, options: StreamOptions | None, chat: bool
@@ -253,9 +257,11 @@ def create_app(
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )
             text: list[str] = []
+            entries: list[TokenLogprob] = []
             event: tuple[str, Any] | None = first
             while event is not None and event[0] == "text":
-                text.append(event[1])
+                text.append(event[1][0])
+                entries += event[1][1]
                 event = await _next_event(events, job)
         finally:
             await _stop(watcher)
@@ -275,7 +281,7 @@ def create_app(
                         "index": 0,
                         "text": "".join(text),
                         "finish_reason": done["finish_reason"],
-                        "logprobs": None,
+                        "logprobs": None if job.logprobs is None else completion_logprobs(entries),
                     }
                 ],
                 "usage": _usage(done),
@@ -290,7 +296,7 @@ def create_app(
                     "index": 0,
                     "message": {"role": "assistant", "content": "".join(text)},
                     "finish_reason": done["finish_reason"],
-                    "logprobs": None,
+                    "logprobs": None if job.logprobs is None else chat_logprobs(entries),
                 }
             ],
             "usage": _usage(done),
@@ -306,8 +312,15 @@ def create_app(
     ) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        offset = 0  # of the chunk's text in the answer (a completion's text_offset)
+
+        def chunk(delta: dict[str, Any], finish: str | None = None, entries: Any = None) -> str:
+            nonlocal offset
+            logprobs = None
+            if job.logprobs is not None and entries is not None:
+                logprobs = chat_logprobs(entries) if chat else completion_logprobs(entries, offset)
+            offset += len(delta.get("content", ""))
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
             choice.update({"delta": delta} if chat else {"text": delta.get("content", "")})
             return _data(
                 {
@@ -324,7 +337,7 @@ def create_app(
                 yield chunk({"role": "assistant", "content": ""})
             event: tuple[str, Any] | None = first
             while event is not None and event[0] == "text":
-                yield chunk({"content": event[1]})
+                yield chunk({"content": event[1][0]}, entries=event[1][1])
                 event = await _next_event(events, job)
             if event is None:
                 return
@@ -412,6 +425,17 @@ class BodyLimit:
             "(chatbot serve --max-body)",
             code="request_too_large",
         )
+
+
+def _defaults(pool: PrefixCachePool) -> dict[str, Any]:
+    s = pool.sampling
+    return {
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+        "repetition_penalty": s.repetition_penalty,
+        "max_tokens": s.max_new_tokens,
+    }
 
 
 def _union_branch(part: Any) -> bool:

@@ -13,7 +13,6 @@ Not thread-safe: one worker thread owns the pool and the engine.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -25,9 +24,6 @@ from chatbot.engine.generate import Engine
 from chatbot.models.templates import TemplateInfo
 from chatbot.persist import Turn
 from chatbot.session import ChatSession, sampling_from_model
-
-# What a request that names no setting gets, as in the OpenAI API and vLLM.
-API_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
 
 
 @dataclass
@@ -60,21 +56,17 @@ class PoolStats:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def server_sampling(model: Any, **overrides: Any) -> SamplingConfig:
-    """A server's default settings: the API's (temperature 1, no top-p, top-k or repetition
-    penalty) where the model's generation_config sets nothing, then the flags given.
+def server_sampling(model: Any, preset: dict[str, Any] | None = None, **overrides: Any) -> SamplingConfig:
+    """A server's default settings, as `chatbot run` has them: the built-in ones, then the
+    model's generation_config, then the preset's sampling, then the flags given. A request
+    that leaves its settings out gets these (see `protocol.sampling_of`).
 
     Raises:
-        ConfigError: an override is out of range.
+        ConfigError: a preset value or an override is out of range.
     """
-    plain = SamplingConfig()
-    from_model = sampling_from_model(model)
-    values: dict[str, Any] = {
-        k: getattr(from_model, k) if getattr(from_model, k) != getattr(plain, k) else v
-        for k, v in API_DEFAULTS.items()
-    }
+    values = {k: v for k, v in (preset or {}).items() if v is not None}
     values.update({k: v for k, v in overrides.items() if v is not None})
-    return dataclasses.replace(plain, **values).validated()
+    return sampling_from_model(model, **values)
 
 
 def kv_bytes_per_token(model: Any) -> int:

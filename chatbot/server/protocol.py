@@ -6,6 +6,7 @@ No engine, no worker: everything here is plain validation.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -59,8 +60,19 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+# OpenAI's limit on stop strings.
+MAX_STOPS = 4
+
+
 class _Request(BaseModel):
-    """The fields both completion requests share; other fields are accepted and ignored, as
+    """The fields both completion requests share. Every OpenAI field is either used or, set to
+    something this server cannot do (tools, a JSON response format, logit_bias, penalties), a
+    400 naming it (`check_supported`); fields OpenAI does not have are accepted and ignored, as
     vLLM does."""
 
     model_config = ConfigDict(extra="allow")
@@ -71,21 +83,59 @@ class _Request(BaseModel):
     top_p: float | None = None
     top_k: int | None = None
     repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     seed: int | None = None
     n: int = 1
     stop: Text | list[Text] | None = None
+    user: str | None = None  # OpenAI's end-user id: nothing to do with it here
+
+    def stop_strings(self) -> tuple[str, ...]:
+        """The request's stop strings (empty ones dropped).
+
+        Raises:
+            APIError: more than OpenAI's 4.
+        """
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOPS:
+            raise APIError(400, f"stop: at most {MAX_STOPS} stop strings, got {len(stops)}", param="stop")
+        return tuple(s for s in stops if s)
 
 
 class ChatRequest(_Request):
-    """The fields of OpenAI's chat completion request we use; `top_k`, `repetition_penalty`,
+    """The fields of OpenAI's chat completion request; `top_k`, `repetition_penalty`,
     `cache_salt`, `continue_final_message` and `add_generation_prompt` as vLLM has them."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
     cache_salt: Text | None = None
     continue_final_message: bool = False
     add_generation_prompt: bool = True
+
+    def top_logprobs_wanted(self) -> int | None:
+        """How many top tokens to list with each token's logprob; None: no logprobs.
+
+        Raises:
+            APIError: top_logprobs out of 0..20, or without logprobs.
+        """
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise APIError(
+                400, f"top_logprobs must be between 0 and 20, got {self.top_logprobs}", param="top_logprobs"
+            )
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
 
 
 class CompletionRequest(_Request):
@@ -94,6 +144,19 @@ class CompletionRequest(_Request):
     prompt: Text | list[Text]
     max_tokens: int | None = 16  # the API's default
     echo: bool = False
+    logprobs: int | None = None
+    suffix: Text | None = None
+    best_of: int | None = None
+
+    def top_logprobs_wanted(self) -> int | None:
+        """How many top tokens to list with each token's logprob; None: no logprobs.
+
+        Raises:
+            APIError: logprobs out of 0..5 (OpenAI's limit).
+        """
+        if self.logprobs is not None and not 0 <= self.logprobs <= 5:
+            raise APIError(400, f"logprobs must be between 0 and 5, got {self.logprobs}", param="logprobs")
+        return self.logprobs
 
     def text(self) -> str:
         """The one prompt.
@@ -297,23 +360,78 @@ def conversation_of(body: ChatRequest) -> Conversation:
     return Conversation(system, pairs, last.text(), salt=body.cache_salt)
 
 
+def _unsupported(param: str, what: str) -> APIError:
+    return APIError(400, f"{param}: {what} is not supported by this server", param=param)
+
+
+# OpenAI's ranges, where they are narrower than what the engine takes.
+_RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0)}
+_RANGES["frequency_penalty"] = _RANGES["presence_penalty"]
+
+
+def check_supported(body: ChatRequest | CompletionRequest) -> None:
+    """Refuse what the server would otherwise have to ignore: OpenAI fields set to something
+    it does not do, and values out of OpenAI's ranges.
+
+    Raises:
+        APIError: 400 naming the field.
+    """
+    for name, (low, high) in _RANGES.items():
+        value = getattr(body, name)
+        if value is not None and not low <= value <= high:
+            raise APIError(400, f"{name} must be between {low:g} and {high:g}, got {value!r}", param=name)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise _unsupported(name, "a non-zero penalty (repetition_penalty is)")
+    if body.logit_bias:
+        raise _unsupported("logit_bias", "a logit bias")
+    if body.n != 1:
+        raise APIError(400, "n must be 1 (one answer per request)", param="n")
+    if isinstance(body, CompletionRequest):
+        if body.suffix:
+            raise _unsupported("suffix", "a suffix (insertion)")
+        if body.best_of not in (None, 1):
+            raise APIError(400, "best_of must be 1 (one answer per request)", param="best_of")
+        return
+    if body.tools:
+        raise _unsupported("tools", "tool calling")
+    if body.functions:
+        raise _unsupported("functions", "function calling")
+    for name in ("tool_choice", "function_call"):
+        if getattr(body, name) not in (None, "none"):
+            raise _unsupported(name, "tool calling")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise _unsupported("response_format", f"the response format {body.response_format.type!r}")
+
+
+# What a request that sets temperature or top_p gets for the settings it leaves out: OpenAI's
+# meaning (no top-k, no repetition penalty, the other of the two at 1), not the preset's.
+OPENAI_SAMPLING: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
+
+
 def sampling_of(
     body: ChatRequest | CompletionRequest, base: SamplingConfig, max_context: int | None
 ) -> SamplingConfig:
-    """The request's sampling settings over the server's defaults.
+    """The request's sampling settings over the server's defaults (the model's preset and
+    generation config, `server_sampling`).
+
+    A request that sets neither temperature nor top_p gets the defaults whole; one that sets
+    either gets OpenAI's sampling: what it leaves out at OpenAI's defaults, not the preset's,
+    unless it sends vLLM's `top_k` / `repetition_penalty`. max_tokens and seed apply alone.
 
     Raises:
         APIError: a value out of range, or a field we do not support.
     """
-    if body.n != 1:
-        raise APIError(400, "n must be 1 (one answer per request)", param="n")
-    if body.stop:
-        raise APIError(
-            400, "stop strings are not supported; the answer ends at the model's end of turn", param="stop"
-        )
+    check_supported(body)
     sampling = base
+    if body.temperature is not None or body.top_p is not None:
+        sampling = dataclasses.replace(base, **OPENAI_SAMPLING)
+    max_param = "max_tokens"
     max_tokens = getattr(body, "max_completion_tokens", None)
-    max_tokens = max_tokens if max_tokens is not None else body.max_tokens
+    if max_tokens is not None:
+        max_param = "max_completion_tokens"
+    else:
+        max_tokens = body.max_tokens
     fields = {
         "temperature": body.temperature,
         "top_p": body.top_p,
@@ -322,19 +440,21 @@ def sampling_of(
         "max_new_tokens": max_tokens,
         "seed": body.seed,
     }
+    if body.top_p == 0:  # only the most likely token is left: greedy
+        fields["top_p"], fields["temperature"] = None, 0.0
     for key, value in fields.items():
         if value is None:
             continue
-        param = "max_tokens" if key == "max_new_tokens" else key
+        param = max_param if key == "max_new_tokens" else key
         try:
             sampling = sampling.with_value(key, value)
         except ConfigError as exc:
-            raise APIError(400, str(exc).replace("max_new_tokens", "max_tokens"), param=param) from None
+            raise APIError(400, str(exc).replace("max_new_tokens", max_param), param=param) from None
     if max_context is not None and sampling.max_new_tokens >= max_context:
         raise APIError(
             400,
-            f"max_tokens must be less than the context ({max_context:,} tokens), "
+            f"{max_param} must be less than the context ({max_context:,} tokens), "
             f"got {sampling.max_new_tokens:,}",
-            param="max_tokens",
+            param=max_param,
         )
     return sampling

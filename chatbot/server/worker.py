@@ -8,15 +8,21 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from chatbot.config import SamplingConfig
 from chatbot.engine.kernels import KernelsUnavailable
+from chatbot.engine.stops import StopStrings, StopView
 from chatbot.errors import ChatbotError, ContextFullError
+from chatbot.server.logprobs import LogprobTracker, TokenLogprob, TokenTexts
 from chatbot.server.pool import Conversation, PrefixCachePool
 from chatbot.server.protocol import APIError
+
+if TYPE_CHECKING:
+    from chatbot.engine.generate import GenerationChunk
+    from chatbot.engine.stop_criteria import StopOnStrings
 
 
 def _error(exc: ChatbotError) -> APIError:
@@ -36,17 +42,21 @@ class Job:
     emit: Callable[[tuple[str, Any]], None]
     cancel: threading.Event = field(default_factory=threading.Event)
     prompt: str = ""
+    stops: tuple[str, ...] = ()  # the request's stop strings (the template's apply as well)
+    logprobs: int | None = None  # report logprobs with this many top tokens; None: none
 
 
 class Worker:
     """The one thread that runs the engine: jobs in order, events back to the event loop.
 
-    Events: ("text", str) for each piece of the answer, then ("done", usage dict with the
+    Events: ("text", (str, [TokenLogprob])) for each piece of the answer (the logprobs of
+    the tokens it completes when the job asks for them), then ("done", usage dict with the
     finish reason), or ("error", APIError) when nothing could be generated.
     """
 
     def __init__(self, pool: PrefixCachePool) -> None:
         self.pool = pool
+        self.token_texts = TokenTexts(pool.engine.tokenizer)
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.busy = False
         self.served = 0
@@ -71,17 +81,20 @@ class Worker:
             if job.cancel.is_set():  # the client left while it waited
                 continue
             self.busy = True
+            tracker = None if job.logprobs is None else LogprobTracker(self.token_texts, job.logprobs)
+            self.pool.engine.token_observer = tracker
             try:
-                self._run(job)
+                self._run(job, tracker)
             except Exception as exc:  # noqa: BLE001 - one request must not take the worker down
                 job.emit(
                     ("error", APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
                 )
             finally:
+                self.pool.engine.token_observer = None
                 self.busy = False
                 self.served += 1
 
-    def _complete(self, job: Job) -> None:
+    def _complete(self, job: Job, tracker: LogprobTracker | None) -> None:
         """A raw prompt on a fresh cache (no template, no prefix cache)."""
         engine = self.pool.engine
         ids = list(engine.tokenizer(job.prompt)["input_ids"])
@@ -101,6 +114,8 @@ class Worker:
         if job.sampling.seed is not None:
             generator.manual_seed(job.sampling.seed)
         eos = engine.tokenizer.eos_token_id
+        stops = StopStrings(job.stops)
+        view = StopView(stops) if stops else None
         chunks = engine.generate(
             cache,
             ids,
@@ -108,12 +123,12 @@ class Worker:
             stop_ids=[] if eos is None else [int(eos)],
             prefill_chunk=ec.prefill_chunk,
             generator=generator,
+            stopping_criteria=_stop_criterion(engine.tokenizer, stops),
         )
         stats = None
         try:
             for chunk in chunks:
-                if chunk.text:
-                    job.emit(("text", chunk.text))
+                _emit_text(job, chunk if view is None else view.chunk(chunk), tracker)
                 stats = chunk.stats or stats
                 if job.cancel.is_set():
                     return
@@ -146,10 +161,10 @@ class Worker:
             )
         )
 
-    def _run(self, job: Job) -> None:
+    def _run(self, job: Job, tracker: LogprobTracker | None = None) -> None:
         conv = job.conversation
         if conv is None:
-            self._complete(job)
+            self._complete(job, tracker)
             return
         try:
             entry = self.pool.checkout(conv)
@@ -157,6 +172,10 @@ class Worker:
             job.emit(("error", _error(exc)))
             return
         session = entry.session
+        template_stops = session.stops
+        # The request's stop strings join the template's for this answer: the session then
+        # ends the answer before one, never shows part of one, and cuts it out of the cache.
+        session.stops = StopStrings((*template_stops.strings, *job.stops))
         keep = True
         try:
             if conv.partial_answer is not None:
@@ -175,8 +194,7 @@ class Worker:
                         # Only the prompt is in the cache yet (a token enters after it is shown).
                         prompt_tokens = len(session.cache_ids) + session.evicted_total
                         first = False
-                    if chunk.text:
-                        job.emit(("text", chunk.text))
+                    _emit_text(job, chunk, tracker)
                     stats = chunk.stats or stats
                     if job.cancel.is_set():
                         break
@@ -222,7 +240,25 @@ class Worker:
             keep = False
             raise
         finally:
+            session.stops = template_stops
             if keep:
                 self.pool.checkin(entry)
             else:
                 self.pool.discard(entry)
+
+
+def _emit_text(job: Job, chunk: GenerationChunk, tracker: LogprobTracker | None) -> None:
+    """The chunk's text, with the logprobs of the tokens it completes."""
+    entries: list[TokenLogprob] = []
+    if tracker is not None:
+        entries = tracker.take(chunk.text, final=chunk.finish_reason is not None)
+    if chunk.text or entries:
+        job.emit(("text", (chunk.text, entries)))
+
+
+def _stop_criterion(tokenizer: Any, stops: StopStrings) -> StopOnStrings | None:
+    if not stops:
+        return None
+    from chatbot.engine.stop_criteria import StopOnStrings
+
+    return StopOnStrings(tokenizer, stops)
