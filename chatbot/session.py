@@ -151,13 +151,28 @@ class ChatSession(ConversationCache, SavedConversation, LoggedSession):
             GenerationChunk; the last one has the finish reason and stats.
 
         Raises:
-            ChatbotError: an empty message.
+            ChatbotError: an empty message, or the model's file changed on disk since it was
+                loaded (`_check_model_file`).
             ContextFullError: the message does not fit; nothing is changed.
             KeyboardInterrupt: re-raised after the partial answer has been kept.
         """
         if not text.strip():
             raise ChatbotError("empty message")
+        self._check_model_file()
         return self._logged(self._send(text, sampling or self.sampling), user=text)
+
+    def _check_model_file(self) -> None:
+        """Refuse a turn, before anything changes, when the file the model's weights are
+        mapped from changed on disk since the load (a GGUF run as stored): a rewritten file
+        answers garbage and a truncated one kills the process with SIGBUS at the next read.
+        One `stat`; a change while an answer is being generated is not seen.
+
+        Raises:
+            ChatbotError: the file changed, saying to restart.
+        """
+        stamp = getattr(self.engine.model, "chatbot_file_stamp", None)
+        if stamp is not None:
+            stamp.check()
 
     def _send(self, text: str, sampling: SamplingConfig) -> Generator[GenerationChunk, None, None]:
         if self.segments or self.turns:
@@ -424,6 +439,7 @@ class ChatSession(ConversationCache, SavedConversation, LoggedSession):
         """
         if not self.turns:
             raise ChatbotError("nothing to retry")
+        self._check_model_file()
         return self._logged(self._retry(sampling or self.sampling), user=None)
 
     def _retry(self, sampling: SamplingConfig) -> Generator[GenerationChunk, None, None]:
@@ -468,6 +484,7 @@ class ChatSession(ConversationCache, SavedConversation, LoggedSession):
             raise ChatbotError("nothing to continue")
         if not self.can_continue():
             raise ChatbotError("the last answer ended by itself; /retry asks for a new one")
+        self._check_model_file()
         return self._logged(self._continue(sampling or self.sampling), user=None)
 
     def _continue(self, sampling: SamplingConfig) -> Generator[GenerationChunk, None, None]:
@@ -491,7 +508,9 @@ class ChatSession(ConversationCache, SavedConversation, LoggedSession):
 
         Raises:
             ContextFullError: the conversation no longer fits (it is kept, not encoded).
+            ChatbotError: the model's file changed on disk (nothing is changed).
         """
+        self._check_model_file()
         self.system = text if text and text.strip() else None
         self._log(Event.SYSTEM, system=self.system)
         self._rebuild_segments()
@@ -528,7 +547,10 @@ class ChatSession(ConversationCache, SavedConversation, LoggedSession):
         Raises:
             ConfigError: the data is not a conversation (nothing is changed).
             ContextFullError: it does not fit in the context (it is kept, not encoded).
+            ChatbotError: the model's file changed on disk (nothing is changed).
         """
+        if encode:
+            self._check_model_file()
         system, sampling, turns = parse_saved(data, self.sampling, warnings)
         self.system = system
         self.turns = turns

@@ -1,20 +1,34 @@
 """The tensor table of a GGUF file, read without torch: what is checked before a model loads
 (`chatbot.models.source.check_gguf`) and what the weights are mapped from
-(`chatbot.engine.gguf_weights`)."""
+(`chatbot.engine.gguf_weights`).
+
+The table is checked as strictly as llama.cpp's `gguf_init_from_file` checks it: each
+tensor's data starts where the one before it ends, padded to the file's alignment (no gap,
+no overlap, no misaligned offset), its type is known and its rows hold whole blocks, and it
+lies inside the file. A file that fails is refused with one line naming the tensor, instead
+of being mapped and answering garbage.
+
+`FileStamp` remembers which file a model was mapped from, so that a chat can refuse a turn
+when the file changed under its memory map (a truncated file kills the process with SIGBUS
+at the first page read past its new end; one rewritten in place answers garbage).
+"""
 
 from __future__ import annotations
 
+import math
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
+from chatbot.errors import ChatbotError
 
 # GGUF metadata value types: byte sizes of the fixed-size ones (8: string, 9: array)
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
 _U64 = struct.Struct("<Q")
+_MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
 
 
 @dataclass(frozen=True)  # shared by the reads of one file (`read_tensor_table`)
@@ -42,16 +56,21 @@ def _skip_value(buf: mmap.mmap, pos: int, kind: int) -> int:
             for _ in range(count):
                 pos += 8 + unpack(buf, pos)[0]
             return pos
+        if item != _ARRAY:
+            raise ValueError(f"a metadata array has items of an unknown type ({item})")
         for _ in range(count):
             pos = _skip_value(buf, pos, item)
         return pos
+    if kind not in _SCALAR_BYTES:
+        raise ValueError(f"a metadata value has an unknown type ({kind})")
     return pos + _SCALAR_BYTES[kind]
 
 
-# The last table read, with the header bytes it was read from: a load reads the table three
-# times (checking the file, keying the tokenizer cache, mapping the weights), and the header
-# of a 150k vocabulary takes ~35 ms to walk, against ~1 ms to compare.
-_last_table: tuple[str, bytes, tuple[str, list[TensorInfo]]] | None = None
+# The last table read, with the file size and header bytes it was read from: a load reads the
+# table three times (checking the file, keying the tokenizer cache, mapping the weights), and
+# the header of a 150k vocabulary takes ~35 ms to walk, against ~1 ms to compare. (The size is
+# part of the key: a table is checked against the end of its file.)
+_last_table: tuple[str, int, bytes, tuple[str, list[TensorInfo]]] | None = None
 
 
 def read_tensor_table(path: str | Path) -> tuple[str, list[TensorInfo]]:
@@ -62,7 +81,8 @@ def read_tensor_table(path: str | Path) -> tuple[str, list[TensorInfo]]:
     tests check it against GGUFReader).
 
     Raises:
-        ValueError: not a GGUF v2/v3 file, or a tensor type gguf does not know.
+        ValueError: not a GGUF v2/v3 file, or a damaged tensor table (`_check_tensor`): one
+            line that names the tensor.
     """
     global _last_table
     with open(path, "rb") as f:
@@ -72,14 +92,16 @@ def read_tensor_table(path: str | Path) -> tuple[str, list[TensorInfo]]:
             raise ValueError(f"{path} is not a GGUF v2/v3 file") from None
     with buf:
         last = _last_table
-        if last is not None and last[0] == str(path) and buf[: len(last[1])] == last[1]:
-            arch, table = last[2]
+        if last is not None and last[:2] == (str(path), len(buf)) and buf[: len(last[2])] == last[2]:
+            arch, table = last[3]
             return arch, list(table)
         try:
             header_end, arch, table = _parse_header(buf, path)
         except struct.error:
             raise ValueError(f"{path} is truncated inside its GGUF header") from None
-        _last_table = (str(path), buf[:header_end], (arch, table))
+        except UnicodeDecodeError:  # not the codec's words: they name no tensor
+            raise ValueError(f"{path} has a name in its GGUF header that is not UTF-8 text") from None
+        _last_table = (str(path), len(buf), buf[:header_end], (arch, table))
     return arch, list(table)
 
 
@@ -110,19 +132,129 @@ def _parse_header(buf: mmap.mmap, path: str | Path) -> tuple[int, str, list[Tens
         name = buf[pos + 8 : pos + 8 + n].decode()
         pos += 8 + n
         (n_dims,) = struct.unpack_from("<I", buf, pos)
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise ValueError(f"tensor {name!r} has {n_dims} dimensions (a GGUF tensor has 1 to 4)")
         shape = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
         kind, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
         pos += 16 + 8 * n_dims
         raw.append((name, shape, kind, offset))
     if pos > len(buf):
         raise struct.error("past the end")
+    if alignment == 0 or alignment & (alignment - 1):
+        raise ValueError(f"its general.alignment ({alignment}) is not a power of two")
     start = -(-pos // alignment) * alignment
-    table = []
+    table: list[TensorInfo] = []
+    names: set[str] = set()
     for name, shape, kind, offset in raw:
-        qtype = GGMLQuantizationType(kind)
-        per_block, block_bytes = GGML_QUANT_SIZES[qtype]
-        count = int(np.prod(shape))
-        table.append(
-            TensorInfo(name, tuple(shape), qtype.name, start + offset, count // per_block * block_bytes)
-        )
+        try:
+            qtype = GGMLQuantizationType(kind)
+            per_block, block_bytes = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise ValueError(f"tensor {name!r} has an unknown type ({kind})") from None
+        info = TensorInfo(name, tuple(shape), qtype.name, start + offset, 0)
+        _check_tensor(info, per_block, names, table[-1] if table else None, start, alignment, len(buf))
+        nbytes = math.prod(shape) // per_block * block_bytes
+        if info.offset + nbytes > len(buf):
+            raise ValueError(
+                f"tensor {name!r} ({_describe(info)}, {nbytes:,} bytes from byte {info.offset:,}) "
+                f"runs past the end of the file ({len(buf):,} bytes)"
+            )
+        names.add(name)
+        table.append(TensorInfo(name, info.shape, info.type_name, info.offset, nbytes))
     return pos, arch, table
+
+
+def _describe(t: TensorInfo) -> str:
+    return f"{t.type_name} {'x'.join(str(n) for n in t.shape)}"
+
+
+def _check_tensor(
+    t: TensorInfo,
+    per_block: int,
+    names: set[str],
+    before: TensorInfo | None,
+    start: int,
+    alignment: int,
+    size: int,
+) -> None:
+    """Refuse an entry of the tensor table as llama.cpp's `gguf_init_from_file` does (its
+    `nbytes` is not known yet; its 1-4 dimensions were checked as the table was read): its
+    name is new, no dimension is empty, its rows hold whole blocks; its data starts inside
+    the file, on the file's alignment, right where the data of `before` ends, padded (the
+    first: where the data section starts).
+
+    Raises:
+        ValueError: one line naming the tensor.
+    """
+    name = t.name
+    if name in names:
+        raise ValueError(f"tensor {name!r} appears twice in the tensor table")
+    if 0 in t.shape or math.prod(t.shape) >= 1 << 63:
+        raise ValueError(f"tensor {name!r} has the shape {'x'.join(map(str, t.shape))}, with no data")
+    if t.shape[0] % per_block:
+        raise ValueError(
+            f"tensor {name!r} ({_describe(t)}) has rows of {t.shape[0]} values, not whole "
+            f"{t.type_name} blocks of {per_block}"
+        )
+    if t.offset >= size:
+        raise ValueError(
+            f"tensor {name!r} starts at byte {t.offset:,}, past the end of the file ({size:,} bytes)"
+        )
+    if (t.offset - start) % alignment:
+        raise ValueError(
+            f"tensor {name!r} starts at byte {t.offset:,}, not on the file's {alignment}-byte alignment"
+        )
+    expected = start if before is None else before.offset + -(-before.nbytes // alignment) * alignment
+    if t.offset == expected:
+        return
+    if before is None:
+        raise ValueError(
+            f"tensor {name!r}, the first, starts at byte {t.offset:,}, not where the data begins ({start:,})"
+        )
+    what = (
+        f"a gap of {t.offset - expected:,}"
+        if t.offset > expected
+        else f"overlapping it by {expected - t.offset:,}"
+    )
+    raise ValueError(
+        f"tensor {name!r} starts at byte {t.offset:,}, but {before.name!r} before it ({_describe(before)}, "
+        f"{before.nbytes:,} bytes) ends at {expected:,}: {what} bytes"
+    )
+
+
+@dataclass(frozen=True)
+class FileStamp:
+    """What identifies a file's contents cheaply (size, modification and change times, inode):
+    taken when a model maps the file, compared before each turn (`check`)."""
+
+    path: str
+    key: tuple[int, ...]
+
+    @classmethod
+    def of(cls, path: str | Path) -> FileStamp:
+        """The stamp of `path` now.
+
+        Raises:
+            OSError: the file cannot be read.
+        """
+        return cls(str(path), cls._key(path))
+
+    @staticmethod
+    def _key(path: str | Path) -> tuple[int, ...]:
+        st = os.stat(path)
+        return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+
+    def check(self) -> None:
+        """Raise unless the file is as it was when stamped (a µs: one `stat`).
+
+        Raises:
+            ChatbotError: the file was changed, truncated, replaced or removed.
+        """
+        try:
+            same = self._key(self.path) == self.key
+        except OSError:
+            same = False
+        if not same:
+            raise ChatbotError(
+                f"the model file {self.path} changed on disk since it was loaded; restart to load it again"
+            )

@@ -133,7 +133,7 @@ def load_config_and_tokenizer(path: Path, cache: Path, notes: list[str]) -> tupl
         except Exception:  # noqa: BLE001 - a damaged file the size check missed: rebuilt below
             notes.append(f"the cached tokenizer of {path.name} in {cache} did not load; rebuilt it")
     elif cache.exists():
-        notes.append(f"the cached tokenizer of {path.name} in {cache} was incomplete; rebuilt it")
+        notes.append(f"the cached tokenizer of {path.name} in {cache} was incomplete or changed; rebuilt it")
     with _quiet_transformers(gguf=True):
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
         typed = _tokenizer_type(path, config)
@@ -339,6 +339,7 @@ def build_packed_model(path: Path, config: Any) -> Any:
     if left:
         raise NotPackable(f"no weights in the file for {left[0]}")
     model.chatbot_gguf = str(path)
+    model.chatbot_file_stamp = src.stamp  # the file as mapped: a chat checks it before each turn
     return model.eval()
 
 

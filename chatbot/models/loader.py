@@ -213,14 +213,14 @@ def _load_error(exc: Exception, where: str, folder: Path, config: Any, opts: Loa
     return ModelLoadError(f"cannot load the model in {where}: {_short(exc)}")
 
 
-def _weights_finite(model: Any) -> bool:
-    """No NaN or infinity in the weights (damage a size check cannot see)."""
+def _nonfinite_weight(model: Any) -> str | None:
+    """The name of the first parameter holding NaN or infinity (damage a size check cannot
+    see), or None."""
     with torch.no_grad():
-        return all(
-            bool(torch.isfinite(p).all())
-            for p in model.parameters()
-            if p.is_floating_point() and p.device.type != "meta"
-        )
+        for name, p in model.named_parameters():
+            if p.is_floating_point() and p.device.type != "meta" and not bool(torch.isfinite(p).all()):
+                return name
+    return None
 
 
 def _packable(opts: LoadOptions) -> bool:
@@ -258,6 +258,7 @@ def _load_gguf(gguf: Path, opts: LoadOptions, checked: bool = False) -> tuple[An
     notes: list[str] = []
     if not checked:
         check_gguf(gguf)
+    _check_finite(gguf)
     if _packable(opts) and _kernels_load(gguf, notes):
         try:
             with _quiet_transformers():
@@ -279,8 +280,26 @@ def _load_gguf(gguf: Path, opts: LoadOptions, checked: bool = False) -> tuple[An
     return model, tokenizer, notes + more
 
 
+def _check_finite(gguf: Path) -> None:
+    """Refuse a GGUF file with NaN or infinity in its norms, small float tensors, or the
+    block scales of its embedding and output matrices (a few ms: `gguf_weights.check_finite`)."""
+    from chatbot.engine.gguf_weights import NonFiniteWeights, check_finite
+
+    try:
+        check_finite(gguf)
+    except NonFiniteWeights as exc:
+        raise ModelLoadError(
+            f"cannot use GGUF file {gguf}: {exc}; the file is damaged, download it again"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read GGUF file {gguf}: {_short(exc)}") from exc
+
+
 def _load_gguf_converted(gguf: Path, opts: LoadOptions) -> tuple[Any, Any, list[str]]:
+    from chatbot.engine.gguf_table import FileStamp
+
     notes: list[str] = []
+    stamp = FileStamp.of(gguf)  # the fast path maps the file's matrices
     target = converted_dir(gguf)
     if not _manifest_ok(target):
         target = _writable_target(target, notes)
@@ -298,15 +317,22 @@ def _load_gguf_converted(gguf: Path, opts: LoadOptions) -> tuple[Any, Any, list[
         notes.append(f"converted copy in {target} did not load; rebuilt it")
         convert_gguf(gguf, target)
         model, tokenizer = _load_folder(target, opts, str(gguf))
-    if not opts.quantize and not _weights_finite(model):
+    if not opts.quantize and _nonfinite_weight(model):
         # Sizes match but the numbers are damaged (NaN written into the file): rebuild once.
         notes.append(f"converted copy in {target} holds NaN or infinite weights; rebuilt it")
         del model
         convert_gguf(gguf, target)
         model, tokenizer = _load_folder(target, opts, str(gguf))
+        bad = _nonfinite_weight(model)
+        if bad:  # then the GGUF file itself holds them, where the load-time check does not look
+            raise ModelLoadError(
+                f"cannot use GGUF file {gguf}: its weights for {bad} hold NaN or infinity; "
+                "the file is damaged, download it again"
+            )
     # The fast decode path packs its matrices straight from this file, in their stored
     # formats (chatbot.engine.gguf_weights), rather than from the float32 copy.
     model.chatbot_gguf = str(gguf)
+    model.chatbot_file_stamp = stamp
     if getattr(getattr(model, "model", None), "rotary_emb", None) is not None:
         from chatbot.engine.gguf_weights import GGUFWeights
         from chatbot.models.gguf_model import NotPackable, apply_rope_freqs
