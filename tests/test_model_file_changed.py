@@ -111,3 +111,30 @@ def test_model_file_truncated_under_a_chat_is_an_error_not_sigbus(tiny_gguf, tmp
         f"refused: the model file {path} changed on disk since it was loaded; restart to load it again"
     ), result.stdout
     assert lines[1] == "turns: 1 True"
+
+
+def test_a_server_whose_model_file_changed_answers_500_on_both_endpoints_and_stays_up(tmp_path):
+    """The server's fault, not the request's: 500 with the reason, for chat and for raw
+    completions (which run the engine without a session), and the process lives on."""
+    import httpx
+    from helpers import make_model, make_tokenizer, write_tiny_gguf
+    from serve_helpers import running_server
+
+    tok = make_tokenizer()
+    gguf = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf, make_model(len(tok)), tok)
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_DATA_HOME": str(tmp_path / "data")}
+    with running_server("--model", str(gguf), "--served-model-name", "tiny", env=env) as url:
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        complete = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+        assert httpx.post(f"{url}/chat/completions", json=chat, timeout=60).status_code == 200
+        assert httpx.post(f"{url}/completions", json=complete, timeout=60).status_code == 200
+        data = bytearray(gguf.read_bytes())
+        data[-64:] = bytes(64)  # the same size, other bytes: the stamp's times change
+        gguf.write_bytes(bytes(data))
+        for path, body in (("chat/completions", chat), ("completions", complete)):
+            r = httpx.post(f"{url}/{path}", json=body, timeout=60)
+            assert r.status_code == 500, (path, r.text)
+            error = r.json()["error"]
+            assert error["type"] == "server_error" and "changed on disk" in error["message"], error
+        assert httpx.get(url.removesuffix("/v1") + "/health", timeout=10).status_code == 200

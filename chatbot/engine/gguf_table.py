@@ -222,6 +222,11 @@ def _check_tensor(
     )
 
 
+class ModelFileChanged(ChatbotError):
+    """The file a model's weights are mapped from changed on disk since it was loaded: the
+    process's fault to report (a server answers 500), not the request's."""
+
+
 @dataclass(frozen=True)
 class FileStamp:
     """What identifies a file's contents cheaply (size, modification and change times, inode):
@@ -248,13 +253,13 @@ class FileStamp:
         """Raise unless the file is as it was when stamped (a µs: one `stat`).
 
         Raises:
-            ChatbotError: the file was changed, truncated, replaced or removed.
+            ModelFileChanged: the file was changed, truncated, replaced or removed.
         """
         try:
             same = self._key(self.path) == self.key
         except OSError:
             same = False
         if not same:
-            raise ChatbotError(
+            raise ModelFileChanged(
                 f"the model file {self.path} changed on disk since it was loaded; restart to load it again"
             )

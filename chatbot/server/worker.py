@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from chatbot.config import SamplingConfig
+from chatbot.engine.gguf_table import ModelFileChanged
 from chatbot.engine.kernels import KernelsUnavailable
 from chatbot.engine.stops import StopStrings, StopView
 from chatbot.errors import ChatbotError, ContextFullError
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 def _error(exc: ChatbotError) -> APIError:
     """The answer to a request the engine refused: the server's fault (500) where its native
     kernels do not load, which no request could change; else the request's (400)."""
-    if isinstance(exc, KernelsUnavailable):
+    if isinstance(exc, (KernelsUnavailable, ModelFileChanged)):
         return APIError(500, str(exc), "server_error")
     return APIError(400, str(exc))
 
@@ -97,6 +98,9 @@ class Worker:
     def _complete(self, job: Job, tracker: LogprobTracker | None) -> None:
         """A raw prompt on a fresh cache (no template, no prefix cache)."""
         engine = self.pool.engine
+        stamp = getattr(engine.model, "chatbot_file_stamp", None)
+        if stamp is not None:  # a file changed under the mapping would kill the server (SIGBUS)
+            stamp.check()
         ids = list(engine.tokenizer(job.prompt)["input_ids"])
         if not ids:
             job.emit(("error", APIError(400, "the prompt is empty", param="prompt")))
