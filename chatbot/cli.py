@@ -191,6 +191,7 @@ def run(
             _leave_while_loading()
     if repl.load_error is not None:
         raise repl.load_error
+    _exit_if_failed(repl, interactive)
 
 
 def _leave_while_loading() -> None:
@@ -485,18 +486,16 @@ def _run_remote(
     from chatbot.remote import RemoteBackend, RemoteSession, remote_sampling
     from chatbot.terminal.repl import Repl, resolve_resume
     from chatbot.terminal.repl import run as run_repl
+    from chatbot.terminal.tty import make_consoles
 
     sampling = remote_sampling(**overrides)
     resume_path = resolve_resume(resume)
-    backend = RemoteBackend(server, model, _api_key(api_key_env))
-    backend.connect()
-    session = RemoteSession(backend, system, sampling)
     interactive = sys.stdin.isatty()
-    out = Console(soft_wrap=True, highlight=False)
-    if interactive and sys.stdout.isatty():
-        info = out
-    else:
-        info = Console(stderr=True, highlight=False, soft_wrap=True)
+    backend = RemoteBackend(server, model, _api_key(api_key_env), api_key_env=api_key_env)
+    # On a pipe nothing can be answered by a server that is not there: one error line now.
+    backend.connect(strict=not interactive)
+    session = RemoteSession(backend, system, sampling)
+    out, info = make_consoles(interactive)
     plain = plain or not sys.stdout.isatty()
     repl = Repl(session, backend, out, plain=plain, show_stats=not no_stats, info=info)
     for note in backend.notes:
@@ -509,6 +508,14 @@ def _run_remote(
         overrides={k: v for k, v in overrides.items() if v is not None and k != "stream_interval"},
     )
     run_repl(repl, interactive)
+    _exit_if_failed(repl, interactive)
+
+
+def _exit_if_failed(repl: Any, interactive: bool) -> None:
+    """A piped chat exits with 1 when a message (or /retry, /continue) got no answer: its
+    error line was printed where it happened, and the lines after it were still run."""
+    if not interactive and repl.failed:
+        sys.exit(1)  # not typer's Exit: `main` runs click with standalone_mode=False
 
 
 @app.command()

@@ -13,45 +13,41 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 import sys
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import openai
 from openai.types.chat import ChatCompletionMessageParam
 
+from chatbot.chat import (
+    Chat,
+    Meter,
+    ModelInfo,
+    ProgressCallback,
+    RemoteStats,
+    merge_remote_stats,
+    normal_system,
+)
 from chatbot.config import SamplingConfig
-from chatbot.engine.stats import TurnStats, merge_stats, summarize
+from chatbot.engine.stats import summarize
 from chatbot.errors import ChatbotError, ConfigError
-from chatbot.persist import SavedConversation, Turn, parse_saved, saved_dict
-from chatbot.session_log import Event, LoggedSession
+from chatbot.persist import Turn, saved_dict
+
+__all__ = ["RemoteBackend", "RemoteChunk", "RemoteError", "RemoteSession", "RemoteStats", "remote_sampling"]
 
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 300.0  # a long prompt on a busy CPU server may take minutes to prefill
 RETRIES = 2  # of idempotent calls (GET /v1/models) and of connections that never opened
 BACKOFF_S = 0.5
 
-ProgressCallback = Callable[[int, int], None]
-
 
 class RemoteError(ChatbotError):
     """The server could not be reached or refused a request."""
-
-
-@dataclass
-class RemoteStats(TurnStats):
-    """A turn's figures as seen from the client.
-
-    `context_tokens` are the prompt tokens the server prefilled (its prompt less the
-    `cached_tokens` its prefix cache reused); `estimated` says the counts are ours (one
-    token per chunk), the server having sent no usage.
-    """
-
-    prompt_tokens: int = 0
-    cached_tokens: int | None = None
-    estimated: bool = False
 
 
 @dataclass
@@ -75,10 +71,16 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
 class RemoteBackend:
     """The server and the model on it.
 
+    The URL is normalised to the API root (`api_roots`): a trailing slash and an endpoint
+    (/chat/completions, /completions, /models) are dropped; a root that ends in a version
+    (/v1, /v2, /api/v1) is taken as given, any other is tried with /v1 added, then as given.
+    The first that answers GET models is kept.
+
     Args:
-        base_url: the API root, e.g. http://127.0.0.1:8000/v1 (a missing /v1 is added).
+        base_url: the server, e.g. http://127.0.0.1:8000/v1 or http://127.0.0.1:8000.
         model: the model id (default: the first of GET /v1/models).
         api_key: sent as a bearer token (servers without keys ignore it).
+        api_key_env: the environment variable the key came from (named when it is refused).
     """
 
     def __init__(
@@ -88,41 +90,46 @@ class RemoteBackend:
         api_key: str | None = None,
         connect_timeout: float = CONNECT_TIMEOUT_S,
         read_timeout: float = READ_TIMEOUT_S,
+        api_key_env: str | None = None,
     ) -> None:
-        url = base_url.strip().rstrip("/")
-        if not url.startswith(("http://", "https://")):
-            raise ConfigError(
-                f"--server {base_url!r}: expected an http:// or https:// URL, e.g. http://127.0.0.1:8000/v1"
-            )
-        if not url.endswith("/v1"):
-            url += "/v1"
-        self.base_url = url
-        self.client = openai.OpenAI(
-            base_url=url,
-            api_key=api_key or "none",
-            timeout=openai.Timeout(read_timeout, connect=connect_timeout),
-            max_retries=0,  # retries are ours: only of what is safe to repeat
-        )
+        self.roots = api_roots(base_url)
+        self.api_key, self.api_key_env = api_key, api_key_env
+        self.timeout = openai.Timeout(read_timeout, connect=connect_timeout)
         self.transport_errors = _transport_errors()
         self.model = model
         self.server_models: list[dict[str, Any]] = []
         self.notes: list[str] = []
+        self.resolved = len(self.roots) == 1
+        self._use(self.roots[0])
+        self._continue_method: str | None = None
+        self.continue_noted = False  # the note on how /continue works here was shown
+
+    def _use(self, url: str) -> None:
+        self.base_url = url
+        self.client = openai.OpenAI(
+            base_url=url,
+            api_key=self.api_key or "none",
+            timeout=self.timeout,
+            max_retries=0,  # retries are ours: only of what is safe to repeat
+        )
 
     @property
     def name(self) -> str:
         return self.model or "?"
 
-    def connect(self) -> None:
-        """Ask the server for its models and pick one; an unreachable server is a note, not
-        an error (the chat starts and each message tries again).
+    def connect(self, strict: bool = False) -> None:
+        """Ask the server for its models and pick one. An unreachable server is a note, not
+        an error (the chat starts and each message tries again), unless `strict`.
 
         Raises:
-            RemoteError: the server refused the API key, or has no model of that name.
+            RemoteError: the server refused the API key, has no OpenAI API at the URL, has no
+                model of that name, or (with `strict`) cannot be reached.
         """
         try:
             models = self.list_models()
         except RemoteError as exc:
-            if isinstance(exc.__cause__, openai.AuthenticationError):
+            refused = (openai.AuthenticationError, openai.NotFoundError, ValueError)
+            if strict or isinstance(exc.__cause__, refused):
                 raise
             self.notes.append(f"warning: {exc}; each message tries again")
             return
@@ -135,19 +142,55 @@ class RemoteBackend:
             raise RemoteError(f"the server has no model {self.model!r}; it has: {', '.join(ids)}")
 
     def list_models(self) -> list[dict[str, Any]]:
-        """GET /v1/models (retried with a short backoff: it is idempotent).
+        """GET models (retried with a short backoff: it is idempotent). Until one has
+        answered, each candidate API root is tried in turn; the first that answers is kept.
 
         Raises:
-            RemoteError: unreachable, refused, or not an OpenAI-compatible answer.
+            RemoteError: unreachable, refused, or no OpenAI API at any candidate root.
         """
+        if self.resolved:
+            return self._list_models()
+        missing: RemoteError | None = None
+        for url in self.roots:
+            self._use(url)
+            try:
+                models = self._list_models()
+            except RemoteError as exc:
+                if not isinstance(exc.__cause__, openai.NotFoundError | ValueError | TypeError):
+                    self._use(self.roots[0])
+                    raise
+                missing = missing or exc
+                continue
+            self.resolved = True
+            return models
+        self._use(self.roots[0])
+        assert missing is not None
+        tried = " or ".join(self.roots)
+        raise RemoteError(
+            f"no OpenAI API at {tried} (GET models: 404); give the API root, e.g. http://host:port/v1"
+        ) from missing.__cause__
+
+    def _list_models(self) -> list[dict[str, Any]]:
         last: BaseException | None = None
         for attempt in range(RETRIES + 1):
             try:
                 page = self.client.models.list()
-                self.server_models = [m.model_dump() for m in page.data]
-                return self.server_models
+                models = [m.model_dump() for m in page.data]
+                if not all(isinstance(m.get("id"), str) for m in models):
+                    raise ValueError("a model without an id")
+                self.server_models = models
+                return models
+            except openai.NotFoundError as exc:
+                raise RemoteError(
+                    f"no OpenAI API at {self.base_url} (GET {self.base_url}/models: 404); "
+                    "give the API root, e.g. http://host:port/v1"
+                ) from exc
             except openai.APIStatusError as exc:
                 raise self.error(exc) from exc
+            except (ValueError, TypeError, AttributeError) as exc:  # a 200 that is not an API's answer
+                raise RemoteError(
+                    f"no OpenAI API at {self.base_url} (GET {self.base_url}/models did not list models)"
+                ) from ValueError(str(exc))
             except self.transport_errors as exc:
                 last = exc
                 time.sleep(BACKOFF_S * (2**attempt))
@@ -157,11 +200,15 @@ class RemoteBackend:
     def error(self, exc: BaseException) -> RemoteError:
         """One line for what went wrong with a call."""
         if isinstance(exc, openai.AuthenticationError):
+            if self.api_key is not None:
+                var = f" in {self.api_key_env}" if self.api_key_env else ""
+                return RemoteError(f"the server refused the API key{var} (401): {_detail(exc)}")
             return RemoteError(
-                f"the server refused the API key (401); pass it with --api-key-env VAR ({_detail(exc)})"
+                f"the server wants an API key (401): {_detail(exc)}; "
+                "put it in an environment variable and pass --api-key-env VAR"
             )
         if isinstance(exc, openai.NotFoundError):
-            return RemoteError(f"not found (404): {_detail(exc)} (/model lists the server's models)")
+            return RemoteError(f"not found (404) at {self.base_url}: {_detail(exc)}")
         if isinstance(exc, openai.APIStatusError):
             kind = "server error" if exc.status_code >= 500 else "the server refused the request"
             return RemoteError(f"{kind} ({exc.status_code}): {_detail(exc)}")
@@ -182,11 +229,11 @@ class RemoteBackend:
         models = self.server_models
         if models:
             rows["models on the server"] = ", ".join(m["id"] for m in models)
-            mine = next((m for m in models if m["id"] == self.model), None)
-            limit = (mine or {}).get("max_model_len")
-            if limit:
-                rows["context limit"] = f"{limit:,} tokens"
+        if self.max_context:
+            rows["context limit"] = f"{self.max_context:,} tokens"
         rows["cache"] = "the server's prefix cache (each message sends the whole conversation)"
+        if self._continue_method is not None:
+            rows["/continue"] = CONTINUE_METHODS[self._continue_method]
         return rows
 
     @property
@@ -195,13 +242,70 @@ class RemoteBackend:
         limit = (mine or {}).get("max_model_len")
         return int(limit) if isinstance(limit, int) else None
 
+    def _ready(self) -> str:
+        if self.model is None:
+            self.connect()
+            if self.model is None:
+                raise RemoteError(f"cannot reach the server at {self.base_url}")
+        return self.model
+
+    def continue_method(self) -> str:
+        """How this server goes on with an answer: "final-message" (the answer so far is sent
+        as the last, open assistant message) or "prompt" (a user message asks for the rest).
+        Found once per server by `_probe_continue`."""
+        if self._continue_method is None:
+            self._continue_method = self._probe_continue()
+        return self._continue_method
+
+    def _probe_continue(self) -> str:
+        """Three requests of one token each, compared by the prompt tokens the server counts:
+        a short answer sent as the final assistant message with `continue_final_message`
+        (A), the same without it (B), and the conversation without that answer (C).
+
+        A server that honours the field renders A open (A < B: vLLM, SGLang, chatbot serve).
+        One that ignores it renders A as B: a closed answer and a new generation prompt
+        (llama-cpp-python's server: A = C + the answer + at least an end-of-turn or a
+        prompt token), or an open one by itself (llama.cpp's llama-server, ollama: A = C +
+        the answer's one token). A server that refuses B but takes A honours the field
+        (`chatbot serve`). Unknown counts (no usage) or A refused: the prompt, which every
+        server understands.
+        """
+        user: ChatCompletionMessageParam = {"role": "user", "content": "Say OK."}
+        start: ChatCompletionMessageParam = {"role": "assistant", "content": "Sure"}
+        flags = {"continue_final_message": True, "add_generation_prompt": False}
+        try:
+            try:
+                a = self._prompt_tokens([user, start], flags)
+            except openai.BadRequestError:
+                return "prompt"  # the field (or a final assistant message) refused
+            try:
+                b = self._prompt_tokens([user, start], None)
+            except openai.BadRequestError:
+                return "final-message"  # it tells the two apart (chatbot serve: 400 without it)
+            c = self._prompt_tokens([user], None)
+        except openai.APIError as exc:
+            raise self.error(exc) from exc
+        if a is None or b is None or c is None:
+            return "prompt"
+        return "final-message" if a < b or a - c <= 1 else "prompt"
+
+    def _prompt_tokens(
+        self, messages: list[ChatCompletionMessageParam], extra: dict[str, Any] | None
+    ) -> int | None:
+        reply = self.client.chat.completions.create(
+            model=self._ready(), messages=messages, max_tokens=1, temperature=0.0, extra_body=extra
+        )
+        usage = getattr(reply, "usage", None)
+        count = getattr(usage, "prompt_tokens", None)
+        return count if isinstance(count, int) and count > 0 else None
+
     def stream(
         self,
         messages: list[ChatCompletionMessageParam],
         sampling: SamplingConfig,
         extra: dict[str, Any] | None = None,
-    ) -> Iterator[Any]:
-        """POST /v1/chat/completions with stream=true; yields the client's chunk objects.
+    ) -> Generator[Any, None, None]:
+        """POST chat/completions with stream=true; yields the client's chunk objects.
 
         A connection that never opened is retried (nothing reached the server); an answer
         is never asked for twice. Closing the iterator closes the HTTP stream.
@@ -209,17 +313,15 @@ class RemoteBackend:
         Raises:
             RemoteError: as `error` words it.
         """
-        if self.model is None:
-            self.connect()
-            if self.model is None:
-                raise RemoteError(f"cannot reach the server at {self.base_url}")
+        model = self._ready()
         body = request_fields(sampling)
-        body.update(extra or {})
+        if extra:
+            body["extra_body"] = {**body.get("extra_body", {}), **extra}
         response = None
         for attempt in range(RETRIES + 1):
             try:
                 response = self.client.chat.completions.create(
-                    model=self.model,
+                    model=model,
                     messages=messages,
                     stream=True,
                     stream_options={"include_usage": True},
@@ -245,6 +347,38 @@ class RemoteBackend:
             ) from exc
         finally:
             response.close()
+
+
+CONTINUE_METHODS = {
+    "final-message": "the answer so far goes as the last assistant message (continue_final_message)",
+    "prompt": "a message asks the model to go on (the server does not continue a final assistant message)",
+}
+CONTINUE_PROMPT = "Continue your last answer exactly where it stopped, without repeating anything."
+ENDPOINTS = ("/chat/completions", "/completions", "/models", "/embeddings")
+
+
+def api_roots(url: str) -> list[str]:
+    """The API roots `url` may mean, the likelier first.
+
+    Raises:
+        ConfigError: not an http(s) URL.
+    """
+    raw = url.strip()
+    parts = urlsplit(raw)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(
+            f"--server {url!r}: expected an http:// or https:// URL, e.g. http://127.0.0.1:8000/v1"
+        )
+    path = parts.path.rstrip("/")
+    path = re.sub(r"/models/[^/]+$", "/models", path)
+    for endpoint in ENDPOINTS:
+        if path.endswith(endpoint):
+            path = path[: -len(endpoint)]
+            break
+    root = urlunsplit((parts.scheme, parts.netloc, path, parts.query, "")).rstrip("/")
+    if re.search(r"/v\d+$", path):
+        return [root]
+    return [root + "/v1", root]
 
 
 def request_fields(sampling: SamplingConfig) -> dict[str, Any]:
@@ -296,9 +430,8 @@ def remote_sampling(**overrides: Any) -> SamplingConfig:
     return dataclasses.replace(SamplingConfig(), **values).validated()
 
 
-class RemoteSession(SavedConversation, LoggedSession):
-    """The conversation as messages, answered by a server; the same methods as
-    `ChatSession` where the REPL uses them.
+class RemoteSession(Chat[RemoteChunk]):
+    """The conversation as messages, answered by a server (the `Chat` interface).
 
     Args:
         backend: the server and model.
@@ -310,10 +443,11 @@ class RemoteSession(SavedConversation, LoggedSession):
         self, backend: RemoteBackend, system: str | None = None, sampling: SamplingConfig | None = None
     ) -> None:
         self.backend = backend
-        self.system = system if system and system.strip() else None
+        self.system = normal_system(system)
         self.sampling = sampling or remote_sampling()
         self.turns: list[Turn] = []
-        self.last_total_tokens = 0  # the conversation's length, from the last usage
+        self.notes: list[str] = []
+        self.last_total_tokens: int | None = None  # the conversation's length, from the last usage
 
     # -- state -----------------------------------------------------------------------------
 
@@ -327,7 +461,10 @@ class RemoteSession(SavedConversation, LoggedSession):
         return msgs
 
     @property
-    def conversation_tokens(self) -> int:
+    def conversation_tokens(self) -> int | None:
+        """The conversation's length in tokens, as the server last counted it (None: unknown)."""
+        if not self.turns and not self.system:
+            return 0
         return self.last_total_tokens
 
     @property
@@ -335,60 +472,51 @@ class RemoteSession(SavedConversation, LoggedSession):
         return self.backend.max_context or 0
 
     def summary(self) -> dict[str, Any]:
-        return summarize([t.stats for t in self.turns], self.last_total_tokens)
+        totals = summarize([t.stats for t in self.turns], self.conversation_tokens or 0)
+        if any(getattr(t.stats, "estimated", False) for t in self.turns):
+            totals["context_tokens"] = None
+        if self.conversation_tokens is None:
+            totals["cache_tokens"] = None
+        return totals
 
     # -- a turn ------------------------------------------------------------------------------
 
-    def send(self, text: str, sampling: SamplingConfig | None = None) -> Generator[RemoteChunk, None, None]:
-        """Add a user message and stream the answer (see `ChatSession.send`).
+    def _send(self, text: str, sampling: SamplingConfig) -> Generator[RemoteChunk, None, None]:
+        return self._answer(Turn(text, "", RemoteStats()), sampling, new=True)
 
-        Raises:
-            ChatbotError: an empty message.
-            RemoteError: the server failed; an answer cut short is kept.
-        """
-        if not text.strip():
-            raise ChatbotError("empty message")
-        return self._logged(
-            self._answer(Turn(text, "", RemoteStats()), sampling or self.sampling, new=True), text
-        )
+    def _retry(self, sampling: SamplingConfig) -> Generator[RemoteChunk, None, None]:
+        return self._answer(self.turns[-1], sampling, new=False)
 
-    def retry(self, sampling: SamplingConfig | None = None) -> Generator[RemoteChunk, None, None]:
-        if not self.turns:
-            raise ChatbotError("nothing to retry")
-        return self._logged(self._answer(self.turns[-1], sampling or self.sampling, new=False), None)
-
-    def can_continue(self) -> bool:
-        t = self.turns[-1] if self.turns else None
-        return t is not None and (t.interrupted or t.stats.finish_reason in ("length", "interrupted"))
-
-    def continue_answer(self, sampling: SamplingConfig | None = None) -> Generator[RemoteChunk, None, None]:
-        """Go on with the last answer: it is sent as the final assistant message with vLLM's
-        `continue_final_message` (llama.cpp and ollama continue a final assistant message
-        by themselves)."""
-        if not self.turns:
-            raise ChatbotError("nothing to continue")
-        if not self.can_continue():
-            raise ChatbotError("the last answer ended by itself; /retry asks for a new one")
-        return self._logged(
-            self._answer(self.turns[-1], sampling or self.sampling, new=False, extend=True), None
-        )
+    def _continue(self, sampling: SamplingConfig) -> Generator[RemoteChunk, None, None]:
+        """Go on with the last answer, by the method the server supports
+        (`RemoteBackend.continue_method`): the answer as the final assistant message, or a
+        message asking for the rest (said once in a note)."""
+        method = self.backend.continue_method()
+        if method == "prompt" and not self.backend.continue_noted:
+            self.backend.continue_noted = True
+            self.notes.append(CONTINUE_PROMPT_NOTE)
+        yield from self._answer(self.turns[-1], sampling, new=False, extend=method)
 
     def _answer(
-        self, turn: Turn, sampling: SamplingConfig, new: bool, extend: bool = False
+        self, turn: Turn, sampling: SamplingConfig, new: bool, extend: str | None = None
     ) -> Generator[RemoteChunk, None, None]:
         history = self.messages() if new else self.messages()[:-2]
         messages: list[ChatCompletionMessageParam] = [*history, {"role": "user", "content": turn.user}]
         extra: dict[str, Any] | None = None
         before = turn.answer if extend else ""
-        if extend:
+        join = None
+        limit = 0
+        if extend == "final-message":
             messages.append({"role": "assistant", "content": before})
-            extra = {
-                "extra_body": {
-                    **request_fields(sampling).get("extra_body", {}),
-                    "continue_final_message": True,
-                    "add_generation_prompt": False,
-                }
-            }
+            extra = {"continue_final_message": True, "add_generation_prompt": False}
+        elif extend == "prompt":
+            messages.append({"role": "assistant", "content": before})
+            messages.append({"role": "user", "content": CONTINUE_PROMPT})
+            join = ContinuationJoin(before)
+            # A reply that repeats the answer so far spends tokens on it: room for that, and
+            # the new part still ends at max_new_tokens (chunks, about tokens).
+            limit = sampling.max_new_tokens
+            sampling = dataclasses.replace(sampling, max_new_tokens=limit + turn.stats.generated_tokens)
         parts: list[str] = []
         t0 = time.perf_counter()
         arrivals: list[float] = []
@@ -396,8 +524,9 @@ class RemoteSession(SavedConversation, LoggedSession):
         finish: str | None = None
         done = False
         final: RemoteStats | None = None
+        stream = self.backend.stream(messages, sampling, extra)
         try:
-            for chunk in self.backend.stream(messages, sampling, extra):
+            for chunk in stream:
                 now = time.perf_counter()
                 if getattr(chunk, "usage", None) is not None:
                     usage = chunk.usage
@@ -405,72 +534,131 @@ class RemoteSession(SavedConversation, LoggedSession):
                     piece = choice.delta.content if choice.delta is not None else None
                     if piece:
                         arrivals.append(now)
+                        piece = join.feed(piece) if join is not None else piece
+                    if piece:
                         parts.append(piece)
                         yield RemoteChunk(piece)
                     if choice.finish_reason:
                         finish = choice.finish_reason
+                if join is not None and len(parts) >= limit:
+                    finish = "length"
+                    break
             done = True
         finally:
+            stream.close()
             # Also on Ctrl-C (the stream is closed at once) and on errors: keep what came.
             if done or parts:
                 final = _stats(t0, arrivals, usage, finish if done else "interrupted")
-                if usage is not None:
-                    self.last_total_tokens = int(getattr(usage, "total_tokens", 0) or 0)
-                text = "".join(parts)
-                turn.answer = before + text
-                turn.stats = merge_stats(turn.stats, final) if extend else final
+                self.last_total_tokens = final.cache_tokens if usage is not None else None
+                turn.answer = before + "".join(parts)
+                turn.stats = merge_remote_stats(turn.stats, final) if extend else final
                 turn.interrupted = not done
                 if new:
                     self.turns.append(turn)
         assert final is not None
         yield RemoteChunk("", final.finish_reason, final)
 
-    def undo(self) -> Turn:
-        if not self.turns:
-            raise ChatbotError("nothing to undo")
-        turn = self.turns.pop()
-        self._log(Event.UNDO)
-        return turn
+    # -- commands ----------------------------------------------------------------------------
 
-    def reset(self) -> None:
-        self.turns = []
-        self.last_total_tokens = 0
-        self._log(Event.RESET)
+    def _undo(self) -> Turn:
+        self.last_total_tokens = None  # the server has not counted the shorter conversation
+        return self.turns.pop()
 
-    def set_system(self, text: str | None, on_progress: ProgressCallback | None = None) -> int:
-        """Replace the system prompt; nothing is encoded here (the server does it with the
-        next message). Returns 0."""
-        self.system = text if text and text.strip() else None
-        self._log(Event.SYSTEM, system=self.system)
-        return 0
+    def _clear(self) -> None:
+        self.last_total_tokens = None
 
-    def set_sampling(self, sampling: SamplingConfig) -> None:
-        self.sampling = sampling
-        self._log(Event.SETTINGS, settings=sampling.as_dict())
+    def _clear_counts(self) -> None:
+        self.last_total_tokens = None
 
-    # -- saving and loading ------------------------------------------------------------------
+    def _encode_conversation(self, on_progress: ProgressCallback | None, encode: bool = True) -> int:
+        return 0  # the server encodes it with the next message
+
+    # -- what the REPL shows -------------------------------------------------------------------
+
+    def describe_model(self, model: ModelInfo) -> tuple[str, dict[str, str]]:
+        self.backend.list_models()  # GET models now: the list may have changed
+        return "model (on the server)", self.backend.describe()
+
+    def describe_cache(self) -> tuple[str, dict[str, str]]:
+        last = self.turns[-1].stats if self.turns else None
+        known = last is not None and not getattr(last, "estimated", True)
+        cached = getattr(last, "cached_tokens", None)
+        total = self.conversation_tokens
+        return "cache (on the server)", {
+            "kept by": f"the server's prefix cache ({self.backend.base_url})",
+            "conversation (last usage)": UNKNOWN if total is None else f"{total:,} tokens",
+            "reused at the last message": "-"
+            if last is None
+            else f"{cached:,} tokens"
+            if known and cached is not None
+            else "not reported by the server",
+            "prefilled at the last message": "-"
+            if last is None
+            else f"{last.context_tokens:,} tokens"
+            if known
+            else UNKNOWN,
+        }
+
+    def meter(self) -> Meter:
+        return Meter(
+            "context", self.conversation_tokens, self.backend.max_context, f"@ {self.backend.base_url}"
+        )
+
+    def encoded_note(self, tokens: int, system: bool) -> str:
+        return (
+            " (sent with the next message)" if system else " (the server encodes them with the next message)"
+        )
+
+    # -- saving ------------------------------------------------------------------------------
 
     def to_dict(self, model: str | None = None) -> dict[str, Any]:
         data = saved_dict(self.system, self.sampling, self.messages(), self.turns, model)
         return {**data, "server": self.backend.base_url}
 
-    def restore(
-        self,
-        data: Any,
-        on_progress: ProgressCallback | None = None,
-        encode: bool = True,
-        warnings: list[str] | None = None,
-    ) -> int:
-        """Replace the conversation with saved data; nothing to encode here. Returns 0.
 
-        Raises:
-            ConfigError: the data is not a conversation (nothing is changed).
-        """
-        system, sampling, turns = parse_saved(data, self.sampling, warnings)
-        self.system, self.turns, self.sampling = system, turns, sampling
-        self.last_total_tokens = 0
-        self._log(Event.LOAD, state=self.to_dict(self.model_name))
-        return 0
+UNKNOWN = "unknown (the server sends no usage)"
+CONTINUE_PROMPT_NOTE = (
+    "this server does not continue a final assistant message: /continue asks the model to go on "
+    "with a message, and drops a repeat of the answer so far"
+)
+
+
+class ContinuationJoin:
+    """The text of a reply asked to go on with `before` (`CONTINUE_PROMPT`), as the rest of
+    it: a reply that starts by repeating `before` loses the repeat (held back until it is
+    told apart), and the first new text gets a space where two words would otherwise touch."""
+
+    def __init__(self, before: str) -> None:
+        self.before = before
+        self.target = before.strip()
+        self.held = ""
+        self.done = False
+
+    def feed(self, piece: str) -> str:
+        if self.done:
+            return piece
+        self.held += piece
+        lead = self.held.lstrip()
+        if self.target and lead.startswith(self.target):
+            text = lead[len(self.target) :]
+        elif self.target.startswith(lead):
+            return ""  # may still be a repeat
+        else:
+            text = self.held
+        if not text:
+            return ""
+        self.done = True
+        return joined(self.before, text)
+
+
+def joined(before: str, text: str) -> str:
+    """`text` to append to `before`: leading spaces dropped after a space, one added between
+    a word or a sentence's end and a word."""
+    if not before or before[-1].isspace():
+        return text.lstrip() if before else text
+    if text[:1].isalnum() and before[-1] not in "([{\"'-/\n":
+        return " " + text
+    return text
 
 
 def _stats(t0: float, arrivals: list[float], usage: Any, finish: str | None) -> RemoteStats:

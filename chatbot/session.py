@@ -47,6 +47,7 @@ from chatbot.alignment import (
     segment_after,
     split_answer,
 )
+from chatbot.chat import Chat, Meter, ModelInfo
 from chatbot.config import ChatConfig, SamplingConfig
 from chatbot.engine.generate import Engine, GenerationChunk
 from chatbot.engine.sampling import sampling_from_model  # noqa: F401 - re-exported
@@ -55,15 +56,15 @@ from chatbot.engine.stop_criteria import StopOnStrings
 from chatbot.engine.stops import StopView
 from chatbot.errors import ChatbotError
 from chatbot.models.templates import TemplateInfo, answer_stops
-from chatbot.persist import SavedConversation, Turn, parse_saved
+from chatbot.persist import Turn
 from chatbot.session_cache import ConversationCache
-from chatbot.session_log import Event, LoggedSession
 
 ProgressCallback = Callable[[int, int], None]  # (tokens done, tokens in all)
 
 
-class ChatSession(ConversationCache, SavedConversation, LoggedSession):
-    """Messages, the token ids in the cache, and `send()` that streams an answer.
+class ChatSession(ConversationCache, Chat[GenerationChunk]):
+    """Messages, the token ids in the cache, and `send()` that streams an answer (the
+    `Chat` interface; `retry`, `undo` and `continue_answer` cut the cache back).
 
     Args:
         engine: the model runner.
@@ -84,6 +85,7 @@ class ChatSession(ConversationCache, SavedConversation, LoggedSession):
         self.kv = self.make_cache()
         self.segments: list[Segment] = []
         self.turns: list[Turn] = []
+        self.notes: list[str] = []
         self.generator = torch.Generator(device=engine.device)
         self._seed_generator()
         # What ends an answer: stop ids, and the fallback template's stop strings matched as
@@ -135,32 +137,6 @@ class ChatSession(ConversationCache, SavedConversation, LoggedSession):
 
     # -- a turn ---------------------------------------------------------------------------
 
-    def send(
-        self, text: str, sampling: SamplingConfig | None = None
-    ) -> Generator[GenerationChunk, None, None]:
-        """Add a user message and stream the answer.
-
-        Nothing changes until the first chunk is asked for; an answer cut short (Ctrl-C,
-        `close()`) is kept as far as it got, closed with the template's end-of-turn text.
-
-        Args:
-            text: the user's message.
-            sampling: settings for this turn only (default: the session's).
-
-        Yields:
-            GenerationChunk; the last one has the finish reason and stats.
-
-        Raises:
-            ChatbotError: an empty message, or the model's file changed on disk since it was
-                loaded (`_check_model_file`).
-            ContextFullError: the message does not fit; nothing is changed.
-            KeyboardInterrupt: re-raised after the partial answer has been kept.
-        """
-        if not text.strip():
-            raise ChatbotError("empty message")
-        self._check_model_file()
-        return self._logged(self._send(text, sampling or self.sampling), user=text)
-
     def _check_model_file(self) -> None:
         """Refuse a turn, before anything changes, when the file the model's weights are
         mapped from changed on disk since the load (a GGUF run as stored): a rewritten file
@@ -173,6 +149,9 @@ class ChatSession(ConversationCache, SavedConversation, LoggedSession):
         stamp = getattr(self.engine.model, "chatbot_file_stamp", None)
         if stamp is not None:
             stamp.check()
+
+    def _check_usable(self) -> None:
+        self._check_model_file()
 
     def _send(self, text: str, sampling: SamplingConfig) -> Generator[GenerationChunk, None, None]:
         if self.segments or self.turns:
@@ -395,28 +374,16 @@ class ChatSession(ConversationCache, SavedConversation, LoggedSession):
         self._forget_cache()
         self._ensure_consistent()
 
-    def reset(self) -> None:
-        """Forget the conversation and empty the cache; keep the system prompt and settings."""
-        self.turns = []
+    def _clear(self) -> None:
+        """`reset`: the cache is emptied too."""
         self._forget_cache()
         self.segments = []
-        self._log(Event.RESET)
 
-    def undo(self) -> Turn:
-        """Drop the last exchange; the cache is cut back to where it was before it.
-
-        Returns:
-            the turn that was removed.
-
-        Raises:
-            ChatbotError: there is nothing to undo.
-        """
-        if not self.turns:
-            raise ChatbotError("nothing to undo")
+    def _undo(self) -> Turn:
+        """Drop the last exchange; the cache is cut back to where it was before it."""
         turn = self.turns[-1]
         fs = self._turn_start(turn)
         self.turns.pop()
-        self._log(Event.UNDO)
         if fs < 0:
             self._rebuild_segments()
             return turn
@@ -425,24 +392,8 @@ class ChatSession(ConversationCache, SavedConversation, LoggedSession):
         self._ensure_consistent()
         return turn
 
-    def retry(self, sampling: SamplingConfig | None = None) -> Generator[GenerationChunk, None, None]:
-        """Regenerate the last answer from the end of its prompt (the cache is cut back there).
-
-        Args:
-            sampling: settings for this try only (default: the session's).
-
-        Yields:
-            GenerationChunk, as `send`.
-
-        Raises:
-            ChatbotError: there is no answer to retry.
-        """
-        if not self.turns:
-            raise ChatbotError("nothing to retry")
-        self._check_model_file()
-        return self._logged(self._retry(sampling or self.sampling), user=None)
-
     def _retry(self, sampling: SamplingConfig) -> Generator[GenerationChunk, None, None]:
+        """Regenerate the last answer from the end of its prompt (the cache is cut back there)."""
         turn = self.turns[-1]
         fs = self._turn_start(turn)
         if fs < 0:
@@ -462,32 +413,9 @@ class ChatSession(ConversationCache, SavedConversation, LoggedSession):
         turn.evicted_before = self.evicted_total
         yield from self._answer(turn.user, None, sampling, resume=turn)
 
-    def can_continue(self) -> bool:
-        t = self.turns[-1] if self.turns else None
-        return t is not None and (t.interrupted or t.stats.finish_reason in ("length", "interrupted"))
-
-    def continue_answer(
-        self, sampling: SamplingConfig | None = None
-    ) -> Generator[GenerationChunk, None, None]:
-        """Resume the last answer where it stopped (after Ctrl-C or `max_new_tokens`).
-
-        The end-of-turn text that closed the answer has not entered the cache yet: it is
-        dropped and generation goes on from the answer's last token.
-
-        Yields:
-            GenerationChunk, as `send`; the text is only the new part.
-
-        Raises:
-            ChatbotError: there is no answer, or it ended by itself.
-        """
-        if not self.turns:
-            raise ChatbotError("nothing to continue")
-        if not self.can_continue():
-            raise ChatbotError("the last answer ended by itself; /retry asks for a new one")
-        self._check_model_file()
-        return self._logged(self._continue(sampling or self.sampling), user=None)
-
     def _continue(self, sampling: SamplingConfig) -> Generator[GenerationChunk, None, None]:
+        """Go on from the answer's last token: the end-of-turn text that closed the answer has
+        not entered the cache yet, so it is dropped."""
         turn = self.turns[-1]
         fs = self._turn_start(turn)
         if fs < 0 or fs + 1 >= len(self.segments) or self.segments[fs + 1].kind != "answer":
@@ -500,62 +428,14 @@ class ChatSession(ConversationCache, SavedConversation, LoggedSession):
         turn.evicted_before = min(turn.evicted_before, self.evicted_total)
         yield from self._answer(turn.user, None, sampling, resume=turn, extend=True)
 
-    def set_system(self, text: str | None, on_progress: ProgressCallback | None = None) -> int:
-        """Replace the system prompt (None or "" removes it) and re-encode the conversation once.
-
-        Returns:
-            the number of tokens encoded.
-
-        Raises:
-            ContextFullError: the conversation no longer fits (it is kept, not encoded).
-            ChatbotError: the model's file changed on disk (nothing is changed).
-        """
-        self._check_model_file()
-        self.system = text if text and text.strip() else None
-        self._log(Event.SYSTEM, system=self.system)
-        self._rebuild_segments()
-        return self.prefill_pending(on_progress)
-
-    def set_sampling(self, sampling: SamplingConfig) -> None:
-        self._use_sampling(sampling)
-        self._log(Event.SETTINGS, settings=sampling.as_dict())
-
     def _use_sampling(self, sampling: SamplingConfig) -> None:
         reseed = sampling.seed != self.sampling.seed
         self.sampling = sampling
         if reseed:
             self._seed_generator()
 
-    # -- saving and loading -----------------------------------------------------------------
-
-    def restore(
-        self,
-        data: Any,
-        on_progress: ProgressCallback | None = None,
-        encode: bool = True,
-        warnings: list[str] | None = None,
-    ) -> int:
-        """Replace the conversation with saved data (`to_dict` output, or a bare
-        `{"messages": [...]}`) and re-encode it in chunks.
-
-        Args:
-            warnings: told what was left out (settings out of range).
-
-        Returns:
-            the number of tokens encoded.
-
-        Raises:
-            ConfigError: the data is not a conversation (nothing is changed).
-            ContextFullError: it does not fit in the context (it is kept, not encoded).
-            ChatbotError: the model's file changed on disk (nothing is changed).
-        """
-        if encode:
-            self._check_model_file()
-        system, sampling, turns = parse_saved(data, self.sampling, warnings)
-        self.system = system
-        self.turns = turns
-        self._use_sampling(sampling)
-        self._log(Event.LOAD, state=self.to_dict(self.model_name))
+    def _encode_conversation(self, on_progress: ProgressCallback | None, encode: bool = True) -> int:
+        """Re-tokenize the whole conversation and (with `encode`) prefill it in chunks."""
         self._rebuild_segments()
         return self.prefill_pending(on_progress) if encode else 0
 
@@ -564,3 +444,32 @@ class ChatSession(ConversationCache, SavedConversation, LoggedSession):
     def summary(self) -> dict[str, Any]:
         """Totals over all turns, for /stats."""
         return summarize([t.stats for t in self.turns], len(self.cache_ids))
+
+    def describe_model(self, model: ModelInfo) -> tuple[str, dict[str, str]]:
+        rows = dict(model.describe())
+        rows["context limit"] = f"{self.max_context:,} tokens"
+        rows["cache"] = f"{len(self.cache_ids):,} / {self.capacity:,} tokens" + (
+            " (attention sinks + recent window)" if self.kv.is_bounded else ""
+        )
+        decoder = self.engine.decoder
+        rows["decode"] = (
+            decoder.info().label() if decoder is not None else "transformers (model forward pass)"
+        )
+        return "model", rows
+
+    def describe_cache(self) -> tuple[str, dict[str, str]]:
+        lay = self.cache_layout()
+        return "cache", {
+            "tokens": f"{lay.length:,} / {lay.capacity:,}",
+            "pending (enter with the next message)": f"{len(self.pending_ids):,}",
+            "pinned (sinks, system)": f"{lay.pinned:,}",
+            "recent": f"{lay.recent:,}",
+            "evicted so far": f"{lay.evicted_total:,}",
+            "oldest text in window": " ".join(lay.oldest_text.split())[:80] or "-",
+        }
+
+    def meter(self) -> Meter:
+        return Meter("cache", self.conversation_tokens, self.capacity)
+
+    def encoded_note(self, tokens: int, system: bool) -> str:
+        return f"; re-encoded {tokens:,} tokens" if system else f" ({tokens:,} tokens encoded)"

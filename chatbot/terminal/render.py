@@ -14,6 +14,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
+from chatbot.chat import RemoteStats
 from chatbot.engine.stats import TurnStats
 from chatbot.terminal.sanitize import safe_text
 
@@ -29,7 +30,10 @@ def format_cache(stats: TurnStats) -> str:
 
 def format_stats_line(stats: TurnStats) -> str:
     """One line, e.g. `context 41 tok · 0.09 s · first token 0.12 s · 96 tok · 24.1 tok/s ·
-    41.5 ms/tok (p90 55) · cache 412`."""
+    41.5 ms/tok (p90 55) · cache 412`; an answer from a server has its own line
+    (`format_remote_stats_line`)."""
+    if isinstance(stats, RemoteStats):
+        return format_remote_stats_line(stats)
     parts = [
         f"context {stats.context_tokens:,} tok",
         f"{stats.context_time_s:.2f} s",
@@ -49,18 +53,19 @@ def format_stats_line(stats: TurnStats) -> str:
     return " · ".join(parts)
 
 
-def format_remote_stats_line(stats: Any) -> str:
-    """The stats line of an answer from a server (chatbot.remote.RemoteStats), e.g.
-    `prompt 412 tok (380 cached) · first token 0.12 s · 96 tok · 24.1 tok/s · p50 40 / p90 55
-    ms/tok · server`; counts the server did not report are marked estimated."""
-    cached = getattr(stats, "cached_tokens", None)
-    estimated = getattr(stats, "estimated", False)
-    parts = []
-    if not estimated:
-        parts.append(
-            f"prompt {getattr(stats, 'prompt_tokens', 0):,} tok"
-            + (f" ({cached:,} cached)" if cached is not None else "")
-        )
+def format_remote_stats_line(stats: RemoteStats) -> str:
+    """The stats line of an answer from a server, e.g. `prompt 412 tok (380 cached) · first
+    token 0.12 s · 96 tok · 24.1 tok/s · p50 40 / p90 55 ms/tok · server`. Without the
+    server's usage the prompt is `prompt ? tok` and the answer's count (its chunks) is
+    marked estimated."""
+    cached = stats.cached_tokens
+    estimated = stats.estimated
+    if estimated:
+        parts = ["prompt ? tok"]
+    else:
+        parts = [
+            f"prompt {stats.prompt_tokens:,} tok" + (f" ({cached:,} cached)" if cached is not None else "")
+        ]
     parts.append(f"first token {stats.ttft_s:.2f} s")
     parts.append(f"{stats.generated_tokens:,} tok" + (" (estimated)" if estimated else ""))
     if stats.token_latencies_s:
@@ -91,26 +96,26 @@ def stats_table(turns: list[Any], summary: dict[str, Any]) -> Table:
         s = t.stats
         table.add_row(
             str(i),
-            f"{s.context_tokens:,}",
+            _count(s, s.context_tokens),
             f"{s.context_time_s:.2f}",
             f"{s.ttft_s:.2f}",
             f"{s.generated_tokens:,}",
             f"{s.decode_tps:.1f}",
             f"{s.ms_per_token_p50:.1f}",
             f"{s.ms_per_token_p90:.1f}",
-            f"{s.cache_tokens:,}",
+            _count(s, s.cache_tokens),
             safe_text(s.finish_reason),
         )
     table.add_row(
         "all",
-        f"{summary['context_tokens']:,}",
+        _total(summary["context_tokens"]),
         "",
         "",
         f"{summary['generated_tokens']:,}",
         f"{summary['decode_tps']:.1f}",
         "",
         "",
-        f"{summary['cache_tokens']:,}",
+        _total(summary["cache_tokens"]),
         "",
         style="bold",
     )
@@ -124,21 +129,32 @@ def stats_lines(turns: list[Any], summary: dict[str, Any]) -> Text:
         s = t.stats
         text.append(f"turn {i}", style="bold")
         text.append(
-            f" · fed {s.context_tokens:,} tok · {s.context_time_s:.2f} s · TTFT {s.ttft_s:.2f} s · "
+            f" · fed {_count(s, s.context_tokens)} tok · {s.context_time_s:.2f} s · TTFT {s.ttft_s:.2f} s · "
             f"{s.generated_tokens:,} new · {s.decode_tps:.1f} tok/s · p50 {s.ms_per_token_p50:.1f} ms · "
-            f"p90 {s.ms_per_token_p90:.1f} ms · cache {s.cache_tokens:,} · {s.finish_reason}\n"
+            f"p90 {s.ms_per_token_p90:.1f} ms · cache {_count(s, s.cache_tokens)} · {s.finish_reason}\n"
         )
     text.append("all", style="bold")
     text.append(
-        f" · fed {summary['context_tokens']:,} tok · {summary['generated_tokens']:,} new · "
-        f"{summary['decode_tps']:.1f} tok/s · cache {summary['cache_tokens']:,}"
+        f" · fed {_total(summary['context_tokens'])} tok · {summary['generated_tokens']:,} new · "
+        f"{summary['decode_tps']:.1f} tok/s · cache {_total(summary['cache_tokens'])}"
     )
     return text
+
+
+def _count(stats: TurnStats, value: int) -> str:
+    """A turn's token count; "?" where a server sent no usage (the count is unknown)."""
+    return "?" if isinstance(stats, RemoteStats) and stats.estimated else f"{value:,}"
+
+
+def _total(value: int | None) -> str:
+    return "?" if value is None else f"{value:,}"
 
 
 def stats_renderable(console: Console, turns: list[Any], summary: dict[str, Any]) -> RenderableType:
     """The /stats table where it fits the console's width whole, else one line per turn."""
     table = stats_table(turns, summary)
+    if any(isinstance(t.stats, RemoteStats) and t.stats.estimated for t in turns):
+        table.caption = f"{table.caption}; ?: not reported by the server"
     if Measurement.get(console, console.options.update_width(10_000), table).maximum <= console.width:
         return table
     return stats_lines(turns, summary)

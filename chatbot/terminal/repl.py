@@ -13,7 +13,7 @@ import contextlib
 import contextvars
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +45,6 @@ from chatbot.terminal.input import BlockReader, KeptHistory, SlashCompleter, cle
 from chatbot.terminal.live_answer import MarkdownAnswer, PlainAnswer
 from chatbot.terminal.render import (
     columns,
-    format_remote_stats_line,
     format_stats_line,
     history_renderable,
     key_value_table,
@@ -57,9 +56,7 @@ from chatbot.terminal.sanitize import safe_line, safe_text
 from chatbot.terminal.tty import interrupt_once, make_consoles, no_echo
 
 if TYPE_CHECKING:  # torch and transformers come with these: the prompt must not wait for them
-    from chatbot.models.loader import LoadedModel
-    from chatbot.remote import RemoteBackend, RemoteSession
-    from chatbot.session import ChatSession
+    from chatbot.chat import Chat, ModelInfo
 
 MAX_MESSAGE_CHARS = 200_000
 KEYS = [
@@ -84,17 +81,20 @@ WITHOUT_MODEL = {"help", "exit"}
 class ChatStart:
     """What a model load yields for the chat: the session, the model, the notes to show."""
 
-    session: ChatSession
-    loaded: LoadedModel
+    session: Chat[Any]
+    loaded: ModelInfo
     notes: list[str] = field(default_factory=list)
 
 
 class Repl:
     """Reads messages and commands, streams answers, prints stats.
 
+    Whatever answers (a local model, a server) is behind the `Chat` interface: the REPL
+    asks the session to describe itself and never which kind it is.
+
     Args:
         session: the conversation.
-        loaded: the model, for the banner and /model.
+        loaded: the model (or the server's), for the log, /save and /model.
         console: where answers go (stdout).
         plain: print raw text instead of live Markdown.
         show_stats: print the stats line after each answer.
@@ -104,8 +104,8 @@ class Repl:
 
     def __init__(
         self,
-        session: ChatSession | RemoteSession,
-        loaded: LoadedModel | RemoteBackend,
+        session: Chat[Any],
+        loaded: ModelInfo,
         console: Console,
         plain: bool = False,
         show_stats: bool = True,
@@ -119,8 +119,7 @@ class Repl:
         self.plain = plain
         self.show_stats = show_stats
         self.log = log
-        # A server answers instead of a local model (chatbot.remote.RemoteSession).
-        self.remote = getattr(session, "backend", None)
+        self.failed = 0  # messages (and /retry, /continue) that got no whole answer but by Ctrl-C
         self.running = True
         # A model loading in the background (`loading`): the prompt is up meanwhile.
         self.pending: Future[ChatStart] | None = None
@@ -329,11 +328,9 @@ class Repl:
             n = -1
         if n < 0:
             self.note("stopped; the rest is encoded with the next message")
-        elif self.remote is not None:
-            self.note(f"system prompt {'removed' if text is None else 'set'} (sent with the next message)")
         else:
             what = "system prompt removed" if text is None else "system prompt set"
-            self.note(f"{what}; re-encoded {n:,} tokens")
+            self.note(what + self.session.encoded_note(n, system=True))
 
     def _set(self, command: Command) -> None:
         if not command.values:
@@ -373,14 +370,7 @@ class Repl:
                 n = self.session.restore(data, progress, warnings=problems)
             for problem in problems:
                 self.note(f"warning: {problem}")
-            self.note(
-                f"loaded {len(self.session.turns)} turns"
-                + (
-                    " (the server encodes them with the next message)"
-                    if self.remote is not None
-                    else f" ({n:,} tokens encoded)"
-                )
-            )
+            self.note(f"loaded {len(self.session.turns)} turns" + self.session.encoded_note(n, system=False))
         except KeyboardInterrupt:
             self.note(
                 f"loaded {len(self.session.turns)} turns; encoding stopped, the rest is "
@@ -403,63 +393,13 @@ class Repl:
         self.info.print(stats_renderable(self.info, self.session.turns, self.session.summary()))
 
     def _model(self, _: Command) -> None:
-        if self.remote is not None:  # the server has the model
-            remote = cast("RemoteSession", self.session)
-            remote.backend.list_models()  # GET /v1/models now: the list may have changed
-            rows = {**remote.backend.describe(), "sampling": sampling_brief(remote.sampling)}
-            self.info.print(key_value_table("model (on the server)", rows))
-            return
-        s = cast("ChatSession", self.session)
-        rows = dict(self.loaded.describe())
-        rows["context limit"] = f"{s.max_context:,} tokens"
-        rows["cache"] = f"{len(s.cache_ids):,} / {s.capacity:,} tokens" + (
-            " (attention sinks + recent window)" if s.kv.is_bounded else ""
-        )
-        rows["sampling"] = sampling_brief(s.sampling)
-        decoder = s.engine.decoder
-        rows["decode"] = (
-            decoder.info().label() if decoder is not None else "transformers (model forward pass)"
-        )
-        self.info.print(key_value_table("model", rows))
+        title, rows = self.session.describe_model(self.loaded)
+        rows["sampling"] = sampling_brief(self.session.sampling)
+        self.info.print(key_value_table(title, rows))
 
     def _cache(self, _: Command) -> None:
-        if self.remote is not None:
-            remote = cast("RemoteSession", self.session)
-            last = remote.turns[-1].stats if remote.turns else None
-            cached = getattr(last, "cached_tokens", None)
-            self.info.print(
-                key_value_table(
-                    "cache (on the server)",
-                    {
-                        "kept by": f"the server's prefix cache ({remote.backend.base_url})",
-                        "conversation (last usage)": f"{remote.conversation_tokens:,} tokens",
-                        "reused at the last message": "-"
-                        if last is None
-                        else "not reported by the server"
-                        if cached is None
-                        else f"{cached:,} tokens",
-                        "prefilled at the last message": "-"
-                        if last is None
-                        else f"{last.context_tokens:,} tokens",
-                    },
-                )
-            )
-            return
-        local = cast("ChatSession", self.session)
-        lay = local.cache_layout()
-        self.info.print(
-            key_value_table(
-                "cache",
-                {
-                    "tokens": f"{lay.length:,} / {lay.capacity:,}",
-                    "pending (enter with the next message)": f"{len(local.pending_ids):,}",
-                    "pinned (sinks, system)": f"{lay.pinned:,}",
-                    "recent": f"{lay.recent:,}",
-                    "evicted so far": f"{lay.evicted_total:,}",
-                    "oldest text in window": " ".join(lay.oldest_text.split())[:80] or "-",
-                },
-            )
-        )
+        title, rows = self.session.describe_cache()
+        self.info.print(key_value_table(title, rows))
 
     # -- output ------------------------------------------------------------------------
 
@@ -499,6 +439,13 @@ class Repl:
         line = clean_message(line)
         if not line.strip():
             return
+        try:
+            self._handle(line)
+        finally:
+            for note in self.session.take_notes() if self.session is not None else ():
+                self.note(note)
+
+    def _handle(self, line: str) -> None:
         if is_command(line) and "\n" not in line.strip():
             try:
                 command = parse_command(line)
@@ -517,6 +464,7 @@ class Repl:
         line = line.strip("\n").rstrip()
         if len(line) > MAX_MESSAGE_CHARS:
             self.error(f"message too long ({len(line):,} characters; the limit is {MAX_MESSAGE_CHARS:,})")
+            self.failed += 1
             return
         if not self.ready(draft=typed):
             return
@@ -527,10 +475,11 @@ class Repl:
             chunks = self.session.send(text)
         except ChatbotError as exc:
             self.error(str(exc))
+            self.failed += 1
             return
         self._stream(chunks)  # the session logs the message before its answer
 
-    def _stream(self, chunks: Iterator[Any]) -> None:
+    def _stream(self, chunks: Generator[Any, None, None]) -> None:
         """Show an answer as it arrives (the session logs the turn it produced)."""
         answer = PlainAnswer(self.console.file) if self.plain else MarkdownAnswer(self.console)
         # Model text reaches a terminal with its control sequences made visible; piped
@@ -548,22 +497,21 @@ class Repl:
                                 answer.add(chunk.text if raw else safe_text(chunk.text))
                         stats = chunk.stats or stats
             except KeyboardInterrupt:
-                chunks.close()  # type: ignore[attr-defined]
+                chunks.close()
                 problem = "interrupted"
             except ChatbotError as exc:
-                chunks.close()  # type: ignore[attr-defined]
+                chunks.close()
                 problem = str(exc)
             except (RuntimeError, ValueError) as exc:  # the model or sampling failed: keep the chat
-                chunks.close()  # type: ignore[attr-defined]
+                chunks.close()
                 problem = f"generation failed: {type(exc).__name__}: {exc}"
         if problem == "interrupted":
             self.note("[interrupted: the partial answer is kept; /continue goes on]")
         elif problem is not None:
             self.error(problem)
+            self.failed += 1
         elif stats is not None and self.show_stats:
-            self.note(
-                format_remote_stats_line(stats) if self.remote is not None else format_stats_line(stats)
-            )
+            self.note(format_stats_line(stats))
 
     # -- loops -------------------------------------------------------------------------
 
@@ -591,14 +539,16 @@ class Repl:
             line = f" loading {self.loading_name}… · /help"
             return [("", line if len(line) < width else line[: width - 2] + "…")]
         s = self.session
-        if self.remote is not None:
-            model = f"{self.remote.name} @ {self.remote.base_url}"
-            meter = ("", f"context {s.conversation_tokens:,} tok")
+        gauge = s.meter()
+        model = f"{self.loaded.name} {gauge.where}".strip()
+        used, cap = gauge.used, gauge.capacity
+        if used is None:
+            meter = ("", f"{gauge.label} ? tok")
+        elif not cap:
+            meter = ("", f"{gauge.label} {used:,} tok")
         else:
-            model = self.loaded.name
-            used, cap = s.conversation_tokens, s.capacity
             colour = {"green": "ansigreen", "yellow": "ansiyellow", "red": "ansired"}[meter_style(used, cap)]
-            meter = (f"bold {colour}", f"cache {used:,}/{cap:,}")
+            meter = (f"bold {colour}", f"{gauge.label} {used:,}/{cap:,}")
         for name, tail in ((model, sampling_brief(s.sampling)), (model, ""), ("", "")):
             parts: StyleAndTextTuples = [("", f" {name} · " if name else " "), meter]
             parts.append(("", f" · {tail} · /help" if tail else " · /help"))
