@@ -1,11 +1,12 @@
 """A chat whose answers come from an OpenAI-compatible server (vLLM, SGLang, llama.cpp's
-llama-server, ollama, `chatbot serve`): the interface the REPL uses from `ChatSession`, on a
-list of messages.
+llama-server, ollama, llama-cpp-python, `chatbot serve`): the `Chat` interface
+(chatbot/chat.py) on a list of messages.
 
 The whole conversation is sent with every message; the server's prefix cache plays the part
 of our persistent cache. Stats come from the stream: time to first token and the gaps
 between chunks as they arrive here, token counts from the server's `usage` (asked for with
-`stream_options.include_usage`) or, when it sends none, estimated as one token per chunk.
+`stream_options.include_usage`); when it sends none, the prompt and the conversation's
+length are unknown (shown as such) and the answer's tokens are counted as its chunks.
 The HTTP work is the official `openai` client's (streaming, timeouts, error types).
 """
 

@@ -382,7 +382,7 @@ def test_remote_repl_at_80_columns_breaks_no_word(fake, tmp_path):
 
 
 def test_the_repl_never_asks_which_kind_of_session_it_has():
-    source = (Path(__file__).parents[1] / "chatbot" / "terminal" / "repl.py").read_text()
+    source = Path(importlib.util.find_spec("chatbot.terminal.repl").origin).read_text()
     for needle in ("backend", "remote", "Remote", "ChatSession", "type: ignore", 'cast("'):
         assert needle not in source, needle
     assert not re.search(r"isinstance\(\s*(self\.)?session", source)
