@@ -365,3 +365,22 @@ def test_a_code_fence_taller_than_the_screen_is_printed_whole_and_unbroken(lines
     last = next(i for i, line in enumerate(shown) if f"value_{count - 1} " in line)
     assert [line.split()[0] for line in shown[first : last + 1]] == [f"value_{i}" for i in range(count)]
     assert [line for line in shown if line == "After."] == ["After."]
+
+
+@pytest.mark.parametrize("columns", [40, 80])
+def test_system_leaves_no_progress_bar_on_screen(tmp_path, terminals, columns):
+    """/system re-encodes the conversation behind a transient progress bar: once it is done,
+    the note stays and the bar is gone, at every width (it was once seen left behind in tmux
+    at 80 columns as `re-encoding ━━━ 0/? tokens`)."""
+    long_answer = " ".join(f"word{i}" for i in range(1500))
+    term = start(tmp_path, [long_answer], columns)
+    terminals.append(term)
+    send(term, "tell me a lot")
+    term.wait_text("tok/s", 120)
+    send(term, "/system You are terse.")
+    term.wait_text("re-encoded", 60)
+    term.pump(0.5)
+    shown = term.lines()
+    assert [line for line in shown if "re-encoded" in line], shown
+    assert "re-encoding" in term.raw  # the bar was drawn...
+    assert not [line for line in shown if "re-encoding" in line or "0/?" in line], shown  # ...and is gone
