@@ -9,6 +9,12 @@ Modes (scripts/fuzz MODE [--seed N] [--n N] [--json FILE]):
            no finished turn and no message whose answer had started may be lost
   soak     N turns with --enable-streaming --recent-size 60 in one process: RSS per turn
   load     seconds to /load 500, 1,000, 2,000 turns (linear in the turns)
+  damage   what is read back damaged or refused (issue 27): the cached kernel library cut,
+           zeroed, overwritten, flipped; GGUF files cut or flipped in their header and tensor
+           table; the cached GGUF metadata edited at the same size; no C compiler; a disk that
+           fills mid-chat; hostile HTTP bodies to `chatbot serve`; bad library-API arguments.
+           Each case must end in an answer or a one-line refusal (exit 2): never a signal, a
+           traceback, an internal error, a hang, or a silent no-answer
   all      pipe, repl, cmdline and kill
 
 Counts: tracebacks, "internal error" lines, hangs (time-outs), unexpected exit codes, lost
@@ -494,12 +500,302 @@ def run_load(args: argparse.Namespace, work: Path) -> dict[str, object]:
     return rows
 
 
+# -- damage: what we read back, and what a client sends ------------------------------------------
+
+
+def _chat(argv: list[str], env: dict[str, str], stdin: str = "Hi\n", timeout: float = 300) -> tuple[int, str, str]:
+    try:
+        proc = subprocess.run([sys.executable, "-m", "chatbot.cli", *argv], input=stdin.encode(),
+                              capture_output=True, env=env, timeout=timeout, check=False, cwd=str(ROOT))
+    except subprocess.TimeoutExpired:
+        return -999, "", "hang"
+    return proc.returncode, proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace")
+
+
+def _judge(result: dict, code: int, err: str, answered: bool, refusal_ok: bool, what: str) -> None:
+    """Count one case: an answer (exit 0 and a stats line), or where allowed a one-line
+    refusal (exit 2); anything else is a problem, printed."""
+    result["cases"] += 1
+    problem = None
+    if code == -999:
+        result["hangs"] += 1
+        problem = "hang"
+    elif code < 0 or code > 128:
+        result["signals"] += 1
+        problem = f"killed by signal {-code if code < 0 else code - 128}"
+    elif "Traceback" in err or "internal error" in err:
+        result["tracebacks"] += 1
+        problem = "traceback / internal error"
+    elif code == 0 and answered:
+        result["answered"] += 1
+    elif code == 2 and refusal_ok and len([x for x in err.splitlines() if x.strip()]) == 1:
+        result["refused"] += 1
+    else:
+        result["bad"] += 1
+        problem = f"exit {code}, answered={answered}"
+    if problem:
+        print(f"damage: {what}: {problem}\n{err[-1500:]}", file=sys.stderr)
+
+
+def _tiny_gguf(work: Path) -> Path:
+    from helpers import make_model, make_tokenizer, write_tiny_gguf
+
+    path = work / "tiny.gguf"
+    if not path.exists():
+        tok = make_tokenizer()
+        write_tiny_gguf(path, make_model(len(tok)), tok)
+    return path
+
+
+def _damage_bytes(rng: random.Random, data: bytearray, start: int, end: int) -> str:
+    """Damage `data[start:end]` in place in one of several ways; returns how."""
+    how = rng.choice(["flip", "zero", "garbage", "cut"])
+    end = max(start + 1, min(end, len(data)))
+    at = rng.randrange(start, end)
+    if how == "cut":
+        del data[at:]
+    elif how == "flip":
+        for _ in range(rng.randint(1, 8)):
+            i = rng.randrange(start, end)
+            data[i] ^= 1 << rng.randrange(8)
+    else:
+        n = min(rng.randint(1, 4096), len(data) - at)
+        data[at : at + n] = bytes(n) if how == "zero" else rng.randbytes(n)
+    return f"{how} at {at}"
+
+
+def run_damage(args: argparse.Namespace, work: Path) -> dict[str, object]:
+    rng = random.Random(args.seed + 27)
+    model = _tiny_gguf(work)
+    flags = ["run", "--model", str(model), "--temperature", "0", "--max-new-tokens", "4", "--threads", "1"]
+    out: dict[str, object] = {}
+
+    def counts() -> dict:
+        return {"cases": 0, "answered": 0, "refused": 0, "signals": 0, "tracebacks": 0, "hangs": 0, "bad": 0}
+
+    def env(cache: Path, **extra: str) -> dict[str, str]:
+        return {**env_for(work / "data"), "XDG_CACHE_HOME": str(cache), **extra}
+
+    # The kernel library, damaged in the cache (rebuilt; or through transformers).
+    good = work / "cache-good"
+    code, _, err = _chat(flags, env(good))
+    assert code == 0, err
+    (lib,) = (good / "chatbot" / "kernels").glob("*.so")
+    kern = counts()
+    for i in range(args.cases):
+        cache = work / f"cache-k{i}"
+        subprocess.run(["cp", "-r", str(good), str(cache)], check=True)
+        target = cache / "chatbot" / "kernels" / lib.name
+        data = bytearray(target.read_bytes())
+        how = _damage_bytes(rng, data, 0, len(data))
+        target.write_bytes(bytes(data))
+        code, _, err = _chat(flags, env(cache))
+        _judge(kern, code, err, bool(STATS.search(err)), False, f"kernel library {how}")
+    out["kernel_cache"] = kern
+
+    # No C compiler at all (an empty PATH, a fresh cache): through transformers.
+    nocc = counts()
+    code, _, err = _chat(flags, env(work / "cache-nocc", PATH=""))
+    _judge(nocc, code, err, bool(STATS.search(err)), False, "no compiler")
+    out["no_compiler"] = nocc
+
+    # GGUF files: the header and tensor table flipped, zeroed, overwritten or cut; and cut
+    # anywhere in the data.
+    import gguf
+
+    reader = gguf.GGUFReader(str(model))
+    table_end = int(reader.data_offset)
+    original = model.read_bytes()
+    files = counts()
+    for i in range(args.cases):
+        data = bytearray(original)
+        in_table = rng.random() < 0.75
+        how = _damage_bytes(rng, data, 0 if in_table else table_end, table_end if in_table else len(data))
+        path = work / f"damaged-{i}.gguf"
+        path.write_bytes(bytes(data))
+        argv = [a if a != str(model) else str(path) for a in flags]
+        code, _, err = _chat(argv, env(good))
+        _judge(files, code, err, bool(STATS.search(err)), True, f"GGUF {how}")
+        path.unlink()
+    out["gguf_files"] = files
+
+    # The cached metadata of a GGUF file, edited at the same size: rebuilt from the file,
+    # with no dequantized copy written.
+    meta = counts()
+    meta["dequantized_copies"] = 0
+    for i in range(max(1, args.cases // 4)):
+        cache = work / f"cache-m{i}"
+        subprocess.run(["cp", "-r", str(good), str(cache)], check=True)
+        configs = sorted((cache / "chatbot" / "gguf-meta").glob("*/config.json"))
+        text = bytearray(configs[0].read_bytes())
+        how = _damage_bytes(rng, text, 0, len(text))
+        if how.startswith("cut"):
+            text = bytearray(configs[0].read_bytes())
+            text[len(text) // 2] ^= 1
+        configs[0].write_bytes(bytes(text))
+        code, _, err = _chat(flags, env(cache))
+        _judge(meta, code, err, bool(STATS.search(err)), False, f"metadata {how}")
+        meta["dequantized_copies"] += any((cache / "chatbot" / "gguf").glob("*"))
+    out["metadata_cache"] = meta
+
+    out["full_disk"] = _damage_full_disk(work, flags, env(good))
+    out["server"] = _damage_server(args, rng, work, model, env(good))
+    out["library_api"] = _damage_library_api(rng, args.cases * 4)
+    return out
+
+
+def _damage_full_disk(work: Path, flags: list[str], env: dict[str, str]) -> dict[str, object]:
+    """A chat on a pipe whose session log becomes /dev/full after the first answer, then
+    comes back: three answers, one warning, and a log that restores the three turns."""
+    data = work / "data-full"
+    env = {**env, "XDG_DATA_HOME": str(data)}
+    proc = subprocess.Popen([sys.executable, "-m", "chatbot.cli", *flags], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=str(ROOT))
+    assert proc.stdin is not None and proc.stderr is not None
+    err_lines: list[str] = []
+
+    def answer(message: str) -> None:
+        proc.stdin.write(message.encode() + b"\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+        while True:
+            line = proc.stderr.readline().decode("utf-8", "replace")  # type: ignore[union-attr]
+            if not line:
+                return
+            err_lines.append(line)
+            if STATS.search(line):
+                return
+
+    answer("one")
+    (log,) = (data / "chatbot" / "sessions").glob("*.jsonl")
+    aside = log.with_suffix(".aside")
+    log.rename(aside)
+    log.symlink_to("/dev/full")
+    answer("two")
+    log.unlink()
+    aside.rename(log)
+    answer("three")
+    proc.stdin.close()
+    rest = proc.stderr.read().decode("utf-8", "replace")
+    code = proc.wait(timeout=120)
+    err = "".join(err_lines) + rest
+    turns = sum(1 for line in log.read_text(errors="replace").splitlines() if '"event": "turn"' in line)
+    return {"exit": code, "answers": len(STATS.findall(err)), "warnings": err.count("warning"),
+            "tracebacks": err.count("Traceback"), "logged_turns": turns}
+
+
+def _damage_server(args: argparse.Namespace, rng: random.Random, work: Path, model: Path,
+                   env: dict[str, str]) -> dict[str, object]:
+    """Hostile bodies to a real `chatbot serve`: every one answered 4xx (or 200), none 5xx,
+    the server alive and its memory bounded at the end."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "chatbot.cli", "serve", "--model", str(model), "--port", str(port),
+                             "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+                            cwd=str(ROOT))
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(base + "/health", timeout=1).read()
+            break
+        except OSError:
+            time.sleep(0.2)
+    rss_start = rss_kib(proc.pid)
+
+    import httpx
+
+    def post(body: bytes, headers: dict[str, str] | None = None) -> int:
+        try:  # httpx, as the openai client: it reads a 413 sent before the body was all sent
+            return httpx.post(base + "/v1/chat/completions", content=body, timeout=120,
+                              headers={"Content-Type": "application/json", **(headers or {})}).status_code
+        except httpx.HTTPError as exc:
+            print(f"damage: server: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return -1
+
+    name = json.loads(urllib.request.urlopen(base + "/v1/models", timeout=10).read())["data"][0]["id"]
+
+    def message(content: str) -> bytes:
+        head = json.dumps({"model": name, "max_tokens": 4})[:-1]
+        return (head + ', "messages": [{"role": "user", "content": "' + content + '"}]}').encode()
+
+    bodies: list[tuple[str, bytes]] = [
+        ("lone surrogate", message("hi \\ud800")),
+        ("lone low surrogate", message("\\udfff x")),
+        ("NUL", message("a\\u0000b")),
+        ("invalid UTF-8", b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}'),
+        ("20 MB body", message("a" * 20_000_000)),
+        ("deep JSON", b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+        ("not JSON", b"\x00" * 1000),
+        ("empty", b""),
+        ("content is a number", b'{"messages": [{"role": "user", "content": 5}]}'),
+        ("unknown role", b'{"messages": [{"role": "wizard", "content": "hi"}]}'),
+        ("huge max_tokens", b'{"max_tokens": 1e999, "messages": [{"role": "user", "content": "hi"}]}'),
+    ]
+    for i in range(args.cases):
+        junk = "".join(rng.choice(["\\ud83d", "\\u0000", "\\\\", '\\"', "x", "\\n", "\\u202e", "\\udc80"])
+                       for _ in range(rng.randint(1, 40)))
+        bodies.append((f"random {i}", message(junk)))
+    result: dict[str, object] = {"requests": 0, "ok": 0, "client_errors": 0, "server_errors": 0, "dropped": 0}
+    for what, body in bodies:
+        status = post(body)
+        result["requests"] += 1  # type: ignore[operator]
+        key = "ok" if status == 200 else "client_errors" if 400 <= status < 500 else (
+            "server_errors" if status >= 500 else "dropped")
+        result[key] += 1  # type: ignore[operator]
+        if status >= 500 or status < 0:
+            print(f"damage: server: {what}: HTTP {status}", file=sys.stderr)
+    result["alive"] = post(message("hello")) == 200
+    result["rss_growth_mb"] = round((rss_kib(proc.pid) - rss_start) / 1024)
+    proc.terminate()
+    proc.wait(timeout=30)
+    return result
+
+
+def _damage_library_api(rng: random.Random, n: int) -> dict[str, object]:
+    """Random arguments to the published APIs on the tiny model: every refusal is the
+    project's own error (CompatArgumentError / ChatbotError), never another exception."""
+    from helpers import make_model, make_tokenizer
+
+    from chatbot.compat import colossal, streaming_llm
+    from chatbot.errors import ChatbotError
+
+    tok = make_tokenizer()
+    model = make_model(len(tok))
+    values = [None, 0, -1, 1, 2, 4, 16, 100, 10**12, 0.5, 2.0, -0.1, float("nan"), float("inf"), "8", [], {}]
+    result: dict[str, object] = {"calls": 0, "accepted": 0, "refused": 0, "other_exceptions": 0}
+    for _ in range(n):
+        result["calls"] += 1  # type: ignore[operator]
+        try:
+            if rng.random() < 0.5:
+                streaming_llm.enable_streaming_llm(make_model(len(tok)), start_size=rng.choice(values),
+                                                   recent_size=rng.choice(values))
+            else:
+                history = rng.choice([[], [{"role": "Human", "message": "hi"}], [{"role": "Human"}],
+                                      [{"message": 5}], "text", None])
+                gen = colossal.streaming_chat(model, tok, "hi", history, max_new_tokens=rng.choice([1, 2, 0, -1]),
+                                              top_p=rng.choice(values), temperature=rng.choice(values),
+                                              top_k=rng.choice(values))
+                next(iter(gen))
+            result["accepted"] += 1  # type: ignore[operator]
+        except ChatbotError:
+            result["refused"] += 1  # type: ignore[operator]
+        except Exception as exc:  # noqa: BLE001 - what is counted
+            result["other_exceptions"] += 1  # type: ignore[operator]
+            print(f"damage: library API: {type(exc).__name__}: {exc}"[:300], file=sys.stderr)
+    return result
+
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["pipe", "repl", "cmdline", "kill", "soak", "load", "all"])
+    parser.add_argument("mode", choices=["pipe", "repl", "cmdline", "kill", "soak", "load", "damage", "all"])
     parser.add_argument("--seed", type=int, default=16)
     parser.add_argument("--n", type=int, default=1000, help="inputs for pipe and repl")
     parser.add_argument("--kills", type=int, default=50)
+    parser.add_argument("--cases", type=int, default=20, help="damage: cases of each kind")
     parser.add_argument("--turns", type=int, default=500, help="soak turns")
     parser.add_argument("--max-new-tokens", type=int, default=24, help="soak: tokens per answer")
     parser.add_argument("--threads", type=int, default=1)
