@@ -199,32 +199,14 @@ class SessionLog:
     def _flush(self) -> None:
         """Append the waiting lines in one write; on failure the file is cut back to its
         size before it, so that a torn line never glues itself to the next event."""
-        data = b"".join(self._waiting)
         try:
             private_dir(self.path.parent)
-            fd = os.open(
-                self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), FILE_MODE
-            )
-        except OSError as exc:
-            self._failed(exc)
-            return
-        size: int | None = None
-        try:
-            size = os.fstat(fd).st_size
             # A line torn by a crash (or a kill) is closed first: it stays a line that
             # `read_events` skips, instead of swallowing this write's first event.
-            if size and os.pread(fd, 1, size - 1) != b"\n":
-                data = b"\n" + data
-            write_all(fd, data)
-            os.fsync(fd)
+            append_whole(self.path, b"".join(self._waiting), close_torn_line=True, sync=True)
         except OSError as exc:
-            if size is not None:
-                with contextlib.suppress(OSError):  # (a device such as /dev/full cannot be cut)
-                    os.ftruncate(fd, size)
             self._failed(exc)
             return
-        finally:
-            os.close(fd)
         if self._spell and self.warn is not None:
             self.warn(f"the session log caught up ({len(self._waiting)} events written)")
         self._waiting.clear()
@@ -264,6 +246,38 @@ MAX_WAITING_BYTES = 16 << 20
 
 def _line(event: dict[str, Any]) -> bytes:
     return (json.dumps(event, ensure_ascii=False) + "\n").encode("utf-8", errors="surrogatepass")
+
+
+def append_whole(
+    path: str | bytes | os.PathLike[str] | os.PathLike[bytes],
+    data: bytes,
+    close_torn_line: bool = False,
+    sync: bool = False,
+) -> None:
+    """Append `data` to the file at `path` (created 0600), all of it or nothing: a failed write
+    (a full disk) is cut back to the file's size before it, so that a torn line never glues
+    itself to what is written next. `close_torn_line`: a last line left without its newline
+    (a crash) is ended first.
+
+    Raises:
+        OSError: the file could not be opened or written (it is as it was where it can be cut).
+    """
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), FILE_MODE)
+    size: int | None = None
+    try:
+        size = os.fstat(fd).st_size
+        if close_torn_line and size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data
+        write_all(fd, data)
+        if sync:
+            os.fsync(fd)
+    except OSError:
+        if size is not None:
+            with contextlib.suppress(OSError):  # (a device such as /dev/full cannot be cut)
+                os.ftruncate(fd, size)
+        raise
+    finally:
+        os.close(fd)
 
 
 def write_all(fd: int, data: bytes) -> None:

@@ -8,7 +8,6 @@ copy is kept under the user's cache directory (`cache_root`), keyed by the file'
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -18,7 +17,14 @@ import torch
 
 from chatbot.errors import ModelLoadError
 from chatbot.models.load_checks import _quiet_transformers, _short
-from chatbot.models.manifest import MANIFEST, publish, read_manifest, scratch_folder, staging  # noqa: F401  (MANIFEST: re-exported)
+from chatbot.models.manifest import (  # noqa: F401  (MANIFEST: re-exported)
+    MANIFEST,
+    file_sha256,
+    publish,
+    read_manifest,
+    scratch_folder,
+    staging,
+)
 from chatbot.models.source import check_gguf
 
 _CONVERSION_VERSION = 1
@@ -28,14 +34,6 @@ def cache_root() -> Path:
     """`$XDG_CACHE_HOME/chatbot` (default `~/.cache/chatbot`)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "chatbot"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _identity(path: Path) -> str:
@@ -49,7 +47,7 @@ def _identity(path: Path) -> str:
         known = {}
     if isinstance(known, dict) and isinstance(known.get(key), str):
         return known[key]
-    digest = _sha256(path)
+    digest = file_sha256(path)
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
         known = known if isinstance(known, dict) else {}

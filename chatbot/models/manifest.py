@@ -77,21 +77,13 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
 def _file_ok(path: Path, entry: dict[str, Any]) -> bool:
     if path.stat().st_size != entry["size"]:
         return False
-    return path.suffix in WEIGHT_FILES or bool(_sha256(path) == entry["sha256"])
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+    return path.suffix in WEIGHT_FILES or bool(file_sha256(path) == entry["sha256"])
 
 
 def _entry(path: Path) -> dict[str, Any]:
     entry: dict[str, Any] = {"size": path.stat().st_size}
     if path.suffix not in WEIGHT_FILES:
-        entry["sha256"] = _sha256(path)
+        entry["sha256"] = file_sha256(path)
     return entry
 
 
@@ -103,3 +95,12 @@ def publish(tmp: Path, target: Path, **fields: Any) -> None:
     if target.exists():
         shutil.rmtree(target)
     os.replace(tmp, target)
+
+
+def file_sha256(path: Path) -> str:
+    """The file's SHA-256, read in 4 MiB blocks."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -3,7 +3,6 @@ slash-commands completed, and lines read from a pipe.'''
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 from collections.abc import Iterable, Iterator
@@ -13,7 +12,7 @@ from prompt_toolkit.completion import CompleteEvent, Completer, Completion, Path
 from prompt_toolkit.document import Document
 from prompt_toolkit.history import FileHistory
 
-from chatbot.session_log import FILE_MODE, write_all
+from chatbot.session_log import append_whole
 from chatbot.terminal.commands import complete
 
 BLOCK = '"""'
@@ -109,23 +108,9 @@ class KeptHistory(FileHistory):
             return
         text = f"\n# {datetime.datetime.now()}\n" + "".join(f"+{line}\n" for line in string.split("\n"))
         try:
-            fd = os.open(
-                self.filename, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), FILE_MODE
-            )
+            append_whole(self.filename, text.encode("utf-8", errors="replace"))
         except OSError as exc:
             self._failed(exc)
-            return
-        size: int | None = None
-        try:
-            size = os.fstat(fd).st_size
-            write_all(fd, text.encode("utf-8", errors="replace"))
-        except OSError as exc:
-            if size is not None:
-                with contextlib.suppress(OSError):  # (a device such as /dev/full cannot be cut)
-                    os.ftruncate(fd, size)
-            self._failed(exc)
-        finally:
-            os.close(fd)
 
     def _failed(self, exc: OSError) -> None:
         self.failed = True
