@@ -76,7 +76,7 @@ def _run(args: list[str], stdin: str = "") -> subprocess.CompletedProcess[str] |
 def compiler() -> Compiler:
     """The compiler `kernels.load_library` would use, its version, its -march=native macros
     and whether `-fopenmp` builds and links (Apple's clang and clang without libomp fail)."""
-    cc = kernels._compiler()
+    cc = kernels.find_compiler()
     if cc is None:
         return Compiler(None)
     version = _run([cc, "--version"])

@@ -47,7 +47,7 @@ def _system_libm() -> Path | None:
 def good(tmp_path_factory):
     """(the good library's bytes, its checksum file's text or None, the library's file name,
     the tiny GGUF file, the answer a clean cache gives)."""
-    cc = kernels._compiler()
+    cc = kernels.find_compiler()
     if cc is None:
         pytest.skip("needs a C compiler to build the kernels")
     root = tmp_path_factory.mktemp("kernels")

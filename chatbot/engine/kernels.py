@@ -178,7 +178,8 @@ def kernels_dir() -> Path:
     return Path(base) / "chatbot" / "kernels"
 
 
-def _compiler() -> str | None:
+def find_compiler() -> str | None:
+    """The C compiler the kernels are built with: $CC, else cc, gcc or clang (None: none)."""
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
             return name
@@ -363,6 +364,18 @@ def _open(path: Path) -> ctypes.CDLL:
     return lib
 
 
+def _open_trusted(path: Path) -> tuple[ctypes.CDLL | None, str]:
+    """The library at `path` where it matches its checksum and loads, else None and what is
+    wrong with it."""
+    problem = _untrusted(path)
+    if problem is None:
+        try:
+            return _open(path), ""
+        except KernelsUnavailable as exc:
+            problem = f"does not load ({exc})"
+    return None, problem
+
+
 def _load_cached(cc: str, path: Path) -> ctypes.CDLL:
     """The library at `path` where it matches its checksum and loads; otherwise (missing,
     damaged, another library, refused by the dynamic loader) built again, once.
@@ -371,12 +384,9 @@ def _load_cached(cc: str, path: Path) -> ctypes.CDLL:
         KernelsUnavailable: the build failed, or what it built does not load either; the
             message says what happened to which file.
     """
-    problem = _untrusted(path)
-    if problem is None:
-        try:
-            return _open(path)
-        except KernelsUnavailable as exc:
-            problem = f"does not load ({exc})"
+    lib, problem = _open_trusted(path)
+    if lib is not None:
+        return lib
     try:
         build(cc, path)
     except KernelsUnavailable as exc:
@@ -385,12 +395,9 @@ def _load_cached(cc: str, path: Path) -> ctypes.CDLL:
         raise KernelsUnavailable(
             f"{exc}; the cached {path} {problem}, so it was not used (delete it)"
         ) from None
-    problem = _untrusted(path)
-    if problem is None:
-        try:
-            return _open(path)
-        except KernelsUnavailable as exc:
-            problem = f"does not load ({exc})"
+    lib, problem = _open_trusted(path)
+    if lib is not None:
+        return lib
     raise KernelsUnavailable(
         f"the native kernels just rebuilt in {path} {problem}; delete {path} and "
         f"{checksum_path(path).name} beside it if this persists"
@@ -414,7 +421,7 @@ def load_library() -> ctypes.CDLL:
         try:
             if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
                 raise KernelsUnavailable(f"no native kernels for {platform.machine()}")
-            cc = _compiler()
+            cc = find_compiler()
             if cc is None:
                 raise KernelsUnavailable(
                     "no C compiler found (set CC, or install gcc) for the native kernels"
