@@ -112,7 +112,7 @@ def test_lossless_packing_picks_the_format_the_weights_are_in():
 def test_no_compiler_means_no_fast_path(monkeypatch, tiny_model):
     monkeypatch.setattr(kernels, "_library", None)
     monkeypatch.setattr(kernels, "_failure", None)
-    monkeypatch.setattr(kernels, "_compiler", lambda: None)
+    monkeypatch.setattr(kernels, "find_compiler", lambda: None)
     with pytest.raises(kernels.KernelsUnavailable, match="no C compiler"):
         kernels.load_library()
     decoder, reason = make_decoder(tiny_model, "auto")

@@ -234,6 +234,37 @@ def test_interrupt_during_prefill_keeps_the_message(tiny_model, tiny_tokenizer, 
     assert c.session.turns[-1].answer and not c.session.turns[-1].interrupted
 
 
+def test_interrupt_before_the_message_reaches_the_model_puts_it_back_at_the_prompt(
+    tiny_model, tiny_tokenizer, tmp_path
+):
+    """A Ctrl-C before any of the message is in the cache leaves no turn; at the prompt the
+    message comes back as typed (Enter sends it again), and the log cancels it."""
+    c = Chat(tiny_model, tiny_tokenizer, tmp_path)
+    hook = Interrupter(tiny_model, layer=0, at=1)  # the first forward pass: the prefill
+    try:
+        c.keys("//slashes kept\r\r")  # the message, then Enter on the text put back
+    finally:
+        hook.remove()
+    assert hook.fired
+    err = c.err.getvalue()
+    assert "[interrupted before the answer began: the message is back at the prompt]" in err
+    assert "partial answer is kept" not in err
+    assert [t.user for t in c.session.turns] == ["/slashes kept"]
+    assert not c.session.turns[0].interrupted and c.session.turns[0].answer
+    events = [e["event"] for e in session_log.read_events(c.repl.log.path)]
+    assert events[-4:] == ["send", "cancel", "send", "turn"]
+
+
+def test_interrupt_before_the_message_reaches_the_model_from_a_pipe_says_not_sent(chat, tiny_model):
+    hook = Interrupter(tiny_model, layer=0, at=1)
+    try:
+        chat.lines("Hello there")
+    finally:
+        hook.remove()
+    assert hook.fired and chat.session.turns == []
+    assert "[interrupted before the answer began: the message was not sent]" in chat.err.getvalue()
+
+
 def test_garbage_input_from_a_pipe(chat):
     raw = (
         b"\xff\xfe invalid \xc3\x28 utf-8\n"
@@ -395,18 +426,41 @@ def test_real_chat_interrupt_and_resume(tmp_path):
         child.expect("loaded in")
         child.sendline("Write a long story about a dragon.")
         child.expect("dragon\\.")  # the line as typed
-        # The answer has begun: the message is in the session log (written just before the
-        # prefill) and text follows. Stop it while it runs.
-        deadline = time.monotonic() + 180
-        while not any('"send"' in p.read_text() for p in (tmp_path / "chatbot" / "sessions").glob("*.jsonl")):
-            assert time.monotonic() < deadline, "the message never reached the session log"
-            child.expect([pexpect.TIMEOUT, r"\S"], timeout=0.5)
-        child.expect([pexpect.TIMEOUT, r"\S"], timeout=2)  # its fsync is done
-        child.expect(r"[A-Za-z]{2,}[ ,.]+[A-Za-z]{2,}", timeout=180)
-        sent = time.perf_counter()
-        child.sendintr()
-        child.expect("interrupted: the partial answer is kept", timeout=20)
-        assert time.perf_counter() - sent < 5
+        # Stop the answer while it runs: once the message is in the session log (written just
+        # before the prefill) and words of the answer are on the screen. (The typed line is
+        # drawn again when it is sent: its words are not the answer's.) A Ctrl-C that comes
+        # before the model took the message in puts it back at the prompt: send it again.
+        seen: list[str] = []  # the answer's start at each Ctrl-C (for a failure's message)
+        for attempt in range(3):
+            deadline = time.monotonic() + 180
+            log = tmp_path / "chatbot" / "sessions"
+            while not any(p.read_text().count('"send"') > attempt for p in log.glob("*.jsonl")):
+                assert time.monotonic() < deadline, "the message never reached the session log"
+                child.expect([pexpect.TIMEOUT, r"\S"], timeout=0.5)
+            shown = ""
+            while not re.search(r"[A-Za-z]{2,}[ ,.]+[A-Za-z]{2,}", shown):
+                assert time.monotonic() < deadline, "no answer after 180 s"
+                child.expect([pexpect.TIMEOUT, r"\S"], timeout=0.5)
+                shown += re.sub(
+                    r"\x1b\[[0-9;?]*[A-Za-z]",
+                    "",
+                    child.before + (child.after if isinstance(child.after, str) else ""),
+                )
+                shown = shown.replace("Write a long story about a dragon.", "")
+            sent = time.perf_counter()
+            seen.append(shown[-200:])
+            child.sendintr()
+            got = child.expect(
+                ["interrupted: the partial answer is kept", "the message is back at the prompt"], timeout=20
+            )
+            assert time.perf_counter() - sent < 5
+            seen.append(child.before[-300:])
+            if got == 0:
+                break
+            child.expect(">")
+            child.send("\r")  # the message, put back, sent again
+        else:
+            pytest.fail(f"three Ctrl-Cs all came before the model took the message in: {seen!r}")
         child.expect(">")
         child.sendline("/history")
         child.expect(r"\[interrupted\]")

@@ -126,7 +126,8 @@ class Repl:
         self.loading_name = ""
         self.on_ready: Callable[[], None] | None = None
         self.load_error: BaseException | None = None
-        self._draft = ""  # a message typed before the model was ready and not sent (Ctrl-C)
+        self._draft = ""  # a message typed but not sent (Ctrl-C while loading or before its answer)
+        self._prompting = False  # run_terminal's loop: a message not sent comes back at the prompt
         self.blocks = BlockReader()
         self.handlers: dict[str, Callable[[Command], None]] = {
             "help": self._help,
@@ -468,19 +469,32 @@ class Repl:
             return
         if not self.ready(draft=typed):
             return
-        self.chat(line)
+        self.chat(line, typed)
 
-    def chat(self, text: str) -> None:
+    def chat(self, text: str, typed: str | None = None) -> None:
+        """Send `text` and show its answer. A Ctrl-C before any of the message reached the
+        model leaves no turn: the message (`typed`, as typed) comes back at the prompt."""
+        before = len(self.session.turns)
         try:
             chunks = self.session.send(text)
         except ChatbotError as exc:
             self.error(str(exc))
             self.failed += 1
             return
-        self._stream(chunks)  # the session logs the message before its answer
+        # The session logs the message before its answer (and cancels it if it left no turn).
+        if self._stream(chunks, keep_note=False) == "interrupted":
+            if len(self.session.turns) > before:
+                self.note("[interrupted: the partial answer is kept; /continue goes on]")
+            elif self._prompting:
+                self._draft = typed if typed is not None else text
+                self.note("[interrupted before the answer began: the message is back at the prompt]")
+            else:
+                self.note("[interrupted before the answer began: the message was not sent]")
 
-    def _stream(self, chunks: Generator[Any, None, None]) -> None:
-        """Show an answer as it arrives (the session logs the turn it produced)."""
+    def _stream(self, chunks: Generator[Any, None, None], keep_note: bool = True) -> str | None:
+        """Show an answer as it arrives (the session logs the turn it produced). Returns what
+        stopped it ("interrupted", or the error said) or None; `keep_note`: say that an
+        interrupted answer is kept (/retry, /continue: the turn stays)."""
         answer = PlainAnswer(self.console.file) if self.plain else MarkdownAnswer(self.console)
         # Model text reaches a terminal with its control sequences made visible; piped
         # output (--plain, stdout not a terminal) keeps the model's bytes.
@@ -506,12 +520,14 @@ class Repl:
                 chunks.close()
                 problem = f"generation failed: {type(exc).__name__}: {exc}"
         if problem == "interrupted":
-            self.note("[interrupted: the partial answer is kept; /continue goes on]")
+            if keep_note:
+                self.note("[interrupted: the partial answer is kept; /continue goes on]")
         elif problem is not None:
             self.error(problem)
             self.failed += 1
         elif stats is not None and self.show_stats:
             self.note(format_stats_line(stats))
+        return problem
 
     # -- loops -------------------------------------------------------------------------
 
@@ -612,6 +628,7 @@ class Repl:
             output = create_output(always_prefer_tty=True)
         prompt = self.make_prompt(input, output)
         self.note("type a message; /help for commands and keys; Ctrl-D to exit")
+        self._prompting = True
         while self.running:
             if not self._adopt() and not self.running:
                 break  # the model failed to load: the caller reports why
