@@ -346,6 +346,7 @@ class FastDecoder:
         self._vptrs = ptrs()
         self._cache_key: tuple[int, ...] = ()
         self._scratch = torch.empty(0)
+        self._batch_scratch = torch.empty(0)
         self.struct = kernels.ModelStruct(
             n_layers=n_layers, dim=config.hidden_size, n_heads=heads, n_kv_heads=kv_heads,
             head_dim=head_dim, ffn_dim=config.intermediate_size, vocab=self.vocab, n_threads=1,
@@ -527,6 +528,72 @@ class FastDecoder:
             self.tuner.record(threads, time.perf_counter() - start)
         for layer in layers:
             layer.length = pos + 1
+        return logits
+
+    @property
+    def max_batch(self) -> int:
+        """The most conversations `decode_batch` steps in one call."""
+        return int(self.lib.chatbot_max_batch())
+
+    @torch.inference_mode()
+    def decode_batch(self, caches: Sequence[Cache], tokens: Sequence[int]) -> torch.Tensor:
+        """Feed one token at the end of each cache in one pass over the weights; return the
+        logits after each (``[B, vocab]``), equal to what `decode` gives for each alone.
+
+        Args:
+            caches: distinct caches of `BufferLayer`s, each prefilled (as for `decode`).
+            tokens: one token id per cache.
+
+        Raises:
+            ValueError: a token or position out of range, or more caches than `max_batch`.
+        """
+        if len(caches) != len(tokens) or not 0 < len(caches) <= self.max_batch:
+            raise ValueError(f"decode_batch takes 1 to {self.max_batch} caches, one token each")
+        if len(caches) == 1:
+            return self.decode(caches[0], int(tokens[0]))[None]
+        n_layers = self.dims[0]
+        rows: list[list[BufferLayer]] = []
+        positions = []
+        for cache in caches:
+            if type(cache.layers[0]) is not BufferLayer:
+                self.prepare(cache)
+            layers = cast(list[BufferLayer], cache.layers)
+            pos = layers[0].length
+            if layers[0]._k is None:
+                raise ValueError("decode needs a prefilled cache")
+            if any(layer.length != pos for layer in layers):
+                raise ValueError("cache layers hold different numbers of tokens; crop it first")
+            self._reserve_layers(layers, pos + 1)
+            rows.append(layers)
+            positions.append(pos)
+        self._ensure_rope(max(positions) + 1)
+        batch = len(caches)
+        ptrs = ctypes.c_void_p * (batch * n_layers)
+        kptrs = ptrs(*[layer._k.data_ptr() for layers in rows for layer in layers])  # type: ignore[union-attr]
+        vptrs = ptrs(*[layer._v.data_ptr() for layers in rows for layer in layers])  # type: ignore[union-attr]
+        ints = ctypes.c_int32 * batch
+        caps = [layers[0].capacity for layers in rows]
+        threads = self.struct.n_threads = self.threads or torch.get_num_threads()
+        floats = int(
+            self.lib.chatbot_batch_scratch_floats(ctypes.byref(self.struct), batch, max(caps), threads)
+        )
+        if self._batch_scratch.numel() < floats:
+            self._batch_scratch = torch.empty(floats, dtype=torch.float32)
+        logits = torch.empty(batch, self.vocab, dtype=torch.float32)
+        # held in names for the length of the call (a temporary's address would dangle)
+        token_arr, pos_arr, cap_arr = ints(*[int(t) for t in tokens]), ints(*positions), ints(*caps)
+        status = self.lib.chatbot_decode_batch(
+            ctypes.byref(self.struct), batch, ctypes.addressof(token_arr), ctypes.addressof(pos_arr),
+            ctypes.addressof(cap_arr), ctypes.addressof(kptrs), ctypes.addressof(vptrs),
+            self._batch_scratch.data_ptr(), logits.data_ptr(),
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(
+                f"tokens {list(tokens)} or positions {positions} out of range for the fast decoder"
+            )
+        for layers, pos in zip(rows, positions):
+            for layer in layers:
+                layer.length = pos + 1
         return logits
 
 

@@ -7,6 +7,7 @@ records the ids that entered it after, so the caller never keeps a list of its o
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from transformers.generation.logits_process import (
 )
 
 from chatbot.config import SamplingConfig
+from chatbot.engine.batch import DecodeBatcher
 from chatbot.engine.detokenize import IncrementalDetokenizer
 from chatbot.engine.sampling import TopKTopPLogitsWarper
 from chatbot.engine.sink_cache import SinkCache
@@ -108,10 +110,21 @@ class Engine:
         self.device = model.get_input_embeddings().weight.device
         trained = getattr(model.config, "max_position_embeddings", None) or 2048
         self.max_context = max_context or trained
-        # Told of each answer token of `generate` (not of a stop id) with the logits it was
-        # chosen from, before any sampling transform (the server's logprobs); the caller that
-        # owns the engine sets it for one answer and clears it after.
-        self.token_observer: TokenObserver | None = None
+        # Runs the decode steps of generations in several threads as batched steps (the
+        # server's continuous batching); None: each step alone.
+        self.batcher: DecodeBatcher | None = None
+        self._local = threading.local()
+
+    @property
+    def token_observer(self) -> TokenObserver | None:
+        """Told of each answer token of `generate` (not of a stop id) with the logits it was
+        chosen from, before any sampling transform (the server's logprobs); the caller sets it
+        for one answer and clears it after. One per thread: each generation its own."""
+        return getattr(self._local, "observer", None)
+
+    @token_observer.setter
+    def token_observer(self, observer: TokenObserver | None) -> None:
+        self._local.observer = observer
 
     # -- caches -----------------------------------------------------------------------
 
@@ -143,7 +156,9 @@ class Engine:
         """Run the model on `ids` after making room for them (and `reserve` more) in the
         cache; return the last position's logits (``[vocab]``)."""
         kv.evict_for(len(ids) + reserve)
-        if self.decoder is not None and len(ids) == 1:
+        if self.batcher is not None and len(ids) == 1 and self._local.__dict__.get("batched"):
+            logits = self.batcher.step(kv.cache, int(ids[0]))
+        elif self.decoder is not None and len(ids) == 1:
             logits = self.decoder.decode(kv.cache, int(ids[0]))
         else:
             tensor = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
@@ -267,6 +282,34 @@ class Engine:
         synchronize(self.device)
         stats.context_time_s = time.perf_counter() - t0
 
+        batcher = self.batcher
+        if batcher is not None:
+            batcher.join()
+            self._local.batched = True
+        try:
+            yield from self._decode_loop(kv, sampling, logits, seen, n_seen, processors, generator,
+                                         stop, detok, stats, t0, stopping_criteria)  # fmt: skip
+        finally:
+            if batcher is not None:
+                self._local.batched = False
+                batcher.leave()
+
+    def _decode_loop(
+        self,
+        kv: TrackedCache,
+        sampling: SamplingConfig,
+        logits: torch.Tensor,
+        seen: torch.Tensor,
+        n_seen: int,
+        processors: LogitsProcessorList,
+        generator: torch.Generator | None,
+        stop: set[int],
+        detok: IncrementalDetokenizer,
+        stats: TurnStats,
+        t0: float,
+        stopping_criteria: StopCallback | None,
+    ) -> Generator[GenerationChunk, None, None]:
+        """Sample the answer from the prefill's `logits` on (see `generate`)."""
         pending: list[int] = []
         pending_text = ""
         last = t0

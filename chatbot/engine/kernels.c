@@ -1575,6 +1575,267 @@ int chatbot_decode(const Model *m, int token, int pos, float *logits) {
     return 0;
 }
 
+/* ---------------------------------------------------------------- batched decode (serving)
+ *
+ * One token for each of B conversations in one pass over the weights: every weight row is read
+ * (and, for Q4_1 / Q8_0 with int16 inputs, unpacked) once and multiplied with the B inputs
+ * while it is in L1, each conversation attending to its own cache. The arithmetic of each row
+ * is that of chatbot_decode, so a batched answer equals the one decoded alone. */
+
+#define MAX_BATCH 16
+
+#if defined(__AVX512BW__) && defined(CB_AVX2)
+/* s[t] = row . v[t] for Q4_1 weights and int16 inputs: dot_q4_1_i16's arithmetic in its
+ * order (even blocks in one sum, odd ones in another), so each result equals it exactly. */
+static inline __attribute__((always_inline)) void dot_q4_1_i16_multi_(const block_q4_1 *b, const Vec *v, const int B, int k, float *s) {
+    const int nb = k / QK;
+    __m512 acc[2][MAX_BATCH];
+    float ms[MAX_BATCH];
+    for (int t = 0; t < B; t++) acc[0][t] = acc[1][t] = _mm512_setzero_ps(), ms[t] = 0.0f;
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    for (int j = 0; j < nb; j++) {
+        _mm_prefetch((const char *)(b + j) + PREFETCH, _MM_HINT_T0);
+        const __m128i raw = _mm_loadu_si128((const __m128i *)b[j].qs);
+        const __m512i w = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4)));
+        const float d = fp16_to_f32(b[j].d);
+        __m512 *a = acc[j & 1];
+        for (int t = 0; t < B; t++) {
+            const __m512i p = _mm512_madd_epi16(w, _mm512_loadu_si512(v[t].q16 + j * QK));
+            a[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * v[t].qd[j]), _mm512_cvtepi32_ps(p), a[t]);
+        }
+    }
+    for (int j = 0; j < nb; j++) {
+        const float mn = fp16_to_f32(b[j].m);
+        for (int t = 0; t < B; t++) ms[t] += mn * v[t].qs[j];
+    }
+    for (int t = 0; t < B; t++) s[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][t], acc[1][t])) + ms[t];
+}
+
+/* s[t] = row . v[t] for Q8_0 weights and int16 inputs, as dot_q8_0_i16 computes it */
+static inline __attribute__((always_inline)) void dot_q8_0_i16_multi_(const block_q8_0 *b, const Vec *v, const int B, int k, float *s) {
+    const int nb = k / QK;
+    __m512 acc[2][MAX_BATCH];
+    for (int t = 0; t < B; t++) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
+    for (int j = 0; j < nb; j++) {
+        _mm_prefetch((const char *)(b + j) + PREFETCH, _MM_HINT_T0);
+        const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)b[j].qs));
+        const float d = fp16_to_f32(b[j].d);
+        __m512 *a = acc[j & 1];
+        for (int t = 0; t < B; t++) {
+            const __m512i p = _mm512_madd_epi16(w, _mm512_loadu_si512(v[t].q16 + j * QK));
+            a[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * v[t].qd[j]), _mm512_cvtepi32_ps(p), a[t]);
+        }
+    }
+    for (int t = 0; t < B; t++) s[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][t], acc[1][t]));
+}
+
+/* The two above for each batch size as a constant: the loops over the inputs unrolled, their
+ * sums kept in registers. */
+#define CB_MULTI_SIZES(F, b, v, B, k, s) \
+    switch (B) { \
+    case 2: F(b, v, 2, k, s); break; \
+    case 3: F(b, v, 3, k, s); break; \
+    case 4: F(b, v, 4, k, s); break; \
+    case 5: F(b, v, 5, k, s); break; \
+    case 6: F(b, v, 6, k, s); break; \
+    case 7: F(b, v, 7, k, s); break; \
+    case 8: F(b, v, 8, k, s); break; \
+    default: F(b, v, B, k, s); \
+    }
+
+static void dot_q4_1_i16_multi(const block_q4_1 *b, const Vec *v, int B, int k, float *s) {
+    CB_MULTI_SIZES(dot_q4_1_i16_multi_, b, v, B, k, s)
+}
+
+static void dot_q8_0_i16_multi(const block_q8_0 *b, const Vec *v, int B, int k, float *s) {
+    CB_MULTI_SIZES(dot_q8_0_i16_multi_, b, v, B, k, s)
+}
+#endif
+
+/* s[t] = row n of m . v[t] for the B inputs (all of one length and form) */
+static inline void dot_vec_multi(const Mat *m, int n, const Vec *v, int B, float *s) {
+#if defined(__AVX512BW__) && defined(CB_AVX2)
+    if (v[0].act == ACT_I16 && (m->fmt == FMT_Q4_1 || m->fmt == FMT_Q8_0)) {
+        const char *row = (const char *)m->data + (size_t)n * row_bytes(m);
+        if (m->fmt == FMT_Q4_1)
+            dot_q4_1_i16_multi((const block_q4_1 *)row, v, B, m->cols, s);
+        else
+            dot_q8_0_i16_multi((const block_q8_0 *)row, v, B, m->cols, s);
+        return;
+    }
+#endif
+    for (int t = 0; t < B; t++) s[t] = dot_vec(m, n, &v[t]);
+}
+
+/* y[t][n] (row stride ys) = (W v[t])[n] + bias for a group of row blocks; called by every
+ * thread of a parallel region. */
+static void group_matmul_par(const Group *g, Vec *v, int B, float *y, int ys) {
+    for (int t = 0; t < B; t++)
+        for (int p = 0; p < g->n_parts; p++) ready_for(&v[t], &g->part[p]);
+#pragma omp for schedule(static)
+    for (int n = 0; n < g->rows; n++) {
+        int p = 0, r = n;
+        while (p + 1 < g->n_parts && r >= g->part[p].rows) r -= g->part[p++].rows;
+        float s[MAX_BATCH];
+        dot_vec_multi(&g->part[p], r, v, B, s);
+        for (int t = 0; t < B; t++) y[(size_t)t * ys + n] = g->bias ? s[t] + g->bias[n] : s[t];
+    }
+}
+
+static long batch_shared_floats(const Model *m, int B, int cap) {
+    const long qkv = (long)(m->n_heads + 2 * m->n_kv_heads) * m->head_dim;
+    const long row = qkv + (long)m->n_heads * m->head_dim + 2L * m->dim + 2L * m->ffn_dim;
+    return ((long)B * row + (long)B * m->n_heads * cap + 15) / 16 * 16;
+}
+
+static long batch_private_floats(const Model *m, int B) {
+    const long n = (long)B * (2L * m->dim + m->ffn_dim) + 2L * m->head_dim + (long)B * vec_floats(widest_input(m));
+    return (n + 15) / 16 * 16;
+}
+
+/* Floats of scratch chatbot_decode_batch needs for B rows whose caches hold up to `cap`
+ * positions each, with up to `max_threads` threads; 0 for B out of [1, MAX_BATCH]. */
+long chatbot_batch_scratch_floats(const Model *m, int B, int cap, int max_threads) {
+    if (B < 1 || B > MAX_BATCH) return 0;
+    return batch_shared_floats(m, B, cap) + (long)max_threads * batch_private_floats(m, B) + 16;
+}
+
+long chatbot_max_batch(void) { return MAX_BATCH; }
+
+/* Forward B tokens, row t being `tokens[t]` at position `pos[t]` of its own cache: layer l's
+ * keys and values at kcache[t * n_layers + l] / vcache[...] ([Hkv, caps[t], D] each, holding
+ * positions [0, pos[t]) already, caps[t] > pos[t]). Logits go to logits [B, vocab]. m's own
+ * cache fields and scratch are not used; `scratch` has chatbot_batch_scratch_floats(m, B,
+ * max(caps), m->n_threads) floats. Returns 0, or -1 (nothing written) for a row out of range. */
+int chatbot_decode_batch(const Model *m, int B, const int *tokens, const int *pos, const int *caps,
+                         float *const *kcache, float *const *vcache, float *scratch, float *logits) {
+    if (B < 1 || B > MAX_BATCH || m->head_dim > 512) return -1;
+    int maxcap = 0;
+    for (int t = 0; t < B; t++) {
+        if (pos[t] < 0 || pos[t] >= caps[t] || pos[t] >= m->rope_len || tokens[t] < 0 || tokens[t] >= m->embed->rows)
+            return -1;
+        maxcap = caps[t] > maxcap ? caps[t] : maxcap;
+    }
+    const int D = m->head_dim, H = m->n_heads, HKV = m->n_kv_heads, F = m->ffn_dim, E = m->dim, L = m->n_layers;
+    const int group = H / HKV, half = D / 2, QKV = (H + 2 * HKV) * D, V = m->lm_head->rows;
+    float *qkv = scratch; /* shared: [B][QKV], then att [B][H D], o [B][E], gu [B][2F], dn [B][E], scores */
+    float *att = qkv + (size_t)B * QKV;
+    float *o = att + (size_t)B * H * D;
+    float *gu = o + (size_t)B * E;
+    float *dn = gu + (size_t)B * 2 * F;
+    float *scores = dn + (size_t)B * E; /* [B][H][maxcap] */
+    float *priv = scratch + batch_shared_floats(m, B, maxcap);
+    const long pf = batch_private_floats(m, B);
+    const long vf = vec_floats(widest_input(m));
+
+#pragma omp parallel num_threads(m->n_threads)
+    {
+        float *x = priv + (size_t)omp_get_thread_num() * pf; /* [B][E] */
+        float *xn = x + (size_t)B * E;                         /* [B][E] */
+        float *hid = xn + (size_t)B * E;                       /* [B][F] */
+        float *qr = hid + (size_t)B * F;
+        float *kr = qr + D;
+        Vec vec[MAX_BATCH];
+        memset(vec, 0, sizeof vec);
+        for (int t = 0; t < B; t++) {
+            vec_place(&vec[t], kr + D + t * vf, widest_input(m));
+            float *xt = x + (size_t)t * E;
+            embed_row(m->embed, tokens[t], xt);
+            if (m->embed_scale != 0.0f)
+                for (int i = 0; i < E; i++) xt[i] *= m->embed_scale;
+        }
+        for (int l = 0; l < L; l++) {
+            for (int t = 0; t < B; t++) {
+                rmsnorm(x + (size_t)t * E, m->attn_norm[l], E, m->eps, xn + (size_t)t * E);
+                prepare_vec(&vec[t], xn + (size_t)t * E, E, m->act);
+            }
+            group_matmul_par(&m->wqkv[l], vec, B, qkv, QKV);
+            const int second = m->rope_sel && m->rope_sel[l];
+            const int w = m->window ? m->window[l] : 0;
+#pragma omp for schedule(static)
+            for (int th = 0; th < B * H; th++) {
+                const int t = th / H, h = th % H, g = h / group, p = pos[t];
+                const float *q = qkv + (size_t)t * QKV;
+                const float *lcs = (second ? m->rope_cos2 : m->rope_cos) + (size_t)p * half;
+                const float *lsn = (second ? m->rope_sin2 : m->rope_sin) + (size_t)p * half;
+                const int first = w > 0 && p + 1 > w ? p + 1 - w : 0;
+                float *kc = kcache[(size_t)t * L + l], *vc = vcache[(size_t)t * L + l];
+                const size_t off = (size_t)g * caps[t] * D;
+                const float *v = q + (H + HKV + g) * D;
+                float qh[512], kh[512]; /* head_dim <= 512 (checked by kernels.py) */
+                memcpy(qh, q + h * D, (size_t)D * 4);
+                memcpy(kh, q + (H + g) * D, (size_t)D * 4);
+                if (m->q_norm) {
+                    rmsnorm(qh, m->q_norm[l], D, m->eps, qh);
+                    rmsnorm(kh, m->k_norm[l], D, m->eps, kh);
+                }
+                rope(qh, lcs, lsn, D);
+                rope(kh, lcs, lsn, D);
+                if (h % group == 0) {
+                    memcpy(kc + off + (size_t)p * D, kh, (size_t)D * 4);
+                    memcpy(vc + off + (size_t)p * D, v, (size_t)D * 4);
+                }
+                attend(qh, kc + off + (size_t)first * D, vc + off + (size_t)first * D, kh, v, p - first, D,
+                       m->attn_scale, m->attn_softcap, scores + ((size_t)t * H + h) * maxcap, att + ((size_t)t * H + h) * D);
+            }
+            for (int t = 0; t < B; t++) prepare_vec(&vec[t], att + (size_t)t * H * D, H * D, m->act);
+            group_matmul_par(&m->wo[l], vec, B, o, E);
+            for (int t = 0; t < B; t++) {
+                float *xt = x + (size_t)t * E, *xnt = xn + (size_t)t * E;
+                if (m->post_attn_norm) {
+                    rmsnorm(o + (size_t)t * E, m->post_attn_norm[l], E, m->eps, xnt);
+                    for (int i = 0; i < E; i++) xt[i] += xnt[i];
+                } else {
+                    for (int i = 0; i < E; i++) xt[i] += o[(size_t)t * E + i];
+                }
+                rmsnorm(xt, m->ffn_norm[l], E, m->eps, xnt);
+                prepare_vec(&vec[t], xnt, E, m->act);
+            }
+            group_matmul_par(&m->wgu[l], vec, B, gu, 2 * F);
+            for (int t = 0; t < B; t++) {
+                const float *g = gu + (size_t)t * 2 * F;
+                float *ht = hid + (size_t)t * F;
+                if (m->act_fn == ACT_FN_GELU_TANH)
+                    gelu_tanh_mul(g, g + F, F, ht);
+                else
+                    silu_mul(g, g + F, F, ht);
+                prepare_vec(&vec[t], ht, F, m->act);
+            }
+            group_matmul_par(&m->wdown[l], vec, B, dn, E);
+            for (int t = 0; t < B; t++) {
+                float *xt = x + (size_t)t * E, *xnt = xn + (size_t)t * E;
+                if (m->post_ffn_norm) {
+                    rmsnorm(dn + (size_t)t * E, m->post_ffn_norm[l], E, m->eps, xnt);
+                    for (int i = 0; i < E; i++) xt[i] += xnt[i];
+                } else {
+                    for (int i = 0; i < E; i++) xt[i] += dn[(size_t)t * E + i];
+                }
+            }
+        }
+        for (int t = 0; t < B; t++) {
+            rmsnorm(x + (size_t)t * E, m->final_norm, E, m->eps, xn + (size_t)t * E);
+            prepare_vec(&vec[t], xn + (size_t)t * E, E, m->act);
+            ready_for(&vec[t], m->lm_head);
+        }
+#pragma omp for schedule(static)
+        for (int n = 0; n < V; n++) {
+            float s[MAX_BATCH];
+            dot_vec_multi(m->lm_head, n, vec, B, s);
+            for (int t = 0; t < B; t++) logits[(size_t)t * V + n] = s[t];
+        }
+        if (m->final_softcap > 0.0f) {
+            const int chunk = 4096, nc = (V + chunk - 1) / chunk;
+#pragma omp for schedule(static)
+            for (int c = 0; c < B * nc; c++) {
+                const int t = c / nc, i = c % nc;
+                softcap(logits + (size_t)t * V + (size_t)i * chunk, V - i * chunk < chunk ? V - i * chunk : chunk,
+                        m->final_softcap);
+            }
+        }
+    }
+    return 0;
+}
+
 /* Floats of scratch chatbot_matvec needs for a matrix of `cols` columns. */
 long chatbot_matvec_scratch(int cols) { return vec_floats(cols); }
 

@@ -443,6 +443,27 @@ def load_library() -> ctypes.CDLL:
         ]
         lib.chatbot_decode.restype = ctypes.c_int
         lib.chatbot_scratch_floats.argtypes = [ctypes.POINTER(ModelStruct), ctypes.c_int]
+        lib.chatbot_decode_batch.argtypes = [
+            ctypes.POINTER(ModelStruct),
+            ctypes.c_int,
+            ctypes.c_void_p,  # tokens [B] int32
+            ctypes.c_void_p,  # positions [B] int32
+            ctypes.c_void_p,  # cache capacities [B] int32
+            ctypes.c_void_p,  # key caches [B * n_layers] pointers
+            ctypes.c_void_p,  # value caches
+            ctypes.c_void_p,  # scratch
+            ctypes.c_void_p,  # logits [B, vocab]
+        ]
+        lib.chatbot_decode_batch.restype = ctypes.c_int
+        lib.chatbot_batch_scratch_floats.argtypes = [
+            ctypes.POINTER(ModelStruct),
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+        ]
+        lib.chatbot_batch_scratch_floats.restype = ctypes.c_long
+        lib.chatbot_max_batch.argtypes = []
+        lib.chatbot_max_batch.restype = ctypes.c_long
         lib.chatbot_scratch_floats.restype = ctypes.c_long
         lib.chatbot_matvec.argtypes = [
             ctypes.POINTER(Mat),

@@ -97,6 +97,7 @@ def create_app(
     max_body = max_body or default_max_body(max_context)
     bound = PromptBound.of(pool.engine.tokenizer, None if streaming_cache else max_context)
     worker = Worker(pool)
+    batcher = pool.engine.batcher
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -158,9 +159,12 @@ def create_app(
         return {
             "status": "ok",
             "model": model_name,
-            "concurrency": 1,
-            "note": "one generation at a time; other requests queue",
+            "concurrency": worker.slots,
+            "note": "one generation at a time; other requests queue"
+            if worker.slots == 1
+            else f"up to {worker.slots} generations at once, their decode steps batched",
             "generating": worker.busy,
+            "batched_steps": None if batcher is None else {"steps": batcher.steps, "rows": batcher.rows},
             "queued": worker.queued,
             "served": worker.served,
             "context": None if streaming_cache else max_context,

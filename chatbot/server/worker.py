@@ -1,5 +1,6 @@
-"""The engine's one worker thread: `Job` (one generation and where its events go) and
-`Worker`, which runs jobs in order on the prefix-cache pool and sends their events back.
+"""The engine's worker threads: `Job` (one generation and where its events go) and `Worker`,
+which runs jobs on the prefix-cache pool, several at once in batched decode steps where the
+native kernels run, and sends their events back.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from chatbot.config import SamplingConfig
+from chatbot.engine.batch import DecodeBatcher
 from chatbot.engine.gguf_table import ModelFileChanged
 from chatbot.engine.kernels import KernelsUnavailable
 from chatbot.engine.stops import StopStrings, StopView
@@ -20,6 +22,9 @@ from chatbot.errors import ChatbotError, ContextFullError
 from chatbot.server.logprobs import LogprobTracker, TokenLogprob, TokenTexts
 from chatbot.server.pool import Conversation, PrefixCachePool
 from chatbot.server.protocol import APIError
+
+DEFAULT_SLOTS = 8
+"""Requests that generate at once (continuous batching), where the native kernels run."""
 
 if TYPE_CHECKING:
     from chatbot.engine.generate import GenerationChunk
@@ -48,21 +53,45 @@ class Job:
 
 
 class Worker:
-    """The one thread that runs the engine: jobs in order, events back to the event loop.
+    """The threads that run the engine, and send events back to the event loop.
+
+    With the native kernels, up to `slots` requests generate at once (continuous batching):
+    each in its own thread, their decode steps run together (`chatbot.engine.batch`), a new
+    request's prefill between two steps; the threads take turns on one lock, so the engine,
+    the pool and the tokenizer are only ever used by one at a time. Without them, jobs run one
+    after the other.
 
     Events: ("text", (str, [TokenLogprob])) for each piece of the answer (the logprobs of
     the tokens it completes when the job asks for them), then ("done", usage dict with the
     finish reason), or ("error", APIError) when nothing could be generated.
     """
 
-    def __init__(self, pool: PrefixCachePool) -> None:
+    def __init__(self, pool: PrefixCachePool, slots: int = DEFAULT_SLOTS) -> None:
         self.pool = pool
         self.token_texts = TokenTexts(pool.engine.tokenizer)
         self.jobs: queue.Queue[Job | None] = queue.Queue()
-        self.busy = False
+        engine = pool.engine
+        self.lock: threading.Lock | threading.Condition = threading.Lock()
+        if slots > 1 and hasattr(engine.decoder, "decode_batch"):
+            if engine.batcher is None:
+                engine.batcher = DecodeBatcher(engine.decoder)
+            self.lock = engine.batcher.cond
+            slots = min(slots, engine.batcher.max_batch)
+        else:
+            slots = 1
+        self.slots = slots
+        self.active = 0
         self.served = 0
-        self.thread = threading.Thread(target=self._loop, name="chatbot-engine", daemon=True)
-        self.thread.start()
+        self.threads = [
+            threading.Thread(target=self._loop, name=f"chatbot-engine-{i}", daemon=True) for i in range(slots)
+        ]
+        self.thread = self.threads[0]
+        for thread in self.threads:
+            thread.start()
+
+    @property
+    def busy(self) -> bool:
+        return self.active > 0
 
     @property
     def queued(self) -> int:
@@ -72,28 +101,38 @@ class Worker:
         self.jobs.put(job)
 
     def stop(self) -> None:
-        self.jobs.put(None)
+        for _ in self.threads:
+            self.jobs.put(None)
 
     def _loop(self) -> None:
         while True:
             job = self.jobs.get()
             if job is None:
                 return
-            if job.cancel.is_set():  # the client left while it waited
-                continue
-            self.busy = True
-            tracker = None if job.logprobs is None else LogprobTracker(self.token_texts, job.logprobs)
-            self.pool.engine.token_observer = tracker
-            try:
-                self._run(job, tracker)
-            except Exception as exc:  # noqa: BLE001 - one request must not take the worker down
-                job.emit(
-                    ("error", APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
-                )
-            finally:
-                self.pool.engine.token_observer = None
-                self.busy = False
-                self.served += 1
+            batcher = self.pool.engine.batcher if self.slots > 1 else None
+            if batcher is not None:
+                batcher.arriving()
+            with self.lock:
+                if batcher is not None:
+                    batcher.arrived()
+                if job.cancel.is_set():  # the client left while it waited
+                    continue
+                self.active += 1
+                tracker = None if job.logprobs is None else LogprobTracker(self.token_texts, job.logprobs)
+                self.pool.engine.token_observer = tracker
+                try:
+                    self._run(job, tracker)
+                except Exception as exc:  # noqa: BLE001 - one request must not take the worker down
+                    job.emit(
+                        (
+                            "error",
+                            APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"),
+                        )
+                    )
+                finally:
+                    self.pool.engine.token_observer = None
+                    self.active -= 1
+                    self.served += 1
 
     def _complete(self, job: Job, tracker: LogprobTracker | None) -> None:
         """A raw prompt on a fresh cache (no template, no prefix cache)."""

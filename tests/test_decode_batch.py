@@ -1,0 +1,118 @@
+"""`FastDecoder.decode_batch`: one pass over the weights for several conversations, each on
+its own cache, gives each the logits (bit for bit) and so the greedy answer it gets alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_model, needs_kernels
+
+from chatbot.engine.fast import FastDecoder
+from chatbot.engine.generate import Engine
+
+
+def _prompts(vocab: int, n: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(3, vocab, (5 + 7 * i,), generator=gen).tolist() for i in range(n)]
+
+
+def _greedy_alone(engine: Engine, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    kv = engine.new_cache()
+    logits = engine.prefill(kv, prompt)
+    answer, seen = [], []
+    for _ in range(steps):
+        token = int(logits.argmax())
+        answer.append(token)
+        assert engine.decoder is not None
+        logits = engine.decoder.decode(kv.cache, token)
+        seen.append(logits)
+    return answer, seen
+
+
+def _check(model, level: str, steps: int = 6, rows: int = 4) -> None:
+    decoder = FastDecoder(model, level, threads=1)
+    engine = Engine(model, None, decoder=decoder)
+    vocab = model.config.vocab_size
+    prompts = _prompts(min(vocab, 400), rows)
+    alone = [_greedy_alone(engine, p, steps) for p in prompts]
+    # the batch, step by step, against each conversation's logits alone
+    kvs = [engine.new_cache() for _ in prompts]
+    logits = torch.stack([engine.prefill(kv, p) for kv, p in zip(kvs, prompts)])
+    for step in range(steps):
+        tokens = [alone[i][0][step] for i in range(rows)]
+        assert tokens == [int(t) for t in logits.argmax(-1)]
+        logits = decoder.decode_batch([kv.cache for kv in kvs], tokens)
+        for i in range(rows):
+            assert torch.equal(logits[i], alone[i][1][step]), (level, step, i)
+
+
+@needs_kernels
+@pytest.mark.parametrize("level", ["f32", "int8", "int4"])
+def test_decode_batch_equals_decode_alone_tiny(level):
+    _check(make_model(400), level)
+
+
+@needs_kernels
+def test_decode_batch_rows_at_different_positions_and_one_row(tiny_model):
+    decoder = FastDecoder(tiny_model, "f32", threads=1)
+    engine = Engine(tiny_model, None, decoder=decoder)
+    kv = engine.new_cache()
+    engine.prefill(kv, [5, 6, 7])
+    other = engine.new_cache()
+    engine.prefill(other, [5, 6, 7])
+    assert torch.equal(decoder.decode_batch([kv.cache], [9])[0], decoder.decode(other.cache, 9))
+    with pytest.raises(ValueError):
+        decoder.decode_batch([kv.cache], [9, 10])
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_decode_batch_equals_decode_alone_default_model(default_model):
+    """The Q4_1 / Q8_0 products with int16 inputs of `--opt auto` (the batched kernels of
+    the default model) equal the one-row ones bit for bit."""
+    _check(default_model.model, "auto", steps=4)
+
+
+@needs_kernels
+def test_worker_batches_concurrent_requests_with_the_answers_they_get_alone(tiny_model, tiny_tokenizer):
+    """Requests sent at once generate together (batched steps) and get, token for token, the
+    greedy answers each gets alone; stop strings and logprobs stay per request."""
+    import threading
+
+    from chatbot.config import EngineConfig, SamplingConfig
+    from chatbot.server.pool import Conversation, PrefixCachePool
+    from chatbot.server.worker import Job, Worker
+
+    sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=12)
+
+    def answers(slots: int) -> tuple[list[str], Worker]:
+        engine = Engine(tiny_model, tiny_tokenizer, decoder=FastDecoder(tiny_model, "f32", threads=1))
+        pool = PrefixCachePool(engine, EngineConfig(), sampling, max_entries=0)
+        worker = Worker(pool, slots=slots)
+        texts = [""] * 5
+        done = [threading.Event() for _ in texts]
+
+        def emit(i: int):
+            def put(event):
+                if event[0] == "text":
+                    texts[i] += event[1][0]
+                elif event[0] in ("done", "error"):
+                    assert event[0] == "done", event
+                    done[i].set()
+
+            return put
+
+        for i in range(len(texts)):
+            conv = Conversation(None, [], f"Hello number {i} " * (i + 1)) if i < 4 else None
+            worker.submit(Job(conv, sampling, emit(i), prompt="Once upon", stops=("zz",), logprobs=2))
+        assert all(d.wait(60) for d in done)
+        worker.stop()
+        for thread in worker.threads:
+            thread.join(10)
+        return texts, worker
+
+    alone, _ = answers(1)
+    together, worker = answers(8)
+    assert together == alone
+    batcher = worker.pool.engine.batcher
+    assert batcher is not None and batcher.rows > batcher.steps  # some steps held several
