@@ -375,13 +375,11 @@ def serve(
         raise ConfigError(f"--max-body {max_body} is too small for a request (at least 1KiB)")
     overrides: dict[str, Any] = {"temperature": temperature, "max_new_tokens": max_new_tokens}
     SamplingConfig(**{k: v for k, v in overrides.items() if v is not None}).validated()
-    from chatbot.models.presets import SAMPLING_KEYS, find_preset, select_preset
+    from chatbot.models.presets import SAMPLING_KEYS, select_preset
 
     chosen = select_preset(preset, config, model)
     if chosen is not None and not (preset or config):
-        model = None  # --model named the preset: its model
-    elif chosen is None and model is None:
-        chosen = find_preset("default")
+        model = None  # --model named the preset (or no --model: the default preset): its model
     preset_sampling: dict[str, Any] = {}
     defaults_from = "the model's generation_config"
     if chosen is not None:
