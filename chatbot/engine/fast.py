@@ -107,8 +107,9 @@ class DecodeInfo:
         """One line for banners: e.g. ``native kernels (--opt auto): 120 q4_1 + 1 q8_0
         matrices, 92 MB, int16 activations, up to 2 threads``."""
         mats = " + ".join(f"{n} {name}" for name, n in sorted(self.formats.items(), key=lambda kv: -kv[1]))
+        threads = f"up to {self.threads} threads" if self.threads > 1 else "1 thread"
         return (f"native kernels (--opt {self.level}): {mats} matrices, {self.weight_bytes / 2**20:.0f} MB, "
-                f"{self.activations} activations, up to {self.threads} threads")  # fmt: skip
+                f"{self.activations} activations, {threads}")  # fmt: skip
 
 
 def _check_model(model: Any) -> Any:
