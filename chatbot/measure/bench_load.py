@@ -254,8 +254,8 @@ def run_load_comparison(
     Args:
         turns: the short prompts, one a request.
         gguf: the model file both servers load (None: the default model's).
-        threads: both servers' threads (None: chatbot serve's default, and the same count
-            for llama.cpp, taken when it starts).
+        threads: both servers' threads (None: chatbot serve's default, and the count it
+            starts with for llama.cpp, taken before either starts).
 
     Returns:
         ``{"runs": [run_load_bench's figures + setup, vs_one_client, threads], "skipped":
@@ -269,6 +269,10 @@ def run_load_comparison(
     skipped: list[dict[str, str]] = []
     if server is not None:
         runs += _measure("server", server, clients, turns, duration_s, max_new_tokens, model, api_key, say)
+    # Taken once, before any server here runs (a later count would see our own load): llama.cpp
+    # gets the count chatbot serve starts with, which then runs 1 or that many threads a step,
+    # whichever measures faster.
+    start_threads = threads or (serve_default_threads() if setups else 0)
     for setup in setups or []:
         if setup == "llama.cpp":
             why = llama_server_missing()
@@ -280,10 +284,10 @@ def run_load_comparison(
             from chatbot.models.loader import default_gguf_path
 
             file = default_gguf_path()
-        # llama.cpp gets the count chatbot serve would start with now; chatbot serve picks its
-        # own (and then 1 or that many threads a step, whichever measures faster)
-        n_threads = threads or (serve_default_threads() if setup == "llama.cpp" else None)
-        threads_shown = str(n_threads) if n_threads else f"auto, {serve_default_threads()} at most"
+        n_threads = threads or (start_threads if setup == "llama.cpp" else None)
+        threads_shown = (
+            str(n_threads) if n_threads else f"default ({start_threads} at the start, 1 or that a step)"
+        )
         port = free_port()
         url = f"http://127.0.0.1:{port}/v1"
         say(f"{setup}: starting on port {port}")
