@@ -565,7 +565,7 @@ def doctor(
     else:
         openmp = "with OpenMP" if cc.openmp else "without OpenMP (-fopenmp fails): the kernels cannot build"
         line("compiler", f"{cc.command} ({cc.version}) {openmp}")
-        line("simd", f"{cc.simd} (what -march=native gives the kernels here)")
+        line("simd", f"{cc.simd} (what -march=native, -mcpu=native on ARM, gives the kernels here)")
     gpu = facts.gpus()
     line("gpu", ", ".join(gpu.cuda) if gpu.cuda else ("Apple MPS" if gpu.mps else "none visible to torch"))
     loaded = decoder = reason = None
