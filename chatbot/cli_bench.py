@@ -135,6 +135,14 @@ def bench_load(
         int | None,
         typer.Option(help="New tokens per answer (greedy; default: 32, 64 when comparing).", min=1),
     ] = None,
+    rounds: Annotated[
+        int,
+        typer.Option(
+            help="When comparing: the client counts this many times in turn on each server (1, 4, 1, "
+            "4, ...), each count's runs pooled; a change in the machine's load falls on all alike.",
+            min=1,
+        ),
+    ] = 1,
     gguf: Annotated[
         Path | None,
         typer.Option(help="With --setups: the GGUF file both servers load (default: the default model's)."),
@@ -179,7 +187,7 @@ def bench_load(
     def progress(line: str) -> None:
         err.print(line, style="dim", markup=False)
 
-    if chosen is None and len(counts) == 1:
+    if chosen is None and len(counts) == 1 and rounds == 1:
         from chatbot.measure.bench_http import run_load_bench
         from chatbot.measure.report import print_load
 
@@ -216,6 +224,7 @@ def bench_load(
         model=model,
         api_key=_api_key(api_key_env),
         progress=progress,
+        rounds=rounds,
     )
     print_load_comparison(Console(), compared)
     if json_out:

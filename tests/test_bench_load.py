@@ -15,7 +15,7 @@ from serve_helpers import free_port
 
 from chatbot.measure.bench_load import llama_server_missing, print_load_comparison
 
-SHORT = ("--duration", "3", "--max-new-tokens", "4")
+SHORT = ("--duration", "2", "--max-new-tokens", "4")
 
 
 @pytest.fixture
@@ -39,10 +39,13 @@ def _compare(capsys, tmp_path, monkeypatch, *args: str) -> tuple[dict, str]:
     return json.loads(out_json.read_text()), out
 
 
-def _check_runs(runs: list[dict], setup: str, counts: list[int], max_tokens: int = 4) -> None:
+def _check_runs(
+    runs: list[dict], setup: str, counts: list[int], max_tokens: int = 4, rounds: int = 1
+) -> None:
     """Every answer complete and within max_tokens; the ratio is the tok/s over 1 client's."""
     assert [r["clients"] for r in runs] == counts and {r["setup"] for r in runs} == {setup}
     for r in runs:
+        assert r["rounds"] == rounds and len(r["tokens_per_s_rounds"]) == rounds
         assert r["errors"] == 0 and r["incomplete"] == 0 and r["complete"] >= r["clients"], r
         assert r["complete"] <= r["tokens"] <= max_tokens * r["complete"], r
         assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["elapsed_s"])
@@ -53,6 +56,8 @@ def _check_runs(runs: list[dict], setup: str, counts: list[int], max_tokens: int
     assert one["vs_one_client"] is None
     for r in runs[1:]:
         assert r["vs_one_client"] == pytest.approx(r["tokens_per_s"] / one["tokens_per_s"])
+        by_round = [n / o for n, o in zip(r["tokens_per_s_rounds"], one["tokens_per_s_rounds"])]
+        assert r["vs_one_client_rounds"] == pytest.approx(by_round)
 
 
 @pytest.mark.slow
@@ -60,10 +65,14 @@ def test_chatbot_serve_one_then_two_clients_and_llama_cpp_skipped(
     capsys, tmp_path, monkeypatch, no_llama_cpp
 ):
     """chatbot serve started by the bench on the default model: a row per client count with
-    the ratio, the two clients' decode steps batched; llama.cpp skipped, saying why."""
-    data, out = _compare(capsys, tmp_path, monkeypatch, "--setups", "chatbot,llama.cpp", "--clients", "1,2")
+    the ratio (two rounds: 1, 2, 1, 2 clients), the two clients' decode steps batched;
+    llama.cpp skipped, saying why."""
+    data, out = _compare(
+        capsys, tmp_path, monkeypatch, "--setups", "chatbot,llama.cpp", "--clients", "1,2", "--rounds", "2"
+    )
     runs = data["runs"]
-    _check_runs(runs, "chatbot", [1, 2])
+    _check_runs(runs, "chatbot", [1, 2], rounds=2)
+    assert all(len(r["loadavg_ends"]) == 2 for r in runs)
     # one client: one row a step; two at once: their steps share a batch most of the time
     assert runs[0]["batch_rows_per_step"] == pytest.approx(1.0)
     assert runs[1]["batch_rows_per_step"] > 1.2, runs[1]
@@ -73,7 +82,10 @@ def test_chatbot_serve_one_then_two_clients_and_llama_cpp_skipped(
     rows = [line.split() for line in out.splitlines() if line.strip().startswith("chatbot ")]
     assert [row[1] for row in rows] == ["1", "2"], out
     assert rows[0][5] == "-" and rows[1][5] == f"{runs[1]['vs_one_client']:.2f}x", out
-    assert f"chatbot: 2 clients {runs[1]['vs_one_client']:.2f}x the tok/s of 1 client" in out
+    each = ", ".join(f"{x:.2f}x" for x in runs[1]["vs_one_client_rounds"])
+    assert (
+        f"chatbot: 2 clients {runs[1]['vs_one_client']:.2f}x the tok/s of 1 client (by round: {each})" in out
+    )
     assert "llama.cpp: skipped: llama_cpp.server does not import (ImportError: simulated" in out
     assert "load average" in out and "threads: chatbot default (" in " ".join(out.split())
 
@@ -181,3 +193,41 @@ def test_the_table_fits_80_columns_with_every_figure():
     assert " llama.cpp       1      10      0  70.0     -  0.20  0.61     - 600 1.50" in text, text
     assert "chatbot: 4 clients 1.51x the tok/s of 1 client, first token p90 0.61 s" in text
     assert "llama.cpp: no usage streamed, a token counted per chunk of text" in " ".join(text.split())
+
+
+def _one_run(clients: int, tokens: int, elapsed: float, ttfts: list[float], load: float) -> dict:
+    return {
+        "server": "u",
+        "model": "m",
+        "clients": clients,
+        "duration_s": 2.0,
+        "max_new_tokens": 4,
+        "single_turn": True,
+        "complete": len(ttfts),
+        "incomplete": 0,
+        "errors": 1,
+        "tokens": tokens,
+        "tokens_counted_as_chunks": 0,
+        "elapsed_s": elapsed,
+        "tokens_per_s": tokens / elapsed,
+        "ttfts_s": ttfts,
+        "batch_steps": 10,
+        "batch_rows": 10 * clients,
+        "rss_max_bytes": int(load * 1000),
+        "loadavg_end": load,
+        "error_samples": [f"e{load}"],
+    }
+
+
+def test_rounds_are_pooled():
+    """Counts and times summed, tok/s over all of them (not the mean of the rounds' rates),
+    first-token quantiles over every answer."""
+    from chatbot.measure.bench_load import pooled
+
+    merged = pooled([_one_run(2, 40, 2.0, [0.1, 0.2], 1.0), _one_run(2, 20, 3.0, [0.3, 0.4, 2.0], 3.0)])
+    assert merged["rounds"] == 2 and merged["complete"] == 5 and merged["errors"] == 2
+    assert merged["tokens"] == 60 and merged["elapsed_s"] == 5.0
+    assert merged["tokens_per_s"] == pytest.approx(12.0) and merged["tokens_per_s_rounds"] == [20.0, 20 / 3]
+    assert merged["ttft_p50_s"] == 0.3 and merged["ttft_p90_s"] == 2.0
+    assert merged["batch_rows_per_step"] == pytest.approx(2.0) and merged["rss_max_bytes"] == 3000
+    assert merged["loadavg_end"] == pytest.approx(2.0) and merged["error_samples"] == ["e1.0", "e3.0"]

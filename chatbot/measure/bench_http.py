@@ -284,10 +284,9 @@ def run_load_bench(
     # the clients' last answers, not the poll after them
     elapsed = (max(finished_at) if finished_at else time.perf_counter()) - start
     batched_after = _batched(base_url, api_key)
-    batch_rows = None
+    steps = rows = None
     if batched_before is not None and batched_after is not None:
         steps, rows = (after - before for after, before in zip(batched_after, batched_before))
-        batch_rows = rows / steps if steps else None
 
     def rss_at(frac: float) -> int | None:
         eligible = [v for t, v in rss if t >= frac * duration_s]
@@ -310,7 +309,10 @@ def run_load_bench(
         "rss_quarter_bytes": rss_at(0.25),
         "rss_end_bytes": rss[-1][1] if rss else None,
         "rss_max_bytes": max(v for _, v in rss) if rss else None,
-        "batch_rows_per_step": batch_rows,
+        "batch_steps": steps,
+        "batch_rows": rows,
+        "batch_rows_per_step": rows / steps if rows is not None and steps else None,
+        "ttfts_s": ttfts,
         "single_turn": single_turn,
         "error_samples": error_lines[:5],
         "conditions": conditions(),

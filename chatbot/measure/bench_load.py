@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from chatbot.errors import ChatbotError, ConfigError
-from chatbot.measure.bench_http import _client, _model_of, run_load_bench, stream_once
+from chatbot.measure.bench_http import _client, _model_of, _quantile, run_load_bench, stream_once
 from chatbot.measure.bench_startup import CHATBOT_MAIN, last_line
 from chatbot.measure.report import conditions, loadavg
 
@@ -197,8 +198,10 @@ def _measure(
     api_key: str | None,
     progress: Callable[[str], None],
     rss_of: Callable[[], int | None] | None = None,
+    rounds: int = 1,
 ) -> list[dict[str, Any]]:
-    """One untimed answer, then a load run per client count on the server at `base_url`."""
+    """One untimed answer, then a load run per client count on the server at `base_url`,
+    all the counts `rounds` times in turn; each count's runs pooled into one (`pooled`)."""
     client = _client(base_url, api_key, timeout=120.0)
     model = _model_of(client, model)
     try:
@@ -207,9 +210,9 @@ def _measure(
         raise ChatbotError(
             f"{setup}: the first (untimed) answer failed: {type(exc).__name__}: {exc}"
         ) from None
-    runs = []
-    for n in clients:
-        label = f"{setup}, {n} client{'s' * (n > 1)}"
+    by_count: dict[int, list[dict[str, Any]]] = {n: [] for n in clients}
+    for i, n in ((i, n) for i in range(rounds) for n in clients):
+        label = f"{setup}, {n} client{'s' * (n > 1)}" + (f", round {i + 1}/{rounds}" if rounds > 1 else "")
         progress(f"{label} for {duration_s:g} s")
 
         def say(line: str, label: str = label) -> None:
@@ -227,13 +230,53 @@ def _measure(
             single_turn=True,
             rss_of=rss_of,
         )
-        run["setup"] = setup
         run["loadavg_end"] = loadavg()[0]
-        runs.append(run)
+        by_count[n].append(run)
+    runs = [{"setup": setup, **pooled(by_count[n])} for n in clients]
     one = next((r["tokens_per_s"] for r in runs if r["clients"] == 1), None)
+    ones = next((r["tokens_per_s_rounds"] for r in runs if r["clients"] == 1), None)
     for run in runs:
         run["vs_one_client"] = run["tokens_per_s"] / one if one and run["clients"] != 1 else None
+        run["vs_one_client_rounds"] = (
+            [n / o if o else None for n, o in zip(run["tokens_per_s_rounds"], ones)]
+            if ones and run["clients"] != 1
+            else None
+        )
     return runs
+
+
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Runs of one client count as one: counts and times summed (tok/s is all their tokens over
+    all their time), time to first token over all their answers, the highest RSS, the mean
+    load average at their ends; each run's tok/s kept in `tokens_per_s_rounds`."""
+    first = runs[0]
+    ttfts = [t for r in runs for t in r["ttfts_s"]]
+    elapsed = sum(r["elapsed_s"] for r in runs)
+    tokens = sum(r["tokens"] for r in runs)
+    steps = [r["batch_steps"] for r in runs if r.get("batch_steps") is not None]
+    rows = [r["batch_rows"] for r in runs if r.get("batch_rows") is not None]
+    rss = [r["rss_max_bytes"] for r in runs if r.get("rss_max_bytes") is not None]
+    return {
+        **{
+            k: first[k] for k in ("server", "model", "clients", "duration_s", "max_new_tokens", "single_turn")
+        },
+        "rounds": len(runs),
+        **{
+            k: sum(r[k] for r in runs)
+            for k in ("complete", "incomplete", "errors", "tokens", "tokens_counted_as_chunks")
+        },
+        "elapsed_s": elapsed,
+        "tokens_per_s": tokens / elapsed if elapsed else 0.0,
+        "tokens_per_s_rounds": [r["tokens_per_s"] for r in runs],
+        "ttft_p50_s": _quantile(ttfts, 0.5),
+        "ttft_p90_s": _quantile(ttfts, 0.9),
+        "ttft_p99_s": _quantile(ttfts, 0.99),
+        "batch_rows_per_step": sum(rows) / sum(steps) if steps and sum(steps) else None,
+        "rss_max_bytes": max(rss) if rss else None,
+        "loadavg_end": statistics.fmean(r["loadavg_end"] for r in runs),
+        "loadavg_ends": [r["loadavg_end"] for r in runs],
+        "error_samples": [line for r in runs for line in r["error_samples"]][:5],
+    }
 
 
 def run_load_comparison(
@@ -248,6 +291,7 @@ def run_load_comparison(
     model: str | None = None,
     api_key: str | None = None,
     progress: Callable[[str], None] | None = None,
+    rounds: int = 1,
 ) -> dict[str, Any]:
     """Each client count in turn against `server`, or against each of `setups` started here.
 
@@ -256,6 +300,8 @@ def run_load_comparison(
         gguf: the model file both servers load (None: the default model's).
         threads: both servers' threads (None: chatbot serve's default, and the count it
             starts with for llama.cpp, taken before either starts).
+        rounds: each server runs the client counts this many times in turn (1, 4, 1, 4, ...),
+            so that a change in the machine's load falls on all of them alike.
 
     Returns:
         ``{"runs": [run_load_bench's figures + setup, vs_one_client, threads], "skipped":
@@ -268,7 +314,9 @@ def run_load_comparison(
     runs: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
     if server is not None:
-        runs += _measure("server", server, clients, turns, duration_s, max_new_tokens, model, api_key, say)
+        runs += _measure(
+            "server", server, clients, turns, duration_s, max_new_tokens, model, api_key, say, rounds=rounds
+        )
     # Taken once, before any server here runs (a later count would see our own load): llama.cpp
     # gets the count chatbot serve starts with, which then runs 1 or that many threads a step,
     # whichever measures faster.
@@ -304,6 +352,7 @@ def run_load_comparison(
                     None,
                     say,
                     lambda: proc_rss(pid),
+                    rounds,
                 )
         except ChatbotError as exc:
             skipped.append({"setup": setup, "reason": str(exc)})
@@ -318,6 +367,7 @@ def run_load_comparison(
     return {
         "clients": clients,
         "duration_s": duration_s,
+        "rounds": rounds,
         "max_new_tokens": max_new_tokens,
         "server": server,
         "model_file": None if gguf is None else str(gguf),
@@ -331,8 +381,10 @@ def run_load_comparison(
 def print_load_comparison(console: Console, result: dict[str, Any]) -> None:
     """The runs side by side: a row per set-up and client count (fits 80 columns)."""
     models = sorted({r["model"] for r in result["runs"]})
+    n_rounds = result.get("rounds", 1)
+    rounds = f" x {n_rounds} rounds in turn, pooled" if n_rounds > 1 else ""
     table = Table(
-        title=f"{', '.join(models)}: streaming clients at once, {result['duration_s']:g} s a run, "
+        title=f"{', '.join(models)}: streaming clients at once, {result['duration_s']:g} s a run{rounds}, "
         f"greedy, {result['max_new_tokens']} new tokens, a short prompt a request",
         box=box.SIMPLE_HEAD,
         padding=(0, 0),
@@ -372,9 +424,11 @@ def print_load_comparison(console: Console, result: dict[str, Any]) -> None:
     console.print(table)
     for r in result["runs"]:
         if r.get("vs_one_client") is not None:
+            each = [f"{x:.2f}x" for x in r.get("vs_one_client_rounds") or [] if x is not None]
             console.print(
-                f"{r['setup']}: {r['clients']} clients {r['vs_one_client']:.2f}x the tok/s of 1 client, "
-                f"first token p90 {r['ttft_p90_s']:.2f} s",
+                f"{r['setup']}: {r['clients']} clients {r['vs_one_client']:.2f}x the tok/s of 1 client"
+                + (f" (by round: {', '.join(each)})" if n_rounds > 1 else "")
+                + f", first token p90 {r['ttft_p90_s']:.2f} s",
                 markup=False,
             )
     for r in result["runs"]:
@@ -393,7 +447,7 @@ def print_load_comparison(console: Console, result: dict[str, Any]) -> None:
         "vs 1: against 1 client",
         "TTFT: time to first token",
         "batch: mean requests in chatbot serve's batched decode steps",
-        "load: 1-minute load average at the run's end",
+        "load: 1-minute load average at the run's end" + (" (mean of the rounds)" if n_rounds > 1 else ""),
     ]
     if any(r["setup"] == "server" for r in result["runs"]):
         notes.append(f"server: {result['server']}")
