@@ -375,13 +375,11 @@ def serve(
         raise ConfigError(f"--max-body {max_body} is too small for a request (at least 1KiB)")
     overrides: dict[str, Any] = {"temperature": temperature, "max_new_tokens": max_new_tokens}
     SamplingConfig(**{k: v for k, v in overrides.items() if v is not None}).validated()
-    from chatbot.models.presets import SAMPLING_KEYS, find_preset, select_preset
+    from chatbot.models.presets import SAMPLING_KEYS, select_preset
 
     chosen = select_preset(preset, config, model)
     if chosen is not None and not (preset or config):
-        model = None  # --model named the preset: its model
-    elif chosen is None and model is None:
-        chosen = find_preset("default")
+        model = None  # --model named the preset (or no --model: the default preset): its model
     preset_sampling: dict[str, Any] = {}
     defaults_from = "the model's generation_config"
     if chosen is not None:
@@ -568,7 +566,7 @@ def doctor(
     else:
         openmp = "with OpenMP" if cc.openmp else "without OpenMP (-fopenmp fails)"
         line("compiler", f"{cc.command} ({cc.version}) {openmp}")
-        line("simd", f"{cc.simd} (what -march=native gives the kernels here)")
+        line("simd", f"{cc.simd} (what -march=native, -mcpu=native on ARM, gives the kernels here)")
     gpu = facts.gpus()
     line("gpu", ", ".join(gpu.cuda) if gpu.cuda else ("Apple MPS" if gpu.mps else "none visible to torch"))
     loaded = decoder = reason = None

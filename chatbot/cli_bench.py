@@ -104,42 +104,123 @@ def bench_render(
 
 @bench_app.command("load")
 def bench_load(
-    server: Annotated[str, typer.Option(help="The server's API root, e.g. http://127.0.0.1:8000/v1.")],
-    clients: Annotated[int, typer.Option(help="Concurrent streaming clients.", min=1, max=64)] = 8,
+    server: Annotated[
+        str | None, typer.Option(help="The server's API root, e.g. http://127.0.0.1:8000/v1.")
+    ] = None,
+    setups: Annotated[
+        str | None,
+        typer.Option(
+            help="Start these servers here in turn and measure each (after --server, if given): "
+            "chatbot (chatbot serve), llama.cpp (llama-cpp-python's server, when installed), "
+            "comma-separated."
+        ),
+    ] = None,
+    clients: Annotated[
+        str | None,
+        typer.Option(
+            help="Concurrent streaming clients, or counts measured in turn, e.g. 1,4: each a run of "
+            "--duration, side by side with the tok/s ratio to 1 client (default: 8; 1,4 with --setups)."
+        ),
+    ] = None,
     duration: Annotated[
-        float,
-        typer.Option(help="Seconds to keep sending (requests in flight are finished).", min=1, max=3600),
-    ] = 60.0,
-    max_new_tokens: Annotated[int, typer.Option(help="New tokens per answer (greedy).", min=1)] = 32,
+        float | None,
+        typer.Option(
+            help="Seconds each run keeps sending (requests in flight are finished; default: 60, "
+            "30 a run when comparing).",
+            min=1,
+            max=3600,
+        ),
+    ] = None,
+    max_new_tokens: Annotated[
+        int | None,
+        typer.Option(help="New tokens per answer (greedy; default: 32, 64 when comparing).", min=1),
+    ] = None,
+    gguf: Annotated[
+        Path | None,
+        typer.Option(help="With --setups: the GGUF file both servers load (default: the default model's)."),
+    ] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(
+            help="With --setups: both servers' CPU threads (default: chatbot serve's own choice, and "
+            "the count it starts with for llama.cpp).",
+            min=1,
+        ),
+    ] = None,
     conversation: ConversationOpt = None,
     model: Annotated[
-        str | None, typer.Option("--model", "-m", help="The model id on the server (default: its first).")
+        str | None,
+        typer.Option("--model", "-m", help="The model id on --server (default: its first)."),
     ] = None,
-    api_key_env: Annotated[str | None, typer.Option(help="The API key's environment variable.")] = None,
+    api_key_env: Annotated[
+        str | None, typer.Option(help="--server's API key's environment variable.")
+    ] = None,
     json_out: JsonOpt = None,
 ) -> None:
     """A bounded load test on a server: N clients chatting at once for a fixed time; answers,
-    errors, time to first token p50/p99 and the server's memory (chatbot serve's /health)."""
-    from chatbot.measure.bench import load_conversation
-    from chatbot.measure.bench_http import run_load_bench
-    from chatbot.measure.report import print_load, write_json
+    errors, time to first token and the server's memory (chatbot serve's /health).
 
+    With several client counts (--clients 1,4) or --setups, each count is a run against the
+    same server, each request one short prompt, and the runs are printed side by side:
+    aggregate tok/s, its ratio to 1 client, time to first token p50/p90."""
+    from chatbot.measure.bench import load_conversation
+    from chatbot.measure.bench_load import parse_clients, parse_setups
+    from chatbot.measure.report import write_json
+
+    if server is None and setups is None:
+        raise ConfigError("give --server URL (a running server) or --setups chatbot,llama.cpp (started here)")
+    if setups is None and (gguf is not None or threads is not None):
+        raise ConfigError("--gguf and --threads are for the servers --setups starts; --server runs its own")
+    counts = parse_clients(clients or ("1,4" if setups is not None else "8"))
+    chosen = parse_setups(setups) if setups is not None else None
     turns = load_conversation(conversation)
     err = Console(stderr=True, highlight=False)
-    result = run_load_bench(
-        server,
+
+    def progress(line: str) -> None:
+        err.print(line, style="dim", markup=False)
+
+    if chosen is None and len(counts) == 1:
+        from chatbot.measure.bench_http import run_load_bench
+        from chatbot.measure.report import print_load
+
+        assert server is not None  # no --setups: --server was given
+        result = run_load_bench(
+            server,
+            turns,
+            counts[0],
+            duration or 60.0,
+            max_new_tokens or 32,
+            model,
+            _api_key(api_key_env),
+            progress=progress,
+        )
+        print_load(Console(), result)
+        if json_out:
+            write_json(json_out, result)
+        if result["errors"] or result["incomplete"]:
+            raise Exit(1)
+        return
+    from chatbot.measure.bench_load import print_load_comparison, run_load_comparison
+
+    if gguf is not None and not gguf.expanduser().is_file():
+        raise ConfigError(f"--gguf: {gguf} is not a file; give a .gguf file")
+    compared = run_load_comparison(
         turns,
-        clients,
-        duration,
-        max_new_tokens,
-        model,
-        _api_key(api_key_env),
-        progress=lambda line: err.print(f"[dim]{line}[/dim]"),
+        counts,
+        duration or 30.0,
+        max_new_tokens or 64,
+        server=server,
+        setups=chosen,
+        gguf=None if gguf is None else gguf.expanduser(),
+        threads=threads,
+        model=model,
+        api_key=_api_key(api_key_env),
+        progress=progress,
     )
-    print_load(Console(), result)
+    print_load_comparison(Console(), compared)
     if json_out:
-        write_json(json_out, result)
-    if result["errors"] or result["incomplete"]:
+        write_json(json_out, compared)
+    if any(r["errors"] or r["incomplete"] for r in compared["runs"]):
         raise Exit(1)
 
 

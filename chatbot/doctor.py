@@ -21,7 +21,8 @@ _SIMD_LEVELS = [
     ("AVX-512 VNNI", ("__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX512VNNI__", "__AVX2__")),
     ("AVX-512", ("__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX2__")),
     ("AVX2", ("__AVX2__", "__FMA__", "__F16C__")),
-    ("NEON (no NEON kernels yet: portable C)", ("__ARM_NEON",)),
+    ("NEON + dotprod", ("__aarch64__", "__ARM_NEON", "__ARM_FEATURE_DOTPROD")),
+    ("NEON", ("__aarch64__", "__ARM_NEON")),
 ]
 
 
@@ -32,7 +33,7 @@ class Compiler:
     command: str | None
     version: str = ""
     openmp: bool = False
-    macros: set[str] = field(default_factory=set)  # what -march=native defines
+    macros: set[str] = field(default_factory=set)  # what -march=native (kernels.arch_flags) defines
 
     @property
     def simd(self) -> str:
@@ -82,7 +83,7 @@ def compiler() -> Compiler:
         return Compiler(None)
     version = _run([cc, "--version"])
     first = version.stdout.splitlines()[0] if version is not None and version.stdout else ""
-    macros = _run([cc, "-march=native", "-dM", "-E", "-x", "c", "-"])
+    macros = _run([cc, *kernels.arch_flags(), "-dM", "-E", "-x", "c", "-"])
     defined = set()
     if macros is not None and macros.returncode == 0:
         defined = {line.split()[1] for line in macros.stdout.splitlines() if line.startswith("#define ")}

@@ -180,3 +180,28 @@ def test_model_may_name_a_preset(capsys, tmp_path, monkeypatch):
     (tmp_path / "vicuna").mkdir()
     code, out, _ = cli(capsys, "config", "show", "--model", "vicuna")
     assert "# preset" not in out and "model: vicuna  # flag" in out
+
+
+def test_no_model_takes_the_default_models_preset(capsys, tmp_path, monkeypatch):
+    """`chatbot run` with no --model chats with the embedded default model at its preset's
+    sampling (as `serve` does); a --model of one's own does not get that preset."""
+    default = find_preset("default").values
+    code, out, _ = cli(capsys, "config", "show")
+    assert code == 0 and "# preset: default" in out
+    assert f"temperature: {default['temperature']}  # preset default" in out
+    code, out, _ = cli(capsys, "config", "show", "--temperature", "0.5")
+    assert "temperature: 0.5  # flag" in out and "top_p: 0.9  # preset default" in out
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine").mkdir()
+    code, out, _ = cli(capsys, "config", "show", "--model", "mine")
+    assert "# preset" not in out and "temperature: null  # default" in out
+    import chatbot.terminal.repl as repl_mod
+
+    seen = {}
+    monkeypatch.setattr(repl_mod, "run", lambda repl, interactive: seen.update(session=repl.session))
+    code, _, err = cli(capsys, "run")
+    assert code in (0, None), err
+    session = seen["session"]
+    if hasattr(session, "result"):  # a load in the background
+        session = session.result()
+    assert session.sampling.temperature == default["temperature"]

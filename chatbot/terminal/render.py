@@ -268,7 +268,10 @@ def history_renderable(
 
 
 def key_value_table(title: str, rows: dict[str, str]) -> Table:
+    """Keys and values; a value longer than the row (a path) folds onto more rows, whole."""
     table = Table(show_header=False, title=title)
+    table.add_column(no_wrap=True)
+    table.add_column(overflow="fold")
     for k, v in rows.items():
         table.add_row(safe_text(k), safe_text(v))
     return table

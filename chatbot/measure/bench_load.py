@@ -1,0 +1,407 @@
+"""`chatbot bench load` across client counts and servers: 1 client, then N, against the same
+server, and each server started here in turn (chatbot serve, llama-cpp-python's), one table:
+aggregate tok/s, the ratio to one client, time to first token p50/p90, answers and errors.
+
+Each request is one short user turn of the conversation, a new conversation (greedy,
+`max_tokens` as given), so time to first token is a short prompt's. A server started here
+gets a free local port, is waited for, warmed by one answer, measured, and stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from chatbot.errors import ChatbotError, ConfigError
+from chatbot.measure.bench_http import _client, _model_of, run_load_bench, stream_once
+from chatbot.measure.bench_startup import CHATBOT_MAIN, last_line
+from chatbot.measure.report import conditions, loadavg
+
+SETUPS = ("chatbot", "llama.cpp")
+START_TIMEOUT_S = 180.0  # importing torch on a busy 2-core machine, then the model
+STOP_TIMEOUT_S = 15.0
+# What decides that llama-cpp-python's server can run: its module imports (it needs the
+# [server] extra), checked in a fresh process so that this one never loads libllama.
+LLAMA_SERVER_CHECK = "import llama_cpp.server.app"
+
+
+def parse_clients(text: str) -> list[int]:
+    """Client counts from "8" or "1,4" (each 1-64, in the order given, without repeats).
+
+    Raises:
+        ConfigError: not such a list.
+    """
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or not all(1 <= n <= 64 for n in counts):
+        raise ConfigError(f"--clients: expected a count or counts from 1 to 64 like 1,4, not {text!r}")
+    return list(dict.fromkeys(counts))
+
+
+def parse_setups(text: str) -> list[str]:
+    """Set-up names from "chatbot,llama.cpp".
+
+    Raises:
+        ConfigError: an unknown name, or none.
+    """
+    names = list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    unknown = [n for n in names if n not in SETUPS]
+    if unknown or not names:
+        raise ConfigError(
+            f"--setups: unknown set-up {', '.join(unknown) or repr(text)}; choose from chatbot, llama.cpp"
+        )
+    return names
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def llama_server_missing(timeout_s: float = 120.0) -> str | None:
+    """Why llama-cpp-python's server cannot run here (None: it can)."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", LLAMA_SERVER_CHECK],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return f"importing llama_cpp.server took over {timeout_s:.0f} s"
+    if proc.returncode == 0:
+        return None
+    why = last_line(proc.stderr or proc.stdout)
+    return f"llama_cpp.server does not import ({why}); pip install 'llama-cpp-python[server]'"
+
+
+def serve_default_threads() -> int:
+    """The threads `chatbot serve` starts with when not told (cli_common._set_threads): the
+    physical cores less the CPUs other processes keep busy now."""
+    import torch
+
+    from chatbot.engine.threads import default_threads
+
+    return default_threads(most=torch.get_num_threads())
+
+
+def server_argv(setup: str, gguf: Path | None, port: int, threads: int | None) -> list[str]:
+    """The command line of a set-up's server on 127.0.0.1:`port` (`gguf` None: chatbot serve's
+    default model; llama.cpp needs the file)."""
+    if setup == "chatbot":
+        argv = [sys.executable, "-c", CHATBOT_MAIN, "serve", "--port", str(port)]
+        if gguf is not None:
+            argv += ["--model", str(gguf)]
+        if threads:
+            argv += ["--threads", str(threads)]
+        return argv
+    assert setup == "llama.cpp" and gguf is not None and threads
+    return [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(gguf),
+        "--model_alias",
+        gguf.stem,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_threads",
+        str(threads),
+        "--n_threads_batch",
+        str(threads),
+        # one request at a time; by default a new request cuts the stream in progress short
+        "--interrupt_requests",
+        "false",
+    ]
+
+
+def proc_rss(pid: int) -> int | None:
+    """A process's resident memory from /proc (None where there is none)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+@contextlib.contextmanager
+def started_server(
+    name: str, argv: list[str], base_url: str, timeout_s: float = START_TIMEOUT_S
+) -> Iterator[int]:
+    """Run `argv` until its /v1/models answers, yield its process id, stop it afterwards.
+
+    Raises:
+        ChatbotError: it exited, or did not answer within `timeout_s` (with its last line).
+    """
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+        def last() -> str:
+            log.seek(0)
+            return last_line(log.read())
+
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if proc.poll() is not None:
+                    raise ChatbotError(f"{name} exited with {proc.returncode} while starting: {last()}")
+                try:
+                    if httpx.get(f"{base_url}/models", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise ChatbotError(f"{name} did not answer within {timeout_s:.0f} s: {last()}")
+                time.sleep(0.3)
+            yield proc.pid
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=STOP_TIMEOUT_S)
+
+
+def _measure(
+    setup: str,
+    base_url: str,
+    clients: list[int],
+    turns: list[str],
+    duration_s: float,
+    max_new_tokens: int,
+    model: str | None,
+    api_key: str | None,
+    progress: Callable[[str], None],
+    rss_of: Callable[[], int | None] | None = None,
+) -> list[dict[str, Any]]:
+    """One untimed answer, then a load run per client count on the server at `base_url`."""
+    client = _client(base_url, api_key, timeout=120.0)
+    model = _model_of(client, model)
+    try:
+        stream_once(client, model, [{"role": "user", "content": turns[0]}], 4)
+    except (openai.OpenAIError, OSError, httpx.HTTPError) as exc:
+        raise ChatbotError(
+            f"{setup}: the first (untimed) answer failed: {type(exc).__name__}: {exc}"
+        ) from None
+    runs = []
+    for n in clients:
+        label = f"{setup}, {n} client{'s' * (n > 1)}"
+        progress(f"{label} for {duration_s:g} s")
+
+        def say(line: str, label: str = label) -> None:
+            progress(f"{label}: {line}")
+
+        run = run_load_bench(
+            base_url,
+            turns,
+            n,
+            duration_s,
+            max_new_tokens,
+            model,
+            api_key,
+            progress=say,
+            single_turn=True,
+            rss_of=rss_of,
+        )
+        run["setup"] = setup
+        run["loadavg_end"] = loadavg()[0]
+        runs.append(run)
+    one = next((r["tokens_per_s"] for r in runs if r["clients"] == 1), None)
+    for run in runs:
+        run["vs_one_client"] = run["tokens_per_s"] / one if one and run["clients"] != 1 else None
+    return runs
+
+
+def run_load_comparison(
+    turns: list[str],
+    clients: list[int],
+    duration_s: float = 30.0,
+    max_new_tokens: int = 64,
+    server: str | None = None,
+    setups: list[str] | None = None,
+    gguf: Path | None = None,
+    threads: int | None = None,
+    model: str | None = None,
+    api_key: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Each client count in turn against `server`, or against each of `setups` started here.
+
+    Args:
+        turns: the short prompts, one a request.
+        gguf: the model file both servers load (None: the default model's).
+        threads: both servers' threads (None: chatbot serve's default, and the count it
+            starts with for llama.cpp, taken before either starts).
+
+    Returns:
+        ``{"runs": [run_load_bench's figures + setup, vs_one_client, threads], "skipped":
+        [{"setup", "reason"}], ...}``.
+
+    Raises:
+        ChatbotError: `server` does not answer, or no set-up could be measured.
+    """
+    say = progress or (lambda line: None)
+    runs: list[dict[str, Any]] = []
+    skipped: list[dict[str, str]] = []
+    if server is not None:
+        runs += _measure("server", server, clients, turns, duration_s, max_new_tokens, model, api_key, say)
+    # Taken once, before any server here runs (a later count would see our own load): llama.cpp
+    # gets the count chatbot serve starts with, which then runs 1 or that many threads a step,
+    # whichever measures faster.
+    start_threads = threads or (serve_default_threads() if setups else 0)
+    for setup in setups or []:
+        if setup == "llama.cpp":
+            why = llama_server_missing()
+            if why is not None:
+                skipped.append({"setup": setup, "reason": why})
+                continue
+        file = gguf
+        if file is None and setup == "llama.cpp":
+            from chatbot.models.loader import default_gguf_path
+
+            file = default_gguf_path()
+        n_threads = threads or (start_threads if setup == "llama.cpp" else None)
+        threads_shown = (
+            str(n_threads) if n_threads else f"default ({start_threads} at the start, 1 or that a step)"
+        )
+        port = free_port()
+        url = f"http://127.0.0.1:{port}/v1"
+        say(f"{setup}: starting on port {port}")
+        try:
+            with started_server(setup, server_argv(setup, file, port, n_threads), url) as pid:
+                measured = _measure(
+                    setup,
+                    url,
+                    clients,
+                    turns,
+                    duration_s,
+                    max_new_tokens,
+                    None,
+                    None,
+                    say,
+                    lambda: proc_rss(pid),
+                )
+        except ChatbotError as exc:
+            skipped.append({"setup": setup, "reason": str(exc)})
+            continue
+        for run in measured:
+            run["threads"] = threads_shown
+        runs += measured
+    if not runs:
+        raise ChatbotError(
+            "no set-up was measured: " + "; ".join(f"{s['setup']}: {s['reason']}" for s in skipped)
+        )
+    return {
+        "clients": clients,
+        "duration_s": duration_s,
+        "max_new_tokens": max_new_tokens,
+        "server": server,
+        "model_file": None if gguf is None else str(gguf),
+        "runs": runs,
+        "skipped": skipped,
+        "conditions": conditions(),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def print_load_comparison(console: Console, result: dict[str, Any]) -> None:
+    """The runs side by side: a row per set-up and client count (fits 80 columns)."""
+    models = sorted({r["model"] for r in result["runs"]})
+    table = Table(
+        title=f"{', '.join(models)}: streaming clients at once, {result['duration_s']:g} s a run, "
+        f"greedy, {result['max_new_tokens']} new tokens, a short prompt a request",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 0),
+    )
+    headers = (
+        "setup",
+        "clients",
+        "answers",
+        "errors",
+        "tok/s",
+        "vs 1",
+        "TTFT\np50 s",
+        "TTFT\np90 s",
+        "batch",
+        "RSS\nMiB",
+        "load",
+    )
+    for col in headers:
+        table.add_column(col, justify="left" if col == "setup" else "right")
+    for r in result["runs"]:
+        ratio = r.get("vs_one_client")
+        rss = r.get("rss_max_bytes")
+        batch = r.get("batch_rows_per_step")
+        table.add_row(
+            r["setup"],
+            str(r["clients"]),
+            f"{r['complete']:,}",
+            f"{r['errors']:,}",
+            f"{r['tokens_per_s']:.1f}",
+            "-" if ratio is None else f"{ratio:.2f}x",
+            f"{r['ttft_p50_s']:.2f}",
+            f"{r['ttft_p90_s']:.2f}",
+            "-" if batch is None else f"{batch:.2f}",
+            "-" if rss is None else f"{rss / 2**20:,.0f}",
+            f"{r['loadavg_end']:.2f}",
+        )
+    console.print(table)
+    for r in result["runs"]:
+        if r.get("vs_one_client") is not None:
+            console.print(
+                f"{r['setup']}: {r['clients']} clients {r['vs_one_client']:.2f}x the tok/s of 1 client, "
+                f"first token p90 {r['ttft_p90_s']:.2f} s",
+                markup=False,
+            )
+    for r in result["runs"]:
+        if r["incomplete"]:
+            console.print(
+                f"{r['setup']}, {r['clients']} clients: {r['incomplete']} answers cut short "
+                "(no text, or no finish reason)",
+                markup=False,
+            )
+    for s in result["skipped"]:
+        console.print(f"{s['setup']}: skipped: {s['reason']}", markup=False)
+    threads = {r["setup"]: r["threads"] for r in result["runs"] if "threads" in r}
+    counted = sorted({r["setup"] for r in result["runs"] if r.get("tokens_counted_as_chunks")})
+    notes = [
+        "tok/s: all the clients' answer tokens over the run's time, to its last answer",
+        "vs 1: against 1 client",
+        "TTFT: time to first token",
+        "batch: mean requests in chatbot serve's batched decode steps",
+        "load: 1-minute load average at the run's end",
+    ]
+    if any(r["setup"] == "server" for r in result["runs"]):
+        notes.append(f"server: {result['server']}")
+    if threads:
+        notes.append("threads: " + ", ".join(f"{k} {v}" for k, v in threads.items()))
+    if counted:
+        notes.append(f"{', '.join(counted)}: no usage streamed, a token counted per chunk of text")
+    console.print(f"{'; '.join(notes)}. {result['conditions']}", style="dim", markup=False)
+    for r in result["runs"]:
+        for line in r.get("error_samples", []):
+            console.print(f"{r['setup']}: error: {line}", markup=False)

@@ -1,0 +1,183 @@
+"""`chatbot bench load` across client counts and servers: the bench starts real `chatbot serve`
+(and llama-cpp-python's server where it is installed) on the default model itself, for short
+runs; llama.cpp's absence is simulated by a `llama_cpp` that fails to import."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+from helpers import assert_one_line_error, cli
+from rich.console import Console
+from serve_helpers import free_port
+
+from chatbot.measure.bench_load import llama_server_missing, print_load_comparison
+
+SHORT = ("--duration", "3", "--max-new-tokens", "4")
+
+
+@pytest.fixture
+def no_llama_cpp(tmp_path, monkeypatch):
+    """A `llama_cpp` package first on the path of every Python started from here, whose
+    import fails as a broken or missing install's would."""
+    fake = tmp_path / "fake" / "llama_cpp"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('simulated: no llama_cpp here')\n")
+    paths = [str(fake.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
+    return fake
+
+
+def _compare(capsys, tmp_path, monkeypatch, *args: str) -> tuple[dict, str]:
+    monkeypatch.setenv("COLUMNS", "120")  # rich's width: no cell cut short
+    out_json = tmp_path / "load.json"
+    code, out, err = cli(capsys, "bench", "load", *args, *SHORT, "--json", str(out_json))
+    assert code == 0, out + err
+    assert "Traceback" not in out + err
+    return json.loads(out_json.read_text()), out
+
+
+def _check_runs(runs: list[dict], setup: str, counts: list[int], max_tokens: int = 4) -> None:
+    """Every answer complete and within max_tokens; the ratio is the tok/s over 1 client's."""
+    assert [r["clients"] for r in runs] == counts and {r["setup"] for r in runs} == {setup}
+    for r in runs:
+        assert r["errors"] == 0 and r["incomplete"] == 0 and r["complete"] >= r["clients"], r
+        assert r["complete"] <= r["tokens"] <= max_tokens * r["complete"], r
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["elapsed_s"])
+        assert 0 < r["ttft_p50_s"] <= r["ttft_p90_s"] <= r["ttft_p99_s"], r
+        assert r["single_turn"] and r["max_new_tokens"] == max_tokens
+        assert r["rss_max_bytes"] > 50 * 2**20  # the server process's, read from /proc
+    one = runs[0]
+    assert one["vs_one_client"] is None
+    for r in runs[1:]:
+        assert r["vs_one_client"] == pytest.approx(r["tokens_per_s"] / one["tokens_per_s"])
+
+
+@pytest.mark.slow
+def test_chatbot_serve_one_then_two_clients_and_llama_cpp_skipped(
+    capsys, tmp_path, monkeypatch, no_llama_cpp
+):
+    """chatbot serve started by the bench on the default model: a row per client count with
+    the ratio, the two clients' decode steps batched; llama.cpp skipped, saying why."""
+    data, out = _compare(capsys, tmp_path, monkeypatch, "--setups", "chatbot,llama.cpp", "--clients", "1,2")
+    runs = data["runs"]
+    _check_runs(runs, "chatbot", [1, 2])
+    # one client: one row a step; two at once: their steps share a batch most of the time
+    assert runs[0]["batch_rows_per_step"] == pytest.approx(1.0)
+    assert runs[1]["batch_rows_per_step"] > 1.2, runs[1]
+    assert [s["setup"] for s in data["skipped"]] == ["llama.cpp"]
+    assert "simulated: no llama_cpp here" in data["skipped"][0]["reason"]
+    # the printed table: a row per run, the ratio, the skip and the conditions
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith("chatbot ")]
+    assert [row[1] for row in rows] == ["1", "2"], out
+    assert rows[0][5] == "-" and rows[1][5] == f"{runs[1]['vs_one_client']:.2f}x", out
+    assert f"chatbot: 2 clients {runs[1]['vs_one_client']:.2f}x the tok/s of 1 client" in out
+    assert "llama.cpp: skipped: llama_cpp.server does not import (ImportError: simulated" in out
+    assert "load average" in out and "threads: chatbot default (" in " ".join(out.split())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
+def test_llama_cpp_server_one_then_two_clients(capsys, tmp_path, monkeypatch):
+    """llama-cpp-python's server on the same file: every answer whole (its default would cut
+    a stream short when the next request comes), tokens counted per chunk."""
+    why = llama_server_missing()
+    if why is not None:
+        pytest.skip(why)
+    data, out = _compare(
+        capsys, tmp_path, monkeypatch, "--setups", "llama.cpp", "--clients", "1,2", "--threads", "1"
+    )
+    _check_runs(data["runs"], "llama.cpp", [1, 2])
+    for r in data["runs"]:
+        assert r["tokens_counted_as_chunks"] == r["complete"] and r["threads"] == "1"
+        assert r["batch_rows_per_step"] is None
+    assert data["skipped"] == [] and "llama.cpp: 2 clients" in out
+
+
+def test_llama_cpp_alone_and_not_importable_is_one_line(capsys, no_llama_cpp):
+    assert_one_line_error(
+        capsys,
+        "bench",
+        "load",
+        "--setups",
+        "llama.cpp",
+        match="no set-up was measured: llama.cpp: llama_cpp.server does not import (ImportError: simulated",
+    )
+
+
+@pytest.mark.parametrize("clients", ["1,4", "8"])
+def test_unreachable_server_is_one_line(capsys, clients):
+    url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    assert_one_line_error(
+        capsys,
+        "bench",
+        "load",
+        "--server",
+        url,
+        "--clients",
+        clients,
+        "--duration",
+        "1",
+        match=f"cannot list the models of the server at {url}: Connection error",
+    )
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ([], "give --server URL"),
+        (["--setups", "chatbot,vllm"], "--setups: unknown set-up vllm; choose from chatbot, llama.cpp"),
+        (["--setups", "chatbot", "--clients", "1,0"], "--clients: expected a count or counts"),
+        (["--setups", "chatbot", "--clients", "one"], "--clients: expected a count or counts"),
+        (["--server", "http://127.0.0.1:9/v1", "--gguf", "x.gguf"], "--gguf and --threads are for"),
+        (["--setups", "chatbot", "--gguf", "/no/such.gguf"], "--gguf: /no/such.gguf is not a file"),
+    ],
+)
+def test_bad_options_are_one_line(capsys, args, match):
+    assert_one_line_error(capsys, "bench", "load", *args, match=match)
+
+
+def _run(setup: str, clients: int, tps: float, ratio: float | None) -> dict:
+    return {
+        "setup": setup,
+        "model": "m",
+        "clients": clients,
+        "threads": "1",
+        "complete": 10 * clients,
+        "incomplete": 0,
+        "errors": 0,
+        "tokens_per_s": tps,
+        "vs_one_client": ratio,
+        "ttft_p50_s": 0.2,
+        "ttft_p90_s": 0.61,
+        "batch_rows_per_step": 3.5 if setup == "chatbot" and clients > 1 else None,
+        "rss_max_bytes": 600 * 2**20,
+        "loadavg_end": 1.5,
+        "tokens_counted_as_chunks": 10 * clients if setup == "llama.cpp" else 0,
+    }
+
+
+def test_the_table_fits_80_columns_with_every_figure():
+    result = {
+        "duration_s": 30.0,
+        "max_new_tokens": 64,
+        "server": None,
+        "runs": [
+            _run("chatbot", 1, 64.0, None),
+            _run("chatbot", 4, 96.5, 1.5078),
+            _run("llama.cpp", 1, 70.0, None),
+            _run("llama.cpp", 4, 71.4, 1.02),
+        ],
+        "skipped": [],
+        "conditions": "AMD EPYC, 2 CPUs, load average 1.50 / 1.40 / 1.30 (1/5/15 min)",
+    }
+    console = Console(width=80, record=True)
+    print_load_comparison(console, result)
+    text = console.export_text()
+    assert "…" not in text  # nothing cut short
+    assert " chatbot         4      40      0  96.5 1.51x  0.20  0.61  3.50 600 1.50" in text, text
+    assert " llama.cpp       1      10      0  70.0     -  0.20  0.61     - 600 1.50" in text, text
+    assert "chatbot: 4 clients 1.51x the tok/s of 1 client, first token p90 0.61 s" in text
+    assert "llama.cpp: no usage streamed, a token counted per chunk of text" in " ".join(text.split())
