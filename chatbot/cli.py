@@ -545,8 +545,9 @@ def doctor(
     debug: DebugOpt = False,
 ) -> None:
     """Print what this machine gives the chatbot, for bug reports and piped runs: the CPU and
-    the SIMD level the kernels use, the C compiler and OpenMP, the kernels' cache, the GPUs,
-    and the decode path --model takes (`decode: native ...` or `decode: transformers (why)`)."""
+    the SIMD level the kernels use, the C compiler, OpenMP or the kernels' own thread pool,
+    the kernels' cache, the GPUs, and the decode path --model takes (`decode: native ...` or
+    `decode: transformers (why)`)."""
     from chatbot import doctor as facts
 
     out = Console(highlight=False, soft_wrap=True)
@@ -563,7 +564,7 @@ def doctor(
     if cc.command is None:
         line("compiler", "none found (set CC, or install gcc): GGUF files run through transformers")
     else:
-        openmp = "with OpenMP" if cc.openmp else "without OpenMP (-fopenmp fails): the kernels cannot build"
+        openmp = "with OpenMP" if cc.openmp else "without OpenMP (-fopenmp fails)"
         line("compiler", f"{cc.command} ({cc.version}) {openmp}")
         line("simd", f"{cc.simd} (what -march=native, -mcpu=native on ARM, gives the kernels here)")
     gpu = facts.gpus()
@@ -578,6 +579,11 @@ def doctor(
     folder, library = facts.kernels_cache(cc)
     built = "built" if library is not None and library.is_file() else "not built yet"
     line("kernels", f"{library if library is not None else folder} ({built})")
+    threads = facts.kernel_threads(cc)
+    if threads == "own pool":
+        line("threads", "own pool (pthreads, no OpenMP)")
+    elif threads is not None:
+        line("threads", threads)
     if loaded is None:
         return
     from chatbot.engine.kernels import failure

@@ -1,6 +1,7 @@
 """What this machine gives the chatbot, for `chatbot doctor`: the CPU and the SIMD level the
-kernels are built for, the C compiler and whether it has OpenMP, where the kernels are cached,
-the GPUs torch sees, and which decode path a model takes. Facts only; the CLI prints them."""
+kernels are built for, the C compiler and whether it has OpenMP (else the kernels run on their
+own thread pool), where the kernels are cached, the GPUs torch sees, and which decode path a
+model takes. Facts only; the CLI prints them."""
 
 from __future__ import annotations
 
@@ -114,8 +115,23 @@ def gpus() -> Gpu:
 
 def kernels_cache(cc: Compiler) -> tuple[Path, Path | None]:
     """The kernels' cache folder, and the library this compiler and CPU would use (None
-    without a compiler)."""
-    return kernels.kernels_dir(), kernels.library_path(cc.command) if cc.command else None
+    without a compiler): the OpenMP build, or the one on the kernels' own pool."""
+    if cc.command is None:
+        return kernels.kernels_dir(), None
+    lib = kernels.loaded()
+    openmp = kernels.uses_openmp(lib) if lib is not None else cc.openmp
+    return kernels.kernels_dir(), kernels.library_path(cc.command, openmp=openmp)
+
+
+def kernel_threads(cc: Compiler) -> str | None:
+    """How the kernels run on several threads: "OpenMP", or "own pool" where they were (or
+    would be) built without it; None without a compiler. A loaded library says so itself."""
+    lib = kernels.loaded()
+    if lib is not None:
+        return "OpenMP" if kernels.uses_openmp(lib) else "own pool"
+    if cc.command is None:
+        return None
+    return "OpenMP" if cc.openmp else "own pool"
 
 
 def environment() -> dict[str, str]:

@@ -5,6 +5,7 @@ the same model does."""
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -48,6 +49,7 @@ def test_the_machine_and_a_native_decode_path(tiny, tmp_path):
     elif " avx2 " in flags:
         assert got["simd"].startswith("AVX2")
     assert "with OpenMP" in got["compiler"]
+    assert got["threads"] == "OpenMP"
     assert str(tmp_path / "cache" / "chatbot" / "kernels") in got["kernels"]
     assert got["kernels"].endswith("(built)")  # loading the model built them
     assert [line for line in done.stdout.splitlines() if line.startswith("decode: ")] == [
@@ -67,14 +69,40 @@ def test_no_compiler_says_transformers_and_why(tiny, tmp_path):
     assert got["decode"].startswith("transformers (no C compiler found")
 
 
-def test_a_compiler_without_openmp_is_named_so(tmp_path):
-    """As Apple's clang or Debian's clang without libomp: -fopenmp fails."""
+def test_a_compiler_without_openmp_decodes_natively_on_the_own_pool(tiny, tmp_path):
+    """As Apple's clang or Debian's clang without libomp: -fopenmp fails, so the kernels are
+    built without it and run on their own thread pool; the doctor names both."""
     fake = tmp_path / "cc-no-omp"
     refuse = 'for a in "$@"; do [ "$a" = -fopenmp ] && { echo "no omp.h" >&2; exit 1; }; done'
     fake.write_text(f'#!/bin/sh\n{refuse}\nexec cc "$@"\n')
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
-    done = doctor("--no-load", env={"CC": str(fake), "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    env = {"CC": str(fake), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    done = doctor("--no-load", env=env)
     assert done.returncode == 0, done.stderr
     got = fields(done.stdout)
     assert str(fake) in got["compiler"] and "without OpenMP" in got["compiler"]
+    assert got["threads"].startswith("own pool")
+    assert got["kernels"].endswith("(not built yet)")
     assert "model" not in got and "decode" not in got
+    done = doctor("--model", str(tiny), env=env)
+    assert done.returncode == 0, done.stderr
+    loaded = fields(done.stdout)
+    assert loaded["decode"].startswith("native (--opt auto): ") and loaded["decode"].endswith("(own pool)")
+    assert loaded["threads"].startswith("own pool")
+    assert loaded["kernels"] == got["kernels"].replace("(not built yet)", "(built)")
+
+
+def test_clang_as_installed(tiny, tmp_path):
+    """`CC=clang chatbot doctor` (Debian's clang has no libomp unless libomp-dev is
+    installed): a native decode path either way, on the pool where -fopenmp fails."""
+    if shutil.which("clang") is None:
+        pytest.skip("clang is not installed")
+    done = doctor("--model", str(tiny), env={"CC": "clang", "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert done.returncode == 0, done.stderr
+    got = fields(done.stdout)
+    assert "clang" in got["compiler"]
+    assert got["decode"].startswith("native (--opt auto): ")
+    if "without OpenMP" in got["compiler"]:
+        assert got["threads"].startswith("own pool") and got["decode"].endswith("(own pool)")
+    else:
+        assert got["threads"] == "OpenMP" and not got["decode"].endswith("(own pool)")

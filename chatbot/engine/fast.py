@@ -98,6 +98,7 @@ class DecodeInfo:
     activations: str = "float32"  # the inputs of the block-format products
     source: str = "model"  # where the packed weights come from: "model" or "gguf"
     weights: int = 0  # number of weights in the packed matrices
+    own_pool: bool = False  # threads on kernels.c's own pool (built without OpenMP)
 
     @property
     def bytes_per_weight(self) -> float:
@@ -105,11 +106,13 @@ class DecodeInfo:
 
     def label(self) -> str:
         """One line for banners: e.g. ``native kernels (--opt auto): 120 q4_1 + 1 q8_0
-        matrices, 92 MB, int16 activations, up to 2 threads``."""
+        matrices, 92 MB, int16 activations, up to 2 threads``, and ``(own pool)`` after the
+        threads where the kernels were built without OpenMP."""
         mats = " + ".join(f"{n} {name}" for name, n in sorted(self.formats.items(), key=lambda kv: -kv[1]))
         threads = f"up to {self.threads} threads" if self.threads > 1 else "1 thread"
+        pool = " (own pool)" if self.own_pool else ""
         return (f"native kernels (--opt {self.level}): {mats} matrices, {self.weight_bytes / 2**20:.0f} MB, "
-                f"{self.activations} activations, {threads}")  # fmt: skip
+                f"{self.activations} activations, {threads}{pool}")  # fmt: skip
 
 
 def _check_model(model: Any) -> Any:
@@ -218,7 +221,7 @@ class FastDecoder:
         model: a llama, mistral, qwen2, qwen3, gemma2 or gemma3 (text) transformers causal LM,
             float32, on the CPU.
         level: one of `LEVELS` but ``off``: how the weights are packed.
-        threads: OpenMP threads for the kernels; None: 1 or torch's thread count
+        threads: threads for the kernels; None: 1 or torch's thread count
             (`torch.set_num_threads`), whichever measures faster (`ThreadTuner`).
         gguf: the GGUF file the model was loaded from (default: the loader's note of it,
             ``model.chatbot_gguf``); at ``auto`` its matrices are used as stored.
@@ -416,7 +419,7 @@ class FastDecoder:
         acts = {kernels.ACT_F32: "float32", kernels.ACT_Q8: "int8", kernels.ACT_I16: "int16"}[self.struct.act]
         return DecodeInfo(
             self.level, formats, sum(p.nbytes for p in mats), threads, acts, self.source,
-            sum(p.rows * p.cols for p in mats),
+            sum(p.rows * p.cols for p in mats), not kernels.uses_openmp(self.lib),
         )  # fmt: skip
 
     def _threads(self) -> int:

@@ -32,7 +32,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stdatomic.h>
+#ifdef _OPENMP
 #include <omp.h>
+#else
+#include <pthread.h>
+#include <unistd.h>
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -1673,24 +1679,254 @@ static inline void ready_for(Vec *v, const Mat *m) {
     prepare_blocks(v);
 }
 
+/* ---------------------------------------------------------------- threads
+ *
+ * The parallel code is written against a few calls, so that it builds with OpenMP and
+ * without it (clang without libomp, as on macOS), with the same work on the same threads:
+ *   team_run(n, fn, arg)  fn(arg) on n threads, the caller one of them; returns when all
+ *                         have finished (OpenMP: a parallel region)
+ *   team_id(), team_size()  this thread's number in the team, and the team's size
+ *   team_share(n)         this thread's iterations of n: OpenMP's schedule(static), the first
+ *                         n % size threads taking one more
+ *   team_barrier()        no thread goes on before all have come here (an `omp for` ends so)
+ *   team_next(&next)      the next iteration of a dynamic schedule (an atomic counter)
+ * With OpenMP they are its constructs; without, a pool of our own pthreads (below). Outside
+ * team_run the caller is a team of one, as in OpenMP. Which thread computes a row never
+ * changes its arithmetic, so the two builds give the same bits. */
+
+typedef struct {
+    int lo, hi;
+} Span;
+
+static inline int team_id(void);
+static inline int team_size(void);
+
+static inline Span team_share(int n) {
+    const int size = team_size(), id = team_id(), q = n / size, r = n % size;
+    const int lo = q * id + (id < r ? id : r);
+    return (Span){lo, lo + q + (id < r)};
+}
+
+static inline int team_next(atomic_int *next) {
+    return atomic_fetch_add_explicit(next, 1, memory_order_relaxed);
+}
+
+/* *to = max(*to, v) for v >= 0 (a reduction): non-negative floats order as their bits do */
+static inline void team_max(atomic_uint *to, float v) {
+    unsigned bits, old = atomic_load_explicit(to, memory_order_relaxed);
+    memcpy(&bits, &v, 4);
+    while (bits > old && !atomic_compare_exchange_weak(to, &old, bits)) {
+    }
+}
+
+static inline float bits_float(unsigned bits) {
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+#ifdef _OPENMP
+static inline int team_id(void) { return omp_get_thread_num(); }
+static inline int team_size(void) { return omp_get_num_threads(); }
+static inline void team_barrier(void) {
+#pragma omp barrier
+}
+
+static void team_run(int n, void (*fn)(void *), void *arg) {
+#pragma omp parallel num_threads(n)
+    fn(arg);
+}
+
+int chatbot_openmp(void) { return _OPENMP; }
+#else
+/* The pool: worker i (1..) sleeps on its own word `pool_go[i - 1]` until the caller of a
+ * region bumps it; the team then meets at barriers on one word, `pool.phase`, bumped by
+ * the last to arrive. A waiting thread spins POOL_SPIN pause-loop iterations, then sleeps on
+ * a condition variable: libgomp's wait as engine/threads.py sets it (GOMP_SPINCOUNT), cheap
+ * when partners arrive together, and giving the CPU away when one of them is parked. With
+ * more threads than CPUs a partner is likely parked: a short spin. Workers stay for the
+ * next region; a team larger than any before starts the threads it lacks. */
+#define POOL_MAX 256         /* threads in a team at most (more asked for: this many) */
+#define POOL_SPIN 10000      /* = engine/threads.py SPIN_COUNT */
+#define POOL_SPIN_CROWDED 100
+#define POOL_STACK (8 << 20) /* bytes of stack per worker (macOS gives threads 512 KB) */
+
+typedef struct {
+    _Alignas(64) atomic_uint word; /* waiters wait for it to change; a cache line each */
+    atomic_int sleepers;
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+} Signal;
+
+static struct {
+    pthread_mutex_t run; /* one region at a time: two Python threads may call in at once */
+    int started;         /* workers running */
+    int size;            /* this region's team */
+    void (*fn)(void *);
+    void *arg;
+    atomic_int spin;
+    atomic_int arrived; /* at the current barrier */
+    int cpus;
+    Signal phase;
+} pool = {.run = PTHREAD_MUTEX_INITIALIZER};
+static Signal pool_go[POOL_MAX];
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+static _Thread_local int pool_id = 0, pool_size = 1;
+
+static inline int team_id(void) { return pool_id; }
+static inline int team_size(void) { return pool_size; }
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static void signal_init(Signal *s) {
+    atomic_init(&s->word, 0);
+    atomic_init(&s->sleepers, 0);
+    pthread_mutex_init(&s->lock, NULL);
+    pthread_cond_init(&s->cond, NULL);
+}
+
+/* Wait for s->word to differ from `seen`. A sleeper counts itself (seq_cst) before it looks
+ * at the word again; signal_bump changes the word (seq_cst) before it looks at the count:
+ * one of the two sees the other, so no sleeper misses its wake-up. */
+static void signal_wait(Signal *s, unsigned seen) {
+    const int spin = atomic_load_explicit(&pool.spin, memory_order_relaxed);
+    for (int i = 0; i < spin; i++) {
+        if (atomic_load_explicit(&s->word, memory_order_acquire) != seen) return;
+        cpu_relax();
+    }
+    pthread_mutex_lock(&s->lock);
+    atomic_fetch_add(&s->sleepers, 1);
+    while (atomic_load(&s->word) == seen) pthread_cond_wait(&s->cond, &s->lock);
+    atomic_fetch_sub(&s->sleepers, 1);
+    pthread_mutex_unlock(&s->lock);
+}
+
+static void signal_bump(Signal *s) {
+    atomic_fetch_add(&s->word, 1);
+    if (atomic_load(&s->sleepers)) {
+        pthread_mutex_lock(&s->lock);
+        pthread_cond_broadcast(&s->cond);
+        pthread_mutex_unlock(&s->lock);
+    }
+}
+
+static void team_barrier(void) {
+    if (pool_size < 2) return;
+    /* the phase cannot move on before this thread arrives */
+    const unsigned seen = atomic_load_explicit(&pool.phase.word, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&pool.arrived, 1, memory_order_acq_rel) == pool_size - 1) {
+        atomic_store_explicit(&pool.arrived, 0, memory_order_relaxed);
+        signal_bump(&pool.phase); /* releases what every thread wrote before it arrived */
+    } else {
+        signal_wait(&pool.phase, seen);
+    }
+}
+
+static void *pool_worker(void *arg) {
+    const int id = (int)(intptr_t)arg;
+    Signal *go = &pool_go[id - 1];
+    /* one bump per region, and the next one comes after this thread ends the region */
+    for (unsigned seen = 0;; seen++) {
+        signal_wait(go, seen);
+        pool_id = id;
+        pool_size = pool.size;
+        pool.fn(pool.arg);
+        team_barrier();
+    }
+    return NULL;
+}
+
+/* A fork copies only the thread that forks: the child starts its own workers. */
+static void pool_fork_prepare(void) { pthread_mutex_lock(&pool.run); }
+static void pool_fork_parent(void) { pthread_mutex_unlock(&pool.run); }
+static void pool_fork_child(void) {
+    pool.started = 0;
+    atomic_store(&pool.arrived, 0);
+    signal_init(&pool.phase); /* a worker may have held its lock */
+    pthread_mutex_unlock(&pool.run);
+}
+
+static void pool_setup(void) {
+    signal_init(&pool.phase);
+    atomic_init(&pool.spin, POOL_SPIN);
+    long cpus = 0;
+#ifdef _SC_NPROCESSORS_ONLN
+    cpus = sysconf(_SC_NPROCESSORS_ONLN);
+#endif
+    pool.cpus = cpus > 0 ? (int)cpus : POOL_MAX;
+    pthread_atfork(pool_fork_prepare, pool_fork_parent, pool_fork_child);
+}
+
+/* Start worker `id`; 0 on success. */
+static int pool_start(int id) {
+    signal_init(&pool_go[id - 1]);
+    pthread_attr_t attr;
+    if (pthread_attr_init(&attr)) return -1;
+    size_t stack = 0;
+    pthread_attr_getstacksize(&attr, &stack);
+    if (stack < POOL_STACK) pthread_attr_setstacksize(&attr, POOL_STACK);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_t thread;
+    const int failed = pthread_create(&thread, &attr, pool_worker, (void *)(intptr_t)id);
+    pthread_attr_destroy(&attr);
+    return failed;
+}
+
+static void team_run(int n, void (*fn)(void *), void *arg) {
+    if (n > 1) {
+        pthread_once(&pool_once, pool_setup);
+        pthread_mutex_lock(&pool.run);
+        n = n < POOL_MAX ? n : POOL_MAX;
+        while (pool.started < n - 1 && pool_start(pool.started + 1) == 0) pool.started++;
+        n = n < pool.started + 1 ? n : pool.started + 1; /* fewer where threads cannot start */
+        if (n > 1) {
+            pool.size = n;
+            pool.fn = fn;
+            pool.arg = arg;
+            atomic_store_explicit(&pool.spin, n > pool.cpus ? POOL_SPIN_CROWDED : POOL_SPIN, memory_order_relaxed);
+            for (int i = 0; i < n - 1; i++) signal_bump(&pool_go[i]);
+            pool_id = 0;
+            pool_size = n;
+            fn(arg);
+            team_barrier(); /* the region's end: everyone is done with `arg` */
+            pool_size = 1;
+            pthread_mutex_unlock(&pool.run);
+            return;
+        }
+        pthread_mutex_unlock(&pool.run);
+    }
+    fn(arg); /* a team of one */
+}
+
+int chatbot_openmp(void) { return 0; }
+#endif
+
 /* y = W x; to be called by every thread of a parallel region (rows are shared out), each with
  * its own `v`, or with one shared `v` made ready before the region. */
 static void matvec_par(const Mat *m, Vec *v, float *y) {
     ready_for(v, m);
-#pragma omp for schedule(static)
-    for (int n = 0; n < m->rows; n++) y[n] = dot_vec(m, n, v);
+    const Span rows = team_share(m->rows);
+    for (int n = rows.lo; n < rows.hi; n++) y[n] = dot_vec(m, n, v);
+    team_barrier();
 }
 
 /* y = W x + bias for a group of row blocks; called by every thread of a parallel region. */
 static void group_matvec_par(const Group *g, Vec *v, float *y) {
     for (int p = 0; p < g->n_parts; p++) ready_for(v, &g->part[p]);
-#pragma omp for schedule(static)
-    for (int n = 0; n < g->rows; n++) {
+    const Span rows = team_share(g->rows);
+    for (int n = rows.lo; n < rows.hi; n++) {
         int p = 0, r = n;
         while (p + 1 < g->n_parts && r >= g->part[p].rows) r -= g->part[p++].rows;
         const float s = dot_vec(&g->part[p], r, v);
         y[n] = g->bias ? s + g->bias[n] : s;
     }
+    team_barrier();
 }
 
 static void embed_row(const Mat *m, int token, float *out) {
@@ -1885,16 +2121,17 @@ long chatbot_scratch_floats(const Model *m, int max_threads) {
     return shared_floats(m) + (long)max_threads * private_floats(m) + 16;
 }
 
-/* Forward one token at position `pos` (keys/values written to the caches at `pos`; the
- * caches must hold positions [0, pos) already and have cap > pos). Logits go to `logits`
- * [vocab]. Returns 0, or -1 for a position outside the cache or the rope table.
- *
- * Every thread keeps its own copy of the residual stream and of the small vectors derived
- * from it (norms, block sums, SiLU): computing them twice costs less than making a thread
- * wait for another, so a layer has only the five barriers its matrix products need.
- * Scratch must have room for m->n_threads threads (chatbot_scratch_floats). */
-int chatbot_decode(const Model *m, int token, int pos, float *logits) {
-    if (pos < 0 || pos >= m->cap || pos >= m->rope_len || token < 0 || token >= m->embed->rows) return -1;
+typedef struct {
+    const Model *m;
+    int token, pos;
+    float *logits;
+} DecodeJob;
+
+static void decode_team(void *arg) {
+    const DecodeJob *job = arg;
+    const Model *m = job->m;
+    const int token = job->token, pos = job->pos;
+    float *logits = job->logits;
     const int D = m->head_dim, H = m->n_heads, HKV = m->n_kv_heads, F = m->ffn_dim, E = m->dim;
     const int group = H / HKV, half = D / 2;
     float *qkv = m->scratch; /* shared */
@@ -1906,87 +2143,99 @@ int chatbot_decode(const Model *m, int token, int pos, float *logits) {
     float *priv = m->scratch + shared_floats(m);
     const float *cs = m->rope_cos + (size_t)pos * half;
     const float *sn = m->rope_sin + (size_t)pos * half;
-
-#pragma omp parallel num_threads(m->n_threads)
-    {
-        float *x = priv + (size_t)omp_get_thread_num() * private_floats(m);
-        float *xn = x + E;
-        float *hid = xn + E;
-        float *qr = hid + F;
-        float *kr = qr + D;
-        Vec vec = {0};
-        vec_place(&vec, kr + D, widest_input(m));
-        embed_row(m->embed, token, x);
-        if (m->embed_scale != 0.0f)
-            for (int i = 0; i < E; i++) x[i] *= m->embed_scale;
-        for (int l = 0; l < m->n_layers; l++) {
-            float *kc = m->kcache[l], *vc = m->vcache[l];
-            const int second = m->rope_sel && m->rope_sel[l];
-            const float *lcs = second ? m->rope_cos2 + (size_t)pos * half : cs;
-            const float *lsn = second ? m->rope_sin2 + (size_t)pos * half : sn;
-            /* a sliding-window layer sees the positions (pos - window, pos] */
-            const int w = m->window ? m->window[l] : 0;
-            const int first = w > 0 && pos + 1 > w ? pos + 1 - w : 0;
-            rmsnorm(x, m->attn_norm[l], E, m->eps, xn);
-            prepare_vec(&vec, xn, E, m->act);
-            group_matvec_par(&m->wqkv[l], &vec, qkv);
-#pragma omp for schedule(static)
-            for (int h = 0; h < H; h++) {
-                const int g = h / group;
-                const size_t off = (size_t)g * m->cap * D;
-                const float *v = qkv + (H + HKV + g) * D;
-                memcpy(qr, qkv + h * D, (size_t)D * 4);
-                memcpy(kr, qkv + (H + g) * D, (size_t)D * 4);
-                if (m->q_norm) { /* qwen3: RMSNorm per head before the rotation */
-                    rmsnorm(qr, m->q_norm[l], D, m->eps, qr);
-                    rmsnorm(kr, m->k_norm[l], D, m->eps, kr);
-                }
-                rope(qr, lcs, lsn, D);
-                rope(kr, lcs, lsn, D);
-                /* Nobody reads position `pos` of this layer's cache before the next call
-                 * (attention below takes the new key and value from kr and v), so the
-                 * first head of each group stores them without a barrier. */
-                if (h % group == 0) {
-                    memcpy(kc + off + (size_t)pos * D, kr, (size_t)D * 4);
-                    memcpy(vc + off + (size_t)pos * D, v, (size_t)D * 4);
-                }
-                attend(qr, kc + off + (size_t)first * D, vc + off + (size_t)first * D, kr, v, pos - first, D,
-                       m->attn_scale, m->attn_softcap, scores + (size_t)h * m->cap, att + h * D);
-            }
-            prepare_vec(&vec, att, H * D, m->act);
-            group_matvec_par(&m->wo[l], &vec, o);
-            if (m->post_attn_norm) {
-                rmsnorm(o, m->post_attn_norm[l], E, m->eps, xn);
-                for (int i = 0; i < E; i++) x[i] += xn[i];
-            } else {
-                for (int i = 0; i < E; i++) x[i] += o[i];
-            }
-            rmsnorm(x, m->ffn_norm[l], E, m->eps, xn);
-            prepare_vec(&vec, xn, E, m->act);
-            group_matvec_par(&m->wgu[l], &vec, gu);
-            if (m->act_fn == ACT_FN_GELU_TANH)
-                gelu_tanh_mul(gu, gu + F, F, hid);
-            else
-                silu_mul(gu, gu + F, F, hid);
-            prepare_vec(&vec, hid, F, m->act);
-            group_matvec_par(&m->wdown[l], &vec, dn);
-            if (m->post_ffn_norm) {
-                rmsnorm(dn, m->post_ffn_norm[l], E, m->eps, xn);
-                for (int i = 0; i < E; i++) x[i] += xn[i];
-            } else {
-                for (int i = 0; i < E; i++) x[i] += dn[i];
-            }
-        }
-        rmsnorm(x, m->final_norm, E, m->eps, xn);
+    float *x = priv + (size_t)team_id() * private_floats(m);
+    float *xn = x + E;
+    float *hid = xn + E;
+    float *qr = hid + F;
+    float *kr = qr + D;
+    Vec vec = {0};
+    vec_place(&vec, kr + D, widest_input(m));
+    embed_row(m->embed, token, x);
+    if (m->embed_scale != 0.0f)
+        for (int i = 0; i < E; i++) x[i] *= m->embed_scale;
+    for (int l = 0; l < m->n_layers; l++) {
+        float *kc = m->kcache[l], *vc = m->vcache[l];
+        const int second = m->rope_sel && m->rope_sel[l];
+        const float *lcs = second ? m->rope_cos2 + (size_t)pos * half : cs;
+        const float *lsn = second ? m->rope_sin2 + (size_t)pos * half : sn;
+        /* a sliding-window layer sees the positions (pos - window, pos] */
+        const int w = m->window ? m->window[l] : 0;
+        const int first = w > 0 && pos + 1 > w ? pos + 1 - w : 0;
+        rmsnorm(x, m->attn_norm[l], E, m->eps, xn);
         prepare_vec(&vec, xn, E, m->act);
-        matvec_par(m->lm_head, &vec, logits);
-        if (m->final_softcap > 0.0f) {
-            const int V = m->lm_head->rows, chunk = 4096;
-#pragma omp for schedule(static)
-            for (int c = 0; c < (V + chunk - 1) / chunk; c++)
-                softcap(logits + (size_t)c * chunk, V - c * chunk < chunk ? V - c * chunk : chunk, m->final_softcap);
+        group_matvec_par(&m->wqkv[l], &vec, qkv);
+        const Span heads = team_share(H);
+        for (int h = heads.lo; h < heads.hi; h++) {
+            const int g = h / group;
+            const size_t off = (size_t)g * m->cap * D;
+            const float *v = qkv + (H + HKV + g) * D;
+            memcpy(qr, qkv + h * D, (size_t)D * 4);
+            memcpy(kr, qkv + (H + g) * D, (size_t)D * 4);
+            if (m->q_norm) { /* qwen3: RMSNorm per head before the rotation */
+                rmsnorm(qr, m->q_norm[l], D, m->eps, qr);
+                rmsnorm(kr, m->k_norm[l], D, m->eps, kr);
+            }
+            rope(qr, lcs, lsn, D);
+            rope(kr, lcs, lsn, D);
+            /* Nobody reads position `pos` of this layer's cache before the next call
+             * (attention below takes the new key and value from kr and v), so the
+             * first head of each group stores them without a barrier. */
+            if (h % group == 0) {
+                memcpy(kc + off + (size_t)pos * D, kr, (size_t)D * 4);
+                memcpy(vc + off + (size_t)pos * D, v, (size_t)D * 4);
+            }
+            attend(qr, kc + off + (size_t)first * D, vc + off + (size_t)first * D, kr, v, pos - first, D,
+                   m->attn_scale, m->attn_softcap, scores + (size_t)h * m->cap, att + h * D);
+        }
+        team_barrier();
+        prepare_vec(&vec, att, H * D, m->act);
+        group_matvec_par(&m->wo[l], &vec, o);
+        if (m->post_attn_norm) {
+            rmsnorm(o, m->post_attn_norm[l], E, m->eps, xn);
+            for (int i = 0; i < E; i++) x[i] += xn[i];
+        } else {
+            for (int i = 0; i < E; i++) x[i] += o[i];
+        }
+        rmsnorm(x, m->ffn_norm[l], E, m->eps, xn);
+        prepare_vec(&vec, xn, E, m->act);
+        group_matvec_par(&m->wgu[l], &vec, gu);
+        if (m->act_fn == ACT_FN_GELU_TANH)
+            gelu_tanh_mul(gu, gu + F, F, hid);
+        else
+            silu_mul(gu, gu + F, F, hid);
+        prepare_vec(&vec, hid, F, m->act);
+        group_matvec_par(&m->wdown[l], &vec, dn);
+        if (m->post_ffn_norm) {
+            rmsnorm(dn, m->post_ffn_norm[l], E, m->eps, xn);
+            for (int i = 0; i < E; i++) x[i] += xn[i];
+        } else {
+            for (int i = 0; i < E; i++) x[i] += dn[i];
         }
     }
+    rmsnorm(x, m->final_norm, E, m->eps, xn);
+    prepare_vec(&vec, xn, E, m->act);
+    matvec_par(m->lm_head, &vec, logits);
+    if (m->final_softcap > 0.0f) {
+        const int V = m->lm_head->rows, chunk = 4096;
+        const Span chunks = team_share((V + chunk - 1) / chunk);
+        for (int c = chunks.lo; c < chunks.hi; c++)
+            softcap(logits + (size_t)c * chunk, V - c * chunk < chunk ? V - c * chunk : chunk, m->final_softcap);
+        team_barrier();
+    }
+}
+
+/* Forward one token at position `pos` (keys/values written to the caches at `pos`; the
+ * caches must hold positions [0, pos) already and have cap > pos). Logits go to `logits`
+ * [vocab]. Returns 0, or -1 for a position outside the cache or the rope table.
+ *
+ * Every thread keeps its own copy of the residual stream and of the small vectors derived
+ * from it (norms, block sums, SiLU): computing them twice costs less than making a thread
+ * wait for another, so a layer has only the five barriers its matrix products need.
+ * Scratch must have room for m->n_threads threads (chatbot_scratch_floats). */
+int chatbot_decode(const Model *m, int token, int pos, float *logits) {
+    if (pos < 0 || pos >= m->cap || pos >= m->rope_len || token < 0 || token >= m->embed->rows) return -1;
+    DecodeJob job = {m, token, pos, logits};
+    team_run(m->n_threads, decode_team, &job);
     return 0;
 }
 
@@ -2087,14 +2336,15 @@ static inline void dot_vec_multi(const Mat *m, int n, const Vec *v, int B, float
 static void group_matmul_par(const Group *g, Vec *v, int B, float *y, int ys) {
     for (int t = 0; t < B; t++)
         for (int p = 0; p < g->n_parts; p++) ready_for(&v[t], &g->part[p]);
-#pragma omp for schedule(static)
-    for (int n = 0; n < g->rows; n++) {
+    const Span rows = team_share(g->rows);
+    for (int n = rows.lo; n < rows.hi; n++) {
         int p = 0, r = n;
         while (p + 1 < g->n_parts && r >= g->part[p].rows) r -= g->part[p++].rows;
         float s[MAX_BATCH];
         dot_vec_multi(&g->part[p], r, v, B, s);
         for (int t = 0; t < B; t++) y[(size_t)t * ys + n] = g->bias ? s[t] + g->bias[n] : s[t];
     }
+    team_barrier();
 }
 
 static long batch_shared_floats(const Model *m, int B, int cap) {
@@ -2117,6 +2367,138 @@ long chatbot_batch_scratch_floats(const Model *m, int B, int cap, int max_thread
 
 long chatbot_max_batch(void) { return MAX_BATCH; }
 
+typedef struct {
+    const Model *m;
+    int B, maxcap;
+    const int *tokens, *pos, *caps;
+    float *const *kcache, *const *vcache;
+    float *scratch, *logits;
+} BatchJob;
+
+static void decode_batch_team(void *arg) {
+    const BatchJob *job = arg;
+    const Model *m = job->m;
+    const int B = job->B, maxcap = job->maxcap, *tokens = job->tokens, *pos = job->pos, *caps = job->caps;
+    float *const *kcache = job->kcache, *const *vcache = job->vcache;
+    float *scratch = job->scratch, *logits = job->logits;
+    const int D = m->head_dim, H = m->n_heads, HKV = m->n_kv_heads, F = m->ffn_dim, E = m->dim, L = m->n_layers;
+    const int group = H / HKV, half = D / 2, QKV = (H + 2 * HKV) * D, V = m->lm_head->rows;
+    float *qkv = scratch; /* shared: [B][QKV], then att [B][H D], o [B][E], gu [B][2F], dn [B][E], scores */
+    float *att = qkv + (size_t)B * QKV;
+    float *o = att + (size_t)B * H * D;
+    float *gu = o + (size_t)B * E;
+    float *dn = gu + (size_t)B * 2 * F;
+    float *scores = dn + (size_t)B * E; /* [B][H][maxcap] */
+    float *priv = scratch + batch_shared_floats(m, B, maxcap);
+    const long pf = batch_private_floats(m, B);
+    const long vf = vec_floats(widest_input(m));
+    float *x = priv + (size_t)team_id() * pf; /* [B][E] */
+    float *xn = x + (size_t)B * E;                         /* [B][E] */
+    float *hid = xn + (size_t)B * E;                       /* [B][F] */
+    float *qr = hid + (size_t)B * F;
+    float *kr = qr + D;
+    Vec vec[MAX_BATCH];
+    memset(vec, 0, sizeof vec);
+    for (int t = 0; t < B; t++) {
+        vec_place(&vec[t], kr + D + t * vf, widest_input(m));
+        float *xt = x + (size_t)t * E;
+        embed_row(m->embed, tokens[t], xt);
+        if (m->embed_scale != 0.0f)
+            for (int i = 0; i < E; i++) xt[i] *= m->embed_scale;
+    }
+    for (int l = 0; l < L; l++) {
+        for (int t = 0; t < B; t++) {
+            rmsnorm(x + (size_t)t * E, m->attn_norm[l], E, m->eps, xn + (size_t)t * E);
+            prepare_vec(&vec[t], xn + (size_t)t * E, E, m->act);
+        }
+        group_matmul_par(&m->wqkv[l], vec, B, qkv, QKV);
+        const int second = m->rope_sel && m->rope_sel[l];
+        const int w = m->window ? m->window[l] : 0;
+        const Span heads = team_share(B * H);
+        for (int th = heads.lo; th < heads.hi; th++) {
+            const int t = th / H, h = th % H, g = h / group, p = pos[t];
+            const float *q = qkv + (size_t)t * QKV;
+            const float *lcs = (second ? m->rope_cos2 : m->rope_cos) + (size_t)p * half;
+            const float *lsn = (second ? m->rope_sin2 : m->rope_sin) + (size_t)p * half;
+            const int first = w > 0 && p + 1 > w ? p + 1 - w : 0;
+            float *kc = kcache[(size_t)t * L + l], *vc = vcache[(size_t)t * L + l];
+            const size_t off = (size_t)g * caps[t] * D;
+            const float *v = q + (H + HKV + g) * D;
+            float qh[512], kh[512]; /* head_dim <= 512 (checked by kernels.py) */
+            memcpy(qh, q + h * D, (size_t)D * 4);
+            memcpy(kh, q + (H + g) * D, (size_t)D * 4);
+            if (m->q_norm) {
+                rmsnorm(qh, m->q_norm[l], D, m->eps, qh);
+                rmsnorm(kh, m->k_norm[l], D, m->eps, kh);
+            }
+            rope(qh, lcs, lsn, D);
+            rope(kh, lcs, lsn, D);
+            if (h % group == 0) {
+                memcpy(kc + off + (size_t)p * D, kh, (size_t)D * 4);
+                memcpy(vc + off + (size_t)p * D, v, (size_t)D * 4);
+            }
+            attend(qh, kc + off + (size_t)first * D, vc + off + (size_t)first * D, kh, v, p - first, D,
+                   m->attn_scale, m->attn_softcap, scores + ((size_t)t * H + h) * maxcap, att + ((size_t)t * H + h) * D);
+        }
+        team_barrier();
+        for (int t = 0; t < B; t++) prepare_vec(&vec[t], att + (size_t)t * H * D, H * D, m->act);
+        group_matmul_par(&m->wo[l], vec, B, o, E);
+        for (int t = 0; t < B; t++) {
+            float *xt = x + (size_t)t * E, *xnt = xn + (size_t)t * E;
+            if (m->post_attn_norm) {
+                rmsnorm(o + (size_t)t * E, m->post_attn_norm[l], E, m->eps, xnt);
+                for (int i = 0; i < E; i++) xt[i] += xnt[i];
+            } else {
+                for (int i = 0; i < E; i++) xt[i] += o[(size_t)t * E + i];
+            }
+            rmsnorm(xt, m->ffn_norm[l], E, m->eps, xnt);
+            prepare_vec(&vec[t], xnt, E, m->act);
+        }
+        group_matmul_par(&m->wgu[l], vec, B, gu, 2 * F);
+        for (int t = 0; t < B; t++) {
+            const float *g = gu + (size_t)t * 2 * F;
+            float *ht = hid + (size_t)t * F;
+            if (m->act_fn == ACT_FN_GELU_TANH)
+                gelu_tanh_mul(g, g + F, F, ht);
+            else
+                silu_mul(g, g + F, F, ht);
+            prepare_vec(&vec[t], ht, F, m->act);
+        }
+        group_matmul_par(&m->wdown[l], vec, B, dn, E);
+        for (int t = 0; t < B; t++) {
+            float *xt = x + (size_t)t * E, *xnt = xn + (size_t)t * E;
+            if (m->post_ffn_norm) {
+                rmsnorm(dn + (size_t)t * E, m->post_ffn_norm[l], E, m->eps, xnt);
+                for (int i = 0; i < E; i++) xt[i] += xnt[i];
+            } else {
+                for (int i = 0; i < E; i++) xt[i] += dn[(size_t)t * E + i];
+            }
+        }
+    }
+    for (int t = 0; t < B; t++) {
+        rmsnorm(x + (size_t)t * E, m->final_norm, E, m->eps, xn + (size_t)t * E);
+        prepare_vec(&vec[t], xn + (size_t)t * E, E, m->act);
+        ready_for(&vec[t], m->lm_head);
+    }
+    const Span rows = team_share(V);
+    for (int n = rows.lo; n < rows.hi; n++) {
+        float s[MAX_BATCH];
+        dot_vec_multi(m->lm_head, n, vec, B, s);
+        for (int t = 0; t < B; t++) logits[(size_t)t * V + n] = s[t];
+    }
+    team_barrier();
+    if (m->final_softcap > 0.0f) {
+        const int chunk = 4096, nc = (V + chunk - 1) / chunk;
+        const Span chunks = team_share(B * nc);
+        for (int c = chunks.lo; c < chunks.hi; c++) {
+            const int t = c / nc, i = c % nc;
+            softcap(logits + (size_t)t * V + (size_t)i * chunk, V - i * chunk < chunk ? V - i * chunk : chunk,
+                    m->final_softcap);
+        }
+        team_barrier();
+    }
+}
+
 /* Forward B tokens, row t being `tokens[t]` at position `pos[t]` of its own cache: layer l's
  * keys and values at kcache[t * n_layers + l] / vcache[...] ([Hkv, caps[t], D] each, holding
  * positions [0, pos[t]) already, caps[t] > pos[t]). Logits go to logits [B, vocab]. m's own
@@ -2131,123 +2513,8 @@ int chatbot_decode_batch(const Model *m, int B, const int *tokens, const int *po
             return -1;
         maxcap = caps[t] > maxcap ? caps[t] : maxcap;
     }
-    const int D = m->head_dim, H = m->n_heads, HKV = m->n_kv_heads, F = m->ffn_dim, E = m->dim, L = m->n_layers;
-    const int group = H / HKV, half = D / 2, QKV = (H + 2 * HKV) * D, V = m->lm_head->rows;
-    float *qkv = scratch; /* shared: [B][QKV], then att [B][H D], o [B][E], gu [B][2F], dn [B][E], scores */
-    float *att = qkv + (size_t)B * QKV;
-    float *o = att + (size_t)B * H * D;
-    float *gu = o + (size_t)B * E;
-    float *dn = gu + (size_t)B * 2 * F;
-    float *scores = dn + (size_t)B * E; /* [B][H][maxcap] */
-    float *priv = scratch + batch_shared_floats(m, B, maxcap);
-    const long pf = batch_private_floats(m, B);
-    const long vf = vec_floats(widest_input(m));
-
-#pragma omp parallel num_threads(m->n_threads)
-    {
-        float *x = priv + (size_t)omp_get_thread_num() * pf; /* [B][E] */
-        float *xn = x + (size_t)B * E;                         /* [B][E] */
-        float *hid = xn + (size_t)B * E;                       /* [B][F] */
-        float *qr = hid + (size_t)B * F;
-        float *kr = qr + D;
-        Vec vec[MAX_BATCH];
-        memset(vec, 0, sizeof vec);
-        for (int t = 0; t < B; t++) {
-            vec_place(&vec[t], kr + D + t * vf, widest_input(m));
-            float *xt = x + (size_t)t * E;
-            embed_row(m->embed, tokens[t], xt);
-            if (m->embed_scale != 0.0f)
-                for (int i = 0; i < E; i++) xt[i] *= m->embed_scale;
-        }
-        for (int l = 0; l < L; l++) {
-            for (int t = 0; t < B; t++) {
-                rmsnorm(x + (size_t)t * E, m->attn_norm[l], E, m->eps, xn + (size_t)t * E);
-                prepare_vec(&vec[t], xn + (size_t)t * E, E, m->act);
-            }
-            group_matmul_par(&m->wqkv[l], vec, B, qkv, QKV);
-            const int second = m->rope_sel && m->rope_sel[l];
-            const int w = m->window ? m->window[l] : 0;
-#pragma omp for schedule(static)
-            for (int th = 0; th < B * H; th++) {
-                const int t = th / H, h = th % H, g = h / group, p = pos[t];
-                const float *q = qkv + (size_t)t * QKV;
-                const float *lcs = (second ? m->rope_cos2 : m->rope_cos) + (size_t)p * half;
-                const float *lsn = (second ? m->rope_sin2 : m->rope_sin) + (size_t)p * half;
-                const int first = w > 0 && p + 1 > w ? p + 1 - w : 0;
-                float *kc = kcache[(size_t)t * L + l], *vc = vcache[(size_t)t * L + l];
-                const size_t off = (size_t)g * caps[t] * D;
-                const float *v = q + (H + HKV + g) * D;
-                float qh[512], kh[512]; /* head_dim <= 512 (checked by kernels.py) */
-                memcpy(qh, q + h * D, (size_t)D * 4);
-                memcpy(kh, q + (H + g) * D, (size_t)D * 4);
-                if (m->q_norm) {
-                    rmsnorm(qh, m->q_norm[l], D, m->eps, qh);
-                    rmsnorm(kh, m->k_norm[l], D, m->eps, kh);
-                }
-                rope(qh, lcs, lsn, D);
-                rope(kh, lcs, lsn, D);
-                if (h % group == 0) {
-                    memcpy(kc + off + (size_t)p * D, kh, (size_t)D * 4);
-                    memcpy(vc + off + (size_t)p * D, v, (size_t)D * 4);
-                }
-                attend(qh, kc + off + (size_t)first * D, vc + off + (size_t)first * D, kh, v, p - first, D,
-                       m->attn_scale, m->attn_softcap, scores + ((size_t)t * H + h) * maxcap, att + ((size_t)t * H + h) * D);
-            }
-            for (int t = 0; t < B; t++) prepare_vec(&vec[t], att + (size_t)t * H * D, H * D, m->act);
-            group_matmul_par(&m->wo[l], vec, B, o, E);
-            for (int t = 0; t < B; t++) {
-                float *xt = x + (size_t)t * E, *xnt = xn + (size_t)t * E;
-                if (m->post_attn_norm) {
-                    rmsnorm(o + (size_t)t * E, m->post_attn_norm[l], E, m->eps, xnt);
-                    for (int i = 0; i < E; i++) xt[i] += xnt[i];
-                } else {
-                    for (int i = 0; i < E; i++) xt[i] += o[(size_t)t * E + i];
-                }
-                rmsnorm(xt, m->ffn_norm[l], E, m->eps, xnt);
-                prepare_vec(&vec[t], xnt, E, m->act);
-            }
-            group_matmul_par(&m->wgu[l], vec, B, gu, 2 * F);
-            for (int t = 0; t < B; t++) {
-                const float *g = gu + (size_t)t * 2 * F;
-                float *ht = hid + (size_t)t * F;
-                if (m->act_fn == ACT_FN_GELU_TANH)
-                    gelu_tanh_mul(g, g + F, F, ht);
-                else
-                    silu_mul(g, g + F, F, ht);
-                prepare_vec(&vec[t], ht, F, m->act);
-            }
-            group_matmul_par(&m->wdown[l], vec, B, dn, E);
-            for (int t = 0; t < B; t++) {
-                float *xt = x + (size_t)t * E, *xnt = xn + (size_t)t * E;
-                if (m->post_ffn_norm) {
-                    rmsnorm(dn + (size_t)t * E, m->post_ffn_norm[l], E, m->eps, xnt);
-                    for (int i = 0; i < E; i++) xt[i] += xnt[i];
-                } else {
-                    for (int i = 0; i < E; i++) xt[i] += dn[(size_t)t * E + i];
-                }
-            }
-        }
-        for (int t = 0; t < B; t++) {
-            rmsnorm(x + (size_t)t * E, m->final_norm, E, m->eps, xn + (size_t)t * E);
-            prepare_vec(&vec[t], xn + (size_t)t * E, E, m->act);
-            ready_for(&vec[t], m->lm_head);
-        }
-#pragma omp for schedule(static)
-        for (int n = 0; n < V; n++) {
-            float s[MAX_BATCH];
-            dot_vec_multi(m->lm_head, n, vec, B, s);
-            for (int t = 0; t < B; t++) logits[(size_t)t * V + n] = s[t];
-        }
-        if (m->final_softcap > 0.0f) {
-            const int chunk = 4096, nc = (V + chunk - 1) / chunk;
-#pragma omp for schedule(static)
-            for (int c = 0; c < B * nc; c++) {
-                const int t = c / nc, i = c % nc;
-                softcap(logits + (size_t)t * V + (size_t)i * chunk, V - i * chunk < chunk ? V - i * chunk : chunk,
-                        m->final_softcap);
-            }
-        }
-    }
+    BatchJob job = {m, B, maxcap, tokens, pos, caps, kcache, vcache, scratch, logits};
+    team_run(m->n_threads, decode_batch_team, &job);
     return 0;
 }
 
@@ -2256,13 +2523,24 @@ long chatbot_matvec_scratch(int cols) { return vec_floats(cols); }
 
 /* y = W x for one matrix (tests, micro-benchmarks, a few rows of prefill); `act` as in Model;
  * `scratch`: chatbot_matvec_scratch(cols) floats. */
+typedef struct {
+    const Mat *m;
+    Vec *v;
+    float *y;
+} MatvecJob;
+
+static void matvec_team(void *arg) {
+    const MatvecJob *job = arg;
+    matvec_par(job->m, job->v, job->y);
+}
+
 void chatbot_matvec(const Mat *m, const float *x, float *scratch, float *y, int n_threads, int act) {
     Vec vec = {0};
     vec_place(&vec, scratch, m->cols);
     prepare_vec(&vec, x, m->cols, act);
     ready_for(&vec, m);
-#pragma omp parallel num_threads(n_threads)
-    matvec_par(m, &vec, y);
+    MatvecJob job = {m, &vec, y};
+    team_run(n_threads, matvec_team, &job);
 }
 
 /* Rows `ids[0..n)` of W as float32 into out [n, cols] (an embedding lookup); ids are
@@ -2272,9 +2550,20 @@ void chatbot_rows(const Mat *m, const int64_t *ids, int n, float *out) {
 }
 
 /* Rows of W as float32 (for prefill with the same weights as decode). */
+typedef struct {
+    const Mat *m;
+    float *out;
+} DequantizeJob;
+
+static void dequantize_team(void *arg) {
+    const DequantizeJob *job = arg;
+    const Span rows = team_share(job->m->rows);
+    for (int n = rows.lo; n < rows.hi; n++) embed_row(job->m, n, job->out + (size_t)n * job->m->cols);
+}
+
 void chatbot_dequantize(const Mat *m, float *out, int n_threads) {
-#pragma omp parallel for num_threads(n_threads) schedule(static)
-    for (int n = 0; n < m->rows; n++) embed_row(m, n, out + (size_t)n * m->cols);
+    DequantizeJob job = {m, out};
+    team_run(n_threads, dequantize_team, &job);
 }
 
 /* ---------------------------------------------------------------- batched products (prefill)
@@ -2448,24 +2737,33 @@ static void transpose16(const int32_t *in, int stride, int32_t *out, int ostride
 /* Round n up to a multiple of 64 (aligned_alloc wants whole alignments). */
 static size_t up64(size_t n) { return (n + 63) / 64 * 64; }
 
-/* Y [n, rows] = X [n, cols] W^T with int16 inputs (see above). Returns 0, or -1 (nothing
- * written) for a format without a batched product or memory refused. */
-int chatbot_matmul(const Mat *m, const float *x, int n, float *y, int n_threads) {
-    const int unit = mm_unit(m->fmt);
-    if (!unit || n < 1 || m->cols % block_len(m->fmt)) return -1;
+typedef struct {
+    const Mat *m;
+    const float *x;
+    int n;
+    float *y;
+    int16_t *xq;
+    float *xd, *xs;
+    atomic_int next;   /* the next group of rows (a dynamic schedule) */
+    atomic_int failed; /* a thread without its buffers */
+} MatmulJob;
+
+/* chatbot_matmul on each thread of its team: a share of the inputs as int16, then groups of
+ * 32 rows, each to the next thread free (a dynamic schedule). */
+static void matmul_team(void *arg) {
+    MatmulJob *job = arg;
+    const Mat *m = job->m;
+    const float *x = job->x;
+    const int n = job->n;
+    float *y = job->y;
+    int16_t *xq = job->xq;
+    float *xd = job->xd, *xs = job->xs;
+    const int unit = mm_unit(m->fmt), groups = (m->rows + MM_ROWS - 1) / MM_ROWS;
     const int k = m->cols, nu = k / unit, np = (n + MM_TOK - 1) / MM_TOK * MM_TOK;
     const int bl = block_len(m->fmt), bb = block_bytes(m->fmt), upb = bl / unit;
     const size_t rb = row_bytes(m);
-    int16_t *xq = aligned_alloc(64, up64((size_t)np * k * 2));
-    float *xd = aligned_alloc(64, up64((size_t)np * nu * 4)), *xs = aligned_alloc(64, up64((size_t)np * nu * 4));
-    if (!xq || !xd || !xs) {
-        free(xq);
-        free(xd);
-        free(xs);
-        return -1;
-    }
-#pragma omp parallel for num_threads(n_threads) schedule(static)
-    for (int t = 0; t < np; t++) {
+    const Span inputs = team_share(np);
+    for (int t = inputs.lo; t < inputs.hi; t++) {
         for (int u = 0; u < nu; u++) {
             int16_t *q = xq + (size_t)t * k + u * unit;
             if (t >= n) { /* padding inputs: zero */
@@ -2486,60 +2784,73 @@ int chatbot_matmul(const Mat *m, const float *x, int n, float *y, int n_threads)
             xs[t * nu + u] = d * (float)sum;
         }
     }
-    int failed = 0; /* a thread without its buffers: the caller computes it all otherwise */
-    const int groups = (m->rows + MM_ROWS - 1) / MM_ROWS;
-#pragma omp parallel num_threads(n_threads) reduction(| : failed)
-    {
-        int16_t *w = aligned_alloc(64, up64((size_t)MM_ROWS * k * 2));
-        float *ws = aligned_alloc(64, up64((size_t)nu * MM_ROWS * 4)), *wo = aligned_alloc(64, up64((size_t)nu * MM_ROWS * 4));
-        const int ok = w && ws && wo;
-        failed |= !ok;
-        int16_t stage[MM_ROWS * QK_K] __attribute__((aligned(64)));
-        float sb[QK_K / 16], ob[QK_K / 16];
-#pragma omp for schedule(dynamic, 1)
-        for (int g = 0; g < groups; g++) {
-            if (!ok) continue;
-            const int r0 = g * MM_ROWS, nr = m->rows - r0 < MM_ROWS ? m->rows - r0 : MM_ROWS;
-            for (int blk = 0; blk < k / bl; blk++) {
-                for (int r = 0; r < MM_ROWS; r++) {
-                    if (r < nr) {
-                        const uint8_t *b = (const uint8_t *)m->data + (size_t)(r0 + r) * rb + (size_t)blk * bb;
-                        mm_unpack_block(m->fmt, b, stage + r * QK_K, sb, ob);
-                    } else { /* rows past the end: zero weights */
-                        memset(stage + r * QK_K, 0, sizeof(int16_t) * QK_K);
-                        memset(sb, 0, sizeof sb);
-                        memset(ob, 0, sizeof ob);
-                    }
-                    for (int u = 0; u < upb; u++) {
-                        ws[(blk * upb + u) * MM_ROWS + r] = sb[u];
-                        wo[(blk * upb + u) * MM_ROWS + r] = ob[u];
-                    }
+    team_barrier();
+    int16_t *w = aligned_alloc(64, up64((size_t)MM_ROWS * k * 2));
+    float *ws = aligned_alloc(64, up64((size_t)nu * MM_ROWS * 4)), *wo = aligned_alloc(64, up64((size_t)nu * MM_ROWS * 4));
+    const int ok = w && ws && wo;
+    if (!ok) atomic_store(&job->failed, 1); /* the caller computes it all otherwise */
+    int16_t stage[MM_ROWS * QK_K] __attribute__((aligned(64)));
+    float sb[QK_K / 16], ob[QK_K / 16];
+    for (int g = team_next(&job->next); g < groups; g = team_next(&job->next)) {
+        if (!ok) continue;
+        const int r0 = g * MM_ROWS, nr = m->rows - r0 < MM_ROWS ? m->rows - r0 : MM_ROWS;
+        for (int blk = 0; blk < k / bl; blk++) {
+            for (int r = 0; r < MM_ROWS; r++) {
+                if (r < nr) {
+                    const uint8_t *b = (const uint8_t *)m->data + (size_t)(r0 + r) * rb + (size_t)blk * bb;
+                    mm_unpack_block(m->fmt, b, stage + r * QK_K, sb, ob);
+                } else { /* rows past the end: zero weights */
+                    memset(stage + r * QK_K, 0, sizeof(int16_t) * QK_K);
+                    memset(sb, 0, sizeof sb);
+                    memset(ob, 0, sizeof ob);
                 }
-                /* pairs of values as int32: [32 rows][bl / 2] -> [bl / 2][32 rows], 16 rows at a time */
-                for (int h = 0; h < MM_ROWS; h += 16)
-                    for (int c = 0; c < bl / 2; c += 16)
-                        transpose16((const int32_t *)stage + h * QK_K / 2 + c, QK_K / 2,
-                                    (int32_t *)w + ((size_t)blk * bl / 2 + c) * MM_ROWS + h, MM_ROWS);
+                for (int u = 0; u < upb; u++) {
+                    ws[(blk * upb + u) * MM_ROWS + r] = sb[u];
+                    wo[(blk * upb + u) * MM_ROWS + r] = ob[u];
+                }
             }
-            const __mmask16 keep0 = (__mmask16)(nr >= 16 ? 0xffffu : (1u << nr) - 1u);
-            const __mmask16 keep1 = (__mmask16)(nr <= 16 ? 0u : (nr >= 32 ? 0xffffu : (1u << (nr - 16)) - 1u));
-            for (int t0 = 0; t0 < np; t0 += MM_TOK) {
-                __m512 out[2 * MM_TOK];
-                (unit == 32 ? mm_tile32 : mm_tile16)(w, ws, wo, xq + (size_t)t0 * k, xd + t0 * nu, xs + t0 * nu, k, nu, out);
-                for (int t = 0; t < MM_TOK && t0 + t < n; t++) {
-                    _mm512_mask_storeu_ps(y + (size_t)(t0 + t) * m->rows + r0, keep0, out[2 * t]);
-                    _mm512_mask_storeu_ps(y + (size_t)(t0 + t) * m->rows + r0 + 16, keep1, out[2 * t + 1]);
-                }
+            /* pairs of values as int32: [32 rows][bl / 2] -> [bl / 2][32 rows], 16 rows at a time */
+            for (int h = 0; h < MM_ROWS; h += 16)
+                for (int c = 0; c < bl / 2; c += 16)
+                    transpose16((const int32_t *)stage + h * QK_K / 2 + c, QK_K / 2,
+                                (int32_t *)w + ((size_t)blk * bl / 2 + c) * MM_ROWS + h, MM_ROWS);
+        }
+        const __mmask16 keep0 = (__mmask16)(nr >= 16 ? 0xffffu : (1u << nr) - 1u);
+        const __mmask16 keep1 = (__mmask16)(nr <= 16 ? 0u : (nr >= 32 ? 0xffffu : (1u << (nr - 16)) - 1u));
+        for (int t0 = 0; t0 < np; t0 += MM_TOK) {
+            __m512 out[2 * MM_TOK];
+            (unit == 32 ? mm_tile32 : mm_tile16)(w, ws, wo, xq + (size_t)t0 * k, xd + t0 * nu, xs + t0 * nu, k, nu, out);
+            for (int t = 0; t < MM_TOK && t0 + t < n; t++) {
+                _mm512_mask_storeu_ps(y + (size_t)(t0 + t) * m->rows + r0, keep0, out[2 * t]);
+                _mm512_mask_storeu_ps(y + (size_t)(t0 + t) * m->rows + r0 + 16, keep1, out[2 * t + 1]);
             }
         }
-        free(w);
-        free(ws);
-        free(wo);
     }
+    free(w);
+    free(ws);
+    free(wo);
+}
+
+/* Y [n, rows] = X [n, cols] W^T with int16 inputs (see above). Returns 0, or -1 (nothing
+ * written) for a format without a batched product or memory refused. */
+int chatbot_matmul(const Mat *m, const float *x, int n, float *y, int n_threads) {
+    const int unit = mm_unit(m->fmt);
+    if (!unit || n < 1 || m->cols % block_len(m->fmt)) return -1;
+    const int k = m->cols, nu = k / unit, np = (n + MM_TOK - 1) / MM_TOK * MM_TOK;
+    int16_t *xq = aligned_alloc(64, up64((size_t)np * k * 2));
+    float *xd = aligned_alloc(64, up64((size_t)np * nu * 4)), *xs = aligned_alloc(64, up64((size_t)np * nu * 4));
+    if (!xq || !xd || !xs) {
+        free(xq);
+        free(xd);
+        free(xs);
+        return -1;
+    }
+    MatmulJob job = {m, x, n, y, xq, xd, xs, 0, 0};
+    team_run(n_threads, matmul_team, &job);
     free(xq);
     free(xd);
     free(xs);
-    return failed ? -1 : 0;
+    return atomic_load(&job.failed) ? -1 : 0;
 }
 #else
 int chatbot_matmul(const Mat *m, const float *x, int n, float *y, int n_threads) {
@@ -2548,14 +2859,21 @@ int chatbot_matmul(const Mat *m, const float *x, int n, float *y, int n_threads)
 }
 #endif
 
-/* Pack float32 rows [rows, cols] into Q8_0 or Q4_1 at `out`. stats[0]: the largest
- * |w - dequantized w| (0 for a matrix that was in that format already); stats[1]: the
- * largest |w|. */
-void chatbot_quantize(const float *w, int rows, int cols, int fmt, void *out, int n_threads, float *stats) {
-    const int nb = cols / QK;
+typedef struct {
+    const float *w;
+    int rows, cols, fmt;
+    void *out;
+    atomic_uint worst, biggest; /* float bits (both >= 0) */
+} QuantizeJob;
+
+static void quantize_team(void *arg) {
+    QuantizeJob *job = arg;
+    const float *w = job->w;
+    const int cols = job->cols, fmt = job->fmt, nb = cols / QK;
+    void *out = job->out;
     float worst = 0.0f, biggest = 0.0f;
-#pragma omp parallel for num_threads(n_threads) schedule(static) reduction(max : worst, biggest)
-    for (int n = 0; n < rows; n++) {
+    const Span share = team_share(job->rows);
+    for (int n = share.lo; n < share.hi; n++) {
         const float *row = w + (size_t)n * cols;
         for (int j = 0; j < nb; j++) {
             const float *x = row + j * QK;
@@ -2598,6 +2916,16 @@ void chatbot_quantize(const float *w, int rows, int cols, int fmt, void *out, in
             }
         }
     }
-    stats[0] = worst;
-    stats[1] = biggest;
+    team_max(&job->worst, worst);
+    team_max(&job->biggest, biggest);
+}
+
+/* Pack float32 rows [rows, cols] into Q8_0 or Q4_1 at `out`. stats[0]: the largest
+ * |w - dequantized w| (0 for a matrix that was in that format already); stats[1]: the
+ * largest |w|. */
+void chatbot_quantize(const float *w, int rows, int cols, int fmt, void *out, int n_threads, float *stats) {
+    QuantizeJob job = {w, rows, cols, fmt, out, 0, 0};
+    team_run(n_threads, quantize_team, &job);
+    stats[0] = bits_float(atomic_load(&job.worst));
+    stats[1] = bits_float(atomic_load(&job.biggest));
 }

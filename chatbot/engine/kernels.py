@@ -3,8 +3,11 @@
 The library is compiled with the system C compiler (``cc -O3 -march=native -fopenmp``; on
 64-bit ARM ``-mcpu=native``, `arch_flags`) the first time it is needed (0.8 s of CPU time
 with gcc on this machine's EPYC; 2.2 s of wall time while other work shared its two cores),
-and kept in ``$XDG_CACHE_HOME/chatbot/kernels`` under a key made of the source, the compiler
-and the CPU, so later runs load it at once.
+and kept in ``$XDG_CACHE_HOME/chatbot/kernels`` under a key made of the source, the flags,
+the compiler and the CPU, so later runs load it at once. A compiler without OpenMP (clang
+without libomp, as Apple ships it) builds it with ``-pthread`` instead: kernels.c then runs
+on a thread pool of its own, with the same work on the same threads (`uses_openmp` tells
+which a library has).
 Beside it, ``<name>.so.sha256`` records the checksum and size of what was built: a cached file
 that does not match it (cut short, zeroed pages, another library, a directory in its place) is
 never handed to the dynamic loader, which would crash the process on some of these (SIGBUS,
@@ -219,14 +222,28 @@ def arch_flags(machine: str | None = None, system: str | None = None) -> list[st
 
 
 FLAGS = ["-O3", *arch_flags(), "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+NO_OPENMP_FLAGS = [flag for flag in FLAGS if flag != "-fopenmp"] + ["-pthread"]
+"""The build where the compiler has no OpenMP: kernels.c's own thread pool (pthreads)."""
 
 
-def library_path(cc: str) -> Path:
+def build_flags(openmp: bool = True) -> list[str]:
+    """The compiler flags of the OpenMP build, or of the build on kernels.c's own pool."""
+    return FLAGS if openmp else NO_OPENMP_FLAGS
+
+
+def library_path(cc: str, openmp: bool = True) -> Path:
+    """Where the library built by `cc` (with OpenMP or without) is cached for this source
+    and CPU: the two builds have their own names."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_identity()]).encode()
+        "\0".join([SOURCE.read_text(), " ".join(build_flags(openmp)), version, _cpu_identity()]).encode()
     ).hexdigest()[:16]
     return kernels_dir() / f"chatbot_kernels-{key}.so"
+
+
+def uses_openmp(lib: Any) -> bool:
+    """Whether a loaded kernels library runs its threads on OpenMP (else on its own pool)."""
+    return int(lib.chatbot_openmp()) != 0
 
 
 def checksum_path(library: Path) -> Path:
@@ -307,8 +324,9 @@ def _cache_lock(folder: Path) -> Iterator[None]:
             os.close(fd)  # releases the lock
 
 
-def build(cc: str, target: Path) -> None:
-    """Compile kernels.c into `target`, then record its checksum (`checksum_path`).
+def build(cc: str, target: Path, openmp: bool = True) -> None:
+    """Compile kernels.c into `target` (with OpenMP, or on its own thread pool), then record
+    its checksum (`checksum_path`).
 
     Both files are written atomically (a half-written file never has its name), the
     library first: a checksum is always that of a complete build, so a reader that finds
@@ -328,7 +346,10 @@ def build(cc: str, target: Path) -> None:
         ) from None
     try:
         proc = subprocess.run(
-            [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, check=False
+            [cc, *build_flags(openmp), "-o", tmp, str(SOURCE), "-lm"],
+            capture_output=True,
+            text=True,
+            check=False,
         )
         if proc.returncode != 0:
             first = " ".join((proc.stderr or proc.stdout).strip().splitlines()[:3])
@@ -353,26 +374,101 @@ def build(cc: str, target: Path) -> None:
             os.unlink(tmp)
 
 
+def loaded() -> ctypes.CDLL | None:
+    """The kernels library where `load_library` has loaded it already; else None."""
+    return _library
+
+
 def failure() -> str | None:
     """Why the kernels could not be loaded, once `load_library` has failed; else None."""
     return _failure
 
 
-def _open(path: Path) -> ctypes.CDLL:
-    """Load a library that passed its checksum, and check that it is these kernels.
+def _declare(lib: ctypes.CDLL) -> None:
+    """The argument and result types of the kernels' functions."""
+    lib.chatbot_decode.argtypes = [
+        ctypes.POINTER(ModelStruct),
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+    ]
+    lib.chatbot_decode.restype = ctypes.c_int
+    lib.chatbot_scratch_floats.argtypes = [ctypes.POINTER(ModelStruct), ctypes.c_int]
+    lib.chatbot_decode_batch.argtypes = [
+        ctypes.POINTER(ModelStruct),
+        ctypes.c_int,
+        ctypes.c_void_p,  # tokens [B] int32
+        ctypes.c_void_p,  # positions [B] int32
+        ctypes.c_void_p,  # cache capacities [B] int32
+        ctypes.c_void_p,  # key caches [B * n_layers] pointers
+        ctypes.c_void_p,  # value caches
+        ctypes.c_void_p,  # scratch
+        ctypes.c_void_p,  # logits [B, vocab]
+    ]
+    lib.chatbot_decode_batch.restype = ctypes.c_int
+    lib.chatbot_batch_scratch_floats.argtypes = [
+        ctypes.POINTER(ModelStruct),
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
+    lib.chatbot_batch_scratch_floats.restype = ctypes.c_long
+    lib.chatbot_max_batch.argtypes = []
+    lib.chatbot_max_batch.restype = ctypes.c_long
+    lib.chatbot_scratch_floats.restype = ctypes.c_long
+    lib.chatbot_matvec.argtypes = [
+        ctypes.POINTER(Mat),
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
+    lib.chatbot_matvec.restype = None
+    lib.chatbot_matmul.argtypes = [
+        ctypes.POINTER(Mat),
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int,
+    ]
+    lib.chatbot_matmul.restype = ctypes.c_int
+    lib.chatbot_matvec_scratch.argtypes = [ctypes.c_int]
+    lib.chatbot_matvec_scratch.restype = ctypes.c_long
+    lib.chatbot_dequantize.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int]
+    lib.chatbot_dequantize.restype = None
+    lib.chatbot_rows.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    lib.chatbot_rows.restype = None
+    lib.chatbot_quantize.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_void_p,
+    ]
+    lib.chatbot_quantize.restype = None
+    lib.chatbot_openmp.argtypes, lib.chatbot_openmp.restype = [], ctypes.c_int
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """Load a library that passed its checksum, and check that it is these kernels (a build
+    of another kind, e.g. without OpenMP, can be loaded beside the one `load_library` gives).
 
     Raises:
         KernelsUnavailable: the dynamic loader refused it, or it is another library or
             another version of the kernels (`check_abi`).
     """
     try:
-        # torch is imported already, so the library's libgomp resolves to the copy torch
+        # torch is imported already, so an OpenMP build's libgomp resolves to the copy torch
         # loaded: one OpenMP runtime, one thread pool.
         lib = ctypes.CDLL(str(path))
     except OSError as exc:
         raise KernelsUnavailable(f"cannot load the native kernels: {exc}") from None
     try:
         check_abi(lib)
+        _declare(lib)
     except (KernelsUnavailable, AttributeError) as exc:
         with contextlib.suppress(AttributeError, OSError):
             # unloaded, so that a library rebuilt under the same name is loaded afresh
@@ -392,31 +488,42 @@ def _open_trusted(path: Path) -> tuple[ctypes.CDLL | None, str]:
     problem = _untrusted(path)
     if problem is None:
         try:
-            return _open(path), ""
+            return open_library(path), ""
         except KernelsUnavailable as exc:
             problem = f"does not load ({exc})"
     return None, problem
 
 
-def _load_cached(cc: str, path: Path) -> ctypes.CDLL:
-    """The library at `path` where it matches its checksum and loads; otherwise (missing,
-    damaged, another library, refused by the dynamic loader) built again, once.
+def _load_cached(cc: str, path: Path, pool_path: Path) -> ctypes.CDLL:
+    """The OpenMP build at `path` where it matches its checksum and loads; else the build
+    without OpenMP at `pool_path`, where an earlier start found that `cc` has none (there
+    is no OpenMP build then); otherwise built again, once: with OpenMP, and where that fails,
+    without (what a compiler without OpenMP builds; the two builds' names differ).
 
     Raises:
-        KernelsUnavailable: the build failed, or what it built does not load either; the
-            message says what happened to which file.
+        KernelsUnavailable: the build failed both ways (the message is the OpenMP build's),
+            or what it built does not load either; the message says what happened to which
+            file.
     """
     lib, problem = _open_trusted(path)
     if lib is not None:
         return lib
+    if problem == _MISSING:
+        lib, _ = _open_trusted(pool_path)
+        if lib is not None:
+            return lib
     try:
         build(cc, path)
     except KernelsUnavailable as exc:
-        if problem == _MISSING:
-            raise
-        raise KernelsUnavailable(
-            f"{exc}; the cached {path} {problem}, so it was not used (delete it)"
-        ) from None
+        try:
+            build(cc, pool_path, openmp=False)
+        except KernelsUnavailable:
+            if problem == _MISSING:
+                raise exc from None
+            raise KernelsUnavailable(
+                f"{exc}; the cached {path} {problem}, so it was not used (delete it)"
+            ) from None
+        path = pool_path
     lib, problem = _open_trusted(path)
     if lib is not None:
         return lib
@@ -431,8 +538,8 @@ def load_library() -> ctypes.CDLL:
     not match the checksum recorded when it was built is built again, once, not loaded.
 
     Raises:
-        KernelsUnavailable: no C compiler, a failed build, a platform without OpenMP, or a
-            rebuilt library that still does not load (the message names the file).
+        KernelsUnavailable: no C compiler, a failed build, or a rebuilt library that still
+            does not load (the message names the file).
     """
     global _library, _failure
     with _lock:
@@ -450,76 +557,13 @@ def load_library() -> ctypes.CDLL:
                 )
             path = library_path(cc)
             with _cache_lock(path.parent):
-                lib = _load_cached(cc, path)
+                lib = _load_cached(cc, path, library_path(cc, openmp=False))
         except KernelsUnavailable as exc:
             _failure = str(exc)
             raise
         except OSError as exc:  # running the compiler for its version, reading kernels.c
             _failure = f"cannot load the native kernels: {exc}"
             raise KernelsUnavailable(_failure) from None
-        lib.chatbot_decode.argtypes = [
-            ctypes.POINTER(ModelStruct),
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_void_p,
-        ]
-        lib.chatbot_decode.restype = ctypes.c_int
-        lib.chatbot_scratch_floats.argtypes = [ctypes.POINTER(ModelStruct), ctypes.c_int]
-        lib.chatbot_decode_batch.argtypes = [
-            ctypes.POINTER(ModelStruct),
-            ctypes.c_int,
-            ctypes.c_void_p,  # tokens [B] int32
-            ctypes.c_void_p,  # positions [B] int32
-            ctypes.c_void_p,  # cache capacities [B] int32
-            ctypes.c_void_p,  # key caches [B * n_layers] pointers
-            ctypes.c_void_p,  # value caches
-            ctypes.c_void_p,  # scratch
-            ctypes.c_void_p,  # logits [B, vocab]
-        ]
-        lib.chatbot_decode_batch.restype = ctypes.c_int
-        lib.chatbot_batch_scratch_floats.argtypes = [
-            ctypes.POINTER(ModelStruct),
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-        ]
-        lib.chatbot_batch_scratch_floats.restype = ctypes.c_long
-        lib.chatbot_max_batch.argtypes = []
-        lib.chatbot_max_batch.restype = ctypes.c_long
-        lib.chatbot_scratch_floats.restype = ctypes.c_long
-        lib.chatbot_matvec.argtypes = [
-            ctypes.POINTER(Mat),
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_int,
-            ctypes.c_int,
-        ]
-        lib.chatbot_matvec.restype = None
-        lib.chatbot_matmul.argtypes = [
-            ctypes.POINTER(Mat),
-            ctypes.c_void_p,
-            ctypes.c_int,
-            ctypes.c_void_p,
-            ctypes.c_int,
-        ]
-        lib.chatbot_matmul.restype = ctypes.c_int
-        lib.chatbot_matvec_scratch.argtypes = [ctypes.c_int]
-        lib.chatbot_matvec_scratch.restype = ctypes.c_long
-        lib.chatbot_dequantize.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int]
-        lib.chatbot_dequantize.restype = None
-        lib.chatbot_rows.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-        lib.chatbot_rows.restype = None
-        lib.chatbot_quantize.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_void_p,
-            ctypes.c_int,
-            ctypes.c_void_p,
-        ]
-        lib.chatbot_quantize.restype = None
         _library = lib
         return lib
 

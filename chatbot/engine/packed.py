@@ -87,7 +87,7 @@ def packed_matmul(
     Args:
         p: the packed matrix.
         x: float32 inputs, one per row.
-        threads: OpenMP threads for the native parts (default, float32 form: 1, each call is
+        threads: threads for the native parts (default, float32 form: 1, each call is
             short, and on a busy machine a descheduled thread would stall the others at its
             barrier, hundreds of times per forward pass; torch's GEMM does the heavy part;
             int16 form: 1 or torch's thread count, whichever measures faster, `_tuners`).
