@@ -566,7 +566,9 @@ def doctor(
     else:
         openmp = "with OpenMP" if cc.openmp else "without OpenMP (-fopenmp fails)"
         line("compiler", f"{cc.command} ({cc.version}) {openmp}")
-        line("simd", f"{cc.simd} (what -march=native, -mcpu=native on ARM, gives the kernels here)")
+        from chatbot.engine.kernels import arch_flags, extra_flags
+
+        line("simd", f"{cc.simd} (what {' '.join([*arch_flags(), *extra_flags()])} gives the kernels here)")
     gpu = facts.gpus()
     line("gpu", ", ".join(gpu.cuda) if gpu.cuda else ("Apple MPS" if gpu.mps else "none visible to torch"))
     loaded = decoder = reason = None

@@ -83,7 +83,7 @@ def compiler() -> Compiler:
         return Compiler(None)
     version = _run([cc, "--version"])
     first = version.stdout.splitlines()[0] if version is not None and version.stdout else ""
-    macros = _run([cc, *kernels.arch_flags(), "-dM", "-E", "-x", "c", "-"])
+    macros = _run([cc, *kernels.arch_flags(), *kernels.extra_flags(), "-dM", "-E", "-x", "c", "-"])
     defined = set()
     if macros is not None and macros.returncode == 0:
         defined = {line.split()[1] for line in macros.stdout.splitlines() if line.startswith("#define ")}

@@ -106,3 +106,23 @@ def test_clang_as_installed(tiny, tmp_path):
         assert got["threads"].startswith("own pool") and got["decode"].endswith("(own pool)")
     else:
         assert got["threads"] == "OpenMP" and not got["decode"].endswith("(own pool)")
+
+
+def test_kernel_flags_from_the_environment_pick_another_build(tiny, tmp_path):
+    """CHATBOT_KERNEL_FLAGS=-mno-avx512f builds the kernels an AVX2 CPU runs (its own
+    library in the cache); flags the compiler refuses leave the chat on transformers, said
+    in one line."""
+    if " avx2 " not in (Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""):
+        pytest.skip("needs an x86 CPU with AVX2")
+    cache = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    plain = fields(doctor("--model", str(tiny), env=cache).stdout)
+    avx2 = doctor("--model", str(tiny), env={**cache, "CHATBOT_KERNEL_FLAGS": "-mno-avx512f"})
+    assert avx2.returncode == 0, avx2.stderr
+    got = fields(avx2.stdout)
+    assert got["simd"] == "AVX2 (what -march=native -mno-avx512f gives the kernels here)"
+    assert got["kernels"].endswith("(built)") and got["kernels"] != plain["kernels"]
+    assert got["decode"].startswith("native (--opt auto): ")
+    bad = doctor("--model", str(tiny), env={**cache, "CHATBOT_KERNEL_FLAGS": "-mno-such-flag"})
+    assert bad.returncode == 0, bad.stderr
+    assert fields(bad.stdout)["decode"].startswith("transformers (")
+    assert "Traceback" not in bad.stdout + bad.stderr

@@ -27,6 +27,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -226,9 +227,16 @@ NO_OPENMP_FLAGS = [flag for flag in FLAGS if flag != "-fopenmp"] + ["-pthread"]
 """The build where the compiler has no OpenMP: kernels.c's own thread pool (pthreads)."""
 
 
+def extra_flags() -> list[str]:
+    """``$CHATBOT_KERNEL_FLAGS``, added to every build: e.g. ``-mno-avx512f`` builds the AVX2
+    kernels on an AVX-512 machine, to measure or test what such CPUs run (the cache keeps
+    each set of flags apart)."""
+    return shlex.split(os.environ.get("CHATBOT_KERNEL_FLAGS", ""))
+
+
 def build_flags(openmp: bool = True) -> list[str]:
     """The compiler flags of the OpenMP build, or of the build on kernels.c's own pool."""
-    return FLAGS if openmp else NO_OPENMP_FLAGS
+    return [*(FLAGS if openmp else NO_OPENMP_FLAGS), *extra_flags()]
 
 
 def library_path(cc: str, openmp: bool = True) -> Path:
