@@ -884,32 +884,35 @@ typedef struct {
     int16_t *k16; /* [k] */
     float *kd;    /* [k / 256] */
     float *kbs;   /* [k / 32] */
+    uint8_t *kl;  /* [k] with AVX-512 VNNI (prepare_k): the bytes of k16 = 256 kh + kl, the */
+    int8_t *kh;   /* [k] blocks of 32 of a super-block in the order 0 2 1 3 4 6 5 7 (dot_q45_k_b8_) */
     int act;
     int k;
     int kready, bready; /* the K-quant form, the per-block form made */
 } Vec;
 
 /* The arrays of a Vec of up to w values, in floats, in the order vec_place lays them out. */
-static void vec_parts(int w, long parts[8]) {
+#define VEC_PARTS 10
+static void vec_parts(int w, long parts[VEC_PARTS]) {
     const long nb = w / QK + 1;
-    const long n[8] = {nb, nb, nb, w / 4 + 1, w / 2 + 1, w / 2 + 1, w / QK_K + 1, nb};
-    for (int i = 0; i < 8; i++) parts[i] = (n[i] + 15) / 16 * 16; /* whole 64-byte lines */
+    const long n[VEC_PARTS] = {nb, nb, nb, w / 4 + 1, w / 2 + 1, w / 2 + 1, w / QK_K + 1, nb, w / 4 + 1, w / 4 + 1};
+    for (int i = 0; i < VEC_PARTS; i++) parts[i] = (n[i] + 15) / 16 * 16; /* whole 64-byte lines */
 }
 
 /* Floats of scratch a Vec of up to w values takes. */
 static long vec_floats(int w) {
-    long parts[8], n = 0;
+    long parts[VEC_PARTS], n = 0;
     vec_parts(w, parts);
-    for (int i = 0; i < 8; i++) n += parts[i];
+    for (int i = 0; i < VEC_PARTS; i++) n += parts[i];
     return n;
 }
 
 /* Point the arrays of `v` into `base` (vec_floats(w) floats). */
 static void vec_place(Vec *v, float *base, int w) {
-    long parts[8];
-    float *p[8];
+    long parts[VEC_PARTS];
+    float *p[VEC_PARTS];
     vec_parts(w, parts);
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < VEC_PARTS; i++) {
         p[i] = base;
         base += parts[i];
     }
@@ -921,6 +924,8 @@ static void vec_place(Vec *v, float *base, int w) {
     v->k16 = (int16_t *)p[5];
     v->kd = p[6];
     v->kbs = p[7];
+    v->kl = (uint8_t *)p[8];
+    v->kh = (int8_t *)p[9];
 }
 
 /* Take x as the input of the next products; its forms are made as they are needed
@@ -995,8 +1000,14 @@ static void prepare_k(Vec *v) {
                 const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(b + t + 8), vid));
                 sum = _mm256_add_epi32(sum, _mm256_add_epi32(q0, q1));
                 /* packs works per 128-bit lane: put the quads back in order */
-                _mm256_storeu_si256((__m256i *)(v->k16 + i * QK_K + t),
-                                    _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8));
+                const __m256i q16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8);
+                _mm256_storeu_si256((__m256i *)(v->k16 + i * QK_K + t), q16);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+                /* the bytes of block j of 8 in place j with bits 0 and 1 swapped (kl, kh) */
+                const int at = i * QK_K + QK * ((j & 4) | ((j & 1) << 1) | ((j >> 1) & 1)) + t - j * QK;
+                _mm_storeu_si128((__m128i *)(v->kl + at), _mm256_cvtepi16_epi8(_mm256_and_si256(q16, _mm256_set1_epi16(0xff))));
+                _mm_storeu_si128((__m128i *)(v->kh + at), _mm256_cvtepi16_epi8(_mm256_srai_epi16(q16, 8)));
+#endif
             }
             __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
             s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
@@ -1438,10 +1449,72 @@ static inline __attribute__((always_inline)) float dot_q45_k_k16_(const int five
     return _mm512_reduce_add_ps(acc) - hsum256(accm);
 }
 
+#ifdef __AVX512VNNI__
+static inline __attribute__((always_inline)) __m512i dpbt(__m512i acc, __m512i a, __m512i b) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+}
+
+/* Q4_K / Q5_K . K16 activations as their bytes (kl unsigned, kh signed: x = 256 kh + kl), with
+ * vpdpbusd: 64 weight bytes an instruction, no widening of the weights and no int16 scale
+ * multiply (dot_q45_k_k16_ does both). A 64-byte load of the weights holds in its low nibbles
+ * blocks 4h and 4h + 2 and in its high nibbles 4h + 1 and 4h + 3: the order kl and kh are kept
+ * in. Each int32 lane sums 4 products of one block (exact: |256 sum(q kh) + sum(q kl)|
+ * <= 4 x 31 x 32768); times the block's scale (vpmulld) they add up over the super-block
+ * (16 products a lane, < 2^31 as above) to the same integer as dot_q45_k_k16_ makes. */
+static inline __attribute__((always_inline)) float dot_q45_k_b8_(const int five, const uint8_t *row, const Vec *v, int k) {
+    const int nb = k / QK_K, bb = five ? 176 : 144;
+    const __m512i m4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10);
+    /* int32 lanes 0-7 take the scale of block 4h + 2u + 0, lanes 8-15 that of 4h + 2u + 2
+     * (u = 0: low nibbles, 1: high) */
+    const __m512i pick = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 acc = _mm512_setzero_ps();
+    __m256 accm = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++, row += bb) {
+        uint8_t sc[8], mn[8];
+        _mm_prefetch((const char *)row + PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)row + PREFETCH + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)row + PREFETCH + 128, _MM_HINT_T0);
+        k4_scales(row + 4, sc, mn);
+        const __m512i scv = _mm512_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc));
+        const uint8_t *q = row + 16 + 32 * five, *xl = v->kl + i * QK_K;
+        const int8_t *xh = v->kh + i * QK_K;
+        /* qh[l] twice: bit b of byte l (of 64) is the 5th bit of value l % 32 of block b */
+        const __m512i qh = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(row + 16))) : _mm512_setzero_si512();
+        __m512i s = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++) {
+            const __m512i w = _mm512_loadu_si512(q + 64 * h);
+            __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
+            if (five) { /* bytes 0-31 test bit 4h (+1 for hi), bytes 32-63 bit 4h + 2 (+1) */
+                const __m512i bl = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (4 * h))), _mm256_set1_epi8((char)(4 << (4 * h))), 1);
+                lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, bl), lo, b4);
+                hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(qh, _mm512_add_epi8(bl, bl)), hi, b4);
+            }
+            __m512i tl = dpbt(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xh + 128 * h));
+            __m512i th = dpbt(_mm512_setzero_si512(), hi, _mm512_loadu_si512(xh + 128 * h + 64));
+            tl = dpbt(_mm512_slli_epi32(tl, 8), _mm512_loadu_si512(xl + 128 * h), lo);
+            th = dpbt(_mm512_slli_epi32(th, 8), _mm512_loadu_si512(xl + 128 * h + 64), hi);
+            const __m512i pl = _mm512_add_epi32(pick, _mm512_set1_epi32(4 * h));
+            s = _mm512_add_epi32(s, _mm512_mullo_epi32(tl, _mm512_permutexvar_epi32(pl, scv)));
+            s = _mm512_add_epi32(s, _mm512_mullo_epi32(th, _mm512_permutexvar_epi32(_mm512_add_epi32(pl, _mm512_set1_epi32(1)), scv)));
+        }
+        const float dx = v->kd[i];
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(rdh(row) * dx), _mm512_cvtepi32_ps(s), acc);
+        accm = k4_mins(mn, rdh(row + 2) * dx, v->kbs + 8 * i, accm);
+    }
+    return _mm512_reduce_add_ps(acc) - hsum256(accm);
+}
+
+/* one function per format, the format's constant folded in */
+static float dot_q45_k_k16(int five, const uint8_t *row, const Vec *v, int k) {
+    return five ? dot_q45_k_b8_(1, row, v, k) : dot_q45_k_b8_(0, row, v, k);
+}
+#else
 /* one function per format, the format's constant folded in */
 static float dot_q45_k_k16(int five, const uint8_t *row, const Vec *v, int k) {
     return five ? dot_q45_k_k16_(1, row, v, k) : dot_q45_k_k16_(0, row, v, k);
 }
+#endif
 
 static float dot_q6_k_k16(const uint8_t *row, const Vec *v, int k) {
     const int nb = k / QK_K;
