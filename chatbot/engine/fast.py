@@ -512,14 +512,7 @@ class FastDecoder:
         Returns:
             float32 logits ``[vocab]``.
         """
-        if type(cache.layers[0]) is not BufferLayer:
-            self.prepare(cache)
-        layers = cast(list[BufferLayer], cache.layers)
-        pos = layers[0].length
-        if layers[0]._k is None:
-            raise ValueError("decode needs a prefilled cache")
-        if any(layer.length != pos for layer in layers):
-            raise ValueError("cache layers hold different numbers of tokens; crop it first")
+        layers, pos = self._decode_layers(cache)
         self._bind_cache(layers, pos + 1)
         self._ensure_rope(pos + 1)
         threads = self.struct.n_threads = self._threads()
@@ -540,6 +533,22 @@ class FastDecoder:
         return int(self.lib.chatbot_max_batch())
 
     @torch.inference_mode()
+    def _decode_layers(self, cache: Cache) -> tuple[list[BufferLayer], int]:
+        """The layers of a prefilled cache, made ours, and the position its next token takes.
+
+        Raises:
+            ValueError: the cache is empty, or its layers hold different numbers of tokens.
+        """
+        if type(cache.layers[0]) is not BufferLayer:
+            self.prepare(cache)
+        layers = cast(list[BufferLayer], cache.layers)
+        pos = layers[0].length
+        if layers[0]._k is None:
+            raise ValueError("decode needs a prefilled cache")
+        if any(layer.length != pos for layer in layers):
+            raise ValueError("cache layers hold different numbers of tokens; crop it first")
+        return layers, pos
+
     def decode_batch(self, caches: Sequence[Cache], tokens: Sequence[int]) -> torch.Tensor:
         """Feed one token at the end of each cache in one pass over the weights; return the
         logits after each (``[B, vocab]``), equal to what `decode` gives for each alone.
@@ -559,14 +568,7 @@ class FastDecoder:
         rows: list[list[BufferLayer]] = []
         positions = []
         for cache in caches:
-            if type(cache.layers[0]) is not BufferLayer:
-                self.prepare(cache)
-            layers = cast(list[BufferLayer], cache.layers)
-            pos = layers[0].length
-            if layers[0]._k is None:
-                raise ValueError("decode needs a prefilled cache")
-            if any(layer.length != pos for layer in layers):
-                raise ValueError("cache layers hold different numbers of tokens; crop it first")
+            layers, pos = self._decode_layers(cache)
             self._reserve_layers(layers, pos + 1)
             rows.append(layers)
             positions.append(pos)

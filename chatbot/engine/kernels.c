@@ -2194,6 +2194,34 @@ long chatbot_scratch_floats(const Model *m, int max_threads) {
     return shared_floats(m) + (long)max_threads * private_floats(m) + 16;
 }
 
+/* Head h of layer l at position p, by one thread: its query and the group's key from `qkv`
+ * (RMSNorm per head for qwen3, then the rotation), the key and value stored at position p of
+ * the group's cache rows (kc, vc: [Hkv, cap, D]; the first head of each group stores them:
+ * nobody reads position p before the next call, attention takes the new key and value from
+ * kr and v, so no barrier), then attention over the positions [first, p] into `out`. qr, kr:
+ * D floats of the thread's own; scores: p - first + 1 floats. */
+static void attend_head(const Model *m, int l, int h, const float *qkv, const float *lcs, const float *lsn,
+                        float *kc, float *vc, int cap, int p, int first, float *qr, float *kr, float *scores,
+                        float *out) {
+    const int D = m->head_dim, H = m->n_heads, HKV = m->n_kv_heads, group = H / HKV, g = h / group;
+    const size_t off = (size_t)g * cap * D;
+    const float *v = qkv + (H + HKV + g) * D;
+    memcpy(qr, qkv + h * D, (size_t)D * 4);
+    memcpy(kr, qkv + (H + g) * D, (size_t)D * 4);
+    if (m->q_norm) { /* qwen3: RMSNorm per head before the rotation */
+        rmsnorm(qr, m->q_norm[l], D, m->eps, qr);
+        rmsnorm(kr, m->k_norm[l], D, m->eps, kr);
+    }
+    rope(qr, lcs, lsn, D);
+    rope(kr, lcs, lsn, D);
+    if (h % group == 0) {
+        memcpy(kc + off + (size_t)p * D, kr, (size_t)D * 4);
+        memcpy(vc + off + (size_t)p * D, v, (size_t)D * 4);
+    }
+    attend(qr, kc + off + (size_t)first * D, vc + off + (size_t)first * D, kr, v, p - first, D, m->attn_scale,
+           m->attn_softcap, scores, out);
+}
+
 typedef struct {
     const Model *m;
     int token, pos;
@@ -2206,7 +2234,7 @@ static void decode_team(void *arg) {
     const int token = job->token, pos = job->pos;
     float *logits = job->logits;
     const int D = m->head_dim, H = m->n_heads, HKV = m->n_kv_heads, F = m->ffn_dim, E = m->dim;
-    const int group = H / HKV, half = D / 2;
+    const int half = D / 2;
     float *qkv = m->scratch; /* shared */
     float *att = qkv + (H + 2 * HKV) * D;
     float *o = att + H * D;
@@ -2238,28 +2266,9 @@ static void decode_team(void *arg) {
         prepare_vec(&vec, xn, E, m->act);
         group_matvec_par(&m->wqkv[l], &vec, qkv);
         const Span heads = team_share(H);
-        for (int h = heads.lo; h < heads.hi; h++) {
-            const int g = h / group;
-            const size_t off = (size_t)g * m->cap * D;
-            const float *v = qkv + (H + HKV + g) * D;
-            memcpy(qr, qkv + h * D, (size_t)D * 4);
-            memcpy(kr, qkv + (H + g) * D, (size_t)D * 4);
-            if (m->q_norm) { /* qwen3: RMSNorm per head before the rotation */
-                rmsnorm(qr, m->q_norm[l], D, m->eps, qr);
-                rmsnorm(kr, m->k_norm[l], D, m->eps, kr);
-            }
-            rope(qr, lcs, lsn, D);
-            rope(kr, lcs, lsn, D);
-            /* Nobody reads position `pos` of this layer's cache before the next call
-             * (attention below takes the new key and value from kr and v), so the
-             * first head of each group stores them without a barrier. */
-            if (h % group == 0) {
-                memcpy(kc + off + (size_t)pos * D, kr, (size_t)D * 4);
-                memcpy(vc + off + (size_t)pos * D, v, (size_t)D * 4);
-            }
-            attend(qr, kc + off + (size_t)first * D, vc + off + (size_t)first * D, kr, v, pos - first, D,
-                   m->attn_scale, m->attn_softcap, scores + (size_t)h * m->cap, att + h * D);
-        }
+        for (int h = heads.lo; h < heads.hi; h++)
+            attend_head(m, l, h, qkv, lcs, lsn, kc, vc, m->cap, pos, first, qr, kr, scores + (size_t)h * m->cap,
+                        att + h * D);
         team_barrier();
         prepare_vec(&vec, att, H * D, m->act);
         group_matvec_par(&m->wo[l], &vec, o);
@@ -2455,7 +2464,7 @@ static void decode_batch_team(void *arg) {
     float *const *kcache = job->kcache, *const *vcache = job->vcache;
     float *scratch = job->scratch, *logits = job->logits;
     const int D = m->head_dim, H = m->n_heads, HKV = m->n_kv_heads, F = m->ffn_dim, E = m->dim, L = m->n_layers;
-    const int group = H / HKV, half = D / 2, QKV = (H + 2 * HKV) * D, V = m->lm_head->rows;
+    const int half = D / 2, QKV = (H + 2 * HKV) * D, V = m->lm_head->rows;
     float *qkv = scratch; /* shared: [B][QKV], then att [B][H D], o [B][E], gu [B][2F], dn [B][E], scores */
     float *att = qkv + (size_t)B * QKV;
     float *o = att + (size_t)B * H * D;
@@ -2489,29 +2498,15 @@ static void decode_batch_team(void *arg) {
         const int w = m->window ? m->window[l] : 0;
         const Span heads = team_share(B * H);
         for (int th = heads.lo; th < heads.hi; th++) {
-            const int t = th / H, h = th % H, g = h / group, p = pos[t];
+            const int t = th / H, h = th % H, p = pos[t];
             const float *q = qkv + (size_t)t * QKV;
             const float *lcs = (second ? m->rope_cos2 : m->rope_cos) + (size_t)p * half;
             const float *lsn = (second ? m->rope_sin2 : m->rope_sin) + (size_t)p * half;
             const int first = w > 0 && p + 1 > w ? p + 1 - w : 0;
             float *kc = kcache[(size_t)t * L + l], *vc = vcache[(size_t)t * L + l];
-            const size_t off = (size_t)g * caps[t] * D;
-            const float *v = q + (H + HKV + g) * D;
             float qh[512], kh[512]; /* head_dim <= 512 (checked by kernels.py) */
-            memcpy(qh, q + h * D, (size_t)D * 4);
-            memcpy(kh, q + (H + g) * D, (size_t)D * 4);
-            if (m->q_norm) {
-                rmsnorm(qh, m->q_norm[l], D, m->eps, qh);
-                rmsnorm(kh, m->k_norm[l], D, m->eps, kh);
-            }
-            rope(qh, lcs, lsn, D);
-            rope(kh, lcs, lsn, D);
-            if (h % group == 0) {
-                memcpy(kc + off + (size_t)p * D, kh, (size_t)D * 4);
-                memcpy(vc + off + (size_t)p * D, v, (size_t)D * 4);
-            }
-            attend(qh, kc + off + (size_t)first * D, vc + off + (size_t)first * D, kh, v, p - first, D,
-                   m->attn_scale, m->attn_softcap, scores + ((size_t)t * H + h) * maxcap, att + ((size_t)t * H + h) * D);
+            attend_head(m, l, h, q, lcs, lsn, kc, vc, caps[t], p, first, qh, kh, scores + ((size_t)t * H + h) * maxcap,
+                        att + ((size_t)t * H + h) * D);
         }
         team_barrier();
         for (int t = 0; t < B; t++) prepare_vec(&vec[t], att + (size_t)t * H * D, H * D, m->act);
