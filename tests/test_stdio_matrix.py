@@ -71,8 +71,10 @@ def _command(stdin: str, stdout: str) -> str:
         cmd += " " + redirect_in
     if STDOUT[stdout]:
         cmd += " " + STDOUT[stdout]
-    # pipefail: a pipe's status is chatbot's, not cat's or printf's
-    return f'set -o pipefail; {cmd}; echo "[exit $?]"'
+    # pipefail: a pipe's status is chatbot's, not cat's or printf's. The shell then holds the
+    # terminal a moment: once its last writer has closed it, reading the terminal can fail
+    # before its last output is read (CI lost "[exit 0]" of a chat on a closed stdin so).
+    return f'set -o pipefail; {cmd}; echo "[exit $?]"; sleep 1'
 
 
 MIXES = [(i, o) for i in STDIN for o in STDOUT if not (o == "closed" and i in ("devnull", "closed"))]
