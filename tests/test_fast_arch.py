@@ -264,3 +264,43 @@ def test_gemma_streams_on_the_fast_path_as_on_transformers(arch, tiny_tokenizer)
     settings = {**ARCH_SETTINGS[arch], "sliding_window": 64}
     model = make_model(len(tiny_tokenizer), seed=7, randomize=True, **settings)
     assert_fast_streams_as_plain(model, tiny_tokenizer, recent_size=40, new_tokens=100)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_rows_is_decoding_one_by_one(arch, threads, tiny_tokenizer):
+    """A few prompt tokens in one batched pass (rows sharing one cache, each seeing the keys
+    of the rows before it) leave the cache and logits of decoding them one by one, bit for
+    bit, and the logits of a full recompute; gemma's window of 8 is crossed inside the rows."""
+    model = arch_model(arch, len(tiny_tokenizer))
+    decoder = FastDecoder(model, "f32", threads=threads)
+    ids = torch.randint(3, 300, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    one, rows = decoder.new_cache(), decoder.new_cache()
+    with torch.no_grad():
+        for cache in (one, rows):
+            model(input_ids=torch.tensor([ids[:4]]), cache=cache, use_cache=True)
+    for token in ids[4:16]:
+        alone = decoder.decode(one, token)
+    together = decoder.prefill_rows(rows, ids[4:16])
+    assert torch.equal(together, alone)
+    for a, b in zip(one.layers, rows.layers):
+        assert a.length == b.length == 16
+        assert torch.equal(a._k[..., :16, :], b._k[..., :16, :]) and torch.equal(
+            a._v[..., :16, :], b._v[..., :16, :]
+        )
+    assert torch.allclose(together, full_logits(model, ids[:16])[-1], atol=1e-4)
+    # and a decode step after them sees them as its own
+    assert torch.allclose(decoder.decode(rows, ids[16]), full_logits(model, ids[:17])[-1], atol=1e-4)
+
+
+def test_prefill_rows_takes_up_to_max_batch_tokens(tiny_tokenizer):
+    model = arch_model("qwen2", len(tiny_tokenizer))
+    decoder = FastDecoder(model, "f32", threads=1)
+    cache = decoder.new_cache()
+    with pytest.raises(ValueError, match="prefill_rows takes 1 to"):
+        decoder.prefill_rows(cache, list(range(3, 4 + decoder.max_batch)))
+    with pytest.raises(ValueError, match="prefill_rows takes 1 to"):
+        decoder.prefill_rows(cache, [])
+    # an empty cache takes a whole short prompt this way
+    logits = decoder.prefill_rows(cache, [5, 6, 7])
+    assert torch.allclose(logits, full_logits(model, [5, 6, 7])[-1], atol=1e-4)

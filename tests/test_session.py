@@ -70,13 +70,27 @@ def make(engine, system=None, sampling=GREEDY, **engine_cfg) -> ChatSession:
 
 
 class Interrupter:
-    """Raise KeyboardInterrupt from a forward hook at the n-th call of a decoder layer."""
+    """Raise KeyboardInterrupt from a forward hook at the n-th call of a decoder layer, or,
+    given the fast path's decoder, at the n-th of its native passes too: a Ctrl-C during one
+    is raised when the call returns, its tokens in the cache and not yet counted."""
 
-    def __init__(self, model, layer: int, at: int) -> None:
+    def __init__(self, model, layer: int, at: int, decoder=None) -> None:
         self.calls = 0
         self.at = at
         self.fired = False
         self.handle = model.model.layers[layer].register_forward_hook(self.hook)
+        self.decoder = decoder
+        if decoder is not None:
+            for name in ("decode", "prefill_rows"):
+                setattr(decoder, name, self._after(getattr(decoder, name)))
+
+    def _after(self, call):
+        def wrapped(*args, **kwargs):
+            out = call(*args, **kwargs)
+            self.hook()
+            return out
+
+        return wrapped
 
     def hook(self, *_):
         self.calls += 1
@@ -86,6 +100,9 @@ class Interrupter:
 
     def remove(self):
         self.handle.remove()
+        if self.decoder is not None:
+            for name in ("decode", "prefill_rows"):
+                del self.decoder.__dict__[name]
 
 
 def test_undo_cuts_the_cache_back(tiny_engine):
@@ -352,7 +369,9 @@ def test_random_interrupts_keep_the_invariant(any_engine, tiny_model):
     interrupted = 0
     for i in range(120):
         action = rng.choice(["send", "send", "retry", "continue", "undo"])
-        hook = Interrupter(tiny_model, layer=rng.randrange(2), at=rng.randint(1, 20))
+        hook = Interrupter(
+            tiny_model, layer=rng.randrange(2), at=rng.randint(1, 20), decoder=any_engine.decoder
+        )
         try:
             if action == "send":
                 answer(s.send(rng.choice(texts)))

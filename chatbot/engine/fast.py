@@ -564,7 +564,6 @@ class FastDecoder:
             raise ValueError(f"decode_batch takes 1 to {self.max_batch} caches, one token each")
         if len(caches) == 1:
             return self.decode(caches[0], int(tokens[0]))[None]
-        n_layers = self.dims[0]
         rows: list[list[BufferLayer]] = []
         positions = []
         for cache in caches:
@@ -572,8 +571,49 @@ class FastDecoder:
             self._reserve_layers(layers, pos + 1)
             rows.append(layers)
             positions.append(pos)
+        logits = self._run_rows(rows, positions, tokens, last_only=False)
+        for layers, pos in zip(rows, positions):
+            for layer in layers:
+                layer.length = pos + 1
+        return logits
+
+    @torch.inference_mode()
+    def prefill_rows(self, cache: Cache, tokens: Sequence[int]) -> torch.Tensor:
+        """Feed a few tokens (up to `max_batch`) at the end of `cache` in one pass over the
+        weights, as rows of one batch that share the cache; return the logits after the last
+        (``[vocab]``). The cache and the logits are those of decoding the tokens one by one,
+        bit for bit, at about the cost of one batched step (a short prompt, a chat turn's
+        new message: the batched prefill product is made for longer inputs).
+
+        Raises:
+            ValueError: no tokens or more than `max_batch`, or a token or position out of
+                range.
+        """
+        n = len(tokens)
+        if not 0 < n <= self.max_batch:
+            raise ValueError(f"prefill_rows takes 1 to {self.max_batch} tokens")
+        self.prepare(cache)
+        layers = cast(list[BufferLayer], cache.layers)
+        pos = layers[0].length
+        if any(layer.length != pos for layer in layers):
+            raise ValueError("cache layers hold different numbers of tokens; crop it first")
+        self._reserve_layers(layers, pos + n)
+        logits = self._run_rows([layers] * n, list(range(pos, pos + n)), tokens, last_only=True)
+        for layer in layers:
+            layer.length = pos + n
+        return logits[0]
+
+    def _run_rows(
+        self,
+        rows: Sequence[list[BufferLayer]],
+        positions: Sequence[int],
+        tokens: Sequence[int],
+        last_only: bool,
+    ) -> torch.Tensor:
+        """`chatbot_decode_batch` on rows whose layers have room for their positions."""
+        n_layers = self.dims[0]
         self._ensure_rope(max(positions) + 1)
-        batch = len(caches)
+        batch = len(rows)
         ptrs = ctypes.c_void_p * (batch * n_layers)
         kptrs = ptrs(*[layer._k.data_ptr() for layers in rows for layer in layers])  # type: ignore[union-attr]
         vptrs = ptrs(*[layer._v.data_ptr() for layers in rows for layer in layers])  # type: ignore[union-attr]
@@ -585,21 +625,18 @@ class FastDecoder:
         )
         if self._batch_scratch.numel() < floats:
             self._batch_scratch = torch.empty(floats, dtype=torch.float32)
-        logits = torch.empty(batch, self.vocab, dtype=torch.float32)
+        logits = torch.empty(1 if last_only else batch, self.vocab, dtype=torch.float32)
         # held in names for the length of the call (a temporary's address would dangle)
         token_arr, pos_arr, cap_arr = ints(*[int(t) for t in tokens]), ints(*positions), ints(*caps)
         status = self.lib.chatbot_decode_batch(
             ctypes.byref(self.struct), batch, ctypes.addressof(token_arr), ctypes.addressof(pos_arr),
             ctypes.addressof(cap_arr), ctypes.addressof(kptrs), ctypes.addressof(vptrs),
-            self._batch_scratch.data_ptr(), logits.data_ptr(),
+            self._batch_scratch.data_ptr(), logits.data_ptr(), int(last_only),
         )  # fmt: skip
         if status != 0:
             raise ValueError(
-                f"tokens {list(tokens)} or positions {positions} out of range for the fast decoder"
+                f"tokens {list(tokens)} or positions {list(positions)} out of range for the fast decoder"
             )
-        for layers, pos in zip(rows, positions):
-            for layer in layers:
-                layer.length = pos + 1
         return logits
 
 

@@ -160,6 +160,10 @@ class Engine:
             logits = self.batcher.step(kv.cache, int(ids[0]))
         elif self.decoder is not None and len(ids) == 1:
             logits = self.decoder.decode(kv.cache, int(ids[0]))
+        elif self.decoder is not None and len(ids) <= self.decoder.max_batch:
+            # a short prompt or a chat turn's message: one batched pass of the decode kernels
+            # (the cache as decoding them one by one leaves it) costs less than transformers'
+            logits = self.decoder.prefill_rows(kv.cache, [int(i) for i in ids])
         else:
             tensor = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
             out = self.model(input_ids=tensor, cache=kv.cache, use_cache=True, logits_to_keep=1)

@@ -1222,7 +1222,7 @@ static float dot_q4_1_i16(const block_q4_1 *b, const Vec *v, int k) {
     }
     if (j < nb) Q41_BLOCK(j, acc)
 #undef Q41_BLOCK
-    for (j = 0; j < nb; j++) ms += fp16_to_f32(b[j].m) * v->qs[j];
+    for (j = 0; j < nb; j++) ms = fmaf(fp16_to_f32(b[j].m), v->qs[j], ms); /* fused, as the batched one */
     return _mm512_reduce_add_ps(_mm512_add_ps(acc, acc1)) + ms;
 #elif defined(CB_AVX2)
     __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
@@ -2200,6 +2200,33 @@ long chatbot_scratch_floats(const Model *m, int max_threads) {
  * nobody reads position p before the next call, attention takes the new key and value from
  * kr and v, so no barrier), then attention over the positions [first, p] into `out`. qr, kr:
  * D floats of the thread's own; scores: p - first + 1 floats. */
+/* Write kv head g's rotated key and its value for position p of layer l's cache (as
+ * attend_head does), so that rows of one batch sharing a cache see each other's. */
+static void store_kv_head(const Model *m, int l, int g, const float *qkv, const float *lcs, const float *lsn,
+                          float *kc, float *vc, int cap, int p) {
+    const int D = m->head_dim, H = m->n_heads, HKV = m->n_kv_heads;
+    const size_t off = (size_t)g * cap * D + (size_t)p * D;
+    float *k = kc + off;
+    memcpy(k, qkv + (H + g) * D, (size_t)D * 4);
+    if (m->k_norm) rmsnorm(k, m->k_norm[l], D, m->eps, k);
+    rope(k, lcs, lsn, D);
+    memcpy(vc + off, qkv + (H + HKV + g) * D, (size_t)D * 4);
+}
+
+/* Head h of a position whose key and value store_kv_head wrote: its query against the
+ * cache's positions [first, p] (the same arithmetic as attend_head). */
+static void attend_stored(const Model *m, int l, int h, const float *qkv, const float *lcs, const float *lsn,
+                          const float *kc, const float *vc, int cap, int p, int first, float *qr, float *scores,
+                          float *out) {
+    const int D = m->head_dim, H = m->n_heads, HKV = m->n_kv_heads, g = h / (H / HKV);
+    const size_t off = (size_t)g * cap * D;
+    memcpy(qr, qkv + h * D, (size_t)D * 4);
+    if (m->q_norm) rmsnorm(qr, m->q_norm[l], D, m->eps, qr);
+    rope(qr, lcs, lsn, D);
+    attend(qr, kc + off + (size_t)first * D, vc + off + (size_t)first * D, kc + off + (size_t)p * D,
+           vc + off + (size_t)p * D, p - first, D, m->attn_scale, m->attn_softcap, scores, out);
+}
+
 static void attend_head(const Model *m, int l, int h, const float *qkv, const float *lcs, const float *lsn,
                         float *kc, float *vc, int cap, int p, int first, float *qr, float *kr, float *scores,
                         float *out) {
@@ -2331,99 +2358,157 @@ int chatbot_decode(const Model *m, int token, int pos, float *logits) {
 #define MAX_BATCH 16
 
 #if defined(__AVX512BW__) && defined(CB_AVX2)
-/* s[t] = row . v[t] for Q4_1 weights and int16 inputs: dot_q4_1_i16's arithmetic in its
- * order (even blocks in one sum, odd ones in another), so each result equals it exactly. */
-static inline __attribute__((always_inline)) void dot_q4_1_i16_multi_(const block_q4_1 *b, const Vec *v, const int B, int k, float *s) {
-    const int nb = k / QK;
-    __m512 acc[2][MAX_BATCH];
-    float ms[MAX_BATCH];
-    for (int t = 0; t < B; t++) acc[0][t] = acc[1][t] = _mm512_setzero_ps(), ms[t] = 0.0f;
-    const __m128i m4 = _mm_set1_epi8(0x0f);
-    for (int j = 0; j < nb; j++) {
-        _mm_prefetch((const char *)(b + j) + PREFETCH, _MM_HINT_T0);
-        const __m128i raw = _mm_loadu_si128((const __m128i *)b[j].qs);
-        const __m512i w = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4)));
-        const float d = fp16_to_f32(b[j].d);
-        __m512 *a = acc[j & 1];
-        for (int t = 0; t < B; t++) {
-            const __m512i p = _mm512_madd_epi16(w, _mm512_loadu_si512(v[t].q16 + j * QK));
-            a[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * v[t].qd[j]), _mm512_cvtepi32_ps(p), a[t]);
+/* The B inputs' per-block numbers side by side, for the batched products: tq[j B + t] is
+ * v[t].qd[j] and tq[(nb + j) B + t] is v[t].qs[j] (nb = cols / 32). Made once per matrix, so
+ * the products multiply a block's weight scale with all B input scales in one instruction,
+ * and each input's sum takes its scale from memory (a broadcast the FMA does itself). */
+static void transpose_scales(const Vec *v, int B, int nb, float *tq) {
+    for (int t = 0; t < B; t++)
+        for (int j = 0; j < nb; j++) {
+            tq[j * B + t] = v[t].qd[j];
+            tq[(nb + j) * B + t] = v[t].qs[j];
         }
+}
+
+/* sc[t] = d * tq[t] for t < B (B <= 16), the exact float products */
+static inline __attribute__((always_inline)) void scale_products(float d, const float *tq, const int B, float *sc) {
+    const __mmask16 k = (__mmask16)((1u << B) - 1u);
+    _mm512_store_ps(sc, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_maskz_loadu_ps(k, tq)));
+}
+
+/* s[t] = row . v[t] for Q4_1 weights and int16 inputs: dot_q4_1_i16's arithmetic in its
+ * order (even blocks in one sum, odd ones in another, the min term in one fused chain), so
+ * each result equals it exactly. The two sums of each input are named registers, not an
+ * array indexed by the block's parity: an indexed array lives in memory, and every block then
+ * waits on a store and a reload. */
+static inline __attribute__((always_inline)) void dot_q4_1_i16_multi_(const block_q4_1 *b, const Vec *v, const int B, int k, const float *tq, float *s) {
+    const int nb = k / QK;
+    __m512 acc0[MAX_BATCH], acc1[MAX_BATCH];
+    __m512 ms = _mm512_setzero_ps();
+    float sc[16] __attribute__((aligned(64)));
+    for (int t = 0; t < B; t++) acc0[t] = acc1[t] = _mm512_setzero_ps();
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+#define Q41_MULTI(J, ACC)                                                                                        \
+    {                                                                                                            \
+        const __m128i raw = _mm_loadu_si128((const __m128i *)b[J].qs);                                          \
+        const __m512i w = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4))); \
+        scale_products(fp16_to_f32(b[J].d), tq + (J) * B, B, sc);                                                \
+        ms = _mm512_fmadd_ps(_mm512_set1_ps(fp16_to_f32(b[J].m)), _mm512_maskz_loadu_ps((__mmask16)((1u << B) - 1u), tq + (nb + (J)) * B), ms); \
+        for (int t = 0; t < B; t++) {                                                                            \
+            const __m512i p = _mm512_madd_epi16(w, _mm512_loadu_si512(v[t].q16 + (J) * QK));                     \
+            ACC[t] = _mm512_fmadd_ps(_mm512_set1_ps(sc[t]), _mm512_cvtepi32_ps(p), ACC[t]);                      \
+        }                                                                                                        \
     }
-    for (int j = 0; j < nb; j++) {
-        const float mn = fp16_to_f32(b[j].m);
-        for (int t = 0; t < B; t++) ms[t] += mn * v[t].qs[j];
+    int j = 0;
+    for (; j + 2 <= nb; j += 2) {
+        _mm_prefetch((const char *)(b + j) + PREFETCH, _MM_HINT_T0);
+        Q41_MULTI(j, acc0)
+        Q41_MULTI(j + 1, acc1)
     }
-    for (int t = 0; t < B; t++) s[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][t], acc[1][t])) + ms[t];
+    if (j < nb) Q41_MULTI(j, acc0)
+#undef Q41_MULTI
+    _mm512_store_ps(sc, ms);
+    for (int t = 0; t < B; t++) s[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[t], acc1[t])) + sc[t];
 }
 
 /* s[t] = row . v[t] for Q8_0 weights and int16 inputs, as dot_q8_0_i16 computes it */
-static inline __attribute__((always_inline)) void dot_q8_0_i16_multi_(const block_q8_0 *b, const Vec *v, const int B, int k, float *s) {
+static inline __attribute__((always_inline)) void dot_q8_0_i16_multi_(const block_q8_0 *b, const Vec *v, const int B, int k, const float *tq, float *s) {
     const int nb = k / QK;
-    __m512 acc[2][MAX_BATCH];
-    for (int t = 0; t < B; t++) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
-    for (int j = 0; j < nb; j++) {
-        _mm_prefetch((const char *)(b + j) + PREFETCH, _MM_HINT_T0);
-        const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)b[j].qs));
-        const float d = fp16_to_f32(b[j].d);
-        __m512 *a = acc[j & 1];
-        for (int t = 0; t < B; t++) {
-            const __m512i p = _mm512_madd_epi16(w, _mm512_loadu_si512(v[t].q16 + j * QK));
-            a[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * v[t].qd[j]), _mm512_cvtepi32_ps(p), a[t]);
-        }
+    __m512 acc0[MAX_BATCH], acc1[MAX_BATCH];
+    float sc[16] __attribute__((aligned(64)));
+    for (int t = 0; t < B; t++) acc0[t] = acc1[t] = _mm512_setzero_ps();
+#define Q80_MULTI(J, ACC)                                                                                        \
+    {                                                                                                            \
+        const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)b[J].qs));                  \
+        scale_products(fp16_to_f32(b[J].d), tq + (J) * B, B, sc);                                                \
+        for (int t = 0; t < B; t++) {                                                                            \
+            const __m512i p = _mm512_madd_epi16(w, _mm512_loadu_si512(v[t].q16 + (J) * QK));                     \
+            ACC[t] = _mm512_fmadd_ps(_mm512_set1_ps(sc[t]), _mm512_cvtepi32_ps(p), ACC[t]);                      \
+        }                                                                                                        \
     }
-    for (int t = 0; t < B; t++) s[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][t], acc[1][t]));
+    int j = 0;
+    for (; j + 2 <= nb; j += 2) {
+        _mm_prefetch((const char *)(b + j) + PREFETCH, _MM_HINT_T0);
+        Q80_MULTI(j, acc0)
+        Q80_MULTI(j + 1, acc1)
+    }
+    if (j < nb) Q80_MULTI(j, acc0)
+#undef Q80_MULTI
+    for (int t = 0; t < B; t++) s[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[t], acc1[t]));
 }
 
 /* The two above for each batch size as a constant: the loops over the inputs unrolled, their
  * sums kept in registers. */
-#define CB_MULTI_SIZES(F, b, v, B, k, s) \
+#define CB_MULTI_SIZES(F, b, v, B, k, tq, s) \
     switch (B) { \
-    case 2: F(b, v, 2, k, s); break; \
-    case 3: F(b, v, 3, k, s); break; \
-    case 4: F(b, v, 4, k, s); break; \
-    case 5: F(b, v, 5, k, s); break; \
-    case 6: F(b, v, 6, k, s); break; \
-    case 7: F(b, v, 7, k, s); break; \
-    case 8: F(b, v, 8, k, s); break; \
-    default: F(b, v, B, k, s); \
+    case 2: F(b, v, 2, k, tq, s); break; \
+    case 3: F(b, v, 3, k, tq, s); break; \
+    case 4: F(b, v, 4, k, tq, s); break; \
+    case 5: F(b, v, 5, k, tq, s); break; \
+    case 6: F(b, v, 6, k, tq, s); break; \
+    case 7: F(b, v, 7, k, tq, s); break; \
+    case 8: F(b, v, 8, k, tq, s); break; \
+    default: F(b, v, B, k, tq, s); \
     }
 
-static void dot_q4_1_i16_multi(const block_q4_1 *b, const Vec *v, int B, int k, float *s) {
-    CB_MULTI_SIZES(dot_q4_1_i16_multi_, b, v, B, k, s)
+static void dot_q4_1_i16_multi(const block_q4_1 *b, const Vec *v, int B, int k, const float *tq, float *s) {
+    CB_MULTI_SIZES(dot_q4_1_i16_multi_, b, v, B, k, tq, s)
 }
 
-static void dot_q8_0_i16_multi(const block_q8_0 *b, const Vec *v, int B, int k, float *s) {
-    CB_MULTI_SIZES(dot_q8_0_i16_multi_, b, v, B, k, s)
+static void dot_q8_0_i16_multi(const block_q8_0 *b, const Vec *v, int B, int k, const float *tq, float *s) {
+    CB_MULTI_SIZES(dot_q8_0_i16_multi_, b, v, B, k, tq, s)
 }
 #endif
 
-/* s[t] = row n of m . v[t] for the B inputs (all of one length and form) */
-static inline void dot_vec_multi(const Mat *m, int n, const Vec *v, int B, float *s) {
+/* Whether dot_vec_multi takes m's rows in one pass for the B inputs v (then it needs
+ * transpose_scales' numbers) */
+static inline int multi_pass(const Mat *m, const Vec *v) {
 #if defined(__AVX512BW__) && defined(CB_AVX2)
-    if (v[0].act == ACT_I16 && (m->fmt == FMT_Q4_1 || m->fmt == FMT_Q8_0)) {
+    return v[0].act == ACT_I16 && (m->fmt == FMT_Q4_1 || m->fmt == FMT_Q8_0);
+#else
+    (void)m, (void)v;
+    return 0;
+#endif
+}
+
+/* Makes v ready for m and, where dot_vec_multi needs them, the inputs' scales side by side in
+ * tq (2 B cols / 32 floats). */
+static void ready_multi(Vec *v, int B, const Mat *m, float *tq) {
+    for (int t = 0; t < B; t++) ready_for(&v[t], m);
+#if defined(__AVX512BW__) && defined(CB_AVX2)
+    if (multi_pass(m, v)) transpose_scales(v, B, m->cols / QK, tq);
+#else
+    (void)tq;
+#endif
+}
+
+/* s[t] = row n of m . v[t] for the B inputs (all of one length and form); tq from ready_multi */
+static inline void dot_vec_multi(const Mat *m, int n, const Vec *v, int B, const float *tq, float *s) {
+#if defined(__AVX512BW__) && defined(CB_AVX2)
+    if (multi_pass(m, v)) {
         const char *row = (const char *)m->data + (size_t)n * row_bytes(m);
         if (m->fmt == FMT_Q4_1)
-            dot_q4_1_i16_multi((const block_q4_1 *)row, v, B, m->cols, s);
+            dot_q4_1_i16_multi((const block_q4_1 *)row, v, B, m->cols, tq, s);
         else
-            dot_q8_0_i16_multi((const block_q8_0 *)row, v, B, m->cols, s);
+            dot_q8_0_i16_multi((const block_q8_0 *)row, v, B, m->cols, tq, s);
         return;
     }
+#else
+    (void)tq;
 #endif
     for (int t = 0; t < B; t++) s[t] = dot_vec(m, n, &v[t]);
 }
 
 /* y[t][n] (row stride ys) = (W v[t])[n] + bias for a group of row blocks; called by every
  * thread of a parallel region. */
-static void group_matmul_par(const Group *g, Vec *v, int B, float *y, int ys) {
-    for (int t = 0; t < B; t++)
-        for (int p = 0; p < g->n_parts; p++) ready_for(&v[t], &g->part[p]);
+static void group_matmul_par(const Group *g, Vec *v, int B, float *tq, float *y, int ys) {
+    for (int p = 0; p < g->n_parts; p++) ready_multi(v, B, &g->part[p], tq); /* parts share cols and form */
     const Span rows = team_share(g->rows);
     for (int n = rows.lo; n < rows.hi; n++) {
         int p = 0, r = n;
         while (p + 1 < g->n_parts && r >= g->part[p].rows) r -= g->part[p++].rows;
         float s[MAX_BATCH];
-        dot_vec_multi(&g->part[p], r, v, B, s);
+        dot_vec_multi(&g->part[p], r, v, B, tq, s);
         for (int t = 0; t < B; t++) y[(size_t)t * ys + n] = g->bias ? s[t] + g->bias[n] : s[t];
     }
     team_barrier();
@@ -2436,7 +2521,8 @@ static long batch_shared_floats(const Model *m, int B, int cap) {
 }
 
 static long batch_private_floats(const Model *m, int B) {
-    const long n = (long)B * (2L * m->dim + m->ffn_dim) + 2L * m->head_dim + (long)B * vec_floats(widest_input(m));
+    const long n = (long)B * (2L * m->dim + m->ffn_dim) + 2L * m->head_dim + (long)B * vec_floats(widest_input(m)) +
+                   2L * B * (widest_input(m) / QK + 1); /* transpose_scales */
     return (n + 15) / 16 * 16;
 }
 
@@ -2451,7 +2537,7 @@ long chatbot_max_batch(void) { return MAX_BATCH; }
 
 typedef struct {
     const Model *m;
-    int B, maxcap;
+    int B, maxcap, last_only;
     const int *tokens, *pos, *caps;
     float *const *kcache, *const *vcache;
     float *scratch, *logits;
@@ -2479,6 +2565,7 @@ static void decode_batch_team(void *arg) {
     float *hid = xn + (size_t)B * E;                       /* [B][F] */
     float *qr = hid + (size_t)B * F;
     float *kr = qr + D;
+    float *tq = kr + D + B * vf;
     Vec vec[MAX_BATCH];
     memset(vec, 0, sizeof vec);
     for (int t = 0; t < B; t++) {
@@ -2493,24 +2580,31 @@ static void decode_batch_team(void *arg) {
             rmsnorm(x + (size_t)t * E, m->attn_norm[l], E, m->eps, xn + (size_t)t * E);
             prepare_vec(&vec[t], xn + (size_t)t * E, E, m->act);
         }
-        group_matmul_par(&m->wqkv[l], vec, B, qkv, QKV);
+        group_matmul_par(&m->wqkv[l], vec, B, tq, qkv, QKV);
         const int second = m->rope_sel && m->rope_sel[l];
         const int w = m->window ? m->window[l] : 0;
+        const float *cos_l = second ? m->rope_cos2 : m->rope_cos, *sin_l = second ? m->rope_sin2 : m->rope_sin;
+        /* every row's key and value first, then the attention: a row may share its cache with
+         * the rows before it (a prompt's tokens, chatbot_prefill_rows) and must see theirs */
+        const Span kvh = team_share(B * HKV);
+        for (int tg = kvh.lo; tg < kvh.hi; tg++) {
+            const int t = tg / HKV, p = pos[t];
+            store_kv_head(m, l, tg % HKV, qkv + (size_t)t * QKV, cos_l + (size_t)p * half, sin_l + (size_t)p * half,
+                          kcache[(size_t)t * L + l], vcache[(size_t)t * L + l], caps[t], p);
+        }
+        team_barrier();
         const Span heads = team_share(B * H);
         for (int th = heads.lo; th < heads.hi; th++) {
             const int t = th / H, h = th % H, p = pos[t];
-            const float *q = qkv + (size_t)t * QKV;
-            const float *lcs = (second ? m->rope_cos2 : m->rope_cos) + (size_t)p * half;
-            const float *lsn = (second ? m->rope_sin2 : m->rope_sin) + (size_t)p * half;
             const int first = w > 0 && p + 1 > w ? p + 1 - w : 0;
-            float *kc = kcache[(size_t)t * L + l], *vc = vcache[(size_t)t * L + l];
-            float qh[512], kh[512]; /* head_dim <= 512 (checked by kernels.py) */
-            attend_head(m, l, h, q, lcs, lsn, kc, vc, caps[t], p, first, qh, kh, scores + ((size_t)t * H + h) * maxcap,
-                        att + ((size_t)t * H + h) * D);
+            float qh[512]; /* head_dim <= 512 (checked by kernels.py) */
+            attend_stored(m, l, h, qkv + (size_t)t * QKV, cos_l + (size_t)p * half, sin_l + (size_t)p * half,
+                          kcache[(size_t)t * L + l], vcache[(size_t)t * L + l], caps[t], p, first, qh,
+                          scores + ((size_t)t * H + h) * maxcap, att + ((size_t)t * H + h) * D);
         }
         team_barrier();
         for (int t = 0; t < B; t++) prepare_vec(&vec[t], att + (size_t)t * H * D, H * D, m->act);
-        group_matmul_par(&m->wo[l], vec, B, o, E);
+        group_matmul_par(&m->wo[l], vec, B, tq, o, E);
         for (int t = 0; t < B; t++) {
             float *xt = x + (size_t)t * E, *xnt = xn + (size_t)t * E;
             if (m->post_attn_norm) {
@@ -2522,7 +2616,7 @@ static void decode_batch_team(void *arg) {
             rmsnorm(xt, m->ffn_norm[l], E, m->eps, xnt);
             prepare_vec(&vec[t], xnt, E, m->act);
         }
-        group_matmul_par(&m->wgu[l], vec, B, gu, 2 * F);
+        group_matmul_par(&m->wgu[l], vec, B, tq, gu, 2 * F);
         for (int t = 0; t < B; t++) {
             const float *g = gu + (size_t)t * 2 * F;
             float *ht = hid + (size_t)t * F;
@@ -2532,7 +2626,7 @@ static void decode_batch_team(void *arg) {
                 silu_mul(g, g + F, F, ht);
             prepare_vec(&vec[t], ht, F, m->act);
         }
-        group_matmul_par(&m->wdown[l], vec, B, dn, E);
+        group_matmul_par(&m->wdown[l], vec, B, tq, dn, E);
         for (int t = 0; t < B; t++) {
             float *xt = x + (size_t)t * E, *xnt = xn + (size_t)t * E;
             if (m->post_ffn_norm) {
@@ -2543,21 +2637,22 @@ static void decode_batch_team(void *arg) {
             }
         }
     }
-    for (int t = 0; t < B; t++) {
+    const int lo = job->last_only ? B - 1 : 0, NL = B - lo; /* the rows that get logits */
+    for (int t = lo; t < B; t++) {
         rmsnorm(x + (size_t)t * E, m->final_norm, E, m->eps, xn + (size_t)t * E);
         prepare_vec(&vec[t], xn + (size_t)t * E, E, m->act);
-        ready_for(&vec[t], m->lm_head);
     }
+    ready_multi(vec + lo, NL, m->lm_head, tq);
     const Span rows = team_share(V);
     for (int n = rows.lo; n < rows.hi; n++) {
         float s[MAX_BATCH];
-        dot_vec_multi(m->lm_head, n, vec, B, s);
-        for (int t = 0; t < B; t++) logits[(size_t)t * V + n] = s[t];
+        dot_vec_multi(m->lm_head, n, vec + lo, NL, tq, s);
+        for (int t = 0; t < NL; t++) logits[(size_t)t * V + n] = s[t];
     }
     team_barrier();
     if (m->final_softcap > 0.0f) {
         const int chunk = 4096, nc = (V + chunk - 1) / chunk;
-        const Span chunks = team_share(B * nc);
+        const Span chunks = team_share(NL * nc);
         for (int c = chunks.lo; c < chunks.hi; c++) {
             const int t = c / nc, i = c % nc;
             softcap(logits + (size_t)t * V + (size_t)i * chunk, V - i * chunk < chunk ? V - i * chunk : chunk,
@@ -2567,13 +2662,16 @@ static void decode_batch_team(void *arg) {
     }
 }
 
-/* Forward B tokens, row t being `tokens[t]` at position `pos[t]` of its own cache: layer l's
+/* Forward B tokens, row t being `tokens[t]` at position `pos[t]` of its cache: layer l's
  * keys and values at kcache[t * n_layers + l] / vcache[...] ([Hkv, caps[t], D] each, holding
- * positions [0, pos[t]) already, caps[t] > pos[t]). Logits go to logits [B, vocab]. m's own
- * cache fields and scratch are not used; `scratch` has chatbot_batch_scratch_floats(m, B,
- * max(caps), m->n_threads) floats. Returns 0, or -1 (nothing written) for a row out of range. */
+ * positions [0, pos[t]) already, caps[t] > pos[t]). Rows may share a cache at consecutive
+ * positions (a prompt's tokens): each sees the keys and values of the rows before it, and
+ * the cache ends as decoding them one by one leaves it. Logits go to logits [B, vocab], or
+ * with `last_only` the last row's alone to logits [vocab]. m's own cache fields and scratch
+ * are not used; `scratch` has chatbot_batch_scratch_floats(m, B, max(caps), m->n_threads)
+ * floats. Returns 0, or -1 (nothing written) for a row out of range. */
 int chatbot_decode_batch(const Model *m, int B, const int *tokens, const int *pos, const int *caps,
-                         float *const *kcache, float *const *vcache, float *scratch, float *logits) {
+                         float *const *kcache, float *const *vcache, float *scratch, float *logits, int last_only) {
     if (B < 1 || B > MAX_BATCH || m->head_dim > 512) return -1;
     int maxcap = 0;
     for (int t = 0; t < B; t++) {
@@ -2581,7 +2679,7 @@ int chatbot_decode_batch(const Model *m, int B, const int *tokens, const int *po
             return -1;
         maxcap = caps[t] > maxcap ? caps[t] : maxcap;
     }
-    BatchJob job = {m, B, maxcap, tokens, pos, caps, kcache, vcache, scratch, logits};
+    BatchJob job = {m, B, maxcap, last_only != 0, tokens, pos, caps, kcache, vcache, scratch, logits};
     team_run(m->n_threads, decode_batch_team, &job);
     return 0;
 }
