@@ -54,6 +54,7 @@ from chatbot.engine.sampling import sampling_from_model  # noqa: F401 - re-expor
 from chatbot.engine.stats import TurnStats, merge_stats, stats_from_arrivals, summarize
 from chatbot.engine.stop_criteria import StopOnStrings
 from chatbot.engine.stops import StopView
+from chatbot.engine.tracked_cache import TrackedCache
 from chatbot.errors import ChatbotError
 from chatbot.models.templates import TemplateInfo, answer_stops
 from chatbot.persist import Turn
@@ -92,6 +93,10 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
         # text (single-token ones are stop ids too; the text match also catches them spelled
         # out in several tokens).
         self.stop_ids, self.stops = answer_stops(self.tokenizer, engine.model, template)
+        # Where an empty cache may take the keys and values of its first ids from (a
+        # server's other conversations with the same start): given the cache and the ids it
+        # is about to take in, it fills the cache with a leading part and says how many.
+        self.prefix_donor: Callable[[TrackedCache, list[int]], int] | None = None
 
     # -- set-up -------------------------------------------------------------------------
 
@@ -196,6 +201,9 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
         new_ids = self.pending_ids + (prompt.ids if prompt else [])
         if prompt is not None:
             self.segments.append(prompt)
+        if self.prefix_donor is not None and self.n_fed == 0 and len(new_ids) > 1 and not interrupted:
+            # the last id is fed here: its logits start the answer
+            new_ids = new_ids[self.prefix_donor(self.kv, new_ids[:-1]) :]
         stop: StopOnStrings | None = None
         view: StopView | None = None
         last = self.segments[-1] if self.segments else None

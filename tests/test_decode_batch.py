@@ -76,14 +76,15 @@ def test_decode_batch_equals_decode_alone_default_model(default_model):
 @needs_kernels
 def test_worker_batches_concurrent_requests_with_the_answers_they_get_alone(tiny_model, tiny_tokenizer):
     """Requests sent at once generate together (batched steps) and get, token for token, the
-    greedy answers each gets alone; stop strings and logprobs stay per request."""
+    greedy answers each gets alone; stop strings and logprobs stay per request. A request's
+    prefill runs beside the steps of those already decoding."""
     import threading
 
     from chatbot.config import EngineConfig, SamplingConfig
     from chatbot.server.pool import Conversation, PrefixCachePool
     from chatbot.server.worker import Job, Worker
 
-    sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=12)
+    sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=60)
 
     def answers(slots: int) -> tuple[list[str], Worker]:
         engine = Engine(tiny_model, tiny_tokenizer, decoder=FastDecoder(tiny_model, "f32", threads=1))
@@ -116,3 +117,4 @@ def test_worker_batches_concurrent_requests_with_the_answers_they_get_alone(tiny
     assert together == alone
     batcher = worker.pool.engine.batcher
     assert batcher is not None and batcher.rows > batcher.steps  # some steps held several
+    assert batcher.overlapped > 0  # some ran while a later request prefilled

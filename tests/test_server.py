@@ -19,7 +19,8 @@ import weakref
 import httpx
 import openai
 import pytest
-from helpers import needs_kernels
+import torch
+from helpers import assert_ids_match_text, needs_kernels
 from serve_helpers import health, running_server, save_tiny_model
 
 GREEDY = {"temperature": 0.0}
@@ -512,11 +513,56 @@ def test_pool_keeps_the_most_recent_conversations(tiny_model, tiny_tokenizer):
     # "b" is still kept: its next turn is a hit that prefills only the new message
     _, hit = _ask(pool, Conversation(None, [("Hello b", answers["b"])], "more"))
     assert pool.stats.hits == 1
-    # "a" was evicted: a miss, the whole history prefilled
+    # "a" was evicted: a miss, the whole history prefilled but for the start it shares with a
+    # kept conversation (the template's opening and "Hello ")
+    shared = pool.stats.shared_tokens
     _, miss = _ask(pool, Conversation(None, [("Hello a", answers["a"])], "more"))
     assert pool.stats.misses == 4
     kept = len(hit.session.cache_ids) - hit.session.turns[-1].stats.context_tokens - 3  # less the new answer
-    assert miss.session.turns[-1].stats.context_tokens == hit.session.turns[-1].stats.context_tokens + kept
+    took = pool.stats.shared_tokens - shared
+    assert took > 0
+    assert (
+        miss.session.turns[-1].stats.context_tokens + took
+        == hit.session.turns[-1].stats.context_tokens + kept
+    )
+
+
+@pytest.mark.parametrize("fast", [False, pytest.param(True, marks=needs_kernels)])
+def test_a_new_conversation_takes_the_start_it_shares_with_a_kept_one(tiny_model, tiny_tokenizer, fast):
+    """A new conversation with a kept one's system prompt copies the keys and values of
+    their common start and prefills only the rest: the same answer as without the pool, the
+    same cache (within float rounding) as a prefill of its own; never across salts."""
+    from chatbot.config import EngineConfig, SamplingConfig
+    from chatbot.engine.fast import FastDecoder
+    from chatbot.engine.generate import Engine
+    from chatbot.server.pool import Conversation, PrefixCachePool
+
+    sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=6)
+
+    def pool_of(entries):
+        decoder = FastDecoder(tiny_model, "f32", threads=1) if fast else None
+        engine = Engine(tiny_model, tiny_tokenizer, decoder=decoder)
+        return PrefixCachePool(engine, EngineConfig(), sampling, max_entries=entries)
+
+    system = "You answer every question briefly and kindly."
+    pool, alone = pool_of(8), pool_of(0)
+    _ask(pool, Conversation(system, [], "Hello there!"))
+    answer, entry = _ask(pool, Conversation(system, [], "What is up?"))
+    reference, ref_entry = _ask(alone, Conversation(system, [], "What is up?"))
+    assert answer == reference
+    took = pool.stats.shared_tokens
+    assert pool.stats.shared == 1 and took >= 20  # the template's opening and the system prompt
+    stats, ref_stats = entry.session.turns[-1].stats, ref_entry.session.turns[-1].stats
+    assert stats.context_tokens == ref_stats.context_tokens - took
+    assert entry.session.cache_ids == ref_entry.session.cache_ids
+    for mine, theirs in zip(entry.session.cache.layers, ref_entry.session.cache.layers):
+        assert torch.allclose(mine.keys, theirs.keys, atol=1e-5) and torch.allclose(
+            mine.values, theirs.values, atol=1e-5
+        )
+    assert_ids_match_text(entry.session)
+    # another salt keeps to itself
+    _ask(pool, Conversation(system, [], "Who are you?", salt="other"))
+    assert pool.stats.shared == 1
 
 
 def test_pool_memory_cap_and_off(tiny_model, tiny_tokenizer):

@@ -2,17 +2,21 @@
 request) have their one-token steps run as one `FastDecoder.decode_batch` call, one pass over
 the weights for all of them; a generation joins between two steps and leaves after its last.
 
-The threads take turns, never run at once: each holds `DecodeBatcher.cond` (its lock) while it
-works (prefill, sampling, its stop strings, a session's bookkeeping: nothing of the engine, a
-session or the tokenizer need be thread-safe) and lets go of it only while it waits for a
-step. The step runs when every generation in its decode loop has asked for one; the last to
-ask runs it and wakes the others.
+The threads take turns: each holds `DecodeBatcher.cond` (its lock) while it works (sampling,
+its stop strings, a session's bookkeeping: nothing of a session or the tokenizer need be
+thread-safe) and lets go of it only while it waits for a step, and while it prefills a new
+generation's prompt (`prefilling`): that runs beside the others' steps, one prefill at a time,
+on a cache no other thread touches (the model's forward pass and the decoder's batched calls,
+each with scratch of its own, are safe to run at once). The step runs when every generation in
+its decode loop has asked for one; the last to ask runs it and wakes the others.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,8 +50,44 @@ class DecodeBatcher:
         self._active = 0  # generations in their decode loop
         self._entering = 0  # threads about to take `cond` for a new generation
         self._count_lock = threading.Lock()
+        self._prefill_lock = threading.Lock()  # one prefill at a time beside the steps
+        self._prefill_running = False
         self.steps = 0  # batched steps run (for /health and the tests)
         self.rows = 0  # conversation steps they held
+        self.overlapped = 0  # steps run while a prefill ran beside them (for the tests)
+
+    @contextmanager
+    def prefilling(self) -> Iterator[None]:
+        """Around a new generation's prefill, entered with `cond` held: `cond` is let go
+        while the prefill runs, so the generations already decoding go on stepping meanwhile.
+        Between two steps (holding `cond`), a prefill stalled every stream: a third of the
+        time of 4 clients asking short questions. While it runs, the steps take one thread,
+        and so does the prefill when generations are decoding: each keeps a core.
+        """
+        owned = getattr(self.cond, "_is_owned", lambda: False)()
+        if not owned:
+            yield
+            return
+        self.cond.release()
+        try:
+            with self._prefill_lock:
+                share = self._active > 0
+                threads = torch.get_num_threads()
+                if share:
+                    torch.set_num_threads(1)
+                self._prefill_running = True
+                try:
+                    yield
+                finally:
+                    self._prefill_running = False
+                    if share:
+                        torch.set_num_threads(threads)
+        finally:
+            # back as a thread arriving: the next step waits for this generation (else the
+            # one decoding, never waiting, would keep `cond` to the end of its answer)
+            self.arriving()
+            self.cond.acquire()
+            self.arrived()
 
     def arriving(self) -> None:
         """A thread is about to take `cond` to start a generation: the next step waits until
@@ -90,8 +130,11 @@ class DecodeBatcher:
 
     def _run(self) -> None:
         batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
+        beside = self._prefill_running  # a prefill has the other core
         try:
-            logits = self.decoder.decode_batch([r.cache for r in batch], [r.token for r in batch])
+            logits = self.decoder.decode_batch(
+                [r.cache for r in batch], [r.token for r in batch], threads=1 if beside else None
+            )
         except BaseException as exc:  # noqa: BLE001 - each waiting generation raises it
             for r in batch:
                 r.error = exc
@@ -100,4 +143,5 @@ class DecodeBatcher:
                 r.logits = row
             self.steps += 1
             self.rows += len(batch)
+            self.overlapped += beside
         self.cond.notify_all()

@@ -350,7 +350,9 @@ class FastDecoder:
         self._vptrs = ptrs()
         self._cache_key: tuple[int, ...] = ()
         self._scratch = torch.empty(0)
-        self._batch_scratch = torch.empty(0)
+        self._batch_scratch = torch.empty(0)  # decode_batch's
+        self._rows_scratch = torch.empty(0)  # prefill_rows' (the two may run at once, see batch.py)
+        self._old_rope: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         self.struct = kernels.ModelStruct(
             n_layers=n_layers, dim=config.hidden_size, n_heads=heads, n_kv_heads=kv_heads,
             head_dim=head_dim, ffn_dim=config.intermediate_size, vocab=self.vocab, n_threads=1,
@@ -393,6 +395,9 @@ class FastDecoder:
             return
         length = max(length, 2 * self.struct.rope_len)
         positions = torch.arange(length, dtype=torch.float32)[:, None]
+        if getattr(self, "_rope_tables", None):
+            # kept: a call in another thread (a batched step beside a prefill) may still read them
+            self._old_rope.append(self._rope_tables)
         self._rope_tables = []
         for inv_freq, scaling in self._ropes:
             freqs = positions * inv_freq[None, :]
@@ -501,13 +506,16 @@ class FastDecoder:
     # -- decoding -------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def decode(self, cache: Cache, token: int) -> torch.Tensor:
-        """Feed one token at the end of `cache`; return the logits after it.
+    def decode(self, cache: Cache, token: int, threads: int | None = None) -> torch.Tensor:
+        """Feed one token at the end of `cache`; return the logits after it. Not for two
+        threads at once (the decoder's own cache pointers and scratch serve every call):
+        `prefill_rows` and `decode_batch` of more than one cache are.
 
         Args:
             cache: a cache whose layers are `BufferLayer`s (see `prepare`), holding at
                 least one token already (prefill goes through transformers).
             token: the token id.
+            threads: threads for this step (default: the decoder's, or the tuner's choice).
 
         Returns:
             float32 logits ``[vocab]``.
@@ -515,13 +523,14 @@ class FastDecoder:
         layers, pos = self._decode_layers(cache)
         self._bind_cache(layers, pos + 1)
         self._ensure_rope(pos + 1)
-        threads = self.struct.n_threads = self._threads()
+        tuned = threads is None
+        threads = self.struct.n_threads = threads or self._threads()
         self._reserve_scratch(threads)
         logits = torch.empty(self.vocab, dtype=torch.float32)
         start = time.perf_counter()
         if self.lib.chatbot_decode(ctypes.byref(self.struct), int(token), pos, logits.data_ptr()) != 0:
             raise ValueError(f"token {token} or position {pos} out of range for the fast decoder")
-        if self.tuner is not None and not self.threads:
+        if self.tuner is not None and not self.threads and tuned:
             self.tuner.record(threads, time.perf_counter() - start)
         for layer in layers:
             layer.length = pos + 1
@@ -549,13 +558,16 @@ class FastDecoder:
             raise ValueError("cache layers hold different numbers of tokens; crop it first")
         return layers, pos
 
-    def decode_batch(self, caches: Sequence[Cache], tokens: Sequence[int]) -> torch.Tensor:
+    def decode_batch(
+        self, caches: Sequence[Cache], tokens: Sequence[int], threads: int | None = None
+    ) -> torch.Tensor:
         """Feed one token at the end of each cache in one pass over the weights; return the
         logits after each (``[B, vocab]``), equal to what `decode` gives for each alone.
 
         Args:
             caches: distinct caches of `BufferLayer`s, each prefilled (as for `decode`).
             tokens: one token id per cache.
+            threads: threads for this step (default: the decoder's, else torch's count).
 
         Raises:
             ValueError: a token or position out of range, or more caches than `max_batch`.
@@ -563,7 +575,7 @@ class FastDecoder:
         if len(caches) != len(tokens) or not 0 < len(caches) <= self.max_batch:
             raise ValueError(f"decode_batch takes 1 to {self.max_batch} caches, one token each")
         if len(caches) == 1:
-            return self.decode(caches[0], int(tokens[0]))[None]
+            return self.decode(caches[0], int(tokens[0]), threads)[None]
         rows: list[list[BufferLayer]] = []
         positions = []
         for cache in caches:
@@ -571,7 +583,7 @@ class FastDecoder:
             self._reserve_layers(layers, pos + 1)
             rows.append(layers)
             positions.append(pos)
-        logits = self._run_rows(rows, positions, tokens, last_only=False)
+        logits = self._run_rows(rows, positions, tokens, False, threads, "_batch_scratch")
         for layers, pos in zip(rows, positions):
             for layer in layers:
                 layer.length = pos + 1
@@ -598,7 +610,7 @@ class FastDecoder:
         if any(layer.length != pos for layer in layers):
             raise ValueError("cache layers hold different numbers of tokens; crop it first")
         self._reserve_layers(layers, pos + n)
-        logits = self._run_rows([layers] * n, list(range(pos, pos + n)), tokens, last_only=True)
+        logits = self._run_rows([layers] * n, list(range(pos, pos + n)), tokens, True, None, "_rows_scratch")
         for layer in layers:
             layer.length = pos + n
         return logits[0]
@@ -609,8 +621,11 @@ class FastDecoder:
         positions: Sequence[int],
         tokens: Sequence[int],
         last_only: bool,
+        threads: int | None,
+        scratch: str,
     ) -> torch.Tensor:
-        """`chatbot_decode_batch` on rows whose layers have room for their positions."""
+        """`chatbot_decode_batch` on rows whose layers have room for their positions, with
+        the scratch buffer named `scratch` (each kind of call its own: they may run at once)."""
         n_layers = self.dims[0]
         self._ensure_rope(max(positions) + 1)
         batch = len(rows)
@@ -619,19 +634,21 @@ class FastDecoder:
         vptrs = ptrs(*[layer._v.data_ptr() for layers in rows for layer in layers])  # type: ignore[union-attr]
         ints = ctypes.c_int32 * batch
         caps = [layers[0].capacity for layers in rows]
-        threads = self.struct.n_threads = self.threads or torch.get_num_threads()
+        threads = threads or self.threads or torch.get_num_threads()
         floats = int(
             self.lib.chatbot_batch_scratch_floats(ctypes.byref(self.struct), batch, max(caps), threads)
         )
-        if self._batch_scratch.numel() < floats:
-            self._batch_scratch = torch.empty(floats, dtype=torch.float32)
+        buf = getattr(self, scratch)
+        if buf.numel() < floats:
+            buf = torch.empty(floats, dtype=torch.float32)
+            setattr(self, scratch, buf)
         logits = torch.empty(1 if last_only else batch, self.vocab, dtype=torch.float32)
         # held in names for the length of the call (a temporary's address would dangle)
         token_arr, pos_arr, cap_arr = ints(*[int(t) for t in tokens]), ints(*positions), ints(*caps)
         status = self.lib.chatbot_decode_batch(
             ctypes.byref(self.struct), batch, ctypes.addressof(token_arr), ctypes.addressof(pos_arr),
             ctypes.addressof(cap_arr), ctypes.addressof(kptrs), ctypes.addressof(vptrs),
-            self._batch_scratch.data_ptr(), logits.data_ptr(), int(last_only),
+            buf.data_ptr(), logits.data_ptr(), int(last_only), threads,
         )  # fmt: skip
         if status != 0:
             raise ValueError(

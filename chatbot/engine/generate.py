@@ -7,6 +7,7 @@ records the ids that entered it after, so the caller never keeps a list of its o
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -26,6 +27,7 @@ from transformers.generation.logits_process import (
 
 from chatbot.config import SamplingConfig
 from chatbot.engine.batch import DecodeBatcher
+from chatbot.engine.buffer_cache import BufferLayer
 from chatbot.engine.detokenize import IncrementalDetokenizer
 from chatbot.engine.sampling import TopKTopPLogitsWarper
 from chatbot.engine.sink_cache import SinkCache
@@ -146,6 +148,28 @@ class Engine:
             cache = full_cache(self.model.config)
         return TrackedCache(cache, self.max_context)
 
+    def copy_prefix(self, src: TrackedCache, dst: TrackedCache, n: int) -> bool:
+        """Give the empty growing cache `dst` the first `n` ids of `src` (a growing cache
+        that evicted nothing): their keys and values copied, not encoded again. They are what
+        a prefill of those ids would write (each position's keys depend only on the ids up to
+        it). Returns False, changing nothing, where that does not hold: a bounded or
+        sliding-window cache, a `dst` that holds ids, `src` holding fewer than `n`.
+        """
+        if dst.length or dst.is_bounded or src.is_bounded or src.evicted_total or not 0 < n <= src.length:
+            return False
+        if self.decoder is not None:
+            self.decoder.prepare(dst.cache)
+        plain = (DynamicLayer, BufferLayer)
+        if any(type(layer) not in plain for layer in (*src.cache.layers, *dst.cache.layers)):
+            return False  # a sliding-window layer keeps only its window: not a prefix
+        for have, take in zip(
+            cast(list[DynamicLayer], src.cache.layers), cast(list[DynamicLayer], dst.cache.layers)
+        ):
+            assert have.keys is not None and have.values is not None
+            take.update(have.keys[:, :, :n].clone(), have.values[:, :, :n].clone())
+        dst.feed(src.ids[:n])
+        return True
+
     def track(self, cache: Cache, assume: Sequence[int] | None = None) -> TrackedCache:
         """The record of a cache a caller passes around (see `tracked_cache.track`)."""
         return track(cache, self.max_context, assume)
@@ -158,9 +182,11 @@ class Engine:
         kv.evict_for(len(ids) + reserve)
         if self.batcher is not None and len(ids) == 1 and self._local.__dict__.get("batched"):
             logits = self.batcher.step(kv.cache, int(ids[0]))
-        elif self.decoder is not None and len(ids) == 1:
+        elif self.decoder is not None and len(ids) == 1 and self.batcher is None:
             logits = self.decoder.decode(kv.cache, int(ids[0]))
         elif self.decoder is not None and len(ids) <= self.decoder.max_batch:
+            # (with a batcher, a prompt's one token too: this may run beside a batched step,
+            # and `decode` is not for two threads at once)
             # a short prompt or a chat turn's message: one batched pass of the decode kernels
             # (the cache as decoding them one by one leaves it) costs less than transformers'
             logits = self.decoder.prefill_rows(kv.cache, [int(i) for i in ids])
@@ -282,11 +308,13 @@ class Engine:
         t0 = time.perf_counter()
         reserve = min(sampling.max_new_tokens, 256) if kv.is_bounded else 0
         answer = min(sampling.max_new_tokens, ANSWER_ROOM)
-        logits = self.prefill(kv, new_ids, prefill_chunk, reserve, answer=answer)
+        batcher = self.batcher
+        # with a batcher (a server), beside the steps of the generations decoding
+        with batcher.prefilling() if batcher is not None else contextlib.nullcontext():
+            logits = self.prefill(kv, new_ids, prefill_chunk, reserve, answer=answer)
         synchronize(self.device)
         stats.context_time_s = time.perf_counter() - t0
 
-        batcher = self.batcher
         if batcher is not None:
             batcher.join()
             self._local.batched = True

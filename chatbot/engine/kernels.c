@@ -2370,94 +2370,122 @@ static void transpose_scales(const Vec *v, int B, int nb, float *tq) {
         }
 }
 
-/* sc[t] = d * tq[t] for t < B (B <= 16), the exact float products */
-static inline __attribute__((always_inline)) void scale_products(float d, const float *tq, const int B, float *sc) {
-    const __mmask16 k = (__mmask16)((1u << B) - 1u);
-    _mm512_store_ps(sc, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_maskz_loadu_ps(k, tq)));
-}
+/* s[t] = row . v[t] for Q4_1 (Q8_0) weights and int16 inputs: dot_q4_1_i16's (dot_q8_0_i16's)
+ * arithmetic in its order (even blocks in one sum, odd ones in another, Q4_1's min term in
+ * one fused chain), so each result equals it exactly. One function per batch size 2..8, the
+ * inputs' sums named variables (CB_ROWS repeats a statement for each input): arrays of them,
+ * even indexed by constants, stayed in memory, each block storing every sum. */
+#define CB_ROWS2(M, J, A) M(0, J, A) M(1, J, A)
+#define CB_ROWS3(M, J, A) CB_ROWS2(M, J, A) M(2, J, A)
+#define CB_ROWS4(M, J, A) CB_ROWS3(M, J, A) M(3, J, A)
+#define CB_ROWS5(M, J, A) CB_ROWS4(M, J, A) M(4, J, A)
+#define CB_ROWS6(M, J, A) CB_ROWS5(M, J, A) M(5, J, A)
+#define CB_ROWS7(M, J, A) CB_ROWS6(M, J, A) M(6, J, A)
+#define CB_ROWS8(M, J, A) CB_ROWS7(M, J, A) M(7, J, A)
+#define CB_DECLARE(T, J, A) __m512 a0_##T = _mm512_setzero_ps(), a1_##T = _mm512_setzero_ps();
+#define CB_ROW_STEP(T, J, A)                                                                                     \
+    A##_##T = _mm512_fmadd_ps(_mm512_set1_ps(scs[T]),                                                          \
+                              _mm512_cvtepi32_ps(_mm512_madd_epi16(w, _mm512_loadu_si512(v[T].q16 + (J) * QK))), \
+                              A##_##T);
+#define CB_ROW_SUM(T, J, A) s[T] = _mm512_reduce_add_ps(_mm512_add_ps(a0_##T, a1_##T)) + A[T];
 
-/* s[t] = row . v[t] for Q4_1 weights and int16 inputs: dot_q4_1_i16's arithmetic in its
- * order (even blocks in one sum, odd ones in another, the min term in one fused chain), so
- * each result equals it exactly. The two sums of each input are named registers, not an
- * array indexed by the block's parity: an indexed array lives in memory, and every block then
- * waits on a store and a reload. */
-static inline __attribute__((always_inline)) void dot_q4_1_i16_multi_(const block_q4_1 *b, const Vec *v, const int B, int k, const float *tq, float *s) {
-    const int nb = k / QK;
-    __m512 acc0[MAX_BATCH], acc1[MAX_BATCH];
-    __m512 ms = _mm512_setzero_ps();
-    float sc[16] __attribute__((aligned(64)));
-    for (int t = 0; t < B; t++) acc0[t] = acc1[t] = _mm512_setzero_ps();
-    const __m128i m4 = _mm_set1_epi8(0x0f);
-#define Q41_MULTI(J, ACC)                                                                                        \
-    {                                                                                                            \
-        const __m128i raw = _mm_loadu_si128((const __m128i *)b[J].qs);                                          \
-        const __m512i w = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4))); \
-        scale_products(fp16_to_f32(b[J].d), tq + (J) * B, B, sc);                                                \
-        ms = _mm512_fmadd_ps(_mm512_set1_ps(fp16_to_f32(b[J].m)), _mm512_maskz_loadu_ps((__mmask16)((1u << B) - 1u), tq + (nb + (J)) * B), ms); \
-        for (int t = 0; t < B; t++) {                                                                            \
-            const __m512i p = _mm512_madd_epi16(w, _mm512_loadu_si512(v[t].q16 + (J) * QK));                     \
-            ACC[t] = _mm512_fmadd_ps(_mm512_set1_ps(sc[t]), _mm512_cvtepi32_ps(p), ACC[t]);                      \
+/* the shared part of a block: the weights as int16 (w) and the scale products (scs) */
+#define Q41_UNPACK(J)                                                                                            \
+    const __m128i raw = _mm_loadu_si128((const __m128i *)b[J].qs);                                              \
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4))); \
+    const float *scs = scall + (J) * B;                                                                          \
+    ms = _mm512_fmadd_ps(_mm512_set1_ps(fp16_to_f32(b[J].m)), _mm512_maskz_loadu_ps(bmask, tq + (nb + (J)) * B), ms);
+#define Q80_UNPACK(J)                                                                                            \
+    const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)b[J].qs));                      \
+    const float *scs = scall + (J) * B;
+
+#define CB_MULTI_SIZE(NAME, BLOCK, UNPACK, N)                                                                     \
+    static void dot_##NAME##_multi_##N(const BLOCK *b, const Vec *v, int k, const float *tq, float *s) {           \
+        const int B = N, nb = k / QK;                                                                            \
+        const __mmask16 bmask = (__mmask16)((1u << B) - 1u);                                                     \
+        const __m128i m4 = _mm_set1_epi8(0x0f);                                                                  \
+        float scall[nb * B + 1], mins[16] __attribute__((aligned(64)));                                          \
+        for (int jj = 0; jj < nb; jj++) { /* the scale products, ahead: made per block, its FMAs waited */      \
+            const float dj = fp16_to_f32(b[jj].d);                                                               \
+            for (int t = 0; t < B; t++) scall[jj * B + t] = dj * tq[jj * B + t];                                 \
+        }                                                                                                        \
+        __m512 ms = _mm512_setzero_ps();                                                                         \
+        (void)bmask, (void)m4, (void)ms;                                                                         \
+        CB_ROWS##N(CB_DECLARE, 0, 0)                                                                             \
+        int j = 0;                                                                                               \
+        for (; j + 2 <= nb; j += 2) {                                                                            \
+            _mm_prefetch((const char *)(b + j) + PREFETCH, _MM_HINT_T0);                                         \
+            {                                                                                                    \
+                UNPACK(j)                                                                                        \
+                CB_ROWS##N(CB_ROW_STEP, j, a0)                                                                   \
+            }                                                                                                    \
+            {                                                                                                    \
+                UNPACK(j + 1)                                                                                    \
+                CB_ROWS##N(CB_ROW_STEP, j + 1, a1)                                                               \
+            }                                                                                                    \
+        }                                                                                                        \
+        if (j < nb) {                                                                                            \
+            UNPACK(j)                                                                                            \
+            CB_ROWS##N(CB_ROW_STEP, j, a0)                                                                       \
+        }                                                                                                        \
+        _mm512_store_ps(mins, ms);                                                                               \
+        CB_ROWS##N(CB_ROW_SUM, 0, mins)                                                                          \
+    }
+
+/* any B up to MAX_BATCH: the same arithmetic, the sums in arrays */
+#define CB_MULTI_ANY(NAME, BLOCK, UNPACK)                                                                         \
+    static void dot_##NAME##_multi_any(const BLOCK *b, const Vec *v, const int B, int k, const float *tq, float *s) { \
+        const int nb = k / QK;                                                                                   \
+        const __mmask16 bmask = (__mmask16)((1u << B) - 1u);                                                     \
+        const __m128i m4 = _mm_set1_epi8(0x0f);                                                                  \
+        float scall[nb * B + 1], mins[16] __attribute__((aligned(64)));                                          \
+        for (int jj = 0; jj < nb; jj++) { /* the scale products, ahead: made per block, its FMAs waited */      \
+            const float dj = fp16_to_f32(b[jj].d);                                                               \
+            for (int t = 0; t < B; t++) scall[jj * B + t] = dj * tq[jj * B + t];                                 \
+        }                                                                                                        \
+        __m512 ms = _mm512_setzero_ps(), acc0[MAX_BATCH], acc1[MAX_BATCH];                                       \
+        (void)bmask, (void)m4;                                                                                   \
+        for (int t = 0; t < B; t++) acc0[t] = acc1[t] = _mm512_setzero_ps();                                     \
+        for (int j = 0; j < nb; j++) {                                                                           \
+            UNPACK(j)                                                                                            \
+            __m512 *acc = j & 1 ? acc1 : acc0;                                                                   \
+            for (int t = 0; t < B; t++)                                                                          \
+                acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(scs[t]),                                                 \
+                                         _mm512_cvtepi32_ps(_mm512_madd_epi16(w, _mm512_loadu_si512(v[t].q16 + j * QK))), \
+                                         acc[t]);                                                                \
+        }                                                                                                        \
+        _mm512_store_ps(mins, ms);                                                                               \
+        for (int t = 0; t < B; t++) s[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[t], acc1[t])) + mins[t];      \
+    }
+
+#define CB_MULTI_FUNCS(NAME, BLOCK, UNPACK)                                                                       \
+    CB_MULTI_SIZE(NAME, BLOCK, UNPACK, 2) CB_MULTI_SIZE(NAME, BLOCK, UNPACK, 3)                                   \
+    CB_MULTI_SIZE(NAME, BLOCK, UNPACK, 4) CB_MULTI_SIZE(NAME, BLOCK, UNPACK, 5)                                   \
+    CB_MULTI_SIZE(NAME, BLOCK, UNPACK, 6) CB_MULTI_SIZE(NAME, BLOCK, UNPACK, 7)                                   \
+    CB_MULTI_SIZE(NAME, BLOCK, UNPACK, 8) CB_MULTI_ANY(NAME, BLOCK, UNPACK)                                       \
+    static void dot_##NAME##_multi(const BLOCK *b, const Vec *v, int B, int k, const float *tq, float *s) {       \
+        switch (B) {                                                                                             \
+        case 2: dot_##NAME##_multi_2(b, v, k, tq, s); return;                                                    \
+        case 3: dot_##NAME##_multi_3(b, v, k, tq, s); return;                                                    \
+        case 4: dot_##NAME##_multi_4(b, v, k, tq, s); return;                                                    \
+        case 5: dot_##NAME##_multi_5(b, v, k, tq, s); return;                                                    \
+        case 6: dot_##NAME##_multi_6(b, v, k, tq, s); return;                                                    \
+        case 7: dot_##NAME##_multi_7(b, v, k, tq, s); return;                                                    \
+        case 8: dot_##NAME##_multi_8(b, v, k, tq, s); return;                                                    \
+        default: dot_##NAME##_multi_any(b, v, B, k, tq, s);                                                      \
         }                                                                                                        \
     }
-    int j = 0;
-    for (; j + 2 <= nb; j += 2) {
-        _mm_prefetch((const char *)(b + j) + PREFETCH, _MM_HINT_T0);
-        Q41_MULTI(j, acc0)
-        Q41_MULTI(j + 1, acc1)
-    }
-    if (j < nb) Q41_MULTI(j, acc0)
-#undef Q41_MULTI
-    _mm512_store_ps(sc, ms);
-    for (int t = 0; t < B; t++) s[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[t], acc1[t])) + sc[t];
-}
 
-/* s[t] = row . v[t] for Q8_0 weights and int16 inputs, as dot_q8_0_i16 computes it */
-static inline __attribute__((always_inline)) void dot_q8_0_i16_multi_(const block_q8_0 *b, const Vec *v, const int B, int k, const float *tq, float *s) {
-    const int nb = k / QK;
-    __m512 acc0[MAX_BATCH], acc1[MAX_BATCH];
-    float sc[16] __attribute__((aligned(64)));
-    for (int t = 0; t < B; t++) acc0[t] = acc1[t] = _mm512_setzero_ps();
-#define Q80_MULTI(J, ACC)                                                                                        \
-    {                                                                                                            \
-        const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)b[J].qs));                  \
-        scale_products(fp16_to_f32(b[J].d), tq + (J) * B, B, sc);                                                \
-        for (int t = 0; t < B; t++) {                                                                            \
-            const __m512i p = _mm512_madd_epi16(w, _mm512_loadu_si512(v[t].q16 + (J) * QK));                     \
-            ACC[t] = _mm512_fmadd_ps(_mm512_set1_ps(sc[t]), _mm512_cvtepi32_ps(p), ACC[t]);                      \
-        }                                                                                                        \
-    }
-    int j = 0;
-    for (; j + 2 <= nb; j += 2) {
-        _mm_prefetch((const char *)(b + j) + PREFETCH, _MM_HINT_T0);
-        Q80_MULTI(j, acc0)
-        Q80_MULTI(j + 1, acc1)
-    }
-    if (j < nb) Q80_MULTI(j, acc0)
-#undef Q80_MULTI
-    for (int t = 0; t < B; t++) s[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[t], acc1[t]));
-}
-
-/* The two above for each batch size as a constant: the loops over the inputs unrolled, their
- * sums kept in registers. */
-#define CB_MULTI_SIZES(F, b, v, B, k, tq, s) \
-    switch (B) { \
-    case 2: F(b, v, 2, k, tq, s); break; \
-    case 3: F(b, v, 3, k, tq, s); break; \
-    case 4: F(b, v, 4, k, tq, s); break; \
-    case 5: F(b, v, 5, k, tq, s); break; \
-    case 6: F(b, v, 6, k, tq, s); break; \
-    case 7: F(b, v, 7, k, tq, s); break; \
-    case 8: F(b, v, 8, k, tq, s); break; \
-    default: F(b, v, B, k, tq, s); \
-    }
-
-static void dot_q4_1_i16_multi(const block_q4_1 *b, const Vec *v, int B, int k, const float *tq, float *s) {
-    CB_MULTI_SIZES(dot_q4_1_i16_multi_, b, v, B, k, tq, s)
-}
-
-static void dot_q8_0_i16_multi(const block_q8_0 *b, const Vec *v, int B, int k, const float *tq, float *s) {
-    CB_MULTI_SIZES(dot_q8_0_i16_multi_, b, v, B, k, tq, s)
-}
+CB_MULTI_FUNCS(q4_1_i16, block_q4_1, Q41_UNPACK)
+CB_MULTI_FUNCS(q8_0_i16, block_q8_0, Q80_UNPACK)
+#undef CB_MULTI_FUNCS
+#undef CB_MULTI_ANY
+#undef CB_MULTI_SIZE
+#undef Q41_UNPACK
+#undef Q80_UNPACK
+#undef CB_ROW_SUM
+#undef CB_ROW_STEP
+#undef CB_DECLARE
 #endif
 
 /* Whether dot_vec_multi takes m's rows in one pass for the B inputs v (then it needs
@@ -2667,11 +2695,13 @@ static void decode_batch_team(void *arg) {
  * positions [0, pos[t]) already, caps[t] > pos[t]). Rows may share a cache at consecutive
  * positions (a prompt's tokens): each sees the keys and values of the rows before it, and
  * the cache ends as decoding them one by one leaves it. Logits go to logits [B, vocab], or
- * with `last_only` the last row's alone to logits [vocab]. m's own cache fields and scratch
- * are not used; `scratch` has chatbot_batch_scratch_floats(m, B, max(caps), m->n_threads)
- * floats. Returns 0, or -1 (nothing written) for a row out of range. */
+ * with `last_only` the last row's alone to logits [vocab]. m's own cache fields, scratch and
+ * thread count are not used (nor written: calls from several threads at once are safe, each
+ * with its own scratch): `scratch` has chatbot_batch_scratch_floats(m, B, max(caps),
+ * n_threads) floats. Returns 0, or -1 (nothing written) for a row out of range. */
 int chatbot_decode_batch(const Model *m, int B, const int *tokens, const int *pos, const int *caps,
-                         float *const *kcache, float *const *vcache, float *scratch, float *logits, int last_only) {
+                         float *const *kcache, float *const *vcache, float *scratch, float *logits, int last_only,
+                         int n_threads) {
     if (B < 1 || B > MAX_BATCH || m->head_dim > 512) return -1;
     int maxcap = 0;
     for (int t = 0; t < B; t++) {
@@ -2680,7 +2710,7 @@ int chatbot_decode_batch(const Model *m, int B, const int *tokens, const int *po
         maxcap = caps[t] > maxcap ? caps[t] : maxcap;
     }
     BatchJob job = {m, B, maxcap, last_only != 0, tokens, pos, caps, kcache, vcache, scratch, logits};
-    team_run(m->n_threads, decode_batch_team, &job);
+    team_run(n_threads < 1 ? 1 : n_threads, decode_batch_team, &job);
     return 0;
 }
 
@@ -2916,6 +2946,12 @@ typedef struct {
 
 /* chatbot_matmul on each thread of its team: a share of the inputs as int16, then groups of
  * 32 rows, each to the next thread free (a dynamic schedule). */
+/* Rows [r0, r0 + nr) of m into the caches (L2), ahead of their use */
+static inline void mm_prefetch_rows(const Mat *m, int r0, int nr, size_t rb) {
+    const char *p = (const char *)m->data + (size_t)r0 * rb;
+    for (size_t off = 0; off < (size_t)nr * rb; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
+}
+
 static void matmul_team(void *arg) {
     MatmulJob *job = arg;
     const Mat *m = job->m;
@@ -2960,6 +2996,11 @@ static void matmul_team(void *arg) {
     for (int g = team_next(&job->next); g < groups; g = team_next(&job->next)) {
         if (!ok) continue;
         const int r0 = g * MM_ROWS, nr = m->rows - r0 < MM_ROWS ? m->rows - r0 : MM_ROWS;
+        /* The unpacking below reads a block of each of the 32 rows in turn: a stride the
+         * hardware does not prefetch, and every read then waited on memory (half the time
+         * of a 43-token prefill). The group's rows are one contiguous range: ask for it all
+         * at once, and for the next group's before this group's products. */
+        mm_prefetch_rows(m, r0, nr, rb);
         for (int blk = 0; blk < k / bl; blk++) {
             for (int r = 0; r < MM_ROWS; r++) {
                 if (r < nr) {
@@ -2981,6 +3022,7 @@ static void matmul_team(void *arg) {
                     transpose16((const int32_t *)stage + h * QK_K / 2 + c, QK_K / 2,
                                 (int32_t *)w + ((size_t)blk * bl / 2 + c) * MM_ROWS + h, MM_ROWS);
         }
+        if (g + 1 < groups) mm_prefetch_rows(m, r0 + MM_ROWS, m->rows - r0 - MM_ROWS < MM_ROWS ? m->rows - r0 - MM_ROWS : MM_ROWS, rb);
         const __mmask16 keep0 = (__mmask16)(nr >= 16 ? 0xffffu : (1u << nr) - 1u);
         const __mmask16 keep1 = (__mmask16)(nr <= 16 ? 0u : (nr >= 32 ? 0xffffu : (1u << (nr - 16)) - 1u));
         for (int t0 = 0; t0 < np; t0 += MM_TOK) {

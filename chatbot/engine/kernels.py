@@ -413,6 +413,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ctypes.c_void_p,  # scratch
         ctypes.c_void_p,  # logits [B, vocab], or [vocab] with last_only
         ctypes.c_int,  # last_only: the last row's logits alone
+        ctypes.c_int,  # threads
     ]
     lib.chatbot_decode_batch.restype = ctypes.c_int
     lib.chatbot_batch_scratch_floats.argtypes = [

@@ -3,7 +3,10 @@
 Each entry is a `ChatSession` (its messages, token ids and KV cache). A request whose
 messages extend an entry's conversation continues that session, so only the new tokens are
 prefilled; one that shares the start of a conversation but differs later (a retry, an edit)
-takes that entry over, its cache cropped to the tokens they share (not re-encoded). A bounded
+takes that entry over, its cache cropped to the tokens they share (not re-encoded). A new
+conversation takes the keys and values of the longest start it shares with a kept one (the
+template's opening and system prompt, most often) as a copy, and prefills only the rest
+(`share_prefix`). A bounded
 number of entries is kept, and a memory cap; the least recently used go first. A `cache_salt`
 (as in vLLM) keeps requests apart: only entries made with the same salt are reused, so a fresh
 salt per request turns the cache off for it.
@@ -21,6 +24,8 @@ from typing import Any
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
 from chatbot.engine.buffer_cache import BufferLayer
 from chatbot.engine.generate import Engine
+from chatbot.engine.seq import common_prefix
+from chatbot.engine.tracked_cache import TrackedCache
 from chatbot.models.templates import TemplateInfo
 from chatbot.persist import Turn
 from chatbot.session import ChatSession, sampling_from_model
@@ -52,6 +57,8 @@ class PoolStats:
 
     hits: int = 0  # requests that continued or took over a kept conversation
     misses: int = 0
+    shared: int = 0  # new conversations that took a kept one's start (`share_prefix`)
+    shared_tokens: int = 0
     evictions: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -136,6 +143,8 @@ class PrefixCachePool:
             "max_bytes": self.max_bytes,
             "hits": self.stats.hits,
             "misses": self.stats.misses,
+            "shared_starts": self.stats.shared,
+            "shared_start_tokens": self.stats.shared_tokens,
             "evictions": self.stats.evictions,
         }
 
@@ -204,7 +213,29 @@ class PrefixCachePool:
         session = ChatSession(self.engine, config, self.template)
         if conv.turns:
             _restore(session, conv)
+        if self.max_entries > 0:
+            salt = conv.salt
+            session.prefix_donor = lambda kv, ids: self.share_prefix(kv, ids, salt)
         return Entry(next(self._keys), session, conv.salt)
+
+    def share_prefix(self, kv: TrackedCache, ids: list[int], salt: str | None) -> int:
+        """Fill the empty cache `kv` with the keys and values of the longest start of `ids`
+        a kept conversation (made with the same salt) holds, copied; returns how many ids
+        that is (0: none shares `MIN_SHARED` ids, or the caches cannot be copied)."""
+        best: Entry | None = None
+        most = MIN_SHARED - 1
+        for entry in self.entries.values():
+            held = entry.session.kv
+            if entry.salt != salt or held.is_bounded or held.evicted_total:
+                continue
+            n = common_prefix(held.ids, ids)
+            if n > most:
+                best, most = entry, n
+        if best is None or not self.engine.copy_prefix(best.session.kv, kv, most):
+            return 0
+        self.stats.shared += 1
+        self.stats.shared_tokens += most
+        return most
 
     def _position(self, session: ChatSession, conv: Conversation, shared: int) -> None:
         """Make the session hold the request's finished turns, keeping what its cache shares.
@@ -222,6 +253,10 @@ class PrefixCachePool:
             if len(conv.turns) == shared:
                 return
         _restore(session, conv)
+
+
+MIN_SHARED = 8
+"""Fewest leading ids a new conversation takes from a kept one (fewer are not worth a copy)."""
 
 
 def _shared_turns(turns: list[Turn], conv: Conversation) -> int:
