@@ -79,6 +79,7 @@ def test_worker_batches_concurrent_requests_with_the_answers_they_get_alone(tiny
     greedy answers each gets alone; stop strings and logprobs stay per request. A request's
     prefill runs beside the steps of those already decoding."""
     import threading
+    import time
 
     from chatbot.config import EngineConfig, SamplingConfig
     from chatbot.server.pool import Conversation, PrefixCachePool
@@ -87,7 +88,22 @@ def test_worker_batches_concurrent_requests_with_the_answers_they_get_alone(tiny
     sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=60)
 
     def answers(slots: int) -> tuple[list[str], Worker]:
-        engine = Engine(tiny_model, tiny_tokenizer, decoder=FastDecoder(tiny_model, "f32", threads=1))
+        decoder = FastDecoder(tiny_model, "f32", threads=1)
+        engine = Engine(tiny_model, tiny_tokenizer, decoder=decoder)
+        # The tiny model's times in the real model's proportions: a prefill (0.15 s) lasts a
+        # few steps (20 ms each), an answer many.
+        prefill, decode_batch = engine.prefill, decoder.decode_batch
+
+        def slow_prefill(*args, **kwargs):
+            time.sleep(0.02)
+            return prefill(*args, **kwargs)
+
+        def slow_step(*args, **kwargs):
+            time.sleep(0.002)
+            return decode_batch(*args, **kwargs)
+
+        engine.prefill = slow_prefill  # type: ignore[method-assign]
+        decoder.decode_batch = slow_step  # type: ignore[method-assign]
         pool = PrefixCachePool(engine, EngineConfig(), sampling, max_entries=0)
         worker = Worker(pool, slots=slots)
         texts = [""] * 5
@@ -118,3 +134,40 @@ def test_worker_batches_concurrent_requests_with_the_answers_they_get_alone(tiny
     batcher = worker.pool.engine.batcher
     assert batcher is not None and batcher.rows > batcher.steps  # some steps held several
     assert batcher.overlapped > 0  # some ran while a later request prefilled
+
+
+@needs_kernels
+def test_prefill_rows_and_decode_batch_at_once_in_two_threads(tiny_model):
+    """A server runs a new request's prefill beside the others' batched steps: the two calls,
+    each in its own thread (two kernel threads each), give what they give one after the other."""
+    import threading
+
+    decoder = FastDecoder(tiny_model, "f32", threads=2)
+    engine = Engine(tiny_model, None, decoder=decoder)
+    prompts = _prompts(400, 3)
+
+    def batch_run() -> list[torch.Tensor]:
+        kvs = [engine.new_cache() for _ in prompts[:2]]
+        for kv, p in zip(kvs, prompts):
+            engine.prefill(kv, p)
+        return [decoder.decode_batch([kv.cache for kv in kvs], [7 + s, 9 + s]) for s in range(40)]
+
+    def prefill_run() -> list[torch.Tensor]:
+        out = []
+        for s in range(40):
+            cache = decoder.new_cache()
+            out.append(decoder.prefill_rows(cache, [(s + i) % 300 + 3 for i in range(12)]))
+        return out
+
+    alone = (batch_run(), prefill_run())
+    together: dict[str, list[torch.Tensor]] = {}
+    threads = [
+        threading.Thread(target=lambda: together.__setitem__("batch", batch_run())),
+        threading.Thread(target=lambda: together.__setitem__("prefill", prefill_run())),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(torch.equal(a, b) for a, b in zip(alone[0], together["batch"]))
+    assert all(torch.equal(a, b) for a, b in zip(alone[1], together["prefill"]))

@@ -36,6 +36,7 @@ are packed by `chatbot.engine.fast_weights`.
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -350,8 +351,7 @@ class FastDecoder:
         self._vptrs = ptrs()
         self._cache_key: tuple[int, ...] = ()
         self._scratch = torch.empty(0)
-        self._batch_scratch = torch.empty(0)  # decode_batch's
-        self._rows_scratch = torch.empty(0)  # prefill_rows' (the two may run at once, see batch.py)
+        self._local = threading.local()  # the batched calls' scratch: one per thread (they may run at once)
         self._old_rope: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         self.struct = kernels.ModelStruct(
             n_layers=n_layers, dim=config.hidden_size, n_heads=heads, n_kv_heads=kv_heads,
@@ -583,7 +583,7 @@ class FastDecoder:
             self._reserve_layers(layers, pos + 1)
             rows.append(layers)
             positions.append(pos)
-        logits = self._run_rows(rows, positions, tokens, False, threads, "_batch_scratch")
+        logits = self._run_rows(rows, positions, tokens, False, threads)
         for layers, pos in zip(rows, positions):
             for layer in layers:
                 layer.length = pos + 1
@@ -610,7 +610,7 @@ class FastDecoder:
         if any(layer.length != pos for layer in layers):
             raise ValueError("cache layers hold different numbers of tokens; crop it first")
         self._reserve_layers(layers, pos + n)
-        logits = self._run_rows([layers] * n, list(range(pos, pos + n)), tokens, True, None, "_rows_scratch")
+        logits = self._run_rows([layers] * n, list(range(pos, pos + n)), tokens, True, None)
         for layer in layers:
             layer.length = pos + n
         return logits[0]
@@ -622,10 +622,9 @@ class FastDecoder:
         tokens: Sequence[int],
         last_only: bool,
         threads: int | None,
-        scratch: str,
     ) -> torch.Tensor:
         """`chatbot_decode_batch` on rows whose layers have room for their positions, with
-        the scratch buffer named `scratch` (each kind of call its own: they may run at once)."""
+        this thread's scratch (calls in several threads may run at once)."""
         n_layers = self.dims[0]
         self._ensure_rope(max(positions) + 1)
         batch = len(rows)
@@ -638,10 +637,9 @@ class FastDecoder:
         floats = int(
             self.lib.chatbot_batch_scratch_floats(ctypes.byref(self.struct), batch, max(caps), threads)
         )
-        buf = getattr(self, scratch)
-        if buf.numel() < floats:
-            buf = torch.empty(floats, dtype=torch.float32)
-            setattr(self, scratch, buf)
+        buf = getattr(self._local, "scratch", None)
+        if buf is None or buf.numel() < floats:
+            buf = self._local.scratch = torch.empty(floats, dtype=torch.float32)
         logits = torch.empty(1 if last_only else batch, self.vocab, dtype=torch.float32)
         # held in names for the length of the call (a temporary's address would dangle)
         token_arr, pos_arr, cap_arr = ints(*[int(t) for t in tokens]), ints(*positions), ints(*caps)
