@@ -253,6 +253,9 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
                 # Stopped before anything reached the cache: the turn never happened.
                 if prompt is not None:
                     self.segments.pop()
+                if self.kv.seen != self.all_ids[: self.n_fed]:
+                    # a prefix donor's ids that reach into the message taken back
+                    self._keep_common_prefix()
             else:
                 answer_fed = fed[len(new_ids) :]
                 answer_ids = shown if finished or len(shown) >= len(answer_fed) else answer_fed

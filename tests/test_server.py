@@ -697,3 +697,24 @@ def test_a_client_leaving_a_non_streamed_request_stops_it(server):
     assert not after["generating"] and after["served"] == before["served"] + 1
     grown = after["prefix_cache"]["kept_tokens"] - before["prefix_cache"]["kept_tokens"]
     assert grown < 3000, grown  # 3,500 new tokens, had it run on
+
+
+def test_a_shared_start_is_given_back_when_the_message_does_not_fit(tiny_model, tiny_tokenizer):
+    """A new conversation took a kept one's start, then its message did not fit the context:
+    the turn never happened, and the cache holds no ids the conversation does not have."""
+    from chatbot.errors import ContextFullError
+    from chatbot.server.pool import Conversation
+
+    pool = _pool(tiny_model, tiny_tokenizer, max_entries=4)
+    system = "You answer every question briefly and kindly."
+    _ask(pool, Conversation(system, [], "Hello there!"))
+    entry = pool.checkout(Conversation(system, [], "word " * 600))
+    with pytest.raises(ContextFullError):
+        list(entry.session.send("word " * 600))
+    assert pool.stats.shared == 1
+    s = entry.session
+    assert not s.turns and s.n_fed == len(s.cache_ids) <= len(s.all_ids)
+    assert s.cache_ids == s.all_ids[: s.n_fed]
+    # and it chats on
+    assert "".join(c.text for c in s.send("Hello there!"))
+    assert_ids_match_text(s)

@@ -148,3 +148,27 @@ def test_prefill_product_times_both_thread_counts():
             assert torch.equal(y, kernels.matmul_i16(p, x, 1))
     finally:
         torch.set_num_threads(before)
+
+
+def test_capped_threads_holds_in_its_thread_only_and_is_asked_each_time():
+    """A server's prefill beside the decode steps: its products take one thread while
+    generations decode, asked at each product; other threads and torch's count untouched."""
+    import threading
+
+    import torch
+
+    from chatbot.engine.threads import cap_threads, capped_threads
+
+    decoding = [True]
+    before = torch.get_num_threads()
+    seen_elsewhere = []
+    with capped_threads(lambda: 1 if decoding[0] else None):
+        assert cap_threads(4) == 1
+        other = threading.Thread(target=lambda: seen_elsewhere.append(cap_threads(4)))
+        other.start()
+        other.join()
+        decoding[0] = False
+        assert cap_threads(4) == 4
+        assert torch.get_num_threads() == before
+    assert seen_elsewhere == [4]
+    assert cap_threads(3) == 3

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from chatbot.engine.threads import capped_threads
+
 STRAGGLER_S = 0.5
 """A step waits at most this long for a generation that joined and has not asked (one whose
 consumer went away without closing it); then it runs with those that asked."""
@@ -62,7 +64,9 @@ class DecodeBatcher:
         while the prefill runs, so the generations already decoding go on stepping meanwhile.
         Between two steps (holding `cond`), a prefill stalled every stream: a third of the
         time of 4 clients asking short questions. While it runs, the steps take one thread,
-        and so does the prefill when generations are decoding: each keeps a core.
+        and so do the prefill's products while generations are decoding: each keeps a core.
+        (`cond._is_owned` tells whether `cond` is held, not by whom: the server's threads
+        hold it whenever they reach here.)
         """
         owned = getattr(self.cond, "_is_owned", lambda: False)()
         if not owned:
@@ -70,18 +74,12 @@ class DecodeBatcher:
             return
         self.cond.release()
         try:
-            with self._prefill_lock:
-                share = self._active > 0
-                threads = torch.get_num_threads()
-                if share:
-                    torch.set_num_threads(1)
+            with self._prefill_lock, capped_threads(lambda: 1 if self._active > 0 else None):
                 self._prefill_running = True
                 try:
                     yield
                 finally:
                     self._prefill_running = False
-                    if share:
-                        torch.set_num_threads(threads)
         finally:
             # back as a thread arriving: the next step waits for this generation (else the
             # one decoding, never waiting, would keep `cond` to the end of its answer)

@@ -51,7 +51,7 @@ from chatbot.engine import kernels
 from chatbot.engine.buffer_cache import BufferLayer, adopt_layers  # also re-exported (tests)
 from chatbot.engine.fast_weights import from_gguf, from_model, from_packed, is_packed
 from chatbot.engine.packed import use_activations
-from chatbot.engine.threads import ThreadTuner
+from chatbot.engine.threads import ThreadTuner, cap_threads
 from chatbot.errors import ChatbotError
 
 __all__ = [
@@ -353,6 +353,7 @@ class FastDecoder:
         self._scratch = torch.empty(0)
         self._local = threading.local()  # the batched calls' scratch: one per thread (they may run at once)
         self._old_rope: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        self._rope_lock = threading.Lock()
         self.struct = kernels.ModelStruct(
             n_layers=n_layers, dim=config.hidden_size, n_heads=heads, n_kv_heads=kv_heads,
             head_dim=head_dim, ffn_dim=config.intermediate_size, vocab=self.vocab, n_threads=1,
@@ -390,24 +391,30 @@ class FastDecoder:
         return kernels.ACT_F32
 
     def _ensure_rope(self, length: int) -> None:
-        """cos/sin tables for positions [0, length), computed as transformers does."""
+        """cos/sin tables for positions [0, length), computed as transformers does. Safe
+        beside a call in another thread (a batched step beside a prefill): the tables grow
+        under a lock, the new ones are in place before `rope_len` says so, and the old ones
+        are kept (that call may still read them)."""
         if length <= self.struct.rope_len:
             return
-        length = max(length, 2 * self.struct.rope_len)
-        positions = torch.arange(length, dtype=torch.float32)[:, None]
-        if getattr(self, "_rope_tables", None):
-            # kept: a call in another thread (a batched step beside a prefill) may still read them
-            self._old_rope.append(self._rope_tables)
-        self._rope_tables = []
-        for inv_freq, scaling in self._ropes:
-            freqs = positions * inv_freq[None, :]
-            cos, sin = (freqs.cos() * scaling).contiguous(), (freqs.sin() * scaling).contiguous()
-            self._rope_tables.append((cos, sin))
-        cos, sin = self._rope_tables[0]
-        cos2, sin2 = self._rope_tables[-1]
-        self.struct.rope_cos, self.struct.rope_sin = cos.data_ptr(), sin.data_ptr()
-        self.struct.rope_cos2, self.struct.rope_sin2 = cos2.data_ptr(), sin2.data_ptr()
-        self.struct.rope_len = length
+        with self._rope_lock:
+            if length <= self.struct.rope_len:
+                return
+            length = max(length, 2 * self.struct.rope_len)
+            positions = torch.arange(length, dtype=torch.float32)[:, None]
+            tables = []
+            for inv_freq, scaling in self._ropes:
+                freqs = positions * inv_freq[None, :]
+                cos, sin = (freqs.cos() * scaling).contiguous(), (freqs.sin() * scaling).contiguous()
+                tables.append((cos, sin))
+            if getattr(self, "_rope_tables", None):
+                self._old_rope.append(self._rope_tables)
+            self._rope_tables = tables
+            cos, sin = tables[0]
+            cos2, sin2 = tables[-1]
+            self.struct.rope_cos, self.struct.rope_sin = cos.data_ptr(), sin.data_ptr()
+            self.struct.rope_cos2, self.struct.rope_sin2 = cos2.data_ptr(), sin2.data_ptr()
+            self.struct.rope_len = length
 
     def _parts(self) -> list[kernels.PackedMatrix]:
         """Every packed row block of the layers."""
@@ -633,7 +640,7 @@ class FastDecoder:
         vptrs = ptrs(*[layer._v.data_ptr() for layers in rows for layer in layers])  # type: ignore[union-attr]
         ints = ctypes.c_int32 * batch
         caps = [layers[0].capacity for layers in rows]
-        threads = threads or self.threads or torch.get_num_threads()
+        threads = threads or cap_threads(self.threads or torch.get_num_threads())
         floats = int(
             self.lib.chatbot_batch_scratch_floats(ctypes.byref(self.struct), batch, max(caps), threads)
         )

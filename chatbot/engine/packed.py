@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from chatbot.engine import kernels
-from chatbot.engine.threads import ThreadTuner
+from chatbot.engine.threads import ThreadTuner, cap_threads
 
 SMALL_INPUT_ROWS = 4
 """Up to this many input rows, a product runs as matrix-vector products on the packed rows."""
@@ -56,7 +56,7 @@ of the default model took 0.1-4.3 s with two threads while another job ran, 77 m
 def _i16_product(p: kernels.PackedMatrix, x: torch.Tensor, threads: int | None) -> torch.Tensor | None:
     if threads:
         return kernels.matmul_i16(p, x, threads)
-    most = torch.get_num_threads()
+    most = cap_threads(torch.get_num_threads())
     tuner = _tuners.get(most) or _tuners.setdefault(most, ThreadTuner(most))
     n = tuner.pick()
     start = time.perf_counter()

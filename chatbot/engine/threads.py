@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, MutableMapping
+import threading
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
 from pathlib import Path
 
 # libgomp spins this many pause-loop iterations before it sleeps on a futex: well under a
@@ -162,3 +164,28 @@ class ThreadTuner:
             self.exploring = None
         else:
             self.seconds[threads] = old + self.smoothing * (seconds - old)
+
+
+_cap = threading.local()
+
+
+@contextmanager
+def capped_threads(rule: Callable[[], int | None]) -> Iterator[None]:
+    """In this thread, for the block's length, the native products take at most `rule()`
+    threads (asked at each product; None: no cap). A server's prefill running beside the
+    batched decode steps takes one while generations decode (`DecodeBatcher.prefilling`).
+    Torch's own thread count is left alone: it is per thread, and a thread that first used
+    torch inside a changed count would keep that count for good."""
+    old = getattr(_cap, "rule", None)
+    _cap.rule = rule
+    try:
+        yield
+    finally:
+        _cap.rule = old
+
+
+def cap_threads(n: int) -> int:
+    """`n`, or less inside `capped_threads` in this thread."""
+    rule = getattr(_cap, "rule", None)
+    limit = rule() if rule is not None else None
+    return max(1, min(n, limit)) if limit else n
