@@ -2946,12 +2946,6 @@ typedef struct {
 
 /* chatbot_matmul on each thread of its team: a share of the inputs as int16, then groups of
  * 32 rows, each to the next thread free (a dynamic schedule). */
-/* Rows [r0, r0 + nr) of m into the caches (L2), ahead of their use */
-static inline void mm_prefetch_rows(const Mat *m, int r0, int nr, size_t rb) {
-    const char *p = (const char *)m->data + (size_t)r0 * rb;
-    for (size_t off = 0; off < (size_t)nr * rb; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
-}
-
 static void matmul_team(void *arg) {
     MatmulJob *job = arg;
     const Mat *m = job->m;
@@ -2996,11 +2990,6 @@ static void matmul_team(void *arg) {
     for (int g = team_next(&job->next); g < groups; g = team_next(&job->next)) {
         if (!ok) continue;
         const int r0 = g * MM_ROWS, nr = m->rows - r0 < MM_ROWS ? m->rows - r0 : MM_ROWS;
-        /* The unpacking below reads a block of each of the 32 rows in turn: a stride the
-         * hardware does not prefetch, and every read then waited on memory (half the time
-         * of a 43-token prefill). The group's rows are one contiguous range: ask for it all
-         * at once, and for the next group's before this group's products. */
-        mm_prefetch_rows(m, r0, nr, rb);
         for (int blk = 0; blk < k / bl; blk++) {
             for (int r = 0; r < MM_ROWS; r++) {
                 if (r < nr) {
@@ -3022,7 +3011,6 @@ static void matmul_team(void *arg) {
                     transpose16((const int32_t *)stage + h * QK_K / 2 + c, QK_K / 2,
                                 (int32_t *)w + ((size_t)blk * bl / 2 + c) * MM_ROWS + h, MM_ROWS);
         }
-        if (g + 1 < groups) mm_prefetch_rows(m, r0 + MM_ROWS, m->rows - r0 - MM_ROWS < MM_ROWS ? m->rows - r0 - MM_ROWS : MM_ROWS, rb);
         const __mmask16 keep0 = (__mmask16)(nr >= 16 ? 0xffffu : (1u << nr) - 1u);
         const __mmask16 keep1 = (__mmask16)(nr <= 16 ? 0u : (nr >= 32 ? 0xffffu : (1u << (nr - 16)) - 1u));
         for (int t0 = 0; t0 < np; t0 += MM_TOK) {
