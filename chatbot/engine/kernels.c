@@ -2399,16 +2399,22 @@ static void transpose_scales(const Vec *v, int B, int nb, float *tq) {
     const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)b[J].qs));                      \
     const float *scs = scall + (J) * B;
 
+/* what both kinds of function below begin with: the masks, and the scale products of the
+ * row's blocks (block j's weight scale times each input's), made ahead: made per block, each
+ * block's FMAs waited on them */
+#define CB_MULTI_PREAMBLE                                                                                        \
+    const __mmask16 bmask = (__mmask16)((1u << B) - 1u);                                                         \
+    const __m128i m4 = _mm_set1_epi8(0x0f);                                                                      \
+    float scall[nb * B + 1], mins[16] __attribute__((aligned(64)));                                              \
+    for (int jj = 0; jj < nb; jj++) {                                                                            \
+        const float dj = fp16_to_f32(b[jj].d);                                                                   \
+        for (int t = 0; t < B; t++) scall[jj * B + t] = dj * tq[jj * B + t];                                     \
+    }
+
 #define CB_MULTI_SIZE(NAME, BLOCK, UNPACK, N)                                                                     \
     static void dot_##NAME##_multi_##N(const BLOCK *b, const Vec *v, int k, const float *tq, float *s) {           \
         const int B = N, nb = k / QK;                                                                            \
-        const __mmask16 bmask = (__mmask16)((1u << B) - 1u);                                                     \
-        const __m128i m4 = _mm_set1_epi8(0x0f);                                                                  \
-        float scall[nb * B + 1], mins[16] __attribute__((aligned(64)));                                          \
-        for (int jj = 0; jj < nb; jj++) { /* the scale products, ahead: made per block, its FMAs waited */      \
-            const float dj = fp16_to_f32(b[jj].d);                                                               \
-            for (int t = 0; t < B; t++) scall[jj * B + t] = dj * tq[jj * B + t];                                 \
-        }                                                                                                        \
+        CB_MULTI_PREAMBLE                                                                                        \
         __m512 ms = _mm512_setzero_ps();                                                                         \
         (void)bmask, (void)m4, (void)ms;                                                                         \
         CB_ROWS##N(CB_DECLARE, 0, 0)                                                                             \
@@ -2436,13 +2442,7 @@ static void transpose_scales(const Vec *v, int B, int nb, float *tq) {
 #define CB_MULTI_ANY(NAME, BLOCK, UNPACK)                                                                         \
     static void dot_##NAME##_multi_any(const BLOCK *b, const Vec *v, const int B, int k, const float *tq, float *s) { \
         const int nb = k / QK;                                                                                   \
-        const __mmask16 bmask = (__mmask16)((1u << B) - 1u);                                                     \
-        const __m128i m4 = _mm_set1_epi8(0x0f);                                                                  \
-        float scall[nb * B + 1], mins[16] __attribute__((aligned(64)));                                          \
-        for (int jj = 0; jj < nb; jj++) { /* the scale products, ahead: made per block, its FMAs waited */      \
-            const float dj = fp16_to_f32(b[jj].d);                                                               \
-            for (int t = 0; t < B; t++) scall[jj * B + t] = dj * tq[jj * B + t];                                 \
-        }                                                                                                        \
+        CB_MULTI_PREAMBLE                                                                                        \
         __m512 ms = _mm512_setzero_ps(), acc0[MAX_BATCH], acc1[MAX_BATCH];                                       \
         (void)bmask, (void)m4;                                                                                   \
         for (int t = 0; t < B; t++) acc0[t] = acc1[t] = _mm512_setzero_ps();                                     \
@@ -2481,6 +2481,7 @@ CB_MULTI_FUNCS(q8_0_i16, block_q8_0, Q80_UNPACK)
 #undef CB_MULTI_FUNCS
 #undef CB_MULTI_ANY
 #undef CB_MULTI_SIZE
+#undef CB_MULTI_PREAMBLE
 #undef Q41_UNPACK
 #undef Q80_UNPACK
 #undef CB_ROW_SUM
