@@ -2194,12 +2194,6 @@ long chatbot_scratch_floats(const Model *m, int max_threads) {
     return shared_floats(m) + (long)max_threads * private_floats(m) + 16;
 }
 
-/* Head h of layer l at position p, by one thread: its query and the group's key from `qkv`
- * (RMSNorm per head for qwen3, then the rotation), the key and value stored at position p of
- * the group's cache rows (kc, vc: [Hkv, cap, D]; the first head of each group stores them:
- * nobody reads position p before the next call, attention takes the new key and value from
- * kr and v, so no barrier), then attention over the positions [first, p] into `out`. qr, kr:
- * D floats of the thread's own; scores: p - first + 1 floats. */
 /* Write kv head g's rotated key and its value for position p of layer l's cache (as
  * attend_head does), so that rows of one batch sharing a cache see each other's. */
 static void store_kv_head(const Model *m, int l, int g, const float *qkv, const float *lcs, const float *lsn,
@@ -2227,6 +2221,12 @@ static void attend_stored(const Model *m, int l, int h, const float *qkv, const 
            vc + off + (size_t)p * D, p - first, D, m->attn_scale, m->attn_softcap, scores, out);
 }
 
+/* Head h of layer l at position p, by one thread: its query and the group's key from `qkv`
+ * (RMSNorm per head for qwen3, then the rotation), the key and value stored at position p of
+ * the group's cache rows (kc, vc: [Hkv, cap, D]; the first head of each group stores them:
+ * nobody reads position p before the next call, attention takes the new key and value from
+ * kr and v, so no barrier), then attention over the positions [first, p] into `out`. qr, kr:
+ * D floats of the thread's own; scores: p - first + 1 floats. */
 static void attend_head(const Model *m, int l, int h, const float *qkv, const float *lcs, const float *lsn,
                         float *kc, float *vc, int cap, int p, int first, float *qr, float *kr, float *scores,
                         float *out) {
