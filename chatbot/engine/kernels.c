@@ -81,7 +81,7 @@ typedef struct {
     int32_t fmt;
     int32_t rows;
     int32_t cols;
-    int32_t pad_;
+    int32_t x8; /* rows in 8-row tiles (chatbot_repack: Q4_K and Q6_K on AVX2 and up) */
 } Mat;
 
 /* Row blocks of one product, each in its own format (q, k and v of a Q4_K_M file: Q4_K, Q4_K,
@@ -886,16 +886,20 @@ typedef struct {
     float *kbs;   /* [k / 32] */
     uint8_t *kl;  /* [k] with AVX-512 VNNI (prepare_k): the bytes of k16 = 256 kh + kl, the */
     int8_t *kh;   /* [k] blocks of 32 of a super-block in the order 0 2 1 3 4 6 5 7 (dot_q45_k_b8_) */
+    int8_t *khe;  /* [8 k] the bytes of k16 for the 8-row tiles (prepare_x8): every 4 of kh and */
+    uint8_t *kle; /* [8 k] of kl (x = 256 kh + kl, kl unsigned) 8 times over, 32 bytes a 4 */
+    int32_t *ks16; /* [k / 16] the integer sum of each 16 of k16 (Q6_K tiles) */
     int act;
     int k;
-    int kready, bready; /* the K-quant form, the per-block form made */
+    int kready, bready, xready; /* the K-quant form, the per-block form, the tiles' form made */
 } Vec;
 
 /* The arrays of a Vec of up to w values, in floats, in the order vec_place lays them out. */
-#define VEC_PARTS 10
+#define VEC_PARTS 13
 static void vec_parts(int w, long parts[VEC_PARTS]) {
     const long nb = w / QK + 1;
-    const long n[VEC_PARTS] = {nb, nb, nb, w / 4 + 1, w / 2 + 1, w / 2 + 1, w / QK_K + 1, nb, w / 4 + 1, w / 4 + 1};
+    const long n[VEC_PARTS] = {nb, nb, nb, w / 4 + 1, w / 2 + 1, w / 2 + 1, w / QK_K + 1, nb, w / 4 + 1, w / 4 + 1,
+                               2L * w + 8, 2L * w + 8, w / 16 + 1};
     for (int i = 0; i < VEC_PARTS; i++) parts[i] = (n[i] + 15) / 16 * 16; /* whole 64-byte lines */
 }
 
@@ -926,6 +930,9 @@ static void vec_place(Vec *v, float *base, int w) {
     v->kbs = p[7];
     v->kl = (uint8_t *)p[8];
     v->kh = (int8_t *)p[9];
+    v->khe = (int8_t *)p[10];
+    v->kle = (uint8_t *)p[11];
+    v->ks16 = (int32_t *)p[12];
 }
 
 /* Take x as the input of the next products; its forms are made as they are needed
@@ -933,7 +940,7 @@ static void vec_place(Vec *v, float *base, int w) {
 static void prepare_vec(Vec *v, const float *x, int k, int act) {
     v->x = x;
     v->k = k;
-    v->kready = v->bready = 0;
+    v->kready = v->bready = v->xready = 0;
     v->act = k % QK == 0 ? act : ACT_F32;
 }
 
@@ -1706,8 +1713,353 @@ static float dot_q6_k_k16(const uint8_t *row, const Vec *v, int k) {
 }
 #endif
 
+/* ---------------------------------------------------------------- 8-row tiles (Q4_K, Q6_K)
+ *
+ * A row's product does the same integer work per weight as any other row's, but its
+ * super-blocks also each decode their scales, convert and scale a sum, and the row ends in
+ * horizontal sums; at one thread the K-quant products were bound by these, not by memory.
+ * chatbot_repack lays a matrix's rows out in tiles of 8 rows: for each super-block, the
+ * 8 rows' scales side by side and then their quants 4 bytes at a time, row after row. One
+ * vector then holds the same 4 bytes of 8 rows, and everything per super-block (scales, mins,
+ * float conversion) is done once for 8 rows in the lanes of one register. The inputs are the
+ * int16 of prepare_k as bytes (x = 256 kh + kl), each 4 of them repeated across a vector
+ * (prepare_x8): the products are the same integers as the one-row kernels', summed in
+ * another order. Same bytes in all; `block_at` gives back any block as ggml lays it out.
+ *
+ * Tiles (i: super-block; r: row in the tile):
+ *   Q4_K (1152 bytes): d[8] fp16, dmin[8] fp16, the 12 scale bytes of each row as three
+ *     u32 (a0[8], a1[8], a2[8]), then for each u32 u of the 128 quant bytes (u = 8 j + g:
+ *     bytes 32 j + 4 g..) the 8 rows' u (32 bytes).
+ *   Q6_K (1680 bytes): d[8] fp16, scales [16][8] (int8), the 32 u32 of ql, the 16 of qh,
+ *     each as 8 rows' u32 side by side. */
+
+#define X8 8
+
+static inline int has_tiles(int fmt) { return fmt == FMT_Q4_K || fmt == FMT_Q6_K; }
+
+/* copies between super-block `blk` (ggml's layout) of row r and its tile, either way */
+static void tile_move(int fmt, uint8_t *tile, int r, uint8_t *blk, int to_tile) {
+#define TM(b_at, t_at, len) (to_tile ? memcpy(tile + (t_at), blk + (b_at), len) : memcpy(blk + (b_at), tile + (t_at), len))
+    if (fmt == FMT_Q4_K) {
+        TM(0, 2 * r, 2);
+        TM(2, 16 + 2 * r, 2);
+        for (int a = 0; a < 3; a++) TM(4 + 4 * a, 32 + 32 * a + 4 * r, 4);
+        for (int u = 0; u < 32; u++) TM(16 + 4 * u, 128 + 32 * u + 4 * r, 4);
+    } else {
+        TM(208, 2 * r, 2);
+        for (int b = 0; b < 16; b++) TM(192 + b, 16 + 8 * b + r, 1);
+        for (int u = 0; u < 32; u++) TM(4 * u, 144 + 32 * u + 4 * r, 4);
+        for (int u = 0; u < 16; u++) TM(128 + 4 * u, 1168 + 32 * u + 4 * r, 4);
+    }
+#undef TM
+}
+
+/* Block `blk` of row n as ggml lays it out: in place, or gathered from its tile into tmp
+ * (block_bytes(m->fmt)). */
+static inline const uint8_t *block_at(const Mat *m, int n, int blk, uint8_t *tmp) {
+    const size_t rb = row_bytes(m), bb = (size_t)block_bytes(m->fmt);
+    if (!m->x8) return (const uint8_t *)m->data + (size_t)n * rb + (size_t)blk * bb;
+    uint8_t *tile = (uint8_t *)m->data + (size_t)(n / X8) * X8 * rb + (size_t)blk * X8 * bb;
+    tile_move(m->fmt, tile, n % X8, tmp, 0);
+    return tmp;
+}
+
+/* Row n as ggml lays it out (into tmp, row_bytes(m), where it is in tiles). */
+static const uint8_t *row_at(const Mat *m, int n, uint8_t *tmp) {
+    if (!m->x8) return (const uint8_t *)m->data + (size_t)n * row_bytes(m);
+    const int bb = block_bytes(m->fmt);
+    for (int i = 0; i < m->cols / block_len(m->fmt); i++) block_at(m, n, i, tmp + (size_t)i * bb);
+    return tmp;
+}
+
+/* A buffer of this thread for a row gathered from tiles; grows, never freed (one per thread). */
+static uint8_t *row_buffer(size_t bytes) {
+    static _Thread_local uint8_t *buf;
+    static _Thread_local size_t cap;
+    if (bytes > cap) {
+        uint8_t *p = realloc(buf, bytes);
+        if (!p) return NULL;
+        buf = p;
+        cap = bytes;
+    }
+    return buf;
+}
+
+/* Lay `src` (ggml's rows) out in 8-row tiles at `dst` (as many bytes). Returns 0, or -1 where
+ * this build has no tile kernels for the format or shape (then nothing is written). */
+int chatbot_repack(const Mat *src, void *dst) {
+#ifdef CB_AVX2
+    if (!has_tiles(src->fmt) || src->x8 || src->rows % X8 || src->cols % QK_K || src->rows < X8) return -1;
+    const size_t rb = row_bytes(src), bb = (size_t)block_bytes(src->fmt);
+    const int nb = src->cols / QK_K;
+    for (int g = 0; g < src->rows / X8; g++)
+        for (int i = 0; i < nb; i++) {
+            uint8_t *tile = (uint8_t *)dst + (size_t)g * X8 * rb + (size_t)i * X8 * bb;
+            for (int r = 0; r < X8; r++)
+                tile_move(src->fmt, tile, r, (uint8_t *)src->data + (size_t)(g * X8 + r) * rb + (size_t)i * bb, 1);
+        }
+    return 0;
+#else
+    (void)src, (void)dst;
+    return -1;
+#endif
+}
+
+#ifdef CB_AVX2
+/* The tiles' form of an int16 vector (after prepare_k): khe / kle, and the sums of 16. */
+static void prepare_x8(Vec *v) {
+    if (v->xready) return;
+    for (int u = 0; u < v->k / 4; u++) {
+        uint32_t h = 0, l = 0;
+        for (int t = 0; t < 4; t++) {
+            const int x = v->k16[4 * u + t];
+            h |= (uint32_t)((x >> 8) & 0xff) << (8 * t); /* arithmetic shift: kh signed */
+            l |= (uint32_t)(x & 0xff) << (8 * t);
+        }
+        _mm256_storeu_si256((__m256i *)(v->khe + 32 * u), _mm256_set1_epi32((int)h));
+        _mm256_storeu_si256((__m256i *)(v->kle + 32 * u), _mm256_set1_epi32((int)l));
+    }
+    for (int b = 0; b < v->k / 16; b++) {
+        int s = 0;
+        for (int t = 0; t < 16; t++) s += v->k16[16 * b + t];
+        v->ks16[b] = s;
+    }
+    v->xready = 1;
+}
+
+/* the prefetch of tile data: to L2 (to L1 it evicts the inputs, which are 16 bytes a value) */
+#define TILE_PREFETCH(t, bytes) \
+    for (int c_ = 0; c_ < (bytes); c_ += 64) _mm_prefetch((const char *)(t) + PREFETCH + c_, _MM_HINT_T1)
+
+/* Q4_K / Q6_K scales: the four 6-bit scales and mins of each row of a Q4_K tile (byte b of
+ * lane r: sub-block b or 4 + b of row r) */
+typedef struct {
+    __m256i sc03, sc47, mn03, mn47;
+} K4Scales;
+
+static inline K4Scales k4_tile_scales(const uint8_t *t) {
+    const __m256i l6 = _mm256_set1_epi32(0x3f3f3f3f), l4 = _mm256_set1_epi32(0x0f0f0f0f), l2 = _mm256_set1_epi32(0x03030303);
+    const __m256i a0 = _mm256_loadu_si256((const __m256i *)(t + 32)), a1 = _mm256_loadu_si256((const __m256i *)(t + 64)),
+                  a2 = _mm256_loadu_si256((const __m256i *)(t + 96));
+    K4Scales s;
+    s.sc03 = _mm256_and_si256(a0, l6);
+    s.sc47 = _mm256_or_si256(_mm256_and_si256(a2, l4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(a0, 6), l2), 4));
+    s.mn03 = _mm256_and_si256(a1, l6);
+    s.mn47 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(a2, 4), l4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(a1, 6), l2), 4));
+    return s;
+}
+
+/* byte b (0..7) of each lane of the scales (sc03 / sc47 as one 8-byte array per lane) */
+static inline __m256i k4_lane_byte(__m256i lo4, __m256i hi4, int b) {
+    return _mm256_and_si256(_mm256_srli_epi32(b < 4 ? lo4 : hi4, 8 * (b & 3)), _mm256_set1_epi32(0xff));
+}
+
+/* sum over the 8 sub-blocks of min_b x block sum_b, per row (float: the sums are exact) */
+static inline __m256 k4_tile_mins(const K4Scales *s, const float *kbs) {
+    __m256 m = _mm256_mul_ps(_mm256_cvtepi32_ps(k4_lane_byte(s->mn03, s->mn47, 0)), _mm256_set1_ps(kbs[0]));
+    for (int b = 1; b < 8; b++) m = _mm256_fmadd_ps(_mm256_cvtepi32_ps(k4_lane_byte(s->mn03, s->mn47, b)), _mm256_set1_ps(kbs[b]), m);
+    return m;
+}
+
+/* the scales of Q6_K sub-block b of the 8 rows, as floats */
+static inline __m256 k6_tile_scale(const uint8_t *t, int b) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(t + 16 + 8 * b))));
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* One 512-bit register holds 2 u32 of the tile (u, u + 1: 8 rows each), the inputs' expanded
+ * bytes 64 at a time match them. Sums of 32 values per lane pair stay below 2^31:
+ * 32 x 15 x 32767 (Q4_K; times a scale of 63: < 2^30), 16 x 63 x 32767 (Q6_K). */
+static inline __m256i fold8(__m512i x) { return _mm256_add_epi32(_mm512_castsi512_si256(x), _mm512_extracti64x4_epi64(x, 1)); }
+
+static void dot_q4_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) {
+    const int nb = k / QK_K;
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++, tile += 1152) {
+        TILE_PREFETCH(tile, 1152);
+        const K4Scales s = k4_tile_scales(tile);
+        const int8_t *xh = v->khe + (size_t)i * QK_K * 8;
+        const uint8_t *xl = v->kle + (size_t)i * QK_K * 8, *q = tile + 128;
+        __m256 sf = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) { /* sub-blocks 2j (low nibbles) and 2j + 1 (high) */
+            __m512i hA = _mm512_setzero_si512(), lA = hA, hB = hA, lB = hA;
+            for (int g = 0; g < 8; g += 2) {
+                const __m512i w = _mm512_loadu_si512(q + 32 * (8 * j + g));
+                const __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
+                const size_t uA = 32 * (16 * j + g), uB = uA + 32 * 8;
+                hA = dpbt(hA, lo, _mm512_loadu_si512(xh + uA));
+                lA = dpbt(lA, _mm512_loadu_si512(xl + uA), lo);
+                hB = dpbt(hB, hi, _mm512_loadu_si512(xh + uB));
+                lB = dpbt(lB, _mm512_loadu_si512(xl + uB), hi);
+            }
+            const __m256i A = fold8(_mm512_add_epi32(_mm512_slli_epi32(hA, 8), lA));
+            const __m256i B = fold8(_mm512_add_epi32(_mm512_slli_epi32(hB, 8), lB));
+            const __m256i S = _mm256_add_epi32(_mm256_mullo_epi32(A, k4_lane_byte(s.sc03, s.sc47, 2 * j)),
+                                               _mm256_mullo_epi32(B, k4_lane_byte(s.sc03, s.sc47, 2 * j + 1)));
+            sf = _mm256_add_ps(sf, _mm256_cvtepi32_ps(S));
+        }
+        const __m256 dx = _mm256_set1_ps(v->kd[i]);
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tile)), dx), sf, acc);
+        accm = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 16))), dx),
+                               k4_tile_mins(&s, v->kbs + 8 * i), accm);
+    }
+    _mm256_storeu_ps(out, _mm256_sub_ps(acc, accm));
+}
+
+static void dot_q6_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) {
+    const int nb = k / QK_K;
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++, tile += 1680) {
+        TILE_PREFETCH(tile, 1680);
+        const int8_t *xh = v->khe + (size_t)i * QK_K * 8;
+        const uint8_t *xl = v->kle + (size_t)i * QK_K * 8;
+        const int32_t *xs = v->ks16 + 16 * i;
+        __m256 sf = _mm256_setzero_ps();
+        for (int n = 0; n < 2; n++)
+            for (int h = 0; h < 2; h++) { /* values 128 n + 32 s + 16 h + (0..15): sub-block 8 n + 2 s + h */
+                __m512i th[4], tl[4];
+                for (int s = 0; s < 4; s++) th[s] = tl[s] = _mm512_setzero_si512();
+                for (int g = 4 * h; g < 4 * h + 4; g += 2) {
+                    const __m512i a = _mm512_loadu_si512(tile + 144 + 32 * (16 * n + g));
+                    const __m512i b = _mm512_loadu_si512(tile + 144 + 32 * (16 * n + 8 + g));
+                    const __m512i qh = _mm512_loadu_si512(tile + 1168 + 32 * (8 * n + g));
+                    const __m512i q[4] = {
+                        _mm512_or_si512(_mm512_and_si512(a, m4), _mm512_and_si512(_mm512_slli_epi16(qh, 4), m30)),
+                        _mm512_or_si512(_mm512_and_si512(b, m4), _mm512_and_si512(_mm512_slli_epi16(qh, 2), m30)),
+                        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), m4), _mm512_and_si512(qh, m30)),
+                        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), m4),
+                                        _mm512_and_si512(_mm512_srli_epi16(qh, 2), m30))};
+                    for (int s = 0; s < 4; s++) { /* q unsigned (0..63): less 32 x the inputs' sum below */
+                        const size_t u = 32 * (32 * n + 8 * s + g);
+                        th[s] = dpbt(th[s], q[s], _mm512_loadu_si512(xh + u));
+                        tl[s] = dpbt(tl[s], _mm512_loadu_si512(xl + u), q[s]);
+                    }
+                }
+                for (int s = 0; s < 4; s++) {
+                    const int b = 8 * n + 2 * s + h;
+                    const __m256i T = _mm256_sub_epi32(fold8(_mm512_add_epi32(_mm512_slli_epi32(th[s], 8), tl[s])),
+                                                       _mm256_set1_epi32(32 * xs[b]));
+                    sf = _mm256_fmadd_ps(k6_tile_scale(tile, b), _mm256_cvtepi32_ps(T), sf);
+                }
+            }
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tile)), _mm256_set1_ps(v->kd[i])), sf, acc);
+    }
+    _mm256_storeu_ps(out, acc);
+}
+#else
+/* AVX2: vpmaddubsw pairs (weight byte x input byte, exact in int16: Q4_K 2 x 15 x 255,
+ * Q6_K 2 x 63 x 255 for kl, 2 x 15 x 128 and 2 x 63 x 128 for kh) added up in int16 as far as
+ * they stay exact (8 kh or 4 kl pairs of Q4_K, 2 kh pairs of Q6_K), then vpmaddwd by the
+ * scale (Q4_K) or by 1 / 256. Q4_K's scaled sums of 2 sub-blocks: < 2 x 32 x 15 x 63 x 32767 < 2^31. */
+static void dot_q4_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) {
+    const int nb = k / QK_K;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++, tile += 1152) {
+        TILE_PREFETCH(tile, 1152);
+        const K4Scales s = k4_tile_scales(tile);
+        const int8_t *xh = v->khe + (size_t)i * QK_K * 8;
+        const uint8_t *xl = v->kle + (size_t)i * QK_K * 8, *q = tile + 128;
+        __m256 sf = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            __m256i hA = _mm256_setzero_si256(), hB = hA, lA[2] = {hA, hA}, lB[2] = {hA, hA};
+            for (int g = 0; g < 8; g++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(q + 32 * (8 * j + g)));
+                const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+                const size_t uA = 32 * (16 * j + g), uB = uA + 32 * 8;
+                hA = _mm256_add_epi16(hA, _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xh + uA))));
+                hB = _mm256_add_epi16(hB, _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xh + uB))));
+                lA[g >> 2] = _mm256_add_epi16(lA[g >> 2], _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(xl + uA)), lo));
+                lB[g >> 2] = _mm256_add_epi16(lB[g >> 2], _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(xl + uB)), hi));
+            }
+            /* each lane's scale as two int16 (x 256 for the kh sums) */
+            const __m256i a = k4_lane_byte(s.sc03, s.sc47, 2 * j), b = k4_lane_byte(s.sc03, s.sc47, 2 * j + 1);
+            const __m256i pa = _mm256_or_si256(a, _mm256_slli_epi32(a, 16)), pb = _mm256_or_si256(b, _mm256_slli_epi32(b, 16));
+            __m256i S = _mm256_madd_epi16(hA, _mm256_slli_epi16(pa, 8));
+            S = _mm256_add_epi32(S, _mm256_add_epi32(_mm256_madd_epi16(lA[0], pa), _mm256_madd_epi16(lA[1], pa)));
+            S = _mm256_add_epi32(S, _mm256_madd_epi16(hB, _mm256_slli_epi16(pb, 8)));
+            S = _mm256_add_epi32(S, _mm256_add_epi32(_mm256_madd_epi16(lB[0], pb), _mm256_madd_epi16(lB[1], pb)));
+            sf = _mm256_add_ps(sf, _mm256_cvtepi32_ps(S));
+        }
+        const __m256 dx = _mm256_set1_ps(v->kd[i]);
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tile)), dx), sf, acc);
+        accm = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 16))), dx),
+                               k4_tile_mins(&s, v->kbs + 8 * i), accm);
+    }
+    _mm256_storeu_ps(out, _mm256_sub_ps(acc, accm));
+}
+
+static void dot_q6_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) {
+    const int nb = k / QK_K;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30), one = _mm256_set1_epi16(1),
+                  k256 = _mm256_set1_epi16(256);
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++, tile += 1680) {
+        TILE_PREFETCH(tile, 1680);
+        const int8_t *xh = v->khe + (size_t)i * QK_K * 8;
+        const uint8_t *xl = v->kle + (size_t)i * QK_K * 8;
+        const int32_t *xs = v->ks16 + 16 * i;
+        __m256 sf = _mm256_setzero_ps();
+        for (int n = 0; n < 2; n++)
+            for (int h = 0; h < 2; h++) {
+                __m256i T[4], th[4];
+                for (int s = 0; s < 4; s++) T[s] = th[s] = _mm256_setzero_si256();
+                for (int g = 4 * h; g < 4 * h + 4; g++) {
+                    const __m256i a = _mm256_loadu_si256((const __m256i *)(tile + 144 + 32 * (16 * n + g)));
+                    const __m256i b = _mm256_loadu_si256((const __m256i *)(tile + 144 + 32 * (16 * n + 8 + g)));
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(tile + 1168 + 32 * (8 * n + g)));
+                    const __m256i q[4] = {
+                        _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
+                        _mm256_or_si256(_mm256_and_si256(b, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), _mm256_and_si256(qh, m30)),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4),
+                                        _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
+                    for (int s = 0; s < 4; s++) {
+                        const size_t u = 32 * (32 * n + 8 * s + g);
+                        th[s] = _mm256_add_epi16(th[s], _mm256_maddubs_epi16(q[s], _mm256_loadu_si256((const __m256i *)(xh + u))));
+                        T[s] = _mm256_add_epi32(T[s], _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(xl + u)), q[s]), one));
+                        if (g & 1) { /* two kh pairs a lane: < 2^15 */
+                            T[s] = _mm256_add_epi32(T[s], _mm256_madd_epi16(th[s], k256));
+                            th[s] = _mm256_setzero_si256();
+                        }
+                    }
+                }
+                for (int s = 0; s < 4; s++) {
+                    const int bk = 8 * n + 2 * s + h;
+                    const __m256i D = _mm256_sub_epi32(T[s], _mm256_set1_epi32(32 * xs[bk]));
+                    sf = _mm256_fmadd_ps(k6_tile_scale(tile, bk), _mm256_cvtepi32_ps(D), sf);
+                }
+            }
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tile)), _mm256_set1_ps(v->kd[i])), sf, acc);
+    }
+    _mm256_storeu_ps(out, acc);
+}
+#endif
+
+/* rows 8 g .. 8 g + 7 of m (in tiles) . v (made ready by ready_for) */
+static inline void dot_tile(const Mat *m, int g, const Vec *v, float *out) {
+    const uint8_t *tile = (const uint8_t *)m->data + (size_t)g * X8 * row_bytes(m);
+    if (m->fmt == FMT_Q4_K)
+        dot_q4_k_x8(tile, v, m->cols, out);
+    else
+        dot_q6_k_x8(tile, v, m->cols, out);
+}
+#endif
+
+/* Whether the products of m with v run 8 rows at a time (dot_tile) */
+static inline int tiled(const Mat *m, const Vec *v) {
+#ifdef CB_AVX2
+    return m->x8 && v->act == ACT_I16 && v->k % QK_K == 0;
+#else
+    (void)m, (void)v;
+    return 0;
+#endif
+}
+
 static inline float dot_vec(const Mat *m, int n, const Vec *v) {
-    const char *row = (const char *)m->data + (size_t)n * row_bytes(m);
+    const char *row = m->x8 ? (const char *)row_at(m, n, row_buffer(row_bytes(m))) : (const char *)m->data + (size_t)n * row_bytes(m);
     switch (m->fmt) {
     case FMT_F32: return dot_f32((const float *)row, v->x, m->cols);
     case FMT_BF16: return dot_bf16((const uint16_t *)row, v->x, m->cols);
@@ -1745,6 +2097,9 @@ static inline void ready_for(Vec *v, const Mat *m) {
 #if defined(CB_AVX2) || defined(CB_NEON)
     if (is_k_quant(m->fmt) && v->act == ACT_I16 && v->k % QK_K == 0) {
         prepare_k(v);
+#ifdef CB_AVX2
+        if (m->x8) prepare_x8(v);
+#endif
         return;
     }
 #endif
@@ -1984,14 +2339,60 @@ int chatbot_openmp(void) { return 0; }
  * its own `v`, or with one shared `v` made ready before the region. */
 static void matvec_par(const Mat *m, Vec *v, float *y) {
     ready_for(v, m);
+#ifdef CB_AVX2
+    if (tiled(m, v)) {
+        const Span tiles = team_share(m->rows / X8);
+        for (int g = tiles.lo; g < tiles.hi; g++) dot_tile(m, g, v, y + (size_t)g * X8);
+        team_barrier();
+        return;
+    }
+#endif
     const Span rows = team_share(m->rows);
     for (int n = rows.lo; n < rows.hi; n++) y[n] = dot_vec(m, n, v);
     team_barrier();
 }
 
+/* The rows of a group are shared out 8 at a time where a part is in tiles and every part
+ * has whole tiles of rows; else one at a time (a part in tiles then runs row by row). */
+static inline int group_unit(const Group *g, const Vec *v) {
+    int any = 0;
+    for (int p = 0; p < g->n_parts; p++) {
+        if (g->part[p].rows % X8) return 1;
+        any |= tiled(&g->part[p], v);
+    }
+    return any ? X8 : 1;
+}
+
+/* rows n .. n + unit - 1 of the group (in one part) . v[0..B-1] into s[t * unit + i] */
+static void group_rows(const Group *g, int n, int unit, const Vec *v, int B, float *s) {
+    int p = 0, r = n;
+    while (p + 1 < g->n_parts && r >= g->part[p].rows) r -= g->part[p++].rows;
+    const Mat *m = &g->part[p];
+#ifdef CB_AVX2
+    if (unit == X8 && tiled(m, v)) {
+        for (int t = 0; t < B; t++) dot_tile(m, r / X8, &v[t], s + t * X8);
+        return;
+    }
+#endif
+    for (int t = 0; t < B; t++)
+        for (int i = 0; i < unit; i++) s[t * unit + i] = dot_vec(m, r + i, &v[t]);
+}
+
 /* y = W x + bias for a group of row blocks; called by every thread of a parallel region. */
 static void group_matvec_par(const Group *g, Vec *v, float *y) {
     for (int p = 0; p < g->n_parts; p++) ready_for(v, &g->part[p]);
+    const int unit = group_unit(g, v);
+    if (unit > 1) {
+        const Span units = team_share(g->rows / unit);
+        for (int u = units.lo; u < units.hi; u++) {
+            const int n = u * unit;
+            group_rows(g, n, unit, v, 1, y + n);
+            if (g->bias)
+                for (int i = 0; i < unit; i++) y[n + i] += g->bias[n + i];
+        }
+        team_barrier();
+        return;
+    }
     const Span rows = team_share(g->rows);
     for (int n = rows.lo; n < rows.hi; n++) {
         int p = 0, r = n;
@@ -2003,7 +2404,8 @@ static void group_matvec_par(const Group *g, Vec *v, float *y) {
 }
 
 static void embed_row(const Mat *m, int token, float *out) {
-    const char *row = (const char *)m->data + (size_t)token * row_bytes(m);
+    const char *row = m->x8 ? (const char *)row_at(m, token, row_buffer(row_bytes(m)))
+                            : (const char *)m->data + (size_t)token * row_bytes(m);
     const int k = m->cols;
     switch (m->fmt) {
     case FMT_F32: memcpy(out, row, (size_t)k * 4); break;
@@ -2532,6 +2934,20 @@ static inline void dot_vec_multi(const Mat *m, int n, const Vec *v, int B, const
  * thread of a parallel region. */
 static void group_matmul_par(const Group *g, Vec *v, int B, float *tq, float *y, int ys) {
     for (int p = 0; p < g->n_parts; p++) ready_multi(v, B, &g->part[p], tq); /* parts share cols and form */
+    const int unit = group_unit(g, v);
+    if (unit > 1) {
+        const Span units = team_share(g->rows / unit);
+        for (int u = units.lo; u < units.hi; u++) {
+            const int n = u * unit;
+            float s[MAX_BATCH * X8];
+            group_rows(g, n, unit, v, B, s);
+            for (int t = 0; t < B; t++)
+                for (int i = 0; i < unit; i++)
+                    y[(size_t)t * ys + n + i] = g->bias ? s[t * unit + i] + g->bias[n + i] : s[t * unit + i];
+        }
+        team_barrier();
+        return;
+    }
     const Span rows = team_share(g->rows);
     for (int n = rows.lo; n < rows.hi; n++) {
         int p = 0, r = n;
@@ -2957,8 +3373,7 @@ static void matmul_team(void *arg) {
     float *xd = job->xd, *xs = job->xs;
     const int unit = mm_unit(m->fmt), groups = (m->rows + MM_ROWS - 1) / MM_ROWS;
     const int k = m->cols, nu = k / unit, np = (n + MM_TOK - 1) / MM_TOK * MM_TOK;
-    const int bl = block_len(m->fmt), bb = block_bytes(m->fmt), upb = bl / unit;
-    const size_t rb = row_bytes(m);
+    const int bl = block_len(m->fmt), upb = bl / unit;
     const Span inputs = team_share(np);
     for (int t = inputs.lo; t < inputs.hi; t++) {
         for (int u = 0; u < nu; u++) {
@@ -2994,8 +3409,8 @@ static void matmul_team(void *arg) {
         for (int blk = 0; blk < k / bl; blk++) {
             for (int r = 0; r < MM_ROWS; r++) {
                 if (r < nr) {
-                    const uint8_t *b = (const uint8_t *)m->data + (size_t)(r0 + r) * rb + (size_t)blk * bb;
-                    mm_unpack_block(m->fmt, b, stage + r * QK_K, sb, ob);
+                    uint8_t tmp[256];
+                    mm_unpack_block(m->fmt, block_at(m, r0 + r, blk, tmp), stage + r * QK_K, sb, ob);
                 } else { /* rows past the end: zero weights */
                     memset(stage + r * QK_K, 0, sizeof(int16_t) * QK_K);
                     memset(sb, 0, sizeof sb);

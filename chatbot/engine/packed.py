@@ -120,12 +120,14 @@ def packed_matmul(
             )
         return y
     band = max(1, min(p.rows, BAND_FLOATS // p.cols))
+    if p.x8:  # whole tiles of 8 rows
+        band = max(8, band // 8 * 8)
     buf = _scratch(band * p.cols)
     base, stride = p.data.data_ptr(), _row_bytes(p)
     out = torch.empty(n, p.rows, dtype=torch.float32) if band < p.rows else None
     for r0 in range(0, p.rows, band):
         r1 = min(p.rows, r0 + band)
-        sub = kernels.Mat(base + r0 * stride, p.fmt, r1 - r0, p.cols, 0)
+        sub = kernels.Mat(base + r0 * stride, p.fmt, r1 - r0, p.cols, int(p.x8))
         w = buf[: (r1 - r0) * p.cols].view(r1 - r0, p.cols)
         lib.chatbot_dequantize(ctypes.byref(sub), w.data_ptr(), threads)
         # x @ w.T as F.linear lays it out: at a few dozen rows of x, twice as fast as w @ x.T
