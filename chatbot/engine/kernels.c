@@ -1737,19 +1737,19 @@ static float dot_q6_k_k16(const uint8_t *row, const Vec *v, int k) {
 
 static inline int has_tiles(int fmt) { return fmt == FMT_Q4_K || fmt == FMT_Q6_K; }
 
-/* copies between super-block `blk` (ggml's layout) of row r and its tile, either way */
-static void tile_move(int fmt, uint8_t *tile, int r, uint8_t *blk, int to_tile) {
+/* copies between super-block `blk` (ggml's layout) of row r and its tile, either way: the
+ * scales, and with `quants` the quants too */
+static void tile_move(int fmt, uint8_t *tile, int r, uint8_t *blk, int to_tile, int quants) {
 #define TM(b_at, t_at, len) (to_tile ? memcpy(tile + (t_at), blk + (b_at), len) : memcpy(blk + (b_at), tile + (t_at), len))
     if (fmt == FMT_Q4_K) {
         TM(0, 2 * r, 2);
         TM(2, 16 + 2 * r, 2);
         for (int a = 0; a < 3; a++) TM(4 + 4 * a, 32 + 32 * a + 4 * r, 4);
-        for (int u = 0; u < 32; u++) TM(16 + 4 * u, 128 + 32 * u + 4 * r, 4);
-    } else {
+        for (int u = 0; u < 32 * quants; u++) TM(16 + 4 * u, 128 + 32 * u + 4 * r, 4);
+    } else { /* ql's 32 u32 and qh's 16, consecutive in both */
         TM(208, 2 * r, 2);
         for (int b = 0; b < 16; b++) TM(192 + b, 16 + 8 * b + r, 1);
-        for (int u = 0; u < 32; u++) TM(4 * u, 144 + 32 * u + 4 * r, 4);
-        for (int u = 0; u < 16; u++) TM(128 + 4 * u, 1168 + 32 * u + 4 * r, 4);
+        for (int u = 0; u < 48 * quants; u++) TM(4 * u, 144 + 32 * u + 4 * r, 4);
     }
 #undef TM
 }
@@ -1760,7 +1760,7 @@ static inline const uint8_t *block_at(const Mat *m, int n, int blk, uint8_t *tmp
     const size_t rb = row_bytes(m), bb = (size_t)block_bytes(m->fmt);
     if (!m->x8) return (const uint8_t *)m->data + (size_t)n * rb + (size_t)blk * bb;
     uint8_t *tile = (uint8_t *)m->data + (size_t)(n / X8) * X8 * rb + (size_t)blk * X8 * bb;
-    tile_move(m->fmt, tile, n % X8, tmp, 0);
+    tile_move(m->fmt, tile, n % X8, tmp, 0, 1);
     return tmp;
 }
 
@@ -1785,6 +1785,27 @@ static uint8_t *row_buffer(size_t bytes) {
     return buf;
 }
 
+#ifdef CB_AVX2
+/* v[r] lane c -> v[c] lane r */
+static inline void transpose8x8_epi32(__m256i v[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+        v[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+    }
+}
+#endif
+
 /* Lay `src` (ggml's rows) out in 8-row tiles at `dst` (as many bytes). Returns 0, or -1 where
  * this build has no tile kernels for the format or shape (then nothing is written). */
 int chatbot_repack(const Mat *src, void *dst) {
@@ -1792,11 +1813,20 @@ int chatbot_repack(const Mat *src, void *dst) {
     if (!has_tiles(src->fmt) || src->x8 || src->rows % X8 || src->cols % QK_K || src->rows < X8) return -1;
     const size_t rb = row_bytes(src), bb = (size_t)block_bytes(src->fmt);
     const int nb = src->cols / QK_K;
+    /* the u32 of the quants, 8 rows at a time as an 8 x 8 transpose; the rest by tile_move */
+    const int q_at = src->fmt == FMT_Q4_K ? 16 : 0, t_at = src->fmt == FMT_Q4_K ? 128 : 144;
+    const int nq = src->fmt == FMT_Q4_K ? 32 : 48; /* Q6_K: ql and qh, consecutive in both */
     for (int g = 0; g < src->rows / X8; g++)
         for (int i = 0; i < nb; i++) {
             uint8_t *tile = (uint8_t *)dst + (size_t)g * X8 * rb + (size_t)i * X8 * bb;
-            for (int r = 0; r < X8; r++)
-                tile_move(src->fmt, tile, r, (uint8_t *)src->data + (size_t)(g * X8 + r) * rb + (size_t)i * bb, 1);
+            const uint8_t *blk = (const uint8_t *)src->data + (size_t)g * X8 * rb + (size_t)i * bb;
+            for (int r = 0; r < X8; r++) tile_move(src->fmt, tile, r, (uint8_t *)blk + (size_t)r * rb, 1, 0);
+            for (int u = 0; u < nq; u += 8) {
+                __m256i v[8];
+                for (int r = 0; r < X8; r++) v[r] = _mm256_loadu_si256((const __m256i *)(blk + (size_t)r * rb + q_at + 4 * u));
+                transpose8x8_epi32(v);
+                for (int c = 0; c < 8; c++) _mm256_storeu_si256((__m256i *)(tile + t_at + 32 * (u + c)), v[c]);
+            }
         }
     return 0;
 #else
