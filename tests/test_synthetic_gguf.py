@@ -273,3 +273,37 @@ def test_llama3_files_carry_their_rope_scaling(tmp_path, monkeypatch):
     config = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, rope_parameters=rope)
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     torch.testing.assert_close(loaded.model.model.rotary_emb.inv_freq, expected.float(), rtol=1e-6, atol=0)
+
+
+@needs_kernels
+def test_a_tiled_file_decodes_in_batches_as_alone_and_as_untiled(files, monkeypatch):
+    """The file's Q4_K / Q6_K matrices in 8-row tiles (`kernels.tile_rows`): batched steps
+    (`chatbot serve`) give each conversation the logits it gets alone, bit for bit, and the
+    tiles give the greedy tokens of the rows as stored."""
+    from test_decode_batch import _check
+
+    from chatbot.config import SamplingConfig
+    from chatbot.engine.fast import FastDecoder
+    from chatbot.engine.generate import Engine
+    from chatbot.models.loader import load_model
+
+    loaded = load_model(str(files["qwen2"]))
+    decoder = FastDecoder(loaded.model, "auto")
+    mats = [decoder.lm_head, *decoder._parts()]
+    if not any(p.x8 for p in mats):
+        pytest.skip("no tile kernels on this CPU (AVX2 and up)")
+    assert all(p.x8 for p in mats if p.format_name in ("q4_k", "q6_k") and p.rows % 8 == 0)
+    _check(loaded.model, "auto", steps=4, rows=3)
+    greedy = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=16)
+    prompt = list(range(100, 112))
+
+    def answer(model, dec: FastDecoder) -> list[int]:
+        engine = Engine(model, loaded.tokenizer, decoder=dec)
+        return [t for c in engine.generate(engine.new_cache(), prompt, greedy) for t in c.token_ids]
+
+    tiled = answer(loaded.model, decoder)
+    monkeypatch.setenv("CHATBOT_TILES", "0")
+    rows = load_model(str(files["qwen2"])).model
+    untiled = FastDecoder(rows, "auto")
+    assert untiled.info().source == "gguf" and not any(p.x8 for p in [untiled.lm_head, *untiled._parts()])
+    assert len(tiled) >= 8 and answer(rows, untiled) == tiled

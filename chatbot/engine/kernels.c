@@ -3118,11 +3118,20 @@ static void decode_batch_team(void *arg) {
         prepare_vec(&vec[t], xn + (size_t)t * E, E, m->act);
     }
     ready_multi(vec + lo, NL, m->lm_head, tq);
-    const Span rows = team_share(V);
-    for (int n = rows.lo; n < rows.hi; n++) {
-        float s[MAX_BATCH];
-        dot_vec_multi(m->lm_head, n, vec + lo, NL, tq, s);
-        for (int t = 0; t < NL; t++) logits[(size_t)t * V + n] = s[t];
+#ifdef CB_AVX2
+    if (tiled(m->lm_head, &vec[lo])) {
+        const Span tiles = team_share(V / X8);
+        for (int g = tiles.lo; g < tiles.hi; g++)
+            for (int t = 0; t < NL; t++) dot_tile(m->lm_head, g, &vec[lo + t], logits + (size_t)t * V + (size_t)g * X8);
+    } else
+#endif
+    {
+        const Span rows = team_share(V);
+        for (int n = rows.lo; n < rows.hi; n++) {
+            float s[MAX_BATCH];
+            dot_vec_multi(m->lm_head, n, vec + lo, NL, tq, s);
+            for (int t = 0; t < NL; t++) logits[(size_t)t * V + n] = s[t];
+        }
     }
     team_barrier();
     if (m->final_softcap > 0.0f) {
