@@ -293,6 +293,9 @@ def test_a_tiled_file_decodes_in_batches_as_alone_and_as_untiled(files, monkeypa
     if not any(p.x8 for p in mats):
         pytest.skip("no tile kernels on this CPU (AVX2 and up)")
     assert all(p.x8 for p in mats if p.format_name in ("q4_k", "q6_k") and p.rows % 8 == 0)
+    info = decoder.info()
+    assert info.tiled == sum(p.x8 for p in {id(p): p for p in [decoder.embed, *mats]}.values())
+    assert f"matrices ({info.tiled} in 8-row tiles), " in info.label()
     _check(loaded.model, "auto", steps=4, rows=3)
     greedy = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=16)
     prompt = list(range(100, 112))

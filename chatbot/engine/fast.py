@@ -100,6 +100,7 @@ class DecodeInfo:
     source: str = "model"  # where the packed weights come from: "model" or "gguf"
     weights: int = 0  # number of weights in the packed matrices
     own_pool: bool = False  # threads on kernels.c's own pool (built without OpenMP)
+    tiled: int = 0  # matrices in 8-row tiles (kernels.tile_rows)
 
     @property
     def bytes_per_weight(self) -> float:
@@ -108,11 +109,13 @@ class DecodeInfo:
     def label(self) -> str:
         """One line for banners: e.g. ``native kernels (--opt auto): 120 q4_1 + 1 q8_0
         matrices, 92 MB, int16 activations, up to 2 threads``, and ``(own pool)`` after the
-        threads where the kernels were built without OpenMP."""
+        threads where the kernels were built without OpenMP; ``(N in 8-row tiles)`` after the
+        matrices where some are."""
         mats = " + ".join(f"{n} {name}" for name, n in sorted(self.formats.items(), key=lambda kv: -kv[1]))
+        mats += f" matrices ({self.tiled} in 8-row tiles)" if self.tiled else " matrices"
         threads = f"up to {self.threads} threads" if self.threads > 1 else "1 thread"
         pool = " (own pool)" if self.own_pool else ""
-        return (f"native kernels (--opt {self.level}): {mats} matrices, {self.weight_bytes / 2**20:.0f} MB, "
+        return (f"native kernels (--opt {self.level}): {mats}, {self.weight_bytes / 2**20:.0f} MB, "
                 f"{self.activations} activations, {threads}{pool}")  # fmt: skip
 
 
@@ -431,7 +434,7 @@ class FastDecoder:
         acts = {kernels.ACT_F32: "float32", kernels.ACT_Q8: "int8", kernels.ACT_I16: "int16"}[self.struct.act]
         return DecodeInfo(
             self.level, formats, sum(p.nbytes for p in mats), threads, acts, self.source,
-            sum(p.rows * p.cols for p in mats), not kernels.uses_openmp(self.lib),
+            sum(p.rows * p.cols for p in mats), not kernels.uses_openmp(self.lib), sum(p.x8 for p in mats),
         )  # fmt: skip
 
     def _threads(self) -> int:
