@@ -2089,7 +2089,12 @@ static inline int tiled(const Mat *m, const Vec *v) {
 }
 
 static inline float dot_vec(const Mat *m, int n, const Vec *v) {
-    const char *row = m->x8 ? (const char *)row_at(m, n, row_buffer(row_bytes(m))) : (const char *)m->data + (size_t)n * row_bytes(m);
+    const char *row = (const char *)m->data + (size_t)n * row_bytes(m);
+    if (m->x8) { /* a row of a tiled matrix alone (other input forms): gathered first */
+        uint8_t *buf = row_buffer(row_bytes(m));
+        if (!buf) return NAN;
+        row = (const char *)row_at(m, n, buf);
+    }
     switch (m->fmt) {
     case FMT_F32: return dot_f32((const float *)row, v->x, m->cols);
     case FMT_BF16: return dot_bf16((const uint16_t *)row, v->x, m->cols);
@@ -2434,8 +2439,13 @@ static void group_matvec_par(const Group *g, Vec *v, float *y) {
 }
 
 static void embed_row(const Mat *m, int token, float *out) {
-    const char *row = m->x8 ? (const char *)row_at(m, token, row_buffer(row_bytes(m)))
-                            : (const char *)m->data + (size_t)token * row_bytes(m);
+    const char *row = (const char *)m->data + (size_t)token * row_bytes(m);
+    if (m->x8) { /* block by block from the tiles */
+        uint8_t tmp[256];
+        const int bl = block_len(m->fmt);
+        for (int j = 0; j < m->cols / bl; j++) dequant_block(m->fmt, block_at(m, token, j, tmp), out + j * bl);
+        return;
+    }
     const int k = m->cols;
     switch (m->fmt) {
     case FMT_F32: memcpy(out, row, (size_t)k * 4); break;
