@@ -717,14 +717,13 @@ def from_gguf(tensor: Any, row_order: torch.Tensor | None = None) -> PackedMatri
     if len(shape) != 2:
         raise ValueError(f"{tensor.name} is not a matrix (shape {shape})")
     cols, rows = shape
-    data = torch.from_numpy(np.ascontiguousarray(tensor.data)).view(torch.uint8).reshape(rows, -1)
+    stored = data = torch.from_numpy(np.ascontiguousarray(tensor.data)).view(torch.uint8).reshape(rows, -1)
     if row_order is not None:
         data = data.reshape(rows, -1)[row_order].contiguous()
-    packed = from_raw(data, GGUF_FORMATS[kind], rows, cols)
-    tiled = tile_rows(packed)
-    if tiled is not packed and row_order is None and isinstance(tensor.data, np.memmap):
-        _let_go(data)  # the file's pages: the tiles hold the same bytes
-    return tiled
+    packed = tile_rows(from_raw(data, GGUF_FORMATS[kind], rows, cols))
+    if packed.data.data_ptr() != stored.data_ptr() and isinstance(tensor.data, np.memmap):
+        _let_go(stored)  # the file's pages: tiles or rows in another order hold the same bytes
+    return packed
 
 
 TILED_FORMATS = {FMT_Q4_K, FMT_Q6_K}
