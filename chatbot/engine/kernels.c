@@ -1891,6 +1891,15 @@ static inline __m256 k4_tile_mins(const K4Scales *s, const float *kbs) {
     return m;
 }
 
+/* a Q4_K tile's super-block into the 8 rows' sums: d dx sf, and dmin dx times the mins */
+static inline void k4_tile_close(const uint8_t *tile, float dx, __m256 sf, const K4Scales *s, const float *kbs,
+                                 __m256 *acc, __m256 *accm) {
+    const __m256 x = _mm256_set1_ps(dx);
+    *acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tile)), x), sf, *acc);
+    *accm = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 16))), x),
+                            k4_tile_mins(s, kbs), *accm);
+}
+
 /* the scales of Q6_K sub-block b of the 8 rows, as floats */
 static inline __m256 k6_tile_scale(const uint8_t *t, int b) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(t + 16 + 8 * b))));
@@ -1929,10 +1938,7 @@ static void dot_q4_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) {
                                                _mm256_mullo_epi32(B, k4_lane_byte(s.sc03, s.sc47, 2 * j + 1)));
             sf = _mm256_add_ps(sf, _mm256_cvtepi32_ps(S));
         }
-        const __m256 dx = _mm256_set1_ps(v->kd[i]);
-        acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tile)), dx), sf, acc);
-        accm = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 16))), dx),
-                               k4_tile_mins(&s, v->kbs + 8 * i), accm);
+        k4_tile_close(tile, v->kd[i], sf, &s, v->kbs + 8 * i, &acc, &accm);
     }
     _mm256_storeu_ps(out, _mm256_sub_ps(acc, accm));
 }
@@ -2013,10 +2019,7 @@ static void dot_q4_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) {
             S = _mm256_add_epi32(S, _mm256_add_epi32(_mm256_madd_epi16(lB[0], pb), _mm256_madd_epi16(lB[1], pb)));
             sf = _mm256_add_ps(sf, _mm256_cvtepi32_ps(S));
         }
-        const __m256 dx = _mm256_set1_ps(v->kd[i]);
-        acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tile)), dx), sf, acc);
-        accm = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 16))), dx),
-                               k4_tile_mins(&s, v->kbs + 8 * i), accm);
+        k4_tile_close(tile, v->kd[i], sf, &s, v->kbs + 8 * i, &acc, &accm);
     }
     _mm256_storeu_ps(out, _mm256_sub_ps(acc, accm));
 }
