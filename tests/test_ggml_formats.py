@@ -157,6 +157,28 @@ def test_other_builds_match_reference(tmp_path, build):
             exact = ref.astype(np.float64) @ xs.astype(np.float64)
             bound = np.abs(ref).astype(np.float64) @ np.abs(xs).astype(np.float64)
             assert np.all(np.abs(y.numpy() - exact) <= 2e-6 * bound + 1e-6), (kind, act)
+        # the batched product of prefill (`--opt auto`): 256-bit on AVX2, none in portable C;
+        # 37 rows and 13 inputs leave part-filled groups of rows and of inputs
+        xb = np.random.default_rng(7).standard_normal((13, COLS)).astype(np.float32)
+        xb[3] *= 100.0
+        xb[5] = 0.0
+        rows = 37
+        data, ref = random_matrix(kind, seed=6, rows=rows)
+        mat = kernels.from_raw(data, kernels.GGUF_FORMATS[kind], rows, COLS).as_struct()
+        yb = np.full((13, rows), np.nan, dtype=np.float32)
+        for threads in (1, 2):
+            rc = lib.chatbot_matmul(
+                ctypes.byref(mat),
+                ctypes.c_void_p(xb.ctypes.data),
+                13,
+                ctypes.c_void_p(yb.ctypes.data),
+                threads,
+            )
+            if build == "scalar" or kind not in BATCHED:
+                assert rc == -1 and np.isnan(yb).all(), kind
+                break
+            assert rc == 0, kind
+            assert_batched_product(yb, xb, ref, kind)
 
 
 def unit_activations(x: np.ndarray, kind: str) -> np.ndarray:
@@ -180,18 +202,20 @@ def test_batched_int16_product_equals_float64_reference(kind):
     x[3] *= 100.0  # inputs of very different sizes: each has its own scales
     x[5] = 0.0
     got = kernels.matmul_i16(packed, torch.from_numpy(x), threads=2)
-    if got is None:
-        # (CHATBOT_KERNEL_FLAGS=-mno-avx512f builds what an AVX2 CPU runs: no batched product)
-        avx512 = "avx512bw" in _cpu_flags() and not any(
-            f.startswith("-mno-avx512") for f in kernels.extra_flags()
-        )
-        assert kind not in BATCHED or not avx512
+    if got is None:  # (AVX2 and AVX-512 have it; the portable C has not)
+        assert kind not in BATCHED or not {"avx2", "fma", "f16c"} <= _cpu_flags()
         return
     assert kind in BATCHED
+    assert_batched_product(got.numpy(), x, ref, kind)
+
+
+def assert_batched_product(got: np.ndarray, x: np.ndarray, ref: np.ndarray, kind: str) -> None:
+    """got = the exact product of the weights ref with each input of x rounded to int16 per
+    unit, not the float32 product; x[5] = 0 gives zeros."""
     xs = np.stack([unit_activations(v, kind) for v in x])
     exact = xs.astype(np.float64) @ ref.astype(np.float64).T
     bound = np.abs(xs).astype(np.float64) @ np.abs(ref).astype(np.float64).T
-    assert np.all(np.abs(got.numpy() - exact) <= 2e-6 * bound + 1e-6), kind
-    assert np.all(got.numpy()[5] == 0.0)
+    assert np.all(np.abs(got - exact) <= 2e-6 * bound + 1e-6), kind
+    assert np.all(got[5] == 0.0)
     # and not the float32 product: the int16 rounding is there
-    assert not np.allclose(got.numpy(), x.astype(np.float64) @ ref.astype(np.float64).T, rtol=0, atol=1e-7)
+    assert not np.allclose(got, x.astype(np.float64) @ ref.astype(np.float64).T, rtol=0, atol=1e-7)

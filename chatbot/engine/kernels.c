@@ -3242,9 +3242,18 @@ void chatbot_dequantize(const Mat *m, float *out, int n_threads) {
  * float scales are then vectors over the rows, shared by all inputs, and the rows' results of
  * an input are vectors: no horizontal sums. A tile of 32 rows x 8 inputs keeps 16 integer
  * accumulators in registers; each broadcast input pair serves two products, each weight
- * vector loaded eight. */
+ * vector loaded eight.
+ *
+ * AVX2 runs the same code on 256-bit registers: 16 rows (two vectors of 8) x 6 inputs, twelve
+ * accumulators, vpmaddwd + vpaddd per product (one vpdpwssd where the CPU has AVX-VNNI). Per
+ * instruction that is 16 multiplies where float32 FMA does 8, and the weights stay 2 bytes a
+ * value where the float32 bands took 4. */
 
-#if defined(CB_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(CB_AVX2)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define MM_512 1
+#endif
+
 /* values sharing one float scale in the batched product, or 0: no batched product for fmt */
 static int mm_unit(int fmt) {
     switch (fmt) {
@@ -3257,7 +3266,13 @@ static int mm_unit(int fmt) {
 
 /* 32 bytes -> 32 int16 at q */
 static inline void store_i16(int16_t *q, __m256i bytes, int is_signed) {
+#ifdef MM_512
     _mm512_storeu_si512(q, is_signed ? _mm512_cvtepi8_epi16(bytes) : _mm512_cvtepu8_epi16(bytes));
+#else
+    const __m128i lo = _mm256_castsi256_si128(bytes), hi = _mm256_extracti128_si256(bytes, 1);
+    _mm256_storeu_si256((__m256i *)q, is_signed ? _mm256_cvtepi8_epi16(lo) : _mm256_cvtepu8_epi16(lo));
+    _mm256_storeu_si256((__m256i *)(q + 16), is_signed ? _mm256_cvtepi8_epi16(hi) : _mm256_cvtepu8_epi16(hi));
+#endif
 }
 
 /* One block as small integers q (block_len values) and, per unit, a scale s and an offset o:
@@ -3285,20 +3300,21 @@ static void mm_unpack_block(int fmt, const uint8_t *b, int16_t *q, float *s, flo
         const int five = fmt == FMT_Q5_K;
         const float d = rdh(b), dmin = rdh(b + 2);
         const uint8_t *qs = b + 16 + 32 * five;
-        const __m512i m4 = _mm512_set1_epi16(0x0f), b4 = _mm512_set1_epi16(0x10);
-        const __m512i hb = five ? _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 16))), 4)
-                                : _mm512_setzero_si512();
+        /* quants as bytes: 64 j + i the low nibble of byte i of the j-th 32, 64 j + 32 + i the
+         * high one; Q5_K's 5th bits are bits 2 j and 2 j + 1 of the 32 bytes before them */
+        const __m256i m4 = _mm256_set1_epi8(0x0f), bit = _mm256_set1_epi8(1);
+        const __m256i h = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
         uint8_t sc[8], mn[8];
         k4_scales(b + 4, sc, mn);
         for (int j = 0; j < 4; j++) {
-            const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qs + 32 * j)));
-            __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_srli_epi16(w, 4);
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
             if (five) {
-                lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_srli_epi16(hb, 2 * j), b4));
-                hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(hb, 2 * j + 1), b4));
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * j), bit), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * j + 1), bit), 4));
             }
-            _mm512_storeu_si512(q + 64 * j, lo);
-            _mm512_storeu_si512(q + 64 * j + 32, hi);
+            store_i16(q + 64 * j, lo, 0);
+            store_i16(q + 64 * j + 32, hi, 0);
         }
         for (int u = 0; u < 8; u++) s[u] = d * (float)sc[u], o[u] = -dmin * (float)mn[u];
         break;
@@ -3324,56 +3340,96 @@ static void mm_unpack_block(int fmt, const uint8_t *b, int16_t *q, float *s, flo
     }
 }
 
-#define MM_ROWS 32 /* two vectors of 16 rows */
-#define MM_TOK 8
-
-/* The 32 rows' results (two vectors each) for inputs t0..t0+7 over all units, into f[2 t] and
- * f[2 t + 1]. w: the unpacked group, [unit][pair][32 rows][2]; ws, wo: [unit][32 rows]; xq: the inputs' int16 values (row
- * stride k); xd, xs: per input and unit, the scale and scale x integer sum (stride nu).
- * Written out for each unit length, with one named accumulator per input, so that the
- * compiler keeps all sixteen accumulators in registers. */
-#define MM_DP(t)                                                                                  \
-    {                                                                                             \
-        const __m512i xv = _mm512_set1_epi32(xpair(xu + (size_t)(t) * k + 2 * p));                \
-        a##t = DPW512(a##t, w0, xv);                                                                \
-        b##t = DPW512(b##t, w1, xv);                                                                \
-    }
-#define MM_F(t)                                                                                   \
-    {                                                                                             \
-        const __m512 d = _mm512_set1_ps(xd[(t) * nu + u]), o = _mm512_set1_ps(xs[(t) * nu + u]); \
-        f[2 * (t)] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##t), _mm512_mul_ps(s0, d), f[2 * (t)]);  \
-        f[2 * (t)] = _mm512_fmadd_ps(o0, o, f[2 * (t)]);                                          \
-        f[2 * (t) + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b##t), _mm512_mul_ps(s1, d), f[2 * (t) + 1]); \
-        f[2 * (t) + 1] = _mm512_fmadd_ps(o1, o, f[2 * (t) + 1]);                                  \
-    }
-#define MM_TILE(NAME, UNIT)                                                                                  \
-    static void NAME(const int16_t *w, const float *ws, const float *wo, const int16_t *xq, const float *xd, \
-                     const float *xs, int k, int nu, __m512 f[2 * MM_TOK]) {                                \
-        for (int t = 0; t < 2 * MM_TOK; t++) f[t] = _mm512_setzero_ps();                                     \
-        for (int u = 0; u < nu; u++) {                                                                       \
-            __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,      \
-                    a7 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0;         \
-            const int16_t *wu = w + (size_t)u * (UNIT) * MM_ROWS, *xu = xq + u * (UNIT);                     \
-            for (int p = 0; p < (UNIT) / 2; p++) {                                                           \
-                const __m512i w0 = _mm512_load_si512(wu + p * 2 * MM_ROWS);                                  \
-                const __m512i w1 = _mm512_load_si512(wu + p * 2 * MM_ROWS + 32);                             \
-                MM_DP(0) MM_DP(1) MM_DP(2) MM_DP(3) MM_DP(4) MM_DP(5) MM_DP(6) MM_DP(7)                      \
-            }                                                                                                \
-            const __m512 s0 = _mm512_load_ps(ws + u * MM_ROWS), s1 = _mm512_load_ps(ws + u * MM_ROWS + 16);  \
-            const __m512 o0 = _mm512_load_ps(wo + u * MM_ROWS), o1 = _mm512_load_ps(wo + u * MM_ROWS + 16);  \
-            MM_F(0) MM_F(1) MM_F(2) MM_F(3) MM_F(4) MM_F(5) MM_F(6) MM_F(7)                                  \
-        }                                                                                                    \
-    }
-
 static inline int32_t xpair(const int16_t *x) {
     int32_t v;
     memcpy(&v, x, 4);
     return v;
 }
 
+/* The tile of the product: MM_ROWS rows (two vectors of MM_LANES) x MM_TOK inputs, one named
+ * integer accumulator per input and vector (sixteen on AVX-512, twelve of the sixteen AVX2
+ * registers), each broadcast input pair serving two products and each weight vector loaded
+ * once for all MM_TOK inputs.
+ *
+ * The rows' results (two vectors each) of inputs t0..t0+MM_TOK-1 over all units go to f[2 t]
+ * and f[2 t + 1]. w: the unpacked group, [unit][pair][MM_ROWS rows][2]; ws, wo: [unit][MM_ROWS
+ * rows]; xq: the inputs' int16 values (row stride k); xd, xs: per input and unit, the scale
+ * and scale x integer sum (stride nu). Written out for each unit length so that the compiler
+ * keeps the accumulators in registers. */
+#ifdef MM_512
+#define MM_LANES 16
+#define MM_TOK 8
+typedef __m512 mm_f;
+typedef __m512i mm_i;
+#define MM_ZERO_I _mm512_setzero_si512()
+#define MM_ZERO_F _mm512_setzero_ps()
+#define MM_LOAD_I(p) _mm512_load_si512(p)
+#define MM_LOAD_F(p) _mm512_load_ps(p)
+#define MM_SET1_I(v) _mm512_set1_epi32(v)
+#define MM_SET1_F(v) _mm512_set1_ps(v)
+#define MM_DPW(acc, a, b) DPW512(acc, a, b)
+#define MM_FMADD(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define MM_MUL(a, b) _mm512_mul_ps(a, b)
+#define MM_CVT(a) _mm512_cvtepi32_ps(a)
+#define MM_STORE_F(p, v) _mm512_storeu_ps(p, v)
+#define MM_ACCS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+#else
+#define MM_LANES 8
+#define MM_TOK 6
+typedef __m256 mm_f;
+typedef __m256i mm_i;
+#define MM_ZERO_I _mm256_setzero_si256()
+#define MM_ZERO_F _mm256_setzero_ps()
+#define MM_LOAD_I(p) _mm256_load_si256((const __m256i *)(p))
+#define MM_LOAD_F(p) _mm256_load_ps(p)
+#define MM_SET1_I(v) _mm256_set1_epi32(v)
+#define MM_SET1_F(v) _mm256_set1_ps(v)
+#define MM_DPW(acc, a, b) DPW256(acc, a, b)
+#define MM_FMADD(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define MM_MUL(a, b) _mm256_mul_ps(a, b)
+#define MM_CVT(a) _mm256_cvtepi32_ps(a)
+#define MM_STORE_F(p, v) _mm256_storeu_ps(p, v)
+#define MM_ACCS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#endif
+#define MM_ROWS (2 * MM_LANES)
+
+#define MM_ACC(t) mm_i a##t = MM_ZERO_I, b##t = MM_ZERO_I;
+#define MM_DP(t)                                                                 \
+    {                                                                            \
+        const mm_i xv = MM_SET1_I(xpair(xu + (size_t)(t) * k + 2 * p));          \
+        a##t = MM_DPW(a##t, w0, xv);                                             \
+        b##t = MM_DPW(b##t, w1, xv);                                             \
+    }
+#define MM_F(t)                                                                                 \
+    {                                                                                           \
+        const mm_f d = MM_SET1_F(xd[(t) * nu + u]), o = MM_SET1_F(xs[(t) * nu + u]);            \
+        f[2 * (t)] = MM_FMADD(MM_CVT(a##t), MM_MUL(s0, d), f[2 * (t)]);                          \
+        f[2 * (t)] = MM_FMADD(o0, o, f[2 * (t)]);                                               \
+        f[2 * (t) + 1] = MM_FMADD(MM_CVT(b##t), MM_MUL(s1, d), f[2 * (t) + 1]);                  \
+        f[2 * (t) + 1] = MM_FMADD(o1, o, f[2 * (t) + 1]);                                       \
+    }
+#define MM_TILE(NAME, UNIT)                                                                                  \
+    static void NAME(const int16_t *w, const float *ws, const float *wo, const int16_t *xq, const float *xd, \
+                     const float *xs, int k, int nu, mm_f f[2 * MM_TOK]) {                                  \
+        for (int t = 0; t < 2 * MM_TOK; t++) f[t] = MM_ZERO_F;                                               \
+        for (int u = 0; u < nu; u++) {                                                                       \
+            MM_ACCS(MM_ACC)                                                                                  \
+            const int16_t *wu = w + (size_t)u * (UNIT) * MM_ROWS, *xu = xq + u * (UNIT);                     \
+            for (int p = 0; p < (UNIT) / 2; p++) {                                                           \
+                const mm_i w0 = MM_LOAD_I(wu + p * 2 * MM_ROWS);                                             \
+                const mm_i w1 = MM_LOAD_I(wu + p * 2 * MM_ROWS + MM_ROWS);                                   \
+                MM_ACCS(MM_DP)                                                                               \
+            }                                                                                                \
+            const mm_f s0 = MM_LOAD_F(ws + u * MM_ROWS), s1 = MM_LOAD_F(ws + u * MM_ROWS + MM_LANES);        \
+            const mm_f o0 = MM_LOAD_F(wo + u * MM_ROWS), o1 = MM_LOAD_F(wo + u * MM_ROWS + MM_LANES);        \
+            MM_ACCS(MM_F)                                                                                    \
+        }                                                                                                    \
+    }
+
 MM_TILE(mm_tile32, 32)
 MM_TILE(mm_tile16, 16)
 
+#ifdef MM_512
 /* out[c][r] = in[r][c] for a 16 x 16 block of int32 (in: row stride `stride`; out: 16 rows of
  * 16, contiguous): unpack pairs, then quads, then 128-bit lanes twice. */
 static void transpose16(const int32_t *in, int stride, int32_t *out, int ostride) {
@@ -3398,6 +3454,27 @@ static void transpose16(const int32_t *in, int stride, int32_t *out, int ostride
         _mm512_storeu_si512(out + (size_t)(12 + k) * ostride, _mm512_shuffle_i32x4(b, d, 0xdd));
     }
 }
+#endif
+
+/* A block of the group (stage: [MM_ROWS rows][QK_K] int16, bl used) into w's layout: pairs
+ * of values as int32, [rows][bl / 2] -> [bl / 2][rows], 16 (AVX-512) or 8 rows at a time. */
+static void mm_lay_out(const int16_t *stage, int16_t *w, int blk, int bl) {
+#ifdef MM_512
+    for (int h = 0; h < MM_ROWS; h += 16)
+        for (int c = 0; c < bl / 2; c += 16)
+            transpose16((const int32_t *)stage + h * QK_K / 2 + c, QK_K / 2,
+                        (int32_t *)w + ((size_t)blk * bl / 2 + c) * MM_ROWS + h, MM_ROWS);
+#else
+    for (int h = 0; h < MM_ROWS; h += 8)
+        for (int c = 0; c < bl / 2; c += 8) {
+            __m256i v[8];
+            for (int r = 0; r < 8; r++) v[r] = _mm256_loadu_si256((const __m256i *)((const int32_t *)stage + (h + r) * QK_K / 2 + c));
+            transpose8x8_epi32(v);
+            for (int i = 0; i < 8; i++)
+                _mm256_store_si256((__m256i *)((int32_t *)w + ((size_t)blk * bl / 2 + c + i) * MM_ROWS + h), v[i]);
+        }
+#endif
+}
 
 /* Round n up to a multiple of 64 (aligned_alloc wants whole alignments). */
 static size_t up64(size_t n) { return (n + 63) / 64 * 64; }
@@ -3414,7 +3491,7 @@ typedef struct {
 } MatmulJob;
 
 /* chatbot_matmul on each thread of its team: a share of the inputs as int16, then groups of
- * 32 rows, each to the next thread free (a dynamic schedule). */
+ * MM_ROWS rows, each to the next thread free (a dynamic schedule). */
 static void matmul_team(void *arg) {
     MatmulJob *job = arg;
     const Mat *m = job->m;
@@ -3473,20 +3550,22 @@ static void matmul_team(void *arg) {
                     wo[(blk * upb + u) * MM_ROWS + r] = ob[u];
                 }
             }
-            /* pairs of values as int32: [32 rows][bl / 2] -> [bl / 2][32 rows], 16 rows at a time */
-            for (int h = 0; h < MM_ROWS; h += 16)
-                for (int c = 0; c < bl / 2; c += 16)
-                    transpose16((const int32_t *)stage + h * QK_K / 2 + c, QK_K / 2,
-                                (int32_t *)w + ((size_t)blk * bl / 2 + c) * MM_ROWS + h, MM_ROWS);
+            mm_lay_out(stage, w, blk, bl);
         }
-        const __mmask16 keep0 = (__mmask16)(nr >= 16 ? 0xffffu : (1u << nr) - 1u);
-        const __mmask16 keep1 = (__mmask16)(nr <= 16 ? 0u : (nr >= 32 ? 0xffffu : (1u << (nr - 16)) - 1u));
         for (int t0 = 0; t0 < np; t0 += MM_TOK) {
-            __m512 out[2 * MM_TOK];
+            mm_f out[2 * MM_TOK];
+            float row[MM_ROWS];
             (unit == 32 ? mm_tile32 : mm_tile16)(w, ws, wo, xq + (size_t)t0 * k, xd + t0 * nu, xs + t0 * nu, k, nu, out);
             for (int t = 0; t < MM_TOK && t0 + t < n; t++) {
-                _mm512_mask_storeu_ps(y + (size_t)(t0 + t) * m->rows + r0, keep0, out[2 * t]);
-                _mm512_mask_storeu_ps(y + (size_t)(t0 + t) * m->rows + r0 + 16, keep1, out[2 * t + 1]);
+                float *to = y + (size_t)(t0 + t) * m->rows + r0;
+                if (nr == MM_ROWS) {
+                    MM_STORE_F(to, out[2 * t]);
+                    MM_STORE_F(to + MM_LANES, out[2 * t + 1]);
+                } else { /* the last group: its rows only */
+                    MM_STORE_F(row, out[2 * t]);
+                    MM_STORE_F(row + MM_LANES, out[2 * t + 1]);
+                    memcpy(to, row, sizeof(float) * (size_t)nr);
+                }
             }
         }
     }
