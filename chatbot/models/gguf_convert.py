@@ -52,7 +52,8 @@ def _identity(path: Path) -> str:
         memo.parent.mkdir(parents=True, exist_ok=True)
         known = known if isinstance(known, dict) else {}
         known[key] = digest
-        tmp = memo.with_suffix(".tmp")
+        # a temporary file of its own: two processes hashing at once each rename a whole file
+        tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(known))
         os.replace(tmp, memo)
     except OSError:
