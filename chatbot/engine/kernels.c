@@ -3244,10 +3244,11 @@ void chatbot_dequantize(const Mat *m, float *out, int n_threads) {
  * accumulators in registers; each broadcast input pair serves two products, each weight
  * vector loaded eight.
  *
- * AVX2 runs the same code on 256-bit registers: 16 rows (two vectors of 8) x 6 inputs, twelve
- * accumulators, vpmaddwd + vpaddd per product (one vpdpwssd where the CPU has AVX-VNNI). Per
- * instruction that is 16 multiplies where float32 FMA does 8, and the weights stay 2 bytes a
- * value where the float32 bands took 4. */
+ * AVX2 runs the same code on 256-bit registers: 16 rows (two vectors of 8) x 4 inputs, eight
+ * accumulators, vpmaddwd + vpaddd per product (one vpdpwssd where the CPU has AVX-VNNI): 16
+ * multiplies per instruction where float32 FMA does 8, and the weights 2 bytes a value where
+ * float32 bands took 4. On Zen 4 cores (whose vpmaddwd issues half as often as FMA) that
+ * measured 1.2x the float32 bands for Q4_K and Q8_0, 0.96-1.0x for Q6_K (units of 16). */
 
 #if defined(CB_AVX2)
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -3347,9 +3348,9 @@ static inline int32_t xpair(const int16_t *x) {
 }
 
 /* The tile of the product: MM_ROWS rows (two vectors of MM_LANES) x MM_TOK inputs, one named
- * integer accumulator per input and vector (sixteen on AVX-512, twelve of the sixteen AVX2
- * registers), each broadcast input pair serving two products and each weight vector loaded
- * once for all MM_TOK inputs.
+ * integer accumulator per input and vector (sixteen on AVX-512; eight on AVX2, whose sixteen
+ * registers also hold the weights, the broadcast and vpmaddwd's products), each broadcast
+ * input pair serving two products and each weight vector loaded once for all MM_TOK inputs.
  *
  * The rows' results (two vectors each) of inputs t0..t0+MM_TOK-1 over all units go to f[2 t]
  * and f[2 t + 1]. w: the unpacked group, [unit][pair][MM_ROWS rows][2]; ws, wo: [unit][MM_ROWS
@@ -3373,9 +3374,10 @@ typedef __m512i mm_i;
 #define MM_CVT(a) _mm512_cvtepi32_ps(a)
 #define MM_STORE_F(p, v) _mm512_storeu_ps(p, v)
 #define MM_ACCS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+#define MM_UNROLL
 #else
 #define MM_LANES 8
-#define MM_TOK 6
+#define MM_TOK 4
 typedef __m256 mm_f;
 typedef __m256i mm_i;
 #define MM_ZERO_I _mm256_setzero_si256()
@@ -3389,7 +3391,10 @@ typedef __m256i mm_i;
 #define MM_MUL(a, b) _mm256_mul_ps(a, b)
 #define MM_CVT(a) _mm256_cvtepi32_ps(a)
 #define MM_STORE_F(p, v) _mm256_storeu_ps(p, v)
-#define MM_ACCS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define MM_ACCS(X) X(0) X(1) X(2) X(3)
+/* the pairs' loop as written: unrolled, gcc sums a unit's products in a tree that spills
+ * them to the stack (1.3-1.8x slower; six inputs spilled even so) */
+#define MM_UNROLL _Pragma("GCC unroll 1")
 #endif
 #define MM_ROWS (2 * MM_LANES)
 
@@ -3415,7 +3420,7 @@ typedef __m256i mm_i;
         for (int u = 0; u < nu; u++) {                                                                       \
             MM_ACCS(MM_ACC)                                                                                  \
             const int16_t *wu = w + (size_t)u * (UNIT) * MM_ROWS, *xu = xq + u * (UNIT);                     \
-            for (int p = 0; p < (UNIT) / 2; p++) {                                                           \
+            MM_UNROLL for (int p = 0; p < (UNIT) / 2; p++) {                                                 \
                 const mm_i w0 = MM_LOAD_I(wu + p * 2 * MM_ROWS);                                             \
                 const mm_i w1 = MM_LOAD_I(wu + p * 2 * MM_ROWS + MM_ROWS);                                   \
                 MM_ACCS(MM_DP)                                                                               \
