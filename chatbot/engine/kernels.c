@@ -3247,8 +3247,8 @@ void chatbot_dequantize(const Mat *m, float *out, int n_threads) {
  * AVX2 runs the same code on 256-bit registers: 16 rows (two vectors of 8) x 4 inputs, eight
  * accumulators, vpmaddwd + vpaddd per product (one vpdpwssd where the CPU has AVX-VNNI): 16
  * multiplies per instruction where float32 FMA does 8, and the weights 2 bytes a value where
- * float32 bands took 4. On Zen 4 cores (whose vpmaddwd issues half as often as FMA) that
- * measured 1.2x the float32 bands for Q4_K and Q8_0, 0.96-1.0x for Q6_K (units of 16). */
+ * float32 bands took 4. On Zen 4 cores that measured 1.2x the float32 bands for Q4_K and Q8_0,
+ * 0.96-1.0x for Q6_K (units of 16): vpmaddwd seems to issue less often there than FMA. */
 
 #if defined(CB_AVX2)
 #if defined(__AVX512F__) && defined(__AVX512BW__)
