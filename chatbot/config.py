@@ -11,7 +11,7 @@ from chatbot.errors import ConfigError
 
 QUANTIZE_CHOICES = ("4bit", "8bit")
 """bitsandbytes modes of `--quantize` (`chatbot.models.quantize`)."""
-OPT_LEVELS = ("off", "f32", "auto", "int8", "int4")
+OPT_LEVELS = ("off", "f32", "auto", "fast", "int8", "int4")
 """`--opt`: ``off`` is plain transformers; the others pick the weight format of the native
 kernels (`chatbot.engine.fast`)."""
 

@@ -64,23 +64,24 @@ def _broken_copy(folder: Path) -> Path:
 
 def test_two_builds_take_turns_and_the_first_is_the_yardstick(q4_k_m, tmp_path):
     broken = _broken_copy(tmp_path)
-    done = _bench(
-        str(q4_k_m), "--build", "ours=-O1", "--build", "copy=-O1", "--source", f"copy={broken}", "--no-check"
-    )
+    args = ["--build", "ours=-O1", "--build", "copy=-O1", "--source", f"copy={broken}", "--no-check"]
+    done = _bench(str(q4_k_m), *args, "--acts", "int16,int8")
     assert done.returncode == 0, done.stderr
     rows = re.findall(
-        r"^(ours|copy)\s+(hot|layers|output)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x$",
+        r"^((?:ours|copy)/int(?:16|8))\s+(hot|layers|output)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x$",
         done.stdout,
         re.MULTILINE,
     )
-    assert [(r[0], r[1]) for r in rows] == [
-        (b, g) for b in ("ours", "copy") for g in ("hot", "layers", "output")
-    ]
+    names = ("ours/int16", "ours/int8", "copy/int16", "copy/int8")
+    assert [(r[0], r[1]) for r in rows] == [(b, g) for b in names for g in ("hot", "layers", "output")]
     for build, _, low, median, gbps, speed in rows:
         assert 0 < float(low) <= float(median) and float(gbps) > 0
-        if build == "ours":
+        if build == "ours/int16":
             assert speed == "1.00"
     assert "2 rounds alternated, load average" in done.stdout
+    assert _bench(str(q4_k_m), "--acts", "int4").stderr.strip() == (
+        "error: --acts takes int16, int8 or int16,int8, got 'int4'"
+    )
 
 
 def test_a_build_whose_products_differ_is_refused_in_one_line(q4_k_m, tmp_path):

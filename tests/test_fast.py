@@ -342,7 +342,7 @@ def test_lossy_levels_keep_perplexity_close(tiny_model, tiny_tokenizer, level):
 
 @pytest.mark.slow
 @needs_kernels
-@pytest.mark.parametrize("level", ["auto", "int8", "int4"])
+@pytest.mark.parametrize("level", ["auto", "fast", "int8", "int4"])
 def test_default_model_perplexity_within_3_percent(default_model, level):
     import json
     from importlib import resources

@@ -57,12 +57,12 @@ INT16_FORMATS = {"Q8_0", "Q4_1", "Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
 K_QUANTS = {"Q4_K", "Q5_K", "Q6_K"}
 
 
-def int16_activations(x: np.ndarray, block: int = 32) -> np.ndarray:
+def int16_activations(x: np.ndarray, block: int = 32, top: int = 32767) -> np.ndarray:
     """x as the kernels hold it for `--opt auto`'s integer products: per block (32 values, or
     a K-quant super-block of 256), a float32 scale absmax / 32767 and int16 values (round half
-    to even, as nearbyintf)."""
+    to even, as nearbyintf). `top=127`: the int8 values of `--opt fast` (ACT_Q8)."""
     b = x.reshape(-1, block).astype(np.float32)
-    d = (np.abs(b).max(axis=1, keepdims=True) / np.float32(32767)).astype(np.float32)
+    d = (np.abs(b).max(axis=1, keepdims=True) / np.float32(top)).astype(np.float32)
     inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
     return (np.rint(b * inv) * d).reshape(-1)
 

@@ -310,3 +310,36 @@ def test_a_tiled_file_decodes_in_batches_as_alone_and_as_untiled(files, monkeypa
     untiled = FastDecoder(rows, "auto")
     assert untiled.info().source == "gguf" and not any(p.x8 for p in [untiled.lm_head, *untiled._parts()])
     assert len(tiled) >= 8 and answer(rows, untiled) == tiled
+
+
+@needs_kernels
+def test_fast_decodes_the_files_own_blocks_with_int8_inputs(files):
+    """`--opt fast`: the same matrices as `auto` (the file's blocks, not repacked), inputs
+    rounded to int8 (the products themselves are checked exactly in test_tiles). Against the
+    logits of a full recompute (prefill's int16 products), `auto` is within float rounding;
+    `fast` is further off, by int8's rounding."""
+    from chatbot.engine.fast import FastDecoder
+    from chatbot.models.loader import load_model
+
+    model = load_model(str(files["qwen2"])).model
+    ids = list(range(100, 124))
+    errors = {}
+    for level in ("auto", "fast"):
+        decoder = FastDecoder(model, level, threads=1)
+        info = decoder.info()
+        assert info.source == "gguf" and info.activations == ("int16" if level == "auto" else "int8")
+        errors[level] = info.weight_bytes, []
+        cache = decoder.new_cache()
+        with torch.no_grad():
+            model(input_ids=torch.tensor([ids[:8]]), cache=cache, use_cache=True)
+        for i in range(8, len(ids)):
+            got = decoder.decode(cache, ids[i])
+            ref = full_logits(model, ids[: i + 1])[-1]
+            errors[level][1].append(float((got - ref).abs().max() / ref.std()))
+    assert errors["auto"][0] == errors["fast"][0]  # the very same matrices
+    from test_decode_batch import _check
+
+    _check(model, "fast", steps=4, rows=3)  # batched steps (chatbot serve): each row as alone
+    auto, fast = max(errors["auto"][1]), max(errors["fast"][1])
+    # here 4e-4 and 0.1: the random tiny model has no real model's margins, so a loose bound
+    assert auto < 1e-3 and 10 * auto < fast < 0.4, (auto, fast)

@@ -6,6 +6,7 @@ build; down to a whole decode step (the synthetic-file tests decode through tile
 from __future__ import annotations
 
 import ctypes
+import itertools
 import subprocess
 
 import numpy as np
@@ -74,6 +75,25 @@ def test_tile_products_are_exact_int16_products(kind, cols):
     check_product(got, ref, x)
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("rows", [40, 13])
+def test_int8_inputs_give_the_exact_int8_products(kind, rows):
+    """`--opt fast` (ACT_Q8): the K-quants' inputs as int8 per super-block of 256 (ggml's
+    Q8_K), in tiles (40 rows) and row by row (13 rows, and Q5_K, which has no tiles): the exact
+    product with the int8-rounded inputs, not the int16 one."""
+    cols = 768
+    data, ref = random_matrix(kind, seed=21, rows=rows, cols=cols)
+    p = kernels.tile_rows(kernels.from_raw(data, kernels.GGUF_FORMATS[kind], rows, cols))
+    assert p.x8 == (kind != "Q5_K" and rows % 8 == 0)
+    x = np.random.default_rng(22).standard_normal(cols).astype(np.float32)
+    x[::97] *= 60.0
+    x8, x16 = int16_activations(x, 256, top=127), int16_activations(x, 256)
+    for threads in (1, 2):
+        got = kernels.matvec(p, torch.from_numpy(x), threads, act=kernels.ACT_Q8).numpy()
+        check_product(got, ref, x8)
+        assert np.abs(got - ref.astype(np.float64) @ x16.astype(np.float64)).max() > 1e-3
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_tile_sums_do_not_overflow_at_the_largest_weights_and_inputs(kind):
     """Every quant and scale at its largest magnitude, every input at +-32767: the integer
@@ -99,9 +119,10 @@ def test_tile_sums_do_not_overflow_at_the_largest_weights_and_inputs(kind):
         pytest.skip("no tile kernels on this CPU (AVX2 and up)")
     for sign in (1.0, -1.0):
         x = np.full(cols, sign, np.float32)
-        got = kernels.matvec(tiles, torch.from_numpy(x), 1, act=kernels.ACT_I16).numpy()
-        check_product(got, ref, x)
-        assert abs(got[0]) > 1e4
+        for act in (kernels.ACT_I16, kernels.ACT_Q8):  # inputs at +-32767, at +-127
+            got = kernels.matvec(tiles, torch.from_numpy(x), 1, act=act).numpy()
+            check_product(got, ref, x)
+            assert abs(got[0]) > 1e4
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -135,7 +156,8 @@ def test_tiles_are_left_alone_where_they_do_not_fit(monkeypatch):
 
 
 def test_avx2_build_tiles_match_reference(tmp_path):
-    """The tiles as an AVX2 CPU without AVX-512 runs them (vpmaddubsw, not vpdpbusd)."""
+    """The tiles as an AVX2 CPU without AVX-512 runs them (vpmaddubsw, not vpdpbusd), with
+    int16 inputs and with int8 ones (their own tile products there)."""
     cc = kernels.find_compiler()
     if cc is None or not {"avx2", "fma", "f16c"} <= _cpu_flags():
         pytest.skip("no C compiler or no AVX2")
@@ -153,12 +175,14 @@ def test_avx2_build_tiles_match_reference(tmp_path):
         out = torch.empty_like(plain.data)
         assert lib.chatbot_repack(ctypes.byref(plain.as_struct()), ctypes.c_void_p(out.data_ptr())) == 0
         mat = kernels.PackedMatrix(out, plain.fmt, 32, cols, x8=True).as_struct()
-        for threads in (1, 2):
+        for threads, (act, top) in itertools.product(
+            (1, 2), ((kernels.ACT_I16, 32767), (kernels.ACT_Q8, 127))
+        ):
             y = torch.empty(32)
             scratch = torch.empty(lib.chatbot_matvec_scratch(cols))
             xt = torch.from_numpy(x)
             lib.chatbot_matvec(
                 ctypes.byref(mat), ctypes.c_void_p(xt.data_ptr()), ctypes.c_void_p(scratch.data_ptr()),
-                ctypes.c_void_p(y.data_ptr()), threads, kernels.ACT_I16,
+                ctypes.c_void_p(y.data_ptr()), threads, act,
             )  # fmt: skip
-            check_product(y.numpy(), ref, int16_activations(x, 256))
+            check_product(y.numpy(), ref, int16_activations(x, 256, top=top))

@@ -228,7 +228,7 @@ class FastDecoder:
         threads: threads for the kernels; None: 1 or torch's thread count
             (`torch.set_num_threads`), whichever measures faster (`ThreadTuner`).
         gguf: the GGUF file the model was loaded from (default: the loader's note of it,
-            ``model.chatbot_gguf``); at ``auto`` its matrices are used as stored.
+            ``model.chatbot_gguf``); at ``auto`` and ``fast`` its matrices are used as stored.
         use_gguf: False packs the model's own weights even where a GGUF file is known.
 
     Raises:
@@ -273,7 +273,7 @@ class FastDecoder:
         self.source = "model"
         gguf = gguf if gguf is not None else getattr(model, "chatbot_gguf", None)
         with torch.no_grad():
-            from_file = use_gguf and level == "auto"
+            from_file = use_gguf and level in ("auto", "fast")
             packed = from_packed(model) if from_file else None
             if packed is None and from_file and gguf and not is_packed(model):
                 packed = from_gguf(model, gguf, heads, kv_heads)
@@ -375,23 +375,27 @@ class FastDecoder:
         # Prefill (transformers' forward pass over the packed modules) takes its inputs as
         # the decode kernels do: int16 for `auto`, so prompt and answer see the same kind of
         # arithmetic (and the batched integer product is 2-3.6x faster than dequantizing for
-        # torch's float32 GEMM).
+        # torch's float32 GEMM). `fast` prefills so too: its int8 inputs would gain no speed
+        # there, only error.
         if is_packed(model):
-            use_activations(model, kernels.ACT_I16 if self.struct.act == kernels.ACT_I16 else kernels.ACT_F32)
+            int16 = self.level in ("auto", "fast") and self._has_int16_products()
+            use_activations(model, kernels.ACT_I16 if int16 else kernels.ACT_F32)
 
     # -- set-up ---------------------------------------------------------------------------
 
     def _activation_form(self) -> int:
         """How the inputs of the block-format products are held: int8 per block for the lossy
-        levels (llama.cpp's way), int16 per block for `auto` (2^-16 of the block's largest
-        value: the integer dot products of the block formats at 1/258 of int8's error, see
-        kernels.c; `kernels.INT16_PRODUCTS` lists the formats that have them)."""
-        if self.level in ("int8", "int4"):
+        levels (llama.cpp's way: `fast` keeps auto's weights, int8 and int4 repack them),
+        int16 per block for `auto` (2^-16 of the block's largest value: the integer dot
+        products of the block formats at 1/258 of int8's error, see kernels.c;
+        `kernels.INT16_PRODUCTS` lists the formats that have them)."""
+        if self.level in ("fast", "int8", "int4"):
             return kernels.ACT_Q8
+        return kernels.ACT_I16 if self._has_int16_products() else kernels.ACT_F32
+
+    def _has_int16_products(self) -> bool:
         mats = [self.embed, self.lm_head, *self._parts()]
-        if any(p.fmt in kernels.INT16_PRODUCTS for p in mats):
-            return kernels.ACT_I16
-        return kernels.ACT_F32
+        return any(p.fmt in kernels.INT16_PRODUCTS for p in mats)
 
     def _ensure_rope(self, length: int) -> None:
         """cos/sin tables for positions [0, length), computed as transformers does. Safe

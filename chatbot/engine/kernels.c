@@ -22,6 +22,10 @@
  *            the figure is derived; the Python side refers here.) The K-quants take the same
  *            int16 per super-block of 256 (prepare_k), so that a super-block's products add
  *            up in int32 before one conversion to float.
+ *   With ACT_Q8 the K-quants take int8 per super-block of 256 (ggml's Q8_K, as llama.cpp
+ *   runs them): prepare_k's values within +-127, the same integer products, and on AVX2
+ *   without AVX-512 tile products that skip the inputs' high byte (one vpmaddubsw per pair of
+ *   weights where int16 inputs take two: --opt fast).
  * Prefill (many inputs at once) has its own batched ACT_I16 product, chatbot_matmul (AVX-512:
  * weights unpacked to int16 rows-in-lanes, see there).
  *
@@ -981,8 +985,11 @@ static void prepare_blocks(Vec *v) {
     }
 }
 
+/* The largest integer of the K-quant form: int16 inputs, or int8 ones (ACT_Q8, ggml's Q8_K) */
+static inline float k_top(const Vec *v) { return v->act == ACT_Q8 ? 127.0f : 32767.0f; }
+
 #ifdef CB_AVX2
-/* The K-quant form of an ACT_I16 vector (once per vector, before its first K-quant product;
+/* The K-quant form of an ACT_I16 vector (ACT_Q8: the same within +-127) (once per vector, before its first K-quant product;
  * a vector shared by threads must be made ready before they start). One scale per
  * super-block lets a whole super-block's products add up in int32 before one conversion to
  * float, as the K-quants' own integer sub-block scales allow; still 128x finer than
@@ -997,7 +1004,7 @@ static void prepare_k(Vec *v) {
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-        const float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        const float d = amax / k_top(v), id = d > 0.0f ? 1.0f / d : 0.0f;
         const __m256 vid = _mm256_set1_ps(id);
         for (int j = 0; j < QK_K / QK; j++) {
             __m256i sum = _mm256_setzero_si256();
@@ -1034,7 +1041,7 @@ static void prepare_k(Vec *v) {
         float32x4_t mx = vdupq_n_f32(0.0f);
         for (int t = 0; t < QK_K; t += 4) mx = vmaxq_f32(mx, vabsq_f32(vld1q_f32(b + t)));
         const float amax = vmaxvq_f32(mx);
-        const float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        const float d = amax / k_top(v), id = d > 0.0f ? 1.0f / d : 0.0f;
         for (int j = 0; j < QK_K / QK; j++) {
             int32x4_t sum = vdupq_n_s32(0);
             for (int t = j * QK; t < (j + 1) * QK; t += 8) {
@@ -1984,6 +1991,72 @@ static void dot_q6_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) {
     }
     _mm256_storeu_ps(out, acc);
 }
+/* int8 inputs (ACT_Q8, |x| <= 127: --opt fast): the low bytes kle, read as signed, are the
+ * inputs themselves; one vpdpbusd per 4 weights where int16 inputs take two */
+#define TILES_I8 1
+static void dot_q4_k_x8_i8(const uint8_t *tile, const Vec *v, int k, float *out) {
+    const int nb = k / QK_K;
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++, tile += 1152) {
+        TILE_PREFETCH(tile, 1152);
+        const K4Scales s = k4_tile_scales(tile);
+        const int8_t *x = (const int8_t *)v->kle + (size_t)i * QK_K * 8;
+        const uint8_t *q = tile + 128;
+        __m256 sf = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            __m512i A = _mm512_setzero_si512(), B = A;
+            for (int g = 0; g < 8; g += 2) {
+                const __m512i w = _mm512_loadu_si512(q + 32 * (8 * j + g));
+                const __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
+                const size_t uA = 32 * (16 * j + g), uB = uA + 32 * 8;
+                A = dpbt(A, lo, _mm512_loadu_si512(x + uA));
+                B = dpbt(B, hi, _mm512_loadu_si512(x + uB));
+            }
+            const __m256i S = _mm256_add_epi32(_mm256_mullo_epi32(fold8(A), k4_lane_byte(s.sc03, s.sc47, 2 * j)),
+                                               _mm256_mullo_epi32(fold8(B), k4_lane_byte(s.sc03, s.sc47, 2 * j + 1)));
+            sf = _mm256_add_ps(sf, _mm256_cvtepi32_ps(S));
+        }
+        k4_tile_close(tile, v->kd[i], sf, &s, v->kbs + 8 * i, &acc, &accm);
+    }
+    _mm256_storeu_ps(out, _mm256_sub_ps(acc, accm));
+}
+
+static void dot_q6_k_x8_i8(const uint8_t *tile, const Vec *v, int k, float *out) {
+    const int nb = k / QK_K;
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++, tile += 1680) {
+        TILE_PREFETCH(tile, 1680);
+        const int8_t *x = (const int8_t *)v->kle + (size_t)i * QK_K * 8;
+        const int32_t *xs = v->ks16 + 16 * i;
+        __m256 sf = _mm256_setzero_ps();
+        for (int n = 0; n < 2; n++)
+            for (int h = 0; h < 2; h++) {
+                __m512i t[4];
+                for (int s = 0; s < 4; s++) t[s] = _mm512_setzero_si512();
+                for (int g = 4 * h; g < 4 * h + 4; g += 2) {
+                    const __m512i a = _mm512_loadu_si512(tile + 144 + 32 * (16 * n + g));
+                    const __m512i b = _mm512_loadu_si512(tile + 144 + 32 * (16 * n + 8 + g));
+                    const __m512i qh = _mm512_loadu_si512(tile + 1168 + 32 * (8 * n + g));
+                    const __m512i q[4] = {
+                        _mm512_or_si512(_mm512_and_si512(a, m4), _mm512_and_si512(_mm512_slli_epi16(qh, 4), m30)),
+                        _mm512_or_si512(_mm512_and_si512(b, m4), _mm512_and_si512(_mm512_slli_epi16(qh, 2), m30)),
+                        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), m4), _mm512_and_si512(qh, m30)),
+                        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), m4),
+                                        _mm512_and_si512(_mm512_srli_epi16(qh, 2), m30))};
+                    for (int s = 0; s < 4; s++) t[s] = dpbt(t[s], q[s], _mm512_loadu_si512(x + 32 * (32 * n + 8 * s + g)));
+                }
+                for (int s = 0; s < 4; s++) {
+                    const int b = 8 * n + 2 * s + h;
+                    const __m256i T = _mm256_sub_epi32(fold8(t[s]), _mm256_set1_epi32(32 * xs[b]));
+                    sf = _mm256_fmadd_ps(k6_tile_scale(tile, b), _mm256_cvtepi32_ps(T), sf);
+                }
+            }
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tile)), _mm256_set1_ps(v->kd[i])), sf, acc);
+    }
+    _mm256_storeu_ps(out, acc);
+}
 #else
 /* AVX2: vpmaddubsw pairs (weight byte x input byte, exact in int16: Q4_K 2 x 15 x 255,
  * Q6_K 2 x 63 x 255 for kl, 2 x 15 x 128 and 2 x 63 x 128 for kh) added up in int16 as far as
@@ -2069,11 +2142,95 @@ static void dot_q6_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) {
     }
     _mm256_storeu_ps(out, acc);
 }
+
+/* int8 inputs (ACT_Q8, |x| <= 127: --opt fast). The low bytes kle, read as signed, are then
+ * the inputs themselves: one vpmaddubsw per pair of weights, the high bytes (0 or -1) never
+ * read. Sums in int16 as far as they stay exact: 8 pairs of Q4_K (8 x 2 x 15 x 128), 2 of
+ * Q6_K (2 x 2 x 63 x 128); then as above. */
+#define TILES_I8 1
+static void dot_q4_k_x8_i8(const uint8_t *tile, const Vec *v, int k, float *out) {
+    const int nb = k / QK_K;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++, tile += 1152) {
+        TILE_PREFETCH(tile, 1152);
+        const K4Scales s = k4_tile_scales(tile);
+        const int8_t *x = (const int8_t *)v->kle + (size_t)i * QK_K * 8;
+        const uint8_t *q = tile + 128;
+        __m256 sf = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            __m256i A = _mm256_setzero_si256(), B = A;
+            for (int g = 0; g < 8; g++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(q + 32 * (8 * j + g)));
+                const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+                const size_t uA = 32 * (16 * j + g), uB = uA + 32 * 8;
+                A = _mm256_add_epi16(A, _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(x + uA))));
+                B = _mm256_add_epi16(B, _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + uB))));
+            }
+            const __m256i a = k4_lane_byte(s.sc03, s.sc47, 2 * j), b = k4_lane_byte(s.sc03, s.sc47, 2 * j + 1);
+            const __m256i pa = _mm256_or_si256(a, _mm256_slli_epi32(a, 16)), pb = _mm256_or_si256(b, _mm256_slli_epi32(b, 16));
+            sf = _mm256_add_ps(sf, _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(A, pa), _mm256_madd_epi16(B, pb))));
+        }
+        k4_tile_close(tile, v->kd[i], sf, &s, v->kbs + 8 * i, &acc, &accm);
+    }
+    _mm256_storeu_ps(out, _mm256_sub_ps(acc, accm));
+}
+
+static void dot_q6_k_x8_i8(const uint8_t *tile, const Vec *v, int k, float *out) {
+    const int nb = k / QK_K;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30), one = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++, tile += 1680) {
+        TILE_PREFETCH(tile, 1680);
+        const int8_t *x = (const int8_t *)v->kle + (size_t)i * QK_K * 8;
+        const int32_t *xs = v->ks16 + 16 * i;
+        __m256 sf = _mm256_setzero_ps();
+        for (int n = 0; n < 2; n++)
+            for (int h = 0; h < 2; h++) {
+                __m256i T[4], t[4];
+                for (int s = 0; s < 4; s++) T[s] = t[s] = _mm256_setzero_si256();
+                for (int g = 4 * h; g < 4 * h + 4; g++) {
+                    const __m256i a = _mm256_loadu_si256((const __m256i *)(tile + 144 + 32 * (16 * n + g)));
+                    const __m256i b = _mm256_loadu_si256((const __m256i *)(tile + 144 + 32 * (16 * n + 8 + g)));
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(tile + 1168 + 32 * (8 * n + g)));
+                    const __m256i q[4] = {
+                        _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
+                        _mm256_or_si256(_mm256_and_si256(b, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), _mm256_and_si256(qh, m30)),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4),
+                                        _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
+                    for (int s = 0; s < 4; s++) {
+                        t[s] = _mm256_add_epi16(t[s], _mm256_maddubs_epi16(q[s], _mm256_loadu_si256((const __m256i *)(x + 32 * (32 * n + 8 * s + g)))));
+                        if (g & 1) {
+                            T[s] = _mm256_add_epi32(T[s], _mm256_madd_epi16(t[s], one));
+                            t[s] = _mm256_setzero_si256();
+                        }
+                    }
+                }
+                for (int s = 0; s < 4; s++) {
+                    const int bk = 8 * n + 2 * s + h;
+                    const __m256i D = _mm256_sub_epi32(T[s], _mm256_set1_epi32(32 * xs[bk]));
+                    sf = _mm256_fmadd_ps(k6_tile_scale(tile, bk), _mm256_cvtepi32_ps(D), sf);
+                }
+            }
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tile)), _mm256_set1_ps(v->kd[i])), sf, acc);
+    }
+    _mm256_storeu_ps(out, acc);
+}
 #endif
 
 /* rows 8 g .. 8 g + 7 of m (in tiles) . v (made ready by ready_for) */
 static inline void dot_tile(const Mat *m, int g, const Vec *v, float *out) {
     const uint8_t *tile = (const uint8_t *)m->data + (size_t)g * X8 * row_bytes(m);
+#ifdef TILES_I8
+    if (v->act == ACT_Q8) {
+        if (m->fmt == FMT_Q4_K)
+            dot_q4_k_x8_i8(tile, v, m->cols, out);
+        else
+            dot_q6_k_x8_i8(tile, v, m->cols, out);
+        return;
+    }
+#endif
     if (m->fmt == FMT_Q4_K)
         dot_q4_k_x8(tile, v, m->cols, out);
     else
@@ -2084,7 +2241,7 @@ static inline void dot_tile(const Mat *m, int g, const Vec *v, float *out) {
 /* Whether the products of m with v run 8 rows at a time (dot_tile) */
 static inline int tiled(const Mat *m, const Vec *v) {
 #ifdef CB_AVX2
-    return m->x8 && v->act == ACT_I16 && v->k % QK_K == 0;
+    return m->x8 && (v->act == ACT_I16 || v->act == ACT_Q8) && v->k % QK_K == 0;
 #else
     (void)m, (void)v;
     return 0;
@@ -2133,7 +2290,7 @@ static inline float dot_vec(const Mat *m, int n, const Vec *v) {
  * and up, or NEON), else the per-block form. */
 static inline void ready_for(Vec *v, const Mat *m) {
 #if defined(CB_AVX2) || defined(CB_NEON)
-    if (is_k_quant(m->fmt) && v->act == ACT_I16 && v->k % QK_K == 0) {
+    if (is_k_quant(m->fmt) && (v->act == ACT_I16 || v->act == ACT_Q8) && v->k % QK_K == 0) {
         prepare_k(v);
 #ifdef CB_AVX2
         if (m->x8) prepare_x8(v);

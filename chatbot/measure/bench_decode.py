@@ -28,7 +28,7 @@ from chatbot.models.gc_pause import ready as gc_ready
 PREFILL_SIZES = (50, 500, 2000)
 PREFILL_REPEATS = {50: 5, 500: 3, 2000: 2}  # per worker; the median is kept
 DECODE_PROMPT = 50  # tokens before the decoded ones: a short chat message
-LEVEL_SETUPS = ("chatbot-off", "chatbot-f32", "chatbot-auto", "chatbot-int8", "chatbot-int4")
+LEVEL_SETUPS = ("chatbot-off", "chatbot-f32", "chatbot-auto", "chatbot-fast", "chatbot-int8", "chatbot-int4")
 # `auto` packed from the float32 model rather than the GGUF file's own matrices: the path
 # before GGUF packing (a K-quant matrix then decodes as float32), for before/after figures
 AUTO_FROM_MODEL = "chatbot-auto-model"

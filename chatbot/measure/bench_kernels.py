@@ -13,6 +13,8 @@ build in turn on the same matrices and the same input:
 - ``output``: the output matrix (the embedding where the model ties them).
 
 Every figure is the minimum and the median over the rounds, in ms, and the minimum's GB/s.
+`acts` times each build with int16 inputs (``--opt auto``), int8 ones (``--opt fast``), or
+both (rows ``build/int16``, ``build/int8``).
 Unless told not to (`check=False`, for a copy whose products are meant to differ), each
 build's products must equal the first build's. Run it with `scripts/bench-kernels`.
 """
@@ -34,6 +36,7 @@ from chatbot.engine import kernels
 from chatbot.engine.gguf_weights import GGUFWeights
 
 HOT_REPEATS = 20
+ACTS = {"int16": kernels.ACT_I16, "int8": kernels.ACT_Q8}
 _LAYER_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
@@ -65,13 +68,13 @@ def build(name: str, flags: str, folder: Path, source: Path | None = None) -> ct
     return kernels.open_library(target)
 
 
-def _matvec(lib: ctypes.CDLL, p: kernels.PackedMatrix, x: torch.Tensor, threads: int) -> torch.Tensor:
+def _matvec(
+    lib: ctypes.CDLL, p: kernels.PackedMatrix, x: torch.Tensor, threads: int, act: int
+) -> torch.Tensor:
     y = torch.empty(p.rows, dtype=torch.float32)
     scratch = kernels.matvec_scratch(p.cols)
     mat = p.as_struct()
-    lib.chatbot_matvec(
-        ctypes.byref(mat), x.data_ptr(), scratch.data_ptr(), y.data_ptr(), threads, kernels.ACT_I16
-    )
+    lib.chatbot_matvec(ctypes.byref(mat), x.data_ptr(), scratch.data_ptr(), y.data_ptr(), threads, act)
     return y
 
 
@@ -99,6 +102,7 @@ def run_kernels_bench(
     threads: int = 1,
     check: bool = True,
     folder: Path | None = None,
+    acts: tuple[str, ...] = ("int16",),
 ) -> dict[str, Any]:
     """Time `builds` (name -> extra compiler flags; `sources`: name -> a copy of kernels.c to
     build instead) on the file's matrices, alternating them `rounds` times.
@@ -118,26 +122,28 @@ def run_kernels_bench(
     gen = torch.Generator().manual_seed(0)
     inputs = {c: torch.randn(c, generator=gen) for c in {p.cols for ms in groups.values() for p in ms}}
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {n: build(n, f, Path(folder or tmp), (sources or {}).get(n)) for n, f in builds.items()}
+        built = {n: build(n, f, Path(folder or tmp), (sources or {}).get(n)) for n, f in builds.items()}
+        # (build, inputs) pairs, named by the build alone where one kind of inputs is timed
+        libs = {(f"{n}/{a}" if len(acts) > 1 else n): (lib, a) for n, lib in built.items() for a in acts}
         times: dict[str, dict[str, list[float]]] = {n: {g: [] for g in groups} for n in libs}
-        first: dict[int, torch.Tensor] = {}
+        first: dict[tuple[str, int], torch.Tensor] = {}
         load = [os.getloadavg()[0]]
-        for name, lib in libs.items():  # warm-up and the check against the first build
+        for name, (lib, act) in libs.items():  # warm-up and the check against the first build
             for i, p in enumerate(m for ms in groups.values() for m in ms):
-                y = _matvec(lib, p, inputs[p.cols], threads)
-                ref = first.setdefault(i, y)
+                y = _matvec(lib, p, inputs[p.cols], threads, ACTS[act])
+                ref = first.setdefault((act, i), y)
                 if check and not torch.allclose(y, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max())):
                     raise RuntimeError(
-                        f"build {name!r}: its products differ from those of build {next(iter(libs))!r}"
+                        f"build {name!r}: its products differ from those of build {next(iter(built))!r}"
                     )
         for _ in range(rounds):
-            for name, lib in libs.items():
+            for name, (lib, act) in libs.items():
                 for group, ms in groups.items():
                     reps = HOT_REPEATS if group == "hot" else 1
                     start = time.perf_counter()
                     for _ in range(reps):
                         for p in ms:
-                            _matvec(lib, p, inputs[p.cols], threads)
+                            _matvec(lib, p, inputs[p.cols], threads, ACTS[act])
                     times[name][group].append((time.perf_counter() - start) / reps * 1000)
         load.append(os.getloadavg()[0])
     return {
