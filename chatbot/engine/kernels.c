@@ -1918,14 +1918,30 @@ static inline __m256 k6_tile_scale(const uint8_t *t, int b) {
  * 32 x 15 x 32767 (Q4_K; times a scale of 63: < 2^30), 16 x 63 x 32767 (Q6_K). */
 static inline __m256i fold8(__m512i x) { return _mm256_add_epi32(_mm512_castsi512_si256(x), _mm512_extracti64x4_epi64(x, 1)); }
 
-static void dot_q4_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) {
+/* The 6-bit quants (0..63) of a Q6_K tile's values 128 n + 32 s + 16 h + (0..15) in q[s], two
+ * u32 of 8 rows at u32 g and g + 1 (h = g / 4), for the tile products below */
+static inline void k6_tile_quants(const uint8_t *tile, int n, int g, __m512i q[4]) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+    const __m512i a = _mm512_loadu_si512(tile + 144 + 32 * (16 * n + g));
+    const __m512i b = _mm512_loadu_si512(tile + 144 + 32 * (16 * n + 8 + g));
+    const __m512i qh = _mm512_loadu_si512(tile + 1168 + 32 * (8 * n + g));
+    q[0] = _mm512_or_si512(_mm512_and_si512(a, m4), _mm512_and_si512(_mm512_slli_epi16(qh, 4), m30));
+    q[1] = _mm512_or_si512(_mm512_and_si512(b, m4), _mm512_and_si512(_mm512_slli_epi16(qh, 2), m30));
+    q[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), m4), _mm512_and_si512(qh, m30));
+    q[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), m4), _mm512_and_si512(_mm512_srli_epi16(qh, 2), m30));
+}
+
+/* i8: int8 inputs (ACT_Q8, |x| <= 127: --opt fast): the low bytes kle, read as signed, are
+ * the inputs themselves; one vpdpbusd per 4 weights where int16 inputs take two. (A constant:
+ * each caller gets its own copy.) */
+static inline __attribute__((always_inline)) void dot_q4_k_x8_(const int i8, const uint8_t *tile, const Vec *v, int k, float *out) {
     const int nb = k / QK_K;
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
     for (int i = 0; i < nb; i++, tile += 1152) {
         TILE_PREFETCH(tile, 1152);
         const K4Scales s = k4_tile_scales(tile);
-        const int8_t *xh = v->khe + (size_t)i * QK_K * 8;
+        const int8_t *xh = (i8 ? (const int8_t *)v->kle : v->khe) + (size_t)i * QK_K * 8;
         const uint8_t *xl = v->kle + (size_t)i * QK_K * 8, *q = tile + 128;
         __m256 sf = _mm256_setzero_ps();
         for (int j = 0; j < 4; j++) { /* sub-blocks 2j (low nibbles) and 2j + 1 (high) */
@@ -1935,12 +1951,14 @@ static void dot_q4_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) {
                 const __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
                 const size_t uA = 32 * (16 * j + g), uB = uA + 32 * 8;
                 hA = dpbt(hA, lo, _mm512_loadu_si512(xh + uA));
-                lA = dpbt(lA, _mm512_loadu_si512(xl + uA), lo);
                 hB = dpbt(hB, hi, _mm512_loadu_si512(xh + uB));
-                lB = dpbt(lB, _mm512_loadu_si512(xl + uB), hi);
+                if (!i8) {
+                    lA = dpbt(lA, _mm512_loadu_si512(xl + uA), lo);
+                    lB = dpbt(lB, _mm512_loadu_si512(xl + uB), hi);
+                }
             }
-            const __m256i A = fold8(_mm512_add_epi32(_mm512_slli_epi32(hA, 8), lA));
-            const __m256i B = fold8(_mm512_add_epi32(_mm512_slli_epi32(hB, 8), lB));
+            const __m256i A = fold8(i8 ? hA : _mm512_add_epi32(_mm512_slli_epi32(hA, 8), lA));
+            const __m256i B = fold8(i8 ? hB : _mm512_add_epi32(_mm512_slli_epi32(hB, 8), lB));
             const __m256i S = _mm256_add_epi32(_mm256_mullo_epi32(A, k4_lane_byte(s.sc03, s.sc47, 2 * j)),
                                                _mm256_mullo_epi32(B, k4_lane_byte(s.sc03, s.sc47, 2 * j + 1)));
             sf = _mm256_add_ps(sf, _mm256_cvtepi32_ps(S));
@@ -1950,13 +1968,12 @@ static void dot_q4_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) {
     _mm256_storeu_ps(out, _mm256_sub_ps(acc, accm));
 }
 
-static void dot_q6_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) {
+static inline __attribute__((always_inline)) void dot_q6_k_x8_(const int i8, const uint8_t *tile, const Vec *v, int k, float *out) {
     const int nb = k / QK_K;
-    const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
     __m256 acc = _mm256_setzero_ps();
     for (int i = 0; i < nb; i++, tile += 1680) {
         TILE_PREFETCH(tile, 1680);
-        const int8_t *xh = v->khe + (size_t)i * QK_K * 8;
+        const int8_t *xh = (i8 ? (const int8_t *)v->kle : v->khe) + (size_t)i * QK_K * 8;
         const uint8_t *xl = v->kle + (size_t)i * QK_K * 8;
         const int32_t *xs = v->ks16 + 16 * i;
         __m256 sf = _mm256_setzero_ps();
@@ -1965,111 +1982,60 @@ static void dot_q6_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) {
                 __m512i th[4], tl[4];
                 for (int s = 0; s < 4; s++) th[s] = tl[s] = _mm512_setzero_si512();
                 for (int g = 4 * h; g < 4 * h + 4; g += 2) {
-                    const __m512i a = _mm512_loadu_si512(tile + 144 + 32 * (16 * n + g));
-                    const __m512i b = _mm512_loadu_si512(tile + 144 + 32 * (16 * n + 8 + g));
-                    const __m512i qh = _mm512_loadu_si512(tile + 1168 + 32 * (8 * n + g));
-                    const __m512i q[4] = {
-                        _mm512_or_si512(_mm512_and_si512(a, m4), _mm512_and_si512(_mm512_slli_epi16(qh, 4), m30)),
-                        _mm512_or_si512(_mm512_and_si512(b, m4), _mm512_and_si512(_mm512_slli_epi16(qh, 2), m30)),
-                        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), m4), _mm512_and_si512(qh, m30)),
-                        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), m4),
-                                        _mm512_and_si512(_mm512_srli_epi16(qh, 2), m30))};
+                    __m512i q[4];
+                    k6_tile_quants(tile, n, g, q);
                     for (int s = 0; s < 4; s++) { /* q unsigned (0..63): less 32 x the inputs' sum below */
                         const size_t u = 32 * (32 * n + 8 * s + g);
                         th[s] = dpbt(th[s], q[s], _mm512_loadu_si512(xh + u));
-                        tl[s] = dpbt(tl[s], _mm512_loadu_si512(xl + u), q[s]);
+                        if (!i8) tl[s] = dpbt(tl[s], _mm512_loadu_si512(xl + u), q[s]);
                     }
                 }
                 for (int s = 0; s < 4; s++) {
                     const int b = 8 * n + 2 * s + h;
-                    const __m256i T = _mm256_sub_epi32(fold8(_mm512_add_epi32(_mm512_slli_epi32(th[s], 8), tl[s])),
-                                                       _mm256_set1_epi32(32 * xs[b]));
+                    const __m512i t = i8 ? th[s] : _mm512_add_epi32(_mm512_slli_epi32(th[s], 8), tl[s]);
+                    const __m256i T = _mm256_sub_epi32(fold8(t), _mm256_set1_epi32(32 * xs[b]));
                     sf = _mm256_fmadd_ps(k6_tile_scale(tile, b), _mm256_cvtepi32_ps(T), sf);
                 }
             }
         acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tile)), _mm256_set1_ps(v->kd[i])), sf, acc);
     }
     _mm256_storeu_ps(out, acc);
-}
-/* int8 inputs (ACT_Q8, |x| <= 127: --opt fast): the low bytes kle, read as signed, are the
- * inputs themselves; one vpdpbusd per 4 weights where int16 inputs take two */
-#define TILES_I8 1
-static void dot_q4_k_x8_i8(const uint8_t *tile, const Vec *v, int k, float *out) {
-    const int nb = k / QK_K;
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
-    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
-    for (int i = 0; i < nb; i++, tile += 1152) {
-        TILE_PREFETCH(tile, 1152);
-        const K4Scales s = k4_tile_scales(tile);
-        const int8_t *x = (const int8_t *)v->kle + (size_t)i * QK_K * 8;
-        const uint8_t *q = tile + 128;
-        __m256 sf = _mm256_setzero_ps();
-        for (int j = 0; j < 4; j++) {
-            __m512i A = _mm512_setzero_si512(), B = A;
-            for (int g = 0; g < 8; g += 2) {
-                const __m512i w = _mm512_loadu_si512(q + 32 * (8 * j + g));
-                const __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
-                const size_t uA = 32 * (16 * j + g), uB = uA + 32 * 8;
-                A = dpbt(A, lo, _mm512_loadu_si512(x + uA));
-                B = dpbt(B, hi, _mm512_loadu_si512(x + uB));
-            }
-            const __m256i S = _mm256_add_epi32(_mm256_mullo_epi32(fold8(A), k4_lane_byte(s.sc03, s.sc47, 2 * j)),
-                                               _mm256_mullo_epi32(fold8(B), k4_lane_byte(s.sc03, s.sc47, 2 * j + 1)));
-            sf = _mm256_add_ps(sf, _mm256_cvtepi32_ps(S));
-        }
-        k4_tile_close(tile, v->kd[i], sf, &s, v->kbs + 8 * i, &acc, &accm);
-    }
-    _mm256_storeu_ps(out, _mm256_sub_ps(acc, accm));
 }
 
-static void dot_q6_k_x8_i8(const uint8_t *tile, const Vec *v, int k, float *out) {
-    const int nb = k / QK_K;
-    const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
-    __m256 acc = _mm256_setzero_ps();
-    for (int i = 0; i < nb; i++, tile += 1680) {
-        TILE_PREFETCH(tile, 1680);
-        const int8_t *x = (const int8_t *)v->kle + (size_t)i * QK_K * 8;
-        const int32_t *xs = v->ks16 + 16 * i;
-        __m256 sf = _mm256_setzero_ps();
-        for (int n = 0; n < 2; n++)
-            for (int h = 0; h < 2; h++) {
-                __m512i t[4];
-                for (int s = 0; s < 4; s++) t[s] = _mm512_setzero_si512();
-                for (int g = 4 * h; g < 4 * h + 4; g += 2) {
-                    const __m512i a = _mm512_loadu_si512(tile + 144 + 32 * (16 * n + g));
-                    const __m512i b = _mm512_loadu_si512(tile + 144 + 32 * (16 * n + 8 + g));
-                    const __m512i qh = _mm512_loadu_si512(tile + 1168 + 32 * (8 * n + g));
-                    const __m512i q[4] = {
-                        _mm512_or_si512(_mm512_and_si512(a, m4), _mm512_and_si512(_mm512_slli_epi16(qh, 4), m30)),
-                        _mm512_or_si512(_mm512_and_si512(b, m4), _mm512_and_si512(_mm512_slli_epi16(qh, 2), m30)),
-                        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), m4), _mm512_and_si512(qh, m30)),
-                        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), m4),
-                                        _mm512_and_si512(_mm512_srli_epi16(qh, 2), m30))};
-                    for (int s = 0; s < 4; s++) t[s] = dpbt(t[s], q[s], _mm512_loadu_si512(x + 32 * (32 * n + 8 * s + g)));
-                }
-                for (int s = 0; s < 4; s++) {
-                    const int b = 8 * n + 2 * s + h;
-                    const __m256i T = _mm256_sub_epi32(fold8(t[s]), _mm256_set1_epi32(32 * xs[b]));
-                    sf = _mm256_fmadd_ps(k6_tile_scale(tile, b), _mm256_cvtepi32_ps(T), sf);
-                }
-            }
-        acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tile)), _mm256_set1_ps(v->kd[i])), sf, acc);
-    }
-    _mm256_storeu_ps(out, acc);
-}
+#define TILES_I8 1
+static void dot_q4_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) { dot_q4_k_x8_(0, tile, v, k, out); }
+static void dot_q6_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) { dot_q6_k_x8_(0, tile, v, k, out); }
+static void dot_q4_k_x8_i8(const uint8_t *tile, const Vec *v, int k, float *out) { dot_q4_k_x8_(1, tile, v, k, out); }
+static void dot_q6_k_x8_i8(const uint8_t *tile, const Vec *v, int k, float *out) { dot_q6_k_x8_(1, tile, v, k, out); }
 #else
+/* The 6-bit quants (0..63) of a Q6_K tile's values 128 n + 32 s + 16 h + (0..15) in q[s], one
+ * u32 of 8 rows at u32 g (h = g / 4), for the tile products below */
+static inline void k6_tile_quants(const uint8_t *tile, int n, int g, __m256i q[4]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
+    const __m256i a = _mm256_loadu_si256((const __m256i *)(tile + 144 + 32 * (16 * n + g)));
+    const __m256i b = _mm256_loadu_si256((const __m256i *)(tile + 144 + 32 * (16 * n + 8 + g)));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(tile + 1168 + 32 * (8 * n + g)));
+    q[0] = _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+    q[1] = _mm256_or_si256(_mm256_and_si256(b, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), _mm256_and_si256(qh, m30));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4), _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+}
+
 /* AVX2: vpmaddubsw pairs (weight byte x input byte, exact in int16: Q4_K 2 x 15 x 255,
  * Q6_K 2 x 63 x 255 for kl, 2 x 15 x 128 and 2 x 63 x 128 for kh) added up in int16 as far as
  * they stay exact (8 kh or 4 kl pairs of Q4_K, 2 kh pairs of Q6_K), then vpmaddwd by the
- * scale (Q4_K) or by 1 / 256. Q4_K's scaled sums of 2 sub-blocks: < 2 x 32 x 15 x 63 x 32767 < 2^31. */
-static void dot_q4_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) {
+ * scale (Q4_K) or by 1 / 256. Q4_K's scaled sums of 2 sub-blocks: < 2 x 32 x 15 x 63 x 32767 < 2^31.
+ * i8: int8 inputs (ACT_Q8, |x| <= 127: --opt fast). The low bytes kle, read as signed, are
+ * then the inputs themselves: one vpmaddubsw per pair of weights where int16 inputs take two,
+ * the high bytes (0 or -1) never read. (A constant: each caller gets its own copy.) */
+static inline __attribute__((always_inline)) void dot_q4_k_x8_(const int i8, const uint8_t *tile, const Vec *v, int k, float *out) {
     const int nb = k / QK_K;
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
     for (int i = 0; i < nb; i++, tile += 1152) {
         TILE_PREFETCH(tile, 1152);
         const K4Scales s = k4_tile_scales(tile);
-        const int8_t *xh = v->khe + (size_t)i * QK_K * 8;
+        const int8_t *xh = (i8 ? (const int8_t *)v->kle : v->khe) + (size_t)i * QK_K * 8;
         const uint8_t *xl = v->kle + (size_t)i * QK_K * 8, *q = tile + 128;
         __m256 sf = _mm256_setzero_ps();
         for (int j = 0; j < 4; j++) {
@@ -2080,16 +2046,20 @@ static void dot_q4_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) {
                 const size_t uA = 32 * (16 * j + g), uB = uA + 32 * 8;
                 hA = _mm256_add_epi16(hA, _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xh + uA))));
                 hB = _mm256_add_epi16(hB, _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xh + uB))));
-                lA[g >> 2] = _mm256_add_epi16(lA[g >> 2], _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(xl + uA)), lo));
-                lB[g >> 2] = _mm256_add_epi16(lB[g >> 2], _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(xl + uB)), hi));
+                if (!i8) {
+                    lA[g >> 2] = _mm256_add_epi16(lA[g >> 2], _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(xl + uA)), lo));
+                    lB[g >> 2] = _mm256_add_epi16(lB[g >> 2], _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(xl + uB)), hi));
+                }
             }
-            /* each lane's scale as two int16 (x 256 for the kh sums) */
+            /* each lane's scale as two int16 (x 256 for the kh sums of int16 inputs) */
             const __m256i a = k4_lane_byte(s.sc03, s.sc47, 2 * j), b = k4_lane_byte(s.sc03, s.sc47, 2 * j + 1);
             const __m256i pa = _mm256_or_si256(a, _mm256_slli_epi32(a, 16)), pb = _mm256_or_si256(b, _mm256_slli_epi32(b, 16));
-            __m256i S = _mm256_madd_epi16(hA, _mm256_slli_epi16(pa, 8));
-            S = _mm256_add_epi32(S, _mm256_add_epi32(_mm256_madd_epi16(lA[0], pa), _mm256_madd_epi16(lA[1], pa)));
-            S = _mm256_add_epi32(S, _mm256_madd_epi16(hB, _mm256_slli_epi16(pb, 8)));
-            S = _mm256_add_epi32(S, _mm256_add_epi32(_mm256_madd_epi16(lB[0], pb), _mm256_madd_epi16(lB[1], pb)));
+            __m256i S = _mm256_add_epi32(_mm256_madd_epi16(hA, i8 ? pa : _mm256_slli_epi16(pa, 8)),
+                                         _mm256_madd_epi16(hB, i8 ? pb : _mm256_slli_epi16(pb, 8)));
+            if (!i8) {
+                S = _mm256_add_epi32(S, _mm256_add_epi32(_mm256_madd_epi16(lA[0], pa), _mm256_madd_epi16(lA[1], pa)));
+                S = _mm256_add_epi32(S, _mm256_add_epi32(_mm256_madd_epi16(lB[0], pb), _mm256_madd_epi16(lB[1], pb)));
+            }
             sf = _mm256_add_ps(sf, _mm256_cvtepi32_ps(S));
         }
         k4_tile_close(tile, v->kd[i], sf, &s, v->kbs + 8 * i, &acc, &accm);
@@ -2097,14 +2067,13 @@ static void dot_q4_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) {
     _mm256_storeu_ps(out, _mm256_sub_ps(acc, accm));
 }
 
-static void dot_q6_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) {
+static inline __attribute__((always_inline)) void dot_q6_k_x8_(const int i8, const uint8_t *tile, const Vec *v, int k, float *out) {
     const int nb = k / QK_K;
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30), one = _mm256_set1_epi16(1),
-                  k256 = _mm256_set1_epi16(256);
+    const __m256i one = _mm256_set1_epi16(1), kh = i8 ? one : _mm256_set1_epi16(256);
     __m256 acc = _mm256_setzero_ps();
     for (int i = 0; i < nb; i++, tile += 1680) {
         TILE_PREFETCH(tile, 1680);
-        const int8_t *xh = v->khe + (size_t)i * QK_K * 8;
+        const int8_t *xh = (i8 ? (const int8_t *)v->kle : v->khe) + (size_t)i * QK_K * 8;
         const uint8_t *xl = v->kle + (size_t)i * QK_K * 8;
         const int32_t *xs = v->ks16 + 16 * i;
         __m256 sf = _mm256_setzero_ps();
@@ -2113,21 +2082,15 @@ static void dot_q6_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) {
                 __m256i T[4], th[4];
                 for (int s = 0; s < 4; s++) T[s] = th[s] = _mm256_setzero_si256();
                 for (int g = 4 * h; g < 4 * h + 4; g++) {
-                    const __m256i a = _mm256_loadu_si256((const __m256i *)(tile + 144 + 32 * (16 * n + g)));
-                    const __m256i b = _mm256_loadu_si256((const __m256i *)(tile + 144 + 32 * (16 * n + 8 + g)));
-                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(tile + 1168 + 32 * (8 * n + g)));
-                    const __m256i q[4] = {
-                        _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
-                        _mm256_or_si256(_mm256_and_si256(b, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), _mm256_and_si256(qh, m30)),
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4),
-                                        _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
+                    __m256i q[4];
+                    k6_tile_quants(tile, n, g, q);
                     for (int s = 0; s < 4; s++) {
                         const size_t u = 32 * (32 * n + 8 * s + g);
                         th[s] = _mm256_add_epi16(th[s], _mm256_maddubs_epi16(q[s], _mm256_loadu_si256((const __m256i *)(xh + u))));
-                        T[s] = _mm256_add_epi32(T[s], _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(xl + u)), q[s]), one));
+                        if (!i8)
+                            T[s] = _mm256_add_epi32(T[s], _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(xl + u)), q[s]), one));
                         if (g & 1) { /* two kh pairs a lane: < 2^15 */
-                            T[s] = _mm256_add_epi32(T[s], _mm256_madd_epi16(th[s], k256));
+                            T[s] = _mm256_add_epi32(T[s], _mm256_madd_epi16(th[s], kh));
                             th[s] = _mm256_setzero_si256();
                         }
                     }
@@ -2143,80 +2106,11 @@ static void dot_q6_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) {
     _mm256_storeu_ps(out, acc);
 }
 
-/* int8 inputs (ACT_Q8, |x| <= 127: --opt fast). The low bytes kle, read as signed, are then
- * the inputs themselves: one vpmaddubsw per pair of weights, the high bytes (0 or -1) never
- * read. Sums in int16 as far as they stay exact: 8 pairs of Q4_K (8 x 2 x 15 x 128), 2 of
- * Q6_K (2 x 2 x 63 x 128); then as above. */
 #define TILES_I8 1
-static void dot_q4_k_x8_i8(const uint8_t *tile, const Vec *v, int k, float *out) {
-    const int nb = k / QK_K;
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
-    for (int i = 0; i < nb; i++, tile += 1152) {
-        TILE_PREFETCH(tile, 1152);
-        const K4Scales s = k4_tile_scales(tile);
-        const int8_t *x = (const int8_t *)v->kle + (size_t)i * QK_K * 8;
-        const uint8_t *q = tile + 128;
-        __m256 sf = _mm256_setzero_ps();
-        for (int j = 0; j < 4; j++) {
-            __m256i A = _mm256_setzero_si256(), B = A;
-            for (int g = 0; g < 8; g++) {
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(q + 32 * (8 * j + g)));
-                const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
-                const size_t uA = 32 * (16 * j + g), uB = uA + 32 * 8;
-                A = _mm256_add_epi16(A, _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(x + uA))));
-                B = _mm256_add_epi16(B, _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + uB))));
-            }
-            const __m256i a = k4_lane_byte(s.sc03, s.sc47, 2 * j), b = k4_lane_byte(s.sc03, s.sc47, 2 * j + 1);
-            const __m256i pa = _mm256_or_si256(a, _mm256_slli_epi32(a, 16)), pb = _mm256_or_si256(b, _mm256_slli_epi32(b, 16));
-            sf = _mm256_add_ps(sf, _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(A, pa), _mm256_madd_epi16(B, pb))));
-        }
-        k4_tile_close(tile, v->kd[i], sf, &s, v->kbs + 8 * i, &acc, &accm);
-    }
-    _mm256_storeu_ps(out, _mm256_sub_ps(acc, accm));
-}
-
-static void dot_q6_k_x8_i8(const uint8_t *tile, const Vec *v, int k, float *out) {
-    const int nb = k / QK_K;
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30), one = _mm256_set1_epi16(1);
-    __m256 acc = _mm256_setzero_ps();
-    for (int i = 0; i < nb; i++, tile += 1680) {
-        TILE_PREFETCH(tile, 1680);
-        const int8_t *x = (const int8_t *)v->kle + (size_t)i * QK_K * 8;
-        const int32_t *xs = v->ks16 + 16 * i;
-        __m256 sf = _mm256_setzero_ps();
-        for (int n = 0; n < 2; n++)
-            for (int h = 0; h < 2; h++) {
-                __m256i T[4], t[4];
-                for (int s = 0; s < 4; s++) T[s] = t[s] = _mm256_setzero_si256();
-                for (int g = 4 * h; g < 4 * h + 4; g++) {
-                    const __m256i a = _mm256_loadu_si256((const __m256i *)(tile + 144 + 32 * (16 * n + g)));
-                    const __m256i b = _mm256_loadu_si256((const __m256i *)(tile + 144 + 32 * (16 * n + 8 + g)));
-                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(tile + 1168 + 32 * (8 * n + g)));
-                    const __m256i q[4] = {
-                        _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
-                        _mm256_or_si256(_mm256_and_si256(b, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), _mm256_and_si256(qh, m30)),
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4),
-                                        _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
-                    for (int s = 0; s < 4; s++) {
-                        t[s] = _mm256_add_epi16(t[s], _mm256_maddubs_epi16(q[s], _mm256_loadu_si256((const __m256i *)(x + 32 * (32 * n + 8 * s + g)))));
-                        if (g & 1) {
-                            T[s] = _mm256_add_epi32(T[s], _mm256_madd_epi16(t[s], one));
-                            t[s] = _mm256_setzero_si256();
-                        }
-                    }
-                }
-                for (int s = 0; s < 4; s++) {
-                    const int bk = 8 * n + 2 * s + h;
-                    const __m256i D = _mm256_sub_epi32(T[s], _mm256_set1_epi32(32 * xs[bk]));
-                    sf = _mm256_fmadd_ps(k6_tile_scale(tile, bk), _mm256_cvtepi32_ps(D), sf);
-                }
-            }
-        acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tile)), _mm256_set1_ps(v->kd[i])), sf, acc);
-    }
-    _mm256_storeu_ps(out, acc);
-}
+static void dot_q4_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) { dot_q4_k_x8_(0, tile, v, k, out); }
+static void dot_q6_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) { dot_q6_k_x8_(0, tile, v, k, out); }
+static void dot_q4_k_x8_i8(const uint8_t *tile, const Vec *v, int k, float *out) { dot_q4_k_x8_(1, tile, v, k, out); }
+static void dot_q6_k_x8_i8(const uint8_t *tile, const Vec *v, int k, float *out) { dot_q6_k_x8_(1, tile, v, k, out); }
 #endif
 
 /* rows 8 g .. 8 g + 7 of m (in tiles) . v (made ready by ready_for) */

@@ -55,9 +55,12 @@ def random_matrix(kind: str, rows: int, cols: int, rng: np.random.Generator, sca
 
 def held(x: np.ndarray, kind: str, act: int) -> np.ndarray:
     """x as the kernels hold it in a product with a `kind` matrix (kernels.c, prepare_blocks
-    and prepare_k): int8 or int16 per block with a float32 scale, or x itself."""
+    and prepare_k): int8 or int16 per block with a float32 scale, or x itself. The K-quants
+    take int8 per super-block of 256 (`--opt fast`) as they take int16."""
     if act == kernels.ACT_Q8 and kind in Q8_FORMATS:
         block, top = 32, 127.0
+    elif act == kernels.ACT_Q8 and kind in K_QUANTS:
+        block, top = 256, 127.0
     elif act == kernels.ACT_I16 and kind in I16_FORMATS:
         block, top = (256 if kind in K_QUANTS else 32), 32767.0
     else:
