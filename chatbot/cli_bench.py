@@ -330,8 +330,8 @@ def bench_decode(
     setups: Annotated[
         str | None,
         typer.Option(
-            help="Comma-separated set-ups (default: transformers-generate, chatbot-off/f32/auto/int8/int4, "
-            "and llama.cpp when llama-cpp-python is installed)."
+            help="Comma-separated set-ups (default: transformers-generate, "
+            "chatbot-off/f32/auto/fast/int8/int4, and llama.cpp when llama-cpp-python is installed)."
         ),
     ] = None,
     rounds: Annotated[

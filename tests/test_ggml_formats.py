@@ -68,23 +68,25 @@ def int16_activations(x: np.ndarray, block: int = 32, top: int = 32767) -> np.nd
 
 
 @pytest.mark.parametrize("kind", FORMATS)
-@pytest.mark.parametrize("act", [kernels.ACT_F32, kernels.ACT_I16])
+@pytest.mark.parametrize("act", [kernels.ACT_F32, kernels.ACT_I16, kernels.ACT_Q8])
 def test_matvec_equals_float64_product_of_reference(kind, act):
     """ACT_I16 is the activation form `--opt auto` uses: the block formats with an int16
     product must equal the exact product with the int16-rounded activations; the others
-    take float32 activations and must equal the exact product with x itself."""
+    take float32 activations and must equal the exact product with x itself. ACT_Q8 (`--opt
+    fast`): the same block formats take int8-rounded activations."""
     data, ref = random_matrix(kind, seed=2)
     packed = kernels.from_raw(data, kernels.GGUF_FORMATS[kind], ROWS, COLS)
     x = torch.from_numpy(np.random.default_rng(3).standard_normal(COLS).astype(np.float32))
     block = 256 if kind in K_QUANTS else 32
-    int16 = act == kernels.ACT_I16 and kind in INT16_FORMATS
-    xs = int16_activations(x.numpy(), block) if int16 else x.numpy()
+    integer = act in (kernels.ACT_I16, kernels.ACT_Q8) and kind in INT16_FORMATS
+    top = 127 if act == kernels.ACT_Q8 else 32767
+    xs = int16_activations(x.numpy(), block, top) if integer else x.numpy()
     exact = ref.astype(np.float64) @ xs.astype(np.float64)
     bound = np.abs(ref).astype(np.float64) @ np.abs(xs).astype(np.float64)
     for threads in (1, 2):
         got = kernels.matvec(packed, x, threads, act=act).numpy()
         assert np.all(np.abs(got - exact) <= 2e-6 * bound + 1e-6), kind
-    if act == kernels.ACT_I16 and kind in INT16_FORMATS:  # and it is not the float32 product
+    if integer:  # and it is not the float32 product
         assert not np.allclose(
             kernels.matvec(packed, x, 1, act=act).numpy(),
             ref.astype(np.float64) @ x.numpy(),

@@ -400,7 +400,6 @@ def test_toolbar_is_drawn_under_the_prompt(chat):
 CHATBOT = str(Path(sys.executable).with_name("chatbot"))
 
 
-@pytest.mark.slow
 def _past_the_line(raw: str, line: str) -> str:
     """The text of terminal output `raw` without its escape sequences and without the typed
     `line`, which the prompt draws again when it is sent: whole, or its start where the output
@@ -421,6 +420,7 @@ def test_past_the_line_drops_a_partly_drawn_line():
     assert _past_the_line("Once upon a time", line) == "Once upon a time"
 
 
+@pytest.mark.slow
 def test_real_chat_interrupt_and_resume(tmp_path):
     """The real command in a terminal: Ctrl-C stops an answer at once and keeps it; the
     session log brings the chat back with --resume; `chatbot sessions` lists it."""

@@ -16,6 +16,9 @@ The weights are packed once per model, in one of these formats (`DecodeOptions.w
   the model's packed modules, or read from the file for a dequantized model); otherwise per
   matrix the smallest format that holds it exactly: Q4_1/Q8_0, bfloat16 for a bf16
   checkpoint, else float32; the model's own weights, no extra quantization of them;
+- ``fast``: the matrices of ``auto``, with the inputs rounded to int8 as llama.cpp rounds
+  them (per 32 values, per 256 into the K-quants): lossy, and on CPUs without AVX-512 VNNI
+  the K-quant products take half the byte products (kernels.c, `dot_q4_k_x8_`);
 - ``int8``: Q8_0 everywhere (int8, one scale per 32 weights), lossy;
 - ``int4``: Q4_1 for the layers and Q8_0 for the embedding / lm_head (as llama.cpp's Q4_1
   files), lossy on a model that was not quantized that way already.
@@ -389,9 +392,11 @@ class FastDecoder:
         int16 per block for `auto` (2^-16 of the block's largest value: the integer dot
         products of the block formats at 1/258 of int8's error, see kernels.c;
         `kernels.INT16_PRODUCTS` lists the formats that have them)."""
-        if self.level in ("fast", "int8", "int4"):
+        if self.level in ("int8", "int4"):
             return kernels.ACT_Q8
-        return kernels.ACT_I16 if self._has_int16_products() else kernels.ACT_F32
+        if not self._has_int16_products():  # float weights only: float inputs
+            return kernels.ACT_F32
+        return kernels.ACT_Q8 if self.level == "fast" else kernels.ACT_I16
 
     def _has_int16_products(self) -> bool:
         mats = [self.embed, self.lm_head, *self._parts()]

@@ -967,6 +967,7 @@ static void prepare_blocks(Vec *v) {
             for (int i = 0; i < QK; i++) {
                 const int q = (int)nearbyintf(b[i] * id);
                 v->q[j * QK + i] = (int8_t)q;
+                v->q16[j * QK + i] = (int16_t)q; /* the int16 products of Q4_0/Q5_0/Q5_1 read these */
                 sum += q;
             }
             v->qd[j] = d;
@@ -2173,7 +2174,8 @@ static inline float dot_vec(const Mat *m, int n, const Vec *v) {
         if (v->kready) return dot_q6_k_k16((const uint8_t *)row, v, m->cols);
         return dot_q6_k((const uint8_t *)row, v->x, m->cols);
     case FMT_Q4_0: case FMT_Q5_0: case FMT_Q5_1:
-        if (v->act == ACT_I16) return dot_q45_0_i16(m->fmt, (const uint8_t *)row, v, m->cols);
+        /* int8 inputs (ACT_Q8) through the int16 products: exact, and no int8 form of these */
+        if (v->act == ACT_I16 || v->act == ACT_Q8) return dot_q45_0_i16(m->fmt, (const uint8_t *)row, v, m->cols);
         return dot_q45_0(m->fmt, (const uint8_t *)row, v->x, v->xsum, m->cols);
 #endif
     default: return dot_generic(m->fmt, (const uint8_t *)row, v->x, m->cols);

@@ -61,6 +61,8 @@ def held(x: np.ndarray, kind: str, act: int) -> np.ndarray:
         block, top = 32, 127.0
     elif act == kernels.ACT_Q8 and kind in K_QUANTS:
         block, top = 256, 127.0
+    elif act == kernels.ACT_Q8 and kind in I16_FORMATS:  # Q4_0, Q5_0, Q5_1: the int16 products
+        block, top = 32, 127.0
     elif act == kernels.ACT_I16 and kind in I16_FORMATS:
         block, top = (256 if kind in K_QUANTS else 32), 32767.0
     else:
