@@ -120,7 +120,7 @@ OptOpt = Annotated[
     typer.Option(
         "--opt",
         help="Decode path: auto (native CPU kernels, weights kept exact), fast (auto's weights, "
-        "inputs rounded to int8 as llama.cpp does: lossy, faster on AVX2), f32, int8 or int4 "
+        "inputs rounded to int8 as llama.cpp does: lossy, faster), f32, int8 or int4 "
         "(smaller, lossy), off (transformers).",
         callback=_check_opt,
     ),

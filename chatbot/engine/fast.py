@@ -17,8 +17,8 @@ The weights are packed once per model, in one of these formats (`DecodeOptions.w
   matrix the smallest format that holds it exactly: Q4_1/Q8_0, bfloat16 for a bf16
   checkpoint, else float32; the model's own weights, no extra quantization of them;
 - ``fast``: the matrices of ``auto``, with the inputs rounded to int8 as llama.cpp rounds
-  them (per 32 values, per 256 into the K-quants): lossy, and on CPUs without AVX-512 VNNI
-  the K-quant products take half the byte products (kernels.c, `dot_q4_k_x8_`);
+  them (per 32 values, per 256 into the K-quants): lossy, and the K-quant tile products take
+  half the byte products (kernels.c, `dot_q4_k_x8_`);
 - ``int8``: Q8_0 everywhere (int8, one scale per 32 weights), lossy;
 - ``int4``: Q4_1 for the layers and Q8_0 for the embedding / lm_head (as llama.cpp's Q4_1
   files), lossy on a model that was not quantized that way already.

@@ -23,9 +23,9 @@
  *            int16 per super-block of 256 (prepare_k), so that a super-block's products add
  *            up in int32 before one conversion to float.
  *   With ACT_Q8 the K-quants take int8 per super-block of 256 (ggml's Q8_K, as llama.cpp
- *   runs them): prepare_k's values within +-127, the same integer products, and on AVX2
- *   without AVX-512 tile products that skip the inputs' high byte (one vpmaddubsw per pair of
- *   weights where int16 inputs take two: --opt fast).
+ *   runs them): prepare_k's values within +-127, the same integer products, and tile
+ *   products that skip the inputs' high byte (one byte product per weight where int16 inputs
+ *   take two: --opt fast). Q4_0/Q5_0/Q5_1 take them through their int16 products.
  * Prefill (many inputs at once) has its own batched ACT_I16 product, chatbot_matmul (AVX-512:
  * weights unpacked to int16 rows-in-lanes, see there).
  *
@@ -990,11 +990,11 @@ static void prepare_blocks(Vec *v) {
 static inline float k_top(const Vec *v) { return v->act == ACT_Q8 ? 127.0f : 32767.0f; }
 
 #ifdef CB_AVX2
-/* The K-quant form of an ACT_I16 vector (ACT_Q8: the same within +-127) (once per vector, before its first K-quant product;
+/* The K-quant form of an ACT_I16 or ACT_Q8 vector (once per vector, before its first K-quant product;
  * a vector shared by threads must be made ready before they start). One scale per
  * super-block lets a whole super-block's products add up in int32 before one conversion to
- * float, as the K-quants' own integer sub-block scales allow; still 128x finer than
- * llama.cpp's int8 per 256 (ggml's Q8_K). */
+ * float, as the K-quants' own integer sub-block scales allow; int16 is still 128x finer than
+ * llama.cpp's int8 per 256 (ggml's Q8_K), which ACT_Q8 is. */
 static void prepare_k(Vec *v) {
     if (v->kready) return; /* ready_for calls it for int16 inputs of whole super-blocks only */
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -2003,11 +2003,6 @@ static inline __attribute__((always_inline)) void dot_q6_k_x8_(const int i8, con
     _mm256_storeu_ps(out, acc);
 }
 
-#define TILES_I8 1
-static void dot_q4_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) { dot_q4_k_x8_(0, tile, v, k, out); }
-static void dot_q6_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) { dot_q6_k_x8_(0, tile, v, k, out); }
-static void dot_q4_k_x8_i8(const uint8_t *tile, const Vec *v, int k, float *out) { dot_q4_k_x8_(1, tile, v, k, out); }
-static void dot_q6_k_x8_i8(const uint8_t *tile, const Vec *v, int k, float *out) { dot_q6_k_x8_(1, tile, v, k, out); }
 #else
 /* The 6-bit quants (0..63) of a Q6_K tile's values 128 n + 32 s + 16 h + (0..15) in q[s], one
  * u32 of 8 rows at u32 g (h = g / 4), for the tile products below */
@@ -2107,29 +2102,22 @@ static inline __attribute__((always_inline)) void dot_q6_k_x8_(const int i8, con
     _mm256_storeu_ps(out, acc);
 }
 
-#define TILES_I8 1
+#endif
+
+/* Each tile product for int16 inputs and for int8 ones (ACT_Q8): two copies of one body */
 static void dot_q4_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) { dot_q4_k_x8_(0, tile, v, k, out); }
 static void dot_q6_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) { dot_q6_k_x8_(0, tile, v, k, out); }
 static void dot_q4_k_x8_i8(const uint8_t *tile, const Vec *v, int k, float *out) { dot_q4_k_x8_(1, tile, v, k, out); }
 static void dot_q6_k_x8_i8(const uint8_t *tile, const Vec *v, int k, float *out) { dot_q6_k_x8_(1, tile, v, k, out); }
-#endif
 
 /* rows 8 g .. 8 g + 7 of m (in tiles) . v (made ready by ready_for) */
 static inline void dot_tile(const Mat *m, int g, const Vec *v, float *out) {
     const uint8_t *tile = (const uint8_t *)m->data + (size_t)g * X8 * row_bytes(m);
-#ifdef TILES_I8
-    if (v->act == ACT_Q8) {
-        if (m->fmt == FMT_Q4_K)
-            dot_q4_k_x8_i8(tile, v, m->cols, out);
-        else
-            dot_q6_k_x8_i8(tile, v, m->cols, out);
-        return;
-    }
-#endif
+    const int i8 = v->act == ACT_Q8;
     if (m->fmt == FMT_Q4_K)
-        dot_q4_k_x8(tile, v, m->cols, out);
+        (i8 ? dot_q4_k_x8_i8 : dot_q4_k_x8)(tile, v, m->cols, out);
     else
-        dot_q6_k_x8(tile, v, m->cols, out);
+        (i8 ? dot_q6_k_x8_i8 : dot_q6_k_x8)(tile, v, m->cols, out);
 }
 #endif
 

@@ -793,10 +793,13 @@ def matvec_scratch(cols: int) -> torch.Tensor:
     return torch.empty(int(load_library().chatbot_matvec_scratch(cols)), dtype=torch.float32)
 
 
-def matvec(p: PackedMatrix, x: torch.Tensor, threads: int | None = None, act: int = ACT_F32) -> torch.Tensor:
+def matvec(
+    p: PackedMatrix, x: torch.Tensor, threads: int | None = None, act: int = ACT_F32, lib: Any = None
+) -> torch.Tensor:
     """W x with the native kernel (x: float32 [cols]); for tests and micro-benchmarks.
-    `act`: the form x takes in Q8_0/Q4_1 products (`ACT_F32`, `ACT_Q8`, `ACT_I16`)."""
-    lib = load_library()
+    `act`: the form x takes in the block formats' products (`ACT_F32`, `ACT_Q8`, `ACT_I16`);
+    `lib`: another build of the kernels (`open_library`) than the one `load_library` gives."""
+    lib = lib or load_library()
     x = x.detach().to(torch.float32).contiguous()
     y = torch.empty(p.rows, dtype=torch.float32)
     scratch = matvec_scratch(p.cols)

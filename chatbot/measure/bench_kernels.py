@@ -68,16 +68,6 @@ def build(name: str, flags: str, folder: Path, source: Path | None = None) -> ct
     return kernels.open_library(target)
 
 
-def _matvec(
-    lib: ctypes.CDLL, p: kernels.PackedMatrix, x: torch.Tensor, threads: int, act: int
-) -> torch.Tensor:
-    y = torch.empty(p.rows, dtype=torch.float32)
-    scratch = kernels.matvec_scratch(p.cols)
-    mat = p.as_struct()
-    lib.chatbot_matvec(ctypes.byref(mat), x.data_ptr(), scratch.data_ptr(), y.data_ptr(), threads, act)
-    return y
-
-
 def matrices(path: Path) -> dict[str, list[kernels.PackedMatrix]]:
     """The groups of matrices timed: hot (one of each kind in the first layer), layers, output."""
     src = GGUFWeights(path)
@@ -130,7 +120,7 @@ def run_kernels_bench(
         load = [os.getloadavg()[0]]
         for name, (lib, act) in libs.items():  # warm-up and the check against the first build
             for i, p in enumerate(m for ms in groups.values() for m in ms):
-                y = _matvec(lib, p, inputs[p.cols], threads, ACTS[act])
+                y = kernels.matvec(p, inputs[p.cols], threads, ACTS[act], lib=lib)
                 ref = first.setdefault((act, i), y)
                 if check and not torch.allclose(y, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max())):
                     raise RuntimeError(
@@ -143,7 +133,7 @@ def run_kernels_bench(
                     start = time.perf_counter()
                     for _ in range(reps):
                         for p in ms:
-                            _matvec(lib, p, inputs[p.cols], threads, ACTS[act])
+                            kernels.matvec(p, inputs[p.cols], threads, ACTS[act], lib=lib)
                     times[name][group].append((time.perf_counter() - start) / reps * 1000)
         load.append(os.getloadavg()[0])
     return {
