@@ -8,6 +8,7 @@ random weights, to measure memory and speed at scales that cannot be downloaded 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from dataclasses import dataclass
@@ -241,10 +242,21 @@ def llama3_rope_factors(
 
 
 def _tokenizer_fields(source: Path) -> dict[str, Any]:
-    """The tokenizer metadata of a GGUF file (the default model's: a 49k BPE with ChatML)."""
+    """The tokenizer metadata of a GGUF file (the default model's: a 49k BPE with ChatML).
+
+    `gguf.GGUFReader` takes ~2.3 s to parse that vocabulary, and every synthetic file (a
+    test writes several) takes its tokenizer from it: the fields are read once per process
+    and file version (path, size, modification time), as tuples nobody can change."""
+    st = Path(source).stat()
+    return _read_tokenizer_fields(str(source), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_tokenizer_fields(source: str, size: int, mtime_ns: int) -> dict[str, Any]:
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(source))
+    del size, mtime_ns  # the cache's key only
+    reader = GGUFReader(source)
     keys = ["model", "pre", "tokens", "token_type", "merges", "bos_token_id", "eos_token_id",
             "unknown_token_id", "padding_token_id"]  # fmt: skip
     out = {
@@ -252,6 +264,7 @@ def _tokenizer_fields(source: Path) -> dict[str, Any]:
         for k in keys
         if f"tokenizer.ggml.{k}" in reader.fields
     }
+    out = {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}
     out["chat_template"] = reader.fields["tokenizer.chat_template"].contents()
     return out
 
@@ -299,11 +312,9 @@ def sentencepiece_vocab(vocab: int, source: Path) -> dict[str, Any]:
         tokens, scores, token_type (gguf.TokenType values) and the special ids.
     """
     import gguf
-    from gguf import GGUFReader
 
-    reader = GGUFReader(str(source))
-    bpe = reader.fields["tokenizer.ggml.tokens"].contents()
-    bpe_types = reader.fields["tokenizer.ggml.token_type"].contents()
+    fields = _tokenizer_fields(source)
+    bpe, bpe_types = fields["tokens"], fields["token_type"]
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     # byte-level BPE spells each byte as a printable character (GPT-2's table)
