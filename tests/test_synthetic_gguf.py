@@ -101,6 +101,27 @@ def test_gemma_vocabulary_of_the_real_size():
     assert tok.convert_ids_to_tokens(tok("Hello the world")["input_ids"])[:2] == ["<bos>", "Hello"]
 
 
+def test_the_tokenizer_source_is_read_again_once_it_changes(tmp_path):
+    """Synthetic files take their tokenizer from a GGUF file read once per process
+    (`_tokenizer_fields`): a source rewritten since is read again, and a caller's changes to
+    what it got do not reach the next caller."""
+    import dataclasses
+
+    from chatbot.models.gguf_synthetic import _tokenizer_fields
+
+    source = tmp_path / "source.gguf"
+    shape = SHAPES["llama"]["tiny"]
+    write_synthetic_gguf(source, "llama", shape, "Q8_0")
+    first = _tokenizer_fields(source)
+    assert len(first["tokens"]) == shape.vocab
+    first["tokens"] = ()
+    assert len(_tokenizer_fields(source)["tokens"]) == shape.vocab
+    write_synthetic_gguf(source, "llama", dataclasses.replace(shape, vocab=shape.vocab + 48), "Q8_0")
+    again = _tokenizer_fields(source)
+    assert len(again["tokens"]) == shape.vocab + 48 and again["tokens"][-1].startswith("<|unused_")
+    assert GGUFReader(str(source)).fields["tokenizer.ggml.tokens"].contents() == list(again["tokens"])
+
+
 def test_q4_k_m_tensor_types_follow_llama_cpp():
     assert tensor_type("Q4_K_M", "attn_q", 5, 24, 1536) == "Q4_K"
     assert tensor_type("Q4_K_M", "output", 0, 24, 1536) == "Q6_K"

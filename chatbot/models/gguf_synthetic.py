@@ -246,9 +246,10 @@ def _tokenizer_fields(source: Path) -> dict[str, Any]:
 
     `gguf.GGUFReader` takes ~2.3 s to parse that vocabulary, and every synthetic file (a
     test writes several) takes its tokenizer from it: the fields are read once per process
-    and file version (path, size, modification time), as tuples nobody can change."""
+    and file version (path, size, modification time); lists come back as tuples, in a dict
+    of the caller's own."""
     st = Path(source).stat()
-    return _read_tokenizer_fields(str(source), st.st_size, st.st_mtime_ns)
+    return dict(_read_tokenizer_fields(str(source), st.st_size, st.st_mtime_ns))
 
 
 @functools.lru_cache(maxsize=4)
