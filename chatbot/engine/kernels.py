@@ -335,6 +335,12 @@ def _cache_lock(folder: Path) -> Iterator[None]:
             os.close(fd)  # releases the lock
 
 
+def compile_command(cc: str, flags: list[str], target: str | Path, source: Path = SOURCE) -> list[str]:
+    """The compiler's command line that builds `source` (kernels.c, or a copy of it) into the
+    shared library `target` with `flags` (`build_flags`)."""
+    return [cc, *flags, "-o", str(target), str(source), "-lm"]
+
+
 def build(cc: str, target: Path, openmp: bool = True) -> None:
     """Compile kernels.c into `target` (with OpenMP, or on its own thread pool), then record
     its checksum (`checksum_path`).
@@ -357,7 +363,7 @@ def build(cc: str, target: Path, openmp: bool = True) -> None:
         ) from None
     try:
         proc = subprocess.run(
-            [cc, *build_flags(openmp), "-o", tmp, str(SOURCE), "-lm"],
+            compile_command(cc, build_flags(openmp), tmp),
             capture_output=True,
             text=True,
             check=False,

@@ -61,7 +61,7 @@ def build(name: str, flags: str, folder: Path, source: Path | None = None) -> ct
     if cc is None:
         raise RuntimeError("no C compiler (set CC, or install gcc)")
     target = folder / f"kernels-{name}.so"
-    cmd = [cc, *kernels.FLAGS, *flags.split(), "-o", str(target), str(source or kernels.SOURCE), "-lm"]
+    cmd = kernels.compile_command(cc, [*kernels.FLAGS, *flags.split()], target, source or kernels.SOURCE)
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"build {name!r} failed: {(done.stderr or done.stdout).strip().splitlines()[0]}")
