@@ -52,20 +52,24 @@ def default_builds() -> dict[str, str]:
 
 
 def build(name: str, flags: str, folder: Path, source: Path | None = None) -> ctypes.CDLL:
-    """kernels.c (or `source`, a copy of it) compiled as the cache would, plus `flags`.
+    """kernels.c (or `source`, a copy of it) compiled as the cache would, plus `flags`: with
+    OpenMP, or where the compiler has none (clang without libomp), on the kernels' own pool.
 
     Raises:
-        RuntimeError: the compiler failed (its first error line).
+        RuntimeError: the compiler failed (the OpenMP build's first error line).
     """
     cc = kernels.find_compiler()
     if cc is None:
         raise RuntimeError("no C compiler (set CC, or install gcc)")
     target = folder / f"kernels-{name}.so"
-    cmd = kernels.compile_command(cc, [*kernels.FLAGS, *flags.split()], target, source or kernels.SOURCE)
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"build {name!r} failed: {(done.stderr or done.stdout).strip().splitlines()[0]}")
-    return kernels.open_library(target)
+    errors = []
+    for base in (kernels.FLAGS, kernels.NO_OPENMP_FLAGS):
+        cmd = kernels.compile_command(cc, [*base, *flags.split()], target, source or kernels.SOURCE)
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode == 0:
+            return kernels.open_library(target)
+        errors.append((done.stderr or done.stdout).strip().splitlines()[0])
+    raise RuntimeError(f"build {name!r} failed: {errors[0]}")
 
 
 def matrices(path: Path) -> dict[str, list[kernels.PackedMatrix]]:
