@@ -34,7 +34,7 @@ def q4_k_m(tmp_path_factory) -> Path:
     return path
 
 
-def _bench(*args: str) -> subprocess.CompletedProcess:
+def _bench(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     # -O1: the builds compile in a fraction of the time; the figures are not what is tested
     return subprocess.run(
         [str(ROOT / "scripts" / "bench-kernels"), *args, "--rounds", "2"],
@@ -42,7 +42,7 @@ def _bench(*args: str) -> subprocess.CompletedProcess:
         text=True,
         timeout=300,
         check=False,
-        env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+        env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin", "HOME": str(Path.home()), **(env or {})},
     )
 
 
@@ -98,3 +98,27 @@ def test_a_file_that_is_not_a_model_is_one_line(tmp_path):
     done = _bench(str(bad), "--build", "ours=-O1")
     assert done.returncode == 1
     assert done.stderr.startswith("error: ") and len(done.stderr.strip().splitlines()) == 1
+
+
+def _compiler(folder: Path, name: str, refuse: str) -> str:
+    """A `cc` that fails (saying "no omp.h") when an argument matches the shell pattern `refuse`."""
+    fake = folder / name
+    fake.write_text(
+        f'#!/bin/sh\nfor a in "$@"; do case "$a" in {refuse}) echo "no omp.h" >&2; exit 1;; esac; done\n'
+        'exec cc "$@"\n'
+    )
+    fake.chmod(0o755)
+    return str(fake)
+
+
+def test_a_compiler_without_openmp_builds_on_the_own_pool(q4_k_m, tmp_path):
+    """As the cache does for clang without libomp: the build without -fopenmp (-pthread)."""
+    no_omp = _compiler(tmp_path, "cc-no-omp", "-fopenmp")
+    done = _bench(str(q4_k_m), "--build", "ours=-O1", env={"CC": no_omp})
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"^ours\s+layers\s+[\d.]+", done.stdout, re.MULTILINE), done.stdout
+    broken = _compiler(tmp_path, "cc-broken", "*")  # fails every build: the error, one line
+    done = _bench(str(q4_k_m), "--build", "ours=-O1", env={"CC": broken, "XDG_CACHE_HOME": str(tmp_path)})
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.startswith("error: ") and "no omp.h" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr

@@ -110,7 +110,10 @@ def run_kernels_bench(
     """
     import tempfile
 
-    kernels.load_library()  # the cached build: for the tiles' layout, made as a user's run makes it
+    try:  # the cached build: for the tiles' layout, made as a user's run makes it
+        kernels.load_library()
+    except kernels.KernelsUnavailable as exc:
+        raise RuntimeError(str(exc)) from None
     groups = matrices(path)
     nbytes = {g: sum(p.data.numel() * p.data.element_size() for p in ms) for g, ms in groups.items()}
     gen = torch.Generator().manual_seed(0)
