@@ -445,7 +445,7 @@ def test_tinychat_demo_logic(model, tiny_tokenizer, chunk_prefilling):
             start_pos,
             gen_params,
             device="cuda:0",
-            stop_token_ids=[],
+            stop_token_ids=[151645],  # what TinyChat's Qwen prompter passes, whatever the model
             chunk_prefilling=chunk_prefilling,
             quant_llm=False,
         )

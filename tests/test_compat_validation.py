@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-from helpers import make_model
+from helpers import greedy_by_recompute, make_model
 
 from chatbot.compat import (
     StreamGenerator,
@@ -258,12 +258,29 @@ def test_stream_generator_refuses_float_positions_and_stop_ids(tiny_model, tiny_
         next(StreamGenerator(tiny_model, tiny_tokenizer, "Hello", 2.0, gen_params()))
     with refused(r"stop_token_ids\[1\] must be an integer token id, got 7\.0"):
         next(StreamGenerator(tiny_model, tiny_tokenizer, "Hello", 0, gen_params(), stop_token_ids=[5, 7.0]))
-    with refused("token id 9999 is outside the model's vocabulary"):
-        next(StreamGenerator(tiny_model, tiny_tokenizer, "Hello", 0, gen_params(), stop_token_ids=[9999]))
     with refused("stream_interval must be an integer ≥ 1"):
         next(StreamGenerator(tiny_model, tiny_tokenizer, "Hello", 0, gen_params(), stream_interval=0))
     with refused("input must be a string"):
         next(StreamGenerator(tiny_model, tiny_tokenizer, ["Hello"], 0, gen_params()))
+
+
+def test_stream_generator_ignores_stop_ids_outside_the_vocabulary(tiny_model, tiny_tokenizer):
+    """TinyChat's Qwen prompter passes 151645 whatever the model: an id that cannot occur is
+    harmless, and an id beside it still stops the answer (here the first greedy token)."""
+    ids = tiny_tokenizer("Hello")["input_ids"]
+    first = greedy_by_recompute(tiny_model, ids, 1)[0]
+    reset_persistent_cache(tiny_model)
+    plain = list(
+        StreamGenerator(tiny_model, tiny_tokenizer, "Hello", 0, gen_params(), stop_token_ids=[151645])
+    )
+    assert plain[-1]["usage"]["completion_tokens"] > 0
+    reset_persistent_cache(tiny_model)
+    stops = [151645, first]
+    stopped = list(
+        StreamGenerator(tiny_model, tiny_tokenizer, "Hello", 0, gen_params(), stop_token_ids=stops)
+    )
+    assert stopped[-1]["finish_reason"] == "stop"
+    assert stopped[-1]["usage"]["completion_tokens"] == 0
 
 
 def test_stream_generator_takes_integer_stop_ids_of_any_integer_type(tiny_model, tiny_tokenizer):

@@ -18,7 +18,6 @@ from chatbot.compat._common import (
     _check_range,
     _check_text,
     _check_tokenizer,
-    _check_vocab,
     _NoText,
     _token_id,
 )
@@ -171,7 +170,9 @@ def StreamGenerator(
         stream_interval: yield after the 1st answer token and every `stream_interval`-th
             after it.
         echo: the text includes the input.
-        stop_token_ids: ids that end the answer, besides the tokenizer's eos (never changed).
+        stop_token_ids: ids that end the answer, besides the tokenizer's eos (never changed);
+            one outside the vocabulary cannot occur and is ignored (TinyChat's prompters pass
+            Qwen's 151645 whatever the model).
         chunk_prefilling: with ``start_pos > 0``, `input` continues the conversation and gets
             no BOS token (the original dropped its first token, BOS or not).
         quant_llm: accepted for compatibility; quantization is chosen when loading.
@@ -200,7 +201,6 @@ def StreamGenerator(
     start_pos = _token_id(start_pos, "start_pos", "StreamGenerator", "an integer (a token count)")
     stream_interval = _check_range("StreamGenerator", "stream_interval", stream_interval)
     stop_ids = [_token_id(t, f"stop_token_ids[{i}]", "StreamGenerator") for i, t in enumerate(stop_token_ids)]
-    _check_vocab(stop_ids, model, "StreamGenerator")
     engine = Engine(model, tokenizer)
     sampling = _GenParams.read(gen_params, len(tokenizer)).sampling()
     kv = engine.track(persistent_cache(model))
