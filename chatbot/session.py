@@ -36,8 +36,6 @@ import time
 from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
-import torch
-
 from chatbot.alignment import (
     LeadingText,
     Segment,
@@ -49,11 +47,13 @@ from chatbot.alignment import (
 )
 from chatbot.chat import Chat, Meter, ModelInfo
 from chatbot.config import ChatConfig, SamplingConfig
-from chatbot.engine.generate import Engine, GenerationChunk
-from chatbot.engine.sampling import sampling_from_model  # noqa: F401 - re-exported
+from chatbot.engine.generate import Engine, GenerationChunk, TokenObserver
+from chatbot.engine.sampling import (
+    sampling_from_model,  # noqa: F401 - re-exported
+    seeded_generator,
+)
 from chatbot.engine.stats import TurnStats, merge_stats, stats_from_arrivals, summarize
-from chatbot.engine.stop_criteria import StopOnStrings
-from chatbot.engine.stops import StopView
+from chatbot.engine.stop_criteria import stop_checks
 from chatbot.engine.tracked_cache import TrackedCache
 from chatbot.errors import ChatbotError
 from chatbot.models.templates import TemplateInfo, answer_stops
@@ -87,8 +87,9 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
         self.segments: list[Segment] = []
         self.turns: list[Turn] = []
         self.notes: list[str] = []
-        self.generator = torch.Generator(device=engine.device)
-        self._seed_generator()
+        self.generator = seeded_generator(engine.device, self.sampling.seed)
+        # Told of each answer token with its logits (the server's logprobs); None: nobody.
+        self.token_observer: TokenObserver | None = None
         # What ends an answer: stop ids, and the fallback template's stop strings matched as
         # text (single-token ones are stop ids too; the text match also catches them spelled
         # out in several tokens).
@@ -99,12 +100,6 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
         self.prefix_donor: Callable[[TrackedCache, list[int]], int] | None = None
 
     # -- set-up -------------------------------------------------------------------------
-
-    def _seed_generator(self) -> None:
-        if self.sampling.seed is not None:
-            self.generator.manual_seed(self.sampling.seed)
-        else:
-            self.generator.seed()
 
     # -- text and ids ---------------------------------------------------------------------
 
@@ -204,16 +199,12 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
         if self.prefix_donor is not None and self.n_fed == 0 and len(new_ids) > 1 and not interrupted:
             # the last id is fed here: its logits start the answer
             new_ids = new_ids[self.prefix_donor(self.kv, new_ids[:-1]) :]
-        stop: StopOnStrings | None = None
-        view: StopView | None = None
         last = self.segments[-1] if self.segments else None
         before = last if extend and last is not None and last.kind == "answer" else None
         lead = LeadingText(self.text, self.all_ids) if before is not None else None
-        if self.stops:
-            stop = StopOnStrings(self.tokenizer, self.stops)
-            if before is not None:
-                stop.answer_tokens = len(before.ids)  # a stop string may begin in the part before
-            view = StopView(self.stops, before.text if before is not None else "")
+        stop, view = stop_checks(
+            self.tokenizer, self.stops, *((before.text, len(before.ids)) if before is not None else ())
+        )
         seen_before = self.n_fed
         chunks = self.engine.generate(
             self.kv,
@@ -223,6 +214,7 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
             prefill_chunk=self.config.engine.prefill_chunk,
             generator=self.generator,
             stopping_criteria=stop,
+            observer=self.token_observer,
         )
         shown: list[int] = []
         stats: TurnStats | None = None
@@ -443,7 +435,7 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
         reseed = sampling.seed != self.sampling.seed
         self.sampling = sampling
         if reseed:
-            self._seed_generator()
+            self.generator = seeded_generator(self.engine.device, sampling.seed)
 
     def _encode_conversation(self, on_progress: ProgressCallback | None, encode: bool = True) -> int:
         """Re-tokenize the whole conversation and (with `encode`) prefill it in chunks."""
@@ -462,10 +454,7 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
         rows["cache"] = f"{len(self.cache_ids):,} / {self.capacity:,} tokens" + (
             " (attention sinks + recent window)" if self.kv.is_bounded else ""
         )
-        decoder = self.engine.decoder
-        rows["decode"] = (
-            decoder.info().label() if decoder is not None else "transformers (model forward pass)"
-        )
+        rows["decode"] = self.engine.backend.describe()
         return "model", rows
 
     def describe_cache(self) -> tuple[str, dict[str, str]]:

@@ -15,9 +15,45 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from chatbot.alignment import Segment
-    from chatbot.config import ChatConfig
+    from chatbot.config import ChatConfig, EngineConfig
     from chatbot.engine.generate import Engine
     from chatbot.persist import Turn
+
+
+def conversation_cache(
+    engine: Engine, ec: EngineConfig, limit: int, pinned_tokens: Callable[[], int] | None = None
+) -> TrackedCache:
+    """The empty cache of a conversation (a chat's, or a server's raw completion): growing, or
+    with `ec.enable_streaming` an attention-sink cache of `ec.start_size` sinks and the recent
+    window (its default chosen for `limit` and the model's sliding window).
+
+    Args:
+        engine: the model runner.
+        ec: the engine settings.
+        limit: the most tokens the conversation may hold.
+        pinned_tokens: under streaming, the length of the start to pin (a system prompt),
+            asked only then; None pins nothing past the sinks.
+
+    Raises:
+        ConfigError: the window does not fit `limit`.
+        StreamingUnsupportedError: the model cannot take an attention-sink cache.
+    """
+    if not ec.enable_streaming:
+        cache = engine.new_cache()
+        cache.max_context = limit
+        return cache
+    # A model with sliding-window layers (gemma) needs the whole cache inside its window.
+    window = streaming_window(engine.model)
+    recent = ec.recent_size or default_recent_size(limit, window, ec.start_size)
+    ec.check_window(ec.start_size, recent, limit)
+    cache = engine.new_cache(ec.start_size, recent)
+    cache.max_context = limit
+    if pinned_tokens is not None:
+        # A system prompt longer than the context (or the sliding window) allows is pinned
+        # only as far as it fits beside the recent window; the rest is evicted like any old text.
+        room = max(ec.start_size, min(limit, window or limit) - recent)
+        cache.pin(min(pinned_tokens(), room))
+    return cache
 
 
 class ConversationCache:
@@ -57,24 +93,10 @@ class ConversationCache:
 
     def make_cache(self) -> TrackedCache:
         ec = self.config.engine
-        limit = self.max_context
-        if not ec.enable_streaming:
-            cache = self.engine.new_cache()
-            cache.max_context = limit
-            return cache
-        # A model with sliding-window layers (gemma) needs the whole cache inside its window.
-        window = streaming_window(self.engine.model)
-        recent = ec.recent_size or default_recent_size(limit, window, ec.start_size)
-        ec.check_window(ec.start_size, recent, limit)
-        cache = self.engine.new_cache(ec.start_size, recent)
-        cache.max_context = limit
         keep = ec.keep_system if ec.keep_system is not None else bool(self.system)
-        if keep:
-            # A system prompt longer than the context (or the sliding window) allows is pinned
-            # only as far as it fits beside the recent window; the rest is evicted like any old text.
-            room = max(ec.start_size, min(limit, window or limit) - recent)
-            cache.pin(min(self.system_prompt_tokens(), room))
-        return cache
+        return conversation_cache(
+            self.engine, ec, self.max_context, self.system_prompt_tokens if keep else None
+        )
 
     def system_prompt_tokens(self) -> int:
         """How many tokens the rendered system prompt takes at the start of the conversation."""

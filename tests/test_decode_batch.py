@@ -89,7 +89,11 @@ def test_worker_batches_concurrent_requests_with_the_answers_they_get_alone(tiny
 
     def answers(slots: int) -> tuple[list[str], Worker]:
         decoder = FastDecoder(tiny_model, "f32", threads=1)
-        engine = Engine(tiny_model, tiny_tokenizer, decoder=decoder)
+        pool = PrefixCachePool(
+            Engine(tiny_model, tiny_tokenizer, decoder=decoder), EngineConfig(), sampling, max_entries=0
+        )
+        worker = Worker(pool, slots=slots)
+        engine = pool.engine  # the worker's: on the batched backend where slots > 1
         # The tiny model's times in the real model's proportions: a prefill (0.15 s) lasts a
         # few steps (20 ms each), an answer many.
         prefill, decode_batch = engine.prefill, decoder.decode_batch
@@ -104,8 +108,6 @@ def test_worker_batches_concurrent_requests_with_the_answers_they_get_alone(tiny
 
         engine.prefill = slow_prefill  # type: ignore[method-assign]
         decoder.decode_batch = slow_step  # type: ignore[method-assign]
-        pool = PrefixCachePool(engine, EngineConfig(), sampling, max_entries=0)
-        worker = Worker(pool, slots=slots)
         texts = [""] * 5
         done = [threading.Event() for _ in texts]
 
@@ -131,7 +133,7 @@ def test_worker_batches_concurrent_requests_with_the_answers_they_get_alone(tiny
     alone, _ = answers(1)
     together, worker = answers(8)
     assert together == alone
-    batcher = worker.pool.engine.batcher
+    batcher = worker.batched.batcher
     assert batcher is not None and batcher.rows > batcher.steps  # some steps held several
     assert batcher.overlapped > 0  # some ran while a later request prefilled
 

@@ -7,7 +7,7 @@ import torch
 from transformers.generation.logits_process import LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
 
 from chatbot.config import SamplingConfig
-from chatbot.engine.generate import build_logits_processor
+from chatbot.engine.sampling import build_logits_processor
 from chatbot.engine.sampling import TopKTopPLogitsWarper
 
 

@@ -1,5 +1,5 @@
 """Continuous batching of decode steps: generations running in several threads (one per
-request) have their one-token steps run as one `FastDecoder.decode_batch` call, one pass over
+request) have their one-token steps run as one `Backend.step_batch` call, one pass over
 the weights for all of them; a generation joins between two steps and leaves after its last.
 
 The threads take turns: each holds `DecodeBatcher.cond` (its lock) while it works (sampling,
@@ -41,13 +41,13 @@ class DecodeBatcher:
     """Gathers the one-token steps of concurrent generations into batched steps.
 
     Args:
-        decoder: a `FastDecoder` (its `decode_batch` and `max_batch`).
+        backend: a `chatbot.engine.backend.Backend` (its `step_batch` and `max_batch`).
     """
 
-    def __init__(self, decoder: Any) -> None:
-        self.decoder = decoder
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
         self.cond = threading.Condition(threading.Lock())
-        self.max_batch = int(decoder.max_batch)
+        self.max_batch = int(backend.max_batch)
         self._pending: list[_Step] = []
         self._active = 0  # generations in their decode loop
         self._entering = 0  # threads about to take `cond` for a new generation
@@ -130,7 +130,7 @@ class DecodeBatcher:
         batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
         beside = self._prefill_running  # a prefill has the other core
         try:
-            logits = self.decoder.decode_batch(
+            logits = self.backend.step_batch(
                 [r.cache for r in batch], [r.token for r in batch], threads=1 if beside else None
             )
         except BaseException as exc:  # noqa: BLE001 - each waiting generation raises it

@@ -1,38 +1,46 @@
-"""Prefill and decode on a persistent cache: the one generation loop of the project.
+"""Prefill and decode on a persistent cache: the one generation loop of the project, in two
+layers as mlx-lm has it.
 
-The model is called with only the new tokens and the cache; nothing is re-encoded. The cache
-is a `TrackedCache`: it makes room *before* each forward pass (a bounded one evicts) and
-records the ids that entered it after, so the caller never keeps a list of its own.
+- `token_steps` samples answer tokens from a backend, a cache and a sampler, and yields each
+  (token, logits); it feeds a token into the cache only when asked for the next one.
+- `stream_chunks` turns those into `GenerationChunk`s: incremental text, stop ids and stop
+  criteria, the finish reason and the turn's stats.
+
+`Engine.generate` prefills the new ids and joins the two. The model is called with only the
+new tokens and the cache; nothing is re-encoded. The cache is a `TrackedCache`: it makes room
+*before* each forward pass (a bounded one evicts) and records the ids that entered it after,
+so the caller never keeps a list of its own. The backend is chosen once, when the engine is
+made; nothing here asks which one it is.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.generation.logits_process import LogitsProcessorList
 
 from chatbot.config import SamplingConfig
-from chatbot.engine.batch import DecodeBatcher
+from chatbot.engine.backend import Backend, choose_backend, full_cache
 from chatbot.engine.buffer_cache import BufferLayer
 from chatbot.engine.detokenize import IncrementalDetokenizer
-from chatbot.engine.sampling import TopKTopPLogitsWarper
+from chatbot.engine.sampling import Sampler, build_logits_processor
 from chatbot.engine.sink_cache import SinkCache
 from chatbot.engine.stats import TurnStats, peak_memory_bytes, synchronize
 from chatbot.engine.tracked_cache import TrackedCache, track
+
+__all__ = [
+    "Engine",
+    "GenerationChunk",
+    "build_logits_processor",
+    "full_cache",
+    "stream_chunks",
+    "token_steps",
+]
 
 # transformers' StoppingCriteria(List) or any callable of the same shape:
 # (ids [1, n] incl. the new token, scores [1, vocab]) -> bool or BoolTensor [1].
@@ -59,38 +67,6 @@ class GenerationChunk:
     stats: TurnStats | None = None
 
 
-def build_logits_processor(sampling: SamplingConfig) -> LogitsProcessorList:
-    """transformers' processors for the settings (top-k with top-p fused into one that sorts
-    only the k candidates): built once per turn."""
-    processors = LogitsProcessorList()
-    if sampling.repetition_penalty != 1.0:
-        processors.append(RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty))
-    if not sampling.greedy:
-        if sampling.temperature != 1.0:
-            processors.append(TemperatureLogitsWarper(sampling.temperature))
-        if sampling.top_k > 0 and sampling.top_p < 1.0:
-            # The same filter as TopK then TopP, sorting k candidates instead of the vocabulary.
-            processors.append(TopKTopPLogitsWarper(sampling.top_k, sampling.top_p))
-        elif sampling.top_k > 0:
-            processors.append(TopKLogitsWarper(sampling.top_k))
-        elif sampling.top_p < 1.0:
-            processors.append(TopPLogitsWarper(sampling.top_p))
-    return processors
-
-
-def full_cache(config: Any) -> DynamicCache:
-    """transformers' cache for `config`, with full layers where it would make sliding-window
-    ones (gemma, mistral): those drop what falls out of the window, and a chat crops its cache
-    back (a stop string, /undo, /retry), which they refuse once past the window. A full layer
-    keeps every token; the window is still applied, by the attention masks (as llama.cpp keeps
-    a full cache by default too)."""
-    cache = DynamicCache(config=config)
-    cache.layers = [
-        DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer for layer in cache.layers
-    ]
-    return cache
-
-
 class Engine:
     """Runs one causal LM: prefill new tokens into a cache, then decode token by token.
 
@@ -98,42 +74,44 @@ class Engine:
         model: a transformers causal LM (any device map).
         tokenizer: its tokenizer.
         max_context: the most tokens the cache may hold (the model's trained context).
-        decoder: a one-token step that replaces the model's forward pass while decoding
-            (`chatbot.engine.fast.FastDecoder`); prefill stays with the model.
+        decoder: the native CPU kernels' one-token step (`chatbot.engine.fast.FastDecoder`):
+            shorthand for ``backend=NativeBackend(model, decoder)``.
+        backend: what runs the forward passes (`chatbot.engine.backend`); default: the
+            native kernels with `decoder`, else transformers.
     """
 
     def __init__(
-        self, model: Any, tokenizer: Any, max_context: int | None = None, decoder: Any | None = None
+        self,
+        model: Any,
+        tokenizer: Any,
+        max_context: int | None = None,
+        decoder: Any | None = None,
+        backend: Backend | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        # A fast one-token step (chatbot.engine.fast.FastDecoder); None: transformers decodes.
-        self.decoder = decoder
+        self.backend: Backend = backend if backend is not None else choose_backend(model, decoder)
         self.device = model.get_input_embeddings().weight.device
         trained = getattr(model.config, "max_position_embeddings", None) or 2048
         self.max_context = max_context or trained
-        # Runs the decode steps of generations in several threads as batched steps (the
-        # server's continuous batching); None: each step alone.
-        self.batcher: DecodeBatcher | None = None
-        self._local = threading.local()
+
+    def with_backend(self, backend: Backend) -> Engine:
+        """This engine's model, tokenizer and context on another backend (e.g. a server's
+        batched one); this engine is unchanged."""
+        return Engine(self.model, self.tokenizer, self.max_context, backend=backend)
 
     @property
-    def token_observer(self) -> TokenObserver | None:
-        """Told of each answer token of `generate` (not of a stop id) with the logits it was
-        chosen from, before any sampling transform (the server's logprobs); the caller sets it
-        for one answer and clears it after. One per thread: each generation its own."""
-        return getattr(self._local, "observer", None)
-
-    @token_observer.setter
-    def token_observer(self, observer: TokenObserver | None) -> None:
-        self._local.observer = observer
+    def decoder(self) -> Any | None:
+        """The native kernels' decoder the backend runs on (None: transformers runs)."""
+        inner = getattr(self.backend, "inner", self.backend)
+        return getattr(inner, "decoder", None)
 
     # -- caches -----------------------------------------------------------------------
 
     def new_cache(self, start_size: int | None = None, recent_size: int | None = None) -> TrackedCache:
-        """An empty cache for a conversation: a growing one, or with `recent_size` an
-        attention-sink cache keeping `start_size` sinks (default 4) and that many recent
-        tokens. The fast decoder's buffer layers are used when it is on.
+        """An empty cache for a conversation: a growing one of the backend's layers, or with
+        `recent_size` an attention-sink cache keeping `start_size` sinks (default 4) and that
+        many recent tokens.
 
         Raises:
             StreamingUnsupportedError: the model cannot take an attention-sink cache.
@@ -142,10 +120,8 @@ class Engine:
             cache: Cache = SinkCache.for_model(
                 self.model, 4 if start_size is None else start_size, recent_size
             )
-        elif self.decoder is not None:
-            cache = self.decoder.new_cache()
         else:
-            cache = full_cache(self.model.config)
+            cache = self.backend.new_cache()
         return TrackedCache(cache, self.max_context)
 
     def copy_prefix(self, src: TrackedCache, dst: TrackedCache, n: int) -> bool:
@@ -157,8 +133,7 @@ class Engine:
         """
         if dst.length or dst.is_bounded or src.is_bounded or src.evicted_total or not 0 < n <= src.length:
             return False
-        if self.decoder is not None:
-            self.decoder.prepare(dst.cache)
+        self.backend.adopt(dst.cache)
         plain = (DynamicLayer, BufferLayer)
         if any(type(layer) not in plain for layer in (*src.cache.layers, *dst.cache.layers)):
             return False  # a sliding-window layer keeps only its window: not a prefix
@@ -176,25 +151,20 @@ class Engine:
 
     # -- forward passes -----------------------------------------------------------------
 
-    def _forward(self, kv: TrackedCache, ids: Sequence[int], reserve: int = 0) -> torch.Tensor:
-        """Run the model on `ids` after making room for them (and `reserve` more) in the
-        cache; return the last position's logits (``[vocab]``)."""
+    def _feed(self, kv: TrackedCache, ids: Sequence[int], reserve: int = 0) -> torch.Tensor:
+        """Prefill `ids` after making room for them (and `reserve` more) in the cache; the
+        last position's logits (``[vocab]``)."""
         kv.evict_for(len(ids) + reserve)
-        if self.batcher is not None and len(ids) == 1 and self._local.__dict__.get("batched"):
-            logits = self.batcher.step(kv.cache, int(ids[0]))
-        elif self.decoder is not None and len(ids) == 1 and self.batcher is None:
-            logits = self.decoder.decode(kv.cache, int(ids[0]))
-        elif self.decoder is not None and len(ids) <= self.decoder.max_batch:
-            # (with a batcher, a prompt's one token too: this may run beside a batched step,
-            # and `decode` is not for two threads at once)
-            # a short prompt or a chat turn's message: one batched pass of the decode kernels
-            # (the cache as decoding them one by one leaves it) costs less than transformers'
-            logits = self.decoder.prefill_rows(kv.cache, [int(i) for i in ids])
-        else:
-            tensor = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-            out = self.model(input_ids=tensor, cache=kv.cache, use_cache=True, logits_to_keep=1)
-            logits = out.logits[0, -1].float()
+        logits = self.backend.prefill(kv.cache, ids)
         kv.feed(ids)
+        return logits
+
+    def _step(self, kv: TrackedCache, token: int) -> torch.Tensor:
+        """Feed one answer token after making room for it; the logits after it."""
+        kv.evict_for(1)
+        logits = self.backend.step(kv.cache, token)
+        kv.feed((token,))
+        synchronize(self.device)
         return logits
 
     @torch.inference_mode()
@@ -212,16 +182,13 @@ class Engine:
         `reserve` asks a bounded cache to leave room for that many tokens after the prompt
         (the answer), so that decoding seldom has to evict. `on_progress` is told (tokens
         done, tokens in all) after each chunk. Interrupted, the cache holds the chunks that
-        were fed (`TrackedCache.settle` evens out a torn one). On the fast path the cache's
-        buffers are first sized for the ids and `answer` tokens after them (at most the
-        cache's capacity), so that they are not regrown between the pass's activations.
+        were fed (`TrackedCache.settle` evens out a torn one). The backend first gives the
+        cache room for the ids and `answer` tokens after them (at most its capacity), so that
+        its buffers are not regrown between the pass's activations.
         """
         if not ids:
             raise ValueError("prefill needs at least one token")
-        if self.decoder is not None:
-            # The fast path keeps the cache in its own layers, preallocated.
-            needed = min(kv.capacity, kv.length + len(ids) + answer)
-            self.decoder.reserve(kv.cache, needed, limit=kv.capacity)
+        self.backend.reserve(kv.cache, min(kv.capacity, kv.length + len(ids) + answer), limit=kv.capacity)
         step = kv.chunk_size(prefill_chunk)
         recent = kv.recent_size
         logits = None
@@ -230,7 +197,7 @@ class Engine:
             extra = reserve if start + step >= len(ids) else 0
             if recent:
                 extra = max(0, min(extra, recent - len(chunk)))
-            logits = self._forward(kv, chunk, extra)
+            logits = self._feed(kv, chunk, extra)
             if on_progress is not None:
                 on_progress(min(start + step, len(ids)), len(ids))
         assert logits is not None
@@ -263,6 +230,7 @@ class Engine:
         generator: torch.Generator | None = None,
         logits_processor: LogitsProcessorList | None = None,
         stopping_criteria: StopCallback | None = None,
+        observer: TokenObserver | None = None,
     ) -> Generator[GenerationChunk, None, None]:
         """Prefill `new_ids`, then sample an answer token by token.
 
@@ -280,6 +248,8 @@ class Engine:
                 (history, new ids and answer, ``[1, n]``) and the scores; a true answer
                 ends the turn with "stop". That token stays in the answer (as in
                 transformers) and, like the last token of any answer, is not fed.
+            observer: told of each answer token (not of a stop id) with the logits it was
+                chosen from, before any sampling transform (the server's logprobs).
 
         Yields:
             GenerationChunk, every `sampling.stream_interval` tokens; the last one carries
@@ -291,69 +261,76 @@ class Engine:
         kv.check_room(len(new_ids))
         if history_ids is None:
             history_ids = list(kv.ids)
-        stats = TurnStats(context_tokens=len(new_ids))
         processors = build_logits_processor(sampling) if logits_processor is None else logits_processor
-        stop = set(stop_ids)
-        detok = IncrementalDetokenizer(self.tokenizer)
-
-        # Context for the repetition penalty, preallocated for the whole answer.
-        seen = torch.empty(
-            (1, len(history_ids) + len(new_ids) + sampling.max_new_tokens),
-            dtype=torch.long,
-            device=self.device,
-        )
-        n_seen = len(history_ids) + len(new_ids)
-        seen[0, :n_seen] = torch.tensor([*history_ids, *new_ids], dtype=torch.long)
-
+        sampler = Sampler(sampling, [*history_ids, *new_ids], processors, generator, self.device)
+        stats = TurnStats(context_tokens=len(new_ids))
         t0 = time.perf_counter()
         reserve = min(sampling.max_new_tokens, 256) if kv.is_bounded else 0
-        answer = min(sampling.max_new_tokens, ANSWER_ROOM)
-        batcher = self.batcher
-        # with a batcher (a server), beside the steps of the generations decoding
-        with batcher.prefilling() if batcher is not None else contextlib.nullcontext():
-            logits = self.prefill(kv, new_ids, prefill_chunk, reserve, answer=answer)
+        with self.backend.prefilling():
+            logits = self.prefill(
+                kv, new_ids, prefill_chunk, reserve, answer=min(sampling.max_new_tokens, ANSWER_ROOM)
+            )
         synchronize(self.device)
         stats.context_time_s = time.perf_counter() - t0
+        with self.backend.decoding():
+            tokens = token_steps(lambda token: self._step(kv, token), kv, logits, sampler)
+            detok = IncrementalDetokenizer(self.tokenizer)
+            finish = lambda: self._cache_stats(kv, stats)
+            yield from stream_chunks(tokens, sampler, sampling, detok, stats, t0, set(stop_ids),
+                                     stopping_criteria, observer, finish)  # fmt: skip
 
-        if batcher is not None:
-            batcher.join()
-            self._local.batched = True
-        try:
-            yield from self._decode_loop(kv, sampling, logits, seen, n_seen, processors, generator,
-                                         stop, detok, stats, t0, stopping_criteria)  # fmt: skip
-        finally:
-            if batcher is not None:
-                self._local.batched = False
-                batcher.leave()
+    def _cache_stats(self, kv: TrackedCache, stats: TurnStats) -> None:
+        """The cache's figures at the end of a turn, into its stats."""
+        stats.cache_tokens = kv.length
+        stats.cache_capacity = kv.capacity
+        stats.sinks = kv.start_size
+        stats.evicted_total = kv.evicted_total
+        stats.peak_memory_bytes = peak_memory_bytes(self.device)
 
-    def _decode_loop(
-        self,
-        kv: TrackedCache,
-        sampling: SamplingConfig,
-        logits: torch.Tensor,
-        seen: torch.Tensor,
-        n_seen: int,
-        processors: LogitsProcessorList,
-        generator: torch.Generator | None,
-        stop: set[int],
-        detok: IncrementalDetokenizer,
-        stats: TurnStats,
-        t0: float,
-        stopping_criteria: StopCallback | None,
-    ) -> Generator[GenerationChunk, None, None]:
-        """Sample the answer from the prefill's `logits` on (see `generate`)."""
-        pending: list[int] = []
-        pending_text = ""
-        last = t0
-        finish = "length"
-        for i in range(sampling.max_new_tokens):
-            context = cast(torch.LongTensor, seen[:, :n_seen])
-            scores = processors(context, logits[None]) if processors else logits[None]
-            if sampling.greedy:
-                token = int(scores.argmax(-1))
-            else:
-                probs = torch.softmax(scores, dim=-1)
-                token = int(torch.multinomial(probs, 1, generator=generator))
+
+def token_steps(
+    step: Callable[[int], torch.Tensor], kv: TrackedCache, logits: torch.Tensor, sampler: Sampler
+) -> Generator[tuple[int, torch.Tensor], None, str]:
+    """The answer's tokens, sampled one by one from the logits after the prompt on.
+
+    Each token is yielded with the logits it was chosen from (``[vocab]``); it is fed into the
+    cache (`step`) only when the caller asks for the next one, so the last token of an answer,
+    or a stop token, never enters it. Ends (returning "context") when the cache can take no
+    more; the caller ends it otherwise (a stop, the length limit).
+    """
+    while True:
+        token = sampler(logits)
+        yield token, logits
+        if kv.is_full():
+            return "context"
+        logits = step(token)
+
+
+def stream_chunks(
+    tokens: Generator[tuple[int, torch.Tensor], None, str],
+    sampler: Sampler,
+    sampling: SamplingConfig,
+    detok: IncrementalDetokenizer,
+    stats: TurnStats,
+    t0: float,
+    stop: set[int],
+    stopping_criteria: StopCallback | None = None,
+    observer: TokenObserver | None = None,
+    on_finish: Callable[[], None] | None = None,
+) -> Iterator[GenerationChunk]:
+    """`token_steps`' tokens as chunks of text every `sampling.stream_interval` tokens, ended
+    by a stop id ("stop", the id left out), `stopping_criteria` ("stop", the token kept),
+    `sampling.max_new_tokens` ("length") or a full cache ("context"). The last chunk carries
+    the finish reason and `stats` (filled in here: first-token time, per-token latencies,
+    the answer's length; `on_finish` is called to add the caller's figures before the last
+    chunk goes out); `stats.context_time_s` is the caller's.
+    """
+    pending: list[int] = []
+    pending_text = ""
+    last = t0
+    finish = "length"
+    try:
+        for i, (token, logits) in enumerate(tokens):
             now = time.perf_counter()
             if i == 0:
                 stats.ttft_s = now - t0
@@ -363,35 +340,29 @@ class Engine:
             if token in stop:
                 finish = "stop"
                 break
-            if self.token_observer is not None:
-                self.token_observer(logits, token)
+            if observer is not None:
+                observer(logits, token)
             stats.generated_tokens += 1
-            seen[0, n_seen] = token
-            n_seen += 1
+            sampler.accept(token)
             pending.append(token)
             pending_text += detok.add(token)
             if len(pending) >= sampling.stream_interval:
                 yield GenerationChunk(pending_text, tuple(pending))
                 pending, pending_text = [], ""
-            if stopping_criteria is not None:
-                hit = stopping_criteria(seen[:, :n_seen], scores)
+            if stopping_criteria is not None and sampler.scores is not None:
+                hit = stopping_criteria(sampler.context, sampler.scores)
                 if bool(hit.all()) if isinstance(hit, torch.Tensor) else bool(hit):
                     finish = "stop"
                     break
             if i + 1 == sampling.max_new_tokens:
                 break
-            if kv.is_full():
-                finish = "context"
-                break
-            # Feed the token: only now does it enter the cache.
-            logits = self._forward(kv, (token,))
-            synchronize(self.device)
-        pending_text += detok.flush()
-        stats.decode_time_s = sum(stats.token_latencies_s)
-        stats.finish_reason = finish
-        stats.cache_tokens = kv.length
-        stats.cache_capacity = kv.capacity
-        stats.sinks = kv.start_size
-        stats.evicted_total = kv.evicted_total
-        stats.peak_memory_bytes = peak_memory_bytes(self.device)
-        yield GenerationChunk(pending_text, tuple(pending), finish, stats)
+        else:
+            finish = "context"
+    finally:
+        tokens.close()
+    pending_text += detok.flush()
+    stats.decode_time_s = sum(stats.token_latencies_s)
+    stats.finish_reason = finish
+    if on_finish is not None:
+        on_finish()
+    yield GenerationChunk(pending_text, tuple(pending), finish, stats)

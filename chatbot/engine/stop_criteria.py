@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from transformers.generation.stopping_criteria import StoppingCriteria
 
-from chatbot.engine.stops import StopStrings
+from chatbot.engine.stops import StopStrings, StopView
 
 
 class StopOnStrings(StoppingCriteria):
@@ -40,3 +40,22 @@ class StopOnStrings(StoppingCriteria):
             tail = self.tokenizer.decode(input_ids[0, -n:].tolist(), skip_special_tokens=False)
             hit = self.stops.find(tail) >= 0
         return torch.full((input_ids.shape[0],), hit, dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]
+
+
+def stop_checks(
+    tokenizer: Any, stops: StopStrings, shown: str = "", answer_tokens: int = 0
+) -> tuple[StopOnStrings | None, StopView | None]:
+    """What ends an answer on `stops` and what of it may be shown: the stopping criterion for
+    `Engine.generate` and the view of its chunks (both None without stop strings).
+
+    Args:
+        tokenizer: decodes the answer's tokens.
+        stops: the stop strings.
+        shown: the text of an answer being continued, already shown.
+        answer_tokens: that answer's length in tokens (a stop string may begin in it).
+    """
+    if not stops:
+        return None, None
+    criterion = StopOnStrings(tokenizer, stops)
+    criterion.answer_tokens = answer_tokens
+    return criterion, StopView(stops, shown)

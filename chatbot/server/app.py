@@ -97,7 +97,7 @@ def create_app(
     max_body = max_body or default_max_body(max_context)
     bound = PromptBound.of(pool.engine.tokenizer, None if streaming_cache else max_context)
     worker = Worker(pool)
-    batcher = pool.engine.batcher
+    batcher = None if worker.batched is None else worker.batched.batcher
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -3,7 +3,7 @@
 A token's logprob is the log-softmax of the model's raw logits at that step: its distribution
 at temperature 1, before the repetition penalty, temperature, top-k or top-p (as OpenAI reports
 them; the token itself was chosen under the request's settings). `LogprobTracker` records one
-entry per answer token (from `Engine.token_observer`) and hands them out in step with the text
+entry per answer token (an observer of `Engine.generate`) and hands them out in step with the text
 a client is shown, so that a token inside a stop string that ended the answer is not reported.
 """
 
@@ -100,7 +100,7 @@ class TokenTexts:
 
 
 class LogprobTracker:
-    """The logprobs of one answer, as an `Engine.token_observer`.
+    """The logprobs of one answer, as an observer of `Engine.generate`.
 
     Args:
         texts: the tokenizer's token texts.

@@ -11,24 +11,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from chatbot.config import SamplingConfig
-from chatbot.engine.batch import DecodeBatcher
+from chatbot.engine.backend import BatchedBackend, serving_backend
 from chatbot.engine.gguf_table import ModelFileChanged
 from chatbot.engine.kernels import KernelsUnavailable
-from chatbot.engine.stops import StopStrings, StopView
+from chatbot.engine.sampling import seeded_generator
+from chatbot.engine.stop_criteria import stop_checks
+from chatbot.engine.stops import StopStrings
 from chatbot.errors import ChatbotError, ContextFullError
 from chatbot.server.logprobs import LogprobTracker, TokenLogprob, TokenTexts
 from chatbot.server.pool import Conversation, PrefixCachePool
 from chatbot.server.protocol import APIError
+from chatbot.session_cache import conversation_cache
 
 DEFAULT_SLOTS = 8
 """Requests that generate at once (continuous batching), where the native kernels run."""
 
 if TYPE_CHECKING:
     from chatbot.engine.generate import GenerationChunk
-    from chatbot.engine.stop_criteria import StopOnStrings
 
 
 def _error(exc: ChatbotError) -> APIError:
@@ -70,13 +70,15 @@ class Worker:
         self.pool = pool
         self.token_texts = TokenTexts(pool.engine.tokenizer)
         self.jobs: queue.Queue[Job | None] = queue.Queue()
-        engine = pool.engine
+        # Batching wraps the engine's backend; the pool's sessions (none yet) get the wrapped one.
+        backend = serving_backend(pool.engine.backend, slots)
+        if backend is not pool.engine.backend:
+            pool.engine = pool.engine.with_backend(backend)
+        self.batched = backend if isinstance(backend, BatchedBackend) else None
         self.lock: threading.Lock | threading.Condition = threading.Lock()
-        if slots > 1 and hasattr(engine.decoder, "decode_batch"):
-            if engine.batcher is None:
-                engine.batcher = DecodeBatcher(engine.decoder)
-            self.lock = engine.batcher.cond
-            slots = min(slots, engine.batcher.max_batch)
+        if self.batched is not None:
+            self.lock = self.batched.cond
+            slots = min(slots, self.batched.max_batch)
         else:
             slots = 1
         self.slots = slots
@@ -109,7 +111,7 @@ class Worker:
             job = self.jobs.get()
             if job is None:
                 return
-            batcher = self.pool.engine.batcher if self.slots > 1 else None
+            batcher = self.batched.batcher if self.batched is not None else None
             if batcher is not None:
                 batcher.arriving()
             with self.lock:
@@ -119,7 +121,6 @@ class Worker:
                     continue
                 self.active += 1
                 tracker = None if job.logprobs is None else LogprobTracker(self.token_texts, job.logprobs)
-                self.pool.engine.token_observer = tracker
                 try:
                     self._run(job, tracker)
                 except Exception as exc:  # noqa: BLE001 - one request must not take the worker down
@@ -130,7 +131,6 @@ class Worker:
                         )
                     )
                 finally:
-                    self.pool.engine.token_observer = None
                     self.active -= 1
                     self.served += 1
 
@@ -144,29 +144,18 @@ class Worker:
         if not ids:
             job.emit(("error", APIError(400, "the prompt is empty", param="prompt")))
             return
-        ec = self.pool.engine_config
-        if ec.enable_streaming:
-            from chatbot.engine.sink_cache import default_recent_size, streaming_window
-
-            window = streaming_window(engine.model)
-            recent = ec.recent_size or default_recent_size(engine.max_context, window, ec.start_size)
-            cache = engine.new_cache(ec.start_size, recent)
-        else:
-            cache = engine.new_cache()
-        generator = torch.Generator(device=engine.device)
-        if job.sampling.seed is not None:
-            generator.manual_seed(job.sampling.seed)
+        cache = conversation_cache(engine, self.pool.engine_config, engine.max_context)
         eos = engine.tokenizer.eos_token_id
-        stops = StopStrings(job.stops)
-        view = StopView(stops) if stops else None
+        criterion, view = stop_checks(engine.tokenizer, StopStrings(job.stops))
         chunks = engine.generate(
             cache,
             ids,
             job.sampling,
             stop_ids=[] if eos is None else [int(eos)],
-            prefill_chunk=ec.prefill_chunk,
-            generator=generator,
-            stopping_criteria=_stop_criterion(engine.tokenizer, stops),
+            prefill_chunk=self.pool.engine_config.prefill_chunk,
+            generator=seeded_generator(engine.device, job.sampling.seed),
+            stopping_criteria=criterion,
+            observer=tracker,
         )
         stats = None
         try:
@@ -219,6 +208,7 @@ class Worker:
         # The request's stop strings join the template's for this answer: the session then
         # ends the answer before one, never shows part of one, and cuts it out of the cache.
         session.stops = StopStrings((*template_stops.strings, *job.stops))
+        session.token_observer = tracker
         keep = True
         try:
             if conv.partial_answer is not None:
@@ -284,6 +274,7 @@ class Worker:
             raise
         finally:
             session.stops = template_stops
+            session.token_observer = None
             if keep:
                 self.pool.checkin(entry)
             else:
@@ -297,11 +288,3 @@ def _emit_text(job: Job, chunk: GenerationChunk, tracker: LogprobTracker | None)
         entries = tracker.take(chunk.text, final=chunk.finish_reason is not None)
     if chunk.text or entries:
         job.emit(("text", (chunk.text, entries)))
-
-
-def _stop_criterion(tokenizer: Any, stops: StopStrings) -> StopOnStrings | None:
-    if not stops:
-        return None
-    from chatbot.engine.stop_criteria import StopOnStrings
-
-    return StopOnStrings(tokenizer, stops)
