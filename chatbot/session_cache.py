@@ -137,7 +137,6 @@ class ConversationCache:
     def _forget_cache(self) -> None:
         """Empty the cache; every id of the conversation becomes pending."""
         self.kv.reset()
-        self.kv.release()  # its buffers are freed now, not at the next full collection
         self.kv = self.make_cache()  # re-pinned for the current system prompt
         for turn in self.turns:  # a new cache has evicted nothing yet
             turn.evicted_before = 0

@@ -26,6 +26,7 @@ from chatbot.compat import (
     stream_generate,
     streaming_chat,
 )
+from chatbot.compat.records import track
 from chatbot.config import SamplingConfig
 from chatbot.engine.generate import Engine
 from chatbot.engine.sink_cache import SinkCache
@@ -499,7 +500,7 @@ def test_stream_generator_stop_token_is_fed_back(tiny_model, tiny_tokenizer, tin
     assert last["timing"]["total_tokens"] == len(prompt) + n + 1
     cache = persistent_cache(tiny_model)
     assert cache.get_seq_length() == len(prompt) + n + 1
-    logits = tiny_engine.prefill(tiny_engine.track(cache), [7])
+    logits = tiny_engine.prefill(track(cache, tiny_engine.max_context), [7])
     assert torch.allclose(logits, full_logits(tiny_model, prompt + free[: n + 1] + [7])[-1], atol=1e-4)
 
 

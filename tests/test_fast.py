@@ -290,9 +290,9 @@ def test_a_turn_sizes_the_cache_once_and_a_longer_one_grows_it_by_half(tiny_mode
     assert again == greedy_by_recompute(tiny_model, kv.ids[:held] + more, 8)
 
 
-def test_a_released_cache_is_freed_without_the_garbage_collector(tiny_model, tiny_tokenizer):
-    """A record and its cache refer to each other; `release` lets a holder free them at once
-    (a finished server request, a bench run), and a session's /reset does it too."""
+def test_a_dropped_cache_is_freed_without_the_garbage_collector(tiny_model, tiny_tokenizer):
+    """A record refers to its cache, not the other way round: a holder that drops it (a
+    finished server request, a bench run) frees the cache at once, and so does /reset."""
     sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=4)
     engine = Engine(tiny_model, tiny_tokenizer)
     gc.disable()
@@ -300,7 +300,6 @@ def test_a_released_cache_is_freed_without_the_garbage_collector(tiny_model, tin
         kv = engine.new_cache()
         answer(engine.generate(kv, [5, 6, 7], sampling))
         kept = weakref.ref(kv.cache)
-        kv.release()
         del kv
         assert kept() is None
         session = ChatSession(engine, ChatConfig(sampling=sampling))

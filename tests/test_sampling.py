@@ -7,8 +7,7 @@ import torch
 from transformers.generation.logits_process import LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
 
 from chatbot.config import SamplingConfig
-from chatbot.engine.sampling import build_logits_processor
-from chatbot.engine.sampling import TopKTopPLogitsWarper
+from chatbot.engine.sampling import TopKTopPLogitsWarper, build_logits_processor
 
 
 def test_fused_top_k_top_p_keeps_what_transformers_keeps():

@@ -12,9 +12,10 @@ import pytest
 import torch
 from helpers import full_logits, make_model
 
+from chatbot.compat.records import forget, lookup, track
 from chatbot.engine import tracked_cache
 from chatbot.engine.generate import Engine
-from chatbot.engine.tracked_cache import UNKNOWN, TrackedCache, forget, lookup, track
+from chatbot.engine.tracked_cache import UNKNOWN, TrackedCache
 from chatbot.errors import ContextFullError
 
 
@@ -126,14 +127,14 @@ def test_check_catches_a_record_that_lies(engine):
 
 
 def test_track_keeps_a_record_until_the_cache_changes_elsewhere(engine):
-    kv = engine.new_cache()
+    kv = track(engine.new_cache().cache, engine.max_context)
     ids = ids_of(12)
     engine.prefill(kv, ids)
-    assert lookup(kv.cache) is kv and engine.track(kv.cache) is kv
+    assert lookup(kv.cache) is kv and track(kv.cache, engine.max_context) is kv
     # Changed behind the record's back (a direct model call): the record is stale.
     engine.model(input_ids=torch.tensor([[5, 6]]), past_key_values=kv.cache, use_cache=True)
     assert lookup(kv.cache) is None
-    fresh = engine.track(kv.cache, assume=[*ids, 5, 6, 7])
+    fresh = track(kv.cache, engine.max_context, assume=[*ids, 5, 6, 7])
     assert fresh is not kv and fresh.seen == [*ids, 5, 6] and fresh.ids == fresh.seen
     forget(kv.cache)
     with pytest.raises(ValueError, match="holds 14 tokens"):
@@ -149,7 +150,7 @@ def test_a_cache_and_its_record_are_freed_once_unreachable(engine):
 
     gone = []
     for bare in (False, True):
-        kv = engine.new_cache()
+        kv = track(engine.new_cache().cache, engine.max_context)
         engine.prefill(kv, ids_of(12))
         held = kv.cache if bare else kv
         assert lookup(kv.cache) is kv  # the bare cache finds its record while held
@@ -167,7 +168,7 @@ def test_unknown_ids_match_nothing(engine):
     kv = engine.new_cache()
     engine.prefill(kv, ids_of(8))
     engine.model(input_ids=torch.tensor([[1]]), past_key_values=kv.cache, use_cache=True)
-    blind = engine.track(kv.cache)
+    blind = track(kv.cache, engine.max_context)
     assert blind.seen == [UNKNOWN] * 9 and blind.common_prefix(ids_of(8)) == 0
 
 

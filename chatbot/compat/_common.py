@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
+from chatbot.compat.records import track
 from chatbot.config import Range, SamplingConfig
 from chatbot.engine.generate import Engine
 from chatbot.engine.tracked_cache import TrackedCache
@@ -133,7 +134,7 @@ def _sync_cache(engine: Engine, cache: Cache, ids: Sequence[int]) -> tuple[Track
     Raises:
         ValueError: an unknown cache holds more tokens than `ids`.
     """
-    kv = engine.track(cache, assume=ids)
+    kv = track(cache, engine.max_context, assume=ids)
     keep = min(kv.common_prefix(ids), len(ids) - 1)
     if not kv.crop_to(keep):
         keep = 0  # the tokens to cut were evicted long ago: start over (a sink cache re-streams)

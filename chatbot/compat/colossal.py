@@ -24,11 +24,11 @@ from chatbot.compat._common import (
     _single_row,
     _sync_cache,
 )
+from chatbot.compat.records import lookup
 from chatbot.config import SamplingConfig
 from chatbot.engine.detokenize import IncrementalDetokenizer
 from chatbot.engine.generate import Engine
 from chatbot.engine.stop_criteria import StopOnStrings
-from chatbot.engine.tracked_cache import lookup
 
 DEFAULT_ROLES = ("", "Human", "Assistant")
 

@@ -13,7 +13,7 @@ import warnings
 import weakref
 from collections.abc import Sequence
 from types import FrameType
-from typing import Any, cast
+from typing import Any, cast, overload
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -75,7 +75,7 @@ def _caller_stacklevel() -> int:
 
 def enable_streaming_llm(
     model: Any, start_size: int = 4, recent_size: int = 2000, *, evict_block: int = 1
-) -> SinkCache:
+) -> StreamingSinkCache:
     """Give `model` an attention-sink cache, like StreamingLLM's `enable_streaming_llm`.
 
     The model itself is not patched: our `SinkCache` re-rotates the keys it keeps when it
@@ -99,7 +99,7 @@ def enable_streaming_llm(
             re-rotates less often when evicting token by token.
 
     Returns:
-        The `SinkCache`.
+        The `StreamingSinkCache`.
 
     Raises:
         CompatArgumentError: no model, or sizes the CLI refuses too: sizes that are not
@@ -119,8 +119,11 @@ def enable_streaming_llm(
             f"{api}: start_size ({start_size:,}) must not be larger than the recent window "
             f"(recent_size {recent_size:,})"
         )
-    cache = SinkCache.for_model(
-        model, start_size=start_size, recent_size=recent_size, evict_block=evict_block
+    cache = cast(
+        StreamingSinkCache,
+        StreamingSinkCache.for_model(
+            model, start_size=start_size, recent_size=recent_size, evict_block=evict_block
+        ),
     )
     context = Engine(model, None).max_context  # the model's trained context
     if start_size + recent_size > context:
@@ -132,6 +135,129 @@ def enable_streaming_llm(
     if model not in _WATCHED and hasattr(model, "register_forward_pre_hook"):
         _WATCHED[model] = model.register_forward_pre_hook(_warn_unbounded_cache, with_kwargs=True)
     return cache
+
+
+class StreamingSinkCache(SinkCache):
+    """The engine's `SinkCache` with StreamingLLM's call forms, whose caches were tuples handed
+    back and forth: ``evict_for_space(past_key_values, num_coming)`` returns the cache to hand
+    to the model, ``evict_range`` cuts a range, and calling the cache after a forward pass
+    keeps the sinks and the newest `recent_size` tokens. The engine's form,
+    ``evict_for_space(num_coming)``, works as on any `SinkCache`."""
+
+    @overload
+    def evict_for_space(self, num_coming: int) -> tuple[int, int] | None: ...
+
+    @overload
+    def evict_for_space(self, past_key_values: Any, num_coming: int) -> StreamingSinkCache: ...
+
+    def evict_for_space(self, *args: Any, **kwargs: Any) -> Any:
+        """Make room for the tokens of the next forward pass, in either of two forms.
+
+        - ``evict_for_space(num_coming)`` (the engine's form) returns the physical
+          ``(start, end)`` slice it removed, or None (see `SinkCache.evict_for_space`).
+        - ``evict_for_space(past_key_values, num_coming)`` (StreamingLLM's form) returns the
+          cache to hand to the model: this cache, after taking in `past_key_values` (see
+          `take`; None means a new conversation and gives this cache emptied).
+
+        Raises:
+            ValueError: for a negative `num_coming`.
+            TypeError: for another number of arguments, or a `past_key_values` that is
+                neither a cache nor per-layer ``(key, value)`` pairs.
+        """
+        names = ("past_key_values", "num_coming") if len(args) + len(kwargs) == 2 else ("num_coming",)
+        given = dict(zip(names, args))
+        if len(args) > len(names) or set(kwargs) & set(given) or set(kwargs) - set(names):
+            raise TypeError(
+                "evict_for_space takes (num_coming) or (past_key_values, num_coming), got "
+                f"{len(args)} positional and {sorted(kwargs)} keyword arguments"
+            )
+        given.update(kwargs)
+        if len(given) != len(names):
+            raise TypeError(f"evict_for_space is missing {sorted(set(names) - set(given))}")
+        if len(names) == 1:
+            return super().evict_for_space(given["num_coming"])
+        cache = self.take(given["past_key_values"])
+        super(StreamingSinkCache, cache).evict_for_space(given["num_coming"])
+        return cache
+
+    def take(self, past_key_values: Any) -> StreamingSinkCache:
+        """This cache, holding what `past_key_values` holds.
+
+        Args:
+            past_key_values: None (a new conversation: this cache is emptied), this cache
+                (returned as it is), or another `Cache` or per-layer ``(key, value)`` pairs
+                from the same model (their tensors are copied in, and they count as the
+                conversation so far, positions ``0..n-1``).
+
+        Raises:
+            TypeError: for anything else, a cache with another number of layers, or one
+                whose keys are not at positions ``0..n-1`` (`StartRecentKVCache`'s, after it
+                evicted).
+        """
+        if past_key_values is self:
+            return self
+        if past_key_values is None:
+            self.reset()
+            return self
+        if isinstance(past_key_values, Cache):
+            if any(getattr(layer, "evicted", 0) for layer in past_key_values.layers):
+                # StartRecentKVCache's keys sit at their old positions, with a gap: taking
+                # them as positions 0..n-1 would silently misplace them.
+                raise TypeError("a cache that kept its keys at their old positions cannot be taken in")
+            pairs = [
+                (getattr(layer, "keys", None), getattr(layer, "values", None))
+                for layer in past_key_values.layers
+            ]
+            evicted = int(getattr(past_key_values, "evicted_total", 0))
+        elif isinstance(past_key_values, (tuple, list)):
+            pairs = [(kv[0], kv[1]) for kv in past_key_values]
+            evicted = 0
+        else:
+            raise TypeError(
+                f"past_key_values must be None, a transformers Cache or per-layer (key, value) pairs, "
+                f"got {type(past_key_values).__name__}"
+            )
+        if len(pairs) != len(self.layers):
+            raise TypeError(f"past_key_values has {len(pairs)} layers, this cache {len(self.layers)}")
+        self.reset()
+        for layer, (keys, values) in zip(self.sink_layers, pairs):
+            if keys is not None and values is not None and keys.numel():
+                layer.update(keys, values)
+        self.evicted_total = evicted
+        return self
+
+    def evict_range(self, past_key_values: Any, start: int, end: int) -> StreamingSinkCache:
+        """Remove the physical positions ``[start, end)``, as StreamingLLM's `evict_range`.
+
+        The keys after the range are re-rotated, so positions stay contiguous.
+
+        Args:
+            past_key_values: what to evict from (see `take`).
+            start: first position removed.
+            end: one past the last position removed.
+
+        Returns:
+            This cache, to hand to the model.
+
+        Raises:
+            ValueError: unless ``0 <= start <= end <= length``.
+        """
+        cache = self.take(past_key_values)
+        length = cache.get_seq_length()
+        if not 0 <= start <= end <= length:
+            raise ValueError(f"evict_range needs 0 <= start <= end <= {length}, got ({start}, {end})")
+        if end > start:
+            cache.drop_range(start, end)
+        return cache
+
+    def __call__(self, past_key_values: Any) -> StreamingSinkCache | None:
+        """StreamingLLM's ``kv_cache(past_key_values)`` after a forward pass: keep the sinks
+        and the newest `recent_size` tokens. None stays None, as in StreamingLLM."""
+        if past_key_values is None:
+            return None
+        cache = self.take(past_key_values)
+        super(StreamingSinkCache, cache).evict_for_space(0)
+        return cache
 
 
 class _StartRecentLayer(DynamicLayer):

@@ -21,6 +21,7 @@ from chatbot.compat._common import (
     _NoText,
     _token_id,
 )
+from chatbot.compat.records import track
 from chatbot.config import MAX_TOKENS, Range, SamplingConfig
 from chatbot.engine.detokenize import IncrementalDetokenizer
 from chatbot.engine.generate import Engine
@@ -203,7 +204,7 @@ def StreamGenerator(
     stop_ids = [_token_id(t, f"stop_token_ids[{i}]", "StreamGenerator") for i, t in enumerate(stop_token_ids)]
     engine = Engine(model, tokenizer)
     sampling = _GenParams.read(gen_params, len(tokenizer)).sampling()
-    kv = engine.track(persistent_cache(model))
+    kv = track(persistent_cache(model), engine.max_context)
     _rewind_to(kv, start_pos)
     add_bos = not (chunk_prefilling and start_pos > 0)
     input_ids = list(tokenizer(input, add_special_tokens=add_bos)["input_ids"])

@@ -31,7 +31,7 @@ from chatbot.engine.detokenize import IncrementalDetokenizer
 from chatbot.engine.sampling import Sampler, build_logits_processor
 from chatbot.engine.sink_cache import SinkCache
 from chatbot.engine.stats import TurnStats, peak_memory_bytes, synchronize
-from chatbot.engine.tracked_cache import TrackedCache, track
+from chatbot.engine.tracked_cache import TrackedCache
 
 __all__ = [
     "Engine",
@@ -144,10 +144,6 @@ class Engine:
             take.update(have.keys[:, :, :n].clone(), have.values[:, :, :n].clone())
         dst.feed(src.ids[:n])
         return True
-
-    def track(self, cache: Cache, assume: Sequence[int] | None = None) -> TrackedCache:
-        """The record of a cache a caller passes around (see `tracked_cache.track`)."""
-        return track(cache, self.max_context, assume)
 
     # -- forward passes -----------------------------------------------------------------
 

@@ -22,7 +22,7 @@ window mask never hides a cached token.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, cast, overload
+from typing import Any, cast
 
 import torch
 from transformers import Cache
@@ -110,9 +110,8 @@ class SinkCache(Cache):
     """Attention-sink (StreamingLLM) cache: pinned head + recent window, re-rotated on eviction.
 
     Call `evict_for_space(n)` before every forward pass of ``n`` tokens; it returns the
-    physical slice it removed so the caller can drop the same token ids. StreamingLLM's
-    forms (``evict_for_space(past_key_values, n)``, ``evict_range``, calling the cache) are
-    here too: they return the cache to hand to the model.
+    physical slice it removed so the caller can drop the same token ids (StreamingLLM's
+    call forms are `chatbot.compat.streaming_llm.StreamingSinkCache`'s).
     """
 
     def __init__(
@@ -151,7 +150,7 @@ class SinkCache(Cache):
                 f"got rotary frequencies for {len(per_layer)} layers, the cache has {num_layers}"
             )
         super().__init__(layers=[SinkLayer() for _ in range(num_layers)])
-        # Layers sharing a frequency tensor share its float32 copy (and its rotation in `_drop`).
+        # Layers sharing a frequency tensor share its float32 copy (and its rotation in `drop_range`).
         copies: dict[int, torch.Tensor] = {}
         for f in per_layer:
             if id(f) not in copies:
@@ -250,21 +249,8 @@ class SinkCache(Cache):
 
     # --- eviction ---------------------------------------------------------------------
 
-    @overload
-    def evict_for_space(self, num_coming: int) -> tuple[int, int] | None: ...
-
-    @overload
-    def evict_for_space(self, past_key_values: Any, num_coming: int) -> SinkCache: ...
-
-    def evict_for_space(self, *args: Any, **kwargs: Any) -> Any:
-        """Make room for the tokens of the next forward pass, in either of two forms.
-
-        - ``evict_for_space(num_coming)`` (the engine's form) returns the physical
-          ``(start, end)`` slice it removed (delete the same slice from the list of token
-          ids in the cache), or None if nothing had to go.
-        - ``evict_for_space(past_key_values, num_coming)`` (StreamingLLM's form) returns the
-          cache to hand to the model: this cache, after taking in `past_key_values` (see
-          `take`; None means a new conversation and gives this cache emptied).
+    def evict_for_space(self, num_coming: int) -> tuple[int, int] | None:
+        """Make room for the `num_coming` tokens of the next forward pass.
 
         Drops a block right after the pinned region: at least what is needed, rounded up to
         a multiple of `evict_block`, but never more than the unpinned tokens present. Keys
@@ -273,28 +259,13 @@ class SinkCache(Cache):
         StreamingLLM; the cache then holds more than `capacity` after the forward pass (the
         engine feeds in chunks of at most `recent_size`, so it never gets there).
 
+        Returns:
+            The physical ``(start, end)`` slice removed (delete the same slice from the list
+            of token ids in the cache), or None if nothing had to go.
+
         Raises:
             ValueError: for a negative `num_coming`.
-            TypeError: for another number of arguments, or a `past_key_values` that is
-                neither a cache nor per-layer ``(key, value)`` pairs.
         """
-        names = ("past_key_values", "num_coming") if len(args) + len(kwargs) == 2 else ("num_coming",)
-        given = dict(zip(names, args))
-        if len(args) > len(names) or set(kwargs) & set(given) or set(kwargs) - set(names):
-            raise TypeError(
-                "evict_for_space takes (num_coming) or (past_key_values, num_coming), got "
-                f"{len(args)} positional and {sorted(kwargs)} keyword arguments"
-            )
-        given.update(kwargs)
-        if len(given) != len(names):
-            raise TypeError(f"evict_for_space is missing {sorted(set(names) - set(given))}")
-        if len(names) == 1:
-            return self._evict(given["num_coming"])
-        cache = self.take(given["past_key_values"])
-        cache._evict(given["num_coming"])
-        return cache
-
-    def _evict(self, num_coming: int) -> tuple[int, int] | None:
         if num_coming < 0:
             raise ValueError(f"num_coming must be >= 0, got {num_coming}")
         length = self.get_seq_length()
@@ -305,7 +276,7 @@ class SinkCache(Cache):
         if evictable <= 0:
             return None  # only the sinks are left: StreamingLLM keeps them whatever comes
         block = -(-needed // self.evict_block) * self.evict_block
-        return self._drop(self._pinned, self._pinned + min(block, evictable))
+        return self.drop_range(self._pinned, self._pinned + min(block, evictable))
 
     def rotations_for_shift(self, shift: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's ``(cos, sin)`` that moves its keys back by `shift` positions (layers
@@ -316,91 +287,14 @@ class SinkCache(Cache):
                 by_freq[id(f)] = rotation_for_shift(shift, f)
         return [by_freq[id(f)] for f in self.inv_freqs]
 
-    def _drop(self, start: int, end: int) -> tuple[int, int]:
+    def drop_range(self, start: int, end: int) -> tuple[int, int]:
+        """Remove the physical positions ``[start, end)`` (``0 <= start <= end <= length``);
+        the keys after them are re-rotated, so positions stay contiguous. Returns the range."""
         rotations = self.rotations_for_shift(end - start)
         for layer, (cos, sin) in zip(self.sink_layers, rotations):
             layer.drop(start, end, cos, sin)
         self.evicted_total += end - start
         return start, end
-
-    # --- StreamingLLM's call forms (its caches were tuples handed back and forth) ----------
-
-    def take(self, past_key_values: Any) -> SinkCache:
-        """This cache, holding what `past_key_values` holds.
-
-        Args:
-            past_key_values: None (a new conversation: this cache is emptied), this cache
-                (returned as it is), or another `Cache` or per-layer ``(key, value)`` pairs
-                from the same model (their tensors are copied in, and they count as the
-                conversation so far, positions ``0..n-1``).
-
-        Raises:
-            TypeError: for anything else, a cache with another number of layers, or one
-                whose keys are not at positions ``0..n-1`` (`StartRecentKVCache`'s, after it
-                evicted).
-        """
-        if past_key_values is self:
-            return self
-        if past_key_values is None:
-            self.reset()
-            return self
-        if isinstance(past_key_values, Cache):
-            if any(getattr(layer, "evicted", 0) for layer in past_key_values.layers):
-                # StartRecentKVCache's keys sit at their old positions, with a gap: taking
-                # them as positions 0..n-1 would silently misplace them.
-                raise TypeError("a cache that kept its keys at their old positions cannot be taken in")
-            pairs = [
-                (getattr(layer, "keys", None), getattr(layer, "values", None))
-                for layer in past_key_values.layers
-            ]
-            evicted = int(getattr(past_key_values, "evicted_total", 0))
-        elif isinstance(past_key_values, (tuple, list)):
-            pairs = [(kv[0], kv[1]) for kv in past_key_values]
-            evicted = 0
-        else:
-            raise TypeError(
-                f"past_key_values must be None, a transformers Cache or per-layer (key, value) pairs, "
-                f"got {type(past_key_values).__name__}"
-            )
-        if len(pairs) != len(self.layers):
-            raise TypeError(f"past_key_values has {len(pairs)} layers, this cache {len(self.layers)}")
-        self.reset()
-        for layer, (keys, values) in zip(self.sink_layers, pairs):
-            if keys is not None and values is not None and keys.numel():
-                layer.update(keys, values)
-        self.evicted_total = evicted
-        return self
-
-    def evict_range(self, past_key_values: Any, start: int, end: int) -> SinkCache:
-        """Remove the physical positions ``[start, end)``, as StreamingLLM's `evict_range`.
-
-        The keys after the range are re-rotated, so positions stay contiguous.
-
-        Args:
-            past_key_values: what to evict from (see `take`).
-            start: first position removed.
-            end: one past the last position removed.
-
-        Returns:
-            This cache, to hand to the model.
-
-        Raises:
-            ValueError: unless ``0 <= start <= end <= length``.
-        """
-        cache = self.take(past_key_values)
-        length = cache.get_seq_length()
-        if not 0 <= start <= end <= length:
-            raise ValueError(f"evict_range needs 0 <= start <= end <= {length}, got ({start}, {end})")
-        if end > start:
-            cache._drop(start, end)
-        return cache
-
-    def __call__(self, past_key_values: Any) -> SinkCache | None:
-        """StreamingLLM's ``kv_cache(past_key_values)`` after a forward pass: keep the sinks
-        and the newest `recent_size` tokens. None stays None, as in StreamingLLM."""
-        if past_key_values is None:
-            return None
-        return self.evict_for_space(past_key_values, 0)
 
     # --- Cache overrides --------------------------------------------------------------
 

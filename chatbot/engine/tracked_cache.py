@@ -77,7 +77,6 @@ class TrackedCache:
         self._evicted = 0
         # The one place that asks what kind of cache this is.
         self._sink: SinkCache | None = cache if isinstance(cache, SinkCache) else None
-        _register(cache, self)  # callers that pass the bare cache around find this record
 
     # -- what it is ------------------------------------------------------------------------
 
@@ -258,15 +257,6 @@ class TrackedCache:
         self.seen = []
         self._evicted = 0
 
-    def release(self) -> None:
-        """For the holder of this record, done with its cache (a finished request, a
-        replaced conversation): break the cycle between the two, so that dropping the
-        record frees the cache's buffers at once. Otherwise only the garbage collector's
-        next full pass finds them: a bench running ten 2,000-token prefills of the default
-        model, one new cache each, peaked at 719 MB rather than 596 MB. The cache itself
-        stays usable, by this record or (as a new one) through `track`."""
-        forget(self.cache)
-
     def settle(self) -> bool:
         """After a run that may have been interrupted: cut the cache back to the ids
         recorded; if it still does not match them, empty it. True when it was sound."""
@@ -317,68 +307,8 @@ class TrackedCache:
         )
 
 
-# The record of a cache is kept on the cache itself, under this attribute: a record and its
-# cache refer to each other, a cycle the garbage collector frees once neither is reachable.
-# (A WeakKeyDictionary from cache to record never freed either: its value held its key, so
-# every cache made, e.g. one per request or per /reset, stayed in memory for good.)
-_ATTR = "_chatbot_tracked"
-
-
-def _register(cache: Cache, tracked: TrackedCache) -> None:
-    object.__setattr__(cache, _ATTR, tracked)
-
-
 # Stands for an id a cache holds that nobody recorded: it matches no real id.
 UNKNOWN = -1
 
 
-def lookup(cache: Cache) -> TrackedCache | None:
-    """The record of `cache`, if it has one that still matches it (not changed elsewhere)."""
-    tracked: TrackedCache | None = getattr(cache, _ATTR, None)
-    if tracked is None:
-        return None
-    evicted = int(cache.evicted_total) if isinstance(cache, SinkCache) else 0
-    if tracked.length != cache.get_seq_length() or tracked.evicted_total != evicted:
-        return None
-    return tracked
-
-
-def track(cache: Cache, max_context: int, assume: Sequence[int] | None = None) -> TrackedCache:
-    """The `TrackedCache` of a cache that callers pass around as a transformers object.
-
-    A cache seen before keeps its record, unless it was changed elsewhere since (its length
-    no longer matches): then, as for a new cache, its tokens are taken to be the first ones
-    of `assume` (the caller's whole sequence, as transformers' API has it), or unknown ids
-    (`UNKNOWN`, which match nothing) when `assume` is None.
-
-    Raises:
-        ValueError: the cache holds more tokens than `assume` has.
-    """
-    tracked = lookup(cache)
-    if tracked is not None:
-        tracked.max_context = max_context
-        return tracked
-    length = cache.get_seq_length()
-    evicted = int(cache.evicted_total) if isinstance(cache, SinkCache) else 0
-    held = length + evicted
-    ids = [UNKNOWN] * held if assume is None else list(assume)
-    if held > len(ids):
-        raise ValueError(
-            f"the cache holds {held} tokens but input_ids has only {len(ids)}; pass the "
-            "whole conversation, or a new cache"
-        )
-    tracked = TrackedCache(cache, max_context)
-    tracked.seen = ids[:held]
-    pinned = min(tracked.pinned, length) if evicted else length
-    tracked.ids = ids[:pinned] + ids[held - (length - pinned) : held]
-    tracked._evicted = evicted
-    return tracked
-
-
-def forget(cache: Cache) -> None:
-    """Drop the record of `cache` (it will be taken as new by `track`)."""
-    if hasattr(cache, _ATTR):
-        object.__delattr__(cache, _ATTR)
-
-
-__all__ = ["DEBUG", "UNKNOWN", "CacheLayout", "TrackedCache", "forget", "lookup", "track"]
+__all__ = ["DEBUG", "UNKNOWN", "CacheLayout", "TrackedCache"]

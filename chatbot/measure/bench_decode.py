@@ -124,7 +124,6 @@ def _engine_worker(
         for chunk in engine.generate(kv, prompt, sampling):
             tokens.extend(chunk.token_ids)
             stats = chunk.stats or stats
-        kv.release()
         return stats, tokens
 
     run(ids[:16], 4)  # warm-up: first-call allocations, thread pools

@@ -179,7 +179,6 @@ class Worker:
             return
         finally:
             chunks.close()
-            cache.release()  # this request's cache is freed when it returns
         assert stats is not None
         job.emit(
             (
