@@ -192,7 +192,8 @@ class Engine:
             logits = self.decoder.prefill_rows(kv.cache, [int(i) for i in ids])
         else:
             tensor = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-            out = self.model(input_ids=tensor, cache=kv.cache, use_cache=True, logits_to_keep=1)
+            model = self.model if self.decoder is None else self.decoder.prefill_model
+            out = model(input_ids=tensor, cache=kv.cache, use_cache=True, logits_to_keep=1)
             logits = out.logits[0, -1].float()
         kv.feed(ids)
         return logits
