@@ -27,7 +27,7 @@ The weights are packed once per model, in one of these formats (`DecodeOptions.w
 transformers forward pass up to rounding. ``auto`` hands the inputs of its Q4_1/Q8_0 products
 to the kernels as int16 per block of 32 (an error of at most 1/65,534 of the block's largest
 value) for exact 16-bit integer dot products: nearly as fast as int8 and 258x finer (derived in
-kernels.c, ACT_I16; same greedy tokens as float32 on the default model; perplexity +0.0008%).
+kernels.c, ACT_I16; docs/benchmarks.md compares the levels' tokens and perplexity).
 ``int8`` and ``int4`` quantize each activation vector to int8 per block of 32, as llama.cpp does.
 
 The cache: every layer of a transformers cache is replaced by a `BufferLayer`
@@ -270,10 +270,9 @@ class FastDecoder:
         holds tokens already, at least 1.5x what it had (but no more than `limit`, the most
         the cache will ever hold, unless `needed` is more).
 
-        Made during a prefill, each layer's buffers would grow (by doubling, a copy each
-        time) between that pass's short-lived activations, which the allocator then cannot
-        hand back: a 2,000-token prefill of the default model peaked ~80 MB higher that way,
-        and a 2,001st token doubled its cache to 4,096 positions.
+        Reserved before the pass, the buffers are not grown (by doubling, a copy each
+        time) between that pass's short-lived activations, where the allocator could not
+        hand the old ones back, and one token past a power of two does not double them.
         """
         self.prepare(cache)
         self._reserve_layers(cast(list[BufferLayer], cache.layers), needed, limit)
@@ -288,7 +287,7 @@ class FastDecoder:
         if limit is not None:
             target = max(needed, min(target, limit))
         _, _, _, kv_heads, head_dim, _ = self.dims
-        like = next((layer._k for layer in layers if layer._k is not None), None)
+        like = next((layer.key_buffer for layer in layers if layer.key_buffer is not None), None)
         if like is None:
             like = torch.empty(1, kv_heads, 0, head_dim, dtype=torch.float32)
         for layer in layers:
@@ -302,9 +301,10 @@ class FastDecoder:
         if key == self._cache_key:
             return
         for i, layer in enumerate(layers):
-            assert layer._k is not None and layer._v is not None
-            self._kptrs[i] = layer._k.data_ptr()
-            self._vptrs[i] = layer._v.data_ptr()
+            keys, values = layer.key_buffer, layer.value_buffer
+            assert keys is not None and values is not None
+            self._kptrs[i] = keys.data_ptr()
+            self._vptrs[i] = values.data_ptr()
         self.struct.cap = layers[0].capacity
         self._cache_key = key
 
@@ -364,7 +364,7 @@ class FastDecoder:
             self.prepare(cache)
         layers = cast(list[BufferLayer], cache.layers)
         pos = layers[0].length
-        if layers[0]._k is None:
+        if layers[0].key_buffer is None:
             raise ValueError("decode needs a prefilled cache")
         if any(layer.length != pos for layer in layers):
             raise ValueError("cache layers hold different numbers of tokens; crop it first")
@@ -441,8 +441,8 @@ class FastDecoder:
         self._ensure_rope(max(positions) + 1)
         batch = len(rows)
         ptrs = ctypes.c_void_p * (batch * n_layers)
-        kptrs = ptrs(*[layer._k.data_ptr() for layers in rows for layer in layers])  # type: ignore[union-attr]
-        vptrs = ptrs(*[layer._v.data_ptr() for layers in rows for layer in layers])  # type: ignore[union-attr]
+        kptrs = ptrs(*[layer.key_buffer.data_ptr() for layers in rows for layer in layers])  # type: ignore[union-attr]
+        vptrs = ptrs(*[layer.value_buffer.data_ptr() for layers in rows for layer in layers])  # type: ignore[union-attr]
         ints = ctypes.c_int32 * batch
         caps = [layers[0].capacity for layers in rows]
         threads = threads or cap_threads(self.threads or torch.get_num_threads())

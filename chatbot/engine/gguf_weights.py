@@ -107,7 +107,7 @@ def check_finite(path: str | Path) -> None:
     """Refuse NaN or infinity in a GGUF file's small float tensors (norms, biases), and in
     the block scales of its embedding and output matrices (one float16 or two per block of
     32-256 weights, read through a strided view of the map: no copy of the blocks). Maps only
-    what it reads; ~2-5 ms for the default model.
+    what it reads.
 
     Raises:
         NonFiniteWeights: naming the first tensor that holds one.

@@ -279,8 +279,7 @@ TILED_FORMATS = {f.code for f in FORMATS if f.tiled}
 def tile_rows(p: PackedMatrix) -> PackedMatrix:
     """`p` with its rows in tiles of 8 (a copy, as many bytes) where the kernels have tile
     products for its format on this CPU (Q4_K and Q6_K, AVX2 and up; rows a multiple of 8,
-    columns of 256): one thread's products run 1.15-2x faster so with the matrix in cache,
-    less when it streams from memory (docs/benchmarks.md). Everything that reads
+    columns of 256), whose products run faster on tiles (docs/benchmarks.md). Everything that reads
     a matrix takes either layout. Returns `p` itself otherwise, without the kernels, or with
     ``CHATBOT_TILES=0`` in the environment."""
     if p.fmt not in TILED_FORMATS or p.x8 or p.rows % 8 or p.cols % 256:

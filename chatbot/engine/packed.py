@@ -41,17 +41,16 @@ SMALL_INPUT_ROWS = 4
 BAND_FLOATS = 1 << 24
 """Most floats of one dequantized band (64 MB): every matrix of a 1.5B model fits in one band
 (a 3B-8B model's MLP matrices take 2-4), so a forward pass makes about one GEMM call per
-matrix, as with float32 weights. Smaller
-bands cost no CPU time on a quiet machine, but each GEMM call ends in a barrier of torch's
-threads, and on a busy one the ~95 calls per layer of 2 MB bands made a 1.5B model's prefill
-3x slower (66 s against 21 s for 41 tokens at a load average of 7 on 2 cores)."""
+matrix, as with float32 weights. Smaller bands cost no CPU time on a quiet machine, but each
+GEMM call ends in a barrier of torch's threads, where on a busy machine a descheduled thread
+stalls the others: fewer, larger calls wait less (docs/benchmarks.md)."""
 
 _local = threading.local()
 _tuners: dict[int, ThreadTuner] = {}
 """Thread counts of the batched int16 product, by the most it may use: timed per weight and
 input, as the decoder times its steps. A forward pass makes ~7 products per layer, each ending
-in a barrier; on a busy machine a descheduled thread stalls the other there (a 50-token prefill
-of the default model took 0.1-4.3 s with two threads while another job ran, 77 ms with one)."""
+in a barrier; on a busy machine a descheduled thread stalls the others there, so one thread
+can beat several: the tuner measures which."""
 
 
 def _i16_product(p: kernels.PackedMatrix, x: torch.Tensor, threads: int | None) -> torch.Tensor | None:
