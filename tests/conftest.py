@@ -80,16 +80,9 @@ def _default_model_once():
 
 @pytest.fixture
 def default_model(_default_model_once):
-    """The real SmolLM2-135M-Instruct (converted once into the user cache), its packed
-    layers' input form (float32 or int16, which a `FastDecoder` sets) as each test found it:
-    one test's decoder does not change how the next one's prefill computes."""
-    from chatbot.engine.packed import PackedLinear
-
-    layers = [m for m in _default_model_once.model.modules() if isinstance(m, PackedLinear)]
-    acts = [m.act for m in layers]
-    yield _default_model_once
-    for m, act in zip(layers, acts):
-        m.act = act
+    """The real SmolLM2-135M-Instruct (converted once into the user cache), shared by the
+    tests: nothing they build on it (a `FastDecoder` included) changes it."""
+    return _default_model_once
 
 
 @pytest.fixture(autouse=True)

@@ -107,39 +107,38 @@ def test_packed_model_logits_equal_the_dequantized_model(default_model, dense_de
     matrix-vector product): up to rounding. int16 inputs (`--opt auto`, as the decode kernels
     take them; prefill: the batched integer product): within the int16 rounding of the
     inputs, and the same next token everywhere."""
-    from chatbot.engine.packed import use_activations
+    from chatbot.engine.packed import PackedLinear, with_activations
 
     form = {"float32": kernels.ACT_F32, "int16": kernels.ACT_I16}[act]
     ids = default_model.tokenizer("Tell me a story about a cat who learned to fly. " * 3)["input_ids"]
-    try:
-        assert use_activations(default_model.model, form) > 0
-        with torch.no_grad():
-            for n in (1, 3, len(ids)):
-                x = torch.tensor([ids[:n]])
-                got, ref = default_model.model(x).logits, dense_default(x).logits
-                tol = 1e-4 if act == "float32" else 1e-2  # logits reach ~20 here
-                torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
-                assert torch.equal(got.argmax(-1), ref.argmax(-1))
-    finally:  # the fixture is shared: leave it as the loader made it
-        use_activations(default_model.model, kernels.ACT_F32)
+    model = with_activations(default_model.model, form)
+    assert {m.act for m in model.modules() if isinstance(m, PackedLinear)} == {form}
+    with torch.no_grad():
+        for n in (1, 3, len(ids)):
+            x = torch.tensor([ids[:n]])
+            got, ref = model(x).logits, dense_default(x).logits
+            tol = 1e-4 if act == "float32" else 1e-2  # logits reach ~20 here
+            torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+            assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
 @needs_kernels
-def test_opt_level_sets_the_prefill_arithmetic(default_model):
-    """`--opt auto` prefills with int16 inputs like its decode kernels; `f32` and `off` (and
-    a level that falls back) compute in float32."""
+def test_opt_level_sets_the_prefill_arithmetic_without_changing_the_model(default_model):
+    """`--opt auto` prefills with int16 inputs like its decode kernels (the decoder's
+    `prefill_model`, a view of the model); `f32` computes in float32. The loaded model
+    itself stays in float32 whatever decoders are made on it."""
     from chatbot.engine.fast import make_decoder
     from chatbot.engine.packed import PackedLinear
 
     model = default_model.model
 
-    def forms() -> set[int]:
-        return {m.act for m in model.modules() if isinstance(m, PackedLinear)}
+    def forms(m) -> set[int]:
+        return {x.act for x in m.modules() if isinstance(x, PackedLinear)}
 
-    try:
-        for level, form in [("auto", kernels.ACT_I16), ("f32", kernels.ACT_F32), ("auto", kernels.ACT_I16),
-                            ("off", kernels.ACT_F32)]:  # fmt: skip
-            make_decoder(model, level)
-            assert forms() == {form}, level
-    finally:
-        make_decoder(model, "off")
+    for level, form in [("auto", kernels.ACT_I16), ("f32", kernels.ACT_F32), ("auto", kernels.ACT_I16)]:
+        decoder, _ = make_decoder(model, level)
+        assert decoder is not None and forms(decoder.prefill_model) == {form}, level
+        assert (decoder.prefill_model is model) == (form == kernels.ACT_F32), level
+        assert forms(model) == {kernels.ACT_F32}, level
+    assert make_decoder(model, "off") == (None, None)
+    assert forms(model) == {kernels.ACT_F32}

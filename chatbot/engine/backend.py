@@ -104,6 +104,7 @@ class HFBackend:
 
     def __init__(self, model: Any) -> None:
         self.model = model
+        self.forward_model = model  # what runs a prefill through transformers
         self.device = model.get_input_embeddings().weight.device
 
     def new_cache(self) -> Cache:
@@ -117,7 +118,7 @@ class HFBackend:
 
     def prefill(self, cache: Cache, ids: Sequence[int]) -> torch.Tensor:
         tensor = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=tensor, cache=cache, use_cache=True, logits_to_keep=1)
+        out = self.forward_model(input_ids=tensor, cache=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1].float()
 
     def prefill_concurrent(self, cache: Cache, ids: Sequence[int]) -> torch.Tensor:
@@ -147,7 +148,7 @@ class NativeBackend(HFBackend):
     """The native CPU kernels: each decode step is one call of `decoder.decode`; an input of up
     to `decoder.max_batch` ids one batched call of the decode kernels (cheaper than transformers'
     forward pass for a chat turn's message); a longer one transformers' forward pass over the
-    packed modules.
+    packed modules (`decoder.prefill_model`).
 
     Args:
         model: the model the decoder was made from.
@@ -157,6 +158,9 @@ class NativeBackend(HFBackend):
     def __init__(self, model: Any, decoder: Any) -> None:
         super().__init__(model)
         self.decoder = decoder
+        # the model as the decoder's prefill runs it (a GGUF model's packed linears taking the
+        # decode kernels' int16 inputs)
+        self.forward_model = decoder.prefill_model
         self.max_batch = int(decoder.max_batch)
 
     def new_cache(self) -> Cache:

@@ -56,6 +56,17 @@ class BufferLayer(SinkLayer):
     def values(self, value: torch.Tensor | None) -> None:
         self._assign("_v", value)
 
+    @property
+    def key_buffer(self) -> torch.Tensor | None:
+        """The whole key buffer ``[B, H, capacity, D]`` (None before the first token), which
+        the native kernels write in place."""
+        return self._k
+
+    @property
+    def value_buffer(self) -> torch.Tensor | None:
+        """The whole value buffer, as `key_buffer`."""
+        return self._v
+
     def _assign(self, name: str, value: torch.Tensor | None) -> None:
         if value is None:
             setattr(self, name, None)

@@ -27,7 +27,7 @@ The weights are packed once per model, in one of these formats (`DecodeOptions.w
 transformers forward pass up to rounding. ``auto`` hands the inputs of its Q4_1/Q8_0 products
 to the kernels as int16 per block of 32 (an error of at most 1/65,534 of the block's largest
 value) for exact 16-bit integer dot products: nearly as fast as int8 and 258x finer (derived in
-kernels.c, ACT_I16; same greedy tokens as float32 on the default model; perplexity +0.0008%).
+kernels.c, ACT_I16; docs/benchmarks.md compares the levels' tokens and perplexity).
 ``int8`` and ``int4`` quantize each activation vector to int8 per block of 32, as llama.cpp does.
 
 The cache: every layer of a transformers cache is replaced by a `BufferLayer`
@@ -52,10 +52,10 @@ from transformers.cache_utils import Cache, DynamicCache
 from chatbot.config import OPT_LEVELS
 from chatbot.engine import kernels
 from chatbot.engine.buffer_cache import BufferLayer, adopt_layers  # also re-exported (tests)
-from chatbot.engine.fast_weights import from_gguf, from_model, from_packed, is_packed
-from chatbot.engine.packed import use_activations
+from chatbot.engine.fast_model import FastPathUnavailable, NativeModel, check_model, native_struct, read_model
+from chatbot.engine.fast_weights import is_packed
+from chatbot.engine.packed import with_activations
 from chatbot.engine.threads import ThreadTuner, cap_threads
-from chatbot.errors import ChatbotError
 
 __all__ = [
     "LEVELS",
@@ -70,22 +70,6 @@ __all__ = [
 
 LEVELS = OPT_LEVELS
 """Optimization levels: ``off`` is plain transformers; the others pick the weight format."""
-
-_SUPPORTED_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"}
-_SUPPORTED_ROPE = {"default", "linear", "llama3", "yarn"}
-# The MLP activations the kernels compute (gelu_new is the same tanh approximation).
-_ACTIVATIONS = {
-    "silu": kernels.ACT_FN_SILU,
-    "gelu_pytorch_tanh": kernels.ACT_FN_GELU_TANH,
-    "gelu_new": kernels.ACT_FN_GELU_TANH,
-}
-
-
-_MISSING = object()
-
-
-class FastPathUnavailable(ChatbotError):
-    """The fast decode path cannot run this model here; the engine falls back to transformers."""
 
 
 # --- the decoder ---------------------------------------------------------------------------
@@ -122,105 +106,6 @@ class DecodeInfo:
                 f"{self.activations} activations, {threads}{pool}")  # fmt: skip
 
 
-def _check_model(model: Any) -> Any:
-    """The text config of a model the kernels can run, or FastPathUnavailable."""
-    config = (
-        model.config.get_text_config(decoder=True)
-        if hasattr(model.config, "get_text_config")
-        else model.config
-    )
-    kind = getattr(config, "model_type", "?")
-    if kind not in _SUPPORTED_TYPES:
-        raise FastPathUnavailable(
-            f"no fast decode for {kind} models (only {', '.join(sorted(_SUPPORTED_TYPES))})"
-        )
-    if not hasattr(getattr(model, "model", None), "layers"):  # e.g. Gemma 3 with its vision tower
-        raise FastPathUnavailable(f"no fast decode for {type(model).__name__} (a text-only model runs)")
-    device = model.get_input_embeddings().weight.device
-    if device.type != "cpu":
-        raise FastPathUnavailable(f"the fast decode path runs on the CPU; this model is on {device}")
-    if getattr(model, "hf_quantizer", None) is not None or getattr(config, "quantization_config", None):
-        raise FastPathUnavailable(
-            "no fast decode for a quantized model (--quantize or a quantized checkpoint)"
-        )
-    devices = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
-    if len(devices) > 1 or any(p.device.type == "meta" for p in model.parameters()):
-        raise FastPathUnavailable(
-            "no fast decode for a model spread over devices or offloaded (--device-map)"
-        )
-    dtype = model.get_input_embeddings().weight.dtype
-    if dtype != torch.float32:
-        raise FastPathUnavailable(f"the fast decode path needs a float32 model on the CPU, not {dtype}")
-    if _activation(config) not in _ACTIVATIONS:
-        raise FastPathUnavailable(f"no fast decode for the {_activation(config)} activation")
-    rope = getattr(config, "rope_parameters", None) or {}
-    # one dict, or one per layer type (gemma3: local and global layers)
-    nested = [d for d in rope.values() if isinstance(d, dict)] if isinstance(rope, dict) else []
-    for params in nested or [rope if isinstance(rope, dict) else {}]:
-        rope_type = params.get("rope_type", "default")
-        if rope_type not in _SUPPORTED_ROPE:
-            raise FastPathUnavailable(f"no fast decode for {rope_type} rotary embeddings")
-    if getattr(config, "use_bidirectional_attention", False):
-        raise FastPathUnavailable("no fast decode for bidirectional attention")
-    return config
-
-
-def _activation(config: Any) -> str:
-    """The MLP activation's name: Gemma calls it ``hidden_activation``, the others ``hidden_act``."""
-    return str(getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu"))
-
-
-def _norm_weight(module: Any) -> torch.Tensor:
-    """The float32 vector w of an RMSNorm module, as the kernels apply it: ``w * x / rms(x)``.
-    That is the module's weight, or 1 + weight for Gemma's norms; which one is found by
-    running the module on a fixed vector (no list of classes to keep up to date).
-
-    Raises:
-        FastPathUnavailable: the module is neither.
-    """
-    w = module.weight.detach().float()
-    eps = float(getattr(module, "variance_epsilon", None) or getattr(module, "eps", None) or 1e-6)
-    x = torch.linspace(-2.0, 3.0, w.numel(), dtype=torch.float32)
-    y = module(x[None]).detach().float()[0]
-    base = x * torch.rsqrt(x.pow(2).mean() + eps)
-    for weight in (w, 1.0 + w):
-        if torch.allclose(y, base * weight, rtol=1e-4, atol=1e-6):
-            return weight.contiguous()
-    raise FastPathUnavailable(f"no fast decode for the norm {type(module).__name__}")
-
-
-def _layer_window(attention: Any, config: Any) -> int:
-    """How many positions (the new one included) a layer attends to; 0: all of them. A
-    layer's own ``sliding_window`` (gemma, qwen2: None on full-attention layers), else the
-    config's (mistral applies it to every layer)."""
-    window: Any = getattr(attention, "sliding_window", _MISSING)
-    if window is _MISSING:
-        window = getattr(config, "sliding_window", None)
-        if not getattr(config, "use_sliding_window", True):
-            window = None
-    return int(window or 0)
-
-
-def _layer_ropes(rotary: Any, config: Any, n_layers: int) -> list[tuple[torch.Tensor, float]]:
-    """(inverse frequencies, attention scaling) of each layer's rotary embedding: one for all
-    layers, or one per layer type (gemma3's module has ``{type}_inv_freq``).
-
-    Raises:
-        FastPathUnavailable: a layer type without frequencies.
-    """
-    types = list(getattr(config, "layer_types", None) or ["full_attention"] * n_layers)
-    ropes = []
-    for kind in types:
-        inv = getattr(rotary, f"{kind}_inv_freq", None)
-        scale = getattr(rotary, f"{kind}_attention_scaling", None)
-        if inv is None:
-            inv, scale = getattr(rotary, "inv_freq", None), getattr(rotary, "attention_scaling", 1.0)
-        if not isinstance(inv, torch.Tensor):
-            raise FastPathUnavailable(f"no rotary frequencies for the {kind} layers")
-        ropes.append((inv.detach().float(), float(1.0 if scale is None else scale)))
-    return ropes
-
-
 class FastDecoder:
     """Decodes one token per native call, on a cache of `BufferLayer`s.
 
@@ -248,7 +133,7 @@ class FastDecoder:
     ) -> None:
         if level not in LEVELS or level == "off":
             raise ValueError(f"level must be one of {', '.join(LEVELS[1:])}, got {level!r}")
-        config = _check_model(model)
+        config, arch = check_model(model)
         try:
             self.lib = kernels.load_library()
         except kernels.KernelsUnavailable as exc:
@@ -257,132 +142,40 @@ class FastDecoder:
         self.level = level
         self.threads = threads
         self.tuner: ThreadTuner | None = None
-        inner = model.model
-        n_layers = config.num_hidden_layers
-        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        self.vocab = model.get_output_embeddings().weight.shape[0]
-
-        def bias(*mods: Any) -> torch.Tensor | None:
-            if all(getattr(m, "bias", None) is None for m in mods):
-                return None
-            return torch.cat(
-                [
-                    m.bias.detach().float() if m.bias is not None else torch.zeros(m.weight.shape[0])
-                    for m in mods
-                ]
-            ).contiguous()
-
-        self.source = "model"
         gguf = gguf if gguf is not None else getattr(model, "chatbot_gguf", None)
-        with torch.no_grad():
-            from_file = use_gguf and level in ("auto", "fast")
-            packed = from_packed(model) if from_file else None
-            if packed is None and from_file and gguf and not is_packed(model):
-                packed = from_gguf(model, gguf, heads, kv_heads)
-            if packed is not None:
-                self.source = "gguf"
-            else:
-                packed = from_model(model, level)
-            self.embed, self.lm_head, self.wqkv, self.wo, self.wgu, self.wdown = packed
-            self.attn_norm, self.ffn_norm, self.biases = [], [], []
-            self.q_norm: list[torch.Tensor] = []
-            self.k_norm: list[torch.Tensor] = []
-            self.post_attn_norm: list[torch.Tensor] = []  # gemma: the blocks' outputs are normed too
-            self.post_ffn_norm: list[torch.Tensor] = []
-            for layer in inner.layers:
-                att, mlp = layer.self_attn, layer.mlp
-                self.biases.append((
-                    bias(att.q_proj, att.k_proj, att.v_proj), bias(att.o_proj),
-                    bias(mlp.gate_proj, mlp.up_proj), bias(mlp.down_proj),
-                ))  # fmt: skip
-                self.attn_norm.append(_norm_weight(layer.input_layernorm))
-                if getattr(layer, "pre_feedforward_layernorm", None) is not None:  # gemma2/3
-                    self.post_attn_norm.append(_norm_weight(layer.post_attention_layernorm))
-                    self.ffn_norm.append(_norm_weight(layer.pre_feedforward_layernorm))
-                    self.post_ffn_norm.append(_norm_weight(layer.post_feedforward_layernorm))
-                else:
-                    self.ffn_norm.append(_norm_weight(layer.post_attention_layernorm))
-                if getattr(att, "q_norm", None) is not None:  # qwen3, gemma3
-                    self.q_norm.append(_norm_weight(att.q_norm))
-                    self.k_norm.append(_norm_weight(att.k_norm))
-            self.final_norm = _norm_weight(inner.norm)
-            # One rotary table, or two (gemma3: local and global layers), each layer told which.
-            ropes = _layer_ropes(inner.rotary_emb, config, n_layers)
-            self._ropes: list[tuple[torch.Tensor, float]] = []
-            selectors = []
-            for inv, scale in ropes:
-                same = [i for i, (o, c) in enumerate(self._ropes) if c == scale and torch.equal(o, inv)]
-                if not same:
-                    self._ropes.append((inv, scale))
-                selectors.append(same[0] if same else len(self._ropes) - 1)
-            if len(self._ropes) > 2:
-                raise FastPathUnavailable(f"no fast decode for {len(self._ropes)} kinds of rotary embedding")
-            self.windows = [_layer_window(layer.self_attn, config) for layer in inner.layers]
-            embed_scale = getattr(model.get_input_embeddings(), "embed_scale", None)
-            self.embed_scale = float(embed_scale) if embed_scale is not None else 0.0
-        norm0 = inner.layers[0].input_layernorm
-        self.eps = float(
-            getattr(norm0, "variance_epsilon", None) or getattr(norm0, "eps", None) or config.rms_norm_eps
-        )
-        self.attn_scale = float(getattr(inner.layers[0].self_attn, "scaling", head_dim**-0.5))
-        self.dims = (n_layers, config.hidden_size, heads, kv_heads, head_dim, config.intermediate_size)
-
-        self._mats = {
-            name: (kernels.Group * n_layers)(
-                *[kernels.group_struct(parts, self.biases[i][slot]) for i, parts in enumerate(groups)]
-            )
-            for slot, (name, groups) in enumerate(
-                [("wqkv", self.wqkv), ("wo", self.wo), ("wgu", self.wgu), ("wdown", self.wdown)]
-            )
-        }
-        self._embed_struct = self.embed.as_struct()
-        self._head_struct = self.lm_head.as_struct()
-        ptrs = ctypes.c_void_p * n_layers
-        self._attn_norm = ptrs(*[t.data_ptr() for t in self.attn_norm])
-        self._ffn_norm = ptrs(*[t.data_ptr() for t in self.ffn_norm])
-        self._q_norm = ptrs(*[t.data_ptr() for t in self.q_norm]) if self.q_norm else None
-        self._k_norm = ptrs(*[t.data_ptr() for t in self.k_norm]) if self.k_norm else None
-        self._post_attn = ptrs(*[t.data_ptr() for t in self.post_attn_norm]) if self.post_attn_norm else None
-        self._post_ffn = ptrs(*[t.data_ptr() for t in self.post_ffn_norm]) if self.post_ffn_norm else None
-        ints = ctypes.c_int32 * n_layers
-        self._windows = ints(*self.windows) if any(self.windows) else None
-        self._rope_sel = ints(*selectors) if any(selectors) else None
+        self.native: NativeModel = read_model(model, config, arch, level, gguf, use_gguf)
+        native = self.native
+        self.embed, self.lm_head = native.embed, native.lm_head
+        self.wqkv, self.wo, self.wgu, self.wdown = native.wqkv, native.wo, native.wgu, native.wdown
+        self.source, self.vocab, self.dims = native.source, native.vocab, native.dims
+        self._c = native_struct(native, self._activation_form())
+        self.struct = self._c.struct
+        self._kptrs, self._vptrs = self._c.kptrs, self._c.vptrs
+        self._ropes = native.ropes
         self._rope_tables: list[tuple[torch.Tensor, torch.Tensor]] = []
-        caps = [
-            float(getattr(config, name, None) or 0.0)
-            for name in ("attn_logit_softcapping", "final_logit_softcapping")
-        ]
-        self._kptrs = ptrs()
-        self._vptrs = ptrs()
+        self._old_rope: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        self._rope_lock = threading.Lock()
         self._cache_key: tuple[int, ...] = ()
         self._scratch = torch.empty(0)
         self._local = threading.local()  # the batched calls' scratch: one per thread (they may run at once)
-        self._old_rope: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-        self._rope_lock = threading.Lock()
-        self.struct = kernels.ModelStruct(
-            n_layers=n_layers, dim=config.hidden_size, n_heads=heads, n_kv_heads=kv_heads,
-            head_dim=head_dim, ffn_dim=config.intermediate_size, vocab=self.vocab, n_threads=1,
-            eps=self.eps, attn_scale=self.attn_scale, rope_len=0, cap=0,
-            embed=ctypes.pointer(self._embed_struct), lm_head=ctypes.pointer(self._head_struct),
-            final_norm=self.final_norm.data_ptr(), attn_norm=self._attn_norm, ffn_norm=self._ffn_norm,
-            wqkv=self._mats["wqkv"], wo=self._mats["wo"], wgu=self._mats["wgu"], wdown=self._mats["wdown"],
-            kcache=self._kptrs, vcache=self._vptrs, act=self._activation_form(),
-            q_norm=self._q_norm, k_norm=self._k_norm,
-            post_attn_norm=self._post_attn, post_ffn_norm=self._post_ffn,
-            window=self._windows, rope_sel=self._rope_sel, embed_scale=self.embed_scale,
-            attn_softcap=caps[0], final_softcap=caps[1], act_fn=_ACTIVATIONS[_activation(config)],
-        )  # fmt: skip
         # Grown on demand: a 128k-context model need not hold 128k rows of cos/sin.
         self._ensure_rope(min(4096, int(getattr(config, "max_position_embeddings", 2048) or 2048)))
-        # Prefill (transformers' forward pass over the packed modules) takes its inputs as
-        # the decode kernels do: int16 for `auto`, so prompt and answer see the same kind of
-        # arithmetic (and the batched integer product is 2-3.6x faster than dequantizing for
-        # torch's float32 GEMM). `fast` prefills so too: its int8 inputs would gain no speed
-        # there, only error.
-        if is_packed(model):
-            int16 = self.level in ("auto", "fast") and self._has_int16_products()
-            use_activations(model, kernels.ACT_I16 if int16 else kernels.ACT_F32)
+        self.prefill_model = with_activations(model, self.prefill_activations)
+        """The model as prefill runs it through transformers: `model` itself, or for a GGUF
+        model at ``auto``/``fast`` a view of it whose packed linears take int16 inputs, as
+        the decode kernels do (`packed.with_activations`: every weight shared, `model`
+        unchanged)."""
+
+    @property
+    def prefill_activations(self) -> int:
+        """The form of the inputs of the packed linears in prefill (`kernels.ACT_I16` or
+        `ACT_F32`): int16 for ``auto`` where the matrices have integer products, so prompt
+        and answer see the same kind of arithmetic (and the batched integer product beats
+        dequantizing for torch's float32 GEMM); ``fast`` too, its int8 inputs would gain no
+        speed there, only error; float32 otherwise."""
+        if is_packed(self.model) and self.level in ("auto", "fast") and self._has_int16_products():
+            return kernels.ACT_I16
+        return kernels.ACT_F32
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -399,7 +192,7 @@ class FastDecoder:
         return kernels.ACT_Q8 if self.level == "fast" else kernels.ACT_I16
 
     def _has_int16_products(self) -> bool:
-        mats = [self.embed, self.lm_head, *self._parts()]
+        mats = [self.native.embed, self.native.lm_head, *self.native.layer_matrices()]
         return any(p.fmt in kernels.INT16_PRODUCTS for p in mats)
 
     def _ensure_rope(self, length: int) -> None:
@@ -430,7 +223,7 @@ class FastDecoder:
 
     def _parts(self) -> list[kernels.PackedMatrix]:
         """Every packed row block of the layers."""
-        return [p for groups in (self.wqkv, self.wo, self.wgu, self.wdown) for g in groups for p in g]
+        return self.native.layer_matrices()
 
     def info(self) -> DecodeInfo:
         mats = [self.embed, *self._parts()]
@@ -477,10 +270,9 @@ class FastDecoder:
         holds tokens already, at least 1.5x what it had (but no more than `limit`, the most
         the cache will ever hold, unless `needed` is more).
 
-        Made during a prefill, each layer's buffers would grow (by doubling, a copy each
-        time) between that pass's short-lived activations, which the allocator then cannot
-        hand back: a 2,000-token prefill of the default model peaked ~80 MB higher that way,
-        and a 2,001st token doubled its cache to 4,096 positions.
+        Reserved before the pass, the buffers are not grown (by doubling, a copy each
+        time) between that pass's short-lived activations, where the allocator could not
+        hand the old ones back, and one token past a power of two does not double them.
         """
         self.prepare(cache)
         self._reserve_layers(cast(list[BufferLayer], cache.layers), needed, limit)
@@ -495,7 +287,7 @@ class FastDecoder:
         if limit is not None:
             target = max(needed, min(target, limit))
         _, _, _, kv_heads, head_dim, _ = self.dims
-        like = next((layer._k for layer in layers if layer._k is not None), None)
+        like = next((layer.key_buffer for layer in layers if layer.key_buffer is not None), None)
         if like is None:
             like = torch.empty(1, kv_heads, 0, head_dim, dtype=torch.float32)
         for layer in layers:
@@ -509,9 +301,10 @@ class FastDecoder:
         if key == self._cache_key:
             return
         for i, layer in enumerate(layers):
-            assert layer._k is not None and layer._v is not None
-            self._kptrs[i] = layer._k.data_ptr()
-            self._vptrs[i] = layer._v.data_ptr()
+            keys, values = layer.key_buffer, layer.value_buffer
+            assert keys is not None and values is not None
+            self._kptrs[i] = keys.data_ptr()
+            self._vptrs[i] = values.data_ptr()
         self.struct.cap = layers[0].capacity
         self._cache_key = key
 
@@ -571,7 +364,7 @@ class FastDecoder:
             self.prepare(cache)
         layers = cast(list[BufferLayer], cache.layers)
         pos = layers[0].length
-        if layers[0]._k is None:
+        if layers[0].key_buffer is None:
             raise ValueError("decode needs a prefilled cache")
         if any(layer.length != pos for layer in layers):
             raise ValueError("cache layers hold different numbers of tokens; crop it first")
@@ -648,8 +441,8 @@ class FastDecoder:
         self._ensure_rope(max(positions) + 1)
         batch = len(rows)
         ptrs = ctypes.c_void_p * (batch * n_layers)
-        kptrs = ptrs(*[layer._k.data_ptr() for layers in rows for layer in layers])  # type: ignore[union-attr]
-        vptrs = ptrs(*[layer._v.data_ptr() for layers in rows for layer in layers])  # type: ignore[union-attr]
+        kptrs = ptrs(*[layer.key_buffer.data_ptr() for layers in rows for layer in layers])  # type: ignore[union-attr]
+        vptrs = ptrs(*[layer.value_buffer.data_ptr() for layers in rows for layer in layers])  # type: ignore[union-attr]
         ints = ctypes.c_int32 * batch
         caps = [layers[0].capacity for layers in rows]
         threads = threads or cap_threads(self.threads or torch.get_num_threads())
@@ -693,6 +486,4 @@ def make_decoder(
             reason: str | None = f"fast decode off: {exc}"
     else:
         reason = None
-    if is_packed(model):  # without the decoder, transformers computes in float32 throughout
-        use_activations(model, kernels.ACT_F32)
     return None, reason

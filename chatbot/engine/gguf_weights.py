@@ -22,15 +22,13 @@ import numpy as np
 import torch
 
 from chatbot.engine import kernels
+from chatbot.engine.architectures import BY_GGUF_ARCH
+from chatbot.engine.formats import FORMATS
 from chatbot.engine.gguf_table import FileStamp, TensorInfo, read_tensor_table  # re-exported
 
 # Where the float16 scales of a block lie (block bytes, byte offsets of its scales: d, and
 # dmin/m where the format has one), as in ggml's block structs.
-_BLOCK_SCALES = {
-    "Q4_0": (18, (0,)), "Q4_1": (20, (0, 2)), "Q5_0": (22, (0,)), "Q5_1": (24, (0, 2)),
-    "Q8_0": (34, (0,)), "Q2_K": (84, (80, 82)), "Q3_K": (110, (108,)), "Q4_K": (144, (0, 2)),
-    "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,)),
-}  # fmt: skip
+_BLOCK_SCALES = {f.gguf_name: (f.block_bytes, f.scale_at + f.min_at) for f in FORMATS if f.is_block}
 # The bits of a float16/bfloat16 exponent: all set in NaN and infinity only.
 _EXPONENT = {"F16": 0x7C00, "BF16": 0x7F80}
 # How a float tensor is read for the check: float32, or the bits of 16-bit values
@@ -90,7 +88,8 @@ class GGUFWeights:
 
     def matrix(self, name: str, rope_heads: int | None = None) -> kernels.PackedMatrix:
         """The matrix `name` in its stored format; `rope_heads`: for q/k matrices, the head
-        count whose llama.cpp permutation to undo (llama files only).
+        count whose llama.cpp permutation to undo (where the architecture's row says
+        `permuted_qk`: llama files).
 
         Raises:
             KeyError: no such tensor.
@@ -98,7 +97,8 @@ class GGUFWeights:
         """
         tensor = self.tensors[name]
         order = None
-        if rope_heads and self.architecture == "llama":
+        arch = BY_GGUF_ARCH.get(self.architecture)
+        if rope_heads and arch is not None and arch.permuted_qk:
             order = unpermute_rows(int(tensor.shape[1]), rope_heads)
         return kernels.from_gguf(tensor, order)
 
@@ -107,7 +107,7 @@ def check_finite(path: str | Path) -> None:
     """Refuse NaN or infinity in a GGUF file's small float tensors (norms, biases), and in
     the block scales of its embedding and output matrices (one float16 or two per block of
     32-256 weights, read through a strided view of the map: no copy of the blocks). Maps only
-    what it reads; ~2-5 ms for the default model.
+    what it reads.
 
     Raises:
         NonFiniteWeights: naming the first tensor that holds one.

@@ -1,394 +1,85 @@
 """Native CPU kernels for decoding: build `kernels.c` once, load it with ctypes, pack weights.
 
-The library is compiled with the system C compiler (``cc -O3 -march=native -fopenmp``; on
-64-bit ARM ``-mcpu=native``, `arch_flags`) the first time it is needed (4.0 s of CPU time
-with gcc 12 on an EPYC Zen 4, 2026-12-02: `time gcc -O3 -march=native -fopenmp -shared -fPIC
-kernels.c`; the chat's prompt is up meanwhile),
-and kept in ``$XDG_CACHE_HOME/chatbot/kernels`` under a key made of the source, the flags,
-the compiler and the CPU, so later runs load it at once. A compiler without OpenMP (clang
-without libomp, as Apple ships it) builds it with ``-pthread`` instead: kernels.c then runs
-on a thread pool of its own, with the same work on the same threads (`uses_openmp` tells
-which a library has).
-Beside it, ``<name>.so.sha256`` records the checksum and size of what was built: a cached file
-that does not match it (cut short, zeroed pages, another library, a directory in its place) is
-never handed to the dynamic loader, which would crash the process on some of these (SIGBUS,
-SIGSEGV), but built again. Where there is no compiler, or the build fails, `load_library`
-raises `KernelsUnavailable` and callers fall back to torch.
+`load_library` gives the kernels library, built on first use with the system C compiler and
+cached on disk (`chatbot.engine.kernel_build`); where there is no compiler, or the build
+fails, it raises `KernelsUnavailable` and callers fall back to torch. The C structs and
+function types are in `chatbot.engine.kernel_abi`; both modules' public names are
+re-exported here.
 
-Weight formats (see kernels.c): float32, bfloat16, float16, and ggml's block formats as they
-are stored in GGUF files: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32 weights) and the K-quants
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (super-blocks of 256). `from_gguf` takes a tensor of a GGUF file
-as it is (memory-mapped, no copy); `pack_q8_0` / `pack_q4_1` quantize float weights.
+Weight formats (`chatbot.engine.formats`, kernels.c): float32, bfloat16, float16, and ggml's
+block formats as they are stored in GGUF files: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32
+weights) and the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (super-blocks of 256). `from_gguf`
+takes a tensor of a GGUF file as it is (memory-mapped, no copy); `pack_q8_0` / `pack_q4_1`
+quantize float weights.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import hashlib
 import mmap
 import os
 import platform
-import shlex
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from chatbot.errors import ChatbotError
+from chatbot.engine.formats import BY_GGUF_NAME, FORMATS, QK
+from chatbot.engine.kernel_abi import ABI_MIRRORS, Group, KernelsUnavailable, Mat, ModelStruct, check_abi
+from chatbot.engine.kernel_build import (
+    FLAGS,
+    NO_OPENMP_FLAGS,
+    SOURCE,
+    arch_flags,
+    build,
+    build_flags,
+    cache_lock,
+    checksum_path,
+    compile_command,
+    extra_flags,
+    find_compiler,
+    kernels_dir,
+    library_path,
+    load_cached,
+    open_library,
+    uses_openmp,
+)
 
-SOURCE = Path(__file__).with_name("kernels.c")
-QK = 32  # weights per quantization block
+__all__ = [
+    "ABI_MIRRORS", "FLAGS", "NO_OPENMP_FLAGS", "QK", "SOURCE", "Group", "KernelsUnavailable", "Mat",
+    "ModelStruct", "arch_flags", "build", "build_flags", "check_abi", "checksum_path", "compile_command",
+    "extra_flags", "find_compiler", "kernels_dir", "library_path", "open_library", "uses_openmp",
+]  # fmt: skip
+"""The names re-exported from `formats`, `kernel_abi` and `kernel_build` (the module's own
+public names are public too)."""
 
-QK_K = 256  # weights per K-quant super-block
-
-FMT_F32, FMT_BF16, FMT_Q8_0, FMT_Q4_1, FMT_F16, FMT_Q4_0, FMT_Q5_0 = 0, 1, 2, 3, 4, 5, 6
-FMT_Q5_1, FMT_Q2_K, FMT_Q3_K, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K = 7, 8, 9, 10, 11, 12
+FMT_F32, FMT_BF16, FMT_Q8_0, FMT_Q4_1, FMT_F16, FMT_Q4_0, FMT_Q5_0 = (
+    BY_GGUF_NAME[n].code for n in ("F32", "BF16", "Q8_0", "Q4_1", "F16", "Q4_0", "Q5_0")
+)
+FMT_Q5_1, FMT_Q2_K, FMT_Q3_K, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K = (
+    BY_GGUF_NAME[n].code for n in ("Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+)
 ACT_F32, ACT_Q8, ACT_I16 = 0, 1, 2  # the form of activations in Q8_0/Q4_1 products (kernels.c)
 ACT_FN_SILU, ACT_FN_GELU_TANH = 0, 1  # the MLP's activation (kernels.c)
-FORMAT_NAMES = {
-    FMT_F32: "f32", FMT_BF16: "bf16", FMT_Q8_0: "q8_0", FMT_Q4_1: "q4_1", FMT_F16: "f16",
-    FMT_Q4_0: "q4_0", FMT_Q5_0: "q5_0", FMT_Q5_1: "q5_1", FMT_Q2_K: "q2_k", FMT_Q3_K: "q3_k",
-    FMT_Q4_K: "q4_k", FMT_Q5_K: "q5_k", FMT_Q6_K: "q6_k",
-}  # fmt: skip
-# formats with integer products for int16 activations (ACT_I16) on AVX2 and on ARM (NEON); the
-# others, and every format on a CPU with neither, multiply float32 activations
-INT16_PRODUCTS = {FMT_Q8_0, FMT_Q4_1, FMT_Q4_0, FMT_Q5_0, FMT_Q5_1, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K}
-# weights per block and bytes per block (ggml's block structs)
-BLOCK_SHAPES = {
-    FMT_F32: (1, 4), FMT_BF16: (1, 2), FMT_F16: (1, 2), FMT_Q8_0: (32, 34), FMT_Q4_1: (32, 20),
-    FMT_Q4_0: (32, 18), FMT_Q5_0: (32, 22), FMT_Q5_1: (32, 24), FMT_Q2_K: (256, 84),
-    FMT_Q3_K: (256, 110), FMT_Q4_K: (256, 144), FMT_Q5_K: (256, 176), FMT_Q6_K: (256, 210),
-}  # fmt: skip
-# GGUF tensor type names (gguf.GGMLQuantizationType) -> kernel format
-GGUF_FORMATS = {
-    "F32": FMT_F32, "BF16": FMT_BF16, "F16": FMT_F16, "Q8_0": FMT_Q8_0, "Q4_1": FMT_Q4_1,
-    "Q4_0": FMT_Q4_0, "Q5_0": FMT_Q5_0, "Q5_1": FMT_Q5_1, "Q2_K": FMT_Q2_K, "Q3_K": FMT_Q3_K,
-    "Q4_K": FMT_Q4_K, "Q5_K": FMT_Q5_K, "Q6_K": FMT_Q6_K,
-}  # fmt: skip
+# Views of `chatbot.engine.formats.FORMATS` by enum value, for the callers that hold one.
+FORMAT_NAMES = {f.code: f.name for f in FORMATS}
+INT16_PRODUCTS = {f.code for f in FORMATS if f.int16_products}
+"""The formats with integer products for int16 activations (ACT_I16) on AVX2 and on ARM
+(NEON); the others, and every format on a CPU with neither, multiply float32 activations."""
+BLOCK_SHAPES = {f.code: (f.block_weights, f.block_bytes) for f in FORMATS}
+"""Weights per block and bytes per block (ggml's block structs), by enum value."""
+GGUF_FORMATS = {f.gguf_name: f.code for f in FORMATS}
+"""GGUF tensor type names (gguf.GGMLQuantizationType) -> kernel format."""
 
 
-class KernelsUnavailable(ChatbotError):
-    """The native kernels cannot be built or loaded here (no compiler, unsupported CPU...)."""
-
-
-# --- ctypes mirrors of the C structs -------------------------------------------------------
-
-
-class Mat(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("fmt", ctypes.c_int32),
-        ("rows", ctypes.c_int32),
-        ("cols", ctypes.c_int32),
-        ("x8", ctypes.c_int32),
-    ]
-
-
-class Group(ctypes.Structure):
-    """Row blocks of one product, each in its own format, and an optional bias."""
-
-    _fields_ = [
-        ("part", Mat * 3),
-        ("bias", ctypes.c_void_p),
-        ("n_parts", ctypes.c_int32),
-        ("rows", ctypes.c_int32),
-    ]
-
-
-class ModelStruct(ctypes.Structure):
-    _fields_ = [
-        ("n_layers", ctypes.c_int32),
-        ("dim", ctypes.c_int32),
-        ("n_heads", ctypes.c_int32),
-        ("n_kv_heads", ctypes.c_int32),
-        ("head_dim", ctypes.c_int32),
-        ("ffn_dim", ctypes.c_int32),
-        ("vocab", ctypes.c_int32),
-        ("n_threads", ctypes.c_int32),
-        ("eps", ctypes.c_float),
-        ("attn_scale", ctypes.c_float),
-        ("rope_len", ctypes.c_int32),
-        ("cap", ctypes.c_int32),
-        ("rope_cos", ctypes.c_void_p),
-        ("rope_sin", ctypes.c_void_p),
-        ("embed", ctypes.POINTER(Mat)),
-        ("lm_head", ctypes.POINTER(Mat)),
-        ("final_norm", ctypes.c_void_p),
-        ("attn_norm", ctypes.POINTER(ctypes.c_void_p)),
-        ("ffn_norm", ctypes.POINTER(ctypes.c_void_p)),
-        ("wqkv", ctypes.POINTER(Group)),
-        ("wo", ctypes.POINTER(Group)),
-        ("wgu", ctypes.POINTER(Group)),
-        ("wdown", ctypes.POINTER(Group)),
-        ("kcache", ctypes.POINTER(ctypes.c_void_p)),
-        ("vcache", ctypes.POINTER(ctypes.c_void_p)),
-        ("scratch", ctypes.c_void_p),
-        ("act", ctypes.c_int32),
-        ("pad_", ctypes.c_int32),
-        ("q_norm", ctypes.POINTER(ctypes.c_void_p)),
-        ("k_norm", ctypes.POINTER(ctypes.c_void_p)),
-        ("post_attn_norm", ctypes.POINTER(ctypes.c_void_p)),
-        ("post_ffn_norm", ctypes.POINTER(ctypes.c_void_p)),
-        ("window", ctypes.POINTER(ctypes.c_int32)),
-        ("rope_sel", ctypes.POINTER(ctypes.c_int32)),
-        ("rope_cos2", ctypes.c_void_p),
-        ("rope_sin2", ctypes.c_void_p),
-        ("embed_scale", ctypes.c_float),
-        ("attn_softcap", ctypes.c_float),
-        ("final_softcap", ctypes.c_float),
-        ("act_fn", ctypes.c_int32),
-    ]
-
-
-ABI_MIRRORS: dict[str, type[ctypes.Structure]] = {"mat": Mat, "group": Group, "model": ModelStruct}
-"""The C structs by the suffix of their exported size function (``chatbot_sizeof_<name>``)."""
-
-
-def check_abi(lib: Any, mirrors: dict[str, type[ctypes.Structure]] | None = None) -> None:
-    """Compare the size of every ctypes mirror with the C compiler's `sizeof` of its struct.
-
-    A field added or retyped on one side only shifts the fields after it, and the kernels
-    would then follow garbage pointers; a size check catches that before any call.
-
-    Raises:
-        KernelsUnavailable: a mirror whose size differs from the C struct's (names both).
-    """
-    for name, mirror in (mirrors or ABI_MIRRORS).items():
-        fn = getattr(lib, f"chatbot_sizeof_{name}")
-        fn.argtypes, fn.restype = [], ctypes.c_long
-        c_size, py_size = int(fn()), ctypes.sizeof(mirror)
-        if c_size != py_size:
-            raise KernelsUnavailable(
-                f"the native kernels do not match their Python side: struct {name} is {c_size} bytes "
-                f"in kernels.c but {py_size} in kernels.py's {mirror.__name__}; update both together"
-            )
-
-
-# --- building and loading --------------------------------------------------------------------
+# --- loading -------------------------------------------------------------------------------
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _failure: str | None = None
-
-
-def kernels_dir() -> Path:
-    """`$XDG_CACHE_HOME/chatbot/kernels` (default `~/.cache/chatbot/kernels`)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "chatbot" / "kernels"
-
-
-def find_compiler() -> str | None:
-    """The C compiler the kernels are built with: $CC, else cc, gcc or clang (None: none)."""
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-# the lines of /proc/cpuinfo that name the CPU and its features: x86, then ARM
-_CPUINFO_KEYS = ("model name", "flags", "CPU implementer", "CPU part", "Features")
-
-
-def _cpu_identity() -> str:
-    """What -march=native (-mcpu=native) depends on: the CPU model and its features."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() + platform.machine()
-    first: dict[str, str] = {}
-    for line in text.splitlines():
-        key = line.split(":", 1)[0].strip()
-        if key in _CPUINFO_KEYS:
-            first.setdefault(key, line)
-    return "\n".join(first.values()) or platform.processor() + platform.machine()
-
-
-def arch_flags(machine: str | None = None, system: str | None = None) -> list[str]:
-    """The compiler flags that pick this CPU's instructions for the kernels.
-
-    x86-64 (and anything else): ``-march=native``. 64-bit ARM: ``-mcpu=native`` (GCC and
-    clang on Linux: NEON, and the int8 dot products where the core has them), or
-    ``-mcpu=apple-m1`` on macOS (older Apple clang has no native; every M chip has them).
-    """
-    machine = (machine or platform.machine()).lower()
-    if machine in ("aarch64", "arm64"):
-        return ["-mcpu=apple-m1"] if (system or platform.system()) == "Darwin" else ["-mcpu=native"]
-    return ["-march=native"]
-
-
-FLAGS = ["-O3", *arch_flags(), "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-NO_OPENMP_FLAGS = [flag for flag in FLAGS if flag != "-fopenmp"] + ["-pthread"]
-"""The build where the compiler has no OpenMP: kernels.c's own thread pool (pthreads)."""
-
-
-def extra_flags() -> list[str]:
-    """``$CHATBOT_KERNEL_FLAGS``, added to every build: e.g. ``-mno-avx512f`` builds the AVX2
-    kernels on an AVX-512 machine, to measure or test what such CPUs run (the cache keeps
-    each set of flags apart)."""
-    return shlex.split(os.environ.get("CHATBOT_KERNEL_FLAGS", ""))
-
-
-def build_flags(openmp: bool = True) -> list[str]:
-    """The compiler flags of the OpenMP build, or of the build on kernels.c's own pool."""
-    return [*(FLAGS if openmp else NO_OPENMP_FLAGS), *extra_flags()]
-
-
-def library_path(cc: str, openmp: bool = True) -> Path:
-    """Where the library built by `cc` (with OpenMP or without) is cached for this source
-    and CPU: the two builds have their own names."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), " ".join(build_flags(openmp)), version, _cpu_identity()]).encode()
-    ).hexdigest()[:16]
-    return kernels_dir() / f"chatbot_kernels-{key}.so"
-
-
-def uses_openmp(lib: Any) -> bool:
-    """Whether a loaded kernels library runs its threads on OpenMP (else on its own pool)."""
-    return int(lib.chatbot_openmp()) != 0
-
-
-def checksum_path(library: Path) -> Path:
-    """Where the checksum of a built library is kept: beside it, ``<name>.so.sha256``."""
-    return library.with_name(library.name + ".sha256")
-
-
-def _digest(path: Path | str) -> tuple[str, int]:
-    """The sha256 and size of a file, read with read(): a damaged file mapped into memory
-    (as the dynamic loader maps it) can kill the process, reading it cannot."""
-    digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-            size += len(block)
-    return digest.hexdigest(), size
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Write `path` by renaming a complete, synced temporary file over it."""
-    fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o644)  # as readable as the library (mkstemp makes it 0600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-_MISSING = "is missing"  # what `_untrusted` says of a library not built yet
-
-
-def _untrusted(library: Path) -> str | None:
-    """Why the cached `library` must not be loaded (it says what the file is), or None when
-    it is the file that `build` made there: the size and sha256 its checksum file records."""
-    if not os.path.lexists(library):
-        return _MISSING
-    try:
-        recorded = checksum_path(library).read_text().split()
-        digest, size = recorded[0], int(recorded[1])
-    except (OSError, ValueError, IndexError):
-        return "has no checksum (it was not built by this version, or was changed since)"
-    try:
-        actual, actual_size = _digest(library)
-    except OSError as exc:
-        return f"cannot be read ({exc.strerror or exc})"
-    if actual_size != size:
-        return f"is damaged: {actual_size:,} bytes where {size:,} were built"
-    if actual != digest:
-        return "is damaged: its sha256 differs from the one recorded when it was built"
-    return None
-
-
-@contextlib.contextmanager
-def _cache_lock(folder: Path) -> Iterator[None]:
-    """An exclusive lock on the kernel cache while one process checks, builds and loads the
-    library: a second process started at the same moment waits, then loads the first one's
-    build instead of compiling beside it, and never reads a library and checksum that do not
-    belong together. Where locks are not available (no fcntl, a read-only or network
-    folder) it goes on without: the checksum still keeps a damaged file out."""
-    fd: int | None = None
-    try:
-        import fcntl
-
-        folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    except (ImportError, OSError):
-        pass
-    try:
-        yield
-    finally:
-        if fd is not None:
-            os.close(fd)  # releases the lock
-
-
-def compile_command(cc: str, flags: list[str], target: str | Path, source: Path = SOURCE) -> list[str]:
-    """The compiler's command line that builds `source` (kernels.c, or a copy of it) into the
-    shared library `target` with `flags` (`build_flags`)."""
-    return [cc, *flags, "-o", str(target), str(source), "-lm"]
-
-
-def build(cc: str, target: Path, openmp: bool = True) -> None:
-    """Compile kernels.c into `target` (with OpenMP, or on its own thread pool), then record
-    its checksum (`checksum_path`).
-
-    Both files are written atomically (a half-written file never has its name), the
-    library first: a checksum is always that of a complete build, so a reader that finds
-    the library matching it has that build, whatever other processes did in between.
-
-    Raises:
-        KernelsUnavailable: the compiler failed (the message holds its first error lines),
-            or the cache folder cannot be written (the message names what to delete or fix).
-    """
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-    except OSError as exc:
-        raise KernelsUnavailable(
-            f"cannot write the native kernels into {target.parent}: {exc.strerror or exc}"
-        ) from None
-    try:
-        proc = subprocess.run(
-            compile_command(cc, build_flags(openmp), tmp),
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if proc.returncode != 0:
-            first = " ".join((proc.stderr or proc.stdout).strip().splitlines()[:3])
-            raise KernelsUnavailable(f"building the native kernels with {cc} failed: {first}")
-        try:
-            digest, size = _digest(tmp)
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)  # on disk before its name is: no zeroed pages after a power cut
-            finally:
-                os.close(fd)
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)  # a file cannot be renamed over a directory
-            os.replace(tmp, target)
-            _write_atomically(checksum_path(target), f"{digest} {size}\n")
-        except OSError as exc:
-            raise KernelsUnavailable(
-                f"cannot write the native kernels to {target} ({exc.strerror or exc}); delete {target}"
-            ) from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def loaded() -> ctypes.CDLL | None:
@@ -399,159 +90,6 @@ def loaded() -> ctypes.CDLL | None:
 def failure() -> str | None:
     """Why the kernels could not be loaded, once `load_library` has failed; else None."""
     return _failure
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    """The argument and result types of the kernels' functions."""
-    lib.chatbot_decode.argtypes = [
-        ctypes.POINTER(ModelStruct),
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_void_p,
-    ]
-    lib.chatbot_decode.restype = ctypes.c_int
-    lib.chatbot_scratch_floats.argtypes = [ctypes.POINTER(ModelStruct), ctypes.c_int]
-    lib.chatbot_decode_batch.argtypes = [
-        ctypes.POINTER(ModelStruct),
-        ctypes.c_int,
-        ctypes.c_void_p,  # tokens [B] int32
-        ctypes.c_void_p,  # positions [B] int32
-        ctypes.c_void_p,  # cache capacities [B] int32
-        ctypes.c_void_p,  # key caches [B * n_layers] pointers
-        ctypes.c_void_p,  # value caches
-        ctypes.c_void_p,  # scratch
-        ctypes.c_void_p,  # logits [B, vocab], or [vocab] with last_only
-        ctypes.c_int,  # last_only: the last row's logits alone
-        ctypes.c_int,  # threads
-    ]
-    lib.chatbot_decode_batch.restype = ctypes.c_int
-    lib.chatbot_batch_scratch_floats.argtypes = [
-        ctypes.POINTER(ModelStruct),
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-    ]
-    lib.chatbot_batch_scratch_floats.restype = ctypes.c_long
-    lib.chatbot_max_batch.argtypes = []
-    lib.chatbot_max_batch.restype = ctypes.c_long
-    lib.chatbot_scratch_floats.restype = ctypes.c_long
-    lib.chatbot_matvec.argtypes = [
-        ctypes.POINTER(Mat),
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_int,
-    ]
-    lib.chatbot_matvec.restype = None
-    lib.chatbot_matmul.argtypes = [
-        ctypes.POINTER(Mat),
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_int,
-    ]
-    lib.chatbot_matmul.restype = ctypes.c_int
-    lib.chatbot_matvec_scratch.argtypes = [ctypes.c_int]
-    lib.chatbot_matvec_scratch.restype = ctypes.c_long
-    lib.chatbot_dequantize.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int]
-    lib.chatbot_dequantize.restype = None
-    lib.chatbot_rows.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-    lib.chatbot_rows.restype = None
-    lib.chatbot_repack.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p]
-    lib.chatbot_repack.restype = ctypes.c_int
-    lib.chatbot_quantize.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_void_p,
-    ]
-    lib.chatbot_quantize.restype = None
-    lib.chatbot_openmp.argtypes, lib.chatbot_openmp.restype = [], ctypes.c_int
-
-
-def open_library(path: Path) -> ctypes.CDLL:
-    """Load a library that passed its checksum, and check that it is these kernels (a build
-    of another kind, e.g. without OpenMP, can be loaded beside the one `load_library` gives).
-
-    Raises:
-        KernelsUnavailable: the dynamic loader refused it, or it is another library or
-            another version of the kernels (`check_abi`).
-    """
-    try:
-        # torch is imported already, so an OpenMP build's libgomp resolves to the copy torch
-        # loaded: one OpenMP runtime, one thread pool.
-        lib = ctypes.CDLL(str(path))
-    except OSError as exc:
-        raise KernelsUnavailable(f"cannot load the native kernels: {exc}") from None
-    try:
-        check_abi(lib)
-        _declare(lib)
-    except (KernelsUnavailable, AttributeError) as exc:
-        with contextlib.suppress(AttributeError, OSError):
-            # unloaded, so that a library rebuilt under the same name is loaded afresh
-            # (the dynamic loader hands back a library still loaded under that name)
-            import _ctypes
-
-            _ctypes.dlclose(lib._handle)
-        if isinstance(exc, KernelsUnavailable):
-            raise
-        raise KernelsUnavailable(f"the native kernels lack {exc}") from None
-    return lib
-
-
-def _open_trusted(path: Path) -> tuple[ctypes.CDLL | None, str]:
-    """The library at `path` where it matches its checksum and loads, else None and what is
-    wrong with it."""
-    problem = _untrusted(path)
-    if problem is None:
-        try:
-            return open_library(path), ""
-        except KernelsUnavailable as exc:
-            problem = f"does not load ({exc})"
-    return None, problem
-
-
-def _load_cached(cc: str, path: Path, pool_path: Path) -> ctypes.CDLL:
-    """The OpenMP build at `path` where it matches its checksum and loads; else the build
-    without OpenMP at `pool_path`, where an earlier start found that `cc` has none (there
-    is no OpenMP build then); otherwise built again, once: with OpenMP, and where that fails,
-    without (what a compiler without OpenMP builds; the two builds' names differ).
-
-    Raises:
-        KernelsUnavailable: the build failed both ways (the message is the OpenMP build's),
-            or what it built does not load either; the message says what happened to which
-            file.
-    """
-    lib, problem = _open_trusted(path)
-    if lib is not None:
-        return lib
-    if problem == _MISSING:
-        lib, _ = _open_trusted(pool_path)
-        if lib is not None:
-            return lib
-    try:
-        build(cc, path)
-    except KernelsUnavailable as exc:
-        try:
-            build(cc, pool_path, openmp=False)
-        except KernelsUnavailable:
-            if problem == _MISSING:
-                raise exc from None
-            raise KernelsUnavailable(
-                f"{exc}; the cached {path} {problem}, so it was not used (delete it)"
-            ) from None
-        path = pool_path
-    lib, problem = _open_trusted(path)
-    if lib is not None:
-        return lib
-    raise KernelsUnavailable(
-        f"the native kernels just rebuilt in {path} {problem}; delete {path} and "
-        f"{checksum_path(path).name} beside it if this persists"
-    )
 
 
 def load_library() -> ctypes.CDLL:
@@ -577,8 +115,8 @@ def load_library() -> ctypes.CDLL:
                     "no C compiler found (set CC, or install gcc) for the native kernels"
                 )
             path = library_path(cc)
-            with _cache_lock(path.parent):
-                lib = _load_cached(cc, path, library_path(cc, openmp=False))
+            with cache_lock(path.parent):
+                lib = load_cached(cc, path, library_path(cc, openmp=False))
         except KernelsUnavailable as exc:
             _failure = str(exc)
             raise
@@ -629,7 +167,8 @@ def pack_bf16(w: torch.Tensor) -> PackedMatrix:
     return PackedMatrix(w16, FMT_BF16, *w16.shape)
 
 
-BLOCK_BYTES = {FMT_Q8_0: 34, FMT_Q4_1: 20}
+BLOCK_BYTES = {code: BLOCK_SHAPES[code][1] for code in (FMT_Q8_0, FMT_Q4_1)}
+"""Bytes per block of the formats `pack_q8_0` and `pack_q4_1` quantize into."""
 
 
 def _quantize(
@@ -733,15 +272,14 @@ def from_gguf(tensor: Any, row_order: torch.Tensor | None = None) -> PackedMatri
     return packed
 
 
-TILED_FORMATS = {FMT_Q4_K, FMT_Q6_K}
+TILED_FORMATS = {f.code for f in FORMATS if f.tiled}
 """The formats that `tile_rows` lays out in tiles of 8 rows (kernels.c, "8-row tiles")."""
 
 
 def tile_rows(p: PackedMatrix) -> PackedMatrix:
     """`p` with its rows in tiles of 8 (a copy, as many bytes) where the kernels have tile
     products for its format on this CPU (Q4_K and Q6_K, AVX2 and up; rows a multiple of 8,
-    columns of 256): one thread's products run 1.15-2x faster so with the matrix in cache,
-    less when it streams from memory (docs/benchmarks.md). Everything that reads
+    columns of 256), whose products run faster on tiles (docs/benchmarks.md). Everything that reads
     a matrix takes either layout. Returns `p` itself otherwise, without the kernels, or with
     ``CHATBOT_TILES=0`` in the environment."""
     if p.fmt not in TILED_FORMATS or p.x8 or p.rows % 8 or p.cols % 256:

@@ -8,7 +8,7 @@ does (prefill, `--opt off`, the compat APIs, perplexity) without a float32 copy 
 - a product with a few rows of input (decoding one token through transformers) runs the
   native matrix-vector kernel on the packed rows, in float32 activations;
 - a product with more rows (prefill) either runs the kernels' batched integer product on the
-  blocks (`act = ACT_I16`, which `--opt auto` sets through `use_activations`; AVX-512), or
+  blocks (`act = ACT_I16`: `--opt auto` prefills through `with_activations`; AVX-512), or
   dequantizes the matrix into a per-thread scratch buffer, in bands of at most 64 MB, and
   multiplies each band with torch's GEMM, so at most one matrix (or band) of float32 weights
   exists at a time.
@@ -25,6 +25,7 @@ linears' on the meta device, so that code reading values fails loudly); the weig
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import threading
 import time
@@ -40,17 +41,16 @@ SMALL_INPUT_ROWS = 4
 BAND_FLOATS = 1 << 24
 """Most floats of one dequantized band (64 MB): every matrix of a 1.5B model fits in one band
 (a 3B-8B model's MLP matrices take 2-4), so a forward pass makes about one GEMM call per
-matrix, as with float32 weights. Smaller
-bands cost no CPU time on a quiet machine, but each GEMM call ends in a barrier of torch's
-threads, and on a busy one the ~95 calls per layer of 2 MB bands made a 1.5B model's prefill
-3x slower (66 s against 21 s for 41 tokens at a load average of 7 on 2 cores)."""
+matrix, as with float32 weights. Smaller bands cost no CPU time on a quiet machine, but each
+GEMM call ends in a barrier of torch's threads, where on a busy machine a descheduled thread
+stalls the others: fewer, larger calls wait less (docs/benchmarks.md)."""
 
 _local = threading.local()
 _tuners: dict[int, ThreadTuner] = {}
 """Thread counts of the batched int16 product, by the most it may use: timed per weight and
 input, as the decoder times its steps. A forward pass makes ~7 products per layer, each ending
-in a barrier; on a busy machine a descheduled thread stalls the other there (a 50-token prefill
-of the default model took 0.1-4.3 s with two threads while another job ran, 77 ms with one)."""
+in a barrier; on a busy machine a descheduled thread stalls the others there, so one thread
+can beat several: the tuner measures which."""
 
 
 def _i16_product(p: kernels.PackedMatrix, x: torch.Tensor, threads: int | None) -> torch.Tensor | None:
@@ -156,7 +156,7 @@ class PackedLinear(nn.Module):
             self.register_parameter("bias", None)
         self._shape = torch.empty(packed.rows, packed.cols, dtype=torch.float32, device="meta")
         self.act = kernels.ACT_F32
-        """The form of the inputs (`packed_matmul`): float32 unless `use_activations` says int16."""
+        """The form of the inputs (`packed_matmul`): float32, or int16 in a `with_activations` view."""
 
     @property
     def weight(self) -> torch.Tensor:
@@ -230,13 +230,26 @@ class ScaledPackedEmbedding(PackedEmbedding):
         return f"{super().extra_repr()}, embed_scale={self.scalar_embed_scale:g}"
 
 
-def use_activations(model: nn.Module, act: int) -> int:
-    """Make every packed linear of `model` take its inputs in the form `act` (`ACT_F32` or
-    `ACT_I16`), so that prefill computes as the decode kernels do; returns how many."""
-    mods = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    for m in mods:
-        m.act = act
-    return len(mods)
+def with_activations(model: nn.Module, act: int) -> nn.Module:
+    """`model` with every packed linear taking its inputs in the form `act` (`ACT_F32` or
+    `ACT_I16`), so that a forward pass computes as the decode kernels do, and `model` left
+    as it is: `model` itself where its packed linears take `act` already (or it has none),
+    else a view of it, a shallow copy of each packed linear and of each module on the way to
+    one, sharing every other module, weight and buffer with `model`."""
+    if isinstance(model, PackedLinear):
+        if model.act == act:
+            return model
+        linear = copy.copy(model)
+        linear.act = act
+        return linear
+    children = {
+        name: with_activations(child, act) for name, child in model._modules.items() if child is not None
+    }
+    if all(child is model._modules[name] for name, child in children.items()):
+        return model
+    twin = copy.copy(model)
+    twin.__dict__["_modules"] = {**model._modules, **children}
+    return twin
 
 
 def dense_weight(module: nn.Module) -> torch.Tensor:

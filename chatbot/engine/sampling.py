@@ -2,8 +2,8 @@
 per token instead of milliseconds.
 
 transformers' `TopPLogitsWarper` sorts the whole vocabulary at every step (49,152 entries for
-SmolLM2: ~2 ms on a quiet core, 20 ms on a busy one, as long as the decode step itself).
-After top-k, only k entries are left to sort. Also the sampling defaults a model ships
+SmolLM2), which can take as long as the decode step itself. After top-k, only k entries are
+left to sort. Also the sampling defaults a model ships
 (`sampling_from_model`).
 """
 

@@ -13,9 +13,9 @@ Two remedies, both decided here:
   quota) minus the ones other processes keep busy right now (`pick_threads`);
 - the wait: spin briefly, then sleep in the kernel (`wait_policy_env`, set by the CLI before
   torch loads): a barrier that all threads reach together still costs no system call, and
-  one that waits for a parked thread gives its CPU away instead of burning the time slice.
-  `scripts/bench-threads` measured two threads 3-7x faster so on a loaded 2-CPU machine
-  (docs/benchmarks.md); one thread has no barriers to wait at.
+  one that waits for a parked thread gives its CPU away instead of burning the time slice
+  (`scripts/bench-threads` measures it, docs/benchmarks.md); one thread has no barriers to
+  wait at.
 
 The core imports nothing from the terminal layer; everything is read from /proc and /sys,
 with quiet fallbacks where they are missing (macOS, containers without cgroup files).

@@ -164,7 +164,8 @@ def _perplexity(model: Any, decoder: Any, ids: list[int]) -> float:
             nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum")
             return math.exp(float(nll) / (len(ids) - 1))
         cache = decoder.new_cache()
-        logits = model(input_ids=torch.tensor([ids[:1]]), cache=cache, use_cache=True).logits[0, -1].float()
+        prefill = decoder.prefill_model  # the model as the decoder's prefill runs it
+        logits = prefill(input_ids=torch.tensor([ids[:1]]), cache=cache, use_cache=True).logits[0, -1].float()
         nll_sum = 0.0
         for i in range(1, len(ids)):
             nll_sum -= float(torch.log_softmax(logits, -1)[ids[i]])

@@ -65,6 +65,8 @@ def run_streaming_bench(
         ConfigError: the text is too short for the largest mark.
     """
     engine = Engine(loaded.model, loaded.tokenizer, decoder=decoder)
+    # the model as the engine's prefill runs it (the decoder's arithmetic at --opt auto)
+    recompute_model = loaded.model if decoder is None else decoder.prefill_model
     ids = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
     greedy = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=decode_tokens)
     runs = []
@@ -93,7 +95,7 @@ def run_streaming_bench(
                     "decode_tps": stats.decode_tps,
                     "cache_tokens": cache.length,
                     "cache_bytes": cache.nbytes,
-                    "recompute_tps": _recompute_decode_tps(loaded.model, tail, recompute_tokens),
+                    "recompute_tps": _recompute_decode_tps(recompute_model, tail, recompute_tokens),
                     "loadavg": loadavg()[0],
                 }
             )

@@ -26,22 +26,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from chatbot.engine.architectures import BY_GGUF_ARCH, BY_MODEL_TYPE
 from chatbot.engine.gguf_weights import GGUFWeights, read_tensor_table
 from chatbot.engine.packed import PackedEmbedding, PackedLinear, ScaledPackedEmbedding
 from chatbot.models.load_checks import _quiet_transformers
 from chatbot.models.manifest import publish, read_manifest, staging
 
-ARCHITECTURES = {"llama", "qwen2", "qwen3", "gemma2", "gemma3"}
-"""GGUF architectures built from their blocks (llama.cpp writes mistral models as llama)."""
-MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"}
-"""transformers' model types of those files (a gemma3 file is its text model, `gemma3_text`)."""
-_GEMMA_NORMS = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "post_attention_norm",
-    "pre_feedforward_layernorm": "ffn_norm",
-    "post_feedforward_layernorm": "post_ffw_norm",
-}
-"""A Gemma decoder layer's norms and the GGUF tensors (``blk.N.<name>.weight``) they come from."""
 _CACHE_VERSION = 2  # 2: the tokenizer saved as its class rebuilds it, and read whole
 _MISSING = object()
 _TOKENIZER_SETTINGS = ("model_max_length", "padding_side", "truncation_side", "model_input_names",
@@ -84,7 +74,7 @@ def _fast_tokenizer_ok(folder: Path, tokenizer: Any) -> bool:
     """Whether `tokenizer`, as saved in `folder`, loads the same as the plain backend class
     straight from tokenizer.json: same class behaviour and the same serialized backend.
     Such a class (Qwen2Tokenizer) otherwise re-parses the whole vocabulary and merges in
-    Python at each start (0.2-0.3 s of a 150k vocabulary), to rebuild what the file holds."""
+    Python at each start, to rebuild what the file holds."""
     from transformers import TokenizersBackend
 
     if type(tokenizer) is TokenizersBackend:
@@ -152,7 +142,7 @@ def _tokenizer_type(path: Path, config: Any) -> dict[str, str]:
     """`tokenizer_type` for AutoTokenizer where the model type names the tokenizer class it
     would pick anyway (and no tokenizer_config.json beside the file could name another):
     without it, AutoTokenizer reads the file's config a second time, with gguf's reader,
-    which parses every vocabulary entry (11 of a 262k Gemma vocabulary's 12 s)."""
+    which parses every vocabulary entry (most of the load time of a large vocabulary)."""
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
     beside = (path.parent / "tokenizer_config.json").exists()
@@ -235,7 +225,10 @@ def apply_rope_scaling(path: Path, config: Any) -> bool:
         NotPackable: a kind of scaling other than linear.
     """
     arch, _ = read_tensor_table(path)
-    if arch != "gemma3" or not isinstance(getattr(config, "rope_parameters", None), dict):
+    row = BY_GGUF_ARCH.get(arch)
+    if row is None or not row.rope_scaling_in_metadata:
+        return False
+    if not isinstance(getattr(config, "rope_parameters", None), dict):
         return False
     from transformers.integrations.gguf.reader import read_gguf_metadata
 
@@ -262,9 +255,9 @@ def build_packed_model(path: Path, config: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
     src = GGUFWeights(path)
-    if src.architecture not in ARCHITECTURES or config.model_type not in MODEL_TYPES:
+    arch = BY_GGUF_ARCH.get(src.architecture)
+    if arch is None or config.model_type not in BY_MODEL_TYPE:
         raise NotPackable(f"no block-format model for {src.architecture} files")
-    gemma = src.architecture in ("gemma2", "gemma3")
     apply_rope_scaling(path, config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -293,11 +286,10 @@ def build_packed_model(path: Path, config: Any) -> Any:
         w = _vector(src, name)
         if w.shape != _weight(module).shape:
             raise NotPackable(f"{name} has {w.numel()} weights, the config says {_weight(module).numel()}")
-        if gemma:
-            w -= 1.0  # stored as 1 + w: Gemma's RMSNorm multiplies by (1 + w)
+        w -= arch.norm_offset  # Gemma's files store 1 + w: its RMSNorm multiplies by (1 + w)
         module.weight = nn.Parameter(w, requires_grad=False)
 
-    if gemma:
+    if arch.scaled_embedding:
         scale = getattr(inner.embed_tokens, "scalar_embed_scale", None)
         if not isinstance(scale, float):
             raise NotPackable(f"{type(inner.embed_tokens).__name__} has no embedding scale")
@@ -321,13 +313,9 @@ def build_packed_model(path: Path, config: Any) -> Any:
         mlp.gate_proj = linear(mlp.gate_proj, b + "ffn_gate.weight")
         mlp.up_proj = linear(mlp.up_proj, b + "ffn_up.weight")
         mlp.down_proj = linear(mlp.down_proj, b + "ffn_down.weight")
-        if gemma:
-            for module, tensor in _GEMMA_NORMS.items():
-                norm(getattr(layer, module), f"{b}{tensor}.weight")
-        else:
-            norm(layer.input_layernorm, b + "attn_norm.weight")
-            norm(layer.post_attention_layernorm, b + "ffn_norm.weight")
-        if getattr(att, "q_norm", None) is not None:  # qwen3, gemma3
+        for _, module, tensor in arch.norms:
+            norm(getattr(layer, module), f"{b}{tensor}.weight")
+        if arch.qk_norm:
             norm(att.q_norm, b + "attn_q_norm.weight")
             norm(att.k_norm, b + "attn_k_norm.weight")
     norm(inner.norm, "output_norm.weight")

@@ -17,22 +17,18 @@ from typing import Any
 
 import numpy as np
 
+from chatbot.engine.architectures import ARCHITECTURES, BY_GGUF_ARCH
+from chatbot.engine.formats import FORMATS
+
 # block (weights, bytes) and where the fp16 scale fields sit, with the largest integer a
 # weight's scale multiplies (so random blocks get weights of about the size asked for)
 BLOCKS: dict[str, tuple[int, int, tuple[int, ...], tuple[int, ...], float]] = {
     # name: (weights, bytes, offsets of the fp16 scales `d`, offsets of fp16 mins, d's multiplier)
-    "Q8_0": (32, 34, (0,), (), 127.0),
-    "Q4_0": (32, 18, (0,), (), 8.0),
-    "Q4_1": (32, 20, (0,), (2,), 15.0),
-    "Q5_0": (32, 22, (0,), (), 16.0),
-    "Q5_1": (32, 24, (0,), (2,), 31.0),
-    "Q2_K": (256, 84, (80,), (82,), 15.0 * 3),
-    "Q3_K": (256, 110, (108,), (), 32.0 * 4),
-    "Q4_K": (256, 144, (0,), (2,), 63.0 * 15),
-    "Q5_K": (256, 176, (0,), (2,), 63.0 * 31),
-    "Q6_K": (256, 210, (208,), (), 128.0 * 32),
+    f.gguf_name: (f.block_weights, f.block_bytes, f.scale_at, f.min_at, f.scale_top)
+    for f in FORMATS
+    if f.is_block
 }
-FLOAT_TYPES = ("F32", "F16", "BF16")
+FLOAT_TYPES = tuple(f.gguf_name for f in FORMATS if not f.is_block)
 
 
 def random_blocks(kind: str, n_weights: int, rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
@@ -176,7 +172,8 @@ SHAPES: dict[str, dict[str, Shape]] = {
                     sliding_window=1024, context=131072, linear_rope=8.0),
     },
 }  # fmt: skip
-GEMMA = ("gemma2", "gemma3")
+GEMMA = tuple(a.gguf_arch for a in ARCHITECTURES if a.gguf_arch and a.sentencepiece)
+"""The architectures whose files hold a sentencepiece vocabulary and Gemma's chat template."""
 FILE_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0", "F16")
 # llama.cpp's fallback when a row is not whole 256-weight super-blocks (llama_tensor_get_type)
 _K_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
@@ -430,11 +427,12 @@ def write_synthetic_gguf(
     w.add_head_count_kv(shape.kv_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    if arch not in GEMMA:
+    row = BY_GGUF_ARCH[arch]
+    if row.rope_dims_in_metadata:
         w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(shape.rope_theta)
     w.add_layer_norm_rms_eps(1e-6)
-    if arch == "gemma2":
+    if row.logit_softcapping:
         w.add_attn_logit_softcapping(50.0)
         w.add_final_logit_softcapping(30.0)
     if shape.sliding_window:
@@ -453,28 +451,29 @@ def write_synthetic_gguf(
         ("token_embd.weight", shape.vocab, shape.hidden, "token_embd_tied" if shape.tied else "token_embd", 0)
     ]
     q_rows, kv_rows = shape.heads * head_dim, shape.kv_heads * head_dim
+    norm_names = {tensor for _, _, tensor in row.norms}
     for i in range(shape.layers):
         b = f"blk.{i}."
         plan += [(b + "attn_norm.weight", 0, shape.hidden, "norm", i)]
         plan += [(b + "attn_q.weight", q_rows, shape.hidden, "attn_q", i),
                  (b + "attn_k.weight", kv_rows, shape.hidden, "attn_k", i),
                  (b + "attn_v.weight", kv_rows, shape.hidden, "attn_v", i)]  # fmt: skip
-        if arch == "qwen2":
+        if row.qkv_bias:
             plan += [(b + "attn_q.bias", 0, q_rows, "bias", i), (b + "attn_k.bias", 0, kv_rows, "bias", i),
                      (b + "attn_v.bias", 0, kv_rows, "bias", i)]  # fmt: skip
-        if arch in ("qwen3", "gemma3"):
+        if row.qk_norm:
             plan += [
                 (b + "attn_q_norm.weight", 0, head_dim, "norm", i),
                 (b + "attn_k_norm.weight", 0, head_dim, "norm", i),
             ]
         plan += [(b + "attn_output.weight", shape.hidden, q_rows, "attn_output", i)]
-        if arch in GEMMA:
+        if "post_attention_norm" in norm_names:  # gemma: a norm after attention and the MLP too
             plan += [(b + "post_attention_norm.weight", 0, shape.hidden, "norm", i)]
         plan += [(b + "ffn_norm.weight", 0, shape.hidden, "norm", i),
                  (b + "ffn_gate.weight", shape.ffn, shape.hidden, "ffn_gate", i),
                  (b + "ffn_up.weight", shape.ffn, shape.hidden, "ffn_up", i),
                  (b + "ffn_down.weight", shape.hidden, shape.ffn, "ffn_down", i)]  # fmt: skip
-        if arch in GEMMA:
+        if "post_ffw_norm" in norm_names:
             plan += [(b + "post_ffw_norm.weight", 0, shape.hidden, "norm", i)]
     plan.append(("output_norm.weight", 0, shape.hidden, "norm", 0))
     if shape.llama3_rope is not None:
