@@ -381,6 +381,31 @@ def check_template(tokenizer: Any, system: str | None, name: str = "this model")
         )
 
 
+def default_system_prompt(tokenizer: Any) -> str | None:
+    """The system prompt the tokenizer's template writes when the conversation has none
+    (SmolLM's "You are a helpful AI assistant named SmolLM..."), or None when it writes none.
+
+    Found by rendering a user message alone and with a marker system prompt: what stands
+    in the marker's place without it is the template's own.
+    """
+    marker, user = "\u2063system\u2063", "\u2063user\u2063"
+    try:
+        alone = tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False)
+        with_system = tokenizer.apply_chat_template(
+            [{"role": "system", "content": marker}, {"role": "user", "content": user}], tokenize=False
+        )
+    except Exception:  # noqa: BLE001 - a template (user code) that renders no system prompt
+        return None
+    if marker not in with_system or user not in alone:
+        return None
+    head, tail = with_system.split(user, 1)[0].split(marker, 1)
+    before = alone.split(user, 1)[0]
+    if not (before.startswith(head) and before.endswith(tail)) or len(before) < len(head) + len(tail):
+        return None
+    own = before[len(head) : len(before) - len(tail)].strip()
+    return own or None
+
+
 def stop_strings_of(tokenizer: Any) -> tuple[str, ...]:
     """The stop strings of the fallback template the tokenizer renders with (`apply_template`
     set it), as the rendered text has them (`</s>` is the tokenizer's EOS); none for the

@@ -398,21 +398,30 @@ class MarkdownAnswer:
 
 
 class PlainAnswer:
-    """Raw text as it arrives (pipes, --plain)."""
+    """Raw text as it arrives (pipes, --plain), less the whitespace around the answer: the
+    space a base model starts with after "Assistant:", the newlines it ends with before its
+    stop string. Whitespace is held back until text follows it; what ends the answer is
+    dropped, so each answer is its text and one newline. `text` keeps every character."""
 
     def __init__(self, out: IO[str] | None = None) -> None:
         import sys
 
         self.out = out or sys.stdout
         self.text = ""
+        self._held = ""  # trailing whitespace not written yet
 
     def __enter__(self) -> PlainAnswer:  # noqa: PYI034
         return self
 
     def add(self, text: str) -> None:
+        started = bool(self.text.strip())  # some text was written already
         self.text += text
-        self.out.write(text)
-        self.out.flush()
+        pending = self._held + text if started else text.lstrip()
+        shown = pending.rstrip()
+        self._held = pending[len(shown) :]
+        if shown:
+            self.out.write(shown)
+            self.out.flush()
 
     def __exit__(self, *exc: object) -> None:
         self.out.write("\n")

@@ -315,11 +315,13 @@ class Repl:
 
     def _system(self, command: Command) -> None:
         if not command.arg:
-            self.note(
-                f"system prompt: {self.session.system}"
-                if self.session.system
-                else "no system prompt; /system TEXT sets one"
-            )
+            default = None if self.session.system else self.session.template_system()
+            if self.session.system:
+                self.note(f"system prompt: {self.session.system}")
+            elif default:
+                self.note(f"system prompt (the template's default): {default}; /system TEXT replaces it")
+            else:
+                self.note("no system prompt; /system TEXT sets one")
             return
         text = None if command.arg == CLEAR_FLAG else command.arg
         try:
@@ -526,7 +528,7 @@ class Repl:
             self.error(problem)
             self.failed += 1
         elif stats is not None and self.show_stats:
-            self.note(format_stats_line(stats))
+            self.note(format_stats_line(stats, self.info.width if self.info.is_terminal else None))
         return problem
 
     # -- loops -------------------------------------------------------------------------
