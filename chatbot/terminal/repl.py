@@ -54,6 +54,7 @@ from chatbot.terminal.render import (
 )
 from chatbot.terminal.sanitize import safe_line, safe_text
 from chatbot.terminal.tty import interrupt_once, make_consoles, no_echo
+from chatbot.terminal.wrap_input import WordWrap
 
 if TYPE_CHECKING:  # torch and transformers come with these: the prompt must not wait for them
     from chatbot.chat import Chat, ModelInfo
@@ -610,7 +611,11 @@ class Repl:
             complete_while_typing=False,
             key_bindings=keys,
             bottom_toolbar=self.toolbar,
-            prompt_continuation=lambda width, line_number, wrap_count: "… ".rjust(width),
+            # "… " begins a new line of the message; a row the prompt wraps begins blank
+            prompt_continuation=lambda width, line_number, wrap_count: (
+                " " * width if wrap_count else "… ".rjust(width)
+            ),
+            input_processors=[WordWrap(lambda: 2)],  # "> " and "… "
             enable_history_search=False,
             input=input,
             output=output,
