@@ -177,6 +177,12 @@ class Chat(SavedConversation, LoggedSession, ABC, Generic[ChunkT]):
         self._clear()
         self._log(Event.RESET)
 
+    def template_system(self) -> str | None:
+        """The system prompt the chat template writes when `system` is None (e.g. SmolLM's
+        "You are a helpful AI assistant named SmolLM..."); None when it writes none or nobody
+        knows (a server)."""
+        return None
+
     def set_system(self, text: str | None, on_progress: ProgressCallback | None = None) -> int:
         """Replace the system prompt (None or "" removes it).
 

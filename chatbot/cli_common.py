@@ -14,6 +14,7 @@ from rich.console import Console
 from chatbot.config import EngineConfig
 from chatbot.engine.threads import apply_wait_policy
 from chatbot.errors import ConfigError
+from chatbot.models.templates import choices_text
 
 # Before torch loads libgomp (it reads its wait settings once): threads that wait at a
 # barrier spin briefly, then sleep, so a busy machine is not made busier (engine/threads.py).
@@ -71,8 +72,9 @@ TrustOpt = Annotated[
 TemplateOpt = Annotated[
     str | None,
     typer.Option(
-        help="Chat template: auto (the tokenizer's), chatml, llama2, llama3, mistral, vicuna, colossal, "
-        "plain, or a .jinja file."
+        help="Chat template: auto (the model's own, else one its vocabulary names), "
+        + choices_text().removeprefix("auto, ")
+        + "."
     ),
 ]
 PresetOpt = Annotated[

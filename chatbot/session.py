@@ -450,7 +450,11 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
 
     def describe_model(self, model: ModelInfo) -> tuple[str, dict[str, str]]:
         rows = dict(model.describe())
-        rows["context limit"] = f"{self.max_context:,} tokens"
+        # one context row: the limit this chat runs under, and the model's where that differs
+        own = rows.pop("context", None)
+        rows["context limit"] = f"{self.max_context:,} tokens" + (
+            f" (the model's: {int(own):,})" if own and own.isdigit() and int(own) != self.max_context else ""
+        )
         rows["cache"] = f"{len(self.cache_ids):,} / {self.capacity:,} tokens" + (
             " (attention sinks + recent window)" if self.kv.is_bounded else ""
         )
@@ -468,8 +472,16 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
             "oldest text in window": " ".join(lay.oldest_text.split())[:80] or "-",
         }
 
+    def template_system(self) -> str | None:
+        from chatbot.models.templates import default_system_prompt
+
+        return default_system_prompt(self.tokenizer)
+
     def meter(self) -> Meter:
-        return Meter("cache", self.conversation_tokens, self.capacity)
+        """The toolbar's gauge: the cache with what waits to enter it; a bounded cache never
+        holds more than its window (what enters evicts), so it is shown full, not over."""
+        used = self.conversation_tokens
+        return Meter("cache", min(used, self.capacity) if self.kv.is_bounded else used, self.capacity)
 
     def encoded_note(self, tokens: int, system: bool) -> str:
         return f"; re-encoded {tokens:,} tokens" if system else f" ({tokens:,} tokens encoded)"

@@ -527,7 +527,7 @@ def test_stats_table_fits_an_80_column_terminal(streaming):
     Console(file=out, width=80, color_system=None).print(stats_table([SimpleNamespace(stats=s)] * 2, summary))
     text = out.getvalue()
     assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
-    for figure in ("12,345", "12.30", "12.40", "1,512", "100.8", "12.3", "length", "24,690", "3,024"):
+    for figure in ("12,345", "12.30", "12.40", "1,512", "100.8", "12.3", "max", "24,690", "3,024"):
         assert figure in text
     assert "4,100" in text
     assert ("4 sinks + recent, at most 4,100 tokens" in text) == streaming

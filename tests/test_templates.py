@@ -58,6 +58,21 @@ def with_template(name):
                 "<|start_header_id|>assistant<|end_header_id|>\n\n"
             ),
         ),
+        (
+            "gemma",
+            (
+                "<s><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+                "<start_of_turn>model\nHello!<end_of_turn>\n"
+                "<start_of_turn>user\nMore<end_of_turn>\n<start_of_turn>model\n"
+            ),
+        ),
+        (
+            "phi3",
+            (
+                "<|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\nHello!<|end|>\n"
+                "<|user|>\nMore<|end|>\n<|assistant|>\n"
+            ),
+        ),
         ("vicuna", "<s>Be brief. USER: Hi ASSISTANT: Hello!</s>USER: More ASSISTANT:"),
         # ColossalAI's get_prompt_template, plus the BOS its tokenizer call adds in front
         (

@@ -260,6 +260,19 @@ def dense_weight(module: nn.Module) -> torch.Tensor:
     return module.weight  # type: ignore[return-value]
 
 
+def packed_formats(model: nn.Module) -> dict[str, int]:
+    """How many matrices the packed modules hold in each format (e.g. {"q4_1": 210, "q8_0": 1}),
+    each shared matrix once; empty for a model without packed modules."""
+    seen: dict[int, str] = {}
+    for m in model.modules():
+        if isinstance(m, (PackedLinear, PackedEmbedding)):
+            seen[id(m.packed)] = m.packed.format_name
+    counts: dict[str, int] = {}
+    for name in seen.values():
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
 def packed_parameters(model: nn.Module) -> int:
     """Weights held in packed modules (each matrix once, even when shared)."""
     seen: dict[int, int] = {}

@@ -348,7 +348,7 @@ def sentencepiece_vocab(vocab: int, source: Path) -> dict[str, Any]:
     return {"tokens": tokens, "scores": scores, "token_type": types}
 
 
-def _add_bpe_tokenizer(w: Any, vocab: int, source: Path) -> None:
+def _add_bpe_tokenizer(w: Any, vocab: int, source: Path, chat_template: bool = True) -> None:
     """The tokenizer of `source` (a byte-level BPE), padded with unused tokens to `vocab`."""
     import gguf
 
@@ -373,10 +373,13 @@ def _add_bpe_tokenizer(w: Any, vocab: int, source: Path) -> None:
     ]:
         if key in tok:
             add(int(tok[key]))
-    w.add_chat_template(str(tok["chat_template"]))
+    if chat_template:
+        w.add_chat_template(str(tok["chat_template"]))
 
 
-def _add_sentencepiece_tokenizer(w: Any, arch: str, vocab: int, source: Path) -> None:
+def _add_sentencepiece_tokenizer(
+    w: Any, arch: str, vocab: int, source: Path, chat_template: bool = True
+) -> None:
     """A Gemma-like sentencepiece vocabulary, written as llama.cpp's converter writes Gemma's
     (no merges, BOS added, no space prefix)."""
     sp = sentencepiece_vocab(vocab, source)
@@ -392,11 +395,18 @@ def _add_sentencepiece_tokenizer(w: Any, arch: str, vocab: int, source: Path) ->
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
     w.add_add_space_prefix(False)
-    w.add_chat_template(GEMMA_TEMPLATES[arch])
+    if chat_template:
+        w.add_chat_template(GEMMA_TEMPLATES[arch])
 
 
 def write_synthetic_gguf(
-    path: Path, arch: str, shape: Shape, file_type: str, seed: int = 0, tokenizer_from: Path | None = None
+    path: Path,
+    arch: str,
+    shape: Shape,
+    file_type: str,
+    seed: int = 0,
+    tokenizer_from: Path | None = None,
+    chat_template: bool = True,
 ) -> dict[str, Any]:
     """Write a GGUF model file of `arch` with `shape`, random weights (fixed `seed`) in the
     tensor types llama.cpp gives a `file_type` file, and a tokenizer: for llama/qwen the
@@ -404,7 +414,8 @@ def write_synthetic_gguf(
     gemma a sentencepiece vocabulary made from it (`sentencepiece_vocab`) with Gemma's
     chat template. Gemma files hold what llama.cpp's converter writes: four norms per layer
     (gemma3: and q/k norms), each stored as 1 + the weight transformers' RMSNorm holds, and
-    the sliding window (and gemma2's soft-capping) in the metadata.
+    the sliding window (and gemma2's soft-capping) in the metadata. `chat_template=False`
+    leaves `tokenizer.chat_template` out (a file whose template must be guessed).
 
     Returns:
         A summary: parameters, bytes, tensor types and their counts.
@@ -442,9 +453,11 @@ def write_synthetic_gguf(
         w.add_rope_scaling_factor(shape.linear_rope)
     w.add_vocab_size(shape.vocab)
     if arch in GEMMA:
-        _add_sentencepiece_tokenizer(w, arch, shape.vocab, tokenizer_from or default_gguf_path())
+        _add_sentencepiece_tokenizer(
+            w, arch, shape.vocab, tokenizer_from or default_gguf_path(), chat_template
+        )
     else:
-        _add_bpe_tokenizer(w, shape.vocab, tokenizer_from or default_gguf_path())
+        _add_bpe_tokenizer(w, shape.vocab, tokenizer_from or default_gguf_path(), chat_template)
 
     # (name, rows, cols, role, layer); 1-D tensors have rows == 0
     plan: list[tuple[str, int, int, str, int]] = [

@@ -116,16 +116,27 @@ class LoadedModel:
 
     @property
     def quantization(self) -> str:
+        """The weights' format: a GGUF file's block formats (as stored: e.g. "GGUF 210 q4_1 +
+        1 q8_0 matrices"), else what the config says ("none" for plain floats)."""
+        from chatbot.engine.packed import packed_formats
+
+        formats = packed_formats(self.model)
+        if formats:
+            mats = " + ".join(f"{n} {name}" for name, n in sorted(formats.items(), key=lambda kv: -kv[1]))
+            return f"GGUF {mats} matrices"
         return describe_quantization(self.model.config)
 
     def describe(self) -> dict[str, str]:
+        dtype = str(self.dtype).removeprefix("torch.")
+        quantization = self.quantization
         return {
             "model": self.name,
             "source": self.source,
             "parameters": _count(self.num_parameters),
-            "dtype": str(self.dtype).removeprefix("torch."),
+            # block-quantized weights compute in this dtype (the activations'), not stored in it
+            "dtype": f"{dtype} compute" if quantization.startswith("GGUF") else dtype,
             "device": ", ".join(self.devices),
-            "quantization": self.quantization,
+            "quantization": quantization,
             "context": str(self.context_limit),
             "template": self.template.label()
             if self.template

@@ -164,15 +164,53 @@ PLAIN = ChatTemplate(
     ("\nUser:",),
 )
 
+# Gemma (2 and 3): "<start_of_turn>user\n...<end_of_turn>\n<start_of_turn>model\n"; the system
+# prompt goes before the first user message, as Gemma 3's own template puts it. Unlike Gemma's
+# template, messages are not trimmed (prefix stability).
+GEMMA = ChatTemplate(
+    "gemma",
+    "Gemma: <start_of_turn>user ... <end_of_turn> <start_of_turn>model ... (system before the first message)",
+    _SPLIT_SYSTEM + _BOS + "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' }}"
+    "{%- if loop.first and system is not none -%}{{ system + '\n\n' }}{%- endif -%}"
+    "{{ message['content'] + '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}",
+    ("<end_of_turn>", "<start_of_turn>"),
+)
+
+PHI3 = ChatTemplate(
+    "phi3",
+    "Phi-3: <|system|> ... <|end|> <|user|> ... <|end|> <|assistant|> ... <|end|>",
+    "{%- for message in messages -%}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|assistant|>\n' }}{%- endif -%}",
+    ("<|end|>", "<|user|>"),
+)
+
 TEMPLATES: dict[str, ChatTemplate] = {
-    t.name: t for t in (CHATML, LLAMA2, LLAMA3, MISTRAL, VICUNA, COLOSSAL, PLAIN)
+    t.name: t for t in (CHATML, LLAMA2, LLAMA3, MISTRAL, GEMMA, PHI3, VICUNA, COLOSSAL, PLAIN)
 }
+"""Every named template: `--template`, `run --help` and the unknown-name error list these."""
 TEMPLATE_CHOICES = ("auto", *TEMPLATES)
 
-# Special tokens that give a template away when a tokenizer ships none.
+
+def choices_text() -> str:
+    """The template names as `--help` and the unknown-name error list them."""
+    return ", ".join(TEMPLATE_CHOICES) + ", or a .jinja file"
+
+
+# Special tokens that give a template away when a tokenizer ships none (a GGUF without
+# `tokenizer.chat_template`, a folder without one): all of a row's tokens must be in the
+# vocabulary, the first row that matches wins.
 _SIGNATURES = (
     (("<|im_start|>", "<|im_end|>"), CHATML),
-    (("<|start_header_id|>", "<|eot_id|>"), LLAMA3),
+    (("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), LLAMA3),
+    (("<start_of_turn>", "<end_of_turn>"), GEMMA),
+    (("<|user|>", "<|assistant|>", "<|end|>"), PHI3),
+    (("[INST]", "[/INST]"), MISTRAL),
 )
 
 
@@ -193,9 +231,7 @@ class TemplateInfo:
 def template_by_name(name: str) -> ChatTemplate:
     """Raises ConfigError for an unknown name."""
     if name not in TEMPLATES:
-        raise ConfigError(
-            f"unknown template {name!r}; templates: {', '.join(TEMPLATE_CHOICES)}, or a .jinja file"
-        )
+        raise ConfigError(f"unknown template {name!r}; templates: {choices_text()}")
     return TEMPLATES[name]
 
 
@@ -252,7 +288,12 @@ def apply_template(tokenizer: Any, model: Any | None = None, requested: str | No
             for tokens, candidate in _SIGNATURES:
                 if all(_vocab_has(tokenizer, t) for t in tokens):
                     template = candidate
-                    info = TemplateInfo(candidate.name, "guessed")
+                    info = TemplateInfo(
+                        candidate.name,
+                        "guessed",
+                        warning=f"the model has no chat template: using {candidate.name}, which its "
+                        f"vocabulary names ({tokens[0]}); pick another with --template",
+                    )
                     break
             else:
                 template = PLAIN
@@ -338,6 +379,31 @@ def check_template(tokenizer: Any, system: str | None, name: str = "this model")
             f"the chat template of {name} drops the system prompt: drop --system, or pick a "
             "template with one, e.g. --template chatml"
         )
+
+
+def default_system_prompt(tokenizer: Any) -> str | None:
+    """The system prompt the tokenizer's template writes when the conversation has none
+    (SmolLM's "You are a helpful AI assistant named SmolLM..."), or None when it writes none.
+
+    Found by rendering a user message alone and with a marker system prompt: what stands
+    in the marker's place without it is the template's own.
+    """
+    marker, user = "\u2063system\u2063", "\u2063user\u2063"
+    try:
+        alone = tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False)
+        with_system = tokenizer.apply_chat_template(
+            [{"role": "system", "content": marker}, {"role": "user", "content": user}], tokenize=False
+        )
+    except Exception:  # noqa: BLE001 - a template (user code) that renders no system prompt
+        return None
+    if marker not in with_system or user not in alone:
+        return None
+    head, tail = with_system.split(user, 1)[0].split(marker, 1)
+    before = alone.split(user, 1)[0]
+    if not (before.startswith(head) and before.endswith(tail)) or len(before) < len(head) + len(tail):
+        return None
+    own = before[len(head) : len(before) - len(tail)].strip()
+    return own or None
 
 
 def stop_strings_of(tokenizer: Any) -> tuple[str, ...]:

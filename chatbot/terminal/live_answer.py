@@ -108,6 +108,11 @@ def _fence(text: str, closed_too: bool) -> tuple[str, str] | None:
     return token.content, token.info
 
 
+def _widest(code: str) -> int:
+    """The cells of the widest line of `code`."""
+    return max((cell_len(line) for line in code.splitlines()), default=0)
+
+
 class _Lines:
     """Already rendered lines, printed as they are (no second wrapping)."""
 
@@ -254,13 +259,15 @@ class MarkdownAnswer:
     def _renderable(self, source: str, thinking: bool, final: bool, continued: bool) -> RenderableType:
         if thinking:
             return Text(source.rstrip("\n"), style=THINKING_STYLE)
-        fence = _fence(source, closed_too=final or continued)
-        if fence is not None and (continued or not final):
-            # Open: plain (Markdown highlights it once it closes). The rest of a fence whose
-            # top is printed already: no top padding, highlighted when final.
+        fence = _fence(source, closed_too=True)
+        if fence is not None:
+            # Open: plain, wrapped to the live region. Final: highlighted, each line whole (the
+            # terminal wraps a long one; a copy of it stays intact). The rest of a fence whose
+            # top is printed already has no top padding. No side padding: copied code starts
+            # in column 0.
             lexer = fence[1].partition(" ")[0] or "text" if final else "text"
-            padding = (0, 1, 1, 1) if continued else 1
-            return Syntax(fence[0].rstrip(), lexer, theme=CODE_THEME, word_wrap=True, padding=padding)
+            padding = (0, 0, 1, 0) if continued else (1, 0)
+            return Syntax(fence[0].rstrip(), lexer, theme=CODE_THEME, word_wrap=not final, padding=padding)
         return AnswerMarkdown(source, code_theme=CODE_THEME)
 
     def _render(
@@ -274,6 +281,9 @@ class MarkdownAnswer:
         if not source.strip():
             return []
         continued = self._fence_continued if continued is None else continued
+        fence = None if thinking or not final else _fence(source, closed_too=True)
+        if fence is not None:  # wide enough for its longest line (see `_renderable`)
+            width = max(width or self.console.width, _widest(fence[0]) + 1)
         return self._render_lines(self._renderable(source, thinking, final, continued), width)
 
     def _render_lines(self, renderable: RenderableType, width: int | None = None) -> list[list[Segment]]:
@@ -297,7 +307,8 @@ class MarkdownAnswer:
             return
         # Re-draw the live region first: the print below re-draws the last one it drew.
         self._redraw()
-        self.console.print(_Lines(lines, blank_first=blank and self._printed))
+        # not cropped: a code line wider than the screen goes out whole, for the terminal to wrap
+        self.console.print(_Lines(lines, blank_first=blank and self._printed), crop=False)
         self._printed = True
 
     # -- the live region ---------------------------------------------------------------
@@ -331,7 +342,7 @@ class MarkdownAnswer:
         every refresh would cost more than decoding it."""
         opener, _, code = self._open.partition("\n")
         body = code.split("\n")  # the last item is the line still being written
-        inner = max(width - 4, 1)  # the width less one column and the padding
+        inner = max(width - 1, 1)  # the width less one column
         rows = [max(1, -(-cell_len(line) // inner)) for line in body[:-1]]
         total, count = sum(rows) + 3, 0  # + top padding, the open line, bottom padding
         while count < len(rows) and total > limit:
@@ -342,16 +353,11 @@ class MarkdownAnswer:
         first = not self._fence_continued
         blank = first and self._blank_before_open()
         lexer = info.partition(" ")[0] or "text"
-        head = Syntax(
-            "\n".join(body[:count]),
-            lexer,
-            theme=CODE_THEME,
-            word_wrap=True,
-            padding=(1 if first else 0, 1, 0, 1),
-        )
+        code = "\n".join(body[:count])
+        head = Syntax(code, lexer, theme=CODE_THEME, word_wrap=False, padding=(1 if first else 0, 0, 0, 0))
         self._open = opener + "\n" + "\n".join(body[count:])
         self._fence_continued = True
-        self._emit(self._render_lines(head), blank=blank)
+        self._emit(self._render_lines(head, max(width, _widest(code) + 1)), blank=blank)
 
     def _refresh(self) -> None:
         self._fit()
@@ -398,21 +404,30 @@ class MarkdownAnswer:
 
 
 class PlainAnswer:
-    """Raw text as it arrives (pipes, --plain)."""
+    """Raw text as it arrives (pipes, --plain), less the whitespace around the answer: the
+    space a base model starts with after "Assistant:", the newlines it ends with before its
+    stop string. Whitespace is held back until text follows it; what ends the answer is
+    dropped, so each answer is its text and one newline. `text` keeps every character."""
 
     def __init__(self, out: IO[str] | None = None) -> None:
         import sys
 
         self.out = out or sys.stdout
         self.text = ""
+        self._held = ""  # trailing whitespace not written yet
 
     def __enter__(self) -> PlainAnswer:  # noqa: PYI034
         return self
 
     def add(self, text: str) -> None:
+        started = bool(self.text.strip())  # some text was written already
         self.text += text
-        self.out.write(text)
-        self.out.flush()
+        pending = self._held + text if started else text.lstrip()
+        shown = pending.rstrip()
+        self._held = pending[len(shown) :]
+        if shown:
+            self.out.write(shown)
+            self.out.flush()
 
     def __exit__(self, *exc: object) -> None:
         self.out.write("\n")

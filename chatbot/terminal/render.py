@@ -28,12 +28,43 @@ def format_cache(stats: TurnStats) -> str:
     return f"cache {stats.cache_tokens:,}"
 
 
-def format_stats_line(stats: TurnStats) -> str:
+FINISH_WORDS = {"length": "max tokens", "context": "context full", "interrupted": "interrupted"}
+"""How the stats line and /stats name why an answer ended (other reasons as the engine says)."""
+
+
+def finish_word(reason: str) -> str:
+    """The words for a finish reason (`FINISH_WORDS`), e.g. "max tokens" for "length"."""
+    return FINISH_WORDS.get(reason, reason)
+
+
+def format_stats_line(stats: TurnStats, width: int | None = None) -> str:
     """One line, e.g. `context 41 tok · 0.09 s · first token 0.12 s · 96 tok · 24.1 tok/s ·
     41.5 ms/tok (p90 55) · cache 412`; an answer from a server has its own line
-    (`format_remote_stats_line`)."""
-    if isinstance(stats, RemoteStats):
-        return format_remote_stats_line(stats)
+    (`format_remote_stats_line`). With `width`, lines of at most that many characters,
+    broken between the parts (never inside "41.5 ms/tok")."""
+    line = format_remote_stats_line(stats) if isinstance(stats, RemoteStats) else _stats_line(stats)
+    return line if width is None else wrap_parts(line.split(" · "), width)
+
+
+def wrap_parts(parts: list[str], width: int) -> str:
+    """`parts` joined by " · ", on as many lines of at most `width` characters as they need; a
+    line breaks only between parts (its "·" ends the line), a part longer than the width
+    stands alone on its line."""
+    lines: list[str] = []
+    line = ""
+    for part in parts:
+        if not line:
+            line = part
+        elif len(line) + 3 + len(part) + 2 <= width:  # room for " · " now and " ·" at the end
+            line += " · " + part
+        else:
+            lines.append(line + " ·")
+            line = part
+    lines.append(line)
+    return "\n".join(lines)
+
+
+def _stats_line(stats: TurnStats) -> str:
     parts = [
         f"context {stats.context_tokens:,} tok",
         f"{stats.context_time_s:.2f} s",
@@ -44,12 +75,8 @@ def format_stats_line(stats: TurnStats) -> str:
         parts.append(f"{stats.decode_tps:.1f} tok/s")
         parts.append(f"{stats.ms_per_token_mean:.1f} ms/tok (p90 {stats.ms_per_token_p90:.0f})")
     parts.append(format_cache(stats))
-    if stats.finish_reason in ("length", "context", "interrupted"):
-        parts.append(
-            {"length": "max tokens", "context": "context full", "interrupted": "interrupted"}[
-                stats.finish_reason
-            ]
-        )
+    if stats.finish_reason in FINISH_WORDS:
+        parts.append(finish_word(stats.finish_reason))
     return " · ".join(parts)
 
 
@@ -73,7 +100,7 @@ def format_remote_stats_line(stats: RemoteStats) -> str:
         parts.append(f"p50 {stats.ms_per_token_p50:.0f} / p90 {stats.ms_per_token_p90:.0f} ms/tok")
     parts.append("server")
     if stats.finish_reason in ("length", "interrupted"):
-        parts.append({"length": "max tokens", "interrupted": "interrupted"}[stats.finish_reason])
+        parts.append(finish_word(stats.finish_reason))
     return " · ".join(parts)
 
 
@@ -91,7 +118,8 @@ def stats_table(turns: list[Any], summary: dict[str, Any]) -> Table:
     # Two-line headers and unwrapped cells: the table fits an 80-column terminal whole.
     for col in ("#", "fed\ntok", "fed\ns", "TTFT\ns", "new\ntok", "tok/s", "p50\nms",
                 "p90\nms", "cache", "end"):  # fmt: skip
-        table.add_column(col, justify="right", no_wrap=True)
+        # the reason ("max tokens") may take two lines, broken between its words
+        table.add_column(col, justify="right", no_wrap=col != "end")
     for i, t in enumerate(turns, 1):
         s = t.stats
         table.add_row(
@@ -104,7 +132,7 @@ def stats_table(turns: list[Any], summary: dict[str, Any]) -> Table:
             f"{s.ms_per_token_p50:.1f}",
             f"{s.ms_per_token_p90:.1f}",
             _count(s, s.cache_tokens),
-            safe_text(s.finish_reason),
+            safe_text(finish_word(s.finish_reason)),
         )
     table.add_row(
         "all",
@@ -131,7 +159,8 @@ def stats_lines(turns: list[Any], summary: dict[str, Any]) -> Text:
         text.append(
             f" · fed {_count(s, s.context_tokens)} tok · {s.context_time_s:.2f} s · TTFT {s.ttft_s:.2f} s · "
             f"{s.generated_tokens:,} new · {s.decode_tps:.1f} tok/s · p50 {s.ms_per_token_p50:.1f} ms · "
-            f"p90 {s.ms_per_token_p90:.1f} ms · cache {_count(s, s.cache_tokens)} · {s.finish_reason}\n"
+            f"p90 {s.ms_per_token_p90:.1f} ms · cache {_count(s, s.cache_tokens)} · "
+            f"{finish_word(s.finish_reason)}\n"
         )
     text.append("all", style="bold")
     text.append(

@@ -54,6 +54,7 @@ from chatbot.terminal.render import (
 )
 from chatbot.terminal.sanitize import safe_line, safe_text
 from chatbot.terminal.tty import interrupt_once, make_consoles, no_echo
+from chatbot.terminal.wrap_input import WordWrap
 
 if TYPE_CHECKING:  # torch and transformers come with these: the prompt must not wait for them
     from chatbot.chat import Chat, ModelInfo
@@ -315,11 +316,13 @@ class Repl:
 
     def _system(self, command: Command) -> None:
         if not command.arg:
-            self.note(
-                f"system prompt: {self.session.system}"
-                if self.session.system
-                else "no system prompt; /system TEXT sets one"
-            )
+            default = None if self.session.system else self.session.template_system()
+            if self.session.system:
+                self.note(f"system prompt: {self.session.system}")
+            elif default:
+                self.note(f"system prompt (the template's default): {default}; /system TEXT replaces it")
+            else:
+                self.note("no system prompt; /system TEXT sets one")
             return
         text = None if command.arg == CLEAR_FLAG else command.arg
         try:
@@ -526,7 +529,7 @@ class Repl:
             self.error(problem)
             self.failed += 1
         elif stats is not None and self.show_stats:
-            self.note(format_stats_line(stats))
+            self.note(format_stats_line(stats, self.info.width if self.info.is_terminal else None))
         return problem
 
     # -- loops -------------------------------------------------------------------------
@@ -608,7 +611,11 @@ class Repl:
             complete_while_typing=False,
             key_bindings=keys,
             bottom_toolbar=self.toolbar,
-            prompt_continuation=lambda width, line_number, wrap_count: "… ".rjust(width),
+            # "… " begins a new line of the message; a row the prompt wraps begins blank
+            prompt_continuation=lambda width, line_number, wrap_count: (
+                " " * width if wrap_count else "… ".rjust(width)
+            ),
+            input_processors=[WordWrap(lambda: 2)],  # "> " and "… "
             enable_history_search=False,
             input=input,
             output=output,

@@ -1,0 +1,74 @@
+"""What a person copies from the screen (issue 37, defects 7-9), in a pseudo-terminal behind
+pyte at 80 and 50 columns: code blocks start in column 0 and keep each line whole (the
+terminal wraps a long one: a copy of it is the line); a long message typed at the prompt
+wraps between words, without the "… " of a new line; the stats line breaks between its
+phrases."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from test_screen import after, saved_answers, send, start
+
+pytest.importorskip("pyte")
+
+LONG = (
+    '    return [fruit for fruit in fruits if fruit["colour"] == "red" and fruit["ripe"] '
+    'and fruit["weight_in_grams"] > 120]'
+)
+CODE = f"def pick(fruits):\n{LONG}\n\n\nprint(pick([]))"
+ANSWER = f"Here is the code:\n\n```python\n{CODE}\n```\n\nDone.\n"
+
+
+@pytest.mark.parametrize("columns", [50, 80])
+def test_code_copied_from_the_screen_is_the_code(tmp_path, terminals, columns):
+    term = start(tmp_path, [ANSWER], columns, lines=30)
+    terminals.append(term)
+    send(term, "code please")
+    (answer,) = saved_answers(term, tmp_path)
+    assert answer.strip() == ANSWER.strip()
+    lines = after(term.lines(), "> code please")
+    top = next(i for i, line in enumerate(lines) if "def pick" in line)
+    assert lines[top] == "def pick(fruits):"  # column 0: no indent added
+    rows = -(-len(LONG) // columns)  # the terminal's own wrapping of the long line
+    assert rows > 1
+    wrapped = lines[top + 1 : top + 1 + rows]
+    assert "".join(row.ljust(columns) for row in wrapped).rstrip() == LONG
+    assert lines[top + 1 + rows : top + 4 + rows] == ["", "", "print(pick([]))"]
+
+
+@pytest.mark.parametrize("columns", [50, 80])
+def test_a_long_message_wraps_between_words_at_the_prompt(tmp_path, terminals, columns):
+    term = start(tmp_path, ["Fine."], columns)
+    terminals.append(term)
+    message = " ".join(["then a Markdown table with some rows"] * 5)
+    term.type(message)
+    term.wait_for(lambda: any(line.endswith("rows") for line in term.screen_lines()), 30, "the last word")
+    shown = [line for line in term.screen_lines() if line.strip()][:-1]  # less the toolbar
+    first = next(i for i, line in enumerate(shown) if line.startswith("> "))
+    rows = shown[first:]
+    assert len(rows) > 1
+    assert not any(row.lstrip().startswith("…") for row in rows[1:])  # not a new line of the message
+    assert all(len(row) <= columns for row in rows)
+    words = message.split()
+    assert " ".join(" ".join(rows).removeprefix("> ").split()) == message
+    for row in rows:  # every row holds whole words only
+        assert all(w in words for w in row.removeprefix("> ").split())
+    term.type("\r")
+    term.wait_prompt(60)
+    assert saved_answers(term, tmp_path) == ["Fine."]
+
+
+@pytest.mark.parametrize("columns", [50, 80])
+def test_the_stats_line_breaks_between_phrases(tmp_path, terminals, columns):
+    term = start(tmp_path, ["A short answer."], columns)
+    terminals.append(term)
+    send(term, "hello")
+    lines = after(term.lines(), "> hello")
+    begin = next(i for i, line in enumerate(lines) if line.startswith("context "))
+    end = next(i for i in range(begin, len(lines)) if re.search(r"cache [\d,]+", lines[i]))
+    stats = lines[begin : end + 1]
+    for line in stats[:-1]:
+        assert line.endswith(" ·"), stats  # a break comes after a separator, never mid-phrase
+    assert re.search(r"[\d.]+ ms/tok", " ".join(stats))
