@@ -29,6 +29,7 @@ from chatbot.config import SamplingConfig
 from chatbot.engine.batch import DecodeBatcher
 from chatbot.engine.buffer_cache import BufferLayer
 from chatbot.engine.detokenize import IncrementalDetokenizer
+from chatbot.engine.finite import checked_token, sampled_token
 from chatbot.engine.sampling import TopKTopPLogitsWarper
 from chatbot.engine.sink_cache import SinkCache
 from chatbot.engine.stats import TurnStats, peak_memory_bytes, synchronize
@@ -349,11 +350,10 @@ class Engine:
         for i in range(sampling.max_new_tokens):
             context = cast(torch.LongTensor, seen[:, :n_seen])
             scores = processors(context, logits[None]) if processors else logits[None]
-            if sampling.greedy:
-                token = int(scores.argmax(-1))
+            if sampling.greedy:  # (the chosen token's logit is tested as it is read: free)
+                token = checked_token(logits, scores.argmax(-1), self.model)
             else:
-                probs = torch.softmax(scores, dim=-1)
-                token = int(torch.multinomial(probs, 1, generator=generator))
+                token = sampled_token(logits, scores, generator, self.model)
             now = time.perf_counter()
             if i == 0:
                 stats.ttft_s = now - t0
