@@ -543,11 +543,23 @@ def doctor(
         bool, typer.Option(help="Load --model to tell its decode path (--no-load: the machine only).")
     ] = True,
     debug: DebugOpt = False,
+    check_model: Annotated[
+        Path | None,
+        typer.Option(
+            help="Scan every tensor of this .gguf file or folder for NaN and infinity, and "
+            "check a GGUF file's metadata against its tensors (then nothing else)."
+        ),
+    ] = None,
 ) -> None:
     """Print what this machine gives the chatbot, for bug reports and piped runs: the CPU and
     the SIMD level the kernels use, the C compiler, OpenMP or the kernels' own thread pool,
     the kernels' cache, the GPUs, and the decode path --model takes (`decode: native ...` or
     `decode: transformers (why)`)."""
+    if check_model is not None:
+        from chatbot.terminal.model_check import check_model_files
+
+        check_model_files(check_model)
+        return
     from chatbot import doctor as facts
 
     out = Console(highlight=False, soft_wrap=True)

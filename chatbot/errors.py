@@ -25,6 +25,10 @@ class CommandError(ChatbotError):
     """A slash-command could not be parsed or run."""
 
 
+class NonFiniteOutputError(ChatbotError):
+    """The model produced NaN or infinity: damaged weights or metadata, not a bad answer."""
+
+
 def first_line(exc: BaseException) -> str:
     """An exception's message cut to its first line (300 characters at most), for one-line errors."""
     text = str(exc).strip().splitlines()

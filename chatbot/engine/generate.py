@@ -258,7 +258,7 @@ class Engine:
         if history_ids is None:
             history_ids = list(kv.ids)
         processors = build_logits_processor(sampling) if logits_processor is None else logits_processor
-        sampler = Sampler(sampling, [*history_ids, *new_ids], processors, generator, self.device)
+        sampler = Sampler(sampling, [*history_ids, *new_ids], processors, generator, self.device, self.model)
         stats = TurnStats(context_tokens=len(new_ids))
         t0 = time.perf_counter()
         reserve = min(sampling.max_new_tokens, 256) if kv.is_bounded else 0

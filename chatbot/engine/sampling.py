@@ -24,6 +24,7 @@ from transformers.generation.logits_process import (
 )
 
 from chatbot.config import SamplingConfig
+from chatbot.engine.finite import checked_token, sampled_token
 
 
 class TopKTopPLogitsWarper(LogitsProcessor):
@@ -127,6 +128,7 @@ class Sampler:
         processors: transformers' logits processors, applied in order.
         generator: the random generator (seeded by the caller).
         device: where the context buffer lives (the logits' device).
+        model: the model, only to name its file when its logits are not finite.
     """
 
     def __init__(
@@ -136,7 +138,9 @@ class Sampler:
         processors: LogitsProcessorList,
         generator: torch.Generator | None,
         device: torch.device,
+        model: Any = None,
     ) -> None:
+        self.model = model
         self.greedy = sampling.greedy
         self.processors = processors
         self.generator = generator
@@ -152,13 +156,16 @@ class Sampler:
         return self.seen[:, : self.n_seen]
 
     def __call__(self, logits: torch.Tensor) -> int:
-        """The next token after `logits` (``[vocab]``)."""
+        """The next token after `logits` (``[vocab]``).
+
+        Raises:
+            NonFiniteOutputError: the chosen token's logit is NaN or infinite (a damaged model).
+        """
         context = cast(torch.LongTensor, self.context)
         scores = self.scores = self.processors(context, logits[None]) if self.processors else logits[None]
-        if self.greedy:
-            return int(scores.argmax(-1))
-        probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        if self.greedy:  # the chosen token's logit is tested as it is read: free
+            return checked_token(logits, scores.argmax(-1), self.model)
+        return sampled_token(logits, scores, self.generator, self.model)
 
     def accept(self, token: int) -> None:
         """`token` joins the answer (the repetition penalty's context)."""

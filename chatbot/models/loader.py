@@ -269,6 +269,7 @@ def _load_gguf(gguf: Path, opts: LoadOptions, checked: bool = False) -> tuple[An
     notes: list[str] = []
     if not checked:
         check_gguf(gguf)
+    _check_metadata(gguf)
     _check_finite(gguf)
     if _packable(opts) and _kernels_load(gguf, notes):
         try:
@@ -289,6 +290,18 @@ def _load_gguf(gguf: Path, opts: LoadOptions, checked: bool = False) -> tuple[An
             raise ModelLoadError(f"cannot read GGUF file {gguf}: {_short(exc)}") from exc
     model, tokenizer, more = _load_gguf_converted(gguf, opts)
     return model, tokenizer, notes + more
+
+
+def _check_metadata(gguf: Path) -> None:
+    """Refuse a GGUF file whose metadata disagrees with its tensors (`gguf_metadata`)."""
+    from chatbot.models.gguf_metadata import InconsistentMetadata, check_metadata
+
+    try:
+        check_metadata(gguf)
+    except InconsistentMetadata as exc:
+        raise ModelLoadError(f"cannot use GGUF file {gguf}: {exc}") from None
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read GGUF file {gguf}: {_short(exc)}") from exc
 
 
 def _check_finite(gguf: Path) -> None:
