@@ -227,12 +227,12 @@ def _streaming_note(engine: Any, config: EngineConfig) -> str | None:
     so that the cache fits in the model's sliding window (gemma)."""
     if not config.enable_streaming or config.recent_size is not None:
         return None
-    from chatbot.engine.sink_cache import default_recent_size, streaming_window
+    from chatbot.engine.sink_cache import streaming_window
 
     limit = config.max_context or engine.max_context
     window = streaming_window(engine.model)
-    recent = default_recent_size(limit, window, config.start_size)
-    if window is None or recent == default_recent_size(limit):
+    recent = config.recent_window(limit, window)
+    if window is None or recent == config.recent_window(limit):
         return None
     return (
         f"note: this model's sliding-window layers attend to {window:,} tokens, so --enable-streaming "

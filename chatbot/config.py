@@ -121,6 +121,24 @@ class SamplingConfig:
         return dataclasses.asdict(self)
 
 
+def default_recent_size(max_context: int, window: int | None = None, start_size: int = 4) -> int:
+    """A sensible window for --enable-streaming: about a quarter of the trained context,
+    e.g. 2000 for an 8k model, at least 256.
+
+    Args:
+        max_context: the model's context (or --max-context).
+        window: the model's smallest sliding window (`streaming_window`). Where the sinks
+            and that default would not fit in it, the recent window takes what is left of
+            the sliding window after a quarter of it, kept for the sinks and a pinned
+            system prompt (384 for gemma3-1b's 512).
+        start_size: the sinks.
+    """
+    recent = max(256, min(2000, max_context // 4))
+    if window is not None and start_size + recent > window:
+        recent = max(1, window - max(start_size, window // 4))
+    return recent
+
+
 @dataclass
 class EngineConfig:
     """How the engine runs the model: chunking, streaming cache, context limits."""
@@ -128,32 +146,47 @@ class EngineConfig:
     prefill_chunk: int = 512
     enable_streaming: bool = False
     start_size: int = 4
-    recent_size: int | None = None  # None: derived from the model's context
+    recent_size: int | None = None  # None: derived from the model's context (`recent_window`)
     keep_system: bool | None = None  # None: on when a system prompt is set
     max_context: int | None = None  # None: the model's max_position_embeddings
 
+    # The numeric settings (None, where a field allows it, is not checked against these).
+    RANGES: ClassVar[dict[str, Range]] = {
+        "prefill_chunk": Range(int, 1, MAX_TOKENS),
+        "start_size": Range(int, 0, MAX_TOKENS),
+        "recent_size": Range(int, 16, MAX_TOKENS),
+        "max_context": Range(int, 16, MAX_TOKENS),
+    }
+
     def validated(self) -> EngineConfig:
-        """Check each value alone (the model's context is checked by `check_window`).
+        """Check each value alone, and the sinks against a given recent window (the model's
+        context is checked by `check_window` once it is known).
 
         Raises:
             ConfigError: naming the key and the allowed range.
         """
-        Range(int, 1, MAX_TOKENS).check("prefill_chunk", self.prefill_chunk)
-        Range(int, 0, MAX_TOKENS).check("start_size", self.start_size)
+        for key, rng in self.RANGES.items():
+            if getattr(self, key) is not None:
+                rng.check(key, getattr(self, key))
         if self.recent_size is not None:
-            Range(int, 16, MAX_TOKENS).check("recent_size", self.recent_size)
-            if self.start_size > self.recent_size:
-                raise ConfigError(
-                    f"start_size ({self.start_size:,}) must not be larger than the recent "
-                    f"window ({self.recent_size:,})"
-                )
-        if self.max_context is not None:
-            Range(int, 16, MAX_TOKENS).check("max_context", self.max_context)
+            self.check_window(self.start_size, self.recent_size)
         return self
 
-    def check_window(self, start_size: int, recent_size: int, max_context: int) -> None:
+    def recent_window(self, max_context: int, sliding_window: int | None = None) -> int:
+        """The recent window of this conversation's streaming cache: `recent_size`, else the
+        default for a context of `max_context` tokens (`default_recent_size`).
+
+        Args:
+            max_context: the conversation's context (--max-context, else the model's).
+            sliding_window: the model's smallest sliding window, if it has one.
+        """
+        if self.recent_size is not None:
+            return self.recent_size
+        return default_recent_size(max_context, sliding_window, self.start_size)
+
+    def check_window(self, start_size: int, recent_size: int, max_context: int | None = None) -> None:
         """A streaming cache must fit in the context: sinks + recent window at most
-        `max_context`, and no more sinks than the window.
+        `max_context` (None: not known yet), and no more sinks than the window.
 
         Raises:
             ConfigError: it does not fit (saying what would).
@@ -162,7 +195,7 @@ class EngineConfig:
             raise ConfigError(
                 f"start_size ({start_size:,}) must not be larger than the recent window ({recent_size:,})"
             )
-        if start_size + recent_size > max_context:
+        if max_context is not None and start_size + recent_size > max_context:
             raise ConfigError(
                 f"start_size + recent_size ({start_size:,} + {recent_size:,}) must be at most the "
                 f"context ({max_context:,} tokens); e.g. --recent-size {max(16, max_context - start_size):,}"

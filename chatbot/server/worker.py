@@ -146,10 +146,10 @@ class Worker:
             return
         ec = self.pool.engine_config
         if ec.enable_streaming:
-            from chatbot.engine.sink_cache import default_recent_size, streaming_window
+            from chatbot.engine.sink_cache import streaming_window
 
             window = streaming_window(engine.model)
-            recent = ec.recent_size or default_recent_size(engine.max_context, window, ec.start_size)
+            recent = ec.recent_window(engine.max_context, window)
             cache = engine.new_cache(ec.start_size, recent)
         else:
             cache = engine.new_cache()
