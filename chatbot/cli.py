@@ -152,7 +152,7 @@ def run(
     if api_key_env is not None:
         raise ConfigError("--api-key-env goes with --server URL")
     # Every setting, resolved and checked once, before the (slow) model load.
-    settings = _settings(ctx, preset, config).run_config(prefill_chunk)
+    settings = _settings(ctx, preset, config).run_config()
     threads = _check_threads(threads)
     from chatbot.models.source import check_source
     from chatbot.terminal.repl import Repl, resolve_resume
@@ -165,7 +165,7 @@ def run(
     interactive = sys.stdin.isatty()
     out, info = make_consoles(interactive)
     plain = plain or not sys.stdout.isatty()
-    logged = {k: v for k, v in settings.sampling.items() if v is not None and k != "stream_interval"}
+    logged = {k: v for k, v in settings.sampling.given().items() if k != "stream_interval"}
 
     def start_log() -> None:
         repl.start_log(resume_path, overrides=logged, system=settings.system)
@@ -232,7 +232,7 @@ def _make_chat(settings: Any, opt: str, threads: int | None, banner: bool, quiet
 
     loaded = _load(settings.load.model, quiet=quiet, **settings.load.options())
     check_template(loaded.tokenizer, settings.system, loaded.name)
-    sampling = sampling_from_model(loaded.model, **settings.sampling)
+    sampling = sampling_from_model(loaded.model, **settings.sampling.given())
     decoder, decoder_note = _decoder(loaded.model, opt)
     engine = _engine(loaded, settings.engine, decoder)
     session = ChatSession(engine, settings.chat_config(sampling), loaded.template)
@@ -375,7 +375,7 @@ def serve(
         raise ConfigError(f"--max-body {max_body} is too small for a request (at least 1KiB)")
     overrides: dict[str, Any] = {"temperature": temperature, "max_new_tokens": max_new_tokens}
     SamplingConfig(**{k: v for k, v in overrides.items() if v is not None}).validated()
-    from chatbot.models.presets import SAMPLING_KEYS, select_preset
+    from chatbot.models.presets import select_preset
 
     chosen = select_preset(preset, config, model)
     if chosen is not None and not (preset or config):
@@ -383,8 +383,8 @@ def serve(
     preset_sampling: dict[str, Any] = {}
     defaults_from = "the model's generation_config"
     if chosen is not None:
-        model = model or chosen.values.get("model")
-        preset_sampling = {k: chosen.values[k] for k in SAMPLING_KEYS if chosen.values.get(k) is not None}
+        model = model or chosen.config.load.model
+        preset_sampling = chosen.config.sampling.given()
         preset_sampling.pop("stream_interval", None)
         defaults_from = f"preset {chosen.name}, then the model's generation_config"
     if any(v is not None for v in overrides.values()):
@@ -618,7 +618,7 @@ def models(
     out.print("presets (chatbot run --preset NAME):", markup=False)
     width = max((len(p.name) for p in presets), default=0)
     for p in presets:
-        source = p.values.get("model") or "default model"
+        source = p.config.load.model or "default model"
         out.print(f"  {p.name:<{width}}  {source}  {p.description}".rstrip(), markup=False)
     found = local_models(folders)
     out.print("models on this machine (chatbot run --model NAME):", markup=False)

@@ -231,17 +231,74 @@ class LoadConfig:
 
 
 @dataclass
+class SamplingChoices:
+    """The sampling settings a preset or a flag gave, each None where none did: those come
+    from the model's generation_config once it is loaded, else `SamplingConfig`'s defaults
+    (`engine.sampling.sampling_from_model`). The fields are SamplingConfig's, checked against
+    its `RANGES`."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    max_new_tokens: int | None = None
+    seed: int | None = None
+    stream_interval: int = 1
+
+    def given(self) -> dict[str, Any]:
+        """The values set, by name: the keyword arguments of `sampling_from_model`."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None
+        }
+
+    def validated(self) -> SamplingChoices:
+        """Return self after checking the values set against `SamplingConfig.RANGES`.
+
+        Raises:
+            ConfigError: naming the key and the allowed range.
+        """
+        SamplingConfig(**self.given()).validated()
+        return self
+
+
+@dataclass
 class RunConfig:
     """Everything `chatbot run` resolved once from the defaults, a preset and the flags.
 
-    `sampling` holds every sampling setting with None where nobody set it: those come from
-    the model's generation_config once it is loaded (`session.sampling_from_model`).
+    Each setting is a field of one section (`load`, `sampling`, `engine`) or `system`, under
+    a name used nowhere else: the name of its flag, and of its key in a preset.
     """
 
     load: LoadConfig = field(default_factory=LoadConfig)
     system: str | None = None
-    sampling: dict[str, Any] = field(default_factory=dict)
+    sampling: SamplingChoices = field(default_factory=SamplingChoices)
     engine: EngineConfig = field(default_factory=EngineConfig)
+
+    @classmethod
+    def setting_names(cls) -> tuple[str, ...]:
+        """Every setting's name, section by section."""
+        return tuple(name for names in _SECTIONS.values() for name in names)
+
+    def get(self, name: str) -> Any:
+        """The value of the setting `name` (see `setting_names`)."""
+        section = _section_of(name)
+        return getattr(self if section is None else getattr(self, section), name)
+
+    def replaced(self, values: dict[str, Any]) -> RunConfig:
+        """A copy with the settings in `values` (by name) changed; unchecked (see `validated`).
+
+        Raises:
+            KeyError: a name that is no setting.
+        """
+        changes: dict[str, dict[str, Any]] = {}
+        for name, value in values.items():
+            changes.setdefault(_section_of(name) or "", {})[name] = value
+        top = changes.pop("", {})
+        for section, fields in changes.items():
+            top[section] = dataclasses.replace(getattr(self, section), **fields)
+        return dataclasses.replace(self, **top)
 
     def validated(self) -> RunConfig:
         """Check the values given before a (slow) model load.
@@ -249,10 +306,26 @@ class RunConfig:
         Raises:
             ConfigError: naming the key and the allowed range.
         """
-        SamplingConfig(**{k: v for k, v in self.sampling.items() if v is not None}).validated()
+        self.sampling.validated()
         self.engine.validated()
         return self
 
     def chat_config(self, sampling: SamplingConfig) -> ChatConfig:
         """The session's settings, with `sampling` completed from the loaded model."""
         return ChatConfig(system=self.system, sampling=sampling, engine=self.engine)
+
+
+# RunConfig's sections (None: a field of RunConfig itself) and the names of their settings.
+_SECTIONS: dict[str | None, tuple[str, ...]] = {
+    "load": tuple(f.name for f in dataclasses.fields(LoadConfig)),
+    None: ("system",),
+    "sampling": tuple(f.name for f in dataclasses.fields(SamplingChoices)),
+    "engine": tuple(f.name for f in dataclasses.fields(EngineConfig)),
+}
+
+
+def _section_of(name: str) -> str | None:
+    for section, names in _SECTIONS.items():
+        if name in names:
+            return section
+    raise KeyError(f"no setting named {name!r}")

@@ -67,14 +67,14 @@ def test_run_and_config_show_declare_their_shared_options_alike():
     from typer.main import get_command
 
     from chatbot.cli import app
-    from chatbot.models.presets import DEFAULTS
+    from chatbot.models.presets import PRESET_SETTINGS
 
     root = get_command(app)
     run = _options(root.commands["run"])
     show = _options(root.commands["config"].commands["show"])
     # Every setting a preset can give is a flag of both commands (config show prints what
     # run would use), plus the preset choice itself and --greedy.
-    settings = set(DEFAULTS) | {"preset", "config", "greedy"}
+    settings = set(PRESET_SETTINGS) | {"preset", "config", "greedy"}
     assert settings <= set(run), sorted(settings - set(run))
     assert settings <= set(show), sorted(settings - set(show))
     shared = set(run) & set(show)
