@@ -21,6 +21,9 @@ from typer.exceptions import Abort, Exit, TyperException
 
 from chatbot.cli_bench import bench_app, eval_ppl
 from chatbot.cli_common import (
+    CacheConversationsOpt,
+    CacheMemoryOpt,
+    ClientKeyEnvOpt,
     ConfigOpt,
     DebugOpt,
     DeviceMapOpt,
@@ -28,19 +31,35 @@ from chatbot.cli_common import (
     DtypeOpt,
     EnableStreamingOpt,
     GreedyOpt,
+    HostOpt,
     KeepSystemOpt,
+    LogLevelOpt,
+    MaxBodyOpt,
     MaxContextOpt,
     MaxMemoryOpt,
     MaxNewTokensOpt,
     ModelOpt,
+    NoStatsOpt,
     OptOpt,
+    PlainOpt,
+    PortOpt,
     PrefillChunkOpt,
+    PrefixCacheOpt,
     PresetOpt,
     QuantizeOpt,
     RecentSizeOpt,
     RepetitionPenaltyOpt,
+    ResumeOpt,
     RevisionOpt,
     SeedOpt,
+    ServedModelNameOpt,
+    ServeMaxNewTokensOpt,
+    ServeModelOpt,
+    ServePresetOpt,
+    ServerKeyEnvOpt,
+    ServerOpt,
+    ServeStreamingOpt,
+    ServeTemperatureOpt,
     StartSizeOpt,
     StreamIntervalOpt,
     SystemOpt,
@@ -59,8 +78,9 @@ from chatbot.cli_common import (
     _set_threads,
     _settings,
     _streaming_note,
+    exit_if_failed,
 )
-from chatbot.config import EngineConfig, SamplingConfig
+from chatbot.config import EngineConfig, LoadConfig, RunConfig
 from chatbot.errors import ChatbotError, ConfigError
 from chatbot.models.gc_pause import pause_until_ready
 from chatbot.models.gc_pause import ready as gc_ready
@@ -108,27 +128,11 @@ def run(
     config: ConfigOpt = None,
     threads: ThreadsOpt = None,
     opt: OptOpt = "auto",
-    plain: Annotated[bool, typer.Option(help="Print raw text instead of rendered Markdown.")] = False,
-    no_stats: Annotated[
-        bool, typer.Option("--no-stats", help="Hide the stats line after each answer.")
-    ] = False,
-    resume: Annotated[
-        str | None,
-        typer.Option(
-            help="Continue a logged session: its id (or the start of it), or 'last' "
-            "(the default when no value is given)."
-        ),
-    ] = None,
-    server: Annotated[
-        str | None,
-        typer.Option(
-            help="Chat with a model on an OpenAI-compatible server (vLLM, SGLang, llama-server, ollama, "
-            "chatbot serve), e.g. http://127.0.0.1:8000/v1; --model names it there."
-        ),
-    ] = None,
-    api_key_env: Annotated[
-        str | None, typer.Option(help="With --server: send the API key in this environment variable.")
-    ] = None,
+    plain: PlainOpt = False,
+    no_stats: NoStatsOpt = False,
+    resume: ResumeOpt = None,
+    server: ServerOpt = None,
+    api_key_env: ClientKeyEnvOpt = None,
     debug: DebugOpt = False,
 ) -> None:
     """Chat with a model. Reads one message per line when stdin is not a terminal."""
@@ -145,15 +149,24 @@ def run(
             "stream_interval": stream_interval,
         }
         gc_ready()
-        _run_remote(
+        from chatbot.cli_remote import run_remote
+
+        run_remote(
             ctx, server, model, api_key_env, system, overrides, enable_streaming, plain, no_stats, resume
         )
         return
     if api_key_env is not None:
         raise ConfigError("--api-key-env goes with --server URL")
     # Every setting, resolved and checked once, before the (slow) model load.
-    settings = _settings(ctx, preset, config).run_config(prefill_chunk)
-    threads = _check_threads(threads)
+    settings = _settings(ctx, preset, config).run_config()
+    _chat_locally(settings, opt, _check_threads(threads), plain, no_stats, resume)
+
+
+def _chat_locally(
+    settings: RunConfig, opt: str, threads: int | None, plain: bool, no_stats: bool, resume: str | None
+) -> None:
+    """`chatbot run` on a model here: the REPL, with the model loading behind the prompt on a
+    terminal (before the first line on a pipe)."""
     from chatbot.models.source import check_source
     from chatbot.terminal.repl import Repl, resolve_resume
     from chatbot.terminal.repl import run as run_repl
@@ -165,7 +178,7 @@ def run(
     interactive = sys.stdin.isatty()
     out, info = make_consoles(interactive)
     plain = plain or not sys.stdout.isatty()
-    logged = {k: v for k, v in settings.sampling.items() if v is not None and k != "stream_interval"}
+    logged = {k: v for k, v in settings.sampling.given().items() if k != "stream_interval"}
 
     def start_log() -> None:
         repl.start_log(resume_path, overrides=logged, system=settings.system)
@@ -191,7 +204,7 @@ def run(
             _leave_while_loading()
     if repl.load_error is not None:
         raise repl.load_error
-    _exit_if_failed(repl, interactive)
+    exit_if_failed(repl, interactive)
 
 
 def _leave_while_loading() -> None:
@@ -232,7 +245,7 @@ def _make_chat(settings: Any, opt: str, threads: int | None, banner: bool, quiet
 
     loaded = _load(settings.load.model, quiet=quiet, **settings.load.options())
     check_template(loaded.tokenizer, settings.system, loaded.name)
-    sampling = sampling_from_model(loaded.model, **settings.sampling)
+    sampling = sampling_from_model(loaded.model, **settings.sampling.given())
     decoder, decoder_note = _decoder(loaded.model, opt)
     engine = _engine(loaded, settings.engine, decoder)
     session = ChatSession(engine, settings.chat_config(sampling), loaded.template)
@@ -266,79 +279,22 @@ def _in_background(work: Callable[[], Any]) -> Future[Any]:
     return future
 
 
-def _size(text: str) -> int:
-    """Bytes from '2GiB', '512MiB', '1GB' or a plain number."""
-    units = {
-        "kib": 1 << 10,
-        "mib": 1 << 20,
-        "gib": 1 << 30,
-        "kb": 10**3,
-        "mb": 10**6,
-        "gb": 10**9,
-        "b": 1,
-        "": 1,
-    }
-    raw = text.strip().lower()
-    number = raw.rstrip("kmgib")
-    try:
-        return int(float(number) * units[raw[len(number) :]])
-    except (ValueError, KeyError):
-        raise ConfigError(f"cannot read the size {text!r} (e.g. 2GiB, 512MiB)") from None
-
-
 @app.command()
 def serve(
-    model: Annotated[
-        str | None,
-        typer.Option(
-            "--model",
-            "-m",
-            help="A transformers folder, a .gguf file or a hub id "
-            "(default: the embedded SmolLM2-135M-Instruct).",
-        ),
-    ] = None,
-    host: Annotated[
-        str, typer.Option(help="Address to listen on (127.0.0.1: this machine only).")
-    ] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port.", min=1, max=65535)] = 8000,
-    api_key_env: Annotated[
-        str | None,
-        typer.Option(
-            help="Require 'Authorization: Bearer KEY' on /v1, KEY read from this environment variable."
-        ),
-    ] = None,
-    served_model_name: Annotated[
-        str | None, typer.Option(help="The model id clients use (default: the model's name).")
-    ] = None,
-    prefix_cache: Annotated[
-        bool,
-        typer.Option(
-            help="Keep conversation caches between requests "
-            "(a request extending one prefills only its new tokens)."
-        ),
-    ] = True,
-    cache_conversations: Annotated[
-        int, typer.Option(help="Conversation caches kept, least recently used evicted.", min=1)
-    ] = 8,
-    cache_memory: Annotated[
-        str, typer.Option(help="Cap on the KV cache memory kept between requests, e.g. 2GiB.")
-    ] = "2GiB",
-    preset: Annotated[
-        str | None,
-        typer.Option(
-            help="A preset by name (see: chatbot models): its model and its sampling as the defaults "
-            "of requests (default: the default model's preset when no --model is given)."
-        ),
-    ] = None,
+    model: ServeModelOpt = None,
+    host: HostOpt = "127.0.0.1",
+    port: PortOpt = 8000,
+    api_key_env: ServerKeyEnvOpt = None,
+    served_model_name: ServedModelNameOpt = None,
+    prefix_cache: PrefixCacheOpt = True,
+    cache_conversations: CacheConversationsOpt = 8,
+    cache_memory: CacheMemoryOpt = "2GiB",
+    preset: ServePresetOpt = None,
     config: ConfigOpt = None,
-    temperature: Annotated[
-        float | None, typer.Option(help="Default temperature (requests may set their own).")
-    ] = None,
-    max_new_tokens: Annotated[int | None, typer.Option(help="Default max_tokens of a request.")] = None,
+    temperature: ServeTemperatureOpt = None,
+    max_new_tokens: ServeMaxNewTokensOpt = None,
     prefill_chunk: PrefillChunkOpt = 512,
-    enable_streaming: Annotated[
-        bool, typer.Option(help="Each conversation on an attention-sink cache: no context limit.")
-    ] = False,
+    enable_streaming: ServeStreamingOpt = False,
     start_size: StartSizeOpt = 4,
     recent_size: RecentSizeOpt = None,
     max_context: MaxContextOpt = None,
@@ -348,16 +304,8 @@ def serve(
     trust_remote_code: TrustOpt = False,
     threads: ThreadsOpt = None,
     opt: OptOpt = "auto",
-    max_body: Annotated[
-        str,
-        typer.Option(
-            help="Cap on a request body, e.g. 4MiB; a larger one is refused unread (413). "
-            "auto: 128 bytes per token of context, at least 1 MiB."
-        ),
-    ] = "auto",
-    log_level: Annotated[
-        str, typer.Option(help="uvicorn's log level: warning, info (one line per request), debug.")
-    ] = "warning",
+    max_body: MaxBodyOpt = "auto",
+    log_level: LogLevelOpt = "warning",
     debug: DebugOpt = False,
 ) -> None:
     """Serve the model over the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
@@ -368,152 +316,31 @@ def serve(
     generation_config, then the flags here."""
     global _DEBUG
     _DEBUG = debug
-    key = _api_key(api_key_env)
-    memory = _size(cache_memory)
-    body_cap = None if max_body.strip().lower() == "auto" else _size(max_body)
-    if body_cap is not None and body_cap < 1024:
-        raise ConfigError(f"--max-body {max_body} is too small for a request (at least 1KiB)")
-    overrides: dict[str, Any] = {"temperature": temperature, "max_new_tokens": max_new_tokens}
-    SamplingConfig(**{k: v for k, v in overrides.items() if v is not None}).validated()
-    from chatbot.models.presets import SAMPLING_KEYS, select_preset
+    from chatbot.cli_serve import Listen, body_cap, parse_size, serve_model
 
-    chosen = select_preset(preset, config, model)
-    if chosen is not None and not (preset or config):
-        model = None  # --model named the preset (or no --model: the default preset): its model
-    preset_sampling: dict[str, Any] = {}
-    defaults_from = "the model's generation_config"
-    if chosen is not None:
-        model = model or chosen.values.get("model")
-        preset_sampling = {k: chosen.values[k] for k in SAMPLING_KEYS if chosen.values.get(k) is not None}
-        preset_sampling.pop("stream_interval", None)
-        defaults_from = f"preset {chosen.name}, then the model's generation_config"
-    if any(v is not None for v in overrides.values()):
-        defaults_from += ", then the serve flags"
-    engine_cfg = EngineConfig(
+    key = _api_key(api_key_env)
+    memory = parse_size(cache_memory)
+    listen = Listen(
+        host,
+        port,
+        key,
+        served_model_name,
+        prefix_cache,
+        cache_conversations,
+        memory,
+        body_cap(max_body),
+        log_level,
+    )
+    load = LoadConfig(model, device, dtype, template=template, trust_remote_code=trust_remote_code)
+    engine = EngineConfig(
         prefill_chunk=prefill_chunk,
         enable_streaming=enable_streaming,
         start_size=start_size,
         recent_size=recent_size,
         max_context=max_context,
-    ).validated()
-    _set_threads(threads)
-
-    from chatbot.server.app import create_app
-    from chatbot.server.app import serve as run_server
-    from chatbot.server.pool import PrefixCachePool, server_sampling
-
-    loaded = _load(model, device, dtype, template=template, trust_remote_code=trust_remote_code)
-    sampling = server_sampling(loaded.model, preset_sampling, **overrides)
-    decoder, decoder_note = _decoder(loaded.model, opt)
-    engine = _engine(loaded, engine_cfg, decoder)
-    kept = cache_conversations if prefix_cache else 0
-    pool = PrefixCachePool(
-        engine, engine_cfg, sampling, max_entries=kept, max_bytes=memory, template=loaded.template
     )
-    name = served_model_name or loaded.name
-    application = create_app(
-        pool,
-        name,
-        api_key=key,
-        streaming_cache=enable_streaming,
-        max_body=body_cap,
-        defaults_from=defaults_from,
-    )
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
-    notes = [decoder_note, _context_note(loaded, engine_cfg), _streaming_note(engine, engine_cfg)]
-    for note in [*loaded.notes, *filter(None, notes)]:
-        err.print(note, style="dim", markup=False)
-    shown = "localhost" if host in ("127.0.0.1", "::1") else host
-    err.print(
-        f"serving {name} on http://{shown}:{port}/v1 "
-        "(OpenAI API: /v1/chat/completions, /v1/completions, /v1/models; /health) · "
-        f"one generation at a time · prefix cache {'on' if prefix_cache else 'off'}"
-        + (" · API key required" if key else ""),
-        markup=False,
-    )
-    if key is None and host not in ("127.0.0.1", "::1", "localhost"):
-        warning = f"warning: listening on {host} without an API key (--api-key-env VAR)"
-        err.print(warning, style="yellow", markup=False)
-    run_server(application, host, port, log_level=log_level)
-
-
-# `run` options that shape the local model and its cache: a server has its own.
-_LOCAL_ONLY = (
-    "prefill_chunk",
-    "start_size",
-    "recent_size",
-    "keep_system",
-    "max_context",
-    "device",
-    "dtype",
-    "quantize",
-    "device_map",
-    "max_memory",
-    "revision",
-    "trust_remote_code",
-    "template",
-    "preset",
-    "config",
-    "threads",
-    "opt",
-)
-
-
-def _run_remote(
-    ctx: typer.Context,
-    server: str,
-    model: str | None,
-    api_key_env: str | None,
-    system: str | None,
-    overrides: dict[str, Any],
-    enable_streaming: bool,
-    plain: bool,
-    no_stats: bool,
-    resume: str | None,
-) -> None:
-    """`chatbot run --server URL`: the REPL on a RemoteSession."""
-    if enable_streaming:
-        raise ConfigError(
-            "--enable-streaming does not apply with --server: the server manages its own context"
-        )
-    sources = {name: getattr(ctx.get_parameter_source(name), "name", "") for name in _LOCAL_ONLY}
-    given = [name for name, source in sources.items() if source == "COMMANDLINE"]
-    if given:  # refused rather than silently ignored
-        flag = "--" + given[0].replace("_", "-")
-        raise ConfigError(f"{flag} does not apply with --server: the server runs the model")
-    from chatbot.remote import RemoteBackend, RemoteSession, remote_sampling
-    from chatbot.terminal.repl import Repl, resolve_resume
-    from chatbot.terminal.repl import run as run_repl
-    from chatbot.terminal.tty import make_consoles
-
-    sampling = remote_sampling(**overrides)
-    resume_path = resolve_resume(resume)
-    interactive = sys.stdin.isatty()
-    backend = RemoteBackend(server, model, _api_key(api_key_env), api_key_env=api_key_env)
-    # On a pipe nothing can be answered by a server that is not there: one error line now.
-    backend.connect(strict=not interactive)
-    session = RemoteSession(backend, system, sampling)
-    out, info = make_consoles(interactive)
-    plain = plain or not sys.stdout.isatty()
-    repl = Repl(session, backend, out, plain=plain, show_stats=not no_stats, info=info)
-    for note in backend.notes:
-        repl.note(note)
-    if interactive:
-        repl.note(f"{backend.name} on {backend.base_url} · the server's prefix cache keeps the conversation")
-    repl.start_log(
-        resume_path,
-        system=system,
-        overrides={k: v for k, v in overrides.items() if v is not None and k != "stream_interval"},
-    )
-    run_repl(repl, interactive)
-    _exit_if_failed(repl, interactive)
-
-
-def _exit_if_failed(repl: Any, interactive: bool) -> None:
-    """A piped chat exits with 1 when a message (or /retry, /continue) got no answer: its
-    error line was printed where it happened, and the lines after it were still run."""
-    if not interactive and repl.failed:
-        sys.exit(1)  # not typer's Exit: `main` runs click with standalone_mode=False
+    overrides = {"temperature": temperature, "max_new_tokens": max_new_tokens}
+    serve_model(load, engine, overrides, preset, config, listen, threads, opt)
 
 
 @app.command()
@@ -630,7 +457,7 @@ def models(
     out.print("presets (chatbot run --preset NAME):", markup=False)
     width = max((len(p.name) for p in presets), default=0)
     for p in presets:
-        source = p.values.get("model") or "default model"
+        source = p.config.load.model or "default model"
         out.print(f"  {p.name:<{width}}  {source}  {p.description}".rstrip(), markup=False)
     found = local_models(folders)
     out.print("models on this machine (chatbot run --model NAME):", markup=False)

@@ -1,5 +1,6 @@
 """What the `chatbot` commands share: option declarations (each once, as an `Annotated`
-alias) and the steps from flags to a loaded model and engine."""
+alias: `run`, `serve` and `config show` declare no option of their own) and the steps from
+flags to a loaded model and engine."""
 
 from __future__ import annotations
 
@@ -128,6 +129,83 @@ OptOpt = Annotated[
     ),
 ]
 DebugOpt = Annotated[bool, typer.Option(help="Show tracebacks.")]
+
+# `run`'s own.
+PlainOpt = Annotated[bool, typer.Option(help="Print raw text instead of rendered Markdown.")]
+NoStatsOpt = Annotated[bool, typer.Option("--no-stats", help="Hide the stats line after each answer.")]
+ResumeOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Continue a logged session: its id (or the start of it), or 'last' "
+        "(the default when no value is given)."
+    ),
+]
+ServerOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Chat with a model on an OpenAI-compatible server (vLLM, SGLang, llama-server, ollama, "
+        "chatbot serve), e.g. http://127.0.0.1:8000/v1; --model names it there."
+    ),
+]
+ClientKeyEnvOpt = Annotated[
+    str | None, typer.Option(help="With --server: send the API key in this environment variable.")
+]
+
+# `serve`'s own; where a name is also `run`'s, its help says what it means for a server.
+ServeModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        "-m",
+        help="A transformers folder, a .gguf file or a hub id (default: the embedded SmolLM2-135M-Instruct).",
+    ),
+]
+HostOpt = Annotated[str, typer.Option(help="Address to listen on (127.0.0.1: this machine only).")]
+PortOpt = Annotated[int, typer.Option(help="TCP port.", min=1, max=65535)]
+ServerKeyEnvOpt = Annotated[
+    str | None,
+    typer.Option(help="Require 'Authorization: Bearer KEY' on /v1, KEY read from this environment variable."),
+]
+ServedModelNameOpt = Annotated[
+    str | None, typer.Option(help="The model id clients use (default: the model's name).")
+]
+PrefixCacheOpt = Annotated[
+    bool,
+    typer.Option(
+        help="Keep conversation caches between requests "
+        "(a request extending one prefills only its new tokens)."
+    ),
+]
+CacheConversationsOpt = Annotated[
+    int, typer.Option(help="Conversation caches kept, least recently used evicted.", min=1)
+]
+CacheMemoryOpt = Annotated[
+    str, typer.Option(help="Cap on the KV cache memory kept between requests, e.g. 2GiB.")
+]
+ServePresetOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="A preset by name (see: chatbot models): its model and its sampling as the defaults "
+        "of requests (default: the default model's preset when no --model is given)."
+    ),
+]
+ServeTemperatureOpt = Annotated[
+    float | None, typer.Option(help="Default temperature (requests may set their own).")
+]
+ServeMaxNewTokensOpt = Annotated[int | None, typer.Option(help="Default max_tokens of a request.")]
+ServeStreamingOpt = Annotated[
+    bool, typer.Option(help="Each conversation on an attention-sink cache: no context limit.")
+]
+MaxBodyOpt = Annotated[
+    str,
+    typer.Option(
+        help="Cap on a request body, e.g. 4MiB; a larger one is refused unread (413). "
+        "auto: 128 bytes per token of context, at least 1 MiB."
+    ),
+]
+LogLevelOpt = Annotated[
+    str, typer.Option(help="uvicorn's log level: warning, info (one line per request), debug.")
+]
 # Shared by the benches.
 TextOpt = Annotated[
     Path | None,
@@ -229,12 +307,12 @@ def _streaming_note(engine: Any, config: EngineConfig) -> str | None:
     so that the cache fits in the model's sliding window (gemma)."""
     if not config.enable_streaming or config.recent_size is not None:
         return None
-    from chatbot.engine.sink_cache import default_recent_size, streaming_window
+    from chatbot.engine.sink_cache import streaming_window
 
     limit = config.max_context or engine.max_context
     window = streaming_window(engine.model)
-    recent = default_recent_size(limit, window, config.start_size)
-    if window is None or recent == default_recent_size(limit):
+    recent = config.recent_window(limit, window)
+    if window is None or recent == config.recent_window(limit):
         return None
     return (
         f"note: this model's sliding-window layers attend to {window:,} tokens, so --enable-streaming "
@@ -251,3 +329,10 @@ def _api_key(var: str | None) -> str | None:
     if not key:
         raise ConfigError(f"--api-key-env {var}: the environment variable {var} is not set or empty")
     return key
+
+
+def exit_if_failed(repl: Any, interactive: bool) -> None:
+    """A piped chat exits with 1 when a message (or /retry, /continue) got no answer: its
+    error line was printed where it happened, and the lines after it were still run."""
+    if not interactive and repl.failed:
+        sys.exit(1)  # not typer's Exit: `main` runs click with standalone_mode=False

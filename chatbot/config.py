@@ -121,6 +121,24 @@ class SamplingConfig:
         return dataclasses.asdict(self)
 
 
+def default_recent_size(max_context: int, window: int | None = None, start_size: int = 4) -> int:
+    """A sensible window for --enable-streaming: about a quarter of the trained context,
+    e.g. 2000 for an 8k model, at least 256.
+
+    Args:
+        max_context: the model's context (or --max-context).
+        window: the model's smallest sliding window (`streaming_window`). Where the sinks
+            and that default would not fit in it, the recent window takes what is left of
+            the sliding window after a quarter of it, kept for the sinks and a pinned
+            system prompt (384 for gemma3-1b's 512).
+        start_size: the sinks.
+    """
+    recent = max(256, min(2000, max_context // 4))
+    if window is not None and start_size + recent > window:
+        recent = max(1, window - max(start_size, window // 4))
+    return recent
+
+
 @dataclass
 class EngineConfig:
     """How the engine runs the model: chunking, streaming cache, context limits."""
@@ -128,32 +146,47 @@ class EngineConfig:
     prefill_chunk: int = 512
     enable_streaming: bool = False
     start_size: int = 4
-    recent_size: int | None = None  # None: derived from the model's context
+    recent_size: int | None = None  # None: derived from the model's context (`recent_window`)
     keep_system: bool | None = None  # None: on when a system prompt is set
     max_context: int | None = None  # None: the model's max_position_embeddings
 
+    # The numeric settings (None, where a field allows it, is not checked against these).
+    RANGES: ClassVar[dict[str, Range]] = {
+        "prefill_chunk": Range(int, 1, MAX_TOKENS),
+        "start_size": Range(int, 0, MAX_TOKENS),
+        "recent_size": Range(int, 16, MAX_TOKENS),
+        "max_context": Range(int, 16, MAX_TOKENS),
+    }
+
     def validated(self) -> EngineConfig:
-        """Check each value alone (the model's context is checked by `check_window`).
+        """Check each value alone, and the sinks against a given recent window (the model's
+        context is checked by `check_window` once it is known).
 
         Raises:
             ConfigError: naming the key and the allowed range.
         """
-        Range(int, 1, MAX_TOKENS).check("prefill_chunk", self.prefill_chunk)
-        Range(int, 0, MAX_TOKENS).check("start_size", self.start_size)
+        for key, rng in self.RANGES.items():
+            if getattr(self, key) is not None:
+                rng.check(key, getattr(self, key))
         if self.recent_size is not None:
-            Range(int, 16, MAX_TOKENS).check("recent_size", self.recent_size)
-            if self.start_size > self.recent_size:
-                raise ConfigError(
-                    f"start_size ({self.start_size:,}) must not be larger than the recent "
-                    f"window ({self.recent_size:,})"
-                )
-        if self.max_context is not None:
-            Range(int, 16, MAX_TOKENS).check("max_context", self.max_context)
+            self.check_window(self.start_size, self.recent_size)
         return self
 
-    def check_window(self, start_size: int, recent_size: int, max_context: int) -> None:
+    def recent_window(self, max_context: int, sliding_window: int | None = None) -> int:
+        """The recent window of this conversation's streaming cache: `recent_size`, else the
+        default for a context of `max_context` tokens (`default_recent_size`).
+
+        Args:
+            max_context: the conversation's context (--max-context, else the model's).
+            sliding_window: the model's smallest sliding window, if it has one.
+        """
+        if self.recent_size is not None:
+            return self.recent_size
+        return default_recent_size(max_context, sliding_window, self.start_size)
+
+    def check_window(self, start_size: int, recent_size: int, max_context: int | None = None) -> None:
         """A streaming cache must fit in the context: sinks + recent window at most
-        `max_context`, and no more sinks than the window.
+        `max_context` (None: not known yet), and no more sinks than the window.
 
         Raises:
             ConfigError: it does not fit (saying what would).
@@ -162,7 +195,7 @@ class EngineConfig:
             raise ConfigError(
                 f"start_size ({start_size:,}) must not be larger than the recent window ({recent_size:,})"
             )
-        if start_size + recent_size > max_context:
+        if max_context is not None and start_size + recent_size > max_context:
             raise ConfigError(
                 f"start_size + recent_size ({start_size:,} + {recent_size:,}) must be at most the "
                 f"context ({max_context:,} tokens); e.g. --recent-size {max(16, max_context - start_size):,}"
@@ -198,17 +231,74 @@ class LoadConfig:
 
 
 @dataclass
+class SamplingChoices:
+    """The sampling settings a preset or a flag gave, each None where none did: those come
+    from the model's generation_config once it is loaded, else `SamplingConfig`'s defaults
+    (`engine.sampling.sampling_from_model`). The fields are SamplingConfig's, checked against
+    its `RANGES`."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    max_new_tokens: int | None = None
+    seed: int | None = None
+    stream_interval: int = 1
+
+    def given(self) -> dict[str, Any]:
+        """The values set, by name: the keyword arguments of `sampling_from_model`."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None
+        }
+
+    def validated(self) -> SamplingChoices:
+        """Return self after checking the values set against `SamplingConfig.RANGES`.
+
+        Raises:
+            ConfigError: naming the key and the allowed range.
+        """
+        SamplingConfig(**self.given()).validated()
+        return self
+
+
+@dataclass
 class RunConfig:
     """Everything `chatbot run` resolved once from the defaults, a preset and the flags.
 
-    `sampling` holds every sampling setting with None where nobody set it: those come from
-    the model's generation_config once it is loaded (`session.sampling_from_model`).
+    Each setting is a field of one section (`load`, `sampling`, `engine`) or `system`, under
+    a name used nowhere else: the name of its flag, and of its key in a preset.
     """
 
     load: LoadConfig = field(default_factory=LoadConfig)
     system: str | None = None
-    sampling: dict[str, Any] = field(default_factory=dict)
+    sampling: SamplingChoices = field(default_factory=SamplingChoices)
     engine: EngineConfig = field(default_factory=EngineConfig)
+
+    @classmethod
+    def setting_names(cls) -> tuple[str, ...]:
+        """Every setting's name, section by section."""
+        return tuple(name for names in _SECTIONS.values() for name in names)
+
+    def get(self, name: str) -> Any:
+        """The value of the setting `name` (see `setting_names`)."""
+        section = _section_of(name)
+        return getattr(self if section is None else getattr(self, section), name)
+
+    def replaced(self, values: dict[str, Any]) -> RunConfig:
+        """A copy with the settings in `values` (by name) changed; unchecked (see `validated`).
+
+        Raises:
+            KeyError: a name that is no setting.
+        """
+        changes: dict[str, dict[str, Any]] = {}
+        for name, value in values.items():
+            changes.setdefault(_section_of(name) or "", {})[name] = value
+        top = changes.pop("", {})
+        for section, fields in changes.items():
+            top[section] = dataclasses.replace(getattr(self, section), **fields)
+        return dataclasses.replace(self, **top)
 
     def validated(self) -> RunConfig:
         """Check the values given before a (slow) model load.
@@ -216,10 +306,26 @@ class RunConfig:
         Raises:
             ConfigError: naming the key and the allowed range.
         """
-        SamplingConfig(**{k: v for k, v in self.sampling.items() if v is not None}).validated()
+        self.sampling.validated()
         self.engine.validated()
         return self
 
     def chat_config(self, sampling: SamplingConfig) -> ChatConfig:
         """The session's settings, with `sampling` completed from the loaded model."""
         return ChatConfig(system=self.system, sampling=sampling, engine=self.engine)
+
+
+# RunConfig's sections (None: a field of RunConfig itself) and the names of their settings.
+_SECTIONS: dict[str | None, tuple[str, ...]] = {
+    "load": tuple(f.name for f in dataclasses.fields(LoadConfig)),
+    None: ("system",),
+    "sampling": tuple(f.name for f in dataclasses.fields(SamplingChoices)),
+    "engine": tuple(f.name for f in dataclasses.fields(EngineConfig)),
+}
+
+
+def _section_of(name: str) -> str | None:
+    for section, names in _SECTIONS.items():
+        if name in names:
+            return section
+    raise KeyError(f"no setting named {name!r}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from chatbot.engine.sink_cache import default_recent_size, streaming_window
+from chatbot.engine.sink_cache import streaming_window
 from chatbot.engine.tracked_cache import CacheLayout, TrackedCache
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ def conversation_cache(
         return cache
     # A model with sliding-window layers (gemma) needs the whole cache inside its window.
     window = streaming_window(engine.model)
-    recent = ec.recent_size or default_recent_size(limit, window, ec.start_size)
+    recent = ec.recent_window(limit, window)
     ec.check_window(ec.start_size, recent, limit)
     cache = engine.new_cache(ec.start_size, recent)
     cache.max_context = limit

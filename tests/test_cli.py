@@ -67,20 +67,68 @@ def test_run_and_config_show_declare_their_shared_options_alike():
     from typer.main import get_command
 
     from chatbot.cli import app
-    from chatbot.models.presets import DEFAULTS
+    from chatbot.models.presets import PRESET_SETTINGS
 
     root = get_command(app)
     run = _options(root.commands["run"])
     show = _options(root.commands["config"].commands["show"])
     # Every setting a preset can give is a flag of both commands (config show prints what
     # run would use), plus the preset choice itself and --greedy.
-    settings = set(DEFAULTS) | {"preset", "config", "greedy"}
+    settings = set(PRESET_SETTINGS) | {"preset", "config", "greedy"}
     assert settings <= set(run), sorted(settings - set(run))
     assert settings <= set(show), sorted(settings - set(show))
     shared = set(run) & set(show)
     assert shared == settings, sorted(shared - settings)
     drifted = {name: (run[name], show[name]) for name in shared if run[name] != show[name]}
     assert not drifted
+
+
+# Options `serve` shares with `run` by name but not by meaning (a server's defaults for its
+# requests, the key it requires): the same flags, their own help.
+SERVE_OWN_HELP = {"model", "preset", "temperature", "max_new_tokens", "enable_streaming", "api_key_env"}
+
+
+def test_run_serve_and_config_show_share_one_declaration_of_each_option():
+    """Every option of the three commands is an `Annotated` alias of chatbot.cli_common,
+    declared there once; an option two of them share reads the same in both (`serve`'s few
+    own meanings aside, which still take the same flags)."""
+    import typing
+
+    from typer.main import get_command
+
+    from chatbot import cli, cli_common
+    from chatbot.cli import app
+
+    aliases = {
+        id(meta)
+        for value in vars(cli_common).values()
+        if typing.get_origin(value) is typing.Annotated
+        for meta in value.__metadata__
+    }
+    for command in (cli.run, cli.serve, cli.config_show):
+        hints = typing.get_type_hints(command, include_extras=True)
+        inline = [
+            name
+            for name, hint in hints.items()
+            if name not in ("ctx", "return")
+            and not (hint.__metadata__ and id(hint.__metadata__[0]) in aliases)
+        ]
+        assert not inline, (command.__name__, inline)
+    root = get_command(app)
+    commands = {
+        "run": _options(root.commands["run"]),
+        "serve": _options(root.commands["serve"]),
+        "config show": _options(root.commands["config"].commands["show"]),
+    }
+    assert len(set(commands["run"]) & set(commands["serve"])) >= 15
+    for a, b in (("run", "serve"), ("serve", "config show"), ("run", "config show")):
+        for name in set(commands[a]) & set(commands[b]):
+            mine, theirs = commands[a][name], commands[b][name]
+            if "serve" in (a, b) and name in SERVE_OWN_HELP:
+                assert mine[:2] == theirs[:2], (a, b, name)  # the same flags
+                assert mine[3] != theirs[3], (a, b, name)  # else it belongs to the shared ones
+            else:
+                assert mine == theirs, (a, b, name)
 
 
 # -- settings reach the session: flag or preset -> RunConfig -> engine and cache -------------------

@@ -22,13 +22,12 @@ import pytest
 import torch
 from helpers import assert_one_line_error, cli, full_logits, make_model
 
-from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
+from chatbot.config import ChatConfig, EngineConfig, SamplingConfig, default_recent_size
 from chatbot.engine.buffer_cache import BufferLayer, adopt_layers
 from chatbot.engine.generate import Engine
 from chatbot.engine.sink_cache import (
     SinkCache,
     check_streaming_support,
-    default_recent_size,
     layer_inv_freqs,
     streaming_window,
 )

@@ -3,6 +3,7 @@ flags override presets, and `chatbot config show` prints a file that reads back 
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -36,17 +37,17 @@ def test_shipped_presets_parse():
     for name in SHIPPED:
         preset = found[name]
         assert not preset.description.startswith("(broken"), preset.description
-        template = preset.values.get("template", "auto")
+        template = preset.config.load.template
         assert template == "auto" or template in TEMPLATES
-    assert found["default"].values["model"] is None
-    assert found["vicuna"].values["template"] == "vicuna"
-    assert found["colossal-llama"].values["template"] == "colossal"
-    assert found["llama-2-chat"].values["template"] == "llama2"
+    assert found["default"].config.load.model is None
+    assert found["vicuna"].config.load.template == "vicuna"
+    assert found["colossal-llama"].config.load.template == "colossal"
+    assert found["llama-2-chat"].config.load.template == "llama2"
 
 
 def test_find_preset_any_case_and_unknown():
     assert find_preset("Vicuna").name == "vicuna"
-    assert find_preset("qwen2.5-instruct.yaml").values["model"] == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert find_preset("qwen2.5-instruct.yaml").config.load.model == "Qwen/Qwen2.5-1.5B-Instruct"
     with pytest.raises(ConfigError, match="no preset named 'nope'; presets: default, "):
         find_preset("nope")
 
@@ -63,7 +64,10 @@ def test_find_preset_any_case_and_unknown():
         ("quantize: 3bit\n", "quantize must be null, 4bit or 8bit, got '3bit'"),
         ("template: alpaca\n", "template must be auto, chatml, llama2"),
         ("streaming:\n  enable: yes please\n", "streaming.enable must be true or false"),
-        ("streaming:\n  recent_size: 8\n", "streaming.recent_size must be an integer ≥ 16, got 8"),
+        (
+            "streaming:\n  recent_size: 8\n",
+            "streaming.recent_size must be an integer ≥ 16 and ≤ 16777216, got 8",
+        ),
         ("trust_remote_code: 1\n", "trust_remote_code must be true or false, got 1"),
         ("- a list\n", "a preset is a mapping of keys to values, got list"),
         ("model: [unclosed\n", "(line 2)"),
@@ -80,9 +84,10 @@ def test_bad_preset_files_name_file_key_and_allowed_values(tmp_path, text, messa
 
 def test_relative_paths_are_taken_from_the_preset_folder(tmp_path):
     (tmp_path / "t.jinja").write_text("{{ messages }}")
-    values = parse_preset({"model": "./weights", "template": "t.jinja"}, tmp_path / "p.yaml")
-    assert values["model"] == str((tmp_path / "weights").resolve())
-    assert values["template"] == str((tmp_path / "t.jinja").resolve())
+    preset = parse_preset({"model": "./weights", "template": "t.jinja"}, tmp_path / "p.yaml")
+    assert preset.config.load.model == str((tmp_path / "weights").resolve())
+    assert preset.config.load.template == str((tmp_path / "t.jinja").resolve())
+    assert preset.given == {"model", "template"}
 
 
 def test_flags_override_preset_override_defaults():
@@ -94,8 +99,9 @@ def test_flags_override_preset_override_defaults():
     assert settings["top_p"] == 0.9 and settings.origin["top_p"] == "preset"
     assert settings["device"] == "auto" and settings.origin["device"] == "default"
     # sampling values nobody set stay None, so the model's generation_config supplies them
-    assert settings.run_values()["top_k"] is None
-    assert settings.sampling_overrides() == {"temperature": 0.1, "top_p": 0.9, "max_new_tokens": 512}
+    assert settings.config.sampling.top_k is None
+    given = settings.config.sampling.given()
+    assert given == {"temperature": 0.1, "top_p": 0.9, "max_new_tokens": 512, "stream_interval": 1}
 
 
 def test_config_show_marks_origins_and_reads_back(capsys, tmp_path):
@@ -111,9 +117,9 @@ def test_config_show_marks_origins_and_reads_back(capsys, tmp_path):
     saved = tmp_path / "mine.yaml"
     saved.write_text(out)
     again = load_preset_file(saved)
-    assert again.values["template"] == "colossal"
-    assert again.values["temperature"] == 0.3
-    assert again.values["model"] == "hpcai-tech/Colossal-LLaMA-2-7b-base"
+    assert again.config.load.template == "colossal"
+    assert again.config.sampling.temperature == 0.3
+    assert again.config.load.model == "hpcai-tech/Colossal-LLaMA-2-7b-base"
     code, out2, _ = cli(capsys, "config", "show", "--config", str(saved))
     assert code in (0, None)
     assert "temperature: 0.3  # preset mine" in out2
@@ -140,7 +146,10 @@ def test_run_refuses_a_bad_preset_before_loading(capsys, tmp_path, monkeypatch):
     bad.write_text("streaming:\n  start_size: -1\n")
     code, _, err = cli(capsys, "run", "--config", str(bad))
     assert code == 2
-    assert err.strip() == f"chatbot: error: {bad}: streaming.start_size must be an integer ≥ 0, got -1"
+    assert (
+        err.strip()
+        == f"chatbot: error: {bad}: streaming.start_size must be an integer ≥ 0 and ≤ 16777216, got -1"
+    )
 
 
 def test_run_uses_the_preset_and_flags_override(capsys, tmp_path, monkeypatch):
@@ -185,10 +194,10 @@ def test_model_may_name_a_preset(capsys, tmp_path, monkeypatch):
 def test_no_model_takes_the_default_models_preset(capsys, tmp_path, monkeypatch):
     """`chatbot run` with no --model chats with the embedded default model at its preset's
     sampling (as `serve` does); a --model of one's own does not get that preset."""
-    default = find_preset("default").values
+    default = find_preset("default").config.sampling
     code, out, _ = cli(capsys, "config", "show")
     assert code == 0 and "# preset: default" in out
-    assert f"temperature: {default['temperature']}  # preset default" in out
+    assert f"temperature: {default.temperature}  # preset default" in out
     code, out, _ = cli(capsys, "config", "show", "--temperature", "0.5")
     assert "temperature: 0.5  # flag" in out and "top_p: 0.9  # preset default" in out
     monkeypatch.chdir(tmp_path)
@@ -204,4 +213,35 @@ def test_no_model_takes_the_default_models_preset(capsys, tmp_path, monkeypatch)
     session = seen["session"]
     if hasattr(session, "result"):  # a load in the background
         session = session.result()
-    assert session.sampling.temperature == default["temperature"]
+    assert session.sampling.temperature == default.temperature
+
+
+def test_a_preset_reads_into_typed_settings(tmp_path):
+    """A preset's values land in RunConfig's sections, typed, with the names it gave."""
+    from chatbot.config import RunConfig, SamplingChoices, SamplingConfig
+
+    path = tmp_path / "p.yaml"
+    path.write_text("dtype: float32\nsampling:\n  top_k: 7\nstreaming:\n  enable: true\n  recent_size: 64\n")
+    preset = load_preset_file(path)
+    assert preset.given == {"dtype", "top_k", "enable_streaming", "recent_size"}
+    assert preset.config.load.dtype == "float32" and preset.config.sampling.top_k == 7
+    assert preset.config.engine.enable_streaming and preset.config.engine.recent_size == 64
+    assert preset.config.sampling.temperature is None  # not given: the model's generation_config decides
+    # the sampling a preset or a flag can give is exactly what a session samples with
+    assert [f.name for f in fields(SamplingChoices)] == [f.name for f in fields(SamplingConfig)]
+    assert len(set(RunConfig.setting_names())) == len(RunConfig.setting_names())  # one name, one setting
+    with pytest.raises(KeyError):
+        RunConfig().replaced({"temprature": 0.5})
+
+
+def test_recent_window_default_and_given():
+    """--recent-size wins; without it the window is the default for the context, fitted into
+    a sliding window where the model has one."""
+    from chatbot.config import EngineConfig
+
+    assert EngineConfig(recent_size=100).recent_window(8192, 512) == 100
+    assert EngineConfig().recent_window(8192) == 2000
+    assert EngineConfig().recent_window(1024) == 256
+    assert EngineConfig().recent_window(32768, 512) == 384
+    with pytest.raises(ConfigError, match="must not be larger than the recent window"):
+        EngineConfig(start_size=100, recent_size=50).validated()

@@ -30,7 +30,6 @@ from transformers.cache_utils import DynamicLayer
 
 from chatbot.engine.streaming_support import (
     check_streaming_support,
-    default_recent_size,
     layer_inv_freqs,
     streaming_window,
 )
@@ -41,7 +40,6 @@ __all__ = [
     "SinkLayer",
     "StreamingUnsupportedError",
     "check_streaming_support",
-    "default_recent_size",
     "layer_inv_freqs",
     "rotate_keys",
     "rotation_for_shift",

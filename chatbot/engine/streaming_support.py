@@ -207,21 +207,3 @@ def check_streaming_support(
                     f"--enable-streaming needs rotary embeddings on the whole head; {model_type} "
                     f"rotates {inv_freq.numel() * 2} of {head_dim} dims"
                 )
-
-
-def default_recent_size(max_context: int, window: int | None = None, start_size: int = 4) -> int:
-    """A sensible window for --enable-streaming: about a quarter of the trained context,
-    e.g. 2000 for an 8k model, at least 256.
-
-    Args:
-        max_context: the model's context (or --max-context).
-        window: the model's smallest sliding window (`streaming_window`). Where the sinks
-            and that default would not fit in it, the recent window takes what is left of
-            the sliding window after a quarter of it, kept for the sinks and a pinned
-            system prompt (384 for gemma3-1b's 512).
-        start_size: the sinks.
-    """
-    recent = max(256, min(2000, max_context // 4))
-    if window is not None and start_size + recent > window:
-        recent = max(1, window - max(start_size, window // 4))
-    return recent

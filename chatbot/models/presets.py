@@ -25,39 +25,22 @@ keys and bad values are refused with the file, the key and the allowed values.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chatbot.config import QUANTIZE_CHOICES, EngineConfig, LoadConfig, Range, RunConfig, SamplingConfig
+from chatbot.config import QUANTIZE_CHOICES, EngineConfig, Range, RunConfig, SamplingConfig
 from chatbot.errors import ConfigError
 from chatbot.models.templates import TEMPLATES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
-# Every setting a preset or a flag can give, with its built-in default.
-DEFAULTS: dict[str, Any] = {
-    "model": None,
-    "revision": None,
-    "trust_remote_code": False,
-    "template": "auto",
-    "system": None,
-    "device": "auto",
-    "dtype": "auto",
-    "quantize": None,
-    "device_map": None,
-    "max_memory": None,
-    "max_context": None,
-    **{f.name: f.default for f in dataclasses.fields(SamplingConfig)},
-    "enable_streaming": False,
-    "start_size": 4,
-    "recent_size": None,
-    "keep_system": None,
-}
+# Every setting a preset or a flag can give (the prefill chunk is a flag of `run` only); the
+# built-in defaults are those of RunConfig's dataclasses.
+PRESET_SETTINGS = tuple(name for name in RunConfig.setting_names() if name != "prefill_chunk")
 SAMPLING_KEYS = tuple(SamplingConfig.RANGES)
 _TOP_KEYS = (
     "description",
@@ -84,62 +67,36 @@ _STREAMING_KEYS = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class Preset:
-    """A parsed preset: its name, file and the settings it gives."""
+    """A parsed preset: its name, file and the settings it gives (`given`, by name; the
+    other fields of `config` keep their defaults)."""
 
     name: str
     path: Path | None
     description: str = ""
-    values: dict[str, Any] = field(default_factory=dict)
+    config: RunConfig = field(default_factory=RunConfig)
+    given: frozenset[str] = frozenset()
 
 
 @dataclass
 class Settings:
     """The effective settings of a run and where each came from ("default", "preset", "flag")."""
 
-    values: dict[str, Any]
+    config: RunConfig
     origin: dict[str, str]
     preset: Preset | None = None
 
     def __getitem__(self, key: str) -> Any:
-        return self.values[key]
+        return self.config.get(key)
 
-    def sampling_overrides(self) -> dict[str, Any]:
-        """Sampling values that a preset or a flag set (the model's own defaults fill the rest)."""
-        return {k: self.values[k] for k in SAMPLING_KEYS if self.origin[k] != "default"}
-
-    def run_values(self) -> dict[str, Any]:
-        """Every setting, with None for sampling values nobody set (so that the model's
-        generation_config can supply them)."""
-        out = dict(self.values)
-        for k in SAMPLING_KEYS:
-            if self.origin[k] == "default" and k != "stream_interval":
-                out[k] = None
-        return out
-
-    def engine_config(self, prefill_chunk: int = 512) -> EngineConfig:
-        """Raises ConfigError for values out of range."""
-        v = self.values
-        return EngineConfig(
-            prefill_chunk=prefill_chunk,
-            enable_streaming=bool(v["enable_streaming"]),
-            start_size=v["start_size"],
-            recent_size=v["recent_size"],
-            keep_system=v["keep_system"],
-            max_context=v["max_context"],
-        ).validated()
-
-    def run_config(self, prefill_chunk: int = 512) -> RunConfig:
+    def run_config(self) -> RunConfig:
         """The settings as the one object `chatbot run` passes on.
 
         Raises:
             ConfigError: a value out of range.
         """
-        v = self.run_values()
-        load = LoadConfig(**{f.name: v[f.name] for f in dataclasses.fields(LoadConfig)})
-        sampling = {k: v[k] for k in SAMPLING_KEYS}
-        return RunConfig(load, v["system"], sampling, self.engine_config(prefill_chunk)).validated()
+        return self.config.validated()
 
     def as_yaml(self) -> str:
         """The settings in preset layout, each line commented with its origin: the output
@@ -167,11 +124,11 @@ class Settings:
         for key in _TOP_KEYS:
             if key in ("description", "sampling", "streaming"):
                 continue
-            out.append(line(key, self.values[key], key))
+            out.append(line(key, self[key], key))
         out.append("sampling:")
-        out += [line(k, self.values[k], k, "  ") for k in SAMPLING_KEYS]
+        out += [line(k, self[k], k, "  ") for k in SAMPLING_KEYS]
         out.append("streaming:")
-        out += [line(k, self.values[name], name, "  ") for k, name in _STREAMING_KEYS.items()]
+        out += [line(k, self[name], name, "  ") for k, name in _STREAMING_KEYS.items()]
         return "\n".join(out) + "\n"
 
 
@@ -254,11 +211,11 @@ def load_preset_file(path: str | Path) -> Preset:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a preset is a mapping of keys to values, got {type(data).__name__}")
-    return Preset(path.stem, path, str(data.get("description") or ""), parse_preset(data, path))
+    return parse_preset(data, path)
 
 
-def parse_preset(data: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
-    """Check a preset mapping and flatten it into setting names.
+def parse_preset(data: dict[str, Any], path: Path | None = None) -> Preset:
+    """Check a preset mapping and read it into a Preset (named after its file).
 
     Raises:
         ConfigError: naming the file, the key and the allowed values.
@@ -302,7 +259,7 @@ def parse_preset(data: dict[str, Any], path: Path | None = None) -> dict[str, An
                 value = str((base / Path(value).expanduser()).resolve())
         elif key == "max_context":
             if value is not None:
-                value = _range_check(where, key, Range(int, 16), value)
+                value = _range_check(where, key, EngineConfig.RANGES[key], value)
         elif key == "max_memory":
             if value is not None and not isinstance(value, (str, dict)):
                 raise fail(key, 'a string like "0=20GiB,cpu=64GiB" or a mapping', value)
@@ -336,10 +293,11 @@ def parse_preset(data: dict[str, Any], path: Path | None = None) -> dict[str, An
                     f"streaming.{key}", "true or false" + (" or null" if key == "keep_system" else ""), value
                 )
         elif value is not None or key == "start_size":
-            low = 0 if key == "start_size" else 16
-            value = _range_check(where, f"streaming.{key}", Range(int, low), value)
+            value = _range_check(where, f"streaming.{key}", EngineConfig.RANGES[name], value)
         out[name] = value
-    return out
+    description = str(data.get("description") or "")
+    name = path.stem if path else "preset"
+    return Preset(name, path, description, RunConfig().replaced(out), frozenset(out))
 
 
 def _range_check(where: str, key: str, rng: Range, value: Any) -> Any:
@@ -362,20 +320,17 @@ def resolve_settings(preset: Preset | None, flags: dict[str, Any], explicit: set
         flags: the values of the command's options (given or defaulted) by setting name.
         explicit: the names of the options the user gave.
     """
-    values = dict(DEFAULTS)
-    origin = dict.fromkeys(DEFAULTS, "default")
-    for key, value in flags.items():
-        if key in values and key not in explicit:
-            values[key] = value  # the command's own default (same as DEFAULTS, normally)
+    names = RunConfig.setting_names()
+    # the command's own defaults (the same as RunConfig's, normally)
+    config = RunConfig().replaced({k: v for k, v in flags.items() if k in names and k not in explicit})
+    origin = dict.fromkeys(names, "default")
     if preset is not None:
-        for key, value in preset.values.items():
-            values[key] = value
-            origin[key] = "preset"
-    for key in explicit:
-        if key in flags:
-            values[key] = flags[key]
-            origin[key] = "flag"
-    return Settings(values, origin, preset)
+        config = config.replaced({k: preset.config.get(k) for k in preset.given})
+        origin.update(dict.fromkeys(preset.given, "preset"))
+    given = [k for k in explicit if k in flags and k in names]
+    config = config.replaced({k: flags[k] for k in given})
+    origin.update(dict.fromkeys(given, "flag"))
+    return Settings(config, origin, preset)
 
 
 def select_preset(preset: str | None, config: str | Path | None, model: str | None = None) -> Preset | None:

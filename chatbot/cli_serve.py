@@ -1,0 +1,158 @@
+"""`chatbot serve`: from its flags to a listening server (the command itself is in cli.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from chatbot.cli_common import _context_note, _decoder, _engine, _load, _set_threads, _streaming_note
+from chatbot.config import EngineConfig, LoadConfig, SamplingConfig
+from chatbot.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Listen:
+    """Where and how the server answers: address, API key, caches kept and caps."""
+
+    host: str
+    port: int
+    api_key: str | None
+    served_model_name: str | None
+    prefix_cache: bool
+    cache_conversations: int
+    cache_bytes: int
+    max_body: int | None  # None: from the model's context
+    log_level: str
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '2GiB', '512MiB', '1GB' or a plain number.
+
+    Raises:
+        ConfigError: the text is no size.
+    """
+    units = {
+        "kib": 1 << 10,
+        "mib": 1 << 20,
+        "gib": 1 << 30,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "b": 1,
+        "": 1,
+    }
+    raw = text.strip().lower()
+    number = raw.rstrip("kmgib")
+    try:
+        return int(float(number) * units[raw[len(number) :]])
+    except (ValueError, KeyError):
+        raise ConfigError(f"cannot read the size {text!r} (e.g. 2GiB, 512MiB)") from None
+
+
+def body_cap(max_body: str) -> int | None:
+    """--max-body as bytes (None for auto).
+
+    Raises:
+        ConfigError: no size, or too small for a request.
+    """
+    cap = None if max_body.strip().lower() == "auto" else parse_size(max_body)
+    if cap is not None and cap < 1024:
+        raise ConfigError(f"--max-body {max_body} is too small for a request (at least 1KiB)")
+    return cap
+
+
+def serve_model(
+    load: LoadConfig,
+    engine_config: EngineConfig,
+    overrides: dict[str, Any],
+    preset: str | None,
+    config: Path | None,
+    listen: Listen,
+    threads: int | None,
+    opt: str,
+) -> None:
+    """Load the model and serve it until stopped.
+
+    Args:
+        load: the model and how to load it (`model` None: the preset's, else the default).
+        engine_config: the engine's settings from the flags (checked here).
+        overrides: the sampling flags (temperature, max_new_tokens; None: not given).
+        preset, config: --preset NAME or --config FILE (or neither).
+        listen: where and how to answer.
+        threads, opt: --threads and --opt.
+
+    Raises:
+        ConfigError: a bad flag or preset.
+    """
+    SamplingConfig(**{k: v for k, v in overrides.items() if v is not None}).validated()
+    from chatbot.models.presets import select_preset
+
+    chosen = select_preset(preset, config, load.model)
+    if chosen is not None and not (preset or config):
+        load = dataclasses.replace(load, model=None)  # --model named the preset (or no --model)
+    preset_sampling: dict[str, Any] = {}
+    defaults_from = "the model's generation_config"
+    if chosen is not None:
+        load = dataclasses.replace(load, model=load.model or chosen.config.load.model)
+        preset_sampling = chosen.config.sampling.given()
+        preset_sampling.pop("stream_interval", None)
+        defaults_from = f"preset {chosen.name}, then the model's generation_config"
+    if any(v is not None for v in overrides.values()):
+        defaults_from += ", then the serve flags"
+    engine_config.validated()
+    _set_threads(threads)
+
+    from chatbot.server.app import create_app
+    from chatbot.server.app import serve as run_server
+    from chatbot.server.pool import PrefixCachePool, server_sampling
+
+    loaded = _load(
+        load.model, load.device, load.dtype, template=load.template, trust_remote_code=load.trust_remote_code
+    )
+    sampling = server_sampling(loaded.model, preset_sampling, **overrides)
+    decoder, decoder_note = _decoder(loaded.model, opt)
+    engine = _engine(loaded, engine_config, decoder)
+    kept = listen.cache_conversations if listen.prefix_cache else 0
+    pool = PrefixCachePool(
+        engine,
+        engine_config,
+        sampling,
+        max_entries=kept,
+        max_bytes=listen.cache_bytes,
+        template=loaded.template,
+    )
+    name = listen.served_model_name or loaded.name
+    application = create_app(
+        pool,
+        name,
+        api_key=listen.api_key,
+        streaming_cache=engine_config.enable_streaming,
+        max_body=listen.max_body,
+        defaults_from=defaults_from,
+    )
+    notes = [decoder_note, _context_note(loaded, engine_config), _streaming_note(engine, engine_config)]
+    _announce(name, listen, [*loaded.notes, *filter(None, notes)])
+    run_server(application, listen.host, listen.port, log_level=listen.log_level)
+
+
+def _announce(name: str, listen: Listen, notes: list[str]) -> None:
+    """The notes, the line saying where the server listens, and a warning for an open one."""
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    for note in notes:
+        err.print(note, style="dim", markup=False)
+    host = listen.host
+    shown = "localhost" if host in ("127.0.0.1", "::1") else host
+    err.print(
+        f"serving {name} on http://{shown}:{listen.port}/v1 "
+        "(OpenAI API: /v1/chat/completions, /v1/completions, /v1/models; /health) · "
+        f"one generation at a time · prefix cache {'on' if listen.prefix_cache else 'off'}"
+        + (" · API key required" if listen.api_key else ""),
+        markup=False,
+    )
+    if listen.api_key is None and host not in ("127.0.0.1", "::1", "localhost"):
+        warning = f"warning: listening on {host} without an API key (--api-key-env VAR)"
+        err.print(warning, style="yellow", markup=False)
