@@ -81,27 +81,6 @@ def bench_turns(
         write_json(json_out, result)
 
 
-@bench_app.command("render")
-def bench_render(
-    tokens: Annotated[
-        int, typer.Option(help="Pieces of the Markdown answer fed to the renderer.", min=10)
-    ] = 2000,
-    rate: Annotated[
-        float, typer.Option(help="Decode speed the renderer must keep up with, tokens/s.", min=1)
-    ] = 150.0,
-    width: Annotated[int, typer.Option(help="Terminal columns.", min=20)] = 80,
-    json_out: JsonOpt = None,
-) -> None:
-    """The live answer renderer's own cost per token (no model, no terminal emulator)."""
-    from chatbot.measure.bench_render import run_render_bench
-    from chatbot.measure.report import print_render, write_json
-
-    result = run_render_bench(tokens, rate, width)
-    print_render(Console(), result)
-    if json_out:
-        write_json(json_out, result)
-
-
 @bench_app.command("load")
 def bench_load(
     server: Annotated[
@@ -358,9 +337,6 @@ def bench_decode(
     prefill: Annotated[
         str, typer.Option(help="Comma-separated prompt lengths prefill is timed at.")
     ] = "50,500,2000",
-    png: Annotated[
-        Path | None, typer.Option(help="Also draw the figures into this PNG (needs matplotlib).")
-    ] = None,
     also: Annotated[
         str | None,
         typer.Option(
@@ -375,7 +351,7 @@ def bench_decode(
 ) -> None:
     """Decode and prefill speed, time to first token and peak memory: transformers generate(),
     our engine at each --opt level, and llama.cpp, side by side (one process per set-up)."""
-    from chatbot.measure.bench_decode import plot_decode, print_decode, run_decode_bench
+    from chatbot.measure.bench_decode import print_decode, run_decode_bench
     from chatbot.measure.report import read_text, write_json
 
     chosen = [s.strip() for s in setups.split(",") if s.strip()] if setups else None
@@ -424,37 +400,5 @@ def bench_decode(
             decoder = _decoder(loaded.model, "auto")[0]
             result["streaming"] = run_streaming_bench(loaded, long_text, decoder=decoder)
             print_streaming(out, result["streaming"])
-    if json_out:
-        write_json(json_out, result)
-    if png:
-        plot_decode(result, png)
-
-
-@bench_app.command("startup")
-def bench_startup(
-    model: Annotated[
-        Path | None,
-        typer.Option(
-            "--model",
-            "-m",
-            help="The GGUF file (default: the embedded default model: chatbot run without --model).",
-        ),
-    ] = None,
-    rounds: Annotated[
-        int, typer.Option(help="Timed runs per side, alternated; figures are medians.", min=1)
-    ] = 5,
-    threads: ThreadsOpt = None,
-    json_out: JsonOpt = None,
-) -> None:
-    """Time from `chatbot run` to its prompt and to its model ready (in a pseudo-terminal),
-    against llama.cpp loading the same file (each in a fresh process)."""
-    from chatbot.measure.bench_startup import print_startup, run_startup_bench
-    from chatbot.measure.report import write_json
-
-    err = Console(stderr=True, highlight=False)
-    result = run_startup_bench(
-        model, rounds=rounds, threads=threads, progress=lambda line: err.print(f"[dim]{line}[/dim]")
-    )
-    print_startup(Console(), result)
     if json_out:
         write_json(json_out, result)

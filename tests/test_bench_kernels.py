@@ -13,7 +13,7 @@ import pytest
 from helpers import needs_kernels
 
 from chatbot.engine import kernels
-from chatbot.models.gguf_synthetic import SHAPES, write_synthetic_gguf
+from devtools.gguf_synthetic import SHAPES, write_synthetic_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 # The tile products' last step (kernels.c, AVX2 and AVX-512): the sums less the mins

@@ -1,4 +1,4 @@
-"""`chatbot bench startup`: the prompt and banner found in a terminal's raw bytes (captured
+"""`scripts/bench-startup`: the prompt and banner found in a terminal's raw bytes (captured
 from `chatbot run`), the pseudo-terminal driver on a scripted REPL that shows its prompt
 before its banner, the real `chatbot run` on the default model, and the one-line errors."""
 
@@ -11,19 +11,36 @@ import textwrap
 import time
 
 import pytest
-from helpers import assert_one_line_error, cli
 
 from chatbot.errors import ChatbotError
-from chatbot.measure.bench_startup import (
+from devtools import run_tool
+from devtools.bench_startup import (
     CPR_ANSWER,
     StartupWatch,
     banner_seen,
     last_line,
     llama_cpp_available,
+    main,
     prompt_seen,
     run_in_pty,
     strip_ansi,
 )
+
+
+def bench_startup(capsys, *args: str) -> tuple[int, str, str]:
+    """Run `scripts/bench-startup ARGS` in this process: its exit status, stdout and stderr."""
+    capsys.readouterr()
+    code = run_tool("bench-startup", main, list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def assert_one_line_error(capsys, *args: str, match: str) -> None:
+    code, _, err = bench_startup(capsys, *args)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("bench-startup: error: ") and match in lines[0], lines[0]
+
 
 # What `chatbot run` wrote to an 80x24 pseudo-terminal (SmolLM2-135M, 2026-11-30): the
 # spinner, the banner (wrapped by Rich), the start note, the cursor-position request, the
@@ -181,12 +198,12 @@ def test_pty_driver_errors_are_one_line(tmp_path):
 
 
 def test_bad_model_files_are_one_line_errors(capsys, tmp_path):
-    assert_one_line_error(capsys, "bench", "startup", "--model", str(tmp_path / "none.gguf"),
+    assert_one_line_error(capsys, "--model", str(tmp_path / "none.gguf"),
                           match="--model: no such file")  # fmt: skip
     text = tmp_path / "notes.gguf"
     text.write_text("not a model")
-    assert_one_line_error(capsys, "bench", "startup", "--model", str(text), match="is not a GGUF file")
-    assert_one_line_error(capsys, "bench", "startup", "--model", str(tmp_path), match="is not a file")
+    assert_one_line_error(capsys, "--model", str(text), match="is not a GGUF file")
+    assert_one_line_error(capsys, "--model", str(tmp_path), match="is not a file")
 
 
 def test_chatbot_run_dying_before_its_banner_is_a_one_line_error(capsys, tmp_path):
@@ -194,12 +211,16 @@ def test_chatbot_run_dying_before_its_banner_is_a_one_line_error(capsys, tmp_pat
     right), fails to load it, and the bench says so with its error line."""
     bad = tmp_path / "cut.gguf"
     bad.write_bytes(b"GGUF\x03\x00\x00\x00")
-    code, _, err = cli(capsys, "bench", "startup", "--model", str(bad), "--rounds", "1")
+    code, _, err = bench_startup(capsys, "--model", str(bad), "--rounds", "1")
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and "Traceback" not in err
     assert lines[:-1] == ["untimed first run: chatbot run"]  # the progress line, then the error
-    assert lines[-1].startswith("chatbot: error: chatbot run exited (status 2) before the model banner: ")
-    assert "chatbot: error: cannot read GGUF file" in lines[-1].removeprefix("chatbot: error:")  # run's own
+    assert lines[-1].startswith(
+        "bench-startup: error: chatbot run exited (status 2) before the model banner: "
+    )
+    assert "chatbot: error: cannot read GGUF file" in lines[-1].removeprefix(
+        "bench-startup: error:"
+    )  # run's own
 
 
 @pytest.mark.slow
@@ -207,7 +228,7 @@ def test_bench_startup_on_the_default_model(capsys, tmp_path):
     """The real `chatbot run` in a pseudo-terminal, one round after the warm-up, and
     llama.cpp's load of the same file when llama-cpp-python is installed."""
     out = tmp_path / "startup.json"
-    code, stdout, _ = cli(capsys, "bench", "startup", "--rounds", "1", "--threads", "1", "--json", str(out))
+    code, stdout, _ = bench_startup(capsys, "--rounds", "1", "--threads", "1", "--json", str(out))
     assert code == 0
     data = json.loads(out.read_text())
     ours = data["ours"]

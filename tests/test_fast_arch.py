@@ -130,7 +130,7 @@ def llama3_gguf(tmp_path, monkeypatch, tiny_tokenizer):
     import transformers
     from helpers import write_tiny_gguf
 
-    from chatbot.models.gguf_synthetic import llama3_rope_factors
+    from devtools.gguf_synthetic import llama3_rope_factors
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     torch.manual_seed(11)

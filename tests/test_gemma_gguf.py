@@ -25,7 +25,7 @@ from gguf import GGUFReader
 from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES
 from helpers import full_logits, greedy_by_recompute, needs_kernels
 
-from chatbot.models.gguf_synthetic import GEMMA_SPECIALS, SHAPES, write_synthetic_gguf
+from devtools.gguf_synthetic import GEMMA_SPECIALS, SHAPES, write_synthetic_gguf
 
 CHATBOT = str(Path(sys.executable).with_name("chatbot"))
 FILES = [("gemma2", "Q8_0"), ("gemma2", "Q4_K_M"), ("gemma3", "Q8_0"), ("gemma3", "Q4_K_M")]

@@ -15,7 +15,7 @@ from gguf.quants import dequantize
 from helpers import needs_kernels
 
 from chatbot.engine import kernels
-from chatbot.models.gguf_synthetic import BLOCKS, FLOAT_TYPES, random_blocks, random_floats
+from devtools.gguf_synthetic import BLOCKS, FLOAT_TYPES, random_blocks, random_floats
 
 pytestmark = needs_kernels
 

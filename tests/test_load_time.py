@@ -12,8 +12,8 @@ from gguf import GGUFReader
 
 from chatbot.engine.gguf_weights import read_tensor_table
 from chatbot.models.gc_pause import paused_gc
-from chatbot.models.gguf_synthetic import SHAPES, write_synthetic_gguf
 from chatbot.models.loader import cache_root, load_model
+from devtools.gguf_synthetic import SHAPES, write_synthetic_gguf
 
 # Text where the pre-tokenizers disagree: NFC folds a decomposed accent (Qwen2's normalizer,
 # none in transformers' GGUF reading), digits split one by one, upper-case contractions.

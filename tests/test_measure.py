@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from chatbot.measure import bench_decode, bench_scale, report
-from chatbot.measure.bench_scale import Case
+from chatbot.measure import bench_decode, report
+from devtools import bench_render, bench_scale
+from devtools.bench_scale import Case
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -317,7 +318,7 @@ def test_bench_scale_dry_run_lists_files_under_tmp() -> None:
 
 
 def test_format_threads_table() -> None:
-    from chatbot.measure.bench_threads import format_threads
+    from devtools.bench_threads import format_threads
 
     r = {"tps": {"1": {"quiet": 50.0, "busy": 40.0}, "2": {"quiet": 80.0, "busy": 10.0},
                  "policy": {"quiet": 80.0, "busy": 40.0}},
@@ -351,7 +352,7 @@ def test_gpu_check_help_and_refusal_without_cuda() -> None:
 
 def test_thread_bench_compares_two_different_wait_policies() -> None:
     from chatbot.engine.threads import SPIN_COUNT
-    from chatbot.measure.bench_threads import WAITS
+    from devtools.bench_threads import WAITS
 
     assert WAITS["omp-default"] == {}  # the worker starts without any OpenMP wait variable
     assert WAITS["spin-then-sleep"] == {"GOMP_SPINCOUNT": str(SPIN_COUNT)}
@@ -370,8 +371,8 @@ def test_every_printer_names_the_cpu_and_load(capsys) -> None:
     report.print_streaming(console, {"model": "m", "start_size": 4, "runs": [
         {"recent_size": 4, "window": 8, "marks": [mark], "speedup_vs_recompute": 5.0}]})  # fmt: skip
     row = {"renderer": "r", "ms_per_token": 0.1, "p99_ms": 0.2, "max_ms": 1.0, "budget_share": 0.01}
-    report.print_render(console, {"tokens": 10, "rate_tok_s": 150, "width": 80, "budget_ms_per_token": 6.7,
-                                  "rows": [row]})  # fmt: skip
+    render = {"tokens": 10, "rate_tok_s": 150, "width": 80, "budget_ms_per_token": 6.7, "rows": [row]}
+    bench_render.print_render(console, render)
     side = {"prompt_tokens": 10, "cached_tokens": 5, "ttft_s": 0.1, "loadavg": 7.89}
     report.print_http_turns(
         console,

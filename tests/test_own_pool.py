@@ -107,7 +107,7 @@ def test_batched_decode_and_the_other_parallel_calls_match(builds, tiny_model, m
     threads: the same bits from both builds."""
     import numpy as np
 
-    from chatbot.models.gguf_synthetic import random_blocks
+    from devtools.gguf_synthetic import random_blocks
 
     rows, cols = 80, 512
     raw = random_blocks("Q4_K", rows * cols, np.random.default_rng(0), scale=0.5).reshape(rows, -1)

@@ -1,4 +1,4 @@
-"""Presets in chatbot/configs/: every shipped file parses, bad files are refused by file and key,
+"""Presets in configs/: every shipped file parses, bad files are refused by file and key,
 flags override presets, and `chatbot config show` prints a file that reads back the same."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from chatbot.models.presets import (
 )
 from chatbot.models.templates import TEMPLATES
 
-CONFIGS = Path(__file__).resolve().parents[1] / "chatbot" / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SHIPPED = {
     "default",
     "llama-2-chat",

@@ -191,9 +191,12 @@ def test_ctrl_c_in_a_code_fence_keeps_the_partial_block_on_screen(tmp_path, term
 
 
 def test_bench_render_prints_both_renderers(capsys):
-    from helpers import cli
+    from devtools import run_tool
+    from devtools.bench_render import main
 
-    code, out, _ = cli(capsys, "bench", "render", "--tokens", "300", "--width", "100")
+    capsys.readouterr()
+    code = run_tool("bench-render", main, ["--tokens", "300", "--width", "100"])
+    out = capsys.readouterr().out
     assert code == 0
     assert "append-only blocks" in out and "whole-answer Live" in out
     assert re.search(r"\d+\.\d+%", out)  # the share of decode time

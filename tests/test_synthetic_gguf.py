@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from helpers import full_logits, greedy_by_recompute, needs_kernels
 
-from chatbot.models.gguf_synthetic import SHAPES, pick_shape, tensor_type, write_synthetic_gguf
+from devtools.gguf_synthetic import SHAPES, pick_shape, tensor_type, write_synthetic_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 CHATBOT = str(Path(sys.executable).with_name("chatbot"))
@@ -107,7 +107,7 @@ def test_the_tokenizer_source_is_read_again_once_it_changes(tmp_path):
     what it got do not reach the next caller."""
     import dataclasses
 
-    from chatbot.models.gguf_synthetic import _tokenizer_fields
+    from devtools.gguf_synthetic import _tokenizer_fields
 
     source = tmp_path / "source.gguf"
     shape = SHAPES["llama"]["tiny"]

@@ -130,7 +130,7 @@ def test_prefill_product_times_both_thread_counts():
     import numpy as np
 
     from chatbot.engine import kernels, packed
-    from chatbot.models.gguf_synthetic import random_blocks
+    from devtools.gguf_synthetic import random_blocks
 
     rows, cols = 64, 512
     raw = random_blocks("Q4_K", rows * cols, np.random.default_rng(0), scale=0.5).reshape(rows, -1)

@@ -580,42 +580,6 @@ def versus_llama_cpp(result: dict[str, Any], ours: str = "chatbot-auto") -> list
     return lines
 
 
-def plot_decode(result: dict[str, Any], path: Path) -> None:
-    """Bar charts of decode and prefill speed as a PNG (needs matplotlib).
-
-    Raises:
-        ConfigError: matplotlib is not installed.
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        from chatbot.errors import ConfigError
-
-        raise ConfigError("--png needs matplotlib: pip install 'chatbot[plot]'") from None
-    rows = [r for r in result["results"] if "error" not in r]
-    names = [r["name"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    ax1.barh(names, [r["decode_tps"] for r in rows], color="tab:blue")
-    ax1.set_xlabel("decode tokens/s (higher is better)")
-    ax1.invert_yaxis()
-    sizes = result["settings"]["prefill_sizes"]
-    width = 0.8 / len(sizes)
-    for i, n in enumerate(sizes):
-        ax2.barh([j + i * width for j in range(len(rows))], [r["prefill_tps"][str(n)] for r in rows],
-                 height=width, label=f"{n} tokens")  # fmt: skip
-    ax2.set_yticks([j + width for j in range(len(rows))], names)
-    ax2.invert_yaxis()
-    ax2.set_xlabel("prefill tokens/s")
-    ax2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=len(sizes), fontsize=8, frameon=False)
-    fig.suptitle(f"{result['settings']['model']}, {result['machine']['torch_threads']} threads")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 if __name__ == "__main__":
     pause_until_ready()  # start up as `chatbot run` does (chatbot.models.gc_pause), every set-up alike
     print(json.dumps(worker(json.loads(sys.argv[1]))))

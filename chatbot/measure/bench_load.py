@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -29,7 +30,6 @@ from rich.table import Table
 
 from chatbot.errors import ChatbotError, ConfigError
 from chatbot.measure.bench_http import _client, _model_of, _quantile, run_load_bench, stream_once
-from chatbot.measure.bench_startup import CHATBOT_MAIN, last_line
 from chatbot.measure.report import conditions, loadavg
 
 SETUPS = ("chatbot", "llama.cpp")
@@ -38,6 +38,15 @@ STOP_TIMEOUT_S = 15.0
 # What decides that llama-cpp-python's server can run: its module imports (it needs the
 # [server] extra), checked in a fresh process so that this one never loads libllama.
 LLAMA_SERVER_CHECK = "import llama_cpp.server.app"
+# What the console script (`chatbot = "chatbot.cli:main"` in pyproject.toml) runs: the module
+# imported as itself, not as __main__ (`python -m chatbot.cli` would run it as __main__).
+CHATBOT_MAIN = "import sys; from chatbot.cli import main; sys.argv[0] = 'chatbot'; sys.exit(main())"
+
+
+def last_line(text: str) -> str:
+    """The last non-blank line of a process's or terminal's output (what to show when it failed)."""
+    lines = [" ".join(line.split()) for line in re.split(r"[\r\n]+", text)]
+    return next((line for line in reversed(lines) if line), "no output")
 
 
 def parse_clients(text: str) -> list[int]:

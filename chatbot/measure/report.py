@@ -157,25 +157,6 @@ def print_streaming(console: Console, result: dict[str, Any]) -> None:
     )
 
 
-def print_render(console: Console, result: dict[str, Any]) -> None:
-    table = Table(
-        title=f"renderer cost, {result['tokens']:,} tokens at {result['rate_tok_s']:g} tok/s, "
-        f"{result['width']} columns (budget {result['budget_ms_per_token']:.2f} ms/token)"
-    )
-    for col in ("renderer", "ms/token", "p99 ms", "max ms", "share of decode time"):
-        table.add_column(col, justify="left" if col == "renderer" else "right")
-    for r in result["rows"]:
-        table.add_row(
-            r["renderer"],
-            f"{r['ms_per_token']:.3f}",
-            f"{r['p99_ms']:.2f}",
-            f"{r['max_ms']:.1f}",
-            f"{100 * r['budget_share']:.1f}%",
-        )
-    console.print(table)
-    console.print(result.get("conditions") or conditions(), style="dim", markup=False)
-
-
 def print_http_turns(console: Console, result: dict[str, Any]) -> None:
     """`chatbot bench turns --server`: the server's prefix cache against no cache, per turn."""
     table = Table(

@@ -134,13 +134,22 @@ class Settings:
 
 # -- finding and reading presets --------------------------------------------------------------
 
-SHIPPED_PRESETS = Path(__file__).resolve().parents[1] / "configs"
+
+def _shipped_presets() -> Path:
+    """The presets that come with chatbot: `chatbot/configs/` where it is installed from a
+    wheel (package data), else `configs/` beside the package (a clone, an editable install)."""
+    package = Path(__file__).resolve().parents[1]
+    installed, checkout = package / "configs", package.parent / "configs"
+    return checkout if not installed.is_dir() and checkout.is_dir() else installed
+
+
+SHIPPED_PRESETS = _shipped_presets()
 
 
 def preset_dirs() -> list[Path]:
     """Where presets are looked up, first match wins: $CHATBOT_PRESETS, the user's
     `$XDG_CONFIG_HOME/chatbot/presets`, then the presets shipped inside the package
-    (`chatbot/configs/`, package data: a wheel or `pip install .` has them too)."""
+    (`configs/` in a clone, installed as package data `chatbot/configs/`)."""
     dirs = []
     if os.environ.get("CHATBOT_PRESETS"):
         dirs.append(Path(os.environ["CHATBOT_PRESETS"]).expanduser())

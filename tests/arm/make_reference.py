@@ -34,7 +34,7 @@ import torch
 
 from chatbot.engine import kernels
 from chatbot.engine.fast import FastDecoder
-from chatbot.models.gguf_synthetic import BLOCKS, FLOAT_TYPES, random_blocks, random_floats
+from devtools.gguf_synthetic import BLOCKS, FLOAT_TYPES, random_blocks, random_floats
 
 ROWS, COLS = 40, 512  # two K-quant super-blocks, sixteen 32-blocks per row
 ACTS = {"f32": kernels.ACT_F32, "q8": kernels.ACT_Q8, "i16": kernels.ACT_I16}

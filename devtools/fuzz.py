@@ -45,37 +45,130 @@ sys.path.insert(0, str(ROOT / "tests"))
 CHATBOT = str(Path(sys.executable).with_name("chatbot"))
 STATS = re.compile(r"^context [\d,]+ tok", re.MULTILINE)
 
-ESCAPES = ["\x1b]52;c;cHduZWQ=\x07", "\x1b]0;owned\x07", "\x1b[2J\x1b[H", "\x1b[10A", "\x9b31m", "\x07",
-           "\u202egnp.exe", "\x1bP+q\x1b\\", "\x1b]8;;http://x\x1b\\link\x1b]8;;\x1b\\", "\x1bc"]
-SPECIALS = ["<|im_end|>", "<|im_start|>system\n", "<|endoftext|>", "<|im_start|>assistant\n", "</s>", "[INST]"]
-NUMBERS = ["inf", "-inf", "nan", "NaN", "1e999", "-1e999", "1e-300", "1e-320", "-1", "0", "1", "0.5", "3",
-           "99999999999999999999999", "0x10", "1_000", "", "abc", "١٢", "2**63", "9223372036854775808"]
-SETTINGS = ["temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens", "seed", "stream_interval",
-            "temp", "t", "k", "p", "bogus", "TEMPERATURE", "max-new-tokens"]
-COMMANDS = ["help", "exit", "reset", "undo", "retry", "continue", "system", "set", "save", "load", "history",
-            "stats", "model", "cache", "quit", "q", "?", "clear", "redo", "c", "sytem", "lod", "", "/", "x" * 300]
+ESCAPES = [
+    "\x1b]52;c;cHduZWQ=\x07",
+    "\x1b]0;owned\x07",
+    "\x1b[2J\x1b[H",
+    "\x1b[10A",
+    "\x9b31m",
+    "\x07",
+    "\u202egnp.exe",
+    "\x1bP+q\x1b\\",
+    "\x1b]8;;http://x\x1b\\link\x1b]8;;\x1b\\",
+    "\x1bc",
+]
+SPECIALS = [
+    "<|im_end|>",
+    "<|im_start|>system\n",
+    "<|endoftext|>",
+    "<|im_start|>assistant\n",
+    "</s>",
+    "[INST]",
+]
+NUMBERS = [
+    "inf",
+    "-inf",
+    "nan",
+    "NaN",
+    "1e999",
+    "-1e999",
+    "1e-300",
+    "1e-320",
+    "-1",
+    "0",
+    "1",
+    "0.5",
+    "3",
+    "99999999999999999999999",
+    "0x10",
+    "1_000",
+    "",
+    "abc",
+    "١٢",
+    "2**63",
+    "9223372036854775808",
+]
+SETTINGS = [
+    "temperature",
+    "top_p",
+    "top_k",
+    "repetition_penalty",
+    "max_new_tokens",
+    "seed",
+    "stream_interval",
+    "temp",
+    "t",
+    "k",
+    "p",
+    "bogus",
+    "TEMPERATURE",
+    "max-new-tokens",
+]
+COMMANDS = [
+    "help",
+    "exit",
+    "reset",
+    "undo",
+    "retry",
+    "continue",
+    "system",
+    "set",
+    "save",
+    "load",
+    "history",
+    "stats",
+    "model",
+    "cache",
+    "quit",
+    "q",
+    "?",
+    "clear",
+    "redo",
+    "c",
+    "sytem",
+    "lod",
+    "",
+    "/",
+    "x" * 300,
+]
 
 
 def make_files(root: Path) -> dict[str, list[str]]:
     """Hostile files for /load and /save, inside `root`."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
-    (root / "deep_obj.json").write_text('{"turns": [{"user": "a", "answer": "b", "stats": '
-                                        + '{"a": ' * 2000 + "1" + "}" * 2000 + "}]}")
+    (root / "deep_obj.json").write_text(
+        '{"turns": [{"user": "a", "answer": "b", "stats": ' + '{"a": ' * 2000 + "1" + "}" * 2000 + "}]}"
+    )
     (root / "binary.json").write_bytes(bytes(range(256)) * 100)
     (root / "huge.json").write_bytes(b" " * (65 << 20) + b"{}")
-    (root / "nan.json").write_text('{"turns": [{"user": "a", "answer": "b", "stats": {"ttft_s": NaN}}],'
-                                   ' "settings": {"temperature": Infinity}}')
-    odd = [{"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]},
-           {"turns": [{"user": {"a": 1}, "answer": "x"}]}, {"turns": "many"}, [1, 2], {"turns": [None]},
-           {"turns": [{"user": "a", "answer": "b"}], "system": 5}, {"messages": [1, 2]},
-           {"turns": [{"user": "a", "answer": "b"}], "settings": {"temperature": "hot", "seed": -3}}]
+    (root / "nan.json").write_text(
+        '{"turns": [{"user": "a", "answer": "b", "stats": {"ttft_s": NaN}}],'
+        ' "settings": {"temperature": Infinity}}'
+    )
+    odd = [
+        {"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]},
+        {"turns": [{"user": {"a": 1}, "answer": "x"}]},
+        {"turns": "many"},
+        [1, 2],
+        {"turns": [None]},
+        {"turns": [{"user": "a", "answer": "b"}], "system": 5},
+        {"messages": [1, 2]},
+        {"turns": [{"user": "a", "answer": "b"}], "settings": {"temperature": "hot", "seed": -3}},
+    ]
     for i, data in enumerate(odd):
         (root / f"odd{i}.json").write_text(json.dumps(data))
-    hostile = {"system": "sys " + "".join(ESCAPES), "turns": [
-        {"user": "u " + "".join(ESCAPES) + "".join(SPECIALS), "answer": "a " + "".join(ESCAPES)} for _ in range(3)]}
+    hostile = {
+        "system": "sys " + "".join(ESCAPES),
+        "turns": [
+            {"user": "u " + "".join(ESCAPES) + "".join(SPECIALS), "answer": "a " + "".join(ESCAPES)}
+            for _ in range(3)
+        ],
+    }
     (root / "hostile.json").write_text(json.dumps(hostile))
-    (root / "many.json").write_text(json.dumps({"turns": [{"user": f"q{i}", "answer": f"a{i}"} for i in range(300)]}))
+    (root / "many.json").write_text(
+        json.dumps({"turns": [{"user": f"q{i}", "answer": f"a{i}"} for i in range(300)]})
+    )
     (root / "dir").mkdir(exist_ok=True)
     for name in ("fifo", "fifo2"):
         if not (root / name).exists():
@@ -84,10 +177,26 @@ def make_files(root: Path) -> dict[str, list[str]]:
         if not os.path.lexists(root / name):
             os.symlink(target, root / name)
     loads = [str(p) for p in sorted(root.glob("*.json"))] + [
-        str(root / "dir"), str(root / "fifo"), str(root / "loop"), "/dev/zero", "/dev/urandom", "/dev/null",
-        str(root / "missing.json"), "~/nonexistent.json", str(root / "null_link")]
-    saves = [str(root / "fifo2"), str(root / "loop"), str(root / "dir"), str(root / "null_link"),
-             str(root / "dangling"), str(root / "out.json"), str(root / "new" / "deeper" / "out.json"), ""]
+        str(root / "dir"),
+        str(root / "fifo"),
+        str(root / "loop"),
+        "/dev/zero",
+        "/dev/urandom",
+        "/dev/null",
+        str(root / "missing.json"),
+        "~/nonexistent.json",
+        str(root / "null_link"),
+    ]
+    saves = [
+        str(root / "fifo2"),
+        str(root / "loop"),
+        str(root / "dir"),
+        str(root / "null_link"),
+        str(root / "dangling"),
+        str(root / "out.json"),
+        str(root / "new" / "deeper" / "out.json"),
+        "",
+    ]
     return {"load": loads, "save": saves}
 
 
@@ -101,9 +210,20 @@ def hostile_line(rng: random.Random, files: dict[str, list[str]]) -> str:
     if kind < 0.62:
         return "hi " + "".join(rng.sample(SPECIALS, 3)) + " obey"
     if kind < 0.70:
-        return "".join(chr(rng.choice([rng.randint(0, 0x7F), rng.randint(0x80, 0x2FF), rng.randint(0x2000, 0x206F),
-                                       rng.randint(0x4E00, 0x4E80), rng.randint(0x1F600, 0x1F64F)]))
-                       for _ in range(rng.randint(1, 60)))
+        return "".join(
+            chr(
+                rng.choice(
+                    [
+                        rng.randint(0, 0x7F),
+                        rng.randint(0x80, 0x2FF),
+                        rng.randint(0x2000, 0x206F),
+                        rng.randint(0x4E00, 0x4E80),
+                        rng.randint(0x1F600, 0x1F64F),
+                    ]
+                )
+            )
+            for _ in range(rng.randint(1, 60))
+        )
     if kind < 0.74:
         return rng.choice(["x", "word ", "日本 ", "🙂"]) * rng.choice([1000, 20_000, 70_000])
     if kind < 0.78:
@@ -123,7 +243,9 @@ def command(rng: random.Random, files: dict[str, list[str]]) -> str:
     if name == "save":
         return f"save {rng.choice(files['save'])}".rstrip()
     if name == "system" and rng.random() < 0.7:
-        return "system " + rng.choice(["Be terse.", "--clear", "".join(ESCAPES), "x" * 5000, "".join(SPECIALS)])
+        return "system " + rng.choice(
+            ["Be terse.", "--clear", "".join(ESCAPES), "x" * 5000, "".join(SPECIALS)]
+        )
     if rng.random() < 0.2:
         return name + " " + rng.choice(NUMBERS + ESCAPES)
     return name
@@ -157,8 +279,12 @@ def count_problems(err: str) -> dict[str, int]:
 
 
 def turn_events(data: Path) -> int:
-    return sum(1 for p in (data / "chatbot" / "sessions").glob("*.jsonl")
-               for line in p.read_text(errors="replace").splitlines() if '"event": "turn"' in line)
+    return sum(
+        1
+        for p in (data / "chatbot" / "sessions").glob("*.jsonl")
+        for line in p.read_text(errors="replace").splitlines()
+        if '"event": "turn"' in line
+    )
 
 
 # -- modes ---------------------------------------------------------------------------------------
@@ -168,17 +294,41 @@ def run_pipe(args: argparse.Namespace, work: Path) -> dict[str, int]:
     rng = random.Random(args.seed)
     files = make_files(work / "files")
     model = tiny_model_dir(work)
-    result = {"inputs": 0, "processes": 0, "tracebacks": 0, "internal_errors": 0, "hangs": 0, "bad_exit": 0,
-              "lost_turns": 0}
+    result = {
+        "inputs": 0,
+        "processes": 0,
+        "tracebacks": 0,
+        "internal_errors": 0,
+        "hangs": 0,
+        "bad_exit": 0,
+        "lost_turns": 0,
+    }
     per = 100
     for start in range(0, args.n, per):
         lines = [hostile_line(rng, files) for _ in range(min(per, args.n - start))]
         lines = [line.replace("\n", " ") for line in lines if not is_exit(line)]
         data = Path(tempfile.mkdtemp(dir=work, prefix="pipe-"))
-        cmd = [CHATBOT, "run", "--model", str(model), "--threads", "1", "--temperature", "0", "--max-new-tokens", "8"]
+        cmd = [
+            CHATBOT,
+            "run",
+            "--model",
+            str(model),
+            "--threads",
+            "1",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "8",
+        ]
         try:
-            proc = subprocess.run(cmd, input="\n".join(lines).encode("utf-8", "surrogatepass") + b"\n",
-                                  capture_output=True, env=env_for(data), timeout=600, check=False)
+            proc = subprocess.run(
+                cmd,
+                input="\n".join(lines).encode("utf-8", "surrogatepass") + b"\n",
+                capture_output=True,
+                env=env_for(data),
+                timeout=600,
+                check=False,
+            )
         except subprocess.TimeoutExpired:
             result["hangs"] += 1
             continue
@@ -214,8 +364,15 @@ def run_repl(args: argparse.Namespace, work: Path) -> dict[str, int]:
     files = make_files(work / "files")
     tok = make_tokenizer()
     model = make_model(len(tok))
-    result = {"inputs": 0, "batches": 0, "tracebacks": 0, "internal_errors": 0, "hangs": 0, "lost_turns": 0,
-              "invariant_broken": 0}
+    result = {
+        "inputs": 0,
+        "batches": 0,
+        "tracebacks": 0,
+        "internal_errors": 0,
+        "hangs": 0,
+        "lost_turns": 0,
+        "invariant_broken": 0,
+    }
 
     def alarm(*_: object) -> None:
         raise TimeoutError
@@ -225,14 +382,24 @@ def run_repl(args: argparse.Namespace, work: Path) -> dict[str, int]:
     for start in range(0, args.n, per):
         data = Path(tempfile.mkdtemp(dir=work, prefix="repl-"))
         os.environ["XDG_DATA_HOME"] = str(data)
-        session = ChatSession(Engine(model, tok), ChatConfig(sampling=SamplingConfig(temperature=0.0, max_new_tokens=8)))
+        session = ChatSession(
+            Engine(model, tok), ChatConfig(sampling=SamplingConfig(temperature=0.0, max_new_tokens=8))
+        )
         out, err = io.StringIO(), io.StringIO()
-        repl = Repl(session, LoadedModel(model, tok, "tiny", "test", "folder"), Console(file=out, width=100),
-                    plain=True, info=Console(file=err, width=100, soft_wrap=True))
+        repl = Repl(
+            session,
+            LoadedModel(model, tok, "tiny", "test", "folder"),
+            Console(file=out, width=100),
+            plain=True,
+            info=Console(file=err, width=100, soft_wrap=True),
+        )
         repl.start_log()
         # Typed key by key, a 70,000-character line takes minutes: long messages are the pipe's.
-        lines = [line[:4000] for line in (hostile_line(rng, files) for _ in range(min(per, args.n - start)))
-                 if not is_exit(line)]
+        lines = [
+            line[:4000]
+            for line in (hostile_line(rng, files) for _ in range(min(per, args.n - start)))
+            if not is_exit(line)
+        ]
         typed = "".join(line.replace("\n", " ") + "\r" for line in lines) + "\x04"
         signal.alarm(600)
         try:
@@ -264,31 +431,66 @@ def run_repl(args: argparse.Namespace, work: Path) -> dict[str, int]:
             logged = session_log.replay(repl.log.path)["turns"]
             mine = [(t.user, t.answer) for t in session.turns]
             theirs = [(t["user"], t["answer"]) for t in logged]
-            result["lost_turns"] += sum(1 for a, b in zip(mine, theirs) if a != b) + abs(len(mine) - len(theirs))
+            result["lost_turns"] += sum(1 for a, b in zip(mine, theirs) if a != b) + abs(
+                len(mine) - len(theirs)
+            )
     return result
 
 
 BAD_COMMAND_LINES: list[list[str]] = [
-    ["run", "--threads", "0"], ["run", "--threads", "-3"], ["run", "--threads", "many"],
-    ["run", "--start-size", "1000000000", "--enable-streaming"], ["run", "--recent-size", "1000000000000"],
-    ["run", "--start-size", "500", "--recent-size", "100", "--enable-streaming"], ["run", "--recent-size", "3"],
-    ["run", "--max-context", "99999999999"], ["run", "--max-context", "2"], ["run", "--prefill-chunk", "0"],
-    ["run", "--prefill-chunk", "99999999999"], ["run", "--temperature", "nan"], ["run", "--temperature", "inf"],
-    ["run", "--temperature", "1e-300"], ["run", "--top-p", "0"], ["run", "--top-k", "-1"],
-    ["run", "--repetition-penalty", "0"], ["run", "--max-new-tokens", "0"], ["run", "--seed", "-1"],
-    ["run", "--stream-interval", "0"], ["run", "--model", "/no/such/model"], ["run", "--model", "/dev/zero"],
-    ["run", "--model", "\x1b]0;owned\x07"], ["run", "--device", "quantum"], ["run", "--dtype", "float7"],
-    ["run", "--preset", "nope"], ["run", "--preset", "a", "--config", "b"], ["run", "--template", "nope"],
-    ["run", "--opt", "fastest"], ["run", "--quantize", "3bit"], ["run", "--resume", "nope"],
-    ["run", "--config", "{files}/binary.json"], ["run", "--config", "{files}/deep.json"],
-    ["run", "--config", "/dev/zero"], ["run", "--config", "/dev/urandom"], ["run", "--config", "{files}/fifo"],
-    ["run", "--config", "{files}/dir"], ["run", "--config", "{files}/loop"], ["run", "--config", "{files}/huge.json"],
-    ["run", "--config", "{files}/deep.yaml"], ["run", "--config", "{files}/bomb.yaml"],
-    ["run", "--template", "{files}/binary.jinja"], ["run", "--template", "/dev/zero.jinja"],
-    ["run", "--bogus"], ["sessions", "--limit", "0"], ["bench", "turns", "--conversation", "/no/such.json"],
-    ["eval-ppl", "--text", "/no/such.txt"], ["eval-ppl", "--tokens", "1"], ["bench", "decode", "--also", "nope"],
-    ["config", "show", "--config", "/dev/zero"], ["config", "show", "--config", "{files}/deep.yaml"],
-    ["models", "/no/such/folder", "--bogus"], ["nosuchcommand"],
+    ["run", "--threads", "0"],
+    ["run", "--threads", "-3"],
+    ["run", "--threads", "many"],
+    ["run", "--start-size", "1000000000", "--enable-streaming"],
+    ["run", "--recent-size", "1000000000000"],
+    ["run", "--start-size", "500", "--recent-size", "100", "--enable-streaming"],
+    ["run", "--recent-size", "3"],
+    ["run", "--max-context", "99999999999"],
+    ["run", "--max-context", "2"],
+    ["run", "--prefill-chunk", "0"],
+    ["run", "--prefill-chunk", "99999999999"],
+    ["run", "--temperature", "nan"],
+    ["run", "--temperature", "inf"],
+    ["run", "--temperature", "1e-300"],
+    ["run", "--top-p", "0"],
+    ["run", "--top-k", "-1"],
+    ["run", "--repetition-penalty", "0"],
+    ["run", "--max-new-tokens", "0"],
+    ["run", "--seed", "-1"],
+    ["run", "--stream-interval", "0"],
+    ["run", "--model", "/no/such/model"],
+    ["run", "--model", "/dev/zero"],
+    ["run", "--model", "\x1b]0;owned\x07"],
+    ["run", "--device", "quantum"],
+    ["run", "--dtype", "float7"],
+    ["run", "--preset", "nope"],
+    ["run", "--preset", "a", "--config", "b"],
+    ["run", "--template", "nope"],
+    ["run", "--opt", "fastest"],
+    ["run", "--quantize", "3bit"],
+    ["run", "--resume", "nope"],
+    ["run", "--config", "{files}/binary.json"],
+    ["run", "--config", "{files}/deep.json"],
+    ["run", "--config", "/dev/zero"],
+    ["run", "--config", "/dev/urandom"],
+    ["run", "--config", "{files}/fifo"],
+    ["run", "--config", "{files}/dir"],
+    ["run", "--config", "{files}/loop"],
+    ["run", "--config", "{files}/huge.json"],
+    ["run", "--config", "{files}/deep.yaml"],
+    ["run", "--config", "{files}/bomb.yaml"],
+    ["run", "--template", "{files}/binary.jinja"],
+    ["run", "--template", "/dev/zero.jinja"],
+    ["run", "--bogus"],
+    ["sessions", "--limit", "0"],
+    ["bench", "turns", "--conversation", "/no/such.json"],
+    ["eval-ppl", "--text", "/no/such.txt"],
+    ["eval-ppl", "--tokens", "1"],
+    ["bench", "decode", "--also", "nope"],
+    ["config", "show", "--config", "/dev/zero"],
+    ["config", "show", "--config", "{files}/deep.yaml"],
+    ["models", "/no/such/folder", "--bogus"],
+    ["nosuchcommand"],
 ]
 
 
@@ -296,18 +498,30 @@ def run_cmdline(args: argparse.Namespace, work: Path) -> dict[str, int]:
     files = work / "files"
     make_files(files)
     (files / "deep.yaml").write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")
-    (files / "bomb.yaml").write_text("a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
-        f"{chr(98 + i)}: &{chr(98 + i)} [" + ", ".join([f"*{chr(97 + i)}"] * 10) + "]\n" for i in range(8)))
+    (files / "bomb.yaml").write_text(
+        "a: &a [x, x, x, x, x, x, x, x, x, x]\n"
+        + "".join(
+            f"{chr(98 + i)}: &{chr(98 + i)} [" + ", ".join([f"*{chr(97 + i)}"] * 10) + "]\n" for i in range(8)
+        )
+    )
     (files / "binary.jinja").write_bytes(b"\x00\xff" * 100)
-    result = {"command_lines": 0, "tracebacks": 0, "internal_errors": 0, "hangs": 0, "bad_exit": 0, "not_one_line": 0,
-              "slowest_s": 0.0}
+    result = {
+        "command_lines": 0,
+        "tracebacks": 0,
+        "internal_errors": 0,
+        "hangs": 0,
+        "bad_exit": 0,
+        "not_one_line": 0,
+        "slowest_s": 0.0,
+    }
     data = Path(tempfile.mkdtemp(dir=work, prefix="cmd-"))
     for line in [*BAD_COMMAND_LINES, ["run", "--threads", "999"]]:
         argv = [a.replace("{files}", str(files)) for a in line]
         started = time.perf_counter()
         try:
-            proc = subprocess.run([CHATBOT, *argv], input=b"", capture_output=True, env=env_for(data), timeout=60,
-                                  check=False)
+            proc = subprocess.run(
+                [CHATBOT, *argv], input=b"", capture_output=True, env=env_for(data), timeout=60, check=False
+            )
         except subprocess.TimeoutExpired:
             result["hangs"] += 1
             print("hang:", argv, file=sys.stderr)
@@ -337,8 +551,14 @@ def run_kill(args: argparse.Namespace, work: Path) -> dict[str, int]:
     model = tiny_model_dir(work)
     data = Path(tempfile.mkdtemp(dir=work, prefix="kill-"))
     env = env_for(data)
-    result = {"kills": 0, "lost_finished_turns": 0, "lost_messages": 0, "resume_failures": 0, "tracebacks": 0,
-              "died": 0}
+    result = {
+        "kills": 0,
+        "lost_finished_turns": 0,
+        "lost_messages": 0,
+        "resume_failures": 0,
+        "tracebacks": 0,
+        "died": 0,
+    }
     sessions = data / "chatbot" / "sessions"
     for round_ in range(args.kills):
         # the log --resume picks (the newest); none yet when every earlier round was killed
@@ -348,9 +568,22 @@ def run_kill(args: argparse.Namespace, work: Path) -> dict[str, int]:
         # A streaming cache: the 512-token context of the tiny model would fill up within a few
         # rounds otherwise (then messages are refused, one line each, and nothing is at stake).
         streaming = ["--enable-streaming", "--recent-size", "256"]
-        cmd = [CHATBOT, "run", "--model", str(model), "--threads", "1", "--temperature", "0", *streaming,
-               "--max-new-tokens", str(rng.choice([4, 50, 400, 2000]))] + (["--resume"] if logs else [])
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        cmd = [
+            CHATBOT,
+            "run",
+            "--model",
+            str(model),
+            "--threads",
+            "1",
+            "--temperature",
+            "0",
+            *streaming,
+            "--max-new-tokens",
+            str(rng.choice([4, 50, 400, 2000])),
+        ] + (["--resume"] if logs else [])
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        )
         assert proc.stdin is not None and proc.stdout is not None
         started: list[str] = []
         stats_lines = 0  # stats lines read from stderr in this round, one per answer
@@ -387,8 +620,11 @@ def run_kill(args: argparse.Namespace, work: Path) -> dict[str, int]:
             time.sleep(rng.uniform(0, 0.5))
         if proc.poll() is not None:
             result["died"] += 1
-            print(f"round {round_}: exited {proc.returncode} before the kill:",
-                  proc.stderr.read().decode("utf-8", "replace")[-1500:], file=sys.stderr)
+            print(
+                f"round {round_}: exited {proc.returncode} before the kill:",
+                proc.stderr.read().decode("utf-8", "replace")[-1500:],
+                file=sys.stderr,
+            )
         else:
             os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -404,17 +640,29 @@ def run_kill(args: argparse.Namespace, work: Path) -> dict[str, int]:
             print("replay:", exc, file=sys.stderr)
             continue
         result["lost_finished_turns"] += sum(
-            1 for i, t in enumerate(before) if i >= len(after) or (after[i]["user"], after[i]["answer"]) != (t["user"], t["answer"]))
-        users = [t["user"] for t in after[len(before):]]
+            1
+            for i, t in enumerate(before)
+            if i >= len(after) or (after[i]["user"], after[i]["answer"]) != (t["user"], t["answer"])
+        )
+        users = [t["user"] for t in after[len(before) :]]
         missing = [m for m in started if m not in users]
         if missing:
             print(f"round {round_}: lost {missing}; logged after the round: {users}", file=sys.stderr)
         result["lost_messages"] += len(missing)
-        print(f"round {round_}: {len(after)} turns logged, {len(started)} answers had started", file=sys.stderr,
-              flush=True)
+        print(
+            f"round {round_}: {len(after)} turns logged, {len(started)} answers had started",
+            file=sys.stderr,
+            flush=True,
+        )
     # the last log resumes cleanly
-    proc = subprocess.run([CHATBOT, "run", "--model", str(model), "--threads", "1", "--resume", "--max-new-tokens", "2"],
-                          input=b"/history\n", capture_output=True, env=env, timeout=120, check=False)
+    proc = subprocess.run(
+        [CHATBOT, "run", "--model", str(model), "--threads", "1", "--resume", "--max-new-tokens", "2"],
+        input=b"/history\n",
+        capture_output=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
     result["resume_failures"] += proc.returncode != 0
     result["tracebacks"] += proc.stderr.count(b"Traceback")
     return result
@@ -431,10 +679,28 @@ def run_soak(args: argparse.Namespace, work: Path) -> dict[str, object]:
     """One chat of `--turns` messages on a small streaming window; RSS after every turn."""
     rng = random.Random(args.seed + 3)
     data = Path(tempfile.mkdtemp(dir=work, prefix="soak-"))
-    cmd = [CHATBOT, "run", "--enable-streaming", "--recent-size", "60", "--temperature", "0", "--max-new-tokens",
-           str(args.max_new_tokens), "--threads", str(args.threads)] + (["--model", args.model] if args.model else [])
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env=env_for(data), text=True, bufsize=1)
+    cmd = [
+        CHATBOT,
+        "run",
+        "--enable-streaming",
+        "--recent-size",
+        "60",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--threads",
+        str(args.threads),
+    ] + (["--model", args.model] if args.model else [])
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env_for(data),
+        text=True,
+        bufsize=1,
+    )
     assert proc.stdin is not None and proc.stderr is not None
     topics = ["the sea", "a city at night", "bread", "old trains", "mountains", "a library", "rain", "chess"]
     curve: dict[int, int] = {}
@@ -458,16 +724,27 @@ def run_soak(args: argparse.Namespace, work: Path) -> dict[str, object]:
                 break
         curve[turn] = rss_kib(proc.pid)
         if turn % 50 == 0:
-            print(f"turn {turn}: RSS {curve[turn] / 1024:.1f} MiB, {tokens:,} tokens, "
-                  f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+            print(
+                f"turn {turn}: RSS {curve[turn] / 1024:.1f} MiB, {tokens:,} tokens, "
+                f"{time.perf_counter() - t0:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     proc.stdin.close()
     proc.wait(timeout=120)
     marks = {t: round(curve[t] / 1024, 1) for t in sorted(curve) if t % 50 == 0}
     first = curve[min(50, args.turns)]
-    return {"turns": args.turns, "tokens_through_cache": tokens, "window": 60 + 4,
-            "x_window": round(tokens / 64, 1), "errors": errors, "exit": proc.returncode,
-            "rss_mib_every_50_turns": marks,
-            "rss_last_over_turn_50": round(curve[args.turns] / first, 4), "seconds": round(time.perf_counter() - t0)}
+    return {
+        "turns": args.turns,
+        "tokens_through_cache": tokens,
+        "window": 60 + 4,
+        "x_window": round(tokens / 64, 1),
+        "errors": errors,
+        "exit": proc.returncode,
+        "rss_mib_every_50_turns": marks,
+        "rss_last_over_turn_50": round(curve[args.turns] / first, 4),
+        "seconds": round(time.perf_counter() - t0),
+    }
 
 
 def run_load(args: argparse.Namespace, work: Path) -> dict[str, object]:
@@ -486,16 +763,27 @@ def run_load(args: argparse.Namespace, work: Path) -> dict[str, object]:
     rows = {}
     for n in (500, 1000, 2000):
         engine = Engine(model, tok, max_context=1 << 20)
-        s = ChatSession(engine, ChatConfig(sampling=SamplingConfig(temperature=0.0),
-                                           engine=EngineConfig(enable_streaming=True, recent_size=64)))
-        data = {"turns": [{"user": f"Hello {i}, how are you?", "answer": "Fine, thank you."} for i in range(n)]}
+        s = ChatSession(
+            engine,
+            ChatConfig(
+                sampling=SamplingConfig(temperature=0.0),
+                engine=EngineConfig(enable_streaming=True, recent_size=64),
+            ),
+        )
+        data = {
+            "turns": [{"user": f"Hello {i}, how are you?", "answer": "Fine, thank you."} for i in range(n)]
+        }
         t0 = time.perf_counter()
         s.restore(data, encode=False)
         split = time.perf_counter() - t0
         t0 = time.perf_counter()
         fed = s.prefill_pending()
-        rows[n] = {"split_s": round(split, 2), "encode_s": round(time.perf_counter() - t0, 2),
-                   "tokens": len(s.all_ids), "fed": fed}
+        rows[n] = {
+            "split_s": round(split, 2),
+            "encode_s": round(time.perf_counter() - t0, 2),
+            "tokens": len(s.all_ids),
+            "fed": fed,
+        }
         print(f"{n} turns: {rows[n]}", file=sys.stderr, flush=True)
     return rows
 
@@ -503,10 +791,19 @@ def run_load(args: argparse.Namespace, work: Path) -> dict[str, object]:
 # -- damage: what we read back, and what a client sends ------------------------------------------
 
 
-def _chat(argv: list[str], env: dict[str, str], stdin: str = "Hi\n", timeout: float = 300) -> tuple[int, str, str]:
+def _chat(
+    argv: list[str], env: dict[str, str], stdin: str = "Hi\n", timeout: float = 300
+) -> tuple[int, str, str]:
     try:
-        proc = subprocess.run([sys.executable, "-m", "chatbot.cli", *argv], input=stdin.encode(),
-                              capture_output=True, env=env, timeout=timeout, check=False, cwd=str(ROOT))
+        proc = subprocess.run(
+            [sys.executable, "-m", "chatbot.cli", *argv],
+            input=stdin.encode(),
+            capture_output=True,
+            env=env,
+            timeout=timeout,
+            check=False,
+            cwd=str(ROOT),
+        )
     except subprocess.TimeoutExpired:
         return -999, "", "hang"
     return proc.returncode, proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace")
@@ -649,8 +946,14 @@ def _damage_full_disk(work: Path, flags: list[str], env: dict[str, str]) -> dict
     comes back: three answers, one warning, and a log that restores the three turns."""
     data = work / "data-full"
     env = {**env, "XDG_DATA_HOME": str(data)}
-    proc = subprocess.Popen([sys.executable, "-m", "chatbot.cli", *flags], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=str(ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "chatbot.cli", *flags],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=str(ROOT),
+    )
     assert proc.stdin is not None and proc.stderr is not None
     err_lines: list[str] = []
 
@@ -679,12 +982,18 @@ def _damage_full_disk(work: Path, flags: list[str], env: dict[str, str]) -> dict
     code = proc.wait(timeout=120)
     err = "".join(err_lines) + rest
     turns = sum(1 for line in log.read_text(errors="replace").splitlines() if '"event": "turn"' in line)
-    return {"exit": code, "answers": len(STATS.findall(err)), "warnings": err.count("warning"),
-            "tracebacks": err.count("Traceback"), "logged_turns": turns}
+    return {
+        "exit": code,
+        "answers": len(STATS.findall(err)),
+        "warnings": err.count("warning"),
+        "tracebacks": err.count("Traceback"),
+        "logged_turns": turns,
+    }
 
 
-def _damage_server(args: argparse.Namespace, rng: random.Random, work: Path, model: Path,
-                   env: dict[str, str]) -> dict[str, object]:
+def _damage_server(
+    args: argparse.Namespace, rng: random.Random, work: Path, model: Path, env: dict[str, str]
+) -> dict[str, object]:
     """Hostile bodies to a real `chatbot serve`: every one answered 4xx (or 200), none 5xx,
     the server alive and its memory bounded at the end."""
     import socket
@@ -693,9 +1002,24 @@ def _damage_server(args: argparse.Namespace, rng: random.Random, work: Path, mod
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "chatbot.cli", "serve", "--model", str(model), "--port", str(port),
-                             "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
-                            cwd=str(ROOT))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "chatbot.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--threads",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=str(ROOT),
+    )
     base = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -709,8 +1033,12 @@ def _damage_server(args: argparse.Namespace, rng: random.Random, work: Path, mod
 
     def post(body: bytes, headers: dict[str, str] | None = None) -> int:
         try:  # httpx, as the openai client: it reads a 413 sent before the body was all sent
-            return httpx.post(base + "/v1/chat/completions", content=body, timeout=120,
-                              headers={"Content-Type": "application/json", **(headers or {})}).status_code
+            return httpx.post(
+                base + "/v1/chat/completions",
+                content=body,
+                timeout=120,
+                headers={"Content-Type": "application/json", **(headers or {})},
+            ).status_code
         except httpx.HTTPError as exc:
             print(f"damage: server: {type(exc).__name__}: {exc}", file=sys.stderr)
             return -1
@@ -735,15 +1063,22 @@ def _damage_server(args: argparse.Namespace, rng: random.Random, work: Path, mod
         ("huge max_tokens", b'{"max_tokens": 1e999, "messages": [{"role": "user", "content": "hi"}]}'),
     ]
     for i in range(args.cases):
-        junk = "".join(rng.choice(["\\ud83d", "\\u0000", "\\\\", '\\"', "x", "\\n", "\\u202e", "\\udc80"])
-                       for _ in range(rng.randint(1, 40)))
+        junk = "".join(
+            rng.choice(["\\ud83d", "\\u0000", "\\\\", '\\"', "x", "\\n", "\\u202e", "\\udc80"])
+            for _ in range(rng.randint(1, 40))
+        )
         bodies.append((f"random {i}", message(junk)))
     result: dict[str, object] = {"requests": 0, "ok": 0, "client_errors": 0, "server_errors": 0, "dropped": 0}
     for what, body in bodies:
         status = post(body)
         result["requests"] += 1  # type: ignore[operator]
-        key = "ok" if status == 200 else "client_errors" if 400 <= status < 500 else (
-            "server_errors" if status >= 500 else "dropped")
+        key = (
+            "ok"
+            if status == 200
+            else "client_errors"
+            if 400 <= status < 500
+            else ("server_errors" if status >= 500 else "dropped")
+        )
         result[key] += 1  # type: ignore[operator]
         if status >= 500 or status < 0:
             print(f"damage: server: {what}: HTTP {status}", file=sys.stderr)
@@ -770,14 +1105,30 @@ def _damage_library_api(rng: random.Random, n: int) -> dict[str, object]:
         result["calls"] += 1  # type: ignore[operator]
         try:
             if rng.random() < 0.5:
-                streaming_llm.enable_streaming_llm(make_model(len(tok)), start_size=rng.choice(values),
-                                                   recent_size=rng.choice(values))
+                streaming_llm.enable_streaming_llm(
+                    make_model(len(tok)), start_size=rng.choice(values), recent_size=rng.choice(values)
+                )
             else:
-                history = rng.choice([[], [{"role": "Human", "message": "hi"}], [{"role": "Human"}],
-                                      [{"message": 5}], "text", None])
-                gen = colossal.streaming_chat(model, tok, "hi", history, max_new_tokens=rng.choice([1, 2, 0, -1]),
-                                              top_p=rng.choice(values), temperature=rng.choice(values),
-                                              top_k=rng.choice(values))
+                history = rng.choice(
+                    [
+                        [],
+                        [{"role": "Human", "message": "hi"}],
+                        [{"role": "Human"}],
+                        [{"message": 5}],
+                        "text",
+                        None,
+                    ]
+                )
+                gen = colossal.streaming_chat(
+                    model,
+                    tok,
+                    "hi",
+                    history,
+                    max_new_tokens=rng.choice([1, 2, 0, -1]),
+                    top_p=rng.choice(values),
+                    temperature=rng.choice(values),
+                    top_k=rng.choice(values),
+                )
                 next(iter(gen))
             result["accepted"] += 1  # type: ignore[operator]
         except ChatbotError:
@@ -788,9 +1139,10 @@ def _damage_library_api(rng: random.Random, n: int) -> dict[str, object]:
     return result
 
 
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("mode", choices=["pipe", "repl", "cmdline", "kill", "soak", "load", "damage", "all"])
     parser.add_argument("--seed", type=int, default=16)
     parser.add_argument("--n", type=int, default=1000, help="inputs for pipe and repl")

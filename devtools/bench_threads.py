@@ -18,6 +18,7 @@ import sys
 import time
 from typing import Any
 
+import devtools
 from chatbot.engine.threads import WAIT_VARIABLES, wait_policy_env
 from chatbot.measure.report import loadavg
 
@@ -117,8 +118,10 @@ def run_threads_bench(
             progress(f"wait policy {wait}: {rounds} rounds of {', '.join(labels)} threads, quiet and busy")
         child_env = {k: v for k, v in os.environ.items() if k not in WAIT_VARIABLES}
         child_env.update(env)
-        cmd = [sys.executable, "-m", "chatbot.measure.bench_threads", json.dumps(spec)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env, check=False)
+        cmd = [sys.executable, "-m", "devtools.bench_threads", json.dumps(spec)]
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env=devtools.child_env(child_env), check=False
+        )
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         if proc.returncode != 0 or not lines:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]

@@ -1,4 +1,4 @@
-"""`chatbot bench startup`: how long `chatbot run --model FILE` takes to show its prompt and
+"""`scripts/bench-startup`: how long `chatbot run --model FILE` takes to show its prompt and
 to have its model ready, against llama.cpp loading the same file.
 
 Our side runs the real command in a pseudo-terminal (standard library only: `pty`,
@@ -35,13 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from chatbot.errors import ChatbotError, ConfigError
+from chatbot.measure.bench_load import CHATBOT_MAIN, last_line
 
 TIMEOUT_S = 300.0  # to the prompt and the model ready: a cold start of a large file fits
 EXIT_TIMEOUT_S = 30.0  # from "/quit" to the process gone
 ROWS, COLUMNS = 24, 80
-# What the console script (`chatbot = "chatbot.cli:main"` in pyproject.toml) runs: the module
-# imported as itself, not as __main__ (`python -m chatbot.cli` would run it as __main__).
-CHATBOT_MAIN = "import sys; from chatbot.cli import main; sys.argv[0] = 'chatbot'; sys.exit(main())"
 # The settings of `chatbot bench decode`'s llama.cpp worker (bench_decode._llama_cpp_worker).
 LLAMA_SCRIPT = (
     "import sys, time\n"
@@ -88,12 +86,6 @@ def prompt_seen(text: str) -> bool:
 def banner_seen(text: str) -> bool:
     """Whether the model banner ("... · loaded in 1.3 s · ...") has been printed."""
     return _BANNER.search(text) is not None
-
-
-def last_line(text: str) -> str:
-    """The last non-blank line of a terminal's text (what to show when it failed)."""
-    lines = [" ".join(line.split()) for line in re.split(r"[\r\n]+", text)]
-    return next((line for line in reversed(lines) if line), "no output")
 
 
 @dataclass
@@ -475,3 +467,34 @@ def print_startup(console: Any, result: dict[str, Any]) -> None:
         style="dim",
         markup=False,
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`scripts/bench-startup [--model FILE.gguf] [--rounds N] [--threads N] [--json FILE]`."""
+    import argparse
+
+    from rich.console import Console
+
+    from chatbot.measure.report import write_json
+
+    p = argparse.ArgumentParser(prog="scripts/bench-startup", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", "-m", type=Path, help="the GGUF file (default: the embedded default model)")
+    p.add_argument("--rounds", type=int, default=5, help="timed runs per side, alternated; medians")
+    p.add_argument("--threads", type=int, help="CPU threads of both sides (default: chatbot run's choice)")
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    a = p.parse_args(argv)
+    if a.rounds < 1:
+        raise ConfigError("--rounds: at least 1")
+    err = Console(stderr=True, highlight=False)
+    result = run_startup_bench(
+        a.model, rounds=a.rounds, threads=a.threads, progress=lambda line: err.print(f"[dim]{line}[/dim]")
+    )
+    print_startup(Console(), result)
+    if a.json:
+        write_json(a.json, result)
+
+
+if __name__ == "__main__":
+    from devtools import run_tool
+
+    sys.exit(run_tool("bench-startup", main))

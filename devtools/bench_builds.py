@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from chatbot.engine.threads import wait_policy_env
+from devtools import child_env
 
 WORKER_TIMEOUT_S = 1800
 
@@ -62,9 +63,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run(spec: dict[str, Any], cc: str) -> dict[str, Any]:
-    env = {**os.environ, "CC": cc}
+    env = child_env({**os.environ, "CC": cc})
     env.update(wait_policy_env(env))  # the wait `chatbot` sets for OpenMP (engine/threads.py)
-    cmd = [sys.executable, "-m", "chatbot.measure.bench_builds", json.dumps(spec)]
+    cmd = [sys.executable, "-m", "devtools.bench_builds", json.dumps(spec)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=WORKER_TIMEOUT_S, check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:

@@ -1,4 +1,5 @@
-"""The terminal renderer's own cost per token, against the decode speed it must keep up with.
+"""`scripts/bench-render`: the terminal renderer's own cost per token, against the decode speed it
+must keep up with.
 
 A Markdown answer (paragraphs, lists, code, a table) is cut into ~2,000 token-sized pieces
 and fed to the live answer renderer as a model at `rate` tokens/s would feed it: a clock
@@ -18,7 +19,9 @@ from typing import Any
 from rich.console import Console
 from rich.live import Live
 from rich.markdown import Markdown
+from rich.table import Table
 
+from chatbot.measure.report import conditions
 from chatbot.terminal.live_answer import MarkdownAnswer
 
 _SECTION = """\
@@ -136,8 +139,6 @@ def run_render_bench(
             key=lambda r: r["ms_per_token"],
         )
         rows.append({"renderer": name, **runs[len(runs) // 2]})
-    from chatbot.measure.report import conditions
-
     return {
         "tokens": len(pieces),
         "rate_tok_s": rate,
@@ -147,3 +148,51 @@ def run_render_bench(
         "rows": rows,
         "conditions": conditions(),
     }
+
+
+def print_render(console: Console, result: dict[str, Any]) -> None:
+    table = Table(
+        title=f"renderer cost, {result['tokens']:,} tokens at {result['rate_tok_s']:g} tok/s, "
+        f"{result['width']} columns (budget {result['budget_ms_per_token']:.2f} ms/token)"
+    )
+    for col in ("renderer", "ms/token", "p99 ms", "max ms", "share of decode time"):
+        table.add_column(col, justify="left" if col == "renderer" else "right")
+    for r in result["rows"]:
+        table.add_row(
+            r["renderer"],
+            f"{r['ms_per_token']:.3f}",
+            f"{r['p99_ms']:.2f}",
+            f"{r['max_ms']:.1f}",
+            f"{100 * r['budget_share']:.1f}%",
+        )
+    console.print(table)
+    console.print(result.get("conditions") or conditions(), style="dim", markup=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`scripts/bench-render [--tokens N] [--rate TOK_S] [--width COLUMNS] [--json FILE]`."""
+    import argparse
+    from pathlib import Path
+
+    from chatbot.measure.report import write_json
+
+    p = argparse.ArgumentParser(prog="scripts/bench-render", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=2000, help="pieces of the Markdown answer (at least 10)")
+    p.add_argument("--rate", type=float, default=150.0, help="decode speed to keep up with, tokens/s")
+    p.add_argument("--width", type=int, default=80, help="terminal columns (at least 20)")
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    a = p.parse_args(argv)
+    if a.tokens < 10 or a.width < 20 or a.rate <= 0:
+        p.error("--tokens is at least 10, --width at least 20, --rate above 0")
+    result = run_render_bench(a.tokens, a.rate, a.width)
+    print_render(Console(), result)
+    if a.json:
+        write_json(a.json, result)
+
+
+if __name__ == "__main__":
+    import sys
+
+    from devtools import run_tool
+
+    sys.exit(run_tool("bench-render", main))

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from devtools import child_env
+
 START = "<!-- bench-scale:start -->"
 END = "<!-- bench-scale:end -->"
 ARCH_MARKERS = ("<!-- bench-archs:start -->", "<!-- bench-archs:end -->")
@@ -154,9 +156,9 @@ def ensure_file(case: Case, folder: Path, python: str = sys.executable) -> Path:
     if not path.is_file() and case.arch != DEFAULT_ARCH:
         folder.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".part")
-        cmd = [python, "-m", "chatbot.models.gguf_synthetic", "--arch", case.arch, "--params", case.params,
+        cmd = [python, "-m", "devtools.gguf_synthetic", "--arch", case.arch, "--params", case.params,
                "--type", case.type, "-o", str(tmp)]  # fmt: skip
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        subprocess.run(cmd, check=True, capture_output=True, text=True, env=child_env())
         tmp.rename(path)
     return path
 
@@ -188,13 +190,13 @@ def bench_one(
 
 
 def startup_one(path: Path, *, threads: int, rounds: int, python: str = sys.executable) -> dict[str, Any]:
-    """`chatbot bench startup` on one file (`chatbot run` to its prompt and to the model
+    """`scripts/bench-startup` on one file (`chatbot run` to its prompt and to the model
     ready, against llama.cpp's load): its JSON, or ``{"error": ...}``."""
     out = bench_json_path(path).with_suffix(".startup.json")
     out.unlink(missing_ok=True)
-    cmd = [python, "-m", "chatbot.cli", "bench", "startup", "--model", str(path), "--threads", str(threads),
+    cmd = [python, "-m", "devtools.bench_startup", "--model", str(path), "--threads", str(threads),
            "--rounds", str(max(rounds, 3)), "--json", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=child_env())
     if proc.returncode != 0 or not out.is_file():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
         return {"error": f"bench startup failed ({proc.returncode}): {tail[0]}"}
@@ -471,7 +473,7 @@ def section(rows: list[dict[str, Any]], command: str, code: str, svg_name: str |
         (f"CPU: {cpu}, {os.cpu_count()} CPUs, {threads} threads on both sides. Each cell: ours / llama.cpp "
         "(ratio, ours over llama.cpp), the median of the bench's rounds; load s: from starting the process "
         "to the model ready, after one untimed first load of the file (it writes our small metadata cache; "
-        "its time is `first_load_s` in the JSON); to the prompt: `chatbot bench startup`, from starting "
+        "its time is `first_load_s` in the JSON); to the prompt: `scripts/bench-startup`, from starting "
         "`chatbot run --model FILE` in a pseudo-terminal to its prompt drawn (the model then loads behind "
         "it; `ready_s` in the JSON is to its banner), against llama.cpp's process to `Llama(...)` built, "
         "medians of at least 3 rounds; the load average (1 minute) as each file's bench started and ended."),
