@@ -76,8 +76,8 @@ def test_model_on_a_gguf_names_its_block_formats_once(tmp_path, monkeypatch):
     """Defect 5: /model on a GGUF file said "dtype float32 · quantization none" above the
     kernels' "N q4_1 + 1 q8_0 matrices", and "context" beside "context limit"."""
     from chatbot.engine.generate import Engine
-    from chatbot.models.gguf_synthetic import SHAPES, write_synthetic_gguf
     from chatbot.models.loader import load_model
+    from devtools.gguf_synthetic import SHAPES, write_synthetic_gguf
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     path = tmp_path / "llama-q8.gguf"

@@ -26,8 +26,8 @@ from chatbot.engine.generate import Engine
 from chatbot.engine.gguf_table import read_tensor_table
 from chatbot.errors import NonFiniteOutputError
 from chatbot.models.gguf_metadata import InconsistentMetadata, check_metadata
-from chatbot.models.gguf_synthetic import SHAPES, write_synthetic_gguf
 from chatbot.models.tensor_scan import scan_gguf
+from devtools.gguf_synthetic import SHAPES, write_synthetic_gguf
 
 NAN16 = np.array([0x7E00], dtype="<u2").view(np.uint8)
 

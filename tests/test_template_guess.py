@@ -58,8 +58,8 @@ def test_a_vocabulary_without_markers_stays_plain():
 def test_gemma_gguf_without_a_template_chats_as_gemma(tmp_path, monkeypatch):
     """A Gemma 3 file with no `tokenizer.chat_template` (its vocabulary has <start_of_turn>):
     the loaded tokenizer renders Gemma's turns, and <end_of_turn> ends an answer."""
-    from chatbot.models.gguf_synthetic import GEMMA_SPECIALS, SHAPES, write_synthetic_gguf
     from chatbot.models.loader import load_model
+    from devtools.gguf_synthetic import GEMMA_SPECIALS, SHAPES, write_synthetic_gguf
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     path = tmp_path / "gemma3-no-template.gguf"
