@@ -187,7 +187,10 @@ def _load_folder(folder: Path, opts: LoadOptions, where: str | None = None) -> t
             if opts.max_memory:
                 kwargs["max_memory"] = opts.max_memory
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                str(folder), output_loading_info=True, **kwargs
+            )
+            _check_loading_info(info, where, quantized=bool(opts.quantize or prequantized is not None))
             if device_map is None:
                 model.to(opts.device)  # type: ignore[arg-type]
         except ModelLoadError:
@@ -202,6 +205,28 @@ def _load_folder(folder: Path, opts: LoadOptions, where: str | None = None) -> t
         )
     model.eval()
     return model, tokenizer
+
+
+def _check_loading_info(info: dict[str, Any], where: str, quantized: bool) -> None:
+    """Refuse a folder whose weights do not fill the model its config describes: transformers
+    would initialise the missing ones at random (a config of 4 layers over the weights of 2
+    answers nonsense) and drop the unexpected ones. Tied weights and the buffers a model
+    class marks optional are already left out of transformers' lists.
+
+    Raises:
+        ModelLoadError: naming the first missing (or unexpected) weight and the count.
+    """
+    for kind in ("missing", "unexpected"):
+        names = sorted(info.get(f"{kind}_keys") or ())
+        if kind == "unexpected" and quantized:
+            continue  # a quantizer's own tensors (absmax, quant_state...) are its business
+        if names:
+            what = "lacks" if kind == "missing" else "holds"
+            extra = f" and {len(names) - 1} more" if len(names) > 1 else ""
+            raise ModelLoadError(
+                f"{where} {what} weights its config.json does not match: {kind} {names[0]}{extra}; "
+                "the folder is incomplete or its config is wrong"
+            )
 
 
 def _load_error(exc: Exception, where: str, folder: Path, config: Any, opts: LoadOptions) -> ModelLoadError:
