@@ -547,7 +547,19 @@ def test_kill_9_mid_answer_keeps_the_message(tiny_dir, tmp_path):
     proc.communicate(b"first message\nsecond message\n", timeout=120)
     assert proc.returncode == 0
     proc = subprocess.Popen(
-        [*args, "--resume", "--max-new-tokens", "100000", "--stream-interval", "1"],
+        # sampled: the tiny model's greedy answer is whitespace, which a pipe holds back
+        [
+            *args,
+            "--resume",
+            "--max-new-tokens",
+            "100000",
+            "--stream-interval",
+            "1",
+            "--temperature",
+            "1",
+            "--seed",
+            "1",
+        ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

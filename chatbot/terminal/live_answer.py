@@ -407,12 +407,15 @@ class PlainAnswer:
     """Raw text as it arrives (pipes, --plain), less the whitespace around the answer: the
     space a base model starts with after "Assistant:", the newlines it ends with before its
     stop string. Whitespace is held back until text follows it; what ends the answer is
-    dropped, so each answer is its text and one newline. `text` keeps every character."""
+    dropped, so each answer is its text and one newline. `text` keeps every character.
+    `keep_leading`: the answer goes on from text shown before (/continue), so its leading
+    whitespace is kept."""
 
-    def __init__(self, out: IO[str] | None = None) -> None:
+    def __init__(self, out: IO[str] | None = None, keep_leading: bool = False) -> None:
         import sys
 
         self.out = out or sys.stdout
+        self.keep_leading = keep_leading
         self.text = ""
         self._held = ""  # trailing whitespace not written yet
 
@@ -420,7 +423,7 @@ class PlainAnswer:
         return self
 
     def add(self, text: str) -> None:
-        started = bool(self.text.strip())  # some text was written already
+        started = self.keep_leading or bool(self.text.strip())  # text was written already
         self.text += text
         pending = self._held + text if started else text.lstrip()
         shown = pending.rstrip()

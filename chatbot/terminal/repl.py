@@ -312,7 +312,7 @@ class Repl:
         self._stream(self.session.retry(sampling if command.values else None))
 
     def _continue(self, _: Command) -> None:
-        self._stream(self.session.continue_answer())
+        self._stream(self.session.continue_answer(), continued=True)
 
     def _system(self, command: Command) -> None:
         if not command.arg:
@@ -494,11 +494,15 @@ class Repl:
             else:
                 self.note("[interrupted before the answer began: the message was not sent]")
 
-    def _stream(self, chunks: Generator[Any, None, None], keep_note: bool = True) -> str | None:
+    def _stream(
+        self, chunks: Generator[Any, None, None], keep_note: bool = True, continued: bool = False
+    ) -> str | None:
         """Show an answer as it arrives (the session logs the turn it produced). Returns what
         stopped it ("interrupted", or the error said) or None; `keep_note`: say that an
-        interrupted answer is kept (/retry, /continue: the turn stays)."""
-        answer = PlainAnswer(self.console.file) if self.plain else MarkdownAnswer(self.console)
+        interrupted answer is kept (/retry, /continue: the turn stays); `continued`: the
+        chunks go on from an answer shown before (/continue), so their leading space counts."""
+        plain = PlainAnswer(self.console.file, keep_leading=continued) if self.plain else None
+        answer = plain or MarkdownAnswer(self.console)
         # Model text reaches a terminal with its control sequences made visible; piped
         # output (--plain, stdout not a terminal) keeps the model's bytes.
         raw = self.plain and not self.console.is_terminal
