@@ -46,13 +46,17 @@ class Terminal:
 
     def pump(self, seconds: float = 0.05) -> None:
         """Read whatever the program wrote within `seconds` into the emulator."""
+        import select
+
         end = time.monotonic() + seconds
         while True:
+            # A program that has ended may still have output in the pseudo-terminal: drain it
+            # without waiting, or the last lines it wrote are lost.
+            alive = self.proc.isalive()
             left = end - time.monotonic()
-            if left <= 0 or not self.proc.isalive():
+            if alive and left <= 0:
                 break
-            import select
-
+            left = max(left, 0.0) if alive else 0.0
             ready, _, _ = select.select([self.proc.fd], [], [], left)
             if not ready:
                 break

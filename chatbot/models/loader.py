@@ -187,12 +187,13 @@ def _load_folder(folder: Path, opts: LoadOptions, where: str | None = None) -> t
             if opts.max_memory:
                 kwargs["max_memory"] = opts.max_memory
         try:
-            model, info = AutoModelForCausalLM.from_pretrained(
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
                 str(folder), output_loading_info=True, **kwargs
             )
+            model, info = loaded
             _check_loading_info(info, where, quantized=bool(opts.quantize or prequantized is not None))
             if device_map is None:
-                model.to(opts.device)  # type: ignore[arg-type]
+                model.to(opts.device)
         except ModelLoadError:
             raise
         except Exception as exc:
