@@ -69,16 +69,16 @@ from chatbot.cli_common import (
     TopKOpt,
     TopPOpt,
     TrustOpt,
-    _api_key,
-    _check_threads,
-    _context_note,
-    _decoder,
-    _engine,
-    _load,
-    _set_threads,
-    _settings,
-    _streaming_note,
+    check_threads,
+    context_note,
     exit_if_failed,
+    load_with_status,
+    make_backend,
+    make_engine,
+    resolve_api_key,
+    resolve_cli_settings,
+    set_threads,
+    streaming_note,
 )
 from chatbot.config import EngineConfig, LoadConfig, RunConfig
 from chatbot.errors import ChatbotError, ConfigError
@@ -158,8 +158,8 @@ def run(
     if api_key_env is not None:
         raise ConfigError("--api-key-env goes with --server URL")
     # Every setting, resolved and checked once, before the (slow) model load.
-    settings = _settings(ctx, preset, config).run_config()
-    _chat_locally(settings, opt, _check_threads(threads), plain, no_stats, resume)
+    settings = resolve_cli_settings(ctx, preset, config).run_config()
+    _chat_locally(settings, opt, check_threads(threads), plain, no_stats, resume)
 
 
 def _chat_locally(
@@ -238,23 +238,27 @@ def _start_chat(settings: Any, opt: str, threads: int | None, banner: bool, back
 
 
 def _make_chat(settings: Any, opt: str, threads: int | None, banner: bool, quiet: bool) -> Any:
-    _set_threads(threads)
+    set_threads(threads)
     from chatbot.models.templates import check_template
     from chatbot.session import ChatSession, sampling_from_model
     from chatbot.terminal.repl import ChatStart
 
-    loaded = _load(settings.load.model, quiet=quiet, **settings.load.options())
+    loaded = load_with_status(settings.load.model, quiet=quiet, **settings.load.options())
     check_template(loaded.tokenizer, settings.system, loaded.name)
     sampling = sampling_from_model(loaded.model, **settings.sampling.given())
-    decoder, decoder_note = _decoder(loaded.model, opt)
-    engine = _engine(loaded, settings.engine, decoder)
+    backend, backend_note = make_backend(loaded.model, opt)
+    engine = make_engine(loaded, settings.engine, backend)
     session = ChatSession(engine, settings.chat_config(sampling), loaded.template)
-    notes = [decoder_note, _context_note(loaded, settings.engine), _streaming_note(engine, settings.engine)]
+    notes = [backend_note, context_note(loaded, settings.engine), streaming_note(engine, settings.engine)]
     shown = [*loaded.notes, *filter(None, notes)]
     if banner:
         d = loaded.describe()
         quant = f" · {d['quantization']}" if d["quantization"] != "none" else ""
-        decode = f"native {decoder.info().activations} ({opt})" if decoder else "transformers"
+        decoder = engine.decoder
+        if decoder is not None:
+            decode = f"native {decoder.info().activations} ({opt})"
+        else:
+            decode = "compiled (torch.compile)" if getattr(backend, "compiled", False) else "transformers"
         shown.append(
             " · ".join(f"{d[k]}" for k in ("model", "parameters", "dtype", "device"))
             + quant
@@ -318,7 +322,7 @@ def serve(
     _DEBUG = debug
     from chatbot.cli_serve import Listen, body_cap, parse_size, serve_model
 
-    key = _api_key(api_key_env)
+    key = resolve_api_key(api_key_env)
     memory = parse_size(cache_memory)
     listen = Listen(
         host,
@@ -410,13 +414,13 @@ def doctor(
         line("simd", f"{cc.simd} (what {' '.join([*arch_flags(), *extra_flags()])} gives the kernels here)")
     gpu = facts.gpus()
     line("gpu", ", ".join(gpu.cuda) if gpu.cuda else ("Apple MPS" if gpu.mps else "none visible to torch"))
-    loaded = decoder = reason = None
+    loaded = backend = reason = None
     if load:  # before the kernels' line: loading a GGUF file builds them
-        settings = _settings(ctx, preset, config).run_config()
-        loaded = _load(settings.load.model, quiet=True, **settings.load.options())
-        from chatbot.engine.fast import make_decoder
+        settings = resolve_cli_settings(ctx, preset, config).run_config()
+        loaded = load_with_status(settings.load.model, quiet=True, **settings.load.options())
+        from chatbot.engine.backend import backend_for
 
-        decoder, reason = make_decoder(loaded.model, opt)
+        backend, reason = backend_for(loaded.model, opt)
     folder, library = facts.kernels_cache(cc)
     built = "built" if library is not None and library.is_file() else "not built yet"
     line("kernels", f"{library if library is not None else folder} ({built})")
@@ -430,8 +434,11 @@ def doctor(
     from chatbot.engine.kernels import failure
 
     line("model", f"{loaded.name} · {loaded.describe()['dtype']} · {loaded.describe()['device']}")
+    decoder = getattr(backend, "decoder", None)
     if decoder is not None:
         line("decode", decoder.info().label().replace("native kernels", "native", 1))
+    elif backend is not None and getattr(backend, "compiled", False):
+        line("decode", backend.describe())
     else:
         why = failure() or (reason or "--opt off").removeprefix("fast decode off: ")
         line("decode", f"transformers ({why})")
@@ -499,7 +506,7 @@ def config_show(
 ) -> None:
     """Print the settings `chatbot run` would use with these flags, as a preset file
     (each line says where its value came from; save it and pass it to --config)."""
-    settings = _settings(ctx, preset, config)
+    settings = resolve_cli_settings(ctx, preset, config)
     settings.run_config()  # refuse what `run` would refuse
     print(settings.as_yaml(), end="")
 

@@ -17,11 +17,11 @@ from chatbot.cli_common import (
     ModelOpt,
     TextOpt,
     ThreadsOpt,
-    _api_key,
-    _check_opt,
-    _decoder,
-    _load,
-    _set_threads,
+    check_opt,
+    load_with_status,
+    make_backend,
+    resolve_api_key,
+    set_threads,
 )
 from chatbot.errors import ConfigError
 
@@ -66,15 +66,15 @@ def bench_turns(
             turns,
             max_new_tokens,
             model,
-            _api_key(api_key_env),
+            resolve_api_key(api_key_env),
             progress=lambda line: err.print(f"[dim]{line}[/dim]"),
         )
         print_http_turns(Console(), result)
         if json_out:
             write_json(json_out, result)
         return
-    _set_threads(threads)
-    loaded = _load(model, device, dtype)
+    set_threads(threads)
+    loaded = load_with_status(model, device, dtype)
     result = run_turns_bench(loaded, turns, max_new_tokens, repeats)
     print_turns(Console(), result)
     if json_out:
@@ -178,7 +178,7 @@ def bench_load(
             duration or 60.0,
             max_new_tokens or 32,
             model,
-            _api_key(api_key_env),
+            resolve_api_key(api_key_env),
             progress=progress,
         )
         print_load(Console(), result)
@@ -201,7 +201,7 @@ def bench_load(
         gguf=None if gguf is None else gguf.expanduser(),
         threads=threads,
         model=model,
-        api_key=_api_key(api_key_env),
+        api_key=resolve_api_key(api_key_env),
         progress=progress,
         rounds=rounds,
     )
@@ -226,7 +226,7 @@ def bench_streaming(
             "--opt",
             help="Decode path of the sink cache, as for chatbot run "
             "(recomputation always uses transformers).",
-            callback=_check_opt,
+            callback=check_opt,
         ),
     ] = "auto",
     model: ModelOpt = None,
@@ -240,10 +240,11 @@ def bench_streaming(
     from chatbot.measure.report import print_streaming, read_text, write_json
 
     body = read_text(text or default_text_path())
-    _set_threads(threads)
-    loaded = _load(model, device, dtype)
+    set_threads(threads)
+    loaded = load_with_status(model, device, dtype)
     sizes = tuple(recent_size or (256, 1024))
-    decoder, note = _decoder(loaded.model, opt)
+    backend, note = make_backend(loaded.model, opt)
+    decoder = getattr(backend, "decoder", None)  # the streaming bench runs the native kernels or transformers
     if note:
         Console(stderr=True, highlight=False).print(f"[dim]{note}[/dim]")
     result = run_streaming_bench(
@@ -281,8 +282,8 @@ def eval_ppl(
 
     body = read_text(text or default_text_path())
     chosen = tuple(s.strip() for s in setups.split(",") if s.strip())
-    _set_threads(threads)
-    loaded = _load(model, device, dtype)
+    set_threads(threads)
+    loaded = load_with_status(model, device, dtype)
     with Progress(console=Console(stderr=True), transient=True) as bar:
         tasks: dict[str, Any] = {}
 
@@ -310,7 +311,8 @@ def bench_decode(
         str | None,
         typer.Option(
             help="Comma-separated set-ups (default: transformers-generate, "
-            "chatbot-off/f32/auto/fast/int8/int4, and llama.cpp when llama-cpp-python is installed)."
+            "chatbot-off/f32/auto/fast/int8/int4, and llama.cpp when llama-cpp-python is installed; "
+            "chatbot-compile runs the compiled step)."
         ),
     ] = None,
     rounds: Annotated[
@@ -389,15 +391,15 @@ def bench_decode(
         from chatbot.measure.bench_streaming import run_streaming_bench
         from chatbot.measure.report import print_streaming, print_turns
 
-        _set_threads(threads)
-        loaded = _load(model, "cpu", "auto")
+        set_threads(threads)
+        loaded = load_with_status(model, "cpu", "auto")
         if "turns" in extra:
             err.print("[dim]multi-turn bench[/dim]")
             result["turns"] = run_turns_bench(loaded, load_conversation(None))
             print_turns(out, result["turns"])
         if "streaming" in extra:
             err.print("[dim]streaming bench[/dim]")
-            decoder = _decoder(loaded.model, "auto")[0]
+            decoder = getattr(make_backend(loaded.model, "auto")[0], "decoder", None)
             result["streaming"] = run_streaming_bench(loaded, long_text, decoder=decoder)
             print_streaming(out, result["streaming"])
     if json_out:

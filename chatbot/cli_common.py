@@ -22,11 +22,12 @@ from chatbot.models.templates import choices_text
 apply_wait_policy()
 
 if TYPE_CHECKING:
+    from chatbot.engine.backend import Backend
     from chatbot.engine.generate import Engine
     from chatbot.models.presets import Settings
 
 
-def _check_opt(value: str) -> str:
+def check_opt(value: str) -> str:
     from chatbot.config import OPT_LEVELS
 
     if value not in OPT_LEVELS:
@@ -124,8 +125,9 @@ OptOpt = Annotated[
         "--opt",
         help="Decode path: auto (native CPU kernels, weights kept exact), fast (auto's weights, "
         "inputs rounded to int8 as llama.cpp does: lossy, faster), f32, int8 or int4 "
-        "(smaller, lossy), off (transformers).",
-        callback=_check_opt,
+        "(smaller, lossy), compile (transformers compiled with torch.compile, one step per token "
+        "on a static cache: the default on a GPU), off (transformers).",
+        callback=check_opt,
     ),
 ]
 DebugOpt = Annotated[bool, typer.Option(help="Show tracebacks.")]
@@ -217,20 +219,21 @@ ConversationOpt = Annotated[
 ]
 
 
-def _decoder(model: Any, opt: str) -> tuple[Any, str | None]:
-    """The fast decode step for --opt, or None and a note saying why it is off."""
-    from chatbot.engine.fast import make_decoder
+def make_backend(model: Any, opt: str) -> tuple[Backend, str | None]:
+    """The backend for --opt (`chatbot.engine.backend.backend_for`), and a note when the one
+    asked for is off (None where the user need not hear it)."""
+    from chatbot.engine.backend import backend_for
     from chatbot.engine.kernels import failure
 
-    decoder, reason = make_decoder(model, opt)
+    backend, reason = backend_for(model, opt)
     on_cpu = model.get_input_embeddings().weight.device.type == "cpu"
     missing = failure()
     if reason and missing and missing in reason and getattr(model, "chatbot_gguf", None):
-        return decoder, None  # the GGUF loader's note said so already
-    return decoder, reason if reason and (opt != "auto" or on_cpu) else None
+        return backend, None  # the GGUF loader's note said so already
+    return backend, reason if reason and (opt != "auto" or on_cpu) else None
 
 
-def _check_threads(threads: int | None) -> int | None:
+def check_threads(threads: int | None) -> int | None:
     """--threads, capped at the cores here (with a note); checked before the model loads."""
     cores = os.cpu_count() or 1
     if threads and threads > cores:  # more threads than cores only make them wait for each other
@@ -241,7 +244,7 @@ def _check_threads(threads: int | None) -> int | None:
     return threads
 
 
-def _set_threads(threads: int | None) -> None:
+def set_threads(threads: int | None) -> None:
     import torch
 
     if not threads:
@@ -251,10 +254,10 @@ def _set_threads(threads: int | None) -> None:
 
         torch.set_num_threads(default_threads(most=torch.get_num_threads()))
         return
-    torch.set_num_threads(_check_threads(threads) or threads)
+    torch.set_num_threads(check_threads(threads) or threads)
 
 
-def _load(model: str | None, device: str, dtype: str, quiet: bool = False, **options: Any) -> Any:
+def load_with_status(model: str | None, device: str, dtype: str, quiet: bool = False, **options: Any) -> Any:
     from chatbot.models.loader import load_model
 
     err = Console(stderr=True)
@@ -264,7 +267,7 @@ def _load(model: str | None, device: str, dtype: str, quiet: bool = False, **opt
     return load_model(model, device=device, dtype=dtype, **options)
 
 
-def _settings(ctx: typer.Context, preset: str | None, config: Path | None) -> Settings:
+def resolve_cli_settings(ctx: typer.Context, preset: str | None, config: Path | None) -> Settings:
     """Defaults < the preset (--preset/--config) < the flags given on the command line."""
     from chatbot.models.presets import resolve_settings, select_preset
     from chatbot.models.templates import check_template_choice
@@ -284,14 +287,15 @@ def _settings(ctx: typer.Context, preset: str | None, config: Path | None) -> Se
     return settings
 
 
-def _engine(loaded: Any, config: EngineConfig, decoder: Any | None) -> Engine:
-    """The model runner, limited to `config.max_context` tokens (None: the model's context)."""
+def make_engine(loaded: Any, config: EngineConfig, backend: Backend) -> Engine:
+    """The model runner on `backend`, limited to `config.max_context` tokens (None: the
+    model's context)."""
     from chatbot.engine.generate import Engine
 
-    return Engine(loaded.model, loaded.tokenizer, max_context=config.max_context, decoder=decoder)
+    return Engine(loaded.model, loaded.tokenizer, max_context=config.max_context, backend=backend)
 
 
-def _context_note(loaded: Any, config: EngineConfig) -> str | None:
+def context_note(loaded: Any, config: EngineConfig) -> str | None:
     """A warning when `--max-context` goes past the positions the model was trained on."""
     trained = getattr(loaded.model.config, "max_position_embeddings", None)
     if config.max_context is None or not trained or config.max_context <= trained:
@@ -302,7 +306,7 @@ def _context_note(loaded: Any, config: EngineConfig) -> str | None:
     )
 
 
-def _streaming_note(engine: Any, config: EngineConfig) -> str | None:
+def streaming_note(engine: Any, config: EngineConfig) -> str | None:
     """A note when --enable-streaming takes a smaller recent window than usual by default,
     so that the cache fits in the model's sliding window (gemma)."""
     if not config.enable_streaming or config.recent_size is not None:
@@ -321,7 +325,7 @@ def _streaming_note(engine: Any, config: EngineConfig) -> str | None:
     )
 
 
-def _api_key(var: str | None) -> str | None:
+def resolve_api_key(var: str | None) -> str | None:
     """The API key in the environment variable `var` (None: no key)."""
     if var is None:
         return None

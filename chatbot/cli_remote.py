@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from chatbot.cli_common import _api_key, exit_if_failed
+from chatbot.cli_common import exit_if_failed, resolve_api_key
 from chatbot.errors import ConfigError
 
 # `run` options that shape the local model and its cache: a server has its own.
@@ -62,7 +62,7 @@ def run_remote(
     sampling = remote_sampling(**overrides)
     resume_path = resolve_resume(resume)
     interactive = sys.stdin.isatty()
-    backend = RemoteBackend(server, model, _api_key(api_key_env), api_key_env=api_key_env)
+    backend = RemoteBackend(server, model, resolve_api_key(api_key_env), api_key_env=api_key_env)
     # On a pipe nothing can be answered by a server that is not there: one error line now.
     backend.connect(strict=not interactive)
     session = RemoteSession(backend, system, sampling)

@@ -9,7 +9,14 @@ from typing import Any
 
 from rich.console import Console
 
-from chatbot.cli_common import _context_note, _decoder, _engine, _load, _set_threads, _streaming_note
+from chatbot.cli_common import (
+    context_note,
+    load_with_status,
+    make_backend,
+    make_engine,
+    set_threads,
+    streaming_note,
+)
 from chatbot.config import EngineConfig, LoadConfig, SamplingConfig
 from chatbot.errors import ConfigError
 
@@ -104,18 +111,18 @@ def serve_model(
     if any(v is not None for v in overrides.values()):
         defaults_from += ", then the serve flags"
     engine_config.validated()
-    _set_threads(threads)
+    set_threads(threads)
 
     from chatbot.server.app import create_app
     from chatbot.server.app import serve as run_server
     from chatbot.server.pool import PrefixCachePool, server_sampling
 
-    loaded = _load(
+    loaded = load_with_status(
         load.model, load.device, load.dtype, template=load.template, trust_remote_code=load.trust_remote_code
     )
     sampling = server_sampling(loaded.model, preset_sampling, **overrides)
-    decoder, decoder_note = _decoder(loaded.model, opt)
-    engine = _engine(loaded, engine_config, decoder)
+    backend, backend_note = make_backend(loaded.model, opt)
+    engine = make_engine(loaded, engine_config, backend)
     kept = listen.cache_conversations if listen.prefix_cache else 0
     pool = PrefixCachePool(
         engine,
@@ -134,7 +141,7 @@ def serve_model(
         max_body=listen.max_body,
         defaults_from=defaults_from,
     )
-    notes = [decoder_note, _context_note(loaded, engine_config), _streaming_note(engine, engine_config)]
+    notes = [backend_note, context_note(loaded, engine_config), streaming_note(engine, engine_config)]
     _announce(name, listen, [*loaded.notes, *filter(None, notes)])
     run_server(application, listen.host, listen.port, log_level=listen.log_level)
 

@@ -11,9 +11,10 @@ from chatbot.errors import ConfigError
 
 QUANTIZE_CHOICES = ("4bit", "8bit")
 """bitsandbytes modes of `--quantize` (`chatbot.models.quantize`)."""
-OPT_LEVELS = ("off", "f32", "auto", "fast", "int8", "int4")
-"""`--opt`: ``off`` is plain transformers; the others pick the weight format of the native
-kernels (`chatbot.engine.fast`)."""
+OPT_LEVELS = ("off", "f32", "auto", "fast", "int8", "int4", "compile")
+"""`--opt`: ``off`` is plain transformers; ``compile`` is transformers' forward pass compiled as
+one step per token on a static cache (`chatbot.engine.compiled`; the default on CUDA); the
+others pick the weight format of the native kernels (`chatbot.engine.fast`)."""
 
 # Above any context a model has today; bounds token counts given on the command line.
 MAX_TOKENS = 1 << 24

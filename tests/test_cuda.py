@@ -80,3 +80,42 @@ def test_bitsandbytes_loads_and_chats(bits: str) -> None:
     answer = _greedy_engine(loaded.model, loaded.tokenizer, ids, 8)
     assert len(answer) == 8
     assert answer[0] in top5.tolist()
+
+
+def test_compiled_step_on_cuda_equals_eager_with_evictions_and_no_syncs(tiny_tokenizer) -> None:
+    """`--opt compile` on CUDA (CUDA graphs): 256 greedy tokens with evictions equal the eager
+    step's; inside the decode loop after warm-up no host synchronization (sync debug mode
+    "error" raises on one) and no recompile."""
+    from helpers import make_model
+
+    from chatbot.engine.backend import HFBackend
+    from chatbot.engine.compiled import CompiledBackend
+    from chatbot.engine.generate import Engine
+
+    model = make_model(len(tiny_tokenizer)).to("cuda", torch.bfloat16)
+    ids = tiny_tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"]
+
+    def greedy(backend, check: bool) -> list[int]:
+        engine = Engine(model, tiny_tokenizer, backend=backend)
+        kv = engine.new_cache(4, 60)
+        out: list[int] = []
+        with torch.inference_mode():
+            logits = engine.prefill(kv, ids)
+            for i in range(256):
+                token = int(logits.argmax())
+                out.append(token)
+                kv.evict_for(1)  # (an eviction copies rotations to the device: outside the check)
+                checked = check and i >= 8  # after warm-up
+                if checked:
+                    torch._dynamo.config.error_on_recompile = True
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    logits = backend.step(kv.cache, token)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                    torch._dynamo.config.error_on_recompile = False
+                kv.feed((token,))
+        assert kv.evicted_total > 100
+        return out
+
+    assert greedy(CompiledBackend(model), True) == greedy(HFBackend(model), False)

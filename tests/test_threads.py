@@ -90,21 +90,21 @@ def test_cli_default_threads_follow_the_load(monkeypatch) -> None:
     """Without --threads, the CLI decodes on the CPUs others leave free; --threads wins."""
     import torch
 
-    from chatbot.cli_common import _set_threads
+    from chatbot.cli_common import set_threads
 
     before = torch.get_num_threads()
     monkeypatch.setattr(threads, "available_cpus", lambda: 2)
     try:
         torch.set_num_threads(2)
         monkeypatch.setattr(threads, "busy_cpus", lambda: 1.0)
-        _set_threads(None)
+        set_threads(None)
         assert torch.get_num_threads() == 1
         torch.set_num_threads(2)
         monkeypatch.setattr(threads, "busy_cpus", lambda: 0.0)
-        _set_threads(None)
+        set_threads(None)
         assert torch.get_num_threads() == 2
         monkeypatch.setattr(threads, "busy_cpus", lambda: 5.0)
-        _set_threads(1)
+        set_threads(1)
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)

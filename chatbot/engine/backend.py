@@ -267,3 +267,29 @@ def serving_backend(backend: Backend, slots: int) -> Backend:
     if slots > 1 and backend.max_batch > 1 and not isinstance(backend, BatchedBackend):
         return BatchedBackend(backend)
     return backend
+
+
+def backend_for(
+    model: Any, level: str, threads: int | None = None, use_gguf: bool = True
+) -> tuple[Backend, str | None]:
+    """The backend `--opt level` asks for on `model`, and a note when it could not be had.
+
+    ``compile`` (and ``auto`` on CUDA, where the native kernels do not run) gives the
+    compiled step (`chatbot.engine.compiled.CompiledBackend`); ``off`` transformers; the
+    other levels the native kernels, or transformers with the reason they are off.
+
+    Raises:
+        ValueError: an unknown level.
+    """
+    device = model.get_input_embeddings().weight.device
+    # bitsandbytes' layers are not yet measured through the compiled step: on CUDA they keep
+    # transformers' eager one unless asked
+    quantized = getattr(model, "is_quantized", False) or getattr(model, "hf_quantizer", None) is not None
+    if level == "compile" or (level == "auto" and device.type == "cuda" and not quantized):
+        from chatbot.engine.compiled import CompiledBackend
+
+        return CompiledBackend(model), None
+    from chatbot.engine.fast import make_decoder
+
+    decoder, reason = make_decoder(model, level, threads, use_gguf=use_gguf)
+    return choose_backend(model, decoder), reason

@@ -11,6 +11,7 @@ working on the fast path (`chatbot.engine.fast`).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -158,15 +159,18 @@ class BufferLayer(SinkLayer):
         return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()
 
 
-def adopt_layers(cache: Cache) -> bool:
-    """Swap every layer of `cache` for a `BufferLayer` holding the same keys and values.
+def adopt_layers(
+    cache: Cache, make: Callable[[], BufferLayer] = BufferLayer, kind: type[BufferLayer] = BufferLayer
+) -> bool:
+    """Swap every layer of `cache` for a buffer layer (`make()`, of type `kind`) holding the
+    same keys and values.
 
     Returns:
-        True if the cache now holds only buffer layers (False: a layer kind we cannot take
-        over, e.g. a sliding-window layer; the cache is left unchanged).
+        True if the cache now holds only layers of type `kind` (False: a layer kind we cannot
+        take over, e.g. a sliding-window layer holding tokens; the cache is left unchanged).
     """
     layers: list[Any] = cache.layers
-    if all(type(layer) is BufferLayer for layer in layers):
+    if all(type(layer) is kind for layer in layers):
         return True
 
     # Type identity, not names or isinstance: a subclass (a sliding-window layer is a
@@ -177,14 +181,14 @@ def adopt_layers(cache: Cache) -> bool:
     def adoptable(layer: Any) -> bool:
         if type(layer) is DynamicSlidingWindowLayer:
             return not layer.is_initialized
-        return type(layer) in (DynamicLayer, SinkLayer, BufferLayer)
+        return type(layer) in (DynamicLayer, SinkLayer, BufferLayer, kind)
 
     if not all(adoptable(layer) for layer in layers):
         return False
     for i, layer in enumerate(layers):
-        if type(layer) is BufferLayer:
+        if type(layer) is kind:
             continue
-        new = BufferLayer()
+        new = make()
         keys, values = layer.keys, layer.values
         if layer.is_initialized and keys is not None and values is not None and keys.numel() > 0:
             new.lazy_initialization(keys, values)

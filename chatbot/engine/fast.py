@@ -68,7 +68,8 @@ __all__ = [
     "make_decoder",
 ]
 
-LEVELS = OPT_LEVELS
+LEVELS = tuple(level for level in OPT_LEVELS if level != "compile")
+"""The levels the native kernels run (``off``: none)."""
 """Optimization levels: ``off`` is plain transformers; the others pick the weight format."""
 
 

@@ -101,6 +101,11 @@ class Engine:
         return Engine(self.model, self.tokenizer, self.max_context, backend=backend)
 
     @property
+    def compiled(self) -> bool:
+        """True when decode steps run compiled (`chatbot.engine.compiled`)."""
+        return bool(getattr(self.backend, "compiled", False))
+
+    @property
     def decoder(self) -> Any | None:
         """The native kernels' decoder the backend runs on (None: transformers runs)."""
         inner = getattr(self.backend, "inner", self.backend)
@@ -134,8 +139,9 @@ class Engine:
         if dst.length or dst.is_bounded or src.is_bounded or src.evicted_total or not 0 < n <= src.length:
             return False
         self.backend.adopt(dst.cache)
-        plain = (DynamicLayer, BufferLayer)
-        if any(type(layer) not in plain for layer in (*src.cache.layers, *dst.cache.layers)):
+        plain = (DynamicLayer, BufferLayer)  # or a buffer layer of the compiled step's kind
+        layers = (*src.cache.layers, *dst.cache.layers)
+        if any(type(layer) not in plain and not isinstance(layer, BufferLayer) for layer in layers):
             return False  # a sliding-window layer keeps only its window: not a prefix
         for have, take in zip(
             cast(list[DynamicLayer], src.cache.layers), cast(list[DynamicLayer], dst.cache.layers)

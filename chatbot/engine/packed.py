@@ -280,3 +280,51 @@ def packed_parameters(model: nn.Module) -> int:
         if isinstance(m, (PackedLinear, PackedEmbedding)):
             seen[id(m.packed)] = m.packed.rows * m.packed.cols
     return sum(seen.values())
+
+
+class _ScaledEmbedding(nn.Embedding):
+    """`nn.Embedding` whose rows are multiplied by `embed_scale` (Gemma's scaled word embedding)."""
+
+    def __init__(self, weight: torch.Tensor, embed_scale: torch.Tensor) -> None:
+        super().__init__(weight.shape[0], weight.shape[1], _weight=weight, _freeze=True)
+        self.embed_scale: torch.Tensor
+        self.register_buffer("embed_scale", embed_scale, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.embed_scale.to(self.weight.dtype)
+
+
+def with_dense_weights(model: nn.Module, dense: dict[int, torch.Tensor] | None = None) -> nn.Module:
+    """`model` with every packed module replaced by its plain torch twin (`nn.Linear`,
+    `nn.Embedding`) over the dequantized float32 weights, for code that traces the forward
+    pass (`torch.compile`: the packed modules call C kernels); `model` left as it is. Like
+    `with_activations`, a view: modules on the way to a packed one are shallow copies, every
+    other module, weight and buffer is shared. A matrix shared by several packed modules (tied
+    embeddings) is dequantized once and stays shared."""
+    dense = {} if dense is None else dense
+
+    def weight(packed: kernels.PackedMatrix) -> torch.Tensor:
+        if id(packed) not in dense:
+            dense[id(packed)] = kernels.unpack(packed)
+        return dense[id(packed)]
+
+    if isinstance(model, PackedLinear):
+        linear = nn.Linear(model.in_features, model.out_features, bias=model.bias is not None, device="meta")
+        linear.weight = nn.Parameter(weight(model.packed), requires_grad=False)
+        if model.bias is not None:
+            linear.bias = model.bias
+        return linear
+    if isinstance(model, ScaledPackedEmbedding):
+        return _ScaledEmbedding(weight(model.packed), model.embed_scale)
+    if isinstance(model, PackedEmbedding):
+        return nn.Embedding(
+            model.num_embeddings, model.embedding_dim, _weight=weight(model.packed), _freeze=True
+        )
+    children = {
+        name: with_dense_weights(child, dense) for name, child in model._modules.items() if child is not None
+    }
+    if all(child is model._modules[name] for name, child in children.items()):
+        return model
+    twin = copy.copy(model)
+    twin.__dict__["_modules"] = {**model._modules, **children}
+    return twin

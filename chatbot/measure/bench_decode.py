@@ -35,6 +35,8 @@ AUTO_FROM_MODEL = "chatbot-auto-model"
 # On an NVIDIA GPU (scripts/gpu-check): our engine (transformers forward passes, no native
 # kernels) in bfloat16, and with bitsandbytes 4-bit (NF4) and 8-bit (LLM.int8) weights.
 CUDA_SETUPS = {"cuda-bf16": None, "cuda-4bit": "4bit", "cuda-8bit": "8bit"}
+# The same through the compiled step (`--opt compile`).
+CUDA_SETUPS.update({f"{name}-compile": quantize for name, quantize in list(CUDA_SETUPS.items())})
 BASELINE = "transformers-generate"
 LLAMA_CPP = "llama.cpp"
 WORKER_TIMEOUT_S = 3600
@@ -102,18 +104,19 @@ def _engine_worker(
     loaded: Any, level: str, ids: list[int], decode_tokens: int, ppl_tokens: int, threads: int | None = None
 ) -> dict[str, Any]:
     from chatbot.config import SamplingConfig
-    from chatbot.engine.fast import make_decoder
+    from chatbot.engine.backend import backend_for
     from chatbot.engine.generate import Engine
 
     t0 = time.perf_counter()
     use_gguf = level != "auto-model"
-    decoder, reason = make_decoder(loaded.model, level.removesuffix("-model"), threads, use_gguf=use_gguf)
+    backend, reason = backend_for(loaded.model, level.removesuffix("-model"), threads, use_gguf=use_gguf)
     setup_s = time.perf_counter() - t0
     gc_ready()  # as `chatbot run` at its prompt
     ready = time.time()  # the first usable state: model loaded, weights packed
     if reason:
         return {"error": reason}
-    engine = Engine(loaded.model, loaded.tokenizer, decoder=decoder)
+    engine = Engine(loaded.model, loaded.tokenizer, backend=backend)
+    decoder = engine.decoder
     greedy = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=decode_tokens)
 
     def run(prompt: list[int], n_new: int) -> Any:
@@ -132,6 +135,8 @@ def _engine_worker(
         runs = [run(ids[:size], 1)[0] for _ in range(PREFILL_REPEATS.get(size, 1))]
         prefill[str(size)] = size / statistics.median(s.context_time_s for s in runs)
         ttft[str(size)] = statistics.median(s.ttft_s for s in runs)
+    if engine.compiled:
+        run(ids[:16], 4)  # compiles the step at the capacity the prefills reached, apart
     stats, tokens = run(ids[:DECODE_PROMPT], greedy.max_new_tokens)
     out = {
         **_quantiles(stats.token_latencies_s),
@@ -148,6 +153,12 @@ def _engine_worker(
         out["weight_mb"] = info.weight_bytes / 2**20
         out["bytes_per_weight"] = info.bytes_per_weight
         out["weights_from"] = info.source
+    figures = getattr(backend, "figures", None)
+    if figures is not None:  # the compiled step: what compiling cost, apart from the figures
+        out["compiles"] = figures.compiles
+        out["compile_s"] = figures.compile_s
+        out["graph_breaks"] = figures.graph_breaks
+        out["compile_failure"] = getattr(backend, "failure", None)
     if ppl_tokens:
         out["ppl"] = _perplexity(loaded.model, decoder, ids[:ppl_tokens])
     return out
@@ -317,7 +328,10 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         if name == BASELINE:
             out = _generate_worker(loaded, ids, spec["decode_tokens"], spec.get("ppl_tokens") or 0)
         else:
-            level = "off" if name in CUDA_SETUPS else name.removeprefix("chatbot-")
+            if name in CUDA_SETUPS:
+                level = "compile" if name.endswith("-compile") else "off"
+            else:
+                level = name.removeprefix("chatbot-")
             out = _engine_worker(
                 loaded, level, ids, spec["decode_tokens"], spec.get("ppl_tokens") or 0, spec["threads"]
             )
@@ -365,6 +379,7 @@ def _median_result(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "runtime_mb",
         "setup_s",
         "load_s",
+        "compile_s",
     )
     for key in keys:
         values = [r[key] for r in ok if r.get(key) is not None]
@@ -385,6 +400,9 @@ def _median_result(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "ppl",
         "tokens",
         "gpu_peak_mem_mb",
+        "compiles",
+        "graph_breaks",
+        "compile_failure",
     ):
         for r in ok:
             if key in r:
@@ -535,6 +553,11 @@ def print_decode(console: Any, result: dict[str, Any]) -> None:
     console.print(prefill)
     for line in versus_llama_cpp(result):
         console.print(line, markup=False)
+    for r in result["results"]:
+        if "compiles" in r:  # the compiled step: its compile time is not in the figures above
+            failed = f"; failed, eager steps: {r['compile_failure']}" if r.get("compile_failure") else ""
+            console.print(f"{r['name']}: {r['compiles']} compiles, {r.get('compile_s', 0):.1f} s compiling, "
+                          f"{r['graph_breaks']} graph breaks{failed}", markup=False)  # fmt: skip
     m = result["machine"]
     load = f"; load average {m['loadavg_start'][0]} -> {m['loadavg_end'][0]}" if "loadavg_start" in m else ""
     cpu = m.get("cpu_model", m["processor"])

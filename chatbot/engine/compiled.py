@@ -1,0 +1,303 @@
+"""Decode as one compiled step per token, on a static cache (`--opt compile`).
+
+`CompiledBackend` runs transformers' forward pass of one token through `torch.compile`
+(``fullgraph=True``; on CUDA ``mode="reduce-overhead"``, so that CUDA graphs replay the step).
+A compiled step needs shapes and addresses that do not change from one token to the next, so
+its cache layers are `StaticLayer`s:
+
+- keys and values live in buffers ``[1, kv_heads, capacity, head_dim]`` taken from a
+  `BufferPool`, so that a new conversation of the same capacity (/reset, /load, a server's
+  next request) writes into the same memory and no step is compiled again;
+- inside the compiled step a layer writes the new token at the slot given by a tensor (the
+  backend's position tensor) with ``index_copy_`` and hands the whole buffers to attention;
+  the mask covers the whole capacity and hides every slot after the token, so stale slots
+  (after a crop, an eviction, a reset) are never read;
+- outside it a layer is a `BufferLayer`: prefill, crop, reset and the attention-sink cache's
+  eviction (which moves the kept keys in place and re-rotates them) work as on the native path.
+
+A growing cache takes a capacity from `bucket` (powers of two from 256): one compile per
+capacity reached. An attention-sink cache takes its whole window at once: one compile.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache
+
+from chatbot.engine.backend import HFBackend, full_cache
+from chatbot.engine.buffer_cache import BufferLayer, adopt_layers
+from chatbot.engine.packed import with_dense_weights
+from chatbot.engine.sink_cache import SinkCache
+
+SMALLEST_BUCKET = 256
+
+
+def bucket(needed: int, limit: int | None = None) -> int:
+    """The capacity a growing static cache takes to hold `needed` positions: the smallest
+    power of two from `SMALLEST_BUCKET` up that holds them, no more than `limit` (unless
+    `needed` is more)."""
+    capacity = SMALLEST_BUCKET
+    while capacity < needed:
+        capacity *= 2
+    if limit is not None:
+        capacity = max(needed, min(capacity, limit))
+    return capacity
+
+
+@dataclass
+class _Lent:
+    keys: torch.Tensor  # [B, H, capacity, D]
+    values: torch.Tensor
+    owner: weakref.ref[Any] | None = None
+
+
+@dataclass
+class BufferPool:
+    """Key and value buffers, each lent to one live layer at a time; a buffer whose layer is
+    gone (or gave it back) goes to the next layer asking for that shape, so that the compiled
+    step sees the same addresses again."""
+
+    mark_static: bool = False  # tell dynamo the buffers' addresses never change (CUDA graphs)
+    held: dict[tuple[Any, ...], list[_Lent]] = field(default_factory=dict)
+
+    def take(self, owner: Any, like: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffers ``[*like.shape[:-2], capacity, like.shape[-1]]`` of `like`'s dtype and device,
+        lent to `owner` until it is garbage or calls `give_back`."""
+        shape = (*like.shape[:-2], capacity, like.shape[-1])
+        key = (shape, like.dtype, like.device)
+        lent = self.held.setdefault(key, [])
+        for entry in lent:
+            if entry.owner is None or entry.owner() is None:
+                entry.owner = weakref.ref(owner)
+                return entry.keys, entry.values
+        keys, values = like.new_zeros(shape), like.new_zeros(shape)
+        if self.mark_static:
+            torch._dynamo.mark_static_address(keys)
+            torch._dynamo.mark_static_address(values)
+        lent.append(_Lent(keys, values, weakref.ref(owner)))
+        return keys, values
+
+    def give_back(self, owner: Any) -> None:
+        """Free every buffer lent to `owner`."""
+        for lent in self.held.values():
+            for entry in lent:
+                if entry.owner is not None and entry.owner() is owner:
+                    entry.owner = None
+
+    def drop_free_below(self, capacity: int) -> None:
+        """Forget the free buffers of fewer than `capacity` positions (no cache takes them again)."""
+        for key in list(self.held):
+            if key[0][-2] < capacity:
+                self.held[key] = [e for e in self.held[key] if e.owner is not None and e.owner() is not None]
+                if not self.held[key]:
+                    del self.held[key]
+
+    def addresses(self) -> set[int]:
+        """The data pointers of every buffer held (the tests' proof that none moves)."""
+        return {t.data_ptr() for lent in self.held.values() for e in lent for t in (e.keys, e.values)}
+
+
+class StaticLayer(BufferLayer):
+    """A `BufferLayer` whose buffers come from a `BufferPool`, and that a compiled step writes
+    at the slot in `slot` (a ``[1]`` long tensor): inside `torch.compile`, `update` writes there
+    and returns the whole buffers, `get_seq_length` is that slot and the mask spans the whole
+    capacity; the caller counts the token in `length` after the step."""
+
+    is_compileable = True
+
+    def __init__(self, pool: BufferPool, slot: torch.Tensor) -> None:
+        super().__init__()
+        self.pool = pool
+        self.slot = slot
+
+    def reserve(self, needed: int, like: torch.Tensor | None = None, exact: bool = False) -> None:
+        """Room for `needed` positions: `needed` itself with `exact`, else `bucket(needed)`;
+        the buffers come from the pool, and what the layer holds is copied over."""
+        if self._k is not None and self.capacity >= needed:
+            return
+        ref = self._k if self._k is not None else like
+        assert ref is not None, "reserve() before the first update needs a tensor to copy the shape from"
+        old_k, old_v = self._k, self._v
+        self.pool.give_back(self)
+        k, v = self.pool.take(self, ref, needed if exact else bucket(needed))
+        if old_k is not None and old_v is not None and self.length:
+            k[:, :, : self.length] = old_k[:, :, : self.length]
+            v[:, :, : self.length] = old_v[:, :, : self.length]
+        self._k, self._v = k, v
+        self.version += 1
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_compiling() and self._k is not None and self._v is not None:
+            self._k.index_copy_(2, self.slot, key_states)
+            self._v.index_copy_(2, self.slot, value_states)
+            return self._k, self._v
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def get_seq_length(self) -> Any:
+        if torch.compiler.is_compiling():
+            return self.slot[0]
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if torch.compiler.is_compiling():
+            return self.capacity, 0
+        return self.length + query_length, 0
+
+
+def adopt_static(cache: Cache, pool: BufferPool, slot: torch.Tensor) -> bool:
+    """Swap every layer of `cache` for a `StaticLayer` holding the same keys and values
+    (see `chatbot.engine.buffer_cache.adopt_layers`); False where a layer cannot be taken over."""
+    return adopt_layers(cache, lambda: StaticLayer(pool, slot), StaticLayer)
+
+
+COMPILE_ERRORS: tuple[type[BaseException], ...] = (torch._dynamo.exc.TorchDynamoException,)
+try:
+    from torch._inductor.exc import InductorError
+
+    COMPILE_ERRORS += (InductorError,)
+except ImportError:  # pragma: no cover - older torch
+    pass
+
+
+@dataclass
+class CompileFigures:
+    """What compiling cost so far: one compile per capacity a cache reached."""
+
+    compiles: int = 0
+    compile_s: float = 0.0  # the first steps at each capacity (tracing + code generation)
+    graph_breaks: int = 0  # with fullgraph=True any break is a failure: 0 or the fallback's 1
+
+
+class CompiledBackend(HFBackend):
+    """transformers' forward pass of one token compiled as one graph, on `StaticLayer` caches.
+
+    Prefill runs eagerly into the same buffers. Should compiling fail (a model dynamo cannot
+    trace whole), `failure` says why and the steps run eagerly, with the same results.
+
+    Args:
+        model: a transformers causal LM on one device.
+        mode: `torch.compile`'s mode (default: ``reduce-overhead`` on CUDA, inductor's
+            default elsewhere).
+        compiler: `torch.compile`'s backend (default inductor; the tests pass one that
+            records the graphs).
+    """
+
+    compiled = True
+
+    def __init__(
+        self, model: Any, mode: str | None = None, compiler: str | Callable[..., Any] = "inductor"
+    ) -> None:
+        super().__init__(model)
+        # a GGUF model's packed modules call C kernels, which dynamo cannot trace: the
+        # compiled step (and its prefill) run a view of the model over dequantized weights
+        self.forward_model = with_dense_weights(model)
+        on_cuda = self.device.type == "cuda"
+        if mode is None and on_cuda and compiler == "inductor":
+            mode = "reduce-overhead"
+        self.mode = mode
+        self.pool = BufferPool(mark_static=on_cuda)
+        self.ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # the step's input
+        self.slot = torch.zeros(1, dtype=torch.long, device=self.device)  # where it is written
+        self.limit = getattr(model.config, "max_position_embeddings", None)
+        self.failure: str | None = None
+        self.figures = CompileFigures()
+        self._compiled_at: set[int] = set()  # capacities with a compiled step
+        self._reached = 0  # the largest capacity a growing cache took: the next starts there
+        self._lock = threading.Lock()
+        # one compile per capacity and per model (a process may hold several): more than
+        # dynamo's default of 8 for one function
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self._step: Callable[..., torch.Tensor] = torch.compile(
+            self._forward_one, fullgraph=True, dynamic=False, mode=self.mode, backend=compiler
+        )
+
+    def _forward_one(self, ids: torch.Tensor, slot: torch.Tensor, cache: Cache) -> torch.Tensor:
+        out = self.forward_model(input_ids=ids, position_ids=slot.view(1, 1), cache=cache, use_cache=True)
+        return out.logits
+
+    # -- caches ---------------------------------------------------------------------------
+
+    def new_cache(self) -> Cache:
+        cache = full_cache(self.model.config)
+        self.adopt(cache)
+        return cache
+
+    def adopt(self, cache: Cache) -> None:
+        adopt_static(cache, self.pool, self.slot)
+
+    def _like(self) -> torch.Tensor:
+        config = self.model.config.get_text_config(decoder=True)
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dtype = self.model.get_input_embeddings().weight.dtype
+        if not dtype.is_floating_point:
+            dtype = torch.get_default_dtype()
+        return torch.empty(1, heads, 0, head_dim, dtype=dtype, device=self.device)
+
+    def reserve(self, cache: Cache, needed: int, limit: int | None = None) -> None:
+        """Room for `needed` positions: an attention-sink cache's whole window at once, a
+        growing cache the bucket of `needed` (or of the largest capacity reached, if more)."""
+        self.adopt(cache)
+        layers = [layer for layer in cache.layers if isinstance(layer, StaticLayer)]
+        if len(layers) != len(cache.layers):
+            return  # a cache the static layers could not take over: eager steps
+        if isinstance(cache, SinkCache):
+            target = max(needed, cache.capacity)
+        else:
+            target = bucket(max(needed, self._reached), limit if limit is not None else self.limit)
+            if target > self._reached:
+                self._reached = target
+                self.pool.drop_free_below(target)
+        if all(layer.capacity >= target for layer in layers):
+            return
+        like = next((layer.key_buffer for layer in layers if layer.key_buffer is not None), None)
+        for layer in layers:
+            layer.reserve(target, like=like if like is not None else self._like(), exact=True)
+
+    # -- steps ----------------------------------------------------------------------------
+
+    def step(self, cache: Cache, token: int) -> torch.Tensor:
+        with self._lock:
+            self.adopt(cache)
+            layers: Sequence[Any] = cache.layers
+            if self.failure is not None or not all(isinstance(layer, StaticLayer) for layer in layers):
+                return super().step(cache, token)
+            length = layers[0].length
+            if any(layer.capacity <= length for layer in layers):
+                self.reserve(cache, length + 1)
+            self.ids.fill_(int(token))
+            self.slot.fill_(length)
+            capacity = layers[0].capacity
+            first = capacity not in self._compiled_at
+            t0 = time.perf_counter()
+            try:
+                logits = self._step(self.ids, self.slot, cache)
+            except COMPILE_ERRORS as exc:
+                self.failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
+                self.figures.graph_breaks += 1
+                return super().step(cache, token)
+            for layer in layers:
+                layer.length += 1
+            result = logits[0, -1].float().clone()  # a CUDA graph's output is overwritten next replay
+            if first:
+                self._compiled_at.add(capacity)
+                self.figures.compiles += 1
+                self.figures.compile_s += time.perf_counter() - t0
+                gc.collect()  # tracing leaves cycles that hold the traced cache's layers (and buffers)
+            return result
+
+    def describe(self) -> str:
+        if self.failure is not None:
+            return f"transformers (compile failed, eager steps: {self.failure})"
+        mode = f", mode {self.mode}" if self.mode else ""
+        return f"compiled (torch.compile: one step per token on a static cache{mode})"
