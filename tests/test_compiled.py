@@ -202,9 +202,9 @@ def test_a_model_that_cannot_compile_falls_back_to_eager_steps(model_and_tok):
 
 
 @needs_kernels
-def test_a_gguf_model_compiles_over_dense_weights_with_the_same_answers(tiny_gguf):
-    """A GGUF file loaded as stored (packed modules calling C kernels): the compiled step
-    runs a view over its dequantized weights, and answers as the packed eager path does."""
+def test_a_gguf_model_compiles_with_its_packed_products_as_ops(tiny_gguf):
+    """A GGUF file loaded as stored (packed modules calling C kernels): the compiled graph
+    calls each packed product as a custom op, and answers as the eager path does."""
     from chatbot.engine.packed import PackedLinear
     from chatbot.models.loader import load_model
 
@@ -212,12 +212,23 @@ def test_a_gguf_model_compiles_over_dense_weights_with_the_same_answers(tiny_ggu
     loaded = load_model(str(path), device="cpu", dtype="float32")
     model, tok = loaded.model, loaded.tokenizer
     assert any(isinstance(m, PackedLinear) for m in model.modules())
-    backend = CompiledBackend(model)
-    assert not any(isinstance(m, PackedLinear) for m in backend.forward_model.modules())
-    assert any(isinstance(m, PackedLinear) for m in model.modules())  # the model is left as it was
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
     ref = script(session(HFBackend(model), model, tok, recent=64), [])
+    backend = CompiledBackend(model, compiler=aot_autograd(fw_compiler=record))
     assert script(session(backend, model, tok, recent=64), []) == ref
     assert backend.failure is None and backend.figures.compiles == 1
+    ops = [str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"]
+    linears = sum(isinstance(m, PackedLinear) for m in model.modules())
+    assert sum("packed_matmul" in op for op in ops) == linears and any("packed_rows" in op for op in ops)
+    inductor = CompiledBackend(model)  # and through inductor, as `--opt compile` runs it
+    assert script(session(inductor, model, tok, recent=64), []) == ref and inductor.failure is None
 
 
 def test_backend_for_chooses_once(model_and_tok):

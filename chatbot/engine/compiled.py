@@ -16,7 +16,9 @@ its cache layers are `StaticLayer`s:
   eviction (which moves the kept keys in place and re-rotates them) work as on the native path.
 
 A growing cache takes a capacity from `bucket` (powers of two from 256): one compile per
-capacity reached. An attention-sink cache takes its whole window at once: one compile.
+capacity reached. An attention-sink cache takes its whole window at once: one compile. A GGUF
+model's packed products are custom ops (`chatbot.engine.packed`): one opaque kernel call each
+inside the graph.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from transformers.cache_utils import Cache
 
 from chatbot.engine.backend import HFBackend, full_cache
 from chatbot.engine.buffer_cache import BufferLayer, adopt_layers
-from chatbot.engine.packed import with_dense_weights
 from chatbot.engine.sink_cache import SinkCache
 
 SMALLEST_BUCKET = 256
@@ -198,9 +199,6 @@ class CompiledBackend(HFBackend):
         self, model: Any, mode: str | None = None, compiler: str | Callable[..., Any] = "inductor"
     ) -> None:
         super().__init__(model)
-        # a GGUF model's packed modules call C kernels, which dynamo cannot trace: the
-        # compiled step (and its prefill) run a view of the model over dequantized weights
-        self.forward_model = with_dense_weights(model)
         on_cuda = self.device.type == "cuda"
         if mode is None and on_cuda and compiler == "inductor":
             mode = "reduce-overhead"
@@ -222,7 +220,7 @@ class CompiledBackend(HFBackend):
         )
 
     def _forward_one(self, ids: torch.Tensor, slot: torch.Tensor, cache: Cache) -> torch.Tensor:
-        out = self.forward_model(input_ids=ids, position_ids=slot.view(1, 1), cache=cache, use_cache=True)
+        out = self.model(input_ids=ids, position_ids=slot.view(1, 1), cache=cache, use_cache=True)
         return out.logits
 
     # -- caches ---------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import copy
 import ctypes
 import threading
 import time
+import weakref
 
 import torch
 from torch import nn
@@ -138,6 +139,54 @@ def packed_matmul(
     return out
 
 
+_by_handle: weakref.WeakValueDictionary[int, kernels.PackedMatrix] = weakref.WeakValueDictionary()
+
+
+def _handle(packed: kernels.PackedMatrix) -> int:
+    """An integer naming `packed` for the custom ops below (their arguments are tensors and
+    numbers); the matrix stays the module's, the table holds it weakly."""
+    _by_handle[id(packed)] = packed
+    return id(packed)
+
+
+# The packed products and row lookups as torch custom ops, so that `torch.compile` traces a
+# model holding packed modules (`--opt compile` on a GGUF model) with each product one opaque
+# call into the kernels, its output shape given by the fake implementation.
+@torch.library.custom_op("chatbot::packed_matmul", mutates_args=())
+def _packed_matmul_op(x: torch.Tensor, handle: int, act: int) -> torch.Tensor:
+    return packed_matmul(_by_handle[handle], x, act=act)
+
+
+@_packed_matmul_op.register_fake
+def _(x: torch.Tensor, handle: int, act: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], _by_handle[handle].rows, dtype=torch.float32)
+
+
+@torch.library.custom_op("chatbot::packed_rows", mutates_args=())
+def _packed_rows_op(ids: torch.Tensor, handle: int) -> torch.Tensor:
+    return _rows(_by_handle[handle], ids)
+
+
+@_packed_rows_op.register_fake
+def _(ids: torch.Tensor, handle: int) -> torch.Tensor:
+    return torch.empty(ids.numel(), _by_handle[handle].cols, dtype=torch.float32, device=ids.device)
+
+
+def _rows(packed: kernels.PackedMatrix, ids: torch.Tensor) -> torch.Tensor:
+    """The dequantized rows `ids` (any shape) of `packed`, ``[ids.numel(), cols]``.
+
+    Raises:
+        IndexError: an id out of range.
+    """
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= packed.rows):
+        raise IndexError(f"token id out of range for an embedding of {packed.rows} rows")
+    out = torch.empty(flat.numel(), packed.cols, dtype=torch.float32)
+    mat = packed.as_struct()
+    kernels.load_library().chatbot_rows(ctypes.byref(mat), flat.data_ptr(), flat.numel(), out.data_ptr())
+    return out
+
+
 class PackedLinear(nn.Module):
     """`nn.Linear` (y = x W^T + b) over a packed weight matrix.
 
@@ -149,6 +198,7 @@ class PackedLinear(nn.Module):
     def __init__(self, packed: kernels.PackedMatrix, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.packed = packed
+        self.handle = _handle(packed)  # names `packed` to the custom op a compiled graph calls
         self.in_features, self.out_features = packed.cols, packed.rows
         if bias is not None:
             self.bias = nn.Parameter(bias.detach().to(torch.float32).contiguous(), requires_grad=False)
@@ -164,7 +214,11 @@ class PackedLinear(nn.Module):
         return self._shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = packed_matmul(self.packed, x.reshape(-1, self.in_features), act=self.act)
+        flat = x.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling():
+            y = _packed_matmul_op(flat, self.handle, self.act)
+        else:
+            y = packed_matmul(self.packed, flat, act=self.act)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -183,6 +237,7 @@ class PackedEmbedding(nn.Module):
     def __init__(self, packed: kernels.PackedMatrix) -> None:
         super().__init__()
         self.packed = packed
+        self.handle = _handle(packed)
         self.num_embeddings, self.embedding_dim = packed.rows, packed.cols
         # One float broadcast to the full shape: a CPU tensor of the right shape and dtype
         # that holds 4 bytes.
@@ -194,12 +249,10 @@ class PackedEmbedding(nn.Module):
         return self._shape
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1).to(torch.int64).contiguous()
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
-            raise IndexError(f"token id out of range for an embedding of {self.num_embeddings} rows")
-        out = torch.empty(flat.numel(), self.embedding_dim, dtype=torch.float32)
-        mat = self.packed.as_struct()
-        kernels.load_library().chatbot_rows(ctypes.byref(mat), flat.data_ptr(), flat.numel(), out.data_ptr())
+        if torch.compiler.is_compiling():
+            out = _packed_rows_op(ids, self.handle)
+        else:
+            out = _rows(self.packed, ids)
         return out.reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
@@ -280,51 +333,3 @@ def packed_parameters(model: nn.Module) -> int:
         if isinstance(m, (PackedLinear, PackedEmbedding)):
             seen[id(m.packed)] = m.packed.rows * m.packed.cols
     return sum(seen.values())
-
-
-class _ScaledEmbedding(nn.Embedding):
-    """`nn.Embedding` whose rows are multiplied by `embed_scale` (Gemma's scaled word embedding)."""
-
-    def __init__(self, weight: torch.Tensor, embed_scale: torch.Tensor) -> None:
-        super().__init__(weight.shape[0], weight.shape[1], _weight=weight, _freeze=True)
-        self.embed_scale: torch.Tensor
-        self.register_buffer("embed_scale", embed_scale, persistent=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return super().forward(ids) * self.embed_scale.to(self.weight.dtype)
-
-
-def with_dense_weights(model: nn.Module, dense: dict[int, torch.Tensor] | None = None) -> nn.Module:
-    """`model` with every packed module replaced by its plain torch twin (`nn.Linear`,
-    `nn.Embedding`) over the dequantized float32 weights, for code that traces the forward
-    pass (`torch.compile`: the packed modules call C kernels); `model` left as it is. Like
-    `with_activations`, a view: modules on the way to a packed one are shallow copies, every
-    other module, weight and buffer is shared. A matrix shared by several packed modules (tied
-    embeddings) is dequantized once and stays shared."""
-    dense = {} if dense is None else dense
-
-    def weight(packed: kernels.PackedMatrix) -> torch.Tensor:
-        if id(packed) not in dense:
-            dense[id(packed)] = kernels.unpack(packed)
-        return dense[id(packed)]
-
-    if isinstance(model, PackedLinear):
-        linear = nn.Linear(model.in_features, model.out_features, bias=model.bias is not None, device="meta")
-        linear.weight = nn.Parameter(weight(model.packed), requires_grad=False)
-        if model.bias is not None:
-            linear.bias = model.bias
-        return linear
-    if isinstance(model, ScaledPackedEmbedding):
-        return _ScaledEmbedding(weight(model.packed), model.embed_scale)
-    if isinstance(model, PackedEmbedding):
-        return nn.Embedding(
-            model.num_embeddings, model.embedding_dim, _weight=weight(model.packed), _freeze=True
-        )
-    children = {
-        name: with_dense_weights(child, dense) for name, child in model._modules.items() if child is not None
-    }
-    if all(child is model._modules[name] for name, child in children.items()):
-        return model
-    twin = copy.copy(model)
-    twin.__dict__["_modules"] = {**model._modules, **children}
-    return twin
