@@ -214,7 +214,23 @@ def StreamGenerator(
     if tokenizer.eos_token_id is not None:
         stop.add(int(tokenizer.eos_token_id))
     stops = StopStrings(stop_strings)
+    yield from _generate(engine, kv, input_ids, sampling, stop, stops, stream_interval, echo)
 
+
+def _generate(
+    engine: Engine,
+    kv: TrackedCache,
+    input_ids: list[int],
+    sampling: SamplingConfig,
+    stop: set[int],
+    stops: StopStrings,
+    stream_interval: int,
+    echo: bool,
+) -> Iterator[dict[str, Any]]:
+    """`StreamGenerator`'s dicts for `input_ids` fed on `kv` (already cut back to its start):
+    the answer ends at a token of `stop`, a stop string of `stops` or `max_new_tokens`; the
+    token that ends it is fed back into the cache, unless the context is full."""
+    tokenizer = engine.tokenizer
     flag = _StopFlag()
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
     answer: list[int] = []  # answer tokens, the stop token excluded
