@@ -15,14 +15,14 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from chatbot.compat._common import (
     CompatArgumentError,
-    _check_model,
-    _check_sampling,
-    _check_text,
-    _check_tokenizer,
-    _check_vocab,
-    _NoText,
-    _single_row,
-    _sync_cache,
+    NoText,
+    check_model,
+    check_sampling,
+    check_text,
+    check_tokenizer,
+    check_vocab,
+    single_row,
+    sync_cache,
 )
 from chatbot.compat.records import lookup
 from chatbot.config import SamplingConfig
@@ -42,7 +42,7 @@ class _ChatRecord:
     ids: list[int] = field(default_factory=list)
 
 
-_CHATS: weakref.WeakKeyDictionary[Cache, _ChatRecord] = weakref.WeakKeyDictionary()
+CHATS: weakref.WeakKeyDictionary[Cache, _ChatRecord] = weakref.WeakKeyDictionary()
 
 # --- ColossalAI: stream_chat_patch ----------------------------------------------------------
 
@@ -68,7 +68,7 @@ def get_prompt_template(
         CompatArgumentError: a history entry without a string ``role`` and ``message`` (an
             empty message is fine), roles that are not three strings, a query that is not text.
     """
-    _check_text(input_query, "input_query", "get_prompt_template")
+    check_text(input_query, "input_query", "get_prompt_template")
     system_role, user_role, assistant_role = _check_roles(roles)
     messages = [*_check_history(history), {"role": user_role, "message": input_query.strip()}]
     parts: list[str] = []
@@ -165,19 +165,19 @@ def stream_generate(
             max_new_tokens) outside the range the CLI allows.
         ContextFullError: the prompt does not fit a growing cache.
     """
-    _check_model(model, "stream_generate")
-    kwargs.update(_check_sampling("stream_generate", kwargs))
+    check_model(model, "stream_generate")
+    kwargs.update(check_sampling("stream_generate", kwargs))
     cache = kwargs.pop("past_key_values", None)
     alt_cache = kwargs.pop("cache", None)
     cache = cache if cache is not None else alt_cache
     attention_mask = kwargs.pop("attention_mask", None)
     tokenizer = kwargs.pop("tokenizer", None)
     generator = kwargs.pop("generator", None)
-    ids = _single_row(input_ids, attention_mask)
-    _check_vocab(ids, model, "stream_generate")
+    ids = single_row(input_ids, attention_mask)
+    check_vocab(ids, model, "stream_generate")
 
     config, max_new = _generation_config(model, generation_config, kwargs, len(ids))
-    engine = Engine(model, tokenizer if tokenizer is not None else _NoText())
+    engine = Engine(model, tokenizer if tokenizer is not None else NoText())
     if cache is None:
         cache = engine.new_cache().cache
     elif not isinstance(cache, Cache):
@@ -198,7 +198,7 @@ def stream_generate(
         stream_interval=1,
     )
 
-    kv, start = _sync_cache(engine, cache, ids)
+    kv, start = sync_cache(engine, cache, ids)
     sequence = list(ids)
     chunks = engine.generate(
         kv,
@@ -341,8 +341,8 @@ def streaming_chat(
             temperature 0 means greedy.
     """
     del length_penalty  # beam search only
-    _check_model(model, "streaming_chat")
-    _check_tokenizer(tokenizer, "streaming_chat")
+    check_model(model, "streaming_chat")
+    check_tokenizer(tokenizer, "streaming_chat")
     given = _chat_sampling(temperature, top_p, top_k, max_new_tokens)
     engine = Engine(model, tokenizer)
     cache = past_key_values if past_key_values is not None else engine.new_cache().cache
@@ -382,7 +382,7 @@ def streaming_chat(
     finally:
         if started:
             # What the cache now stands for, as the next call's prompt will render it.
-            _CHATS[cache] = _ChatRecord(prompt + detok.text.strip(), ids + answer)
+            CHATS[cache] = _ChatRecord(prompt + detok.text.strip(), ids + answer)
 
 
 def _chat_sampling(temperature: float, top_p: float, top_k: int, max_new_tokens: int) -> dict[str, Any]:
@@ -397,7 +397,7 @@ def _chat_sampling(temperature: float, top_p: float, top_k: int, max_new_tokens:
         "top_k": top_k,
         "max_new_tokens": max_new_tokens,
     }
-    given.update(_check_sampling("streaming_chat", given))
+    given.update(check_sampling("streaming_chat", given))
     return given
 
 
@@ -405,7 +405,7 @@ def _chat_ids(tokenizer: Any, cache: Cache, prompt: str) -> list[int]:
     """`prompt`'s token ids: those `streaming_chat` left in `cache` and the rest of the text
     encoded after them when the cache still holds that chat and `prompt` goes on from its
     text; else the whole prompt encoded."""
-    record = _CHATS.get(cache)
+    record = CHATS.get(cache)
     kv = lookup(cache)
     continues = record is not None and kv is not None and record.ids[: len(kv.seen)] == kv.seen
     if record is not None and continues and prompt.startswith(record.text):
