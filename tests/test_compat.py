@@ -157,7 +157,7 @@ def test_streaming_chat_reuses_the_cache(tiny_model, tiny_tokenizer, engine_call
     assert cache.get_seq_length() == held + len(fed) + 5 - 1
 
     # The answer equals greedy decoding over the same ids recomputed from scratch.
-    turn1 = compat._CHATS[cache].ids[: held + 1]
+    turn1 = compat.CHATS[cache].ids[: held + 1]
     expected = greedy_by_recompute(tiny_model, turn1 + new_ids, 5, stop={tiny_tokenizer.eos_token_id})
     assert response == tiny_tokenizer.decode(expected)
     assert len(history2) == 4 and history2[-1]["message"] == response.strip()

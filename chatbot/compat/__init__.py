@@ -18,7 +18,7 @@ CLI checks its flags; a bad one raises `CompatArgumentError` (a `ConfigError` an
 
 from chatbot.compat._common import CompatArgumentError
 from chatbot.compat.colossal import (
-    _CHATS,  # noqa: F401 - for tests
+    CHATS,  # noqa: F401 - for tests
     DEFAULT_ROLES,
     get_prompt_template,
     stream_generate,

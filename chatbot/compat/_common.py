@@ -25,7 +25,7 @@ class CompatArgumentError(ConfigError, ValueError):
     against the originals."""
 
 
-def _check_model(model: Any, api: str) -> None:
+def check_model(model: Any, api: str) -> None:
     """Refuse what is not a loaded causal LM before it is used (None gave an AttributeError).
 
     Raises:
@@ -39,7 +39,7 @@ def _check_model(model: Any, api: str) -> None:
         )
 
 
-def _check_tokenizer(tokenizer: Any, api: str) -> None:
+def check_tokenizer(tokenizer: Any, api: str) -> None:
     """Raises: CompatArgumentError: `tokenizer` is None or cannot encode text."""
     if tokenizer is None or not callable(tokenizer):
         got = "None" if tokenizer is None else f"a {type(tokenizer).__name__}"
@@ -48,14 +48,14 @@ def _check_tokenizer(tokenizer: Any, api: str) -> None:
         )
 
 
-def _check_text(value: Any, name: str, api: str) -> str:
+def check_text(value: Any, name: str, api: str) -> str:
     """Raises: CompatArgumentError: `value` is not a string."""
     if not isinstance(value, str):
         raise CompatArgumentError(f"{api}: {name} must be a string, got {type(value).__name__}")
     return value
 
 
-def _check_range(api: str, key: str, value: Any, allowed: Range | None = None) -> Any:
+def check_range(api: str, key: str, value: Any, allowed: Range | None = None) -> Any:
     """`value` checked against `allowed` (by default the CLI's range of setting `key`),
     as the type the range holds.
 
@@ -68,7 +68,7 @@ def _check_range(api: str, key: str, value: Any, allowed: Range | None = None) -
         raise CompatArgumentError(f"{api}: {exc}") from None
 
 
-def _check_sampling(api: str, settings: dict[str, Any]) -> dict[str, Any]:
+def check_sampling(api: str, settings: dict[str, Any]) -> dict[str, Any]:
     """The sampling settings among `settings` (None: not given) checked against the CLI's
     ranges; returns them as the types the engine takes (``top_k=50.0`` becomes 50).
 
@@ -76,13 +76,13 @@ def _check_sampling(api: str, settings: dict[str, Any]) -> dict[str, Any]:
         CompatArgumentError: one is outside its range.
     """
     return {
-        key: _check_range(api, key, value)
+        key: check_range(api, key, value)
         for key, value in settings.items()
         if key in SamplingConfig.RANGES and key != "seed" and value is not None
     }
 
 
-def _token_id(value: Any, name: str, api: str, kind: str = "an integer token id") -> int:
+def token_id(value: Any, name: str, api: str, kind: str = "an integer token id") -> int:
     """One token id (or another count): an integer (a Python, NumPy or 0-d tensor int),
     never a float, which would be truncated.
 
@@ -95,7 +95,7 @@ def _token_id(value: Any, name: str, api: str, kind: str = "an integer token id"
     raise CompatArgumentError(f"{api}: {name} must be {kind}, got {value!r} ({type(value).__name__})")
 
 
-def _check_vocab(ids: Sequence[int], model: Any, api: str) -> None:
+def check_vocab(ids: Sequence[int], model: Any, api: str) -> None:
     """Token ids inside the model's embedding table (outside it, CUDA kills the process).
 
     Raises:
@@ -112,14 +112,14 @@ def _check_vocab(ids: Sequence[int], model: Any, api: str) -> None:
         )
 
 
-class _NoText:
+class NoText:
     """Stands in for a tokenizer where only ids are wanted (`stream_generate` without one)."""
 
     def decode(self, ids: Sequence[int], **kwargs: Any) -> str:
         return ""
 
 
-def _sync_cache(engine: Engine, cache: Cache, ids: Sequence[int]) -> tuple[TrackedCache, int]:
+def sync_cache(engine: Engine, cache: Cache, ids: Sequence[int]) -> tuple[TrackedCache, int]:
     """Make `cache` hold a prefix of `ids`, reusing as much as it can.
 
     A cache with a record (`TrackedCache`) is compared with `ids` token by token and cut
@@ -141,7 +141,7 @@ def _sync_cache(engine: Engine, cache: Cache, ids: Sequence[int]) -> tuple[Track
     return kv, keep
 
 
-def _single_row(input_ids: Any, attention_mask: Any = None) -> list[int]:
+def single_row(input_ids: Any, attention_mask: Any = None) -> list[int]:
     """The token ids of a one-row batch, with padding (mask 0) removed wherever it sits.
 
     Raises:

@@ -15,14 +15,14 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from chatbot.compat._common import (
     CompatArgumentError,
-    _check_model,
-    _check_sampling,
-    _check_text,
-    _check_tokenizer,
-    _check_vocab,
-    _NoText,
-    _single_row,
-    _sync_cache,
+    NoText,
+    check_model,
+    check_sampling,
+    check_text,
+    check_tokenizer,
+    check_vocab,
+    single_row,
+    sync_cache,
 )
 from chatbot.compat.records import lookup
 from chatbot.config import SamplingConfig
@@ -42,7 +42,7 @@ class _ChatRecord:
     ids: list[int] = field(default_factory=list)
 
 
-_CHATS: weakref.WeakKeyDictionary[Cache, _ChatRecord] = weakref.WeakKeyDictionary()
+CHATS: weakref.WeakKeyDictionary[Cache, _ChatRecord] = weakref.WeakKeyDictionary()
 
 # --- ColossalAI: stream_chat_patch ----------------------------------------------------------
 
@@ -68,7 +68,7 @@ def get_prompt_template(
         CompatArgumentError: a history entry without a string ``role`` and ``message`` (an
             empty message is fine), roles that are not three strings, a query that is not text.
     """
-    _check_text(input_query, "input_query", "get_prompt_template")
+    check_text(input_query, "input_query", "get_prompt_template")
     system_role, user_role, assistant_role = _check_roles(roles)
     messages = [*_check_history(history), {"role": user_role, "message": input_query.strip()}]
     parts: list[str] = []
@@ -165,28 +165,19 @@ def stream_generate(
             max_new_tokens) outside the range the CLI allows.
         ContextFullError: the prompt does not fit a growing cache.
     """
-    _check_model(model, "stream_generate")
-    kwargs.update(_check_sampling("stream_generate", kwargs))
+    check_model(model, "stream_generate")
+    kwargs.update(check_sampling("stream_generate", kwargs))
     cache = kwargs.pop("past_key_values", None)
     alt_cache = kwargs.pop("cache", None)
     cache = cache if cache is not None else alt_cache
     attention_mask = kwargs.pop("attention_mask", None)
     tokenizer = kwargs.pop("tokenizer", None)
     generator = kwargs.pop("generator", None)
-    ids = _single_row(input_ids, attention_mask)
-    _check_vocab(ids, model, "stream_generate")
+    ids = single_row(input_ids, attention_mask)
+    check_vocab(ids, model, "stream_generate")
 
-    # transformers' private builders (pinned to 5.24) give the exact config, processors and
-    # criteria that `generate` would use: the model's defaults filled in, then `kwargs`.
-    config, unused = model._prepare_generation_config(generation_config, **kwargs)
-    unused = {k: v for k, v in unused.items() if k not in ("output_attentions", "output_hidden_states")}
-    if unused:
-        raise TypeError(f"stream_generate() got unexpected keyword arguments: {', '.join(sorted(unused))}")
-    if config.max_new_tokens is not None:
-        config.max_length = len(ids) + config.max_new_tokens
-    max_new = max(1, config.max_length - len(ids))
-
-    engine = Engine(model, tokenizer if tokenizer is not None else _NoText())
+    config, max_new = _generation_config(model, generation_config, kwargs, len(ids))
+    engine = Engine(model, tokenizer if tokenizer is not None else NoText())
     if cache is None:
         cache = engine.new_cache().cache
     elif not isinstance(cache, Cache):
@@ -195,30 +186,9 @@ def stream_generate(
             f"enable_streaming_llm); got {type(cache).__name__} (tuples are gone in transformers v5)"
         )
     out_device = input_ids.device if isinstance(input_ids, torch.Tensor) else engine.device
-
-    model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device=engine.device, batch_size=1)
-    processors = model._get_logits_processor(
-        generation_config=config,
-        input_ids_seq_length=len(ids),
-        encoder_input_ids=torch.tensor([ids], device=engine.device),
-        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
-        logits_processor=logits_processor if logits_processor is not None else LogitsProcessorList(),
-        device=engine.device,
+    processors, criteria = _processors_and_criteria(
+        model, engine, config, ids, tokenizer, prefix_allowed_tokens_fn, logits_processor, stopping_criteria
     )
-    # Stop strings go through our one text matcher, not transformers' StopStringCriteria.
-    stop_strings = config.stop_strings
-    config.stop_strings = None
-    criteria = model._get_stopping_criteria(
-        generation_config=config,
-        stopping_criteria=stopping_criteria if stopping_criteria is not None else StoppingCriteriaList(),
-        tokenizer=tokenizer,
-    )
-    if stop_strings:
-        if tokenizer is None:
-            raise ValueError("stop_strings needs the tokenizer: pass tokenizer= to stream_generate")
-        criteria.append(
-            StopOnStrings(tokenizer, [stop_strings] if isinstance(stop_strings, str) else stop_strings)
-        )
     sampling = SamplingConfig(
         temperature=1.0 if config.do_sample else 0.0,  # the processors do the rest
         top_p=1.0,
@@ -228,7 +198,7 @@ def stream_generate(
         stream_interval=1,
     )
 
-    kv, start = _sync_cache(engine, cache, ids)
+    kv, start = sync_cache(engine, cache, ids)
     sequence = list(ids)
     chunks = engine.generate(
         kv,
@@ -249,6 +219,69 @@ def stream_generate(
     finally:
         chunks.close()
         kv.settle()
+
+
+def _generation_config(
+    model: Any, generation_config: Any, kwargs: dict[str, Any], prompt_len: int
+) -> tuple[Any, int]:
+    """The `GenerationConfig` `generate` would use for a prompt of `prompt_len` tokens (the
+    model's defaults filled in, then `kwargs`), its max_length set from max_new_tokens, and
+    the most new tokens (at least 1).
+
+    Raises:
+        TypeError: a keyword that is no generation setting.
+    """
+    # transformers' private builders (pinned to 5.24) give the exact config, processors and
+    # criteria that `generate` would use.
+    config, unused = model._prepare_generation_config(generation_config, **kwargs)
+    unused = {k: v for k, v in unused.items() if k not in ("output_attentions", "output_hidden_states")}
+    if unused:
+        raise TypeError(f"stream_generate() got unexpected keyword arguments: {', '.join(sorted(unused))}")
+    if config.max_new_tokens is not None:
+        config.max_length = prompt_len + config.max_new_tokens
+    return config, max(1, config.max_length - prompt_len)
+
+
+def _processors_and_criteria(
+    model: Any,
+    engine: Engine,
+    config: Any,
+    ids: list[int],
+    tokenizer: Any,
+    prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None,
+    logits_processor: LogitsProcessorList | None,
+    stopping_criteria: StoppingCriteriaList | None,
+) -> tuple[LogitsProcessorList, StoppingCriteriaList]:
+    """The logits processors and stopping criteria `generate` would build from `config`
+    (the caller's merged in), with the config's stop strings matched by our `StopOnStrings`
+    instead of transformers' StopStringCriteria (`config.stop_strings` is cleared).
+
+    Raises:
+        ValueError: stop strings without a tokenizer.
+    """
+    model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device=engine.device, batch_size=1)
+    processors = model._get_logits_processor(
+        generation_config=config,
+        input_ids_seq_length=len(ids),
+        encoder_input_ids=torch.tensor([ids], device=engine.device),
+        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+        logits_processor=logits_processor if logits_processor is not None else LogitsProcessorList(),
+        device=engine.device,
+    )
+    stop_strings = config.stop_strings
+    config.stop_strings = None
+    criteria = model._get_stopping_criteria(
+        generation_config=config,
+        stopping_criteria=stopping_criteria if stopping_criteria is not None else StoppingCriteriaList(),
+        tokenizer=tokenizer,
+    )
+    if stop_strings:
+        if tokenizer is None:
+            raise ValueError("stop_strings needs the tokenizer: pass tokenizer= to stream_generate")
+        criteria.append(
+            StopOnStrings(tokenizer, [stop_strings] if isinstance(stop_strings, str) else stop_strings)
+        )
+    return processors, criteria
 
 
 def streaming_chat(
@@ -308,18 +341,9 @@ def streaming_chat(
             temperature 0 means greedy.
     """
     del length_penalty  # beam search only
-    _check_model(model, "streaming_chat")
-    _check_tokenizer(tokenizer, "streaming_chat")
-    given: dict[str, Any] = {
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "max_new_tokens": max_new_tokens,
-    }
-    given.update(_check_sampling("streaming_chat", given))
-    temperature, top_p, top_k, max_new_tokens = given.values()
-    if do_sample and temperature == 0:
-        do_sample = False  # the CLI's greedy (transformers would refuse a zero temperature)
+    check_model(model, "streaming_chat")
+    check_tokenizer(tokenizer, "streaming_chat")
+    given = _chat_sampling(temperature, top_p, top_k, max_new_tokens)
     engine = Engine(model, tokenizer)
     cache = past_key_values if past_key_values is not None else engine.new_cache().cache
     prompt = get_prompt_template(input_query, history, roles)
@@ -327,25 +351,8 @@ def streaming_chat(
     new_history.append({"role": roles[1], "message": input_query.strip()})
     assistant = {"role": roles[2], "message": None}
     new_history.append(assistant)
-
-    record = _CHATS.get(cache)
-    kv = lookup(cache)
-    continues = record is not None and kv is not None and record.ids[: len(kv.seen)] == kv.seen
-    if record is not None and continues and prompt.startswith(record.text):
-        rest = prompt[len(record.text) :]
-        ids = record.ids + list(tokenizer(rest, add_special_tokens=False)["input_ids"])
-    else:
-        ids = list(tokenizer(prompt)["input_ids"])
-
-    eos = tokenizer.eos_token_id
-    settings: dict[str, Any] = {"do_sample": do_sample, "max_new_tokens": max_new_tokens}
-    if do_sample:
-        settings.update(temperature=temperature, top_p=top_p, top_k=top_k)
-    if eos is not None:
-        settings["eos_token_id"] = [eos]
-    settings.update(kwargs)
-    stop_ids = settings.get("eos_token_id")
-    stop = {stop_ids} if isinstance(stop_ids, int) else set(stop_ids or ())
+    ids = _chat_ids(tokenizer, cache, prompt)
+    settings, stop = _chat_settings(tokenizer.eos_token_id, do_sample, given, kwargs)
 
     detok = IncrementalDetokenizer(tokenizer)
     answer: list[int] = []
@@ -375,4 +382,52 @@ def streaming_chat(
     finally:
         if started:
             # What the cache now stands for, as the next call's prompt will render it.
-            _CHATS[cache] = _ChatRecord(prompt + detok.text.strip(), ids + answer)
+            CHATS[cache] = _ChatRecord(prompt + detok.text.strip(), ids + answer)
+
+
+def _chat_sampling(temperature: float, top_p: float, top_k: int, max_new_tokens: int) -> dict[str, Any]:
+    """`streaming_chat`'s sampling values by name, each checked.
+
+    Raises:
+        CompatArgumentError: a value outside the range the CLI allows.
+    """
+    given: dict[str, Any] = {
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "max_new_tokens": max_new_tokens,
+    }
+    given.update(check_sampling("streaming_chat", given))
+    return given
+
+
+def _chat_ids(tokenizer: Any, cache: Cache, prompt: str) -> list[int]:
+    """`prompt`'s token ids: those `streaming_chat` left in `cache` and the rest of the text
+    encoded after them when the cache still holds that chat and `prompt` goes on from its
+    text; else the whole prompt encoded."""
+    record = CHATS.get(cache)
+    kv = lookup(cache)
+    continues = record is not None and kv is not None and record.ids[: len(kv.seen)] == kv.seen
+    if record is not None and continues and prompt.startswith(record.text):
+        rest = prompt[len(record.text) :]
+        return record.ids + list(tokenizer(rest, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def _chat_settings(
+    eos: int | None, do_sample: bool, given: dict[str, Any], kwargs: dict[str, Any]
+) -> tuple[dict[str, Any], set[int]]:
+    """`stream_generate`'s generation settings for `streaming_chat` and the ids that end the
+    answer (its eos_token_id): greedy for a zero temperature (the CLI's greedy; transformers
+    would refuse it), the sampling values of `given` only when sampling, the tokenizer's
+    `eos` as the stop token, then `kwargs`."""
+    if do_sample and given["temperature"] == 0:
+        do_sample = False
+    settings: dict[str, Any] = {"do_sample": do_sample, "max_new_tokens": given["max_new_tokens"]}
+    if do_sample:
+        settings.update(temperature=given["temperature"], top_p=given["top_p"], top_k=given["top_k"])
+    if eos is not None:
+        settings["eos_token_id"] = [eos]
+    settings.update(kwargs)
+    stop_ids = settings.get("eos_token_id")
+    return settings, {stop_ids} if isinstance(stop_ids, int) else set(stop_ids or ())

@@ -18,8 +18,8 @@ from typing import Any, cast, overload
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from chatbot.compat._common import CompatArgumentError, _check_model, _check_range
-from chatbot.compat.tinychat import _PERSISTENT
+from chatbot.compat._common import CompatArgumentError, check_model, check_range
+from chatbot.compat.tinychat import PERSISTENT
 from chatbot.config import MAX_TOKENS, Range
 from chatbot.engine.generate import Engine
 from chatbot.engine.sink_cache import SinkCache
@@ -108,12 +108,12 @@ def enable_streaming_llm(
         StreamingUnsupportedError: the model's positions cannot be re-rotated.
     """
     api = "enable_streaming_llm"
-    _check_model(model, api)
+    check_model(model, api)
     # (the model's context bounds both, below; the CLI's --recent-size starts at 16, but
     # StreamingLLM's own scripts use smaller windows)
-    start_size = _check_range(api, "start_size", start_size, Range(int, 0))
-    recent_size = _check_range(api, "recent_size", recent_size, Range(int, 1))
-    evict_block = _check_range(api, "evict_block", evict_block, Range(int, 1, MAX_TOKENS))
+    start_size = check_range(api, "start_size", start_size, Range(int, 0))
+    recent_size = check_range(api, "recent_size", recent_size, Range(int, 1))
+    evict_block = check_range(api, "evict_block", evict_block, Range(int, 1, MAX_TOKENS))
     if start_size > recent_size:
         raise CompatArgumentError(
             f"{api}: start_size ({start_size:,}) must not be larger than the recent window "
@@ -131,7 +131,7 @@ def enable_streaming_llm(
             f"{api}: start_size + recent_size ({start_size:,} + {recent_size:,}) must be at most "
             f"the model's context ({context:,} tokens); e.g. recent_size={max(1, context - start_size):,}"
         )
-    _PERSISTENT[model] = cache
+    PERSISTENT[model] = cache
     if model not in _WATCHED and hasattr(model, "register_forward_pre_hook"):
         _WATCHED[model] = model.register_forward_pre_hook(_warn_unbounded_cache, with_kwargs=True)
     return cache

@@ -14,12 +14,12 @@ from transformers.cache_utils import Cache
 
 from chatbot.compat._common import (
     CompatArgumentError,
-    _check_model,
-    _check_range,
-    _check_text,
-    _check_tokenizer,
-    _NoText,
-    _token_id,
+    NoText,
+    check_model,
+    check_range,
+    check_text,
+    check_tokenizer,
+    token_id,
 )
 from chatbot.compat.records import track
 from chatbot.config import MAX_TOKENS, Range, SamplingConfig
@@ -32,7 +32,7 @@ from chatbot.errors import ConfigError
 _RANGES = SamplingConfig.RANGES
 
 # TinyChat models own their KV cache; ours live here, one per model.
-_PERSISTENT: weakref.WeakKeyDictionary[Any, Cache] = weakref.WeakKeyDictionary()
+PERSISTENT: weakref.WeakKeyDictionary[Any, Cache] = weakref.WeakKeyDictionary()
 
 
 # --- TinyChat: StreamGenerator -------------------------------------------------------------
@@ -59,7 +59,7 @@ class _GenParams:
 
         def get(key: str, default: Any, allowed: Range) -> Any:
             value = params.get(key, default) if isinstance(params, Mapping) else getattr(params, key, default)
-            return _check_range("StreamGenerator", f"gen_params {key}", value, allowed)
+            return check_range("StreamGenerator", f"gen_params {key}", value, allowed)
 
         return cls(
             temp=get("temp", 0.7, _RANGES["temperature"]),
@@ -94,16 +94,16 @@ class _GenParams:
 def persistent_cache(model: Any) -> Cache:
     """The cache `StreamGenerator` keeps for `model` (a new `DynamicCache` the first time;
     the `SinkCache` after `enable_streaming_llm`)."""
-    cache = _PERSISTENT.get(model)
+    cache = PERSISTENT.get(model)
     if cache is None:
-        cache = Engine(model, _NoText()).new_cache().cache
-        _PERSISTENT[model] = cache
+        cache = Engine(model, NoText()).new_cache().cache
+        PERSISTENT[model] = cache
     return cache
 
 
 def reset_persistent_cache(model: Any) -> None:
     """Forget `model`'s persistent cache: the next `StreamGenerator` starts a `DynamicCache`."""
-    _PERSISTENT.pop(model, None)
+    PERSISTENT.pop(model, None)
 
 
 def _rewind_to(kv: TrackedCache, start_pos: int) -> None:
@@ -196,12 +196,12 @@ def StreamGenerator(
         ContextFullError: the input does not fit the model's context.
     """
     del device, quant_llm
-    _check_model(model, "StreamGenerator")
-    _check_tokenizer(tokenizer, "StreamGenerator")
-    _check_text(input, "input", "StreamGenerator")
-    start_pos = _token_id(start_pos, "start_pos", "StreamGenerator", "an integer (a token count)")
-    stream_interval = _check_range("StreamGenerator", "stream_interval", stream_interval)
-    stop_ids = [_token_id(t, f"stop_token_ids[{i}]", "StreamGenerator") for i, t in enumerate(stop_token_ids)]
+    check_model(model, "StreamGenerator")
+    check_tokenizer(tokenizer, "StreamGenerator")
+    check_text(input, "input", "StreamGenerator")
+    start_pos = token_id(start_pos, "start_pos", "StreamGenerator", "an integer (a token count)")
+    stream_interval = check_range("StreamGenerator", "stream_interval", stream_interval)
+    stop_ids = [token_id(t, f"stop_token_ids[{i}]", "StreamGenerator") for i, t in enumerate(stop_token_ids)]
     engine = Engine(model, tokenizer)
     sampling = _GenParams.read(gen_params, len(tokenizer)).sampling()
     kv = track(persistent_cache(model), engine.max_context)
@@ -214,7 +214,23 @@ def StreamGenerator(
     if tokenizer.eos_token_id is not None:
         stop.add(int(tokenizer.eos_token_id))
     stops = StopStrings(stop_strings)
+    yield from _generate(engine, kv, input_ids, sampling, stop, stops, stream_interval, echo)
 
+
+def _generate(
+    engine: Engine,
+    kv: TrackedCache,
+    input_ids: list[int],
+    sampling: SamplingConfig,
+    stop: set[int],
+    stops: StopStrings,
+    stream_interval: int,
+    echo: bool,
+) -> Iterator[dict[str, Any]]:
+    """`StreamGenerator`'s dicts for `input_ids` fed on `kv` (already cut back to its start):
+    the answer ends at a token of `stop`, a stop string of `stops` or `max_new_tokens`; the
+    token that ends it is fed back into the cache, unless the context is full."""
+    tokenizer = engine.tokenizer
     flag = _StopFlag()
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
     answer: list[int] = []  # answer tokens, the stop token excluded

@@ -23,7 +23,7 @@ import os
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -82,7 +82,8 @@ def create_app(
     max_body: int | None = None,
     defaults_from: str | None = None,
 ) -> FastAPI:
-    """The ASGI app serving `pool`'s engine as `model_name`.
+    """The ASGI app serving `pool`'s engine as `model_name`: the routes of `OpenAIApi.routes`,
+    the error handlers of `EXCEPTION_HANDLERS`, the body cap and the key check.
 
     Args:
         pool: the prefix-cache pool (it owns the engine).
@@ -93,56 +94,113 @@ def create_app(
         defaults_from: where the pool's sampling defaults come from, for /health.
     """
     created = created or int(time.time())
-    max_context = pool.engine.max_context
-    max_body = max_body or default_max_body(max_context)
-    bound = PromptBound.of(pool.engine.tokenizer, None if streaming_cache else max_context)
-    worker = Worker(pool)
-    batcher = None if worker.batched is None else worker.batched.batcher
+    max_body = max_body or default_max_body(pool.engine.max_context)
+    api = OpenAIApi(pool, model_name, api_key, streaming_cache, created, max_body, defaults_from)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        worker.stop()
+        api.worker.stop()
 
     app = FastAPI(title="chatbot", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.worker = worker
+    app.state.worker = api.worker
     app.state.pool = pool
     app.state.max_body = max_body
     # Added before the key check, so inside it: a request without the key is refused unread.
     app.add_middleware(BodyLimit, max_bytes=max_body)
+    for exc_type, handler in EXCEPTION_HANDLERS.items():
+        app.exception_handler(exc_type)(handler)
+    app.middleware("http")(api.check_key)
+    for path, (method, endpoint) in api.routes().items():
+        app.api_route(path, methods=[method])(endpoint)
+    return app
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        # The deepest error: in a union (content: a string or a list of parts) the branch that
-        # got furthest, not the first branch's "should be a valid string".
-        first = max(errors, key=lambda e: len(e.get("loc", ()))) if errors else {}
-        # The field's path, without pydantic's names for the branches of a union ("str",
-        # "function-after[_encodable(), str]", "list[ContentPart]").
-        loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _union_branch(p)]
-        if first.get("type") == "json_invalid":
-            message = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg', ''))}"
-            return APIError(400, message).response()  # its loc is a character offset, no field
-        else:
-            where = ".".join(loc) or "body"
-            message = f"{where}: {str(first.get('msg', 'invalid value')).removeprefix('Value error, ')}"
-            if first.get("type") == "literal_error" and loc and loc[-1] == "role":
-                message = f"{where}: unknown role {first.get('input')!r} (use system, user or assistant)"
-        return APIError(400, message, param=".".join(loc) or None).response()
+async def api_error_response(_: Request, exc: APIError) -> JSONResponse:
+    """Our own errors, as OpenAI words them."""
+    return exc.response()
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = str(exc.detail)
-        if exc.status_code in (404, 405):  # OpenAI's words for a path it does not serve
-            message = f"Invalid URL ({request.method} {request.url.path})"
-        return APIError(exc.status_code, message).response()
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Any:
+async def validation_error_response(_: Request, exc: RequestValidationError) -> JSONResponse:
+    """A body that fails the request models: a 400 naming the field (malformed JSON: its error)."""
+    errors = exc.errors()
+    # The deepest error: in a union (content: a string or a list of parts) the branch that
+    # got furthest, not the first branch's "should be a valid string".
+    first = max(errors, key=lambda e: len(e.get("loc", ()))) if errors else {}
+    # The field's path, without pydantic's names for the branches of a union ("str",
+    # "function-after[_encodable(), str]", "list[ContentPart]").
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _union_branch(p)]
+    if first.get("type") == "json_invalid":
+        message = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg', ''))}"
+        return APIError(400, message).response()  # its loc is a character offset, no field
+    else:
+        where = ".".join(loc) or "body"
+        message = f"{where}: {str(first.get('msg', 'invalid value')).removeprefix('Value error, ')}"
+        if first.get("type") == "literal_error" and loc and loc[-1] == "role":
+            message = f"{where}: unknown role {first.get('input')!r} (use system, user or assistant)"
+    return APIError(400, message, param=".".join(loc) or None).response()
+
+
+async def http_error_response(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's errors (an unknown path or method) in OpenAI's shape and words."""
+    message = str(exc.detail)
+    if exc.status_code in (404, 405):  # OpenAI's words for a path it does not serve
+        message = f"Invalid URL ({request.method} {request.url.path})"
+    return APIError(exc.status_code, message).response()
+
+
+EXCEPTION_HANDLERS: dict[type[Exception], Callable[[Request, Any], Awaitable[JSONResponse]]] = {
+    APIError: api_error_response,
+    RequestValidationError: validation_error_response,
+    StarletteHTTPException: http_error_response,
+}
+"""The app's error handlers, by the exception they answer."""
+
+
+class OpenAIApi:
+    """The routes' handlers and what they share: the pool, its worker thread, the model card
+    and the limits a request is checked against.
+
+    Args: as `create_app`'s (`created` and `max_body` resolved).
+    """
+
+    def __init__(
+        self,
+        pool: PrefixCachePool,
+        model_name: str,
+        api_key: str | None,
+        streaming_cache: bool,
+        created: int,
+        max_body: int,
+        defaults_from: str | None,
+    ) -> None:
+        self.pool, self.model_name, self.api_key = pool, model_name, api_key
+        self.streaming_cache, self.max_body, self.defaults_from = streaming_cache, max_body, defaults_from
+        self.max_context = pool.engine.max_context
+        self.bound = PromptBound.of(pool.engine.tokenizer, None if streaming_cache else self.max_context)
+        self.worker = Worker(pool)
+        self.batcher = None if self.worker.batched is None else self.worker.batched.batcher
+        self.model_card = {
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "chatbot",
+            "max_model_len": None if streaming_cache else self.max_context,
+        }
+
+    def routes(self) -> dict[str, tuple[str, Callable[..., Awaitable[Any]]]]:
+        """The API: path -> (HTTP method, handler)."""
+        return {
+            "/health": ("GET", self.health),
+            "/v1/models": ("GET", self.models),
+            "/v1/models/{model_id:path}": ("GET", self.model),
+            "/v1/chat/completions": ("POST", self.chat),
+            "/v1/completions": ("POST", self.complete),
+        }
+
+    async def check_key(self, request: Request, call_next: Any) -> Any:
+        """HTTP middleware: with an API key set, a /v1 request without it is a 401."""
+        api_key = self.api_key
         if api_key and request.url.path.startswith("/v1"):
             given = request.headers.get("authorization", "")
             scheme, _, token = given.partition(" ")
@@ -154,11 +212,11 @@ def create_app(
                 ).response()
         return await call_next(request)
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health(self) -> dict[str, Any]:
+        worker, batcher = self.worker, self.batcher
         return {
             "status": "ok",
-            "model": model_name,
+            "model": self.model_name,
             "concurrency": worker.slots,
             "note": "one generation at a time; other requests queue"
             if worker.slots == 1
@@ -167,56 +225,45 @@ def create_app(
             "batched_steps": None if batcher is None else {"steps": batcher.steps, "rows": batcher.rows},
             "queued": worker.queued,
             "served": worker.served,
-            "context": None if streaming_cache else max_context,
-            "streaming_cache": streaming_cache,
-            "prefix_cache": pool.describe(),
-            "max_body_bytes": max_body,
+            "context": None if self.streaming_cache else self.max_context,
+            "streaming_cache": self.streaming_cache,
+            "prefix_cache": self.pool.describe(),
+            "max_body_bytes": self.max_body,
             "rss_bytes": rss_bytes(),
             # What a request that leaves them out gets (the model's preset and generation
             # config, then the serve flags); see `sampling_of`.
-            "sampling_defaults": {**_defaults(pool), "from": defaults_from},
+            "sampling_defaults": {**_defaults(self.pool), "from": self.defaults_from},
         }
 
-    model_card = {
-        "id": model_name,
-        "object": "model",
-        "created": created,
-        "owned_by": "chatbot",
-        "max_model_len": None if streaming_cache else max_context,
-    }
-
-    def check_model(name: str, param: str | None = "model") -> None:
-        if name != model_name:
+    def check_model(self, name: str, param: str | None = "model") -> None:
+        """Raises: APIError: 404, `name` is not the model served."""
+        if name != self.model_name:
             raise APIError(
                 404,
-                f"the model {name!r} does not exist; this server has {model_name!r}",
+                f"the model {name!r} does not exist; this server has {self.model_name!r}",
                 param=param,
                 code="model_not_found",
             )
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card]}
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self.model_card]}
 
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str) -> dict[str, Any]:
-        check_model(model_id, None)
-        return model_card
+    async def model(self, model_id: str) -> dict[str, Any]:
+        self.check_model(model_id, None)
+        return self.model_card
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request) -> Any:
-        check_model(body.model)
+    async def chat(self, body: ChatRequest, request: Request) -> Any:
+        self.check_model(body.model)
         conv = conversation_of(body)
-        sampling = sampling_of(body, pool.sampling, None if streaming_cache else max_context)
+        sampling = sampling_of(body, self.pool.sampling, None if self.streaming_cache else self.max_context)
         job = Job(conv, sampling, _nowhere, stops=body.stop_strings(), logprobs=body.top_logprobs_wanted())
-        bound.check_conversation(conv)
-        return await answer(request, job, body.stream, body.stream_options, chat=True)
+        self.bound.check_conversation(conv)
+        return await self.answer(request, job, body.stream, body.stream_options, chat=True)
 
-    @app.post("/v1/completions")
-    async def complete(body: CompletionRequest, request: Request) -> Any:
-        check_model(body.model)
+    async def complete(self, body: CompletionRequest, request: Request) -> Any:
+        self.check_model(body.model)
         prompt = body.text()
-        sampling = sampling_of(body, pool.sampling, None if streaming_cache else max_context)
+        sampling = sampling_of(body, self.pool.sampling, None if self.streaming_cache else self.max_context)
         job = Job(
             None,
             sampling,
@@ -225,11 +272,11 @@ def create_app(
             stops=body.stop_strings(),
             logprobs=body.top_logprobs_wanted(),
         )
-        bound.check_prompt(prompt)
-        return await answer(request, job, body.stream, body.stream_options, chat=False)
+        self.bound.check_prompt(prompt)
+        return await self.answer(request, job, body.stream, body.stream_options, chat=False)
 
     async def answer(
-        request: Request, job: Job, stream: bool, options: StreamOptions | None, chat: bool
+        self, request: Request, job: Job, stream: bool, options: StreamOptions | None, chat: bool
     ) -> Any:
         """Queue the job; answer with server-sent events or one JSON object."""
         loop = asyncio.get_running_loop()
@@ -239,7 +286,7 @@ def create_app(
             loop.call_soon_threadsafe(events.put_nowait, event)
 
         job.emit = emit
-        worker.submit(job)
+        self.worker.submit(job)
         # Until the response starts, a task of ours waits for the client to go away (a
         # streamed response then listens for that itself).
         watcher = asyncio.create_task(_watch_disconnect(request, job))
@@ -256,7 +303,7 @@ def create_app(
                 await _stop(watcher)
                 include_usage = bool(options and options.include_usage)
                 return StreamingResponse(
-                    _sse(first, events, job, rid, include_usage, chat),
+                    self._sse(first, events, job, rid, include_usage, chat),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )
@@ -279,7 +326,7 @@ def create_app(
                 "id": rid,
                 "object": "text_completion",
                 "created": int(time.time()),
-                "model": model_name,
+                "model": self.model_name,
                 "choices": [
                     {
                         "index": 0,
@@ -294,7 +341,7 @@ def create_app(
             "id": rid,
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": model_name,
+            "model": self.model_name,
             "choices": [
                 {
                     "index": 0,
@@ -307,6 +354,7 @@ def create_app(
         }
 
     async def _sse(
+        self,
         first: tuple[str, Any],
         events: asyncio.Queue[tuple[str, Any]],
         job: Job,
@@ -331,7 +379,7 @@ def create_app(
                     "id": rid,
                     "object": kind,
                     "created": int(time.time()),
-                    "model": model_name,
+                    "model": self.model_name,
                     "choices": [choice],
                 }
             )
@@ -356,7 +404,7 @@ def create_app(
                         "id": rid,
                         "object": kind,
                         "created": int(time.time()),
-                        "model": model_name,
+                        "model": self.model_name,
                         "choices": [],
                         "usage": _usage(done),
                     }
@@ -364,8 +412,6 @@ def create_app(
             yield "data: [DONE]\n\n"
         finally:
             job.cancel.set()  # a no-op when the answer is complete; stops it when the client left
-
-    return app
 
 
 class BodyLimit:

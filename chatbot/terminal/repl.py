@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import contextvars
 import sys
-import time
 from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
@@ -28,30 +27,22 @@ from prompt_toolkit.output import create_output
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from chatbot.errors import ChatbotError, ContextFullError
-from chatbot.limits import expand
+from chatbot.errors import ChatbotError
 from chatbot.session_log import FILE_MODE, Event, SessionLog, data_dir, find_session, private_dir, replay
 from chatbot.terminal.commands import (
-    CLEAR_FLAG,
     Command,
-    help_rows,
-    help_text,
     is_command,
     parse_command,
-    settings_rows,
-    settings_text,
 )
 from chatbot.terminal.input import BlockReader, KeptHistory, SlashCompleter, clean_message, read_lines
 from chatbot.terminal.live_answer import MarkdownAnswer, PlainAnswer
 from chatbot.terminal.render import (
-    columns,
     format_stats_line,
     history_renderable,
-    key_value_table,
     meter_style,
     sampling_brief,
-    stats_renderable,
 )
+from chatbot.terminal.repl_commands import ReplCommands
 from chatbot.terminal.sanitize import safe_line, safe_text
 from chatbot.terminal.tty import interrupt_once, make_consoles, no_echo
 from chatbot.terminal.wrap_input import WordWrap
@@ -60,17 +51,6 @@ if TYPE_CHECKING:  # torch and transformers come with these: the prompt must not
     from chatbot.chat import Chat, ModelInfo
 
 MAX_MESSAGE_CHARS = 200_000
-KEYS = [
-    ("Enter", "send"),
-    ("Alt+Enter (or Esc, Enter)", "new line"),
-    ('""" on a line', "open/close a multi-line block; a paste keeps its lines in one message"),
-    ("Ctrl-C", "stop the answer (it is kept; /continue goes on) or clear the line"),
-    ("Ctrl-D", "leave"),
-    ("Tab", "complete commands and settings"),
-    ("//text", "send a message that starts with a slash"),
-]
-KEYS_HELP = "keys:\n" + "\n".join(f"  {key.ljust(26)} {what}" for key, what in KEYS)
-
 __all__ = [
     "BlockReader", "ChatStart", "Repl", "clean_message", "data_dir", "make_consoles", "read_lines", "run",
 ]  # fmt: skip
@@ -87,7 +67,7 @@ class ChatStart:
     notes: list[str] = field(default_factory=list)
 
 
-class Repl:
+class Repl(ReplCommands):
     """Reads messages and commands, streams answers, prints stats.
 
     Whatever answers (a local model, a server) is behind the `Chat` interface: the REPL
@@ -282,128 +262,6 @@ class Repl:
             "system": self.session.system,
             "settings": self.session.sampling.as_dict(),
         }
-
-    # -- commands ----------------------------------------------------------------------
-
-    def _help(self, _: Command) -> None:
-        if self.info.is_terminal:
-            self.info.print(columns(help_rows(), self.info.width))
-            self.info.print()
-            self.info.print("keys:")
-            self.info.print(columns(KEYS, self.info.width))
-        else:
-            self.info.print(help_text() + "\n\n" + KEYS_HELP, highlight=False, markup=False)
-
-    def _exit(self, _: Command) -> None:
-        self.running = False
-
-    def _reset(self, _: Command) -> None:
-        self.session.reset()
-        self.note("conversation cleared (the system prompt is kept)")
-
-    def _undo(self, _: Command) -> None:
-        turn = self.session.undo()
-        self.note(f"removed: {_brief(turn.user)} → {_brief(turn.answer)}")
-
-    def _retry(self, command: Command) -> None:
-        sampling = self.session.sampling
-        for key, value in command.values.items():
-            sampling = sampling.with_value(key, "none" if value is None else value)
-        self._stream(self.session.retry(sampling if command.values else None))
-
-    def _continue(self, _: Command) -> None:
-        self._stream(self.session.continue_answer(), continued=True)
-
-    def _system(self, command: Command) -> None:
-        if not command.arg:
-            default = None if self.session.system else self.session.template_system()
-            if self.session.system:
-                self.note(f"system prompt: {self.session.system}")
-            elif default:
-                self.note(f"system prompt (the template's default): {default}; /system TEXT replaces it")
-            else:
-                self.note("no system prompt; /system TEXT sets one")
-            return
-        text = None if command.arg == CLEAR_FLAG else command.arg
-        try:
-            with self._progress("re-encoding") as progress, interrupt_once():
-                n = self.session.set_system(text, progress)
-        except KeyboardInterrupt:
-            n = -1
-        if n < 0:
-            self.note("stopped; the rest is encoded with the next message")
-        else:
-            what = "system prompt removed" if text is None else "system prompt set"
-            self.note(what + self.session.encoded_note(n, system=True))
-
-    def _set(self, command: Command) -> None:
-        if not command.values:
-            if self.info.is_terminal:
-                self.info.print(columns(settings_rows(self.session.sampling), self.info.width))
-            else:
-                self.info.print(settings_text(self.session.sampling), highlight=False, markup=False)
-            return
-        sampling = self.session.sampling
-        for key, value in command.values.items():
-            sampling = sampling.with_value(key, "none" if value is None else value)
-        self.session.set_sampling(sampling)
-        self.note(", ".join(f"{k} = {'random' if v is None else v}" for k, v in command.values.items()))
-
-    def _save(self, command: Command) -> None:
-        path = (
-            expand(command.arg)
-            if command.arg
-            else (data_dir() / "saved" / time.strftime("chat-%Y%m%d-%H%M%S.json"))
-        )
-        written = self.session.save(path, model=self.loaded.name)
-        self.note(f"saved {len(self.session.turns)} turns to {written}")
-
-    def _load(self, command: Command) -> None:
-        from chatbot.persist import read_saved
-
-        data = read_saved(command.arg)
-        self._restore(data)
-        model = data.get("model")
-        if model and model != self.loaded.name:
-            self.note(f"that chat was with {model}; continuing with {self.loaded.name}")
-
-    def _restore(self, data: dict[str, Any]) -> None:
-        try:
-            with self._progress("encoding the history") as progress, interrupt_once():
-                problems: list[str] = []
-                n = self.session.restore(data, progress, warnings=problems)
-            for problem in problems:
-                self.note(f"warning: {problem}")
-            self.note(f"loaded {len(self.session.turns)} turns" + self.session.encoded_note(n, system=False))
-        except KeyboardInterrupt:
-            self.note(
-                f"loaded {len(self.session.turns)} turns; encoding stopped, the rest is "
-                "encoded with the next message"
-            )
-        except ContextFullError as exc:
-            # The conversation is kept (not encoded): the user decides what to drop.
-            self.note(
-                f"loaded {len(self.session.turns)} turns, but they do not fit: {exc}; "
-                "/undo drops the last turn"
-            )
-
-    def _history(self, _: Command) -> None:
-        self.info.print(history_renderable(self.session.turns, self.session.system, markdown=not self.plain))
-
-    def _stats(self, _: Command) -> None:
-        if not self.session.turns:
-            self.note("no turns yet")
-            return
-        self.info.print(stats_renderable(self.info, self.session.turns, self.session.summary()))
-
-    def _model(self, _: Command) -> None:
-        title, rows = self.session.describe_model(self.loaded)
-        rows["sampling"] = sampling_brief(self.session.sampling)
-        self.info.print(key_value_table(title, rows))
-
-    def _cache(self, _: Command) -> None:
-        title, rows = self.session.describe_cache()
-        self.info.print(key_value_table(title, rows))
 
     # -- output ------------------------------------------------------------------------
 
@@ -668,11 +526,6 @@ class Repl:
                     self.handle(message)
                 except KeyboardInterrupt:  # a command's output cut short; answers handle their own
                     self.note("(interrupted)")
-
-
-def _brief(text: str, n: int = 40) -> str:
-    flat = " ".join(text.split())
-    return flat if len(flat) <= n else flat[: n - 1] + "…"
 
 
 def resolve_resume(ref: str | None) -> Path | None:
