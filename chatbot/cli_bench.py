@@ -353,7 +353,8 @@ def bench_decode(
 ) -> None:
     """Decode and prefill speed, time to first token and peak memory: transformers generate(),
     our engine at each --opt level, and llama.cpp, side by side (one process per set-up)."""
-    from chatbot.measure.bench_decode import print_decode, run_decode_bench
+    from chatbot.measure.bench_decode import run_decode_bench
+    from chatbot.measure.decode_report import print_decode
     from chatbot.measure.report import read_text, write_json
 
     chosen = [s.strip() for s in setups.split(",") if s.strip()] if setups else None

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from chatbot.measure import bench_decode, report
+from chatbot.measure import bench_decode, decode_report, report
 from devtools import bench_render, bench_scale
 from devtools.bench_scale import Case
 
@@ -47,7 +47,7 @@ def test_versus_llama_cpp_ratios() -> None:
     result = {
         "results": [_row("chatbot-auto", 60.0, 400.0, 2.0, 500.0), _row("llama.cpp", 40.0, 200.0, 1.0, 400.0)]
     }
-    lines = bench_decode.versus_llama_cpp(result)
+    lines = decode_report.versus_llama_cpp(result)
     assert lines[0].startswith("chatbot-auto vs llama.cpp")
     assert "decode tok/s: 60.0 vs 40.0 = 1.50x faster" in lines[1]
     assert "prefill tok/s @500: 400.0 vs 200.0 = 2.00x faster" in lines[2]
@@ -55,11 +55,11 @@ def test_versus_llama_cpp_ratios() -> None:
     assert "peak RSS MB: 500.0 vs 400.0 = 1.25x the memory" in lines[4]
     assert len(lines) == 5  # no runtime figures: no split of the peak
     result["results"][0]["runtime_mb"], result["results"][1]["runtime_mb"] = 330.0, 50.0
-    lines = bench_decode.versus_llama_cpp(result)
+    lines = decode_report.versus_llama_cpp(result)
     assert "RSS before the model (runtime) MB: 330.0 vs 50.0 = 6.60x the memory" in lines[5]
     assert "peak RSS above it MB: 170.0 vs 350.0 = 0.49x the memory" in lines[6]
     failed = {"results": [_row("chatbot-auto", 60, 400, 2, 500), {"name": "llama.cpp", "error": "x"}]}
-    assert bench_decode.versus_llama_cpp(failed) == []
+    assert decode_report.versus_llama_cpp(failed) == []
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="VmHWM is Linux's")
