@@ -265,6 +265,12 @@ def _make_chat(settings: Any, opt: str, threads: int | None, banner: bool, quiet
             + f" · context {d['context']} · template {d['template']} · loaded in {d['load time']}"
             + f" · decode: {decode}"
         )
+    if engine.compiled:  # before the prompt, not in the first answer
+        if not quiet and sys.stderr.isatty():
+            with Console(stderr=True).status("compiling the decode step (once per cache size)…"):
+                engine.warm_up(session.kv)
+        else:
+            engine.warm_up(session.kv)
     return ChatStart(session, loaded, shown)
 
 

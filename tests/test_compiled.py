@@ -271,3 +271,21 @@ DEFAULT_MODEL_MESSAGES = [
     "What is two plus two?",
     "Say goodbye.",
 ]
+
+
+def test_warm_up_compiles_before_the_first_answer_and_leaves_the_cache_as_made(model_and_tok):
+    model, tok = model_and_tok
+    backend = CompiledBackend(model)
+    s = session(backend, model, tok, recent=64)
+    s.kv.pin(9)
+    before = (s.kv.length, s.kv.pinned, s.kv.evicted_total, list(s.kv.seen))
+    s.engine.warm_up(s.kv)
+    assert backend.figures.compiles == 1
+    assert (s.kv.length, s.kv.pinned, s.kv.evicted_total, list(s.kv.seen)) == before
+    torch._dynamo.config.error_on_recompile = True
+    ref = text(session(HFBackend(model), model, tok, recent=64).send("hello there"))
+    s.kv.pin(4)
+    assert text(s.send("hello there")) == ref and backend.figures.compiles == 1
+    eager = session(HFBackend(model), model, tok)
+    eager.engine.warm_up(eager.kv)  # a no-op there
+    assert eager.kv.length == 0

@@ -16,7 +16,8 @@ its cache layers are `StaticLayer`s:
   eviction (which moves the kept keys in place and re-rotates them) work as on the native path.
 
 A growing cache takes a capacity from `bucket` (powers of two from 256): one compile per
-capacity reached. An attention-sink cache takes its whole window at once: one compile. A GGUF
+capacity reached. An attention-sink cache takes its whole window at once (in a bucket): one
+compile. A GGUF
 model's packed products are custom ops (`chatbot.engine.packed`): one opaque kernel call each
 inside the graph.
 """
@@ -250,7 +251,9 @@ class CompiledBackend(HFBackend):
         if len(layers) != len(cache.layers):
             return  # a cache the static layers could not take over: eager steps
         if isinstance(cache, SinkCache):
-            target = max(needed, cache.capacity)
+            # the whole window, in a bucket: a pinned system prompt that widens it a little
+            # later (`SinkCache.pin`) still fits, with no new buffers and no new compile
+            target = bucket(max(needed, cache.capacity))
         else:
             target = bucket(max(needed, self._reached), limit if limit is not None else self.limit)
             if target > self._reached:

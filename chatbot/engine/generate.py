@@ -151,6 +151,23 @@ class Engine:
         dst.feed(src.ids[:n])
         return True
 
+    def warm_up(self, kv: TrackedCache) -> None:
+        """Compile the decode step where the backend compiles one (`--opt compile`): a token
+        prefilled into the empty cache `kv` and one step, then `kv` emptied again (its
+        buffers and pin kept), so that the first answer does not wait for the compiler. A
+        no-op for other backends, or a `kv` that holds tokens."""
+        if not self.compiled or kv.length:
+            return
+        token = next(
+            (t for t in (self.tokenizer.bos_token_id, self.tokenizer.eos_token_id) if t is not None), 0
+        )
+        pinned = kv.pinned
+        with torch.inference_mode():
+            self.prefill(kv, [int(token)])
+            self._step(kv, int(token))
+        kv.reset()
+        kv.pin(pinned)  # (a reset drops the pin of a system prompt to the sinks)
+
     # -- forward passes -----------------------------------------------------------------
 
     def _feed(self, kv: TrackedCache, ids: Sequence[int], reserve: int = 0) -> torch.Tensor:
