@@ -23,7 +23,8 @@ from chatbot.errors import ChatbotError
 from chatbot.measure.report import conditions, loadavg
 
 
-def _client(base_url: str, api_key: str | None, timeout: float = 600.0) -> openai.OpenAI:
+def make_client(base_url: str, api_key: str | None, timeout: float = 600.0) -> openai.OpenAI:
+    """An OpenAI client of the server at `base_url` that never retries (a failure is a figure)."""
     return openai.OpenAI(
         base_url=base_url,
         api_key=api_key or "none",
@@ -32,7 +33,12 @@ def _client(base_url: str, api_key: str | None, timeout: float = 600.0) -> opena
     )
 
 
-def _model_of(client: openai.OpenAI, model: str | None) -> str:
+def model_of(client: openai.OpenAI, model: str | None) -> str:
+    """`model`, checked against the server's list, or the server's first model when None.
+
+    Raises:
+        ChatbotError: the server does not list its models, lists none, or lacks `model`.
+    """
     try:
         ids = [m.id for m in client.models.list().data]
     except openai.OpenAIError as exc:
@@ -108,8 +114,8 @@ def run_http_turns_bench(
     """Play the user turns through HTTP with the server's prefix cache (one `cache_salt` for
     the conversation), then replay the same messages (the first play's answers) with the
     cache bypassed (a fresh salt per request, which vLLM and chatbot serve honour)."""
-    client = _client(base_url, api_key)
-    model = _model_of(client, model)
+    client = make_client(base_url, api_key)
+    model = model_of(client, model)
     salt = uuid.uuid4().hex
     messages: list[ChatCompletionMessageParam] = []
     cached_rows = []
@@ -184,8 +190,9 @@ def _batched(base_url: str, api_key: str | None) -> tuple[int, int] | None:
         return None
 
 
-def _quantile(values: list[float], q: float) -> float:
-    return quantile(values, q) if values else float("nan")  # nan: no request finished
+def quantile_or_nan(values: list[float], q: float) -> float:
+    """The `q` quantile of `values`; NaN when there are none (no request finished)."""
+    return quantile(values, q) if values else float("nan")
 
 
 def run_load_bench(
@@ -216,8 +223,8 @@ def run_load_bench(
     start, after a quarter of the time, and at the end; with chatbot serve, the mean rows of
     its batched decode steps during the run.
     """
-    client = _client(base_url, api_key, timeout=max(120.0, duration_s * 2))
-    model = _model_of(client, model)
+    client = make_client(base_url, api_key, timeout=max(120.0, duration_s * 2))
+    model = model_of(client, model)
     read_rss = rss_of or (lambda: _server_rss(base_url, api_key))
     batched_before = _batched(base_url, api_key)
     start = time.perf_counter()
@@ -230,7 +237,7 @@ def run_load_bench(
     finished_at: list[float] = []  # when each client's last request ended
 
     def one(index: int) -> None:
-        c = _client(base_url, api_key, timeout=max(120.0, duration_s * 2))
+        c = make_client(base_url, api_key, timeout=max(120.0, duration_s * 2))
         salt = f"load-{index}-{uuid.uuid4().hex}"  # each client its own conversations
         messages: list[ChatCompletionMessageParam] = []
         turn = index % len(turns)
@@ -300,9 +307,9 @@ def run_load_bench(
         "elapsed_s": elapsed,
         "max_new_tokens": max_new_tokens,
         **results,
-        "ttft_p50_s": _quantile(ttfts, 0.5),
-        "ttft_p90_s": _quantile(ttfts, 0.9),
-        "ttft_p99_s": _quantile(ttfts, 0.99),
+        "ttft_p50_s": quantile_or_nan(ttfts, 0.5),
+        "ttft_p90_s": quantile_or_nan(ttfts, 0.9),
+        "ttft_p99_s": quantile_or_nan(ttfts, 0.99),
         "ttft_mean_s": statistics.fmean(ttfts) if ttfts else float("nan"),
         "tokens_per_s": results["tokens"] / elapsed if elapsed else 0.0,
         "rss_start_bytes": rss[0][1] if rss else None,

@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from chatbot.errors import ChatbotError, ConfigError
-from chatbot.measure.bench_http import _client, _model_of, _quantile, run_load_bench, stream_once
+from chatbot.measure.bench_http import make_client, model_of, quantile_or_nan, run_load_bench, stream_once
 from chatbot.measure.report import conditions, loadavg
 
 SETUPS = ("chatbot", "llama.cpp")
@@ -211,8 +211,8 @@ def _measure(
 ) -> list[dict[str, Any]]:
     """One untimed answer, then a load run per client count on the server at `base_url`,
     all the counts `rounds` times in turn; each count's runs pooled into one (`pooled`)."""
-    client = _client(base_url, api_key, timeout=120.0)
-    model = _model_of(client, model)
+    client = make_client(base_url, api_key, timeout=120.0)
+    model = model_of(client, model)
     try:
         stream_once(client, model, [{"role": "user", "content": turns[0]}], 4)
     except (openai.OpenAIError, OSError, httpx.HTTPError) as exc:
@@ -277,9 +277,9 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "elapsed_s": elapsed,
         "tokens_per_s": tokens / elapsed if elapsed else 0.0,
         "tokens_per_s_rounds": [r["tokens_per_s"] for r in runs],
-        "ttft_p50_s": _quantile(ttfts, 0.5),
-        "ttft_p90_s": _quantile(ttfts, 0.9),
-        "ttft_p99_s": _quantile(ttfts, 0.99),
+        "ttft_p50_s": quantile_or_nan(ttfts, 0.5),
+        "ttft_p90_s": quantile_or_nan(ttfts, 0.9),
+        "ttft_p99_s": quantile_or_nan(ttfts, 0.99),
         "batch_rows_per_step": sum(rows) / sum(steps) if steps and sum(steps) else None,
         "rss_max_bytes": max(rss) if rss else None,
         "loadavg_end": statistics.fmean(r["loadavg_end"] for r in runs),
