@@ -81,59 +81,69 @@ def bench_turns(
         write_json(json_out, result)
 
 
+# `bench load`'s options
+LoadServerOpt = Annotated[
+    str | None, typer.Option(help="The server's API root, e.g. http://127.0.0.1:8000/v1.")
+]
+LoadSetupsOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Start these servers here in turn and measure each (after --server, if given): "
+        "chatbot (chatbot serve), llama.cpp (llama-cpp-python's server, when installed), "
+        "comma-separated."
+    ),
+]
+ClientsOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Concurrent streaming clients, or counts measured in turn, e.g. 1,4: each a run of "
+        "--duration, side by side with the tok/s ratio to 1 client (default: 8; 1,4 with --setups)."
+    ),
+]
+DurationOpt = Annotated[
+    float | None,
+    typer.Option(
+        help="Seconds each run keeps sending (requests in flight are finished; default: 60, "
+        "30 a run when comparing).",
+        min=1,
+        max=3600,
+    ),
+]
+LoadTokensOpt = Annotated[
+    int | None, typer.Option(help="New tokens per answer (greedy; default: 32, 64 when comparing).", min=1)
+]
+LoadRoundsOpt = Annotated[
+    int,
+    typer.Option(
+        help="When comparing: the client counts this many times in turn on each server (1, 4, 1, "
+        "4, ...), each count's runs pooled; a change in the machine's load falls on all alike.",
+        min=1,
+    ),
+]
+LoadGgufOpt = Annotated[
+    Path | None,
+    typer.Option(help="With --setups: the GGUF file both servers load (default: the default model's)."),
+]
+LoadThreadsOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="With --setups: both servers' CPU threads (default: chatbot serve's own choice, and "
+        "the count it starts with for llama.cpp).",
+        min=1,
+    ),
+]
+
+
 @bench_app.command("load")
 def bench_load(
-    server: Annotated[
-        str | None, typer.Option(help="The server's API root, e.g. http://127.0.0.1:8000/v1.")
-    ] = None,
-    setups: Annotated[
-        str | None,
-        typer.Option(
-            help="Start these servers here in turn and measure each (after --server, if given): "
-            "chatbot (chatbot serve), llama.cpp (llama-cpp-python's server, when installed), "
-            "comma-separated."
-        ),
-    ] = None,
-    clients: Annotated[
-        str | None,
-        typer.Option(
-            help="Concurrent streaming clients, or counts measured in turn, e.g. 1,4: each a run of "
-            "--duration, side by side with the tok/s ratio to 1 client (default: 8; 1,4 with --setups)."
-        ),
-    ] = None,
-    duration: Annotated[
-        float | None,
-        typer.Option(
-            help="Seconds each run keeps sending (requests in flight are finished; default: 60, "
-            "30 a run when comparing).",
-            min=1,
-            max=3600,
-        ),
-    ] = None,
-    max_new_tokens: Annotated[
-        int | None,
-        typer.Option(help="New tokens per answer (greedy; default: 32, 64 when comparing).", min=1),
-    ] = None,
-    rounds: Annotated[
-        int,
-        typer.Option(
-            help="When comparing: the client counts this many times in turn on each server (1, 4, 1, "
-            "4, ...), each count's runs pooled; a change in the machine's load falls on all alike.",
-            min=1,
-        ),
-    ] = 1,
-    gguf: Annotated[
-        Path | None,
-        typer.Option(help="With --setups: the GGUF file both servers load (default: the default model's)."),
-    ] = None,
-    threads: Annotated[
-        int | None,
-        typer.Option(
-            help="With --setups: both servers' CPU threads (default: chatbot serve's own choice, and "
-            "the count it starts with for llama.cpp).",
-            min=1,
-        ),
-    ] = None,
+    server: LoadServerOpt = None,
+    setups: LoadSetupsOpt = None,
+    clients: ClientsOpt = None,
+    duration: DurationOpt = None,
+    max_new_tokens: LoadTokensOpt = None,
+    rounds: LoadRoundsOpt = 1,
+    gguf: LoadGgufOpt = None,
+    threads: LoadThreadsOpt = None,
     conversation: ConversationOpt = None,
     model: Annotated[
         str | None,

@@ -49,11 +49,11 @@ def files(tmp_path_factory) -> dict[str, Path]:
 
 def _nan_scales(good: Path, dst: Path, tensor: str, field: str) -> str:
     """Copy `good` with every block of `tensor` given a NaN `field` ("d" or "dmin"); returns its type."""
-    from chatbot.engine.gguf_weights import _BLOCK_SCALES
+    from chatbot.engine.gguf_weights import BLOCK_SCALES
 
     shutil.copy(good, dst)
     info = next(t for t in read_tensor_table(dst)[1] if t.name == tensor)
-    block_bytes, offsets = _BLOCK_SCALES[info.type_name]
+    block_bytes, offsets = BLOCK_SCALES[info.type_name]
     at = offsets[0] if field == "d" else offsets[1]
     mm = np.memmap(dst, dtype=np.uint8, mode="r+")
     blocks = mm[info.offset : info.offset + info.nbytes].reshape(-1, block_bytes)

@@ -28,11 +28,11 @@ from chatbot.engine.gguf_table import FileStamp, TensorInfo, read_tensor_table  
 
 # Where the float16 scales of a block lie (block bytes, byte offsets of its scales: d, and
 # dmin/m where the format has one), as in ggml's block structs.
-_BLOCK_SCALES = {f.gguf_name: (f.block_bytes, f.scale_at + f.min_at) for f in FORMATS if f.is_block}
+BLOCK_SCALES = {f.gguf_name: (f.block_bytes, f.scale_at + f.min_at) for f in FORMATS if f.is_block}
 # The bits of a float16/bfloat16 exponent: all set in NaN and infinity only.
 _EXPONENT = {"F16": 0x7C00, "BF16": 0x7F80}
 # How a float tensor is read for the check: float32, or the bits of 16-bit values
-_FLOATS: dict[str, Any] = {"F32": np.float32, "F16": "<u2", "BF16": "<u2"}
+FLOATS: dict[str, Any] = {"F32": np.float32, "F16": "<u2", "BF16": "<u2"}
 _SMALL_BYTES = 16 << 20  # a float tensor of at most this size is checked whole (not a bigger one)
 _CHECKED_SCALES = ("token_embd.weight", "output.weight")  # quantized: their block scales
 
@@ -117,26 +117,26 @@ def check_finite(path: str | Path) -> None:
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     for t in table:
         flat = mm[t.offset : t.offset + t.nbytes]
-        if t.type_name in _FLOATS and t.nbytes <= _SMALL_BYTES:
-            bad = _first_nonfinite(flat.view(_FLOATS[t.type_name]), t.type_name)
+        if t.type_name in FLOATS and t.nbytes <= _SMALL_BYTES:
+            bad = first_nonfinite(flat.view(FLOATS[t.type_name]), t.type_name)
             if bad is not None:
                 raise NonFiniteWeights(
                     f"tensor {t.name!r} ({t.type_name}) holds NaN or infinity (value {bad:,})"
                 )
-        elif t.name in _CHECKED_SCALES and t.type_name in _BLOCK_SCALES:
-            block_bytes, at = _BLOCK_SCALES[t.type_name]
+        elif t.name in _CHECKED_SCALES and t.type_name in BLOCK_SCALES:
+            block_bytes, at = BLOCK_SCALES[t.type_name]
             for pos in at:
                 scales = np.lib.stride_tricks.as_strided(
                     flat[pos : pos + 2].view("<u2"), shape=(t.nbytes // block_bytes,), strides=(block_bytes,)
                 )
-                bad = _first_nonfinite(scales, "F16")
+                bad = first_nonfinite(scales, "F16")
                 if bad is not None:
                     raise NonFiniteWeights(
                         f"tensor {t.name!r} ({t.type_name}) has a NaN or infinite block scale (block {bad:,})"
                     )
 
 
-def _first_nonfinite(values: np.ndarray, kind: str) -> int | None:
+def first_nonfinite(values: np.ndarray, kind: str) -> int | None:
     """The index of the first NaN or infinity in `values` (float32, or the raw bits of F16 or
     BF16 values), or None."""
     if kind == "F32":

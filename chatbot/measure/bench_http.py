@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -23,7 +24,8 @@ from chatbot.errors import ChatbotError
 from chatbot.measure.report import conditions, loadavg
 
 
-def _client(base_url: str, api_key: str | None, timeout: float = 600.0) -> openai.OpenAI:
+def make_client(base_url: str, api_key: str | None, timeout: float = 600.0) -> openai.OpenAI:
+    """An OpenAI client of the server at `base_url` that never retries (a failure is a figure)."""
     return openai.OpenAI(
         base_url=base_url,
         api_key=api_key or "none",
@@ -32,7 +34,12 @@ def _client(base_url: str, api_key: str | None, timeout: float = 600.0) -> opena
     )
 
 
-def _model_of(client: openai.OpenAI, model: str | None) -> str:
+def model_of(client: openai.OpenAI, model: str | None) -> str:
+    """`model`, checked against the server's list, or the server's first model when None.
+
+    Raises:
+        ChatbotError: the server does not list its models, lists none, or lacks `model`.
+    """
     try:
         ids = [m.id for m in client.models.list().data]
     except openai.OpenAIError as exc:
@@ -108,8 +115,8 @@ def run_http_turns_bench(
     """Play the user turns through HTTP with the server's prefix cache (one `cache_salt` for
     the conversation), then replay the same messages (the first play's answers) with the
     cache bypassed (a fresh salt per request, which vLLM and chatbot serve honour)."""
-    client = _client(base_url, api_key)
-    model = _model_of(client, model)
+    client = make_client(base_url, api_key)
+    model = model_of(client, model)
     salt = uuid.uuid4().hex
     messages: list[ChatCompletionMessageParam] = []
     cached_rows = []
@@ -155,8 +162,8 @@ def run_http_turns_bench(
     }
 
 
-def _health(base_url: str, api_key: str | None) -> dict[str, Any] | None:
-    """chatbot serve's /health (None for other servers, or when it does not answer)."""
+def _health(base_url: str, api_key: str | None, key: str) -> Any:
+    """A figure of chatbot serve's /health (None for other servers, or when it does not answer)."""
     root = base_url.rstrip("/").removesuffix("/v1")
     try:
         data = httpx.get(
@@ -164,28 +171,111 @@ def _health(base_url: str, api_key: str | None) -> dict[str, Any] | None:
         ).json()
     except (httpx.HTTPError, ValueError):
         return None
-    return data if isinstance(data, dict) else None
+    return data.get(key) if isinstance(data, dict) else None
 
 
 def _server_rss(base_url: str, api_key: str | None) -> int | None:
     """The server's resident memory from chatbot serve's /health (None for other servers)."""
     try:
-        return int((_health(base_url, api_key) or {})["rss_bytes"])
-    except (KeyError, TypeError, ValueError):
+        return int(_health(base_url, api_key, "rss_bytes"))
+    except (TypeError, ValueError):
         return None
 
 
 def _batched(base_url: str, api_key: str | None) -> tuple[int, int] | None:
     """(decode steps, rows in them) so far, from chatbot serve's /health; None elsewhere."""
     try:
-        steps = (_health(base_url, api_key) or {})["batched_steps"]
+        steps = _health(base_url, api_key, "batched_steps")
         return int(steps["steps"]), int(steps["rows"])
     except (KeyError, TypeError, ValueError):
         return None
 
 
-def _quantile(values: list[float], q: float) -> float:
-    return quantile(values, q) if values else float("nan")  # nan: no request finished
+def quantile_or_nan(values: list[float], q: float) -> float:
+    """The `q` quantile of `values`; NaN when there are none (no request finished)."""
+    return quantile(values, q) if values else float("nan")
+
+
+@dataclass
+class _LoadRun:
+    """One load run's plan (see `run_load_bench`) and what its clients have counted, shared by
+    their threads under `lock`."""
+
+    model: str
+    turns: list[str]
+    clients: int
+    stop_at: float  # time.perf_counter() after which no request is sent
+    max_new_tokens: int
+    single_turn: bool
+    # tokens_counted_as_chunks: answers without usage, their tokens counted as chunks
+    counts: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(
+            ("complete", "incomplete", "errors", "tokens", "tokens_counted_as_chunks"), 0
+        )
+    )
+    ttfts: list[float] = field(default_factory=list)
+    error_lines: list[str] = field(default_factory=list)
+    finished_at: list[float] = field(default_factory=list)  # when each client's last request ended
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def chat(self, client: openai.OpenAI, index: int) -> None:
+        """Client `index`: send turns until `stop_at`, counting each answer or error."""
+        turns = self.turns
+        salt = f"load-{index}-{uuid.uuid4().hex}"  # each client its own conversations
+        messages: list[ChatCompletionMessageParam] = []
+        turn = index % len(turns)
+        sent = 0
+        while time.perf_counter() < self.stop_at:
+            if self.single_turn:
+                messages = []
+                turn = (index + sent * self.clients) % len(turns)
+                salt = f"load-{index}-{uuid.uuid4().hex}"
+            sent += 1
+            messages.append({"role": "user", "content": turns[turn]})
+            try:
+                row = stream_once(client, self.model, messages, self.max_new_tokens, {"cache_salt": salt})
+            except (openai.OpenAIError, OSError, httpx.HTTPError) as exc:
+                self._error(exc)
+                messages.pop()
+                time.sleep(0.2)
+                continue
+            self._answer(row)
+            if self.single_turn:
+                continue
+            messages.append({"role": "assistant", "content": row["text"]})
+            turn += 1
+            if turn % len(turns) == 0 or len(messages) > 2 * len(turns):
+                messages, turn = [], 0  # start a new conversation
+        with self.lock:
+            self.finished_at.append(time.perf_counter())
+
+    def _error(self, exc: BaseException) -> None:
+        with self.lock:
+            self.counts["errors"] += 1
+            self.error_lines.append(f"{type(exc).__name__}: {exc}"[:200])
+
+    def _answer(self, row: dict[str, Any]) -> None:
+        with self.lock:
+            tokens = row["completion_tokens"]
+            if tokens is None:  # a server without streamed usage (llama-cpp-python's)
+                tokens = row["chunks"]
+                self.counts["tokens_counted_as_chunks"] += 1
+            done = row["finish_reason"] in ("stop", "length") and tokens
+            self.counts["complete" if done else "incomplete"] += 1
+            self.counts["tokens"] += tokens
+            self.ttfts.append(row["ttft_s"])
+
+
+def _rss_figures(rss: list[tuple[float, int]], duration_s: float) -> dict[str, int | None]:
+    """The RSS samples `(seconds in, bytes)` at the start, after a quarter of `duration_s`,
+    at the end, and the highest (None each without samples)."""
+    quarter = [v for t, v in rss if t >= 0.25 * duration_s]
+    return {
+        "rss_start_bytes": rss[0][1] if rss else None,
+        "rss_quarter_bytes": quarter[0] if quarter else (rss[-1][1] if rss else None),
+        "rss_end_bytes": rss[-1][1] if rss else None,
+        "rss_max_bytes": max(v for _, v in rss) if rss else None,
+    }
 
 
 def run_load_bench(
@@ -216,61 +306,19 @@ def run_load_bench(
     start, after a quarter of the time, and at the end; with chatbot serve, the mean rows of
     its batched decode steps during the run.
     """
-    client = _client(base_url, api_key, timeout=max(120.0, duration_s * 2))
-    model = _model_of(client, model)
+    timeout = max(120.0, duration_s * 2)
+    model = model_of(make_client(base_url, api_key, timeout=timeout), model)
     read_rss = rss_of or (lambda: _server_rss(base_url, api_key))
     batched_before = _batched(base_url, api_key)
     start = time.perf_counter()
-    stop_at = start + duration_s
-    lock = threading.Lock()
-    ttfts: list[float] = []
-    # tokens_counted_as_chunks: answers without usage, their tokens counted as chunks
-    results = {"complete": 0, "incomplete": 0, "errors": 0, "tokens": 0, "tokens_counted_as_chunks": 0}
-    error_lines: list[str] = []
-    finished_at: list[float] = []  # when each client's last request ended
-
-    def one(index: int) -> None:
-        c = _client(base_url, api_key, timeout=max(120.0, duration_s * 2))
-        salt = f"load-{index}-{uuid.uuid4().hex}"  # each client its own conversations
-        messages: list[ChatCompletionMessageParam] = []
-        turn = index % len(turns)
-        sent = 0
-        while time.perf_counter() < stop_at:
-            if single_turn:
-                messages = []
-                turn = (index + sent * clients) % len(turns)
-                salt = f"load-{index}-{uuid.uuid4().hex}"
-            sent += 1
-            messages.append({"role": "user", "content": turns[turn]})
-            try:
-                row = stream_once(c, model, messages, max_new_tokens, {"cache_salt": salt})
-            except (openai.OpenAIError, OSError, httpx.HTTPError) as exc:
-                with lock:
-                    results["errors"] += 1
-                    error_lines.append(f"{type(exc).__name__}: {exc}"[:200])
-                messages.pop()
-                time.sleep(0.2)
-                continue
-            tokens = row["completion_tokens"]
-            with lock:
-                if tokens is None:  # a server without streamed usage (llama-cpp-python's)
-                    tokens = row["chunks"]
-                    results["tokens_counted_as_chunks"] += 1
-                done = row["finish_reason"] in ("stop", "length") and tokens
-                results["complete" if done else "incomplete"] += 1
-                results["tokens"] += tokens
-                ttfts.append(row["ttft_s"])
-            if single_turn:
-                continue
-            messages.append({"role": "assistant", "content": row["text"]})
-            turn += 1
-            if turn % len(turns) == 0 or len(messages) > 2 * len(turns):
-                messages, turn = [], 0  # start a new conversation
-        with lock:
-            finished_at.append(time.perf_counter())
-
+    run = _LoadRun(model, turns, clients, start + duration_s, max_new_tokens, single_turn)
+    threads = [
+        threading.Thread(
+            target=run.chat, args=(make_client(base_url, api_key, timeout=timeout), i), daemon=True
+        )
+        for i in range(clients)
+    ]
     rss: list[tuple[float, int]] = []
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(clients)]
     for t in threads:
         t.start()
     while any(t.is_alive() for t in threads):
@@ -279,19 +327,15 @@ def run_load_bench(
         if sample is not None:
             rss.append((now - start, sample))
         if progress and int(now - start) % 10 == 0:
-            progress(f"{now - start:.0f} s: {results['complete']} answers, {results['errors']} errors")
+            progress(f"{now - start:.0f} s: {run.counts['complete']} answers, {run.counts['errors']} errors")
         time.sleep(1.0)
     # the clients' last answers, not the poll after them
-    elapsed = (max(finished_at) if finished_at else time.perf_counter()) - start
+    elapsed = (max(run.finished_at) if run.finished_at else time.perf_counter()) - start
     batched_after = _batched(base_url, api_key)
     steps = rows = None
     if batched_before is not None and batched_after is not None:
         steps, rows = (after - before for after, before in zip(batched_after, batched_before))
-
-    def rss_at(frac: float) -> int | None:
-        eligible = [v for t, v in rss if t >= frac * duration_s]
-        return eligible[0] if eligible else (rss[-1][1] if rss else None)
-
+    ttfts = run.ttfts
     return {
         "server": base_url,
         "model": model,
@@ -299,21 +343,18 @@ def run_load_bench(
         "duration_s": duration_s,
         "elapsed_s": elapsed,
         "max_new_tokens": max_new_tokens,
-        **results,
-        "ttft_p50_s": _quantile(ttfts, 0.5),
-        "ttft_p90_s": _quantile(ttfts, 0.9),
-        "ttft_p99_s": _quantile(ttfts, 0.99),
+        **run.counts,
+        "ttft_p50_s": quantile_or_nan(ttfts, 0.5),
+        "ttft_p90_s": quantile_or_nan(ttfts, 0.9),
+        "ttft_p99_s": quantile_or_nan(ttfts, 0.99),
         "ttft_mean_s": statistics.fmean(ttfts) if ttfts else float("nan"),
-        "tokens_per_s": results["tokens"] / elapsed if elapsed else 0.0,
-        "rss_start_bytes": rss[0][1] if rss else None,
-        "rss_quarter_bytes": rss_at(0.25),
-        "rss_end_bytes": rss[-1][1] if rss else None,
-        "rss_max_bytes": max(v for _, v in rss) if rss else None,
+        "tokens_per_s": run.counts["tokens"] / elapsed if elapsed else 0.0,
+        **_rss_figures(rss, duration_s),
         "batch_steps": steps,
         "batch_rows": rows,
         "batch_rows_per_step": rows / steps if rows is not None and steps else None,
         "ttfts_s": ttfts,
         "single_turn": single_turn,
-        "error_samples": error_lines[:5],
+        "error_samples": run.error_lines[:5],
         "conditions": conditions(),
     }

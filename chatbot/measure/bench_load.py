@@ -26,11 +26,10 @@ import httpx
 import openai
 from rich import box
 from rich.console import Console
-from rich.table import Table
 
 from chatbot.errors import ChatbotError, ConfigError
-from chatbot.measure.bench_http import _client, _model_of, _quantile, run_load_bench, stream_once
-from chatbot.measure.report import conditions, loadavg
+from chatbot.measure.bench_http import make_client, model_of, quantile_or_nan, run_load_bench, stream_once
+from chatbot.measure.report import conditions, loadavg, print_note, table
 
 SETUPS = ("chatbot", "llama.cpp")
 START_TIMEOUT_S = 180.0  # importing torch on a busy 2-core machine, then the model
@@ -211,8 +210,8 @@ def _measure(
 ) -> list[dict[str, Any]]:
     """One untimed answer, then a load run per client count on the server at `base_url`,
     all the counts `rounds` times in turn; each count's runs pooled into one (`pooled`)."""
-    client = _client(base_url, api_key, timeout=120.0)
-    model = _model_of(client, model)
+    client = make_client(base_url, api_key, timeout=120.0)
+    model = model_of(client, model)
     try:
         stream_once(client, model, [{"role": "user", "content": turns[0]}], 4)
     except (openai.OpenAIError, OSError, httpx.HTTPError) as exc:
@@ -277,9 +276,9 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "elapsed_s": elapsed,
         "tokens_per_s": tokens / elapsed if elapsed else 0.0,
         "tokens_per_s_rounds": [r["tokens_per_s"] for r in runs],
-        "ttft_p50_s": _quantile(ttfts, 0.5),
-        "ttft_p90_s": _quantile(ttfts, 0.9),
-        "ttft_p99_s": _quantile(ttfts, 0.99),
+        "ttft_p50_s": quantile_or_nan(ttfts, 0.5),
+        "ttft_p90_s": quantile_or_nan(ttfts, 0.9),
+        "ttft_p99_s": quantile_or_nan(ttfts, 0.99),
         "batch_rows_per_step": sum(rows) / sum(steps) if steps and sum(steps) else None,
         "rss_max_bytes": max(rss) if rss else None,
         "loadavg_end": statistics.fmean(r["loadavg_end"] for r in runs),
@@ -389,35 +388,19 @@ def run_load_comparison(
 
 def print_load_comparison(console: Console, result: dict[str, Any]) -> None:
     """The runs side by side: a row per set-up and client count (fits 80 columns)."""
-    models = sorted({r["model"] for r in result["runs"]})
+    runs = result["runs"]
     n_rounds = result.get("rounds", 1)
     rounds = f" x {n_rounds} rounds in turn, pooled" if n_rounds > 1 else ""
-    table = Table(
-        title=f"{', '.join(models)}: streaming clients at once, {result['duration_s']:g} s a run{rounds}, "
-        f"greedy, {result['max_new_tokens']} new tokens, a short prompt a request",
-        box=box.SIMPLE_HEAD,
-        padding=(0, 0),
+    title = (
+        f"{', '.join(sorted({r['model'] for r in runs}))}: streaming clients at once, "
+        f"{result['duration_s']:g} s a run{rounds}, greedy, {result['max_new_tokens']} new tokens, "
+        "a short prompt a request"
     )
-    headers = (
-        "setup",
-        "clients",
-        "answers",
-        "errors",
-        "tok/s",
-        "vs 1",
-        "TTFT\np50 s",
-        "TTFT\np90 s",
-        "batch",
-        "RSS\nMiB",
-        "load",
-    )
-    for col in headers:
-        table.add_column(col, justify="left" if col == "setup" else "right")
-    for r in result["runs"]:
-        ratio = r.get("vs_one_client")
-        rss = r.get("rss_max_bytes")
-        batch = r.get("batch_rows_per_step")
-        table.add_row(
+    columns = ["setup", "clients", "answers", "errors", "tok/s", "vs 1", "TTFT\np50 s", "TTFT\np90 s"]
+
+    def row(r: dict[str, Any]) -> list[str]:
+        ratio, rss, batch = r.get("vs_one_client"), r.get("rss_max_bytes"), r.get("batch_rows_per_step")
+        return [
             r["setup"],
             str(r["clients"]),
             f"{r['complete']:,}",
@@ -429,9 +412,19 @@ def print_load_comparison(console: Console, result: dict[str, Any]) -> None:
             "-" if batch is None else f"{batch:.2f}",
             "-" if rss is None else f"{rss / 2**20:,.0f}",
             f"{r['loadavg_end']:.2f}",
+        ]
+
+    console.print(
+        table(
+            title,
+            [*columns, "batch", "RSS\nMiB", "load"],
+            map(row, runs),
+            left=1,
+            box=box.SIMPLE_HEAD,
+            padding=(0, 0),
         )
-    console.print(table)
-    for r in result["runs"]:
+    )
+    for r in runs:
         if r.get("vs_one_client") is not None:
             each = [f"{x:.2f}x" for x in r.get("vs_one_client_rounds") or [] if x is not None]
             console.print(
@@ -440,7 +433,7 @@ def print_load_comparison(console: Console, result: dict[str, Any]) -> None:
                 + f", first token p90 {r['ttft_p90_s']:.2f} s",
                 markup=False,
             )
-    for r in result["runs"]:
+    for r in runs:
         if r["incomplete"]:
             console.print(
                 f"{r['setup']}, {r['clients']} clients: {r['incomplete']} answers cut short "
@@ -449,8 +442,8 @@ def print_load_comparison(console: Console, result: dict[str, Any]) -> None:
             )
     for s in result["skipped"]:
         console.print(f"{s['setup']}: skipped: {s['reason']}", markup=False)
-    threads = {r["setup"]: r["threads"] for r in result["runs"] if "threads" in r}
-    counted = sorted({r["setup"] for r in result["runs"] if r.get("tokens_counted_as_chunks")})
+    threads = {r["setup"]: r["threads"] for r in runs if "threads" in r}
+    counted = sorted({r["setup"] for r in runs if r.get("tokens_counted_as_chunks")})
     notes = [
         "tok/s: all the clients' answer tokens over the run's time, to its last answer",
         "vs 1: against 1 client",
@@ -458,13 +451,13 @@ def print_load_comparison(console: Console, result: dict[str, Any]) -> None:
         "batch: mean requests in chatbot serve's batched decode steps",
         "load: 1-minute load average at the run's end" + (" (mean of the rounds)" if n_rounds > 1 else ""),
     ]
-    if any(r["setup"] == "server" for r in result["runs"]):
+    if any(r["setup"] == "server" for r in runs):
         notes.append(f"server: {result['server']}")
     if threads:
         notes.append("threads: " + ", ".join(f"{k} {v}" for k, v in threads.items()))
     if counted:
         notes.append(f"{', '.join(counted)}: no usage streamed, a token counted per chunk of text")
-    console.print(f"{'; '.join(notes)}. {result['conditions']}", style="dim", markup=False)
-    for r in result["runs"]:
+    print_note(console, f"{'; '.join(notes)}. {result['conditions']}")
+    for r in runs:
         for line in r.get("error_samples", []):
             console.print(f"{r['setup']}: error: {line}", markup=False)

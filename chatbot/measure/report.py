@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,45 +67,57 @@ def write_json(path: Path, result: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(data, indent=1))
 
 
+def table(
+    title: str, columns: Sequence[str], rows: Iterable[Sequence[str]], left: int = 0, **options: Any
+) -> Table:
+    """A Rich table of `rows` under `columns`, right-aligned but for the first `left` columns.
+
+    Args:
+        options: more of `rich.table.Table`'s settings (box, padding, show_header...).
+    """
+    out = Table(title=title, **options)
+    for i, col in enumerate(columns):
+        out.add_column(col, justify="left" if i < left else "right")
+    for row in rows:
+        out.add_row(*row)
+    return out
+
+
+def print_note(console: Console, text: str) -> None:
+    """A line in dim type, as it is (no markup): the conditions and legends under a table."""
+    console.print(text, style="dim", markup=False)
+
+
 def print_turns(console: Console, result: dict[str, Any]) -> None:
-    repeats = result.get("repeats", 1)
-    table = Table(
-        title=f"multi-turn chat, {result['model']}, greedy, {result['max_new_tokens']} new tokens per turn, "
-        f"medians of {repeats} plays"
-    )
-    for col in (
-        "turn",
-        "prefill tok (persistent)",
-        "first token s (persistent)",
-        "prefill tok (re-encode)",
-        "first token s (re-encode)",
-        "ratio",
-        "load avg",
-    ):
-        table.add_column(col, justify="right")
-    for row in result["turns"]:
-        p, r = row["persistent"], row["reencode"]
+    """`chatbot bench turns`: the persistent cache against re-encoding, per turn."""
+
+    def row(turn: dict[str, Any]) -> list[str]:
+        p, r = turn["persistent"], turn["reencode"]
         ratio = r["ttft_s"] / p["ttft_s"] if p["ttft_s"] else float("nan")
         load = f"{(p['loadavg'] + r['loadavg']) / 2:.2f}" if "loadavg" in p and "loadavg" in r else ""
-        table.add_row(
-            str(row["turn"]),
+        prefill = [
             f"{p['prefill_tokens']:,}",
             f"{p['ttft_s']:.3f}",
             f"{r['prefill_tokens']:,}",
             f"{r['ttft_s']:.3f}",
-            f"{ratio:.1f}x",
-            load,
-        )
-    console.print(table)
+        ]
+        return [str(turn["turn"]), *prefill, f"{ratio:.1f}x", load]
+
+    modes = ("persistent", "re-encode")
+    columns = ["turn", *(f"{what} ({mode})" for mode in modes for what in ("prefill tok", "first token s"))]
+    title = (
+        f"multi-turn chat, {result['model']}, greedy, {result['max_new_tokens']} new tokens per turn, "
+        f"medians of {result.get('repeats', 1)} plays"
+    )
+    console.print(table(title, [*columns, "ratio", "load avg"], map(row, result["turns"])))
     console.print(
         f"last turn: time to first token {result['ratio_last_turn']:.1f}x faster with the persistent cache; "
         f"{result['prefill_ratio_last_turn']:.1f}x fewer tokens prefilled"
     )
-    console.print(
+    print_note(
+        console,
         f"{result.get('conditions') or conditions()}; load avg: the 1-minute load average after "
         "each turn (median over the plays)",
-        style="dim",
-        markup=False,
     )
 
 
@@ -119,25 +132,15 @@ def read_text(path: Path) -> str:
 
 
 def print_streaming(console: Console, result: dict[str, Any]) -> None:
+    """`chatbot bench streaming`: a table per window size, a row per mark."""
+    columns = ["window passed", "tokens passed", "decode tok/s", "cache tokens", "cache MB"]
+    columns += ["recompute tok/s", "speed-up", "load avg"]
     for run in result["runs"]:
         opt = f", --opt {result['opt']}" if "opt" in result else ""
-        table = Table(
-            title=f"{result['model']}: {result['start_size']} sinks + {run['recent_size']} recent "
-            f"(window {run['window']}){opt}"
-        )
-        for col in (
-            "window passed",
-            "tokens passed",
-            "decode tok/s",
-            "cache tokens",
-            "cache MB",
-            "recompute tok/s",
-            "speed-up",
-            "load avg",
-        ):
-            table.add_column(col, justify="right")
-        for m in run["marks"]:
-            table.add_row(
+        window = f"{run['recent_size']} recent (window {run['window']}){opt}"
+        title = f"{result['model']}: {result['start_size']} sinks + {window}"
+        rows = [
+            [
                 f"{m['multiple']}x",
                 f"{m['tokens_passed']:,}",
                 f"{m['decode_tps']:.1f}",
@@ -146,57 +149,39 @@ def print_streaming(console: Console, result: dict[str, Any]) -> None:
                 f"{m['recompute_tps']:.2f}",
                 f"{m['decode_tps'] / m['recompute_tps']:.1f}x",
                 f"{m['loadavg']:.2f}" if "loadavg" in m else "",
-            )
-        console.print(table)
+            ]
+            for m in run["marks"]
+        ]
+        console.print(table(title, columns, rows))
         console.print(
             f"at {run['marks'][-1]['multiple']}x the window: {run['speedup_vs_recompute']:.1f}x faster "
             "than sliding window with recomputation"
         )
-    console.print(
-        f"{conditions()}; load avg: the 1-minute load average at each mark", style="dim", markup=False
-    )
+    print_note(console, f"{conditions()}; load avg: the 1-minute load average at each mark")
 
 
 def print_http_turns(console: Console, result: dict[str, Any]) -> None:
     """`chatbot bench turns --server`: the server's prefix cache against no cache, per turn."""
-    table = Table(
-        title=f"multi-turn chat through HTTP, {result['model']} at {result['server']}, greedy, "
+
+    def row(turn: dict[str, Any]) -> list[str]:
+        c, u = turn["prefix_cache"], turn["no_cache"]
+        ratio = u["ttft_s"] / c["ttft_s"] if c["ttft_s"] else float("nan")
+        tokens = ["-" if c[k] is None else f"{c[k]:,}" for k in ("prompt_tokens", "cached_tokens")]
+        load = f"{c['loadavg']:.2f}" if c.get("loadavg") is not None else ""
+        return [str(turn["turn"]), *tokens, f"{c['ttft_s']:.3f}", f"{u['ttft_s']:.3f}", f"{ratio:.1f}x", load]
+
+    title = (
+        f"multi-turn chat through HTTP, {result['model']} at {result['server']}, greedy, "
         f"{result['max_new_tokens']} new tokens per turn"
     )
-    for col in (
-        "turn",
-        "prompt tok",
-        "cached tok",
-        "first token s (prefix cache)",
-        "first token s (no cache)",
-        "ratio",
-        "load avg",
-    ):
-        table.add_column(col, justify="right")
-    for row in result["turns"]:
-        c, u = row["prefix_cache"], row["no_cache"]
-        ratio = u["ttft_s"] / c["ttft_s"] if c["ttft_s"] else float("nan")
-        cached = "-" if c["cached_tokens"] is None else f"{c['cached_tokens']:,}"
-        prompt = "-" if c["prompt_tokens"] is None else f"{c['prompt_tokens']:,}"
-        load = f"{c['loadavg']:.2f}" if c.get("loadavg") is not None else ""
-        table.add_row(
-            str(row["turn"]),
-            prompt,
-            cached,
-            f"{c['ttft_s']:.3f}",
-            f"{u['ttft_s']:.3f}",
-            f"{ratio:.1f}x",
-            load,
-        )
-    console.print(table)
+    columns = ["turn", "prompt tok", "cached tok", "first token s (prefix cache)", "first token s (no cache)"]
+    console.print(table(title, [*columns, "ratio", "load avg"], map(row, result["turns"])))
     console.print(
         f"last turn: time to first token {result['ratio_last_turn']:.1f}x faster with the prefix cache; "
         f"{result['same_answers']}/{len(result['turns'])} answers identical with and without it"
     )
-    console.print(
-        f"{result.get('conditions') or conditions()} (this machine's; the server's if it runs here)",
-        style="dim",
-        markup=False,
+    print_note(
+        console, f"{result.get('conditions') or conditions()} (this machine's; the server's if it runs here)"
     )
 
 
@@ -206,11 +191,6 @@ def print_load(console: Console, result: dict[str, Any]) -> None:
     def mb(v: Any) -> str:
         return "-" if v is None else f"{v / 2**20:,.0f} MiB"
 
-    table = Table(
-        title=f"{result['clients']} streaming clients for {result['duration_s']:.0f} s, "
-        f"{result['model']} at {result['server']}",
-        show_header=False,
-    )
     rows = {
         "answers complete": f"{result['complete']:,}",
         "answers incomplete": f"{result['incomplete']:,}",
@@ -220,10 +200,10 @@ def print_load(console: Console, result: dict[str, Any]) -> None:
         "server RSS start / after 1/4 / end": " / ".join(
             mb(result[k]) for k in ("rss_start_bytes", "rss_quarter_bytes", "rss_end_bytes")
         ),
+        "CPU and load (this machine)": result.get("conditions") or conditions(),
     }
-    rows["CPU and load (this machine)"] = result.get("conditions") or conditions()
-    for k, v in rows.items():
-        table.add_row(k, v)
-    console.print(table)
+    title = f"{result['clients']} streaming clients for {result['duration_s']:.0f} s, {result['model']} at "
+    title += result["server"]
+    console.print(table(title, ["", ""], rows.items(), left=2, show_header=False))
     for line in result.get("error_samples", []):
         console.print(f"error: {line}", markup=False)

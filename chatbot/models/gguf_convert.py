@@ -3,7 +3,7 @@
 `check_gguf` reads a file's header and tensor table before anything slow. A GGUF file that
 cannot run as it is gets dequantized by transformers once (`convert_gguf`); the safetensors
 copy is kept under the user's cache directory (`cache_root`), keyed by the file's content hash
-(`converted_dir`), and trusted only while its manifest matches its files (`_manifest_ok`).
+(`converted_dir`), and trusted only while its manifest matches its files (`manifest_ok`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from chatbot.errors import ModelLoadError
-from chatbot.models.load_checks import _quiet_transformers, _short
+from chatbot.errors import ModelLoadError, first_line
+from chatbot.models.load_checks import quiet_transformers
 from chatbot.models.manifest import (  # noqa: F401  (MANIFEST: re-exported)
     MANIFEST,
     file_sha256,
@@ -65,7 +65,7 @@ def converted_dir(gguf: Path) -> Path:
     return cache_root() / "gguf" / f"{gguf.stem}-{_identity(gguf)[:16]}"
 
 
-def _manifest_ok(folder: Path) -> bool:
+def manifest_ok(folder: Path) -> bool:
     """A converted copy is trusted only if every file it lists has its recorded size."""
     manifest = read_manifest(folder)
     return manifest is not None and manifest.get("version") == _CONVERSION_VERSION
@@ -84,25 +84,25 @@ def convert_gguf(gguf: Path, target: Path) -> None:
 
     check_gguf(gguf)
     try:
-        with _quiet_transformers(gguf=True):
+        with quiet_transformers(gguf=True):
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
             model = AutoModelForCausalLM.from_pretrained(
                 str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
             )
     except Exception as exc:  # transformers raises many kinds for a bad file
-        raise ModelLoadError(f"cannot read GGUF file {gguf}: {_short(exc)}") from exc
+        raise ModelLoadError(f"cannot read GGUF file {gguf}: {first_line(exc)}") from exc
     # The dequantized weights are plain tensors; drop the marker that forbids saving them.
     model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     with staging(target) as tmp:
-        with _quiet_transformers():
+        with quiet_transformers():
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
         publish(tmp, target, version=_CONVERSION_VERSION, gguf=str(gguf))
 
 
-def _writable_target(target: Path, notes: list[str]) -> Path:
+def writable_target(target: Path, notes: list[str]) -> Path:
     """`target`, or a folder in the system's temporary directory when the conversion cache
     cannot be written (checked before converting, not after)."""
     try:

@@ -29,7 +29,7 @@ from torch import nn
 from chatbot.engine.architectures import BY_GGUF_ARCH, BY_MODEL_TYPE
 from chatbot.engine.gguf_weights import GGUFWeights, read_tensor_table
 from chatbot.engine.packed import PackedEmbedding, PackedLinear, ScaledPackedEmbedding
-from chatbot.models.load_checks import _quiet_transformers
+from chatbot.models.load_checks import quiet_transformers
 from chatbot.models.manifest import publish, read_manifest, staging
 
 _CACHE_VERSION = 2  # 2: the tokenizer saved as its class rebuilds it, and read whole
@@ -124,7 +124,7 @@ def load_config_and_tokenizer(path: Path, cache: Path, notes: list[str]) -> tupl
             notes.append(f"the cached tokenizer of {path.name} in {cache} did not load; rebuilt it")
     elif cache.exists():
         notes.append(f"the cached tokenizer of {path.name} in {cache} was incomplete or changed; rebuilt it")
-    with _quiet_transformers(gguf=True):
+    with quiet_transformers(gguf=True):
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
         typed = _tokenizer_type(path, config)
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, **typed)

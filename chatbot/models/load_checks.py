@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from chatbot.errors import ConfigError, ModelLoadError
-from chatbot.errors import first_line as _short  # noqa: F401 - imported from here
 
 
 def pick_device(device: str = "auto") -> torch.device:
@@ -62,7 +61,7 @@ def _no_bar(iterable: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 @contextmanager
-def _quiet_transformers(gguf: bool = False):
+def quiet_transformers(gguf: bool = False):
     """Silence progress bars and info logs of a load; errors still raise. `gguf`: the load
     reads a GGUF file through transformers, whose reader has a bare tqdm bar of its own
     (which would fight the CLI's spinner); importing that reader takes ~0.2 s, so only loads
@@ -192,11 +191,14 @@ def check_causal(config: Any, where: str) -> None:
         raise ModelLoadError(f"{where} holds {what}: {reason}, so it cannot chat")
 
 
-def _disk_size(folder: Path) -> int:
+def disk_size(folder: Path) -> int:
+    """The bytes of the weight files (.safetensors, .bin, .pt) directly in `folder`."""
     return sum(f.stat().st_size for f in folder.iterdir() if f.suffix in (".safetensors", ".bin", ".pt"))
 
 
-def _is_oom(exc: BaseException) -> bool:
+def is_oom(exc: BaseException) -> bool:
+    """Whether `exc` says memory ran out (MemoryError, torch's out-of-memory, or an allocator's
+    RuntimeError)."""
     if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
         return True
     text = str(exc).lower()

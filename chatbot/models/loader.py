@@ -22,28 +22,27 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from chatbot.errors import ModelLoadError
+from chatbot.errors import ModelLoadError, first_line
 from chatbot.models.gc_pause import paused_gc
 from chatbot.models.gguf_convert import (
     MANIFEST,  # noqa: F401  (imported from here by catalog)
-    _manifest_ok,
-    _writable_target,
     cache_root,
     convert_gguf,
     converted_dir,
+    manifest_ok,
+    writable_target,
 )
 from chatbot.models.load_checks import (
     LoadOptions,
-    _disk_size,
-    _is_oom,
-    _quiet_transformers,
-    _short,
     check_causal,
     check_safetensors,
+    disk_size,
+    is_oom,
     parse_device_map,
     parse_max_memory,
     pick_device,
     pick_dtype,
+    quiet_transformers,
 )
 from chatbot.models.quantize import bnb_config, check_quantization, compute_dtype, describe_quantization
 from chatbot.models.source import (  # noqa: F401 - the defaults are imported from here too
@@ -154,7 +153,7 @@ def _load_folder(folder: Path, opts: LoadOptions, where: str | None = None) -> t
 
     where = where or str(folder)
     trust = {"trust_remote_code": opts.trust_remote_code}
-    with _quiet_transformers():
+    with quiet_transformers():
         try:
             config = AutoConfig.from_pretrained(str(folder), **trust)
         except Exception as exc:
@@ -163,7 +162,7 @@ def _load_folder(folder: Path, opts: LoadOptions, where: str | None = None) -> t
                     f"{where} contains its own model code, which is not run by default: "
                     "rerun with --trust-remote-code if you trust its author"
                 ) from exc
-            raise ModelLoadError(f"cannot read the model config in {where}: {_short(exc)}") from exc
+            raise ModelLoadError(f"cannot read the model config in {where}: {first_line(exc)}") from exc
         check_causal(config, where)
         prequantized = getattr(config, "quantization_config", None)
         if prequantized is not None and opts.quantize:
@@ -174,7 +173,7 @@ def _load_folder(folder: Path, opts: LoadOptions, where: str | None = None) -> t
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(folder), **trust)
         except Exception as exc:
-            raise ModelLoadError(f"cannot load the tokenizer in {where}: {_short(exc)}") from exc
+            raise ModelLoadError(f"cannot load the tokenizer in {where}: {first_line(exc)}") from exc
         kwargs: dict[str, Any] = {"config": config, "dtype": opts.dtype, **trust}
         if opts.quantize:
             kwargs["quantization_config"] = bnb_config(opts.quantize, opts.dtype)
@@ -232,8 +231,8 @@ def _check_loading_info(info: dict[str, Any], where: str, quantized: bool) -> No
 
 def _load_error(exc: Exception, where: str, folder: Path, config: Any, opts: LoadOptions) -> ModelLoadError:
     """One line for an exception of `from_pretrained`."""
-    if _is_oom(exc):
-        gb = _disk_size(folder) / 1e9
+    if is_oom(exc):
+        gb = disk_size(folder) / 1e9
         return ModelLoadError(
             f"not enough memory to load {where} ({gb:.1f} GB of weights on disk, as "
             f"{str(opts.dtype).removeprefix('torch.')} on {opts.device}): try --quantize 4bit, "
@@ -242,12 +241,12 @@ def _load_error(exc: Exception, where: str, folder: Path, config: Any, opts: Loa
     if isinstance(exc, ImportError):
         method = describe_quantization(config)
         what = f"a {method} checkpoint" if method != "none" else "this model"
-        return ModelLoadError(f"{where} is {what}, which needs a package that is missing: {_short(exc)}")
+        return ModelLoadError(f"{where} is {what}, which needs a package that is missing: {first_line(exc)}")
     if isinstance(exc, ValueError) and "Unrecognized configuration class" in str(exc):
         return ModelLoadError(
             f"{where} holds a {config.model_type} model, which is not a causal language model and cannot chat"
         )
-    return ModelLoadError(f"cannot load the model in {where}: {_short(exc)}")
+    return ModelLoadError(f"cannot load the model in {where}: {first_line(exc)}")
 
 
 def _nonfinite_weight(model: Any) -> str | None:
@@ -299,21 +298,21 @@ def _load_gguf(gguf: Path, opts: LoadOptions, checked: bool = False) -> tuple[An
     _check_finite(gguf)
     if _packable(opts) and _kernels_load(gguf, notes):
         try:
-            with _quiet_transformers():
+            with quiet_transformers():
                 cache = cache_root() / "gguf-meta" / f"{gguf.stem}-{metadata_key(gguf)}"
                 config, tokenizer = load_config_and_tokenizer(gguf, cache, notes)
         except Exception as exc:  # transformers raises many kinds for a file it cannot read
-            raise ModelLoadError(f"cannot read GGUF file {gguf}: {_short(exc)}") from exc
+            raise ModelLoadError(f"cannot read GGUF file {gguf}: {first_line(exc)}") from exc
         check_causal(config, str(gguf))
         try:
-            with _quiet_transformers():
+            with quiet_transformers():
                 return build_packed_model(gguf, config), tokenizer, notes
         except NotPackable as exc:
             notes.append(f"{gguf.name} runs from a dequantized copy: {exc}")
         except Exception as exc:
-            if _is_oom(exc):
-                raise ModelLoadError(f"not enough memory to map {gguf}: {_short(exc)}") from exc
-            raise ModelLoadError(f"cannot read GGUF file {gguf}: {_short(exc)}") from exc
+            if is_oom(exc):
+                raise ModelLoadError(f"not enough memory to map {gguf}: {first_line(exc)}") from exc
+            raise ModelLoadError(f"cannot read GGUF file {gguf}: {first_line(exc)}") from exc
     model, tokenizer, more = _load_gguf_converted(gguf, opts)
     return model, tokenizer, notes + more
 
@@ -327,7 +326,7 @@ def _check_metadata(gguf: Path) -> None:
     except InconsistentMetadata as exc:
         raise ModelLoadError(f"cannot use GGUF file {gguf}: {exc}") from None
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read GGUF file {gguf}: {_short(exc)}") from exc
+        raise ModelLoadError(f"cannot read GGUF file {gguf}: {first_line(exc)}") from exc
 
 
 def _check_finite(gguf: Path) -> None:
@@ -342,7 +341,7 @@ def _check_finite(gguf: Path) -> None:
             f"cannot use GGUF file {gguf}: {exc}; the file is damaged, download it again"
         ) from None
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read GGUF file {gguf}: {_short(exc)}") from exc
+        raise ModelLoadError(f"cannot read GGUF file {gguf}: {first_line(exc)}") from exc
 
 
 def _load_gguf_converted(gguf: Path, opts: LoadOptions) -> tuple[Any, Any, list[str]]:
@@ -351,8 +350,8 @@ def _load_gguf_converted(gguf: Path, opts: LoadOptions) -> tuple[Any, Any, list[
     notes: list[str] = []
     stamp = FileStamp.of(gguf)  # the fast path maps the file's matrices
     target = converted_dir(gguf)
-    if not _manifest_ok(target):
-        target = _writable_target(target, notes)
+    if not manifest_ok(target):
+        target = writable_target(target, notes)
         if target.exists():
             notes.append(f"converted copy in {target} was incomplete or corrupt; rebuilt it")
         else:
@@ -361,7 +360,7 @@ def _load_gguf_converted(gguf: Path, opts: LoadOptions) -> tuple[Any, Any, list[
     try:
         model, tokenizer = _load_folder(target, opts, str(gguf))
     except ModelLoadError as exc:
-        if _is_oom(exc.__cause__ or exc) or opts.quantize:
+        if is_oom(exc.__cause__ or exc) or opts.quantize:
             raise
         # The files passed the size check but do not load: rebuild once, then trust the error.
         notes.append(f"converted copy in {target} did not load; rebuilt it")
@@ -492,7 +491,7 @@ def _load_hub(repo_id: str, opts: LoadOptions) -> tuple[Any, Any]:
                 "where the hub is reachable, or give a local folder"
             ) from exc
         raise ModelLoadError(
-            f"cannot get {at} from the hub or the local hub cache ({_short(exc)}): check the "
+            f"cannot get {at} from the hub or the local hub cache ({first_line(exc)}): check the "
             "name and the network, or give a local folder"
         ) from exc
     return _load_folder(Path(folder), opts, at)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from chatbot.engine.gguf_table import read_tensor_table
-from chatbot.engine.gguf_weights import _BLOCK_SCALES, _FLOATS, _first_nonfinite
+from chatbot.engine.gguf_weights import BLOCK_SCALES, FLOATS, first_nonfinite
 
 Progress = Callable[[int, int], None]
 """Told (bytes read, bytes in all) as the scan goes."""
@@ -51,21 +51,21 @@ def scan_gguf(path: Path, progress: Progress | None = None) -> ScanResult:
     for t in table:
         flat = mm[t.offset : t.offset + t.nbytes]
         bad = None
-        if t.type_name in _FLOATS:
-            values = flat.view(_FLOATS[t.type_name])
+        if t.type_name in FLOATS:
+            values = flat.view(FLOATS[t.type_name])
             for start in range(0, values.size, _CHUNK_VALUES):
-                at = _first_nonfinite(values[start : start + _CHUNK_VALUES], t.type_name)
+                at = first_nonfinite(values[start : start + _CHUNK_VALUES], t.type_name)
                 if at is not None:
                     bad = f"tensor {t.name!r} ({t.type_name}) holds NaN or infinity (value {start + at:,})"
                     break
-        elif t.type_name in _BLOCK_SCALES:
-            block_bytes, offsets = _BLOCK_SCALES[t.type_name]
+        elif t.type_name in BLOCK_SCALES:
+            block_bytes, offsets = BLOCK_SCALES[t.type_name]
             n_blocks = t.nbytes // block_bytes
             for pos in offsets:
                 scales = np.lib.stride_tricks.as_strided(
                     flat[pos : pos + 2].view("<u2"), shape=(n_blocks,), strides=(block_bytes,)
                 )
-                at = _first_nonfinite(scales, "F16")
+                at = first_nonfinite(scales, "F16")
                 if at is not None:
                     which = "d" if pos == offsets[0] else "dmin"
                     bad = (
