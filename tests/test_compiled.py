@@ -289,3 +289,40 @@ def test_warm_up_compiles_before_the_first_answer_and_leaves_the_cache_as_made(m
     eager = session(HFBackend(model), model, tok)
     eager.engine.warm_up(eager.kv)  # a no-op there
     assert eager.kv.length == 0
+
+
+@pytest.mark.slow
+def test_serve_with_opt_compile_answers_as_opt_off_and_reuses_prefixes(tmp_path):
+    """`chatbot serve --opt compile` through the openai client: a four-turn conversation
+    answers as `--opt off` does (sampled, seeded), and each later turn reuses the cached
+    prefix (the prefix cache copies keys and values into the compiled step's buffers)."""
+    import openai
+    from serve_helpers import running_server, save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "tiny")
+
+    def conversation(opt: str) -> list[tuple[str, int]]:
+        with running_server("--model", str(folder), "--opt", opt, "--served-model-name", "tiny",
+                            log=tmp_path / f"{opt}.log") as url:  # fmt: skip
+            client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
+            messages: list[dict[str, str]] = [{"role": "system", "content": "Answer briefly."}]
+            out = []
+            for user in MESSAGES[:4]:
+                messages.append({"role": "user", "content": user})
+                reply = client.chat.completions.create(
+                    model="tiny", messages=messages, max_tokens=16, temperature=1.0, seed=7,
+                    extra_body={"cache_salt": "one", "repetition_penalty": 1.3},
+                )  # fmt: skip
+                text = reply.choices[0].message.content or ""
+                cached = (
+                    reply.usage.prompt_tokens_details.cached_tokens
+                    if reply.usage.prompt_tokens_details
+                    else 0
+                )
+                out.append((text, cached))
+                messages.append({"role": "assistant", "content": text})
+            return out
+
+    off, compiled = conversation("off"), conversation("compile")
+    assert compiled == off
+    assert all(cached > 0 for _, cached in compiled[1:]) and "".join(t for t, _ in off).strip()
