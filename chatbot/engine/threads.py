@@ -5,7 +5,9 @@
 - `busy_cpus`, `pick_threads`, `default_threads`: that count less the CPUs other processes
   keep busy right now.
 - `wait_policy_env`, `apply_wait_policy`: OpenMP barrier waits that spin briefly
-  (`SPIN_COUNT`), then sleep in the kernel; set before torch loads libgomp.
+  (`SPIN_COUNT`: a barrier all threads reach together costs no system call), then sleep in
+  the kernel (a thread waiting for a parked one gives its CPU away); set before torch loads
+  libgomp.
 - `ThreadTuner`: 1 thread or `most`, whichever the measured step times say is faster.
 - `capped_threads`, `cap_threads`: a per-thread cap on the native products' thread count.
 
