@@ -184,7 +184,7 @@ def _chat_locally(
         repl.start_log(resume_path, overrides=logged, system=settings.system)
 
     if interactive:
-        # The prompt comes up now (~0.4 s: no torch yet) and the model loads meanwhile; a
+        # The prompt comes up now (torch is not imported yet) and the model loads meanwhile; a
         # message sent before it is ready waits for it.
         pending = _in_background(lambda: _start_chat(settings, opt, threads, banner=True, background=True))
         repl = Repl.loading(
@@ -544,7 +544,7 @@ def main(argv: list[str] | None = None) -> None:
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     args = _optional_values(list(sys.argv[1:] if argv is None else argv))
     if argv is None and args[:1] == ["run"]:  # the process itself, not a caller's main(...)
-        pause_until_ready()  # its imports and load run ~0.4 s faster without collector passes
+        pause_until_ready()  # its imports and load run faster without collector passes
     try:
         command.main(args=args, prog_name="chatbot", standalone_mode=False)
     except Exit as exc:

@@ -248,8 +248,8 @@ def set_threads(threads: int | None) -> None:
     import torch
 
     if not threads:
-        # Default: the CPUs left free by other busy processes (engine/threads.py); on a
-        # 2-core machine running something else, two threads decode several times slower.
+        # Default: the CPUs left free by other busy processes (engine/threads.py): a thread
+        # descheduled for another process stalls its partners at every barrier.
         from chatbot.engine.threads import default_threads
 
         torch.set_num_threads(default_threads(most=torch.get_num_threads()))

@@ -10,7 +10,7 @@
 None of them has a decoding loop of its own: each drives `Engine.generate` (and
 `Engine.prefill` to top up a cache) on the engine's caches, a `DynamicCache` or our
 `SinkCache`, through their `TrackedCache` records, exactly as the CLI does. Everything is
-re-exported here, so ``from chatbot.compat import streaming_chat`` works as before. The
+re-exported here, so ``from chatbot.compat import streaming_chat`` works. The
 originals' known faults are fixed and listed in docs/api.md. Arguments are checked as the
 CLI checks its flags; a bad one raises `CompatArgumentError` (a `ConfigError` and a
 `ValueError`).

@@ -26,7 +26,7 @@ class CompatArgumentError(ConfigError, ValueError):
 
 
 def check_model(model: Any, api: str) -> None:
-    """Refuse what is not a loaded causal LM before it is used (None gave an AttributeError).
+    """Refuse what is not a loaded causal LM before it is used (not an AttributeError later).
 
     Raises:
         CompatArgumentError: `model` has no input embeddings or config.

@@ -13,8 +13,8 @@ from chatbot.engine.tracked_cache import UNKNOWN, TrackedCache
 
 # The record of a cache is kept on the cache itself, under this attribute: a record and its
 # cache refer to each other, a cycle the garbage collector frees once neither is reachable.
-# (A WeakKeyDictionary from cache to record never freed either: its value held its key, so
-# every cache made, e.g. one per request or per /reset, stayed in memory for good.)
+# (Not a WeakKeyDictionary from cache to record: its value would hold its key, so no cache,
+# e.g. one per request or per /reset, would ever be freed.)
 _ATTR = "_chatbot_tracked"
 
 

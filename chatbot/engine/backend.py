@@ -282,8 +282,8 @@ def backend_for(
         ValueError: an unknown level.
     """
     device = model.get_input_embeddings().weight.device
-    # bitsandbytes' layers are not yet measured through the compiled step: on CUDA they keep
-    # transformers' eager one unless asked
+    # bitsandbytes' layers keep transformers' eager step on CUDA unless `compile` is asked
+    # for: the compiled step is not benchmarked with them
     quantized = getattr(model, "is_quantized", False) or getattr(model, "hf_quantizer", None) is not None
     if level == "compile" or (level == "auto" and device.type == "cuda" and not quantized):
         from chatbot.engine.compiled import CompiledBackend

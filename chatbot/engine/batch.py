@@ -61,12 +61,14 @@ class DecodeBatcher:
     @contextmanager
     def prefilling(self) -> Iterator[None]:
         """Around a new generation's prefill, entered with `cond` held: `cond` is let go
-        while the prefill runs, so the generations already decoding go on stepping meanwhile.
-        Between two steps (holding `cond`), a prefill stalled every stream: a third of the
-        time of 4 clients asking short questions. While it runs, the steps take one thread,
-        and so do the prefill's products while generations are decoding: each keeps a core.
-        (`cond._is_owned` tells whether `cond` is held, not by whom: the server's threads
-        hold it whenever they reach here.)
+        while the prefill runs (one prefill at a time), so the generations already decoding go
+        on stepping meanwhile, and taken again, as by a thread `arriving`, when it ends. While
+        it runs, the steps take one thread, and so do the prefill's products while generations
+        are decoding: each keeps a core. Entered without `cond` held, it does nothing.
+
+        Why: a prefill run between two steps, holding `cond`, would stall every stream for
+        its length (docs/benchmarks.md has figures). (`cond._is_owned` tells whether `cond`
+        is held, not by whom: the server's threads hold it whenever they reach here.)
         """
         owned = getattr(self.cond, "_is_owned", lambda: False)()
         if not owned:

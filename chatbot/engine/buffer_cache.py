@@ -3,7 +3,7 @@
 Every layer of a transformers cache (`DynamicCache` or our `SinkCache`) is replaced by a
 `BufferLayer` (`adopt_layers`), which keeps keys and values in a preallocated buffer
 ``[1, kv_heads, capacity, head_dim]`` and writes new tokens in place, gpt-fast style. It is
-still a transformers cache layer (prefill, `crop`, `reset` work as before), and it implements
+still a transformers cache layer (prefill, `crop`, `reset` work as on a `DynamicLayer`), and it implements
 the sink cache's `drop` in place, so `--enable-streaming` (eviction and re-rotation) keeps
 working on the fast path (`chatbot.engine.fast`).
 """
@@ -26,7 +26,7 @@ class BufferLayer(SinkLayer):
     """A cache layer whose keys and values live in a preallocated buffer, written in place.
 
     `keys` / `values` are views of the first `length` positions, so code written for
-    `DynamicLayer` reads them as before. The buffer grows by doubling when full (a copy,
+    `DynamicLayer` reads them unchanged. The buffer grows by doubling when full (a copy,
     amortized); `version` changes whenever it is reallocated, so holders of raw pointers
     know to refresh them.
     """

@@ -1,12 +1,11 @@
 """The fast decode path on the CPU: one native call per token, on a cache written in place.
 
-transformers spends about half of a one-token forward pass in Python and framework code
-(masks, position ids, ~700 small ops for a 30-layer model), and its float32 matrix-vector
-products reach well under half of the memory bandwidth. Here, prefill stays with
-transformers' forward pass (for a GGUF model loaded as it is, its products run on the blocks:
-`chatbot.engine.packed`, batched int16 products under `auto`), and every decoded
-token is one call into `kernels.c`, which runs the whole forward pass for one token in one
-OpenMP region.
+Prefill stays with transformers' forward pass (for a GGUF model loaded as it is, its
+products run on the blocks: `chatbot.engine.packed`, batched int16 products under `auto`),
+and every decoded token is one call into `kernels.c`, which runs the whole forward pass for
+one token in one OpenMP region. Why: transformers runs a one-token forward pass as hundreds
+of small ops in Python and framework code (masks, position ids) around float32
+matrix-vector products (docs/benchmarks.md has figures).
 
 The weights are packed once per model, in one of these formats (`DecodeOptions.weights`):
 
@@ -26,8 +25,8 @@ The weights are packed once per model, in one of these formats (`DecodeOptions.w
 ``f32`` keeps activations in float32 (weights are widened in registers), so it equals the
 transformers forward pass up to rounding. ``auto`` hands the inputs of its Q4_1/Q8_0 products
 to the kernels as int16 per block of 32 (an error of at most 1/65,534 of the block's largest
-value) for exact 16-bit integer dot products: nearly as fast as int8 and 258x finer (derived in
-kernels.c, ACT_I16; docs/benchmarks.md compares the levels' tokens and perplexity).
+value) for exact 16-bit integer dot products, 258x finer than int8 (derived in kernels.c,
+ACT_I16; docs/benchmarks.md compares the levels' speed, tokens and perplexity).
 ``int8`` and ``int4`` quantize each activation vector to int8 per block of 32, as llama.cpp does.
 
 The cache: every layer of a transformers cache is replaced by a `BufferLayer`

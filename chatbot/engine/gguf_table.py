@@ -68,17 +68,17 @@ def _skip_value(buf: mmap.mmap, pos: int, kind: int) -> int:
 
 # The last table read, with the file size and header bytes it was read from: a load reads the
 # table three times (checking the file, keying the tokenizer cache, mapping the weights), and
-# the header of a 150k vocabulary takes ~35 ms to walk, against ~1 ms to compare. (The size is
-# part of the key: a table is checked against the end of its file.)
+# comparing the header bytes is much cheaper than walking a large vocabulary again. (The size
+# is part of the key: a table is checked against the end of its file.)
 _last_table: tuple[str, int, bytes, tuple[str, list[TensorInfo]]] | None = None
 
 
 def read_tensor_table(path: str | Path) -> tuple[str, list[TensorInfo]]:
     """The architecture and tensor table of a GGUF file (v2/v3), reading nothing else.
 
-    `gguf.GGUFReader` parses every metadata value into numpy views, which takes seconds on
-    a 150k-token vocabulary; decoding needs only the tensor table, so it is read here (the
-    tests check it against GGUFReader).
+    `gguf.GGUFReader` parses every metadata value into numpy views, slow on a large
+    vocabulary; decoding needs only the tensor table, so it is read here (the tests check it
+    against GGUFReader).
 
     Raises:
         ValueError: not a GGUF v2/v3 file, or a damaged tensor table (`_check_tensor`): one
@@ -250,7 +250,7 @@ class FileStamp:
         return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
 
     def check(self) -> None:
-        """Raise unless the file is as it was when stamped (a µs: one `stat`).
+        """Raise unless the file is as it was when stamped (one `stat`).
 
         Raises:
             ModelFileChanged: the file was changed, truncated, replaced or removed.

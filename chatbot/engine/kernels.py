@@ -177,8 +177,11 @@ def _quantize(
     """Pack `w` in a block format (into `out`, uint8 [rows, bytes per row], when given); also
     return the largest rounding error and the largest |w|.
 
-    One thread: packing runs once per model load and takes well under a second, while
-    OpenMP threads on a busy machine can make it ten times slower.
+    Raises:
+        ValueError: `w` has a column count that is not a multiple of the block size (QK).
+
+    Runs on one thread: packing runs once per model load, and OpenMP threads on a busy
+    machine stall one another at its barriers (`chatbot.engine.threads`).
     """
     rows, cols = w.shape
     if cols % QK:
@@ -279,8 +282,9 @@ TILED_FORMATS = {f.code for f in FORMATS if f.tiled}
 def tile_rows(p: PackedMatrix) -> PackedMatrix:
     """`p` with its rows in tiles of 8 (a copy, as many bytes) where the kernels have tile
     products for its format on this CPU (Q4_K and Q6_K, AVX2 and up; rows a multiple of 8,
-    columns of 256), whose products run faster on tiles (docs/benchmarks.md). Everything that reads
-    a matrix takes either layout. Returns `p` itself otherwise, without the kernels, or with
+    columns of 256), whose products do the per-super-block work once for 8 rows (kernels.c,
+    "8-row tiles"; docs/benchmarks.md has figures). Everything that reads a matrix takes
+    either layout. Returns `p` itself otherwise, without the kernels, or with
     ``CHATBOT_TILES=0`` in the environment."""
     if p.fmt not in TILED_FORMATS or p.x8 or p.rows % 8 or p.cols % 256:
         return p

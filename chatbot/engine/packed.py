@@ -42,9 +42,9 @@ SMALL_INPUT_ROWS = 4
 BAND_FLOATS = 1 << 24
 """Most floats of one dequantized band (64 MB): every matrix of a 1.5B model fits in one band
 (a 3B-8B model's MLP matrices take 2-4), so a forward pass makes about one GEMM call per
-matrix, as with float32 weights. Smaller bands cost no CPU time on a quiet machine, but each
-GEMM call ends in a barrier of torch's threads, where on a busy machine a descheduled thread
-stalls the others: fewer, larger calls wait less (docs/benchmarks.md)."""
+matrix, as with float32 weights. Each GEMM call ends in a barrier of torch's threads, where
+on a busy machine a descheduled thread stalls the others: fewer, larger calls wait less
+(docs/benchmarks.md has figures)."""
 
 _local = threading.local()
 _tuners: dict[int, ThreadTuner] = {}
@@ -131,7 +131,7 @@ def packed_matmul(
         sub = kernels.Mat(base + r0 * stride, p.fmt, r1 - r0, p.cols, int(p.x8))
         w = buf[: (r1 - r0) * p.cols].view(r1 - r0, p.cols)
         lib.chatbot_dequantize(ctypes.byref(sub), w.data_ptr(), threads)
-        # x @ w.T as F.linear lays it out: at a few dozen rows of x, twice as fast as w @ x.T
+        # x @ w.T as F.linear lays it out: at a few dozen rows of x, faster than w @ x.T
         if out is None:
             return torch.nn.functional.linear(x, w)
         out[:, r0:r1] = torch.nn.functional.linear(x, w)

@@ -1,10 +1,9 @@
-"""Choosing answer tokens: the `Sampler`, its processors, and helpers that cost microseconds
-per token instead of milliseconds.
+"""Choosing answer tokens: the `Sampler`, its processors, and the sampling defaults a model
+ships (`sampling_from_model`).
 
-transformers' `TopPLogitsWarper` sorts the whole vocabulary at every step (49,152 entries for
-SmolLM2), which can take as long as the decode step itself. After top-k, only k entries are
-left to sort. Also the sampling defaults a model ships
-(`sampling_from_model`).
+Top-k then top-p sorts only the k candidates left after top-k, where transformers'
+`TopPLogitsWarper` sorts the whole vocabulary at every step (49,152 entries for SmolLM2;
+docs/benchmarks.md has figures).
 """
 
 from __future__ import annotations

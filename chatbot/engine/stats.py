@@ -105,8 +105,7 @@ def peak_rss_bytes() -> int:
 
     Not `ru_maxrss` on Linux: a process started by another keeps, in its `ru_maxrss`, the peak
     of the parent it was forked from (exec records the old memory map's high-water mark), so
-    a worker started by a 1.8 GB test process read 1.8 GB, and one started by a bench parent
-    that holds torch read at least that parent's peak. VmHWM is the high-water mark of the
+    a worker would report at least its parent's peak. VmHWM is the high-water mark of the
     process's own memory map.
     """
     hwm = proc_status_kb("VmHWM")

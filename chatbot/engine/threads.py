@@ -1,24 +1,23 @@
-"""How many CPU threads to decode with, and how they wait, on a machine others share.
+"""How many CPU threads the native kernels decode with, and how those threads wait.
 
-The native kernels run a decode step as one OpenMP region with a few barriers per layer.
-On a quiet machine every thread reaches each barrier at nearly the same time. On a busy one
-(more runnable threads than CPUs) the scheduler parks one of ours for a time slice (~3 ms);
-its partners then wait at the next barrier, and with OpenMP's default wait they *spin*
-there for up to 300,000 pause-loop iterations, holding a CPU that the parked thread (or
-the process that is busy) could use. Two threads then decode several times slower than one.
+- `available_cpus`: the CPUs this process may run on (`sched_getaffinity`, capped by a
+  cgroup v2 quota, `cgroup_cpu_limit`).
+- `busy_cpus`, `pick_threads`, `default_threads`: that count less the CPUs other processes
+  keep busy right now.
+- `wait_policy_env`, `apply_wait_policy`: OpenMP barrier waits that spin briefly
+  (`SPIN_COUNT`: a barrier all threads reach together costs no system call), then sleep in
+  the kernel (a thread waiting for a parked one gives its CPU away); set before torch loads
+  libgomp.
+- `ThreadTuner`: 1 thread or `most`, whichever the measured step times say is faster.
+- `capped_threads`, `cap_threads`: a per-thread cap on the native products' thread count.
 
-Two remedies, both decided here:
+Why: a decode step is one OpenMP region with a few barriers per layer. On a machine with
+more runnable threads than CPUs the scheduler parks one of ours for a time slice, and its
+partners wait for it at the next barrier, spinning on CPUs that others could use under
+OpenMP's default wait (`scripts/bench-threads`; docs/benchmarks.md has figures).
 
-- the thread count: the CPUs this process may run on (`sched_getaffinity`, a cgroup CPU
-  quota) minus the ones other processes keep busy right now (`pick_threads`);
-- the wait: spin briefly, then sleep in the kernel (`wait_policy_env`, set by the CLI before
-  torch loads): a barrier that all threads reach together still costs no system call, and
-  one that waits for a parked thread gives its CPU away instead of burning the time slice
-  (`scripts/bench-threads` measures it, docs/benchmarks.md); one thread has no barriers to
-  wait at.
-
-The core imports nothing from the terminal layer; everything is read from /proc and /sys,
-with quiet fallbacks where they are missing (macOS, containers without cgroup files).
+The module imports nothing from the terminal layer. It reads /proc and /sys, and falls back
+quietly where they are missing (macOS, containers without cgroup files).
 """
 
 from __future__ import annotations
@@ -123,14 +122,15 @@ def apply_wait_policy(env: MutableMapping[str, str] | None = None) -> dict[str, 
 
 
 class ThreadTuner:
-    """Picks the kernels' thread count from measured step times: 1 or `most`.
+    """Picks the kernels' thread count, 1 or `most`, from the step times it is given.
 
-    Each layer of a decode step ends in a few barriers where every thread waits for the
-    others. On a quiet machine two threads nearly halve a step; on a busy one (more runnable
-    threads than cores) a descheduled thread stalls its partner at every barrier, and one
-    thread is several times faster. So both are timed as decoding goes: mostly the faster
-    one runs, and the other is tried again after `explore_every` steps times how much
-    slower it was, so that re-checking a bad choice costs at most ~1/`explore_every`.
+    `pick` returns a count not timed yet, else the faster one, and the other again after
+    `explore_every` picks times how much slower it was, so that re-checking a bad choice
+    costs at most ~1/`explore_every` of the steps. `record` smooths a count's time by
+    `smoothing`; the time of a re-check replaces the old one.
+
+    Why: which count is faster depends on how busy the machine is right now (a descheduled
+    thread stalls its partners at every barrier), so both are timed as decoding goes.
     """
 
     def __init__(self, most: int, explore_every: int = 32, smoothing: float = 0.25) -> None:

@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP API on FastAPI: /v1/chat/completions (server-sent events or one
 JSON answer), /v1/completions (a raw prompt), /v1/models, /health.
 
-One worker thread owns the engine and the prefix-cache pool: requests queue for it and are
-answered one at a time (a CPU runs one generation at a time best), while the event loop
-stays free for /health and new connections. A client that goes away stops its generation at
-the next token; the partial answer stays in that conversation's cache.
+The worker (`worker`) owns the engine and the prefix-cache pool: requests queue for it and
+are answered one at a time, or with the native kernels several at once in batched decode
+steps, while the event loop stays free for /health and new connections. A client that goes
+away stops its generation at the next token; the partial answer stays in that
+conversation's cache.
 
 Routes and streaming are here; the request models and their checks are in `protocol`, the
 worker thread in `worker`.

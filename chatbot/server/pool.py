@@ -6,10 +6,9 @@ prefilled; one that shares the start of a conversation but differs later (a retr
 takes that entry over, its cache cropped to the tokens they share (not re-encoded). A new
 conversation takes the keys and values of the longest start it shares with a kept one (the
 template's opening and system prompt, most often) as a copy, and prefills only the rest
-(`share_prefix`). A bounded
-number of entries is kept, and a memory cap; the least recently used go first. A `cache_salt`
-(as in vLLM) keeps requests apart: only entries made with the same salt are reused, so a fresh
-salt per request turns the cache off for it.
+(`share_prefix`). A bounded number of entries is kept, and a memory cap; the least recently
+used go first. A `cache_salt` (as in vLLM) keeps requests apart: only entries made with the
+same salt are reused, so a fresh salt per request turns the cache off for it.
 
 Not thread-safe: one worker thread owns the pool and the engine.
 """

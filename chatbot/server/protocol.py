@@ -200,9 +200,9 @@ class APIError(Exception):
 @dataclass(frozen=True)
 class PromptBound:
     """Refuses a prompt that cannot fit the context from its UTF-8 length alone, before the
-    worker tokenizes it (which takes about a second a megabyte, and holds up every request
-    behind it): a token stands for at most `bytes_per_token` bytes of text, so a prompt of
-    B bytes is at least B / bytes_per_token tokens. The exact check (the session's) follows.
+    worker tokenizes it (slow on a long prompt, and it holds up every request behind it): a
+    token stands for at most `bytes_per_token` bytes of text, so a prompt of B bytes is at
+    least B / bytes_per_token tokens. The exact check (the session's) follows.
 
     Args:
         tokenizer: the model's tokenizer (its chat template renders conversations).
