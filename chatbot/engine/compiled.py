@@ -9,17 +9,17 @@ its cache layers are `StaticLayer`s:
   `BufferPool`, so that a new conversation of the same capacity (/reset, /load, a server's
   next request) writes into the same memory and no step is compiled again;
 - inside the compiled step a layer writes the new token at the slot given by a tensor (the
-  backend's position tensor) with ``index_copy_`` and hands the whole buffers to attention;
-  the mask covers the whole capacity and hides every slot after the token, so stale slots
-  (after a crop, an eviction, a reset) are never read;
+  backend's position tensor) with ``index_copy_`` and hands attention the first `window`
+  slots (a bucket of those in use: one graph per window bucket); the mask hides every slot
+  after the token, so stale slots (after a crop, an eviction, a reset) are never read;
 - outside it a layer is a `BufferLayer`: prefill, crop, reset and the attention-sink cache's
   eviction (which moves the kept keys in place and re-rotates them) work as on the native path.
 
-A growing cache takes a capacity from `bucket` (powers of two from 256): one compile per
-capacity reached. An attention-sink cache takes its whole window at once (in a bucket): one
-compile. A GGUF
-model's packed products are custom ops (`chatbot.engine.packed`): one opaque kernel call each
-inside the graph.
+A growing cache takes a capacity from `bucket` (powers of two from 256), an attention-sink
+cache its whole window (in a bucket) at once; each step attends over a bucket of the slots in
+use, so a step compiles once per (capacity, window) pair it meets: a sink cache of up to 256
+positions once. A GGUF model's packed products are custom ops (`chatbot.engine.packed`): one
+opaque kernel call each inside the graph.
 """
 
 from __future__ import annotations
@@ -110,8 +110,9 @@ class BufferPool:
 class StaticLayer(BufferLayer):
     """A `BufferLayer` whose buffers come from a `BufferPool`, and that a compiled step writes
     at the slot in `slot` (a ``[1]`` long tensor): inside `torch.compile`, `update` writes there
-    and returns the whole buffers, `get_seq_length` is that slot and the mask spans the whole
-    capacity; the caller counts the token in `length` after the step."""
+    and returns the first `window` slots of the buffers (views: the same memory), `get_seq_length`
+    is that slot and the mask spans the window; the caller sets `window` before the step and
+    counts the token in `length` after it."""
 
     is_compileable = True
 
@@ -119,6 +120,7 @@ class StaticLayer(BufferLayer):
         super().__init__()
         self.pool = pool
         self.slot = slot
+        self.window = 0  # the slots a compiled step attends over (set by the backend before it)
 
     def reserve(self, needed: int, like: torch.Tensor | None = None, exact: bool = False) -> None:
         """Room for `needed` positions: `needed` itself with `exact`, else `bucket(needed)`;
@@ -142,7 +144,7 @@ class StaticLayer(BufferLayer):
         if torch.compiler.is_compiling() and self._k is not None and self._v is not None:
             self._k.index_copy_(2, self.slot, key_states)
             self._v.index_copy_(2, self.slot, value_states)
-            return self._k, self._v
+            return self._k[:, :, : self.window], self._v[:, :, : self.window]
         return super().update(key_states, value_states, *args, **kwargs)
 
     def get_seq_length(self) -> Any:
@@ -152,7 +154,7 @@ class StaticLayer(BufferLayer):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if torch.compiler.is_compiling():
-            return self.capacity, 0
+            return self.window, 0
         return self.length + query_length, 0
 
 
@@ -173,10 +175,10 @@ except ImportError:  # pragma: no cover - older torch
 
 @dataclass
 class CompileFigures:
-    """What compiling cost so far: one compile per capacity a cache reached."""
+    """What compiling cost so far: one compile per (capacity, window) pair a step met."""
 
     compiles: int = 0
-    compile_s: float = 0.0  # the first steps at each capacity (tracing + code generation)
+    compile_s: float = 0.0  # the first step at each pair (tracing + code generation)
     graph_breaks: int = 0  # with fullgraph=True any break is a failure: 0 or the fallback's 1
 
 
@@ -210,7 +212,7 @@ class CompiledBackend(HFBackend):
         self.limit = getattr(model.config, "max_position_embeddings", None)
         self.failure: str | None = None
         self.figures = CompileFigures()
-        self._compiled_at: set[int] = set()  # capacities with a compiled step
+        self._compiled_at: set[tuple[int, int]] = set()  # (capacity, window) of each compiled step
         self._reached = 0  # the largest capacity a growing cache took: the next starts there
         self._lock = threading.Lock()
         # one compile per capacity and per model (a process may hold several): more than
@@ -278,8 +280,13 @@ class CompiledBackend(HFBackend):
                 self.reserve(cache, length + 1)
             self.ids.fill_(int(token))
             self.slot.fill_(length)
+            # attend over a bucket of the slots in use, not the whole buffer: one graph per
+            # window bucket (the window is a constant of each graph), each compiled once
             capacity = layers[0].capacity
-            first = capacity not in self._compiled_at
+            window = min(capacity, bucket(length + 1))
+            for layer in layers:
+                layer.window = window
+            first = (capacity, window) not in self._compiled_at
             t0 = time.perf_counter()
             try:
                 logits = self._step(self.ids, self.slot, cache)
@@ -291,7 +298,7 @@ class CompiledBackend(HFBackend):
                 layer.length += 1
             result = logits[0, -1].float().clone()  # a CUDA graph's output is overwritten next replay
             if first:
-                self._compiled_at.add(capacity)
+                self._compiled_at.add((capacity, window))
                 self.figures.compiles += 1
                 self.figures.compile_s += time.perf_counter() - t0
                 gc.collect()  # tracing leaves cycles that hold the traced cache's layers (and buffers)
