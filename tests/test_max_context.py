@@ -17,14 +17,15 @@ def test_the_cli_engine_takes_max_context_from_engine_config(tiny_model, tiny_to
     """The CLI builds its Engine from the EngineConfig that flags and presets resolve to."""
     from types import SimpleNamespace
 
-    from chatbot.cli import _engine
+    from chatbot.cli_common import make_engine
+    from chatbot.engine.backend import HFBackend
 
     loaded = SimpleNamespace(model=tiny_model, tokenizer=tiny_tokenizer)
-    limited = _engine(loaded, EngineConfig(max_context=40), decoder=None)
-    assert limited.max_context == 40
-    assert (
-        _engine(loaded, EngineConfig(), decoder=None).max_context == tiny_model.config.max_position_embeddings
-    )
+    backend = HFBackend(tiny_model)
+    limited = make_engine(loaded, EngineConfig(max_context=40), backend)
+    assert limited.max_context == 40 and limited.backend is backend
+    trained = tiny_model.config.max_position_embeddings
+    assert make_engine(loaded, EngineConfig(), backend).max_context == trained
     session = ChatSession(limited, ChatConfig(sampling=GREEDY, engine=EngineConfig(max_context=40)))
     with pytest.raises(ContextFullError, match="> 40"):
         list(session.send(LONG))
