@@ -9,17 +9,18 @@ its cache layers are `StaticLayer`s:
   `BufferPool`, so that a new conversation of the same capacity (/reset, /load, a server's
   next request) writes into the same memory and no step is compiled again;
 - inside the compiled step a layer writes the new token at the slot given by a tensor (the
-  backend's position tensor) with ``index_copy_`` and hands attention the first `window`
-  slots (a bucket of those in use: one graph per window bucket); the mask hides every slot
-  after the token, so stale slots (after a crop, an eviction, a reset) are never read;
+  backend's position tensor) with ``index_copy_`` and hands the whole buffers to attention;
+  the mask hides every slot after the token, so stale slots (after a crop, an eviction, a
+  reset) are never read;
 - outside it a layer is a `BufferLayer`: prefill, crop, reset and the attention-sink cache's
   eviction (which moves the kept keys in place and re-rotates them) work as on the native path.
 
-A growing cache takes a capacity from `bucket` (powers of two from 256), an attention-sink
-cache its whole window (in a bucket) at once; each step attends over a bucket of the slots in
-use, so a step compiles once per (capacity, window) pair it meets: a sink cache of up to 256
-positions once. A GGUF model's packed products are custom ops (`chatbot.engine.packed`): one
-opaque kernel call each inside the graph.
+A growing cache's capacity follows what it holds: the bucket (`bucket`: powers of two from 256)
+of its length, grown when a prefill or a step needs room; an attention-sink cache takes its
+whole window (in a bucket) at once. A step compiles once per capacity (the buffers' shape is
+the graph's): a new conversation starts again at 256, in the pool's buffers of that size and
+on the graph already compiled. A GGUF model's packed products are custom ops
+(`chatbot.engine.packed`): one opaque kernel call each inside the graph.
 """
 
 from __future__ import annotations
@@ -94,14 +95,6 @@ class BufferPool:
                 if entry.owner is not None and entry.owner() is owner:
                     entry.owner = None
 
-    def drop_free_below(self, capacity: int) -> None:
-        """Forget the free buffers of fewer than `capacity` positions (no cache takes them again)."""
-        for key in list(self.held):
-            if key[0][-2] < capacity:
-                self.held[key] = [e for e in self.held[key] if e.owner is not None and e.owner() is not None]
-                if not self.held[key]:
-                    del self.held[key]
-
     def addresses(self) -> set[int]:
         """The data pointers of every buffer held (the tests' proof that none moves)."""
         return {t.data_ptr() for lent in self.held.values() for e in lent for t in (e.keys, e.values)}
@@ -110,9 +103,8 @@ class BufferPool:
 class StaticLayer(BufferLayer):
     """A `BufferLayer` whose buffers come from a `BufferPool`, and that a compiled step writes
     at the slot in `slot` (a ``[1]`` long tensor): inside `torch.compile`, `update` writes there
-    and returns the first `window` slots of the buffers (views: the same memory), `get_seq_length`
-    is that slot and the mask spans the window; the caller sets `window` before the step and
-    counts the token in `length` after it."""
+    and returns the whole buffers, `get_seq_length` is that slot and the mask spans the whole
+    capacity; the caller counts the token in `length` after the step."""
 
     is_compileable = True
 
@@ -120,7 +112,6 @@ class StaticLayer(BufferLayer):
         super().__init__()
         self.pool = pool
         self.slot = slot
-        self.window = 0  # the slots a compiled step attends over (set by the backend before it)
 
     def reserve(self, needed: int, like: torch.Tensor | None = None, exact: bool = False) -> None:
         """Room for `needed` positions: `needed` itself with `exact`, else `bucket(needed)`;
@@ -144,7 +135,7 @@ class StaticLayer(BufferLayer):
         if torch.compiler.is_compiling() and self._k is not None and self._v is not None:
             self._k.index_copy_(2, self.slot, key_states)
             self._v.index_copy_(2, self.slot, value_states)
-            return self._k[:, :, : self.window], self._v[:, :, : self.window]
+            return self._k, self._v
         return super().update(key_states, value_states, *args, **kwargs)
 
     def get_seq_length(self) -> Any:
@@ -154,7 +145,7 @@ class StaticLayer(BufferLayer):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if torch.compiler.is_compiling():
-            return self.window, 0
+            return self.capacity, 0
         return self.length + query_length, 0
 
 
@@ -175,10 +166,10 @@ except ImportError:  # pragma: no cover - older torch
 
 @dataclass
 class CompileFigures:
-    """What compiling cost so far: one compile per (capacity, window) pair a step met."""
+    """What compiling cost so far: one compile per capacity a step met."""
 
     compiles: int = 0
-    compile_s: float = 0.0  # the first step at each pair (tracing + code generation)
+    compile_s: float = 0.0  # the first step at each capacity (tracing + code generation)
     graph_breaks: int = 0  # with fullgraph=True any break is a failure: 0 or the fallback's 1
 
 
@@ -209,11 +200,9 @@ class CompiledBackend(HFBackend):
         self.pool = BufferPool(mark_static=on_cuda)
         self.ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # the step's input
         self.slot = torch.zeros(1, dtype=torch.long, device=self.device)  # where it is written
-        self.limit = getattr(model.config, "max_position_embeddings", None)
         self.failure: str | None = None
         self.figures = CompileFigures()
-        self._compiled_at: set[tuple[int, int]] = set()  # (capacity, window) of each compiled step
-        self._reached = 0  # the largest capacity a growing cache took: the next starts there
+        self._compiled_at: set[int] = set()  # the capacities with a compiled step
         self._lock = threading.Lock()
         # one compile per capacity and per model (a process may hold several): more than
         # dynamo's default of 8 for one function
@@ -246,21 +235,19 @@ class CompiledBackend(HFBackend):
         return torch.empty(1, heads, 0, head_dim, dtype=dtype, device=self.device)
 
     def reserve(self, cache: Cache, needed: int, limit: int | None = None) -> None:
-        """Room for `needed` positions: an attention-sink cache's whole window at once, a
-        growing cache the bucket of `needed` (or of the largest capacity reached, if more)."""
+        """Room for an attention-sink cache's whole window at once. A growing cache is left to
+        grow with what it holds (the bucket of its length, as a prefill or a step needs it):
+        room for an answer taken up front would change its capacity, and so compile a step,
+        before the cache needs it."""
         self.adopt(cache)
         layers = [layer for layer in cache.layers if isinstance(layer, StaticLayer)]
         if len(layers) != len(cache.layers):
             return  # a cache the static layers could not take over: eager steps
-        if isinstance(cache, SinkCache):
-            # the whole window, in a bucket: a pinned system prompt that widens it a little
-            # later (`SinkCache.pin`) still fits, with no new buffers and no new compile
-            target = bucket(max(needed, cache.capacity))
-        else:
-            target = bucket(max(needed, self._reached), limit if limit is not None else self.limit)
-            if target > self._reached:
-                self._reached = target
-                self.pool.drop_free_below(target)
+        if not isinstance(cache, SinkCache):
+            return
+        # the whole window, in a bucket: a pinned system prompt that widens it a little later
+        # (`SinkCache.pin`) still fits, with no new buffers and no new compile
+        target = bucket(max(needed, cache.capacity))
         if all(layer.capacity >= target for layer in layers):
             return
         like = next((layer.key_buffer for layer in layers if layer.key_buffer is not None), None)
@@ -276,17 +263,12 @@ class CompiledBackend(HFBackend):
             if self.failure is not None or not all(isinstance(layer, StaticLayer) for layer in layers):
                 return super().step(cache, token)
             length = layers[0].length
-            if any(layer.capacity <= length for layer in layers):
-                self.reserve(cache, length + 1)
+            for layer in layers:
+                layer.reserve(length + 1)  # full: the next bucket (a new capacity, compiled once)
             self.ids.fill_(int(token))
             self.slot.fill_(length)
-            # attend over a bucket of the slots in use, not the whole buffer: one graph per
-            # window bucket (the window is a constant of each graph), each compiled once
             capacity = layers[0].capacity
-            window = min(capacity, bucket(length + 1))
-            for layer in layers:
-                layer.window = window
-            first = (capacity, window) not in self._compiled_at
+            first = capacity not in self._compiled_at
             t0 = time.perf_counter()
             try:
                 logits = self._step(self.ids, self.slot, cache)
@@ -298,7 +280,7 @@ class CompiledBackend(HFBackend):
                 layer.length += 1
             result = logits[0, -1].float().clone()  # a CUDA graph's output is overwritten next replay
             if first:
-                self._compiled_at.add((capacity, window))
+                self._compiled_at.add(capacity)
                 self.figures.compiles += 1
                 self.figures.compile_s += time.perf_counter() - t0
                 gc.collect()  # tracing leaves cycles that hold the traced cache's layers (and buffers)
