@@ -135,8 +135,8 @@ def _engine_worker(
         runs = [run(ids[:size], 1)[0] for _ in range(PREFILL_REPEATS.get(size, 1))]
         prefill[str(size)] = size / statistics.median(s.context_time_s for s in runs)
         ttft[str(size)] = statistics.median(s.ttft_s for s in runs)
-    if engine.compiled:
-        run(ids[:16], 4)  # compiles the step at the capacity the prefills reached, apart
+    if engine.compiled:  # compile every capacity the measured run meets, apart from it
+        run(ids[:DECODE_PROMPT], greedy.max_new_tokens)
     stats, tokens = run(ids[:DECODE_PROMPT], greedy.max_new_tokens)
     out = {
         **_quantiles(stats.token_latencies_s),
