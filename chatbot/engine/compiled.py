@@ -43,15 +43,12 @@ from chatbot.engine.sink_cache import SinkCache
 SMALLEST_BUCKET = 256
 
 
-def bucket(needed: int, limit: int | None = None) -> int:
-    """The capacity a growing static cache takes to hold `needed` positions: the smallest
-    power of two from `SMALLEST_BUCKET` up that holds them, no more than `limit` (unless
-    `needed` is more)."""
+def bucket(needed: int) -> int:
+    """The capacity a static cache takes to hold `needed` positions: the smallest power of two
+    from `SMALLEST_BUCKET` up that holds them."""
     capacity = SMALLEST_BUCKET
     while capacity < needed:
         capacity *= 2
-    if limit is not None:
-        capacity = max(needed, min(capacity, limit))
     return capacity
 
 
