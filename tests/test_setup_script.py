@@ -21,7 +21,9 @@ if [ "$1" = "-m" ] && [ "$2" = "pip" ]; then
   echo "$*" >> "$(dirname "$0")/../../pip-calls.log"
   echo "  !! Please be careful with folders in your working directory with the same name !!" >&2
   echo "    with strategy, WheelFile(wheel_path, \\"w\\") as wheel_obj:" >&2
-  case "$*" in *"$FAIL_ON"*) if [ -n "$FAIL_ON" ]; then echo "ERROR: no matching distribution" >&2; exit 1; fi;; esac
+  if [ -n "$FAIL_ON" ]; then
+    case "$*" in *"$FAIL_ON"*) echo "ERROR: no matching distribution" >&2; exit 1;; esac
+  fi
   exit 0
 fi
 exit 0
@@ -43,7 +45,12 @@ def _checkout(tmp_path: Path) -> Path:
 def _setup(tree: Path, *args: str, fail_on: str = "") -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "FAIL_ON": fail_on}
     return subprocess.run(
-        [str(tree / "scripts" / "setup"), *args], capture_output=True, text=True, env=env, timeout=60
+        [str(tree / "scripts" / "setup"), *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
     )
 
 
