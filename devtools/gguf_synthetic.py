@@ -166,6 +166,8 @@ SHAPES: dict[str, dict[str, Shape]] = {
     "gemma3": {
         "tiny": Shape("tiny", 256, 6, 2, 1, 512, 16384, True, head_dim=256, rope_theta=1e6,
                       sliding_window=16),
+        "270M": Shape("Gemma-3-270M", 640, 18, 4, 1, 2048, 262144, True, head_dim=256, rope_theta=1e6,
+                      sliding_window=512),
         "1B": Shape("Gemma-3-1B", 1152, 26, 4, 1, 6912, 262144, True, head_dim=256, rope_theta=1e6,
                     sliding_window=512),
         "4B": Shape("Gemma-3-4B", 2560, 34, 8, 4, 10240, 262144, True, head_dim=256, rope_theta=1e6,

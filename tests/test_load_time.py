@@ -226,3 +226,85 @@ def test_a_cached_load_does_not_import_transformers_gguf_reader(tiny_gguf, tmp_p
     assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-2000:]
     # the first load reads the metadata through transformers (and caches it), the next does not
     assert [r.stdout.split() for r in runs] == [["PackedEmbedding", "True"], ["PackedEmbedding", "False"]]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_cached_tokenizer_is_read_once_in_the_tokenizers_library(tmp_path, monkeypatch, arch):
+    """The cache's tokenizer_config.json lists the added tokens, so a load from the cache does not
+    parse tokenizer.json in Python to find them (transformers does when the config lists none:
+    0.55 s and ~150 MB at the peak for a 262k-token Gemma vocabulary). Only a class that
+    rebuilds its backend from the file's vocabulary (GemmaTokenizer) still reads it, once; what
+    it loads is what the same files give without that list."""
+    import shutil
+
+    from transformers import AutoTokenizer, TokenizersBackend
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = tmp_path / f"{arch}.gguf"
+    write_synthetic_gguf(path, arch, SHAPES[arch]["tiny"], "Q8_0", seed=1)
+    load_model(str(path), device="cpu")
+    (folder,) = (cache_root() / "gguf-meta").iterdir()
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert config["added_tokens_decoder"]
+    # The same files without the list: transformers' own way of finding the added tokens.
+    bare = tmp_path / "bare"
+    shutil.copytree(folder, bare)
+    del config["added_tokens_decoder"]
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    reference = AutoTokenizer.from_pretrained(str(bare))
+
+    parsed: list[str] = []
+    real_load = json.load
+
+    def load(handle, *args, **kwargs):
+        parsed.append(getattr(handle, "name", "?"))
+        return real_load(handle, *args, **kwargs)
+
+    monkeypatch.setattr(json, "load", load)
+    cached = load_model(str(path), device="cpu")
+    monkeypatch.setattr(json, "load", real_load)
+    assert cached.notes == []
+    rebuilds = type(reference) is not TokenizersBackend
+    assert rebuilds is (arch == "gemma3")
+    assert len([name for name in parsed if name.endswith("tokenizer.json")]) == int(rebuilds), parsed
+    tok = cached.tokenizer
+    assert tok.added_tokens_decoder == reference.added_tokens_decoder
+    assert tok.all_special_ids == reference.all_special_ids
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == (
+        reference.bos_token,
+        reference.eos_token,
+        reference.pad_token,
+    )
+    specials = " ".join(str(t) for t in reference.added_tokens_decoder.values())
+    for text in [*TEXTS, specials, f"{specials} hi {specials}"]:
+        assert _ids(tok, text) == _ids(reference, text), text
+        assert tok.decode(_ids(reference, text)) == reference.decode(_ids(reference, text))
+
+
+def test_a_cache_written_without_the_added_tokens_gets_them_once(tmp_path, monkeypatch):
+    """A tokenizer cache from before the list (no added_tokens_decoder, no manifest field)
+    loads as it is and is republished with the list, once."""
+    from chatbot.models.manifest import MANIFEST, publish, read_manifest, staging
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = tmp_path / "llama.gguf"
+    write_synthetic_gguf(path, "llama", SHAPES["llama"]["tiny"], "Q8_0", seed=1)
+    first = load_model(str(path), device="cpu").tokenizer
+    (folder,) = (cache_root() / "gguf-meta").iterdir()
+    old = read_manifest(folder)
+    with staging(folder) as tmp:  # the cache as an older chatbot wrote it
+        for name in old["files"]:
+            (tmp / name).write_bytes((folder / name).read_bytes())
+        config = json.loads((tmp / "tokenizer_config.json").read_text())
+        del config["added_tokens_decoder"]
+        (tmp / "tokenizer_config.json").write_text(json.dumps(config))
+        publish(tmp, folder, gguf=old["gguf"], fast_tokenizer=old["fast_tokenizer"])
+    assert "added_tokens" not in json.loads((folder / MANIFEST).read_text())
+    again = load_model(str(path), device="cpu")
+    assert again.notes == []
+    assert again.tokenizer.added_tokens_decoder == first.added_tokens_decoder
+    upgraded = read_manifest(folder)
+    assert upgraded is not None and upgraded["added_tokens"] is True
+    assert json.loads((folder / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    for text in TEXTS:
+        assert _ids(again.tokenizer, text) == _ids(first, text)
