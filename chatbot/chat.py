@@ -102,6 +102,10 @@ class Chat(SavedConversation, LoggedSession, ABC, Generic[ChunkT]):
     notes: list[str]
     """Things to say once (e.g. how /continue works on this server); `take_notes` empties it."""
 
+    prefill_observer: Callable[[int, int], None] | None = None
+    """Told (tokens encoded, tokens in all) while a turn's new tokens are encoded, before its
+    first chunk (a local model; a server's prompt processing is not seen); None: nobody."""
+
     # -- a turn ----------------------------------------------------------------------------
 
     def send(self, text: str, sampling: SamplingConfig | None = None) -> Generator[ChunkT, None, None]:

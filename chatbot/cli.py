@@ -423,7 +423,7 @@ def doctor(
     loaded = backend = reason = None
     if load:  # before the kernels' line: loading a GGUF file builds them
         settings = resolve_cli_settings(ctx, preset, config).run_config()
-        loaded = load_with_status(settings.load.model, quiet=True, **settings.load.options())
+        loaded = load_with_status(settings.load.model, **settings.load.options())  # a status on a tty
         from chatbot.engine.backend import backend_for
 
         backend, reason = backend_for(loaded.model, opt)

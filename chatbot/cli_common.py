@@ -258,12 +258,20 @@ def set_threads(threads: int | None) -> None:
 
 
 def load_with_status(model: str | None, device: str, dtype: str, quiet: bool = False, **options: Any) -> Any:
+    """`load_model`, under a status line on a terminal (unless `quiet`) that names the load's
+    current wait (`chatbot.progress`: the kernels' first build, a GGUF file's first read)."""
     from chatbot.models.loader import load_model
+    from chatbot.progress import listen
 
     err = Console(stderr=True)
     if not quiet and sys.stderr.isatty():
-        with err.status("loading model…"):
-            return load_model(model, device=device, dtype=dtype, **options)
+        with err.status("loading model…") as status:
+
+            def show(what: str | None) -> None:
+                status.update(f"{what}…" if what else "loading model…")
+
+            with listen(show):
+                return load_model(model, device=device, dtype=dtype, **options)
     return load_model(model, device=device, dtype=dtype, **options)
 
 

@@ -15,15 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from chatbot.engine import kernels
-
-# What the kernels' source tests (kernels.c), from the widest down: the level they run at.
-_SIMD_LEVELS = [
-    ("AVX-512 VNNI", ("__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX512VNNI__", "__AVX2__")),
-    ("AVX-512", ("__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX2__")),
-    ("AVX2", ("__AVX2__", "__FMA__", "__F16C__")),
-    ("NEON + dotprod", ("__aarch64__", "__ARM_NEON", "__ARM_FEATURE_DOTPROD")),
-    ("NEON", ("__aarch64__", "__ARM_NEON")),
-]
+from chatbot.engine.kernel_build import compiler_macros, simd_level
 
 
 @dataclass
@@ -38,10 +30,7 @@ class Compiler:
     @property
     def simd(self) -> str:
         """The SIMD level kernels.c is compiled for on this CPU."""
-        for name, needs in _SIMD_LEVELS:
-            if all(m in self.macros for m in needs):
-                return name
-        return "none (portable C, scalar)" if self.macros else "unknown"
+        return simd_level(self.macros)
 
 
 def cpu_model() -> str:
@@ -83,10 +72,7 @@ def compiler() -> Compiler:
         return Compiler(None)
     version = _run([cc, "--version"])
     first = version.stdout.splitlines()[0] if version is not None and version.stdout else ""
-    macros = _run([cc, *kernels.arch_flags(), *kernels.extra_flags(), "-dM", "-E", "-x", "c", "-"])
-    defined = set()
-    if macros is not None and macros.returncode == 0:
-        defined = {line.split()[1] for line in macros.stdout.splitlines() if line.startswith("#define ")}
+    defined = compiler_macros(cc)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "omp.c"
         src.write_text("#include <omp.h>\nint main(void) { return omp_get_max_threads() > 0 ? 0 : 1; }\n")

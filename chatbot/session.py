@@ -215,6 +215,7 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
             generator=self.generator,
             stopping_criteria=stop,
             observer=self.token_observer,
+            on_progress=self.prefill_observer,
         )
         shown: list[int] = []
         stats: TurnStats | None = None

@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--load-when", type=Path)
     parser.add_argument("--load-fails", action="store_true")
+    parser.add_argument("--load-waits-on", help="words of a wait (chatbot.progress) the load is in")
     parser.add_argument("--resume", type=Path, help="a session log to resume once loaded")
     parser.add_argument(
         "--prefill-delay", type=float, default=0.0, help="seconds the first prompt's pass sleeps"
@@ -112,8 +113,13 @@ def main() -> None:
     pending: Future[ChatStart] = Future()
 
     def load() -> None:
-        while not args.load_when.exists():
-            time.sleep(0.02)
+        from contextlib import nullcontext
+
+        from chatbot.progress import waiting
+
+        with waiting(args.load_waits_on) if args.load_waits_on else nullcontext():
+            while not args.load_when.exists():
+                time.sleep(0.02)
         if args.load_fails:
             pending.set_exception(ModelLoadError("cannot read GGUF file scripted.gguf: it is truncated"))
         else:

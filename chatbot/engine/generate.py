@@ -200,10 +200,10 @@ class Engine:
 
         `reserve` asks a bounded cache to leave room for that many tokens after the prompt
         (the answer), so that decoding seldom has to evict. `on_progress` is told (tokens
-        done, tokens in all) after each chunk. Interrupted, the cache holds the chunks that
-        were fed (`TrackedCache.settle` evens out a torn one). The backend first gives the
-        cache room for the ids and `answer` tokens after them (at most its capacity), so that
-        its buffers are not regrown between the pass's activations.
+        done, tokens in all) before the first chunk and after each one. Interrupted, the
+        cache holds the chunks that were fed (`TrackedCache.settle` evens out a torn one).
+        The backend first gives the cache room for the ids and `answer` tokens after them (at
+        most its capacity), so that its buffers are not regrown between the pass's activations.
         """
         if not ids:
             raise ValueError("prefill needs at least one token")
@@ -211,6 +211,8 @@ class Engine:
         step = kv.chunk_size(prefill_chunk)
         recent = kv.recent_size
         logits = None
+        if on_progress is not None:
+            on_progress(0, len(ids))
         for start in range(0, len(ids), step):
             chunk = ids[start : start + step]
             extra = reserve if start + step >= len(ids) else 0
@@ -250,6 +252,7 @@ class Engine:
         logits_processor: LogitsProcessorList | None = None,
         stopping_criteria: StopCallback | None = None,
         observer: TokenObserver | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> Generator[GenerationChunk, None, None]:
         """Prefill `new_ids`, then sample an answer token by token.
 
@@ -269,6 +272,7 @@ class Engine:
                 transformers) and, like the last token of any answer, is not fed.
             observer: told of each answer token (not of a stop id) with the logits it was
                 chosen from, before any sampling transform (the server's logprobs).
+            on_progress: told (tokens done, tokens in all) as `new_ids` are prefilled.
 
         Yields:
             GenerationChunk, every `sampling.stream_interval` tokens; the last one carries
@@ -287,7 +291,12 @@ class Engine:
         reserve = min(sampling.max_new_tokens, 256) if kv.is_bounded else 0
         with self.backend.prefilling():
             logits = self.prefill(
-                kv, new_ids, prefill_chunk, reserve, answer=min(sampling.max_new_tokens, ANSWER_ROOM)
+                kv,
+                new_ids,
+                prefill_chunk,
+                reserve,
+                on_progress=on_progress,
+                answer=min(sampling.max_new_tokens, ANSWER_ROOM),
             )
         synchronize(self.device)
         stats.context_time_s = time.perf_counter() - t0

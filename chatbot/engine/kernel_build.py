@@ -28,8 +28,45 @@ from pathlib import Path
 from typing import Any
 
 from chatbot.engine.kernel_abi import KernelsUnavailable, check_abi, declare_functions
+from chatbot.progress import waiting
 
 SOURCE = Path(__file__).with_name("kernels.c")
+
+SIMD_LEVELS = [
+    ("AVX-512 VNNI", ("__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX512VNNI__", "__AVX2__")),
+    ("AVX-512", ("__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX2__")),
+    ("AVX2", ("__AVX2__", "__FMA__", "__F16C__")),
+    ("NEON + dotprod", ("__aarch64__", "__ARM_NEON", "__ARM_FEATURE_DOTPROD")),
+    ("NEON", ("__aarch64__", "__ARM_NEON")),
+]
+"""What the kernels' source tests (kernels.c), from the widest down: the level they run at,
+by the macros the compiler defines with `arch_flags`."""
+
+
+def simd_level(macros: set[str]) -> str:
+    """The SIMD level kernels.c compiles to where the compiler defines `macros`."""
+    for name, needs in SIMD_LEVELS:
+        if all(m in macros for m in needs):
+            return name
+    return "none (portable C, scalar)" if macros else "unknown"
+
+
+def compiler_macros(cc: str) -> set[str]:
+    """The macros `cc` defines with the kernels' flags (empty where it cannot say)."""
+    try:
+        proc = subprocess.run(
+            [cc, *arch_flags(), *extra_flags(), "-dM", "-E", "-x", "c", "-"],
+            input="",
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return set()
+    if proc.returncode != 0:
+        return set()
+    return {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("#define ")}
 
 
 def kernels_dir() -> Path:
@@ -303,11 +340,14 @@ def load_cached(cc: str, path: Path, pool_path: Path) -> ctypes.CDLL:
         lib, _ = _open_trusted(pool_path)
         if lib is not None:
             return lib
+    level = simd_level(compiler_macros(cc))
     try:
-        build(cc, path)
+        with waiting(f"building the native kernels for {level} with {Path(cc).name} (once, about 20 s)"):
+            build(cc, path)
     except KernelsUnavailable as exc:
         try:
-            build(cc, pool_path, openmp=False)
+            with waiting(f"building the native kernels for {level} without OpenMP (once, about 20 s)"):
+                build(cc, pool_path, openmp=False)
         except KernelsUnavailable:
             if problem == _MISSING:
                 raise exc from None

@@ -26,6 +26,7 @@ from chatbot.models.manifest import (  # noqa: F401  (MANIFEST: re-exported)
     staging,
 )
 from chatbot.models.source import check_gguf
+from chatbot.progress import waiting
 
 _CONVERSION_VERSION = 1
 
@@ -47,7 +48,8 @@ def _identity(path: Path) -> str:
         known = {}
     if isinstance(known, dict) and isinstance(known.get(key), str):
         return known[key]
-    digest = file_sha256(path)
+    with waiting(f"hashing {path.name} (once per file)"):
+        digest = file_sha256(path)
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
         known = known if isinstance(known, dict) else {}
@@ -84,7 +86,7 @@ def convert_gguf(gguf: Path, target: Path) -> None:
 
     check_gguf(gguf)
     try:
-        with quiet_transformers(gguf=True):
+        with quiet_transformers(gguf=True), waiting(f"converting {gguf.name} into a float copy (once)"):
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
             model = AutoModelForCausalLM.from_pretrained(
                 str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32

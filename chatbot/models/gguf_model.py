@@ -32,6 +32,7 @@ from chatbot.engine.gguf_weights import GGUFWeights, read_tensor_table
 from chatbot.engine.packed import PackedEmbedding, PackedLinear, ScaledPackedEmbedding
 from chatbot.models.load_checks import quiet_transformers
 from chatbot.models.manifest import publish, read_manifest, staging
+from chatbot.progress import waiting
 
 _CACHE_VERSION = 2  # 2: the tokenizer saved as its class rebuilds it, and read whole
 _MISSING = object()
@@ -132,12 +133,13 @@ def load_config_and_tokenizer(path: Path, cache: Path, notes: list[str]) -> tupl
             return config, tokenizer
     elif cache.exists():
         notes.append(f"the cached tokenizer of {path.name} in {cache} was incomplete or changed; rebuilt it")
-    with quiet_transformers(gguf=True):
+    with quiet_transformers(gguf=True), waiting(f"reading {path.name}'s tokenizer and settings (once)"):
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
         typed = _tokenizer_type(path, config)
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, **typed)
     try:
-        return config, _save_tokenizer(tokenizer, config, path, cache)
+        with waiting(f"saving {path.name}'s tokenizer for the next start (once)"):
+            return config, _save_tokenizer(tokenizer, config, path, cache)
     except OSError as exc:
         notes.append(
             f"cannot write the tokenizer cache {cache.parent} ({exc.strerror or exc}); "

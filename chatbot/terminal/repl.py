@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import itertools
 import sys
 from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, wait
@@ -27,6 +28,7 @@ from prompt_toolkit.output import create_output
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+from chatbot import progress
 from chatbot.errors import ChatbotError
 from chatbot.session_log import FILE_MODE, Event, SessionLog, data_dir, find_session, private_dir, replay
 from chatbot.terminal.commands import (
@@ -54,6 +56,8 @@ MAX_MESSAGE_CHARS = 200_000
 __all__ = [
     "BlockReader", "ChatStart", "Repl", "clean_message", "data_dir", "make_consoles", "read_lines", "run",
 ]  # fmt: skip
+LONG_PROMPT = 128
+"""Tokens of a new prompt from which its encoding shows a bar (about a second on a laptop CPU)."""
 WITHOUT_MODEL = {"help", "exit"}
 """Commands that run while the model is still loading; the others (and messages) wait for it."""
 
@@ -179,8 +183,18 @@ class Repl(ReplCommands):
         pending = self.pending
         if pending is not None and not pending.done():
             try:
-                with self.info.status(f"loading {self.loading_name}… (Ctrl-C: back to the prompt)"):
-                    wait([pending])  # Ctrl-C interrupts it (the main thread's waits are)
+                words = f"loading {self.loading_name}… (Ctrl-C: back to the prompt)"
+                with self.info.status(words) as status:
+
+                    def show(what: str | None) -> None:
+                        status.update(
+                            f"loading {self.loading_name}: {what}… (Ctrl-C: back to the prompt)"
+                            if what
+                            else words
+                        )
+
+                    with progress.listen(show):
+                        wait([pending])  # Ctrl-C interrupts it (the main thread's waits are)
             except KeyboardInterrupt:
                 self._draft = draft
                 self.note("(the model is still loading; nothing was sent)")
@@ -206,7 +220,12 @@ class Repl(ReplCommands):
             if app.is_running and self.pending is pending:
                 app.create_background_task(adopt_async())
 
+        # The toolbar names the load's current wait (`chatbot.progress`): redraw it as that changes.
+        listening = contextlib.ExitStack()
+        listening.enter_context(progress.listen(lambda _: app.invalidate()))
+
         def ended(_: Future[ChatStart]) -> None:  # in the loading thread
+            listening.close()
             with contextlib.suppress(RuntimeError):  # that prompt's loop is closed: the next one adopts
                 loop.call_soon_threadsafe(adopt, context=context)
 
@@ -294,6 +313,42 @@ class Repl(ReplCommands):
         with progress:
             yield update
 
+    @contextlib.contextmanager
+    def _encoding_bar(self) -> Iterator[None]:
+        """While a turn's new tokens are encoded (before its first chunk): on a terminal, a bar
+        of tokens encoded for a prompt of `LONG_PROMPT` tokens or more, gone before the answer
+        is drawn. Nothing for a short prompt, on a pipe, or for a server's session."""
+        session = self.session
+        if not self.info.is_terminal or session is None:
+            yield
+            return
+        # The figures before the bar: a narrow terminal shortens the bar, not them.
+        progress = Progress(
+            TextColumn("reading the message"),
+            MofNCompleteColumn(),
+            TextColumn("tokens"),
+            BarColumn(bar_width=24),
+            console=self.info,
+            transient=True,
+        )
+        tasks: list[Any] = []
+
+        def update(done: int, total: int) -> None:
+            if total < LONG_PROMPT:
+                return
+            if not tasks:
+                progress.start()
+                tasks.append(progress.add_task("", total=total))
+            progress.update(tasks[0], completed=done, total=total)
+
+        session.prefill_observer = update
+        try:
+            yield
+        finally:
+            session.prefill_observer = None
+            if tasks:
+                progress.stop()
+
     # -- one line of input -------------------------------------------------------------
 
     def handle(self, line: str) -> None:
@@ -369,8 +424,10 @@ class Repl(ReplCommands):
         quiet = contextlib.nullcontext() if self.plain else no_echo(sys.stdin)
         with interrupt_once() as interrupts, quiet:
             try:
+                with self._encoding_bar():  # the prompt's prefill happens in the first next()
+                    first = next(chunks, None)
                 with answer:
-                    for chunk in chunks:
+                    for chunk in itertools.chain(() if first is None else (first,), chunks):
                         if chunk.text:
                             with interrupts.deferred():
                                 answer.add(chunk.text if raw else safe_text(chunk.text))
@@ -417,7 +474,8 @@ class Repl(ReplCommands):
             app = get_app_or_none()
             width = app.output.get_size().columns if app is not None else 80
         if self.pending is not None or self.session is None:
-            line = f" loading {self.loading_name}… · /help"
+            what = progress.current()
+            line = f" loading {self.loading_name}{f': {what}' if what else ''}… · /help"
             return [("", line if len(line) < width else line[: width - 2] + "…")]
         s = self.session
         gauge = s.meter()
