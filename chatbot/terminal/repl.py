@@ -13,7 +13,7 @@ import contextlib
 import contextvars
 import itertools
 import sys
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,11 +26,11 @@ from prompt_toolkit.history import History, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 from prompt_toolkit.output import create_output
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from chatbot import progress
 from chatbot.errors import ChatbotError
 from chatbot.session_log import FILE_MODE, Event, SessionLog, data_dir, find_session, private_dir, replay
+from chatbot.terminal.bars import prompt_bar, token_bar
 from chatbot.terminal.commands import (
     Command,
     is_command,
@@ -56,8 +56,6 @@ MAX_MESSAGE_CHARS = 200_000
 __all__ = [
     "BlockReader", "ChatStart", "Repl", "clean_message", "data_dir", "make_consoles", "read_lines", "run",
 ]  # fmt: skip
-LONG_PROMPT = 128
-"""Tokens of a new prompt from which its encoding shows a bar (about a second on a laptop CPU)."""
 WITHOUT_MODEL = {"help", "exit"}
 """Commands that run while the model is still loading; the others (and messages) wait for it."""
 
@@ -290,64 +288,9 @@ class Repl(ReplCommands):
     def error(self, text: str) -> None:
         self.info.print(safe_line(f"error: {text}"), style="red", highlight=False, markup=False)
 
-    @contextlib.contextmanager
-    def _progress(self, what: str) -> Iterator[Callable[[int, int], None] | None]:
-        """A progress bar for long encodes on a terminal; nothing on a pipe."""
-        if not self.info.is_terminal:
-            yield None
-            return
-        # The total is unknown (None) until the first update: the column must show that too.
-        progress = Progress(
-            TextColumn(what),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("tokens"),
-            console=self.info,
-            transient=True,
-        )
-        task = progress.add_task(what, total=None)
-
-        def update(done: int, total: int) -> None:
-            progress.update(task, completed=done, total=total)
-
-        with progress:
-            yield update
-
-    @contextlib.contextmanager
-    def _encoding_bar(self) -> Iterator[None]:
-        """While a turn's new tokens are encoded (before its first chunk): on a terminal, a bar
-        of tokens encoded for a prompt of `LONG_PROMPT` tokens or more, gone before the answer
-        is drawn. Nothing for a short prompt, on a pipe, or for a server's session."""
-        session = self.session
-        if not self.info.is_terminal or session is None:
-            yield
-            return
-        # The figures before the bar: a narrow terminal shortens the bar, not them.
-        progress = Progress(
-            TextColumn("reading the message"),
-            MofNCompleteColumn(),
-            TextColumn("tokens"),
-            BarColumn(bar_width=24),
-            console=self.info,
-            transient=True,
-        )
-        tasks: list[Any] = []
-
-        def update(done: int, total: int) -> None:
-            if total < LONG_PROMPT:
-                return
-            if not tasks:
-                progress.start()
-                tasks.append(progress.add_task("", total=total))
-            progress.update(tasks[0], completed=done, total=total)
-
-        session.prefill_observer = update
-        try:
-            yield
-        finally:
-            session.prefill_observer = None
-            if tasks:
-                progress.stop()
+    def _progress(self, what: str) -> contextlib.AbstractContextManager[Callable[[int, int], None] | None]:
+        """A progress bar for long encodes on a terminal; nothing on a pipe (`token_bar`)."""
+        return token_bar(self.info, what)
 
     # -- one line of input -------------------------------------------------------------
 
@@ -424,7 +367,7 @@ class Repl(ReplCommands):
         quiet = contextlib.nullcontext() if self.plain else no_echo(sys.stdin)
         with interrupt_once() as interrupts, quiet:
             try:
-                with self._encoding_bar():  # the prompt's prefill happens in the first next()
+                with prompt_bar(self.info, self.session):  # the prefill runs in the first next()
                     first = next(chunks, None)
                 with answer:
                     for chunk in itertools.chain(() if first is None else (first,), chunks):
