@@ -342,11 +342,11 @@ def load_cached(cc: str, path: Path, pool_path: Path) -> ctypes.CDLL:
             return lib
     level = simd_level(compiler_macros(cc))
     try:
-        with waiting(f"building the native kernels for {level} with {Path(cc).name} (once, about 20 s)"):
+        with waiting(f"building the kernels for {level} (once, ~20 s)"):
             build(cc, path)
     except KernelsUnavailable as exc:
         try:
-            with waiting(f"building the native kernels for {level} without OpenMP (once, about 20 s)"):
+            with waiting(f"building the kernels for {level}, no OpenMP (once, ~20 s)"):
                 build(cc, pool_path, openmp=False)
         except KernelsUnavailable:
             if problem == _MISSING:

@@ -48,7 +48,7 @@ def _identity(path: Path) -> str:
         known = {}
     if isinstance(known, dict) and isinstance(known.get(key), str):
         return known[key]
-    with waiting(f"hashing {path.name} (once per file)"):
+    with waiting("hashing the file (once)"):
         digest = file_sha256(path)
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
@@ -86,7 +86,7 @@ def convert_gguf(gguf: Path, target: Path) -> None:
 
     check_gguf(gguf)
     try:
-        with quiet_transformers(gguf=True), waiting(f"converting {gguf.name} into a float copy (once)"):
+        with quiet_transformers(gguf=True), waiting("converting the file to float32 (once)"):
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
             model = AutoModelForCausalLM.from_pretrained(
                 str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32

@@ -133,12 +133,12 @@ def load_config_and_tokenizer(path: Path, cache: Path, notes: list[str]) -> tupl
             return config, tokenizer
     elif cache.exists():
         notes.append(f"the cached tokenizer of {path.name} in {cache} was incomplete or changed; rebuilt it")
-    with quiet_transformers(gguf=True), waiting(f"reading {path.name}'s tokenizer and settings (once)"):
+    with quiet_transformers(gguf=True), waiting("reading the file's tokenizer (once)"):
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
         typed = _tokenizer_type(path, config)
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, **typed)
     try:
-        with waiting(f"saving {path.name}'s tokenizer for the next start (once)"):
+        with waiting("saving the tokenizer for next time (once)"):
             return config, _save_tokenizer(tokenizer, config, path, cache)
     except OSError as exc:
         notes.append(

@@ -184,12 +184,11 @@ class Repl(ReplCommands):
                 words = f"loading {self.loading_name}… (Ctrl-C: back to the prompt)"
                 with self.info.status(words) as status:
 
-                    def show(what: str | None) -> None:
-                        status.update(
-                            f"loading {self.loading_name}: {what}… (Ctrl-C: back to the prompt)"
-                            if what
-                            else words
-                        )
+                    def show(what: str | None) -> None:  # the longest that fits beside the spinner
+                        back, room = "(Ctrl-C: back to the prompt)", self.info.width - 3
+                        name = self.loading_name
+                        fits = [f"loading {name}: {what}… {back}", f"loading: {what}… {back}", f"{what}…"]
+                        status.update(next((t for t in fits if len(t) <= room), fits[-1]) if what else words)
 
                     with progress.listen(show):
                         wait([pending])  # Ctrl-C interrupts it (the main thread's waits are)
@@ -418,7 +417,12 @@ class Repl(ReplCommands):
             width = app.output.get_size().columns if app is not None else 80
         if self.pending is not None or self.session is None:
             what = progress.current()
-            line = f" loading {self.loading_name}{f': {what}' if what else ''}… · /help"
+            lines = [f" loading {self.loading_name}: {what}… · /help", f" loading: {what}… · /help"]
+            line = (
+                next((t for t in lines if len(t) < width), lines[-1])
+                if what
+                else f" loading {self.loading_name}… · /help"
+            )
             return [("", line if len(line) < width else line[: width - 2] + "…")]
         s = self.session
         gauge = s.meter()
