@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.console import Console
 
-from chatbot.config import EngineConfig
+from chatbot.config import EngineConfig, SamplingConfig
 from chatbot.engine.threads import apply_wait_policy
 from chatbot.errors import ConfigError
 from chatbot.models.templates import choices_text
@@ -86,13 +86,37 @@ ConfigOpt = Annotated[Path | None, typer.Option("--config", help="A preset file 
 
 # The chat settings that `run` and `config show` share (a preset can set each of them too).
 SystemOpt = Annotated[str | None, typer.Option(help="System prompt.")]
-TemperatureOpt = Annotated[float | None, typer.Option(help="Sampling temperature; 0 is greedy.")]
-TopPOpt = Annotated[float | None, typer.Option(help="Nucleus sampling mass (0, 1].")]
-TopKOpt = Annotated[int | None, typer.Option(help="Sample among the k likeliest tokens; 0 turns it off.")]
-RepetitionPenaltyOpt = Annotated[
-    float | None, typer.Option(help="Penalty for tokens already in the conversation; 1 turns it off.")
+
+
+def _sampling_default(name: str, model: bool = True) -> str:
+    """Where a sampling setting comes from when no flag gives it (the model's: its
+    generation_config, `chatbot.engine.sampling.sampling_from_model`)."""
+    model_part = "the model's, else " if model else ""
+    return f"(default: the preset's, else {model_part}{getattr(SamplingConfig, name)})"
+
+
+TemperatureOpt = Annotated[
+    float | None,
+    typer.Option(help=f"Sampling temperature; 0 is greedy {_sampling_default('temperature')}."),
 ]
-MaxNewTokensOpt = Annotated[int | None, typer.Option(help="Most tokens per answer.")]
+TopPOpt = Annotated[
+    float | None, typer.Option(help=f"Nucleus sampling mass (0, 1] {_sampling_default('top_p')}.")
+]
+TopKOpt = Annotated[
+    int | None,
+    typer.Option(help=f"Sample among the k likeliest tokens; 0 turns it off {_sampling_default('top_k')}."),
+]
+RepetitionPenaltyOpt = Annotated[
+    float | None,
+    typer.Option(
+        help="Penalty for tokens already in the conversation; 1 turns it off "
+        f"{_sampling_default('repetition_penalty')}."
+    ),
+]
+MaxNewTokensOpt = Annotated[
+    int | None,
+    typer.Option(help=f"Most tokens per answer {_sampling_default('max_new_tokens', model=False)}."),
+]
 SeedOpt = Annotated[int | None, typer.Option(help="Random seed for reproducible sampling.")]
 GreedyOpt = Annotated[
     bool, typer.Option(help="Always pick the likeliest token (same as --temperature 0, which it overrides).")
