@@ -360,7 +360,7 @@ def sessions(
     limit: Annotated[int, typer.Option(help="Show at most this many, newest first.", min=1)] = 20,
 ) -> None:
     """List the logged chat sessions (resume one with: chatbot run --resume ID)."""
-    from chatbot.session_log import print_sessions
+    from chatbot.terminal.sessions_view import print_sessions
 
     print_sessions(Console(highlight=False), limit)
 
