@@ -292,7 +292,8 @@ def load_with_status(model: str | None, device: str, dtype: str, quiet: bool = F
 
 
 def resolve_cli_settings(ctx: typer.Context, preset: str | None, config: Path | None) -> Settings:
-    """Defaults < the preset (--preset/--config) < the flags given on the command line."""
+    """Defaults < the preset (--preset/--config) < a resumed session's (`run --resume`, where
+    one is given: `chatbot.session_settings`) < the flags given on the command line."""
     from chatbot.models.presets import resolve_settings, select_preset
     from chatbot.models.templates import check_template_choice
 
@@ -300,14 +301,29 @@ def resolve_cli_settings(ctx: typer.Context, preset: str | None, config: Path | 
     # typer vendors its own click: compare the sources by name
     sources = {name: getattr(ctx.get_parameter_source(name), "name", "DEFAULT") for name in ctx.params}
     given = {name for name, source in sources.items() if source not in ("DEFAULT", "DEFAULT_MAP")}
+    typed = set(given)  # what the command line says, --model NAME of a preset too
     if chosen is not None and not (preset or config):
         given.discard("model")  # --model named the preset
     flags = dict(ctx.params)
     if flags.get("greedy"):
         flags["temperature"] = 0.0
         given.add("temperature")
+        typed.add("temperature")
     settings = resolve_settings(chosen, flags, given)
+    if ctx.params.get("resume") is not None and ctx.params.get("server") is None:
+        settings = _resumed(settings, ctx.params["resume"], typed)
     check_template_choice(settings["template"])
+    return settings
+
+
+def _resumed(settings: Settings, ref: str, typed: set[str]) -> Settings:
+    """`settings` with those of the logged session `ref` that no flag gives, and a note."""
+    from chatbot.session_log import find_session, replay
+    from chatbot.session_settings import resume_settings
+
+    settings, note = resume_settings(settings, replay(find_session(ref)), typed)
+    if note:
+        Console(stderr=True, highlight=False, soft_wrap=True).print(note, markup=False)
     return settings
 
 

@@ -368,7 +368,8 @@ def _turn(ev: Any) -> dict[str, Any] | None:
 
 
 def replay(path: Path) -> dict[str, Any]:
-    """The state a log ends in, in the format of `ChatSession.to_dict` (plus `id`).
+    """The state a log ends in, in the format of `ChatSession.to_dict` (plus `id`, and the
+    `load` and `engine` records of `chatbot.session_settings.run_record` where it has them).
 
     Raises:
         ChatbotError: the file cannot be read or is not a session log.
@@ -395,8 +396,15 @@ def replay(path: Path) -> dict[str, Any]:
                     system=_text(ev.get("system")),
                     settings=settings if isinstance(settings, dict) else {},
                 )
+                state.update({k: ev[k] for k in ("load", "engine") if isinstance(ev.get(k), dict)})
             elif kind == Event.RESUME:
                 pending = False  # a message left by a killed process stays a turn of its own
+                # how the chat went on: the settings the next resume takes back
+                if isinstance(ev.get("settings"), dict):
+                    state["settings"] = ev["settings"]
+                if "system" in ev and (ev["system"] is None or isinstance(ev["system"], str)):
+                    state["system"] = _text(ev["system"])
+                state.update({k: ev[k] for k in ("load", "engine") if isinstance(ev.get(k), dict)})
             elif kind == Event.SEND and _text(ev.get("user")) is not None:
                 # (a send after a send with no turn between: the first process was killed
                 # before its resume event; both messages are kept)

@@ -29,6 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from chatbot.errors import ChatbotError
 from chatbot.session_log import FILE_MODE, Event, SessionLog, data_dir, find_session, private_dir, replay
+from chatbot.session_settings import run_record
 from chatbot.terminal.commands import (
     Command,
     is_command,
@@ -245,6 +246,7 @@ class Repl(ReplCommands):
                 model=self.loaded.name,
                 system=self.session.system,
                 settings=self.session.sampling.as_dict(),
+                **run_record(getattr(self.session, "config", None)),
             )
             if self.session.turns:
                 last = self.session.turns[-2:]
@@ -261,6 +263,7 @@ class Repl(ReplCommands):
             "model": self.loaded.name,
             "system": self.session.system,
             "settings": self.session.sampling.as_dict(),
+            **run_record(getattr(self.session, "config", None)),
         }
 
     # -- output ------------------------------------------------------------------------
