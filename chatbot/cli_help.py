@@ -48,7 +48,7 @@ def wrap_words(text: str, width: int, indent: str = "") -> str:
     return "\n\n".join(out)
 
 
-class WordWrapFormatter(typer.Context.formatter_class):  # type: ignore[name-defined,misc]
+class WordWrapFormatter(typer.Context.formatter_class):  # type: ignore[valid-type,misc]  # click's, as typer vendors it
     """click's help formatter, wrapping between words (see the module's docstring)."""
 
     def __init__(

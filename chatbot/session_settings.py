@@ -35,11 +35,9 @@ def _absolute(source: str | None) -> str | None:
     return str(Path(source).expanduser().resolve())
 
 
-def run_record(config: ChatConfig | None) -> dict[str, Any]:
-    """What a log line records of how a chat runs: `load` (model, template, where known)
-    and `engine` (the cache). Empty where the chat has no such settings (a remote one)."""
-    if config is None:
-        return {}
+def run_record(config: ChatConfig) -> dict[str, Any]:
+    """What a log line records of how a local model's chat runs: `load` (model and
+    template, where known) and `engine` (the cache)."""
     record: dict[str, Any] = {"engine": {name: getattr(config.engine, name) for name in ENGINE}}
     if config.load is not None:
         record["load"] = {name: _absolute(getattr(config.load, name)) for name in LOADED}

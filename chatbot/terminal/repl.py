@@ -29,7 +29,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from chatbot.errors import ChatbotError
 from chatbot.session_log import FILE_MODE, Event, SessionLog, data_dir, find_session, private_dir, replay
-from chatbot.session_settings import run_record
 from chatbot.terminal.commands import (
     Command,
     is_command,
@@ -246,7 +245,7 @@ class Repl(ReplCommands):
                 model=self.loaded.name,
                 system=self.session.system,
                 settings=self.session.sampling.as_dict(),
-                **run_record(getattr(self.session, "config", None)),
+                **self.session.run_record(),
             )
             if self.session.turns:
                 last = self.session.turns[-2:]
@@ -263,7 +262,7 @@ class Repl(ReplCommands):
             "model": self.loaded.name,
             "system": self.session.system,
             "settings": self.session.sampling.as_dict(),
-            **run_record(getattr(self.session, "config", None)),
+            **self.session.run_record(),
         }
 
     # -- output ------------------------------------------------------------------------
