@@ -69,7 +69,8 @@ class RemoteStats(TurnStats):
 
     `context_tokens` are the prompt tokens the server prefilled (its prompt less the
     `cached_tokens` its prefix cache reused); `estimated` says the server sent no usage: the
-    prompt and cache counts are unknown, and `generated_tokens` counts the chunks.
+    prompt and cache counts are unknown, and `generated_tokens` counts the chunks. The time
+    the prefill took is not known (`context_time_s` stays 0): `ttft_s` includes it.
     """
 
     prompt_tokens: int = 0
@@ -237,6 +238,12 @@ class Chat(SavedConversation, LoggedSession, ABC, Generic[ChunkT]):
         self._clear_counts()
         self._log(Event.LOAD, state=self.to_dict(self.model_name))
         return self._encode_conversation(on_progress, encode)
+
+    def run_record(self) -> dict[str, Any]:
+        """What a session log records of how this chat runs besides its system prompt and
+        sampling, for `--resume` to run it so again (`chatbot.session_settings.run_record`);
+        nothing here, a local model's chat adds its model and cache."""
+        return {}
 
     def take_notes(self) -> list[str]:
         """The notes gathered since the last call (each said once)."""

@@ -80,6 +80,7 @@ from chatbot.cli_common import (
     set_threads,
     streaming_note,
 )
+from chatbot.cli_help import HelpGroup
 from chatbot.config import EngineConfig, LoadConfig, RunConfig
 from chatbot.errors import ChatbotError, ConfigError
 from chatbot.models.gc_pause import pause_until_ready
@@ -92,6 +93,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
+    cls=HelpGroup,  # help wrapped between words, commands listed with whole phrases
 )
 
 _DEBUG = False
@@ -289,7 +291,7 @@ def _in_background(work: Callable[[], Any]) -> Future[Any]:
     return future
 
 
-@app.command()
+@app.command(short_help="Serve the model over the OpenAI-compatible HTTP API.")
 def serve(
     model: ServeModelOpt = None,
     host: HostOpt = "127.0.0.1",
@@ -358,7 +360,7 @@ def sessions(
     limit: Annotated[int, typer.Option(help="Show at most this many, newest first.", min=1)] = 20,
 ) -> None:
     """List the logged chat sessions (resume one with: chatbot run --resume ID)."""
-    from chatbot.session_log import print_sessions
+    from chatbot.terminal.sessions_view import print_sessions
 
     print_sessions(Console(highlight=False), limit)
 
@@ -367,7 +369,7 @@ app.command("eval-ppl")(eval_ppl)
 app.add_typer(bench_app, name="bench")
 
 
-@app.command()
+@app.command(short_help="Print what this machine gives the chatbot, for bug reports.")
 def doctor(
     ctx: typer.Context,
     model: ModelOpt = None,

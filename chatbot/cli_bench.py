@@ -134,7 +134,7 @@ LoadThreadsOpt = Annotated[
 ]
 
 
-@bench_app.command("load")
+@bench_app.command("load", short_help="A bounded load test on a server: N clients chatting at once.")
 def bench_load(
     server: LoadServerOpt = None,
     setups: LoadSetupsOpt = None,
@@ -315,7 +315,9 @@ def eval_ppl(
         write_json(json_out, slim)
 
 
-@bench_app.command("decode")
+@bench_app.command(
+    "decode", short_help="Decode and prefill speed, time to first token and peak memory, side by side."
+)
 def bench_decode(
     setups: Annotated[
         str | None,

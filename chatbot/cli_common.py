@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.console import Console
 
-from chatbot.config import EngineConfig
+from chatbot.config import EngineConfig, SamplingConfig
 from chatbot.engine.threads import apply_wait_policy
 from chatbot.errors import ConfigError
 from chatbot.models.templates import choices_text
@@ -86,13 +86,37 @@ ConfigOpt = Annotated[Path | None, typer.Option("--config", help="A preset file 
 
 # The chat settings that `run` and `config show` share (a preset can set each of them too).
 SystemOpt = Annotated[str | None, typer.Option(help="System prompt.")]
-TemperatureOpt = Annotated[float | None, typer.Option(help="Sampling temperature; 0 is greedy.")]
-TopPOpt = Annotated[float | None, typer.Option(help="Nucleus sampling mass (0, 1].")]
-TopKOpt = Annotated[int | None, typer.Option(help="Sample among the k likeliest tokens; 0 turns it off.")]
-RepetitionPenaltyOpt = Annotated[
-    float | None, typer.Option(help="Penalty for tokens already in the conversation; 1 turns it off.")
+
+
+def _sampling_default(name: str, model: bool = True) -> str:
+    """Where a sampling setting comes from when no flag gives it (the model's: its
+    generation_config, `chatbot.engine.sampling.sampling_from_model`)."""
+    model_part = "the model's, else " if model else ""
+    return f"(default: the preset's, else {model_part}{getattr(SamplingConfig, name)})"
+
+
+TemperatureOpt = Annotated[
+    float | None,
+    typer.Option(help=f"Sampling temperature; 0 is greedy {_sampling_default('temperature')}."),
 ]
-MaxNewTokensOpt = Annotated[int | None, typer.Option(help="Most tokens per answer.")]
+TopPOpt = Annotated[
+    float | None, typer.Option(help=f"Nucleus sampling mass (0, 1] {_sampling_default('top_p')}.")
+]
+TopKOpt = Annotated[
+    int | None,
+    typer.Option(help=f"Sample among the k likeliest tokens; 0 turns it off {_sampling_default('top_k')}."),
+]
+RepetitionPenaltyOpt = Annotated[
+    float | None,
+    typer.Option(
+        help="Penalty for tokens already in the conversation; 1 turns it off "
+        f"{_sampling_default('repetition_penalty')}."
+    ),
+]
+MaxNewTokensOpt = Annotated[
+    int | None,
+    typer.Option(help=f"Most tokens per answer {_sampling_default('max_new_tokens', model=False)}."),
+]
 SeedOpt = Annotated[int | None, typer.Option(help="Random seed for reproducible sampling.")]
 GreedyOpt = Annotated[
     bool, typer.Option(help="Always pick the likeliest token (same as --temperature 0, which it overrides).")
@@ -276,7 +300,8 @@ def load_with_status(model: str | None, device: str, dtype: str, quiet: bool = F
 
 
 def resolve_cli_settings(ctx: typer.Context, preset: str | None, config: Path | None) -> Settings:
-    """Defaults < the preset (--preset/--config) < the flags given on the command line."""
+    """Defaults < the preset (--preset/--config) < a resumed session's (`run --resume`, where
+    one is given: `chatbot.session_settings`) < the flags given on the command line."""
     from chatbot.models.presets import resolve_settings, select_preset
     from chatbot.models.templates import check_template_choice
 
@@ -284,14 +309,29 @@ def resolve_cli_settings(ctx: typer.Context, preset: str | None, config: Path | 
     # typer vendors its own click: compare the sources by name
     sources = {name: getattr(ctx.get_parameter_source(name), "name", "DEFAULT") for name in ctx.params}
     given = {name for name, source in sources.items() if source not in ("DEFAULT", "DEFAULT_MAP")}
+    typed = set(given)  # what the command line says, --model NAME of a preset too
     if chosen is not None and not (preset or config):
         given.discard("model")  # --model named the preset
     flags = dict(ctx.params)
     if flags.get("greedy"):
         flags["temperature"] = 0.0
         given.add("temperature")
+        typed.add("temperature")
     settings = resolve_settings(chosen, flags, given)
+    if ctx.params.get("resume") is not None and ctx.params.get("server") is None:
+        settings = _resumed(settings, ctx.params["resume"], typed)
     check_template_choice(settings["template"])
+    return settings
+
+
+def _resumed(settings: Settings, ref: str, typed: set[str]) -> Settings:
+    """`settings` with those of the logged session `ref` that no flag gives, and a note."""
+    from chatbot.session_log import find_session, replay
+    from chatbot.session_settings import resume_settings
+
+    settings, note = resume_settings(settings, replay(find_session(ref)), typed)
+    if note:
+        Console(stderr=True, highlight=False, soft_wrap=True).print(note, markup=False)
     return settings
 
 

@@ -210,6 +210,7 @@ class ChatConfig:
     system: str | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    load: LoadConfig | None = None  # how the model was loaded, where known (a session log records it)
 
 
 @dataclass(frozen=True)
@@ -313,7 +314,7 @@ class RunConfig:
 
     def chat_config(self, sampling: SamplingConfig) -> ChatConfig:
         """The session's settings, with `sampling` completed from the loaded model."""
-        return ChatConfig(system=self.system, sampling=sampling, engine=self.engine)
+        return ChatConfig(system=self.system, sampling=sampling, engine=self.engine, load=self.load)
 
 
 # RunConfig's sections (None: a field of RunConfig itself) and the names of their settings.

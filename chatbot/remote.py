@@ -292,12 +292,13 @@ def joined(before: str, text: str) -> str:
 
 
 def _stats(t0: float, arrivals: list[float], usage: Any, finish: str | None) -> RemoteStats:
-    """Figures from the chunks' arrival times and the server's usage."""
+    """Figures from the chunks' arrival times and the server's usage. No `context_time_s`: a
+    server does not say how long its prefill took (the time to the first token, measured
+    here, holds it and the network besides)."""
     gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     ttft = arrivals[0] - t0 if arrivals else time.perf_counter() - t0
     stats = RemoteStats(
         ttft_s=ttft,
-        context_time_s=ttft,
         token_latencies_s=gaps,
         decode_time_s=sum(gaps),
         finish_reason=finish or "stop",

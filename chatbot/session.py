@@ -59,6 +59,7 @@ from chatbot.errors import ChatbotError
 from chatbot.models.templates import TemplateInfo, answer_stops
 from chatbot.persist import Turn
 from chatbot.session_cache import ConversationCache
+from chatbot.session_settings import run_record
 
 ProgressCallback = Callable[[int, int], None]  # (tokens done, tokens in all)
 
@@ -461,6 +462,9 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
         )
         rows["decode"] = self.engine.backend.describe()
         return "model", rows
+
+    def run_record(self) -> dict[str, Any]:
+        return run_record(self.config)
 
     def describe_cache(self) -> tuple[str, dict[str, str]]:
         lay = self.cache_layout()

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from chatbot.errors import ChatbotError
 from chatbot.limits import bounded_lines, check_nesting
-from chatbot.terminal.sanitize import safe_text
 
 if TYPE_CHECKING:
     from chatbot.persist import Turn
@@ -369,7 +368,8 @@ def _turn(ev: Any) -> dict[str, Any] | None:
 
 
 def replay(path: Path) -> dict[str, Any]:
-    """The state a log ends in, in the format of `ChatSession.to_dict` (plus `id`).
+    """The state a log ends in, in the format of `ChatSession.to_dict` (plus `id`, and the
+    `load` and `engine` records of `chatbot.session_settings.run_record` where it has them).
 
     Raises:
         ChatbotError: the file cannot be read or is not a session log.
@@ -396,8 +396,15 @@ def replay(path: Path) -> dict[str, Any]:
                     system=_text(ev.get("system")),
                     settings=settings if isinstance(settings, dict) else {},
                 )
+                state.update({k: ev[k] for k in ("load", "engine") if isinstance(ev.get(k), dict)})
             elif kind == Event.RESUME:
                 pending = False  # a message left by a killed process stays a turn of its own
+                # how the chat went on: the settings the next resume takes back
+                if isinstance(ev.get("settings"), dict):
+                    state["settings"] = ev["settings"]
+                if "system" in ev and (ev["system"] is None or isinstance(ev["system"], str)):
+                    state["system"] = _text(ev["system"])
+                state.update({k: ev[k] for k in ("load", "engine") if isinstance(ev.get(k), dict)})
             elif kind == Event.SEND and _text(ev.get("user")) is not None:
                 # (a send after a send with no turn between: the first process was killed
                 # before its resume event; both messages are kept)
@@ -444,14 +451,14 @@ def replay(path: Path) -> dict[str, Any]:
 
 @dataclass
 class SessionInfo:
-    """One line of `chatbot sessions`."""
+    """One session in `chatbot sessions` (`chatbot.terminal.sessions_view`)."""
 
     id: str
     path: Path
     created: str
     model: str
     turns: int
-    first_words: str
+    first_words: str  # of the first message, whitespace collapsed (its first 60 words, then " …")
 
 
 def list_sessions(directory: Path | None = None) -> list[SessionInfo]:
@@ -467,7 +474,7 @@ def list_sessions(directory: Path | None = None) -> list[SessionInfo]:
             state = replay(p)
         except (ChatbotError, ValueError, TypeError, RecursionError, MemoryError):
             continue  # one unreadable log must not hide the others
-        first = state["turns"][0]["user"] if state["turns"] else ""
+        first = (state["turns"][0]["user"] if state["turns"] else "").split()
         created = state["id"][:15]
         try:
             created = time.strftime("%Y-%m-%d %H:%M", time.strptime(created, "%Y%m%d-%H%M%S"))
@@ -480,7 +487,7 @@ def list_sessions(directory: Path | None = None) -> list[SessionInfo]:
                 created,
                 str(state.get("model") or "?"),
                 len(state["turns"]),
-                " ".join(first.split())[:60],
+                " ".join(first[:60]) + (" …" if len(first) > 60 else ""),
             )
         )
     return infos
@@ -513,31 +520,3 @@ def find_session(ref: str, directory: Path | None = None) -> Path:
             f"{len(matches)} sessions start with {ref!r}; give more of the id (chatbot sessions)"
         )
     raise ChatbotError(f"no session {ref!r} in {directory}; `chatbot sessions` lists them")
-
-
-def print_sessions(console: Any, limit: int = 20, directory: Path | None = None) -> None:
-    """`chatbot sessions`: the newest logged sessions, one line each (easy to grep)."""
-    directory = directory or sessions_dir()
-    infos = list_sessions(directory)
-    if not infos:
-        console.print(safe_text(f"no logged sessions in {directory}"), markup=False)
-        return
-    shown = infos[:limit]
-    width = max(len(i.model) for i in shown)
-    console.print(
-        f"{'id':<20}  {'date':<16}  {'model':<{width}}  turns  first words",
-        style="bold",
-        markup=False,
-        soft_wrap=True,
-    )
-    for i in shown:
-        line = f"{i.id:<20}  {i.created:<16}  {i.model:<{width}}  {i.turns:>5}  {i.first_words}"
-        console.print(safe_text(line), markup=False, soft_wrap=True)
-    if len(infos) > limit:
-        console.print(f"… and {len(infos) - limit} older (--limit)", markup=False, style="dim")
-    console.print(
-        safe_text(f"in {directory}; resume one with: chatbot run --resume ID (or --resume for the last)"),
-        markup=False,
-        style="dim",
-        soft_wrap=True,
-    )

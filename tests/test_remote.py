@@ -390,3 +390,23 @@ def test_stats_from_the_stream():
     guess = _stats(10.0, arrivals, None, "stop")
     assert guess.estimated and guess.generated_tokens == 4 and guess.cached_tokens is None
     assert format_remote_stats_line(guess).startswith("prompt ? tok · first token 0.50 s · 4 tok (estimated)")
+
+
+def test_stats_of_a_continued_turn_time_its_first_token_once(server, env):
+    """Defect 11 of issue 37: /stats of a turn that /continue extended said "fed s 0.57"
+    against "TTFT 0.39": the "fed" time of a server's answer was each part's time to its
+    first token, added up, while TTFT was the first part's. A server does not report its
+    prefill time: /stats shows "?" for it (and says why), and TTFT is the time to the
+    answer's first token, as on the stats line of the answer's first part."""
+    proc = run_piped(
+        server, env, ["Hello there!", "/continue", "/stats"], "--temperature", "0", "--max-new-tokens", "6"
+    )
+    assert proc.returncode == 0, proc.stderr
+    first_token = re.findall(r"first token ([\d.]+) s", proc.stderr)
+    assert len(first_token) == 2, proc.stderr  # the answer, and its continuation
+    table = proc.stderr[proc.stderr.rindex("turns") :]
+    row = next(line for line in table.splitlines() if re.match(r"\W*1\W", line))
+    cells = [c.strip() for c in re.split(r"[│|]", row) if c.strip()]
+    assert cells[:4] == ["1", cells[1], "?", first_token[0]], row
+    assert int(cells[1]) > 0 and int(cells[4]) == 12  # fed: both parts' prompts; new: both parts
+    assert "?: not reported by the server" in " ".join(table.split())

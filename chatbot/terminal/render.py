@@ -112,8 +112,8 @@ def stats_table(turns: list[Any], summary: dict[str, Any]) -> Table:
     table = Table(
         title=f"turns{window}",
         show_footer=False,
-        caption="fed: context tokens prefilled for the turn; TTFT: time to first token; "
-        "p50/p90: ms per new token",
+        caption="fed: context tokens prefilled for the turn and the time that took (all its parts, "
+        "after a /continue); TTFT: time to the answer's first token; p50/p90: ms per new token",
     )
     # Two-line headers and unwrapped cells: the table fits an 80-column terminal whole.
     for col in ("#", "fed\ntok", "fed\ns", "TTFT\ns", "new\ntok", "tok/s", "p50\nms",
@@ -125,7 +125,7 @@ def stats_table(turns: list[Any], summary: dict[str, Any]) -> Table:
         table.add_row(
             str(i),
             _count(s, s.context_tokens),
-            f"{s.context_time_s:.2f}",
+            _prefill_time(s),
             f"{s.ttft_s:.2f}",
             f"{s.generated_tokens:,}",
             f"{s.decode_tps:.1f}",
@@ -157,7 +157,7 @@ def stats_lines(turns: list[Any], summary: dict[str, Any]) -> Text:
         s = t.stats
         text.append(f"turn {i}", style="bold")
         text.append(
-            f" · fed {_count(s, s.context_tokens)} tok · {s.context_time_s:.2f} s · TTFT {s.ttft_s:.2f} s · "
+            f" · fed {_count(s, s.context_tokens)} tok · {_prefill_time(s)} s · TTFT {s.ttft_s:.2f} s · "
             f"{s.generated_tokens:,} new · {s.decode_tps:.1f} tok/s · p50 {s.ms_per_token_p50:.1f} ms · "
             f"p90 {s.ms_per_token_p90:.1f} ms · cache {_count(s, s.cache_tokens)} · "
             f"{finish_word(s.finish_reason)}\n"
@@ -175,6 +175,12 @@ def _count(stats: TurnStats, value: int) -> str:
     return "?" if isinstance(stats, RemoteStats) and stats.estimated else f"{value:,}"
 
 
+def _prefill_time(stats: TurnStats) -> str:
+    """The time a turn's prefill took; "?" for a server's answer (no server reports it: its
+    time to the first token, TTFT, includes it)."""
+    return "?" if isinstance(stats, RemoteStats) else f"{stats.context_time_s:.2f}"
+
+
 def _total(value: int | None) -> str:
     return "?" if value is None else f"{value:,}"
 
@@ -182,7 +188,7 @@ def _total(value: int | None) -> str:
 def stats_renderable(console: Console, turns: list[Any], summary: dict[str, Any]) -> RenderableType:
     """The /stats table where it fits the console's width whole, else one line per turn."""
     table = stats_table(turns, summary)
-    if any(isinstance(t.stats, RemoteStats) and t.stats.estimated for t in turns):
+    if any(isinstance(t.stats, RemoteStats) for t in turns):
         table.caption = f"{table.caption}; ?: not reported by the server"
     if Measurement.get(console, console.options.update_width(10_000), table).maximum <= console.width:
         return table

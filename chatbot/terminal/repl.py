@@ -261,6 +261,7 @@ class Repl(ReplCommands):
                 model=self.loaded.name,
                 system=self.session.system,
                 settings=self.session.sampling.as_dict(),
+                **self.session.run_record(),
             )
             if self.session.turns:
                 last = self.session.turns[-2:]
@@ -277,6 +278,7 @@ class Repl(ReplCommands):
             "model": self.loaded.name,
             "system": self.session.system,
             "settings": self.session.sampling.as_dict(),
+            **self.session.run_record(),
         }
 
     # -- output ------------------------------------------------------------------------
