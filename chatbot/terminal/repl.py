@@ -46,7 +46,7 @@ from chatbot.terminal.render import (
 )
 from chatbot.terminal.repl_commands import ReplCommands
 from chatbot.terminal.sanitize import safe_line, safe_text
-from chatbot.terminal.tty import interrupt_once, make_consoles, no_echo
+from chatbot.terminal.tty import Terminated, ended_by_signals, interrupt_once, make_consoles, no_echo
 from chatbot.terminal.wrap_input import WordWrap
 
 if TYPE_CHECKING:  # torch and transformers come with these: the prompt must not wait for them
@@ -379,6 +379,9 @@ class Repl(ReplCommands):
             except KeyboardInterrupt:
                 chunks.close()
                 problem = "interrupted"
+            except Terminated:  # SIGTERM, SIGHUP: the turn is closed (and logged) as far as it got
+                chunks.close()
+                raise
             except ChatbotError as exc:
                 chunks.close()
                 problem = str(exc)
@@ -545,7 +548,10 @@ def resolve_resume(ref: str | None) -> Path | None:
 
 
 def run(repl: Repl, interactive: bool) -> None:
+    """The chat: the prompt on a terminal (the terminal put back as it was, even when a signal
+    ends it), else one message per line of stdin."""
     if interactive:
-        repl.run_terminal()
+        with ended_by_signals(sys.stdin, sys.stdout if sys.stdout.isatty() else sys.stderr):
+            repl.run_terminal()
     else:
         repl.run_lines(read_lines(sys.stdin.buffer))

@@ -68,6 +68,49 @@ def no_echo(stream: IO[str] | None) -> Iterator[None]:
             termios.tcsetattr(fd, termios.TCSANOW, saved)
 
 
+class Terminated(SystemExit):
+    """SIGTERM or SIGHUP ended the chat (`ended_by_signals`); the exit status is 128 + N."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+RESTORE = "\x1b[0m\x1b[?2004l\x1b[?25h"
+"""Colours reset, bracketed paste off, the cursor shown: what a chat may leave set."""
+
+
+@contextlib.contextmanager
+def ended_by_signals(stdin: IO[str] | None, out: IO[str] | None) -> Iterator[None]:
+    """While inside, SIGTERM and SIGHUP raise `Terminated` in the main thread instead of ending
+    the process where it stands: every `finally` runs (the live answer stops and shows the
+    cursor, prompt_toolkit leaves raw mode, the session log closes the turn). On the way out,
+    however it ends, the terminal gets back the settings it had on the way in and `RESTORE`."""
+    fd = _terminal_fd(stdin)
+    try:
+        saved = None if fd is None else termios.tcgetattr(fd)
+    except (termios.error, OSError):
+        saved = None
+
+    def handler(signum: int, _frame: Any) -> None:
+        raise Terminated(signum)
+
+    signals = [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s]
+    previous = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+        if fd is not None and saved is not None:
+            with contextlib.suppress(termios.error, OSError):
+                termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+        if out is not None and _terminal_fd(out) is not None:
+            with contextlib.suppress(OSError, ValueError):
+                out.write(RESTORE)
+                out.flush()
+
+
 class Interrupts:
     """The first Ctrl-C raises KeyboardInterrupt and later ones are ignored, so that a second
     press cannot tear the clean-up of the first. Inside `deferred()` (drawing the screen) the
