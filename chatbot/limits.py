@@ -196,8 +196,8 @@ def bounded_lines(
                 return
             read += len(raw)
             if len(raw) > line_limit and not raw.endswith(b"\n"):
-                while raw and not raw.endswith(b"\n"):  # skip the rest of the over-long line
-                    raw = f.readline(line_limit)
+                while raw and not raw.endswith(b"\n") and read < limit:  # skip the rest of the line
+                    raw = f.readline(min(line_limit, limit - read))
                     read += len(raw)
                 continue
             yield raw.decode("utf-8", errors="replace")

@@ -151,9 +151,11 @@ def parse_saved(
                 or not isinstance(t.get("answer"), str)
             ):
                 raise ConfigError(f"turn {i + 1}: expected user and answer text")
-            turns.append(
-                Turn(t["user"], t["answer"], stats_from_dict(t.get("stats")), bool(t.get("interrupted")))
-            )
+            rejected: list[str] = []
+            stats = stats_from_dict(t.get("stats"), rejected)
+            if rejected and warnings is not None:
+                warnings.append(f"turn {i + 1}: stats {', '.join(rejected)} left out (not real figures)")
+            turns.append(Turn(t["user"], t["answer"], stats, bool(t.get("interrupted"))))
     elif isinstance(data.get("messages"), list):
         msgs = data["messages"]
         if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs):

@@ -319,14 +319,16 @@ def _no_constant(name: str) -> None:
     return None
 
 
-def read_events(path: Path) -> Iterator[dict[str, Any]]:
-    """The events of a log; lines that are not JSON objects (a torn write), nest too deeply
-    or are too long are skipped. NaN and Infinity read as null.
+def read_events(path: Path, head: int | None = None) -> Iterator[dict[str, Any]]:
+    """The events of a log (of its first `head` bytes where given); lines that are not JSON
+    objects (a torn write), nest too deeply or are too long are skipped. NaN and Infinity
+    read as null.
 
     Raises:
         ChatbotError: the file is not a regular file or cannot be read.
     """
-    for line in bounded_lines(path):
+    lines = bounded_lines(path) if head is None else bounded_lines(path, head, head)
+    for line in lines:
         try:
             event = json.loads(line, parse_constant=_no_constant)
             check_nesting(event, "event")
@@ -367,9 +369,10 @@ def _turn(ev: Any) -> dict[str, Any] | None:
     }
 
 
-def replay(path: Path) -> dict[str, Any]:
+def replay(path: Path, head: int | None = None) -> dict[str, Any]:
     """The state a log ends in, in the format of `ChatSession.to_dict` (plus `id`, and the
-    `load` and `engine` records of `chatbot.session_settings.run_record` where it has them).
+    `load` and `engine` records of `chatbot.session_settings.run_record` where it has them);
+    with `head`, the state after its first `head` bytes.
 
     Raises:
         ChatbotError: the file cannot be read or is not a session log.
@@ -386,7 +389,7 @@ def replay(path: Path) -> dict[str, Any]:
     # with an empty, interrupted answer until its "turn" event replaces it.
     pending = False
     try:
-        for ev in read_events(path):
+        for ev in read_events(path, head):
             kind = ev["event"]
             if kind == Event.START:
                 seen_start = True
@@ -457,8 +460,15 @@ class SessionInfo:
     path: Path
     created: str
     model: str
-    turns: int
+    turns: int | None  # None: the log is too large to count them for a listing (REPLAY_BYTES)
     first_words: str  # of the first message, whitespace collapsed (its first 60 words, then " …")
+
+
+REPLAY_BYTES = 8 * 1024 * 1024
+"""A log up to this size is read whole for `chatbot sessions` (its turns counted); of a larger
+one only its first `HEAD_BYTES`: a listing never waits on one huge file (a 2 GB file among the
+logs took 34.5 s and 235 MB)."""
+HEAD_BYTES = 1024 * 1024
 
 
 def list_sessions(directory: Path | None = None) -> list[SessionInfo]:
@@ -471,8 +481,9 @@ def list_sessions(directory: Path | None = None) -> list[SessionInfo]:
     infos = []
     for p in paths:
         try:
-            state = replay(p)
-        except (ChatbotError, ValueError, TypeError, RecursionError, MemoryError):
+            head = None if p.stat().st_size <= REPLAY_BYTES else HEAD_BYTES
+            state = replay(p, head)
+        except (ChatbotError, OSError, ValueError, TypeError, RecursionError, MemoryError):
             continue  # one unreadable log must not hide the others
         first = (state["turns"][0]["user"] if state["turns"] else "").split()
         created = state["id"][:15]
@@ -486,7 +497,7 @@ def list_sessions(directory: Path | None = None) -> list[SessionInfo]:
                 p,
                 created,
                 str(state.get("model") or "?"),
-                len(state["turns"]),
+                len(state["turns"]) if head is None else None,
                 " ".join(first[:60]) + (" …" if len(first) > 60 else ""),
             )
         )

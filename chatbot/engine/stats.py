@@ -135,8 +135,38 @@ def stats_to_dict(stats: TurnStats) -> dict[str, Any]:
     return data
 
 
-def stats_from_dict(data: Any) -> TurnStats:
-    """A TurnStats from `stats_to_dict` output; unknown keys and bad values are ignored."""
+MAX_COUNT = 10**12
+"""The most tokens a restored figure may count (far beyond any context)."""
+MAX_SECONDS = 1e7
+"""The longest time a restored figure may hold (about 115 days): larger is no real timing, and
+a sum of such latencies would overflow to infinity."""
+
+
+def _figure(value: Any, default: Any) -> Any:
+    """`value` as the type of the field whose default is `default`, or None where it is no
+    real figure: a negative or non-integral count, a time that is negative or beyond
+    MAX_SECONDS, a list with such a time in it."""
+    if isinstance(default, list):
+        if (
+            isinstance(value, list)
+            and len(value) <= 1_000_000
+            and all(_figure(v, 0.0) is not None for v in value)
+        ):
+            return [float(v) for v in value]
+        return None
+    if isinstance(default, str):
+        return value if isinstance(value, str) else None
+    if not finite(value) or value < 0:  # NaN / infinity in a hand-edited file are left out
+        return None
+    if isinstance(default, float):
+        return float(value) if value <= MAX_SECONDS else None
+    # counts (and cache_capacity, whose default is None)
+    return int(value) if float(value).is_integer() and value <= MAX_COUNT else None
+
+
+def stats_from_dict(data: Any, rejected: list[str] | None = None) -> TurnStats:
+    """A TurnStats from `stats_to_dict` output; unknown keys are ignored, and a value that is
+    no real figure for its field (`_figure`) is left out, its name added to `rejected`."""
     stats = TurnStats()
     if not isinstance(data, dict):
         return stats
@@ -144,15 +174,12 @@ def stats_from_dict(data: Any) -> TurnStats:
         value = data.get(f.name)
         if value is None:
             continue
-        default = getattr(stats, f.name)
-        if isinstance(default, list):
-            if isinstance(value, list) and len(value) <= 1_000_000 and all(finite(v) for v in value):
-                setattr(stats, f.name, [float(v) for v in value])
-        elif isinstance(default, str):
-            if isinstance(value, str):
-                setattr(stats, f.name, value)
-        elif finite(value):  # NaN / infinity in a hand-edited file are left out
-            setattr(stats, f.name, type(default)(value) if default is not None else value)
+        figure = _figure(value, getattr(stats, f.name))
+        if figure is None:
+            if rejected is not None:
+                rejected.append(f.name)
+            continue
+        setattr(stats, f.name, figure)
     return stats
 
 

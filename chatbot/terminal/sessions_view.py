@@ -45,7 +45,9 @@ def short_path(path: Path) -> str:
     return text
 
 
-def _turns(n: int) -> str:
+def _turns(n: int | None) -> str:
+    if n is None:
+        return "? turns (a large log)"
     return f"{n} turn" if n == 1 else f"{n} turns"
 
 
@@ -79,7 +81,8 @@ def _print_table(console: Console, shown: list[SessionInfo], width: int | None) 
         return False
     console.print(fixed + "first words", style="bold", markup=False, soft_wrap=True)
     for i in shown:
-        line = f"{i.id:<20}{GAP}{i.created:<16}{GAP}{i.model:<{model_width}}{GAP}{i.turns:>5}{GAP}"
+        turns = "?" if i.turns is None else str(i.turns)
+        line = f"{i.id:<20}{GAP}{i.created:<16}{GAP}{i.model:<{model_width}}{GAP}{turns:>5}{GAP}"
         console.print(safe_text(line + clip_words(i.first_words, room)), markup=False, soft_wrap=True)
     return True
 
