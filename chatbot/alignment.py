@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from chatbot.engine.generate import GenerationChunk
+from chatbot.models.template_budget import install as install_template_budget
 
 # Ids of left context for decoding an answer as it reads in the conversation.
 _DECODE_CONTEXT = 8
@@ -38,6 +39,7 @@ class TextCodec:
     """
 
     def __init__(self, tokenizer: Any) -> None:
+        install_template_budget()  # a template that loops for ever is refused, not waited on
         self.tokenizer = tokenizer
         self._specials: tuple[str, ...] | None = None
 

@@ -53,6 +53,7 @@ from chatbot.models.source import (  # noqa: F401 - the defaults are imported fr
     check_source,
     default_gguf_path,
 )
+from chatbot.models.template_budget import install as install_template_budget
 
 if TYPE_CHECKING:  # templates imports transformers: inside `load_model`, with the collector paused
     from chatbot.models.templates import TemplateInfo
@@ -423,6 +424,7 @@ def load_model(
         ModelLoadError: with one line saying what is wrong and what to do.
         ConfigError: a malformed device map, memory budget or template name.
     """
+    install_template_budget()  # the templates this load renders (and every later one)
     start = time.perf_counter()
     dev = pick_device(device)
     if quantize:
