@@ -69,6 +69,7 @@ from chatbot.cli_common import (
     TopKOpt,
     TopPOpt,
     TrustOpt,
+    VersionOpt,
     check_threads,
     context_note,
     exit_if_failed,
@@ -95,6 +96,11 @@ app = typer.Typer(
 )
 
 _DEBUG = False
+
+
+@app.callback()
+def options(version: VersionOpt = False) -> None:
+    """Chat with a local language model in the terminal."""
 
 
 @app.command()

@@ -132,6 +132,29 @@ OptOpt = Annotated[
 ]
 DebugOpt = Annotated[bool, typer.Option(help="Show tracebacks.")]
 
+
+def print_version(value: bool) -> None:
+    """`chatbot --version`: a line of versions and the kernels' SIMD level, then exit (no
+    model, no torch import, no kernel build)."""
+    if not value:
+        return
+    from chatbot.doctor import version_lines
+
+    print("\n".join(version_lines()))
+    raise typer.Exit()
+
+
+VersionOpt = Annotated[
+    bool,
+    typer.Option(
+        "--version",
+        help="Print the versions (chatbot, python, torch, transformers) and the kernels' SIMD "
+        "level, and exit.",
+        callback=print_version,
+        is_eager=True,
+    ),
+]
+
 # `run`'s own.
 PlainOpt = Annotated[bool, typer.Option(help="Print raw text instead of rendered Markdown.")]
 NoStatsOpt = Annotated[bool, typer.Option("--no-stats", help="Hide the stats line after each answer.")]
