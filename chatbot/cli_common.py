@@ -164,6 +164,7 @@ PromptArg = Annotated[
     typer.Argument(
         help="Answer this prompt and exit (the answer on stdout, the stats line on stderr); text "
         "piped in goes before it in the same message. Without it: the chat.",
+        metavar="PROMPT",
         show_default=False,
     ),
 ]
