@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import warnings
-from collections.abc import Callable
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -46,6 +43,8 @@ from chatbot.cli_common import (
     PrefillChunkOpt,
     PrefixCacheOpt,
     PresetOpt,
+    PromptArg,
+    PromptOpt,
     QuantizeOpt,
     RecentSizeOpt,
     RepetitionPenaltyOpt,
@@ -69,9 +68,11 @@ from chatbot.cli_common import (
     TopKOpt,
     TopPOpt,
     TrustOpt,
+    VersionOpt,
     check_threads,
     context_note,
     exit_if_failed,
+    in_background,
     load_with_status,
     make_backend,
     make_engine,
@@ -99,9 +100,15 @@ app = typer.Typer(
 _DEBUG = False
 
 
+@app.callback()
+def options(version: VersionOpt = False) -> None:
+    """Chat with a local language model in the terminal."""
+
+
 @app.command()
 def run(
     ctx: typer.Context,
+    prompt: PromptArg = None,
     model: ModelOpt = None,
     system: SystemOpt = None,
     temperature: TemperatureOpt = None,
@@ -133,13 +140,18 @@ def run(
     plain: PlainOpt = False,
     no_stats: NoStatsOpt = False,
     resume: ResumeOpt = None,
+    prompt_option: PromptOpt = None,
     server: ServerOpt = None,
     api_key_env: ClientKeyEnvOpt = None,
     debug: DebugOpt = False,
 ) -> None:
-    """Chat with a model. Reads one message per line when stdin is not a terminal."""
+    """Chat with a model; with a PROMPT, answer it and exit. Reads one message per line when
+    stdin is not a terminal."""
     global _DEBUG
     _DEBUG = debug
+    from chatbot.terminal.oneshot import one_shot_message
+
+    message = one_shot_message(prompt, prompt_option, None if sys.stdin.isatty() else sys.stdin.buffer)
     if server is not None:
         overrides = {
             "temperature": 0.0 if greedy else temperature,
@@ -154,22 +166,40 @@ def run(
         from chatbot.cli_remote import run_remote
 
         run_remote(
-            ctx, server, model, api_key_env, system, overrides, enable_streaming, plain, no_stats, resume
+            ctx,
+            server,
+            model,
+            api_key_env,
+            system,
+            overrides,
+            enable_streaming,
+            plain,
+            no_stats,
+            resume,
+            message,
         )
         return
     if api_key_env is not None:
         raise ConfigError("--api-key-env goes with --server URL")
     # Every setting, resolved and checked once, before the (slow) model load.
     settings = resolve_cli_settings(ctx, preset, config).run_config()
-    _chat_locally(settings, opt, check_threads(threads), plain, no_stats, resume)
+    _chat_locally(settings, opt, check_threads(threads), plain, no_stats, resume, message)
 
 
 def _chat_locally(
-    settings: RunConfig, opt: str, threads: int | None, plain: bool, no_stats: bool, resume: str | None
+    settings: RunConfig,
+    opt: str,
+    threads: int | None,
+    plain: bool,
+    no_stats: bool,
+    resume: str | None,
+    message: str | None,
 ) -> None:
     """`chatbot run` on a model here: the REPL, with the model loading behind the prompt on a
-    terminal (before the first line on a pipe)."""
+    terminal (before the first line on a pipe); with a `message` (a one-shot prompt), its
+    answer alone, as on a pipe."""
     from chatbot.models.source import check_source
+    from chatbot.terminal.oneshot import answer_once
     from chatbot.terminal.repl import Repl, resolve_resume
     from chatbot.terminal.repl import run as run_repl
     from chatbot.terminal.tty import make_consoles
@@ -177,7 +207,7 @@ def _chat_locally(
     # A wrong path fails now; a damaged file, when its tables are read (after the prompt).
     source = check_source(settings.load.model, tables=False)
     resume_path = resolve_resume(resume)
-    interactive = sys.stdin.isatty()
+    interactive = sys.stdin.isatty() and message is None
     out, info = make_consoles(interactive)
     plain = plain or not sys.stdout.isatty()
     logged = {k: v for k, v in settings.sampling.given().items() if k != "stream_interval"}
@@ -188,7 +218,7 @@ def _chat_locally(
     if interactive:
         # The prompt comes up now (torch is not imported yet) and the model loads meanwhile; a
         # message sent before it is ready waits for it.
-        pending = _in_background(lambda: _start_chat(settings, opt, threads, banner=True, background=True))
+        pending = in_background(lambda: _start_chat(settings, opt, threads, banner=True, background=True))
         repl = Repl.loading(
             pending, source.name, out, plain=plain, show_stats=not no_stats, info=info, on_ready=start_log
         )
@@ -199,6 +229,8 @@ def _chat_locally(
             repl.note(note)
         start_log()
         gc_ready()  # the collector, paused by `main` since the start, runs again from here on
+    if message is not None:
+        sys.exit(answer_once(repl, message))
     try:
         run_repl(repl, interactive)
     finally:
@@ -274,21 +306,6 @@ def _make_chat(settings: Any, opt: str, threads: int | None, banner: bool, quiet
         else:
             engine.warm_up(session.kv)
     return ChatStart(session, loaded, shown)
-
-
-def _in_background(work: Callable[[], Any]) -> Future[Any]:
-    """Run `work` in a daemon thread; its result or exception goes to the future."""
-    future: Future[Any] = Future()
-
-    def run() -> None:
-        future.set_running_or_notify_cancel()
-        try:
-            future.set_result(work())
-        except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which reports it
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="chatbot-load", daemon=True).start()
-    return future
 
 
 @app.command(short_help="Serve the model over the OpenAI-compatible HTTP API.")

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -156,7 +159,42 @@ OptOpt = Annotated[
 ]
 DebugOpt = Annotated[bool, typer.Option(help="Show tracebacks.")]
 
+
+def print_version(value: bool) -> None:
+    """`chatbot --version`: a line of versions and the kernels' SIMD level, then exit (no
+    model, no torch import, no kernel build)."""
+    if not value:
+        return
+    from chatbot.doctor import version_lines
+
+    print("\n".join(version_lines()))
+    raise typer.Exit()
+
+
+VersionOpt = Annotated[
+    bool,
+    typer.Option(
+        "--version",
+        help="Print the versions (chatbot, python, torch, transformers) and the kernels' SIMD "
+        "level, and exit.",
+        callback=print_version,
+        is_eager=True,
+    ),
+]
+
 # `run`'s own.
+PromptArg = Annotated[
+    str | None,
+    typer.Argument(
+        help="Answer this prompt and exit (the answer on stdout, the stats line on stderr); text "
+        "piped in goes before it in the same message. Without it: the chat.",
+        metavar="PROMPT",
+        show_default=False,
+    ),
+]
+PromptOpt = Annotated[
+    str | None, typer.Option("--prompt", "-p", help="The prompt, as an option (the same as the argument).")
+]
 PlainOpt = Annotated[bool, typer.Option(help="Print raw text instead of rendered Markdown.")]
 NoStatsOpt = Annotated[bool, typer.Option("--no-stats", help="Hide the stats line after each answer.")]
 ResumeOpt = Annotated[
@@ -388,3 +426,18 @@ def exit_if_failed(repl: Any, interactive: bool) -> None:
     error line was printed where it happened, and the lines after it were still run."""
     if not interactive and repl.failed:
         sys.exit(1)  # not typer's Exit: `main` runs click with standalone_mode=False
+
+
+def in_background(work: Callable[[], Any]) -> Future[Any]:
+    """Run `work` in a daemon thread; its result or exception goes to the future."""
+    future: Future[Any] = Future()
+
+    def run() -> None:
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(work())
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which reports it
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="chatbot-load", daemon=True).start()
+    return future

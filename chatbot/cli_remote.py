@@ -43,8 +43,10 @@ def run_remote(
     plain: bool,
     no_stats: bool,
     resume: str | None,
+    message: str | None = None,
 ) -> None:
-    """`chatbot run --server URL`: the REPL on a RemoteSession."""
+    """`chatbot run --server URL`: the REPL on a RemoteSession (with a one-shot `message`:
+    its answer alone)."""
     if enable_streaming:
         raise ConfigError(
             "--enable-streaming does not apply with --server: the server manages its own context"
@@ -55,13 +57,14 @@ def run_remote(
         flag = "--" + given[0].replace("_", "-")
         raise ConfigError(f"{flag} does not apply with --server: the server runs the model")
     from chatbot.remote import RemoteBackend, RemoteSession, remote_sampling
+    from chatbot.terminal.oneshot import answer_once
     from chatbot.terminal.repl import Repl, resolve_resume
     from chatbot.terminal.repl import run as run_repl
     from chatbot.terminal.tty import make_consoles
 
     sampling = remote_sampling(**overrides)
     resume_path = resolve_resume(resume)
-    interactive = sys.stdin.isatty()
+    interactive = sys.stdin.isatty() and message is None
     backend = RemoteBackend(server, model, resolve_api_key(api_key_env), api_key_env=api_key_env)
     # On a pipe nothing can be answered by a server that is not there: one error line now.
     backend.connect(strict=not interactive)
@@ -78,5 +81,7 @@ def run_remote(
         system=system,
         overrides={k: v for k, v in overrides.items() if v is not None and k != "stream_interval"},
     )
+    if message is not None:
+        sys.exit(answer_once(repl, message))
     run_repl(repl, interactive)
     exit_if_failed(repl, interactive)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
+import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,8 +114,27 @@ def serve_model(
     if any(v is not None for v in overrides.values()):
         defaults_from += ", then the serve flags"
     engine_config.validated()
-    set_threads(threads)
+    # The port is taken now, before torch and the (slow) load: one in use is said at once, and
+    # no other process can take it meanwhile. Connections wait in its backlog until the app runs.
+    sockets = listen_sockets(listen.host, listen.port)
+    try:
+        set_threads(threads)
+        _load_and_serve(load, engine_config, overrides, preset_sampling, defaults_from, listen, opt, sockets)
+    finally:
+        for sock in sockets:
+            sock.close()
 
+
+def _load_and_serve(
+    load: LoadConfig,
+    engine_config: EngineConfig,
+    overrides: dict[str, Any],
+    preset_sampling: dict[str, Any],
+    defaults_from: str,
+    listen: Listen,
+    opt: str,
+    sockets: list[socket.socket],
+) -> None:
     from chatbot.server.app import create_app
     from chatbot.server.app import serve as run_server
     from chatbot.server.pool import PrefixCachePool, server_sampling
@@ -142,11 +164,61 @@ def serve_model(
         defaults_from=defaults_from,
     )
     notes = [backend_note, context_note(loaded, engine_config), streaming_note(engine, engine_config)]
-    _announce(name, listen, [*loaded.notes, *filter(None, notes)])
-    run_server(application, listen.host, listen.port, log_level=listen.log_level)
+    _announce(name, listen, [*loaded.notes, *filter(None, notes)], application.state.worker.describe())
+    run_server(application, sockets, log_level=listen.log_level)
 
 
-def _announce(name: str, listen: Listen, notes: list[str]) -> None:
+def listen_sockets(host: str, port: int) -> list[socket.socket]:
+    """Listening TCP sockets on `host` (every address it resolves to, as uvicorn would take
+    them: `localhost` is 127.0.0.1 and ::1) and `port`.
+
+    Raises:
+        ConfigError: the host is unknown, or the port is taken (or not ours to take), in a
+            line that says what to do.
+    """
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(
+            f"--host {host}: no such address ({exc.strerror}); e.g. 127.0.0.1 or 0.0.0.0"
+        ) from None
+    sockets: list[socket.socket] = []
+    addresses = dict.fromkeys((family, kind, proto, address) for family, kind, proto, _, address in found)
+    for family, kind, proto, address in addresses:
+        sock = socket.socket(family, kind, proto)
+        try:
+            if os.name == "posix":  # a port left in TIME_WAIT by a server just stopped is free
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(2048)
+        except OSError as exc:
+            sock.close()
+            if sockets and exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                continue  # localhost's ::1 on a machine without IPv6: 127.0.0.1 serves
+            for other in sockets:
+                other.close()
+            raise ConfigError(_bind_error(host, port, exc)) from None
+        sockets.append(sock)
+    return sockets
+
+
+def _bind_error(host: str, port: int, exc: OSError) -> str:
+    where = f"port {port} on {host}"
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"{where} is already in use (another server, or a chatbot serve still running): "
+            "stop it, or serve on another port with --port"
+        )
+    if exc.errno == errno.EACCES:
+        return f"{where}: permission denied (ports below 1024 need privileges): use --port 8000 or above"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"--host {host} is not an address of this machine (127.0.0.1: this machine only; 0.0.0.0: all)"
+    return f"cannot listen on {where}: {exc.strerror or exc}"
+
+
+def _announce(name: str, listen: Listen, notes: list[str], concurrency: str) -> None:
     """The notes, the line saying where the server listens, and a warning for an open one."""
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     for note in notes:
@@ -156,7 +228,7 @@ def _announce(name: str, listen: Listen, notes: list[str]) -> None:
     err.print(
         f"serving {name} on http://{shown}:{listen.port}/v1 "
         "(OpenAI API: /v1/chat/completions, /v1/completions, /v1/models; /health) · "
-        f"one generation at a time · prefix cache {'on' if listen.prefix_cache else 'off'}"
+        f"{concurrency} · prefix cache {'on' if listen.prefix_cache else 'off'}"
         + (" · API key required" if listen.api_key else ""),
         markup=False,
     )

@@ -65,9 +65,17 @@ def _fmt(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
+UNSET_TEXT = "server's default"
+"""How a setting in `SamplingConfig.unset` is shown: only a chat with a server leaves any."""
+
+
 @dataclass
 class SamplingConfig:
-    """How the next token is chosen. temperature 0 means greedy."""
+    """How the next token is chosen. temperature 0 means greedy.
+
+    `unset` names the settings nobody gave, left to whoever answers: a server applies its own
+    defaults (its model's preset) to the fields a request leaves out. Their values here are
+    placeholders, never sent nor shown; `with_value` sets one."""
 
     temperature: float = 0.7
     top_p: float = 0.9
@@ -76,6 +84,7 @@ class SamplingConfig:
     max_new_tokens: int = 512
     seed: int | None = None
     stream_interval: int = 1
+    unset: frozenset[str] = frozenset()
 
     RANGES: ClassVar[dict[str, Range]] = {
         "temperature": Range(float, 0.0, 100.0, gap_above_low=0.01),
@@ -89,20 +98,35 @@ class SamplingConfig:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature == 0.0 and "temperature" not in self.unset
 
     def validated(self) -> SamplingConfig:
-        """Return self after checking every field against its range.
+        """Return self after checking every setting against its range.
 
         Raises:
             ConfigError: naming the key and the allowed range.
         """
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value is None and f.name == "seed":
+        for key, rng in self.RANGES.items():
+            value = getattr(self, key)
+            if value is None and key == "seed":
                 continue
-            setattr(self, f.name, self.RANGES[f.name].check(f.name, value))
+            setattr(self, key, rng.check(key, value))
         return self
+
+    def given(self) -> dict[str, Any]:
+        """The settings not left to the server (`unset`), by name (the seed: when set)."""
+        return {
+            key: getattr(self, key)
+            for key in self.RANGES
+            if key not in self.unset and (key != "seed" or self.seed is not None)
+        }
+
+    def shown(self, key: str) -> str:
+        """A setting's value as /set lists it."""
+        if key in self.unset:
+            return UNSET_TEXT
+        value = getattr(self, key)
+        return "random" if key == "seed" and value is None else str(value)
 
     def with_value(self, key: str, raw: Any) -> SamplingConfig:
         """A copy with one setting changed, parsed from text or a number.
@@ -114,12 +138,13 @@ class SamplingConfig:
         if key not in self.RANGES:
             raise ConfigError(f"unknown setting {key!r}; settings: {', '.join(self.RANGES)}")
         if key == "seed" and isinstance(raw, str) and raw.lower() in ("none", "off", "random"):
-            return dataclasses.replace(self, seed=None)
+            return dataclasses.replace(self, seed=None, unset=self.unset - {key})
         value = self.RANGES[key].check(key, raw)
-        return dataclasses.replace(self, **{key: value})
+        return dataclasses.replace(self, **{key: value}, unset=self.unset - {key})
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The settings by name; None for one left to the server."""
+        return {key: None if key in self.unset else getattr(self, key) for key in self.RANGES}
 
 
 def default_recent_size(max_context: int, window: int | None = None, start_size: int = 4) -> int:

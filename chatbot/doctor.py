@@ -1,7 +1,10 @@
 """What this machine gives the chatbot, for `chatbot doctor`: the CPU and the SIMD level the
 kernels are built for, the C compiler and whether it has OpenMP (else the kernels run on their
 own thread pool), where the kernels are cached, the GPUs torch sees, and which decode path a
-model takes. Facts only; the CLI prints them."""
+model takes. Facts only; the CLI prints them.
+
+Nothing here imports torch or builds the kernels at import: `chatbot --version` reads the
+SIMD level from the compiler's preprocessor alone (`simd_level`)."""
 
 from __future__ import annotations
 
@@ -14,8 +17,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from chatbot.engine import kernels
-from chatbot.engine.kernel_build import compiler_macros, simd_level
+from chatbot.engine import kernel_build
 
 
 @dataclass
@@ -30,7 +32,7 @@ class Compiler:
     @property
     def simd(self) -> str:
         """The SIMD level kernels.c is compiled for on this CPU."""
-        return simd_level(self.macros)
+        return kernel_build.simd_level(self.macros)
 
 
 def cpu_model() -> str:
@@ -67,18 +69,36 @@ def _run(args: list[str], stdin: str = "") -> subprocess.CompletedProcess[str] |
 def compiler() -> Compiler:
     """The compiler `kernels.load_library` would use, its version, its -march=native macros
     and whether `-fopenmp` builds and links (Apple's clang and clang without libomp fail)."""
-    cc = kernels.find_compiler()
+    cc = kernel_build.find_compiler()
     if cc is None:
         return Compiler(None)
     version = _run([cc, "--version"])
     first = version.stdout.splitlines()[0] if version is not None and version.stdout else ""
-    defined = compiler_macros(cc)
+    defined = kernel_build.compiler_macros(cc)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "omp.c"
         src.write_text("#include <omp.h>\nint main(void) { return omp_get_max_threads() > 0 ? 0 : 1; }\n")
         built = _run([cc, "-fopenmp", "-o", str(Path(tmp) / "omp"), str(src)])
     openmp = built is not None and built.returncode == 0
     return Compiler(shutil.which(cc) or cc, first, openmp, defined)
+
+
+def simd_level() -> str:
+    """The SIMD level the kernels are (or would be) built for here, and by what, from the
+    compiler's preprocessor in a few milliseconds: no build, no torch."""
+    cc = kernel_build.find_compiler()
+    if cc is None:
+        return "none (no C compiler: models decode through transformers)"
+    flags = " ".join([cc, *kernel_build.arch_flags(), *kernel_build.extra_flags()])
+    return f"{Compiler(cc, macros=kernel_build.compiler_macros(cc)).simd} ({flags})"
+
+
+def version_lines() -> list[str]:
+    """`chatbot --version`: the package and the libraries it runs on, and the kernels' SIMD
+    level; read from the installed packages' metadata and the compiler (fast: no torch)."""
+    env = environment()
+    versions = f"python {env['python']}, torch {env['torch']}, transformers {env['transformers']}"
+    return [f"chatbot {env['chatbot']} ({versions})", f"kernels: {simd_level()}"]
 
 
 @dataclass
@@ -102,6 +122,8 @@ def gpus() -> Gpu:
 def kernels_cache(cc: Compiler) -> tuple[Path, Path | None]:
     """The kernels' cache folder, and the library this compiler and CPU would use (None
     without a compiler): the OpenMP build, or the one on the kernels' own pool."""
+    from chatbot.engine import kernels  # torch: only `chatbot doctor` asks
+
     if cc.command is None:
         return kernels.kernels_dir(), None
     lib = kernels.loaded()
@@ -112,6 +134,8 @@ def kernels_cache(cc: Compiler) -> tuple[Path, Path | None]:
 def kernel_threads(cc: Compiler) -> str | None:
     """How the kernels run on several threads: "OpenMP", or "own pool" where they were (or
     would be) built without it; None without a compiler. A loaded library says so itself."""
+    from chatbot.engine import kernels
+
     lib = kernels.loaded()
     if lib is not None:
         return "OpenMP" if kernels.uses_openmp(lib) else "own pool"

@@ -48,15 +48,16 @@ class RemoteChunk:
 
 
 def remote_sampling(**overrides: Any) -> SamplingConfig:
-    """Settings for a server's model: ours, with top-k and the repetition penalty off (so
-    only the API's own fields are sent) unless asked for.
+    """Settings for a server's model: those given (not None) in `overrides`; the others are
+    left to the server (`SamplingConfig.unset`), which applies its own defaults (its model's
+    preset) to a request that leaves them out.
 
     Raises:
         ConfigError: a value is out of range.
     """
-    values: dict[str, Any] = {"top_k": 0, "repetition_penalty": 1.0}
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return dataclasses.replace(SamplingConfig(), **values).validated()
+    values = {k: v for k, v in overrides.items() if v is not None}
+    unset = frozenset(SamplingConfig.RANGES) - values.keys() - {"stream_interval"}
+    return dataclasses.replace(SamplingConfig(), **values, unset=unset).validated()
 
 
 class RemoteSession(Chat[RemoteChunk]):
@@ -143,9 +144,11 @@ class RemoteSession(Chat[RemoteChunk]):
             messages.append({"role": "user", "content": CONTINUE_PROMPT})
             join = ContinuationJoin(before)
             # A reply that repeats the answer so far spends tokens on it: room for that, and
-            # the new part still ends at max_new_tokens (chunks, about tokens).
-            limit = sampling.max_new_tokens
-            sampling = dataclasses.replace(sampling, max_new_tokens=limit + turn.stats.generated_tokens)
+            # the new part still ends at max_new_tokens (chunks, about tokens); left to the
+            # server, its own limit applies.
+            if "max_new_tokens" not in sampling.unset:
+                limit = sampling.max_new_tokens
+                sampling = dataclasses.replace(sampling, max_new_tokens=limit + turn.stats.generated_tokens)
         parts: list[str] = []
         t0 = time.perf_counter()
         arrivals: list[float] = []
@@ -169,7 +172,7 @@ class RemoteSession(Chat[RemoteChunk]):
                         yield RemoteChunk(piece)
                     if choice.finish_reason:
                         finish = choice.finish_reason
-                if join is not None and len(parts) >= limit:
+                if join is not None and limit and len(parts) >= limit:
                     finish = "length"
                     break
             done = True

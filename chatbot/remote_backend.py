@@ -355,20 +355,13 @@ def api_roots(url: str) -> list[str]:
 
 
 def request_fields(sampling: SamplingConfig) -> dict[str, Any]:
-    """The API's fields for our settings. top_k and repetition_penalty are not OpenAI's: they
-    go as extra fields (vLLM, SGLang and chatbot serve read them) only when they are on."""
-    body: dict[str, Any] = {
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "max_tokens": sampling.max_new_tokens,
-    }
-    if sampling.seed is not None:
-        body["seed"] = sampling.seed
-    extra: dict[str, Any] = {}
-    if sampling.top_k > 0:
-        extra["top_k"] = sampling.top_k
-    if sampling.repetition_penalty != 1.0:
-        extra["repetition_penalty"] = sampling.repetition_penalty
+    """The API's fields for the settings the user gave (`SamplingConfig.given`); the server
+    applies its own defaults to the others. top_k and repetition_penalty are not OpenAI's:
+    they go as extra fields (vLLM, SGLang, llama-server and chatbot serve read them)."""
+    given = sampling.given()
+    names = {"temperature": "temperature", "top_p": "top_p", "max_new_tokens": "max_tokens", "seed": "seed"}
+    body: dict[str, Any] = {api: given[ours] for ours, api in names.items() if ours in given}
+    extra = {key: given[key] for key in ("top_k", "repetition_penalty") if key in given}
     if extra:
         body["extra_body"] = extra
     return body

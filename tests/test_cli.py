@@ -59,7 +59,7 @@ def _options(command) -> dict[str, tuple]:
             p.max,
         )
         for p in command.params
-        if p.name != "ctx"
+        if p.name != "ctx" and p.param_type_name == "option"  # run's PROMPT is an argument
     }
 
 

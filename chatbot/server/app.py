@@ -22,12 +22,13 @@ import contextlib
 import json
 import os
 import secrets
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -113,8 +114,34 @@ def create_app(
         app.exception_handler(exc_type)(handler)
     app.middleware("http")(api.check_key)
     for path, (method, endpoint) in api.routes().items():
-        app.api_route(path, methods=[method])(endpoint)
+        checks = [Depends(require_json)] if method == "POST" else None
+        app.api_route(path, methods=[method], dependencies=checks)(endpoint)
     return app
+
+
+def require_json(request: Request) -> None:
+    """A POST body must come as JSON (`application/json`, or a `+json` type), as vLLM asks.
+
+    The types a web page may send to another site without asking first (a form, text/plain,
+    none at all) are the ones refused: read as JSON, they would let any page a browser opens
+    run generations on a server on localhost (FastAPI's strict_content_type, for the same
+    reason).
+
+    Raises:
+        APIError: 415, naming the type sent and how to send JSON.
+    """
+    sent = request.headers.get("content-type", "")
+    media = sent.split(";", 1)[0].strip().lower()
+    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+        return
+    what = f"not {sent!r}" if sent else "and this request has none"
+    curl = "curl -d sends that: add" if media == "application/x-www-form-urlencoded" else "curl:"
+    raise APIError(
+        415,
+        f"the body must be JSON sent with Content-Type: application/json, {what} "
+        f"({curl} -H 'Content-Type: application/json'; in Python, json=... rather than data=...)",
+        code="unsupported_media_type",
+    )
 
 
 async def api_error_response(_: Request, exc: APIError) -> JSONResponse:
@@ -219,9 +246,7 @@ class OpenAIApi:
             "status": "ok",
             "model": self.model_name,
             "concurrency": worker.slots,
-            "note": "one generation at a time; other requests queue"
-            if worker.slots == 1
-            else f"up to {worker.slots} generations at once, their decode steps batched",
+            "note": worker.describe(),
             "generating": worker.busy,
             "batched_steps": None if batcher is None else {"steps": batcher.steps, "rows": batcher.rows},
             "queued": worker.queued,
@@ -536,8 +561,10 @@ async def _stop(task: asyncio.Task[None]) -> None:
         await task
 
 
-def serve(app: FastAPI, host: str, port: int, log_level: str = "warning") -> None:
-    """Run the app with uvicorn until Ctrl-C."""
+def serve(app: FastAPI, sockets: list[socket.socket], log_level: str = "warning") -> None:
+    """Run the app with uvicorn on listening `sockets` (bound before the model loaded) until
+    Ctrl-C."""
     import uvicorn
 
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2)
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2)
+    uvicorn.Server(config).run(sockets=sockets)

@@ -91,6 +91,15 @@ class Worker:
         for thread in self.threads:
             thread.start()
 
+    def describe(self) -> str:
+        """How requests are run, for the banner of `chatbot serve` and /health's note."""
+        if self.slots == 1:
+            return "one generation at a time; other requests queue"
+        return (
+            f"up to {self.slots} generations at once (decode steps batched, a new request's "
+            "prefill beside them); more queue"
+        )
+
     @property
     def busy(self) -> bool:
         return self.active > 0

@@ -237,12 +237,11 @@ def settings_rows(sampling: SamplingConfig) -> list[tuple[str, str, str]]:
     """`/set` with no argument: (setting, value, allowed range) for every setting."""
     rows = []
     for key in SETTINGS:
-        value = getattr(sampling, key)
-        shown = "random" if key == "seed" and value is None else str(value)
-        rows.append((key, shown, SamplingConfig.RANGES[key].describe()))
+        rows.append((key, sampling.shown(key), SamplingConfig.RANGES[key].describe()))
     return rows
 
 
 def settings_text(sampling: SamplingConfig) -> str:
-    width = max(len(k) for k in SETTINGS)
-    return "\n".join(f"{k.ljust(width)}  {v.ljust(8)}  {r}" for k, v, r in settings_rows(sampling))
+    rows = settings_rows(sampling)
+    width, shown = max(len(k) for k in SETTINGS), max(8, *(len(v) for _, v, _ in rows))
+    return "\n".join(f"{k.ljust(width)}  {v.ljust(shown)}  {r}" for k, v, r in rows)

@@ -407,7 +407,8 @@ class PlainAnswer:
     """Raw text as it arrives (pipes, --plain), less the whitespace around the answer: the
     space a base model starts with after "Assistant:", the newlines it ends with before its
     stop string. Whitespace is held back until text follows it; what ends the answer is
-    dropped, so each answer is its text and one newline. `text` keeps every character.
+    dropped, so each answer is its text and one newline (none where it failed before any
+    text). `text` keeps every character.
     `keep_leading`: the answer goes on from text shown before (/continue), so its leading
     whitespace is kept."""
 
@@ -432,6 +433,8 @@ class PlainAnswer:
             self.out.write(shown)
             self.out.flush()
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is not None and not self.text and not self.keep_leading:
+            return  # failed (or stopped) before any text: the error says so on stderr, stdout stays empty
         self.out.write("\n")
         self.out.flush()

@@ -15,6 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from chatbot.chat import RemoteStats
+from chatbot.config import UNSET_TEXT
 from chatbot.engine.stats import TurnStats
 from chatbot.terminal.sanitize import safe_text
 
@@ -271,16 +272,21 @@ def meter_style(used: int, capacity: int) -> str:
 
 
 def sampling_brief(s: Any) -> str:
-    if s.greedy:
-        text = "greedy"
-    else:
-        text = f"temp {s.temperature:g} · top-p {s.top_p:g} · top-k {s.top_k}"
-    if s.repetition_penalty != 1.0:
-        text += f" · rep {s.repetition_penalty:g}"
-    text += f" · max {s.max_new_tokens}"
-    if s.seed is not None:
-        text += f" · seed {s.seed}"
-    return text
+    """The settings in a few words (the toolbar, /model); those left to a server
+    (`SamplingConfig.unset`) are not shown as numbers."""
+    given = s.given()
+    parts = ["greedy"] if s.greedy else []
+    if not s.greedy:
+        parts += [f"{name} {given[key]:g}" for key, name in (("temperature", "temp"), ("top_p", "top-p"))
+                  if key in given]  # fmt: skip
+        parts += [f"top-k {given['top_k']}"] if "top_k" in given else []
+    if given.get("repetition_penalty", 1.0) != 1.0:
+        parts.append(f"rep {given['repetition_penalty']:g}")
+    parts += [f"max {given['max_new_tokens']}"] if "max_new_tokens" in given else []
+    parts += [f"seed {s.seed}"] if s.seed is not None else []
+    if s.unset - {"seed"}:
+        parts.append(f"others: the {UNSET_TEXT}s" if parts else f"the {UNSET_TEXT}s")
+    return " · ".join(parts)
 
 
 def history_renderable(

@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import contextvars
 import itertools
+import re
+import shlex
 import sys
 from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import Future, wait
@@ -542,9 +544,20 @@ def resolve_resume(ref: str | None) -> Path | None:
     """The session log `--resume REF` means (None: no resume).
 
     Raises:
-        ChatbotError: no such session.
+        ChatbotError: no such session; where REF cannot be (the start of) an id, the message
+            says that `--resume PROMPT` took the prompt for one.
     """
-    return None if ref is None else find_session(ref)
+    if ref is None:
+        return None
+    try:
+        return find_session(ref)
+    except ChatbotError as exc:
+        if re.fullmatch(r"[0-9a-f-]+", ref.strip()):
+            raise
+        raise ChatbotError(
+            f"{exc}. --resume takes a session id (alone: the last session); to ask the last "
+            f"session: chatbot run --resume last {shlex.quote(ref)}"
+        ) from None
 
 
 def run(repl: Repl, interactive: bool) -> None:
