@@ -90,5 +90,5 @@ def install() -> bool:
         return budget(original(chat_template))
 
     compile_under_budget.chatbot_budget = True  # type: ignore[attr-defined]
-    templates._compile_jinja_template = compile_under_budget
+    templates._compile_jinja_template = compile_under_budget  # type: ignore[assignment]
     return True
