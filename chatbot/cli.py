@@ -199,8 +199,9 @@ def _chat_locally(
     terminal (before the first line on a pipe); with a `message` (a one-shot prompt), its
     answer alone, as on a pipe."""
     from chatbot.models.source import check_source
+    from chatbot.session_log import resolve_resume
     from chatbot.terminal.oneshot import answer_once
-    from chatbot.terminal.repl import Repl, resolve_resume
+    from chatbot.terminal.repl import Repl
     from chatbot.terminal.repl import run as run_repl
     from chatbot.terminal.tty import make_consoles
 

@@ -364,10 +364,12 @@ def resolve_cli_settings(ctx: typer.Context, preset: str | None, config: Path | 
 
 def _resumed(settings: Settings, ref: str, typed: set[str]) -> Settings:
     """`settings` with those of the logged session `ref` that no flag gives, and a note."""
-    from chatbot.session_log import find_session, replay
+    from chatbot.session_log import replay, resolve_resume
     from chatbot.session_settings import resume_settings
 
-    settings, note = resume_settings(settings, replay(find_session(ref)), typed)
+    path = resolve_resume(ref)
+    assert path is not None
+    settings, note = resume_settings(settings, replay(path), typed)
     if note:
         Console(stderr=True, highlight=False, soft_wrap=True).print(note, markup=False)
     return settings

@@ -57,8 +57,9 @@ def run_remote(
         flag = "--" + given[0].replace("_", "-")
         raise ConfigError(f"{flag} does not apply with --server: the server runs the model")
     from chatbot.remote import RemoteBackend, RemoteSession, remote_sampling
+    from chatbot.session_log import resolve_resume
     from chatbot.terminal.oneshot import answer_once
-    from chatbot.terminal.repl import Repl, resolve_resume
+    from chatbot.terminal.repl import Repl
     from chatbot.terminal.repl import run as run_repl
     from chatbot.terminal.tty import make_consoles
 

@@ -13,7 +13,9 @@ import contextlib
 import errno
 import json
 import os
+import re
 import secrets
+import shlex
 import signal
 import time
 from collections.abc import Callable, Generator, Iterator
@@ -531,3 +533,23 @@ def find_session(ref: str, directory: Path | None = None) -> Path:
             f"{len(matches)} sessions start with {ref!r}; give more of the id (chatbot sessions)"
         )
     raise ChatbotError(f"no session {ref!r} in {directory}; `chatbot sessions` lists them")
+
+
+def resolve_resume(ref: str | None) -> Path | None:
+    """The session log `--resume REF` means (None: no resume).
+
+    Raises:
+        ChatbotError: no such session; where REF cannot be (the start of) an id, the message
+            says that `--resume PROMPT` took the prompt for one.
+    """
+    if ref is None:
+        return None
+    try:
+        return find_session(ref)
+    except ChatbotError as exc:
+        if re.fullmatch(r"[0-9a-f-]+", ref.strip()):
+            raise
+        raise ChatbotError(
+            f"{exc}. --resume takes a session id (alone: the last session); to ask the last "
+            f"session: chatbot run --resume last {shlex.quote(ref)}"
+        ) from None

@@ -12,8 +12,6 @@ import asyncio
 import contextlib
 import contextvars
 import itertools
-import re
-import shlex
 import sys
 from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import Future, wait
@@ -31,7 +29,14 @@ from rich.console import Console
 
 from chatbot import progress
 from chatbot.errors import ChatbotError
-from chatbot.session_log import FILE_MODE, Event, SessionLog, data_dir, find_session, private_dir, replay
+from chatbot.session_log import (
+    FILE_MODE,
+    Event,
+    SessionLog,
+    data_dir,
+    private_dir,
+    replay,
+)
 from chatbot.terminal.bars import prompt_bar, token_bar
 from chatbot.terminal.commands import (
     Command,
@@ -538,26 +543,6 @@ class Repl(ReplCommands):
                     self.handle(message)
                 except KeyboardInterrupt:  # a command's output cut short; answers handle their own
                     self.note("(interrupted)")
-
-
-def resolve_resume(ref: str | None) -> Path | None:
-    """The session log `--resume REF` means (None: no resume).
-
-    Raises:
-        ChatbotError: no such session; where REF cannot be (the start of) an id, the message
-            says that `--resume PROMPT` took the prompt for one.
-    """
-    if ref is None:
-        return None
-    try:
-        return find_session(ref)
-    except ChatbotError as exc:
-        if re.fullmatch(r"[0-9a-f-]+", ref.strip()):
-            raise
-        raise ChatbotError(
-            f"{exc}. --resume takes a session id (alone: the last session); to ask the last "
-            f"session: chatbot run --resume last {shlex.quote(ref)}"
-        ) from None
 
 
 def run(repl: Repl, interactive: bool) -> None:
