@@ -20,14 +20,6 @@ SCRIPT = Path(__file__).parent / "scripted_chat.py"
 ANSWER = " ".join(f"word{i}" for i in range(400))
 
 
-@pytest.fixture
-def terminals():
-    started: list[Terminal] = []
-    yield started
-    for term in started:
-        term.close()
-
-
 def _chat(tmp_path: Path, terminals: list[Terminal]) -> Terminal:
     answer = tmp_path / "answer.md"
     answer.write_text(ANSWER, encoding="utf-8")

@@ -16,14 +16,6 @@ SCRIPT = Path(__file__).parent / "scripted_chat.py"
 LONG = " ".join(["zq"] * 400)  # several hundred tokens of the test tokenizer
 
 
-@pytest.fixture
-def terminals():
-    started: list[Terminal] = []
-    yield started
-    for term in started:
-        term.close()
-
-
 @pytest.mark.parametrize("columns", [50, 80])
 def test_a_long_message_shows_its_encoding_then_the_answer(tmp_path, terminals, columns):
     """A long message's prefill (held 4 s by the scripted model) is shown as a bar of tokens
