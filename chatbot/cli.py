@@ -72,6 +72,7 @@ from chatbot.cli_common import (
     check_threads,
     context_note,
     exit_if_failed,
+    fetch_hub_gguf,
     in_background,
     load_with_status,
     make_backend,
@@ -82,6 +83,7 @@ from chatbot.cli_common import (
     streaming_note,
 )
 from chatbot.cli_help import HelpGroup
+from chatbot.cli_hub import models, pull, rm
 from chatbot.config import EngineConfig, LoadConfig, RunConfig
 from chatbot.errors import ChatbotError, ConfigError
 from chatbot.models.gc_pause import pause_until_ready
@@ -205,6 +207,7 @@ def _chat_locally(
     from chatbot.terminal.repl import run as run_repl
     from chatbot.terminal.tty import make_consoles
 
+    settings = fetch_hub_gguf(settings)  # a download shows its bars before the prompt
     # A wrong path fails now; a damaged file, when its tables are read (after the prompt).
     source = check_source(settings.load.model, tables=False)
     resume_path = resolve_resume(resume)
@@ -474,31 +477,9 @@ config_app = typer.Typer(help="Presets and effective settings.", no_args_is_help
 app.add_typer(config_app, name="config")
 
 
-@app.command()
-def models(
-    folders: Annotated[
-        list[Path] | None,
-        typer.Argument(help="Also look in these folders for model folders and .gguf files."),
-    ] = None,
-) -> None:
-    """List presets and the models found in the local caches (name, size, source)."""
-    from chatbot.models.catalog import human_size, local_models
-    from chatbot.models.presets import list_presets
-
-    out = Console(highlight=False, soft_wrap=True)
-    presets = list_presets()
-    out.print("presets (chatbot run --preset NAME):", markup=False)
-    width = max((len(p.name) for p in presets), default=0)
-    for p in presets:
-        source = p.config.load.model or "default model"
-        out.print(f"  {p.name:<{width}}  {source}  {p.description}".rstrip(), markup=False)
-    found = local_models(folders)
-    out.print("models on this machine (chatbot run --model NAME):", markup=False)
-    if not found:
-        out.print("  none found", markup=False)
-    width = max((len(m.name) for m in found), default=0)
-    for m in found:
-        out.print(f"  {m.name:<{width}}  {human_size(m.size_bytes):>9}  {m.source}  {m.path}", markup=False)
+app.command()(models)
+app.command()(pull)
+app.command()(rm)
 
 
 @config_app.command("show")
@@ -566,7 +547,9 @@ def main(argv: list[str] | None = None) -> None:
     if argv is None and args[:1] == ["run"]:  # the process itself, not a caller's main(...)
         pause_until_ready()  # its imports and load run faster without collector passes
     try:
-        command.main(args=args, prog_name="chatbot", standalone_mode=False)
+        code = command.main(args=args, prog_name="chatbot", standalone_mode=False)
+        if isinstance(code, int) and code:  # typer's click gives Ctrl-C's 130 as a return value
+            sys.exit(code)
     except Exit as exc:
         sys.exit(exc.exit_code)
     except TyperException as exc:

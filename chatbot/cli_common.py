@@ -25,6 +25,7 @@ from chatbot.models.templates import choices_text
 apply_wait_policy()
 
 if TYPE_CHECKING:
+    from chatbot.config import RunConfig
     from chatbot.engine.backend import Backend
     from chatbot.engine.generate import Engine
     from chatbot.models.presets import Settings
@@ -43,8 +44,9 @@ ModelOpt = Annotated[
     typer.Option(
         "--model",
         "-m",
-        help="A transformers folder, a .gguf file, a hub id or a preset name "
-        "(default: the embedded SmolLM2-135M-Instruct).",
+        help="A transformers folder, a .gguf file, a hub GGUF (user/repo:QUANT or "
+        "user/repo/file.gguf, downloaded once), a hub id or a preset name (default: the "
+        "embedded SmolLM2-135M-Instruct).",
     ),
 ]
 DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")]
@@ -443,3 +445,23 @@ def in_background(work: Callable[[], Any]) -> Future[Any]:
 
     threading.Thread(target=run, name="chatbot-load", daemon=True).start()
     return future
+
+
+def fetch_hub_gguf(config: RunConfig) -> RunConfig:
+    """`config` with a hub GGUF's `--model` (`user/repo:QUANT`, `user/repo/file.gguf`)
+    downloaded now, in the foreground with huggingface_hub's progress bars, and named by its
+    local file (as is when it names none).
+
+    Raises:
+        ModelLoadError: `chatbot.models.hub.resolve`'s one line.
+    """
+    from dataclasses import replace
+
+    from chatbot.models.hub import parse_ref, resolve
+
+    ref = parse_ref(config.load.model) if config.load.model else None
+    if ref is None or Path(config.load.model or "").exists():
+        return config
+    path = resolve(ref, config.load.revision)
+    return replace(config, load=replace(config.load, model=str(path), revision=None))
+

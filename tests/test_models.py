@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -231,29 +234,57 @@ def test_hub_id_loads_from_the_local_cache_offline(tmp_path, tok, monkeypatch):
     assert [m.name for m in hub_models()] == ["tiny-org/tiny-llama"]
 
 
-def test_hub_download_falls_back_to_pytorch_weights(tmp_path, tok, monkeypatch):
-    """Online, a repo without safetensors gets its .bin weights in a second pass."""
-    import huggingface_hub
+def _stand_in_cli(hub, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """chatbot ARGS in a process whose huggingface_hub uses the stand-in `hub` (its endpoint
+    is read when huggingface_hub is imported)."""
+    env = {**os.environ, **hub.env(tmp_path)}
+    env.pop("HF_HUB_OFFLINE", None)
+    argv = [sys.executable, "-m", "chatbot.cli", *args]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
 
-    folder = tmp_path / "snap"
-    calls = []
 
-    def fake_download(repo_id, revision=None, local_files_only=False, allow_patterns=()):
-        calls.append(list(allow_patterns))
-        if "*.bin" in allow_patterns:
-            build("llama", len(tok)).save_pretrained(folder)
-            tok.save_pretrained(folder)
-        else:
-            folder.mkdir(exist_ok=True)
-            tok.save_pretrained(folder)
-            (folder / "config.json").write_text(build("llama", len(tok)).config.to_json_string())
-        return str(folder)
+def test_hub_repo_with_pytorch_weights_only(tmp_path, tok):
+    """A repo without safetensors (older ones: Vicuna, Colossal-LLaMA-2) gets its .bin
+    weights, from a stand-in hub on loopback through huggingface_hub, and answers as the
+    same folder read from disk."""
+    from hub_standin import StandInHub
+    from safetensors.torch import load_file
 
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
-    loaded = load_model("old-org/old-model", device="cpu", revision="v1")
-    assert loaded.source == "old-org/old-model@v1"
-    assert "*.safetensors" in calls[0] and "*.bin" in calls[1]
+    src = tmp_path / "src"
+    build("llama", len(tok)).save_pretrained(src)
+    tok.save_pretrained(src)
+    (src / "tokenizer_config.json").write_text(
+        json.dumps({**json.loads((src / "tokenizer_config.json").read_text()), "chat_template": CHATML})
+    )
+    torch.save(load_file(src / "model.safetensors"), src / "pytorch_model.bin")
+    (src / "model.safetensors").unlink()
+    hub = StandInHub({"old-org/old-model": {p.name: p for p in src.iterdir()}})
+    ask = ["--greedy", "--max-new-tokens", "8", "--no-stats", "Hello there"]
+    try:
+        pulled = _stand_in_cli(hub, tmp_path, "run", "--model", "old-org/old-model", "--revision", "v1", *ask)
+    finally:
+        hub.close()
+    assert pulled.returncode == 0, pulled.stderr
+    got = {path.rsplit("/", 1)[-1] for method, path, _ in hub.requests if "/resolve/" in path}
+    assert "pytorch_model.bin" in got and "config.json" in got
+    local = _stand_in_cli(hub, tmp_path, "run", "--model", str(src), *ask)
+    assert local.returncode == 0, local.stderr
+    assert pulled.stdout == local.stdout
+
+
+def test_a_gguf_repo_named_without_a_quant_lists_its_quants(tmp_path):
+    from hub_standin import StandInHub
+
+    hub = StandInHub({"gg/model-GGUF": {"model-Q4_K_M.gguf": b"GGUF", "model-Q8_0.gguf": b"GGUF"}})
+    try:
+        done = _stand_in_cli(hub, tmp_path, "run", "--model", "gg/model-GGUF", "hi")
+    finally:
+        hub.close()
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "chatbot: error: gg/model-GGUF holds GGUF files: name one; it has: Q4_K_M, Q8_0 "
+        "(e.g. gg/model-GGUF:Q8_0)"
+    )
 
 
 def test_hub_id_missing_offline_is_one_line(tmp_path, capsys, monkeypatch):

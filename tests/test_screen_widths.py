@@ -189,3 +189,34 @@ def test_the_stats_line_breaks_between_its_phrases(tmp_path, terminals, columns)
     assert stats[-1].split(" · ")[-1].startswith(("cache", "max tokens", "context full", "interrupted")), (
         stats
     )
+
+
+@pytest.mark.parametrize("columns", [80, 50])
+def test_models_breaks_no_word(tmp_path, columns):
+    """`chatbot models`: presets with their descriptions, and the models here (a hub GGUF in
+    the hub cache among them), wrapped between words; a path longer than the line is shown
+    whole on a line of its own (the terminal folds it), so that it can be copied."""
+    snap = tmp_path / "hub" / "models--stand--smol" / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    (snap / "smol-Q4_1.gguf").write_bytes(b"GGUF" + bytes(2000))
+    (tmp_path / "hub" / "models--stand--smol" / "refs").mkdir()
+    (tmp_path / "hub" / "models--stand--smol" / "refs" / "main").write_text("0" * 40)
+    env = {**env_for(tmp_path), "HF_HUB_CACHE": str(tmp_path / "hub")}
+    piped = subprocess.run(
+        [sys.executable, "-m", "chatbot.cli", "models"],
+        env={**os.environ, **env, "COLUMNS": "100000"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    shown = screen_of(["models"], columns, env)
+    paths = [token for token in piped.split() if "/" in token and len(token) > columns - 6]
+    rows = [line for line in shown if not any(line.strip() and line.strip() in p for p in paths)]
+    assert indented_broken_words(rows, piped) == [], "\n".join(shown)
+    assert cut_words(shown, piped) == [], "\n".join(shown)
+    text = " ".join(" ".join(shown).split())
+    assert "stand/smol:Q4_1 2.0 KB hub cache" in text
+    assert "qwen2.5-instruct Qwen/Qwen2.5-1.5B-Instruct Qwen2.5-1.5B-Instruct (Alibaba)" in text
+    assert "stream_chat (downloads on first run)" in text

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,8 @@ _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 1
 _STRING, _ARRAY = 8, 9
 _U64 = struct.Struct("<Q")
 _MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+SPLIT = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+"""A part of a split GGUF file's name: (stem, part number, number of parts)."""
 
 
 @dataclass(frozen=True)  # shared by the reads of one file (`read_tensor_table`)
@@ -40,6 +43,7 @@ class TensorInfo:
     type_name: str
     offset: int  # from the start of the file
     nbytes: int
+    file: str | None = None  # the part of a split that holds it (None: the file read)
 
 
 def _skip_value(buf: mmap.mmap, pos: int, kind: int) -> int:
@@ -70,7 +74,11 @@ def _skip_value(buf: mmap.mmap, pos: int, kind: int) -> int:
 # table three times (checking the file, keying the tokenizer cache, mapping the weights), and
 # comparing the header bytes is much cheaper than walking a large vocabulary again. (The size
 # is part of the key: a table is checked against the end of its file.)
-_last_table: tuple[str, int, bytes, tuple[str, list[TensorInfo]]] | None = None
+_last_table: tuple[str, int, bytes, tuple[str, list[TensorInfo], int]] | None = None
+
+
+class SplitPartError(ValueError):
+    """A part of a split GGUF file given instead of its first, or a part that is missing."""
 
 
 def read_tensor_table(path: str | Path) -> tuple[str, list[TensorInfo]]:
@@ -78,12 +86,38 @@ def read_tensor_table(path: str | Path) -> tuple[str, list[TensorInfo]]:
 
     `gguf.GGUFReader` parses every metadata value into numpy views, slow on a large
     vocabulary; decoding needs only the tensor table, so it is read here (the tests check it
-    against GGUFReader).
+    against GGUFReader). The first part of a split (`-00001-of-0000N.gguf`, as llama.cpp's
+    gguf-split writes it: the metadata in the first part, tensors in all) gives the table of
+    all its parts, each entry naming the part that holds it (`TensorInfo.file`).
 
     Raises:
-        ValueError: not a GGUF v2/v3 file, or a damaged tensor table (`_check_tensor`): one
+        ValueError: not a GGUF v2/v3 file, a damaged tensor table (`_check_tensor`): one
             line that names the tensor.
+        SplitPartError: a split's part that is missing, or not the first.
     """
+    arch, table, parts = _read_one(path)
+    if parts <= 1:
+        return arch, table
+    m = SPLIT.match(Path(path).name)
+    if not m or int(m.group(2)) != 1 or int(m.group(3)) != parts:
+        first = f"{m.group(1) if m else 'the one named '}-00001-of-{parts:05d}.gguf"
+        raise SplitPartError(f"it is a part of a split of {parts} files: give the first part, {first}")
+    names = {t.name for t in table}
+    for n in range(2, parts + 1):
+        part = Path(path).with_name(f"{m.group(1)}-{n:05d}-of-{parts:05d}.gguf")
+        if not part.is_file():
+            raise SplitPartError(f"part {n} of its {parts} parts is missing ({part.name})")
+        _, more, _ = _read_one(part)
+        for t in more:
+            if t.name in names:
+                raise ValueError(f"tensor {t.name!r} appears in two parts of the split {Path(path).name}")
+            names.add(t.name)
+            table.append(TensorInfo(t.name, t.shape, t.type_name, t.offset, t.nbytes, str(part)))
+    return arch, table
+
+
+def _read_one(path: str | Path) -> tuple[str, list[TensorInfo], int]:
+    """(architecture, tensor table, number of split parts: 1 for a whole file) of one file."""
     global _last_table
     with open(path, "rb") as f:
         try:
@@ -93,20 +127,20 @@ def read_tensor_table(path: str | Path) -> tuple[str, list[TensorInfo]]:
     with buf:
         last = _last_table
         if last is not None and last[:2] == (str(path), len(buf)) and buf[: len(last[2])] == last[2]:
-            arch, table = last[3]
-            return arch, list(table)
+            arch, table, parts = last[3]
+            return arch, list(table), parts
         try:
-            header_end, arch, table = _parse_header(buf, path)
+            header_end, arch, table, parts = _parse_header(buf, path)
         except struct.error:
             raise ValueError(f"{path} is truncated inside its GGUF header") from None
         except UnicodeDecodeError:  # not the codec's words: they name no tensor
             raise ValueError(f"{path} has a name in its GGUF header that is not UTF-8 text") from None
-        _last_table = (str(path), len(buf), buf[:header_end], (arch, table))
-    return arch, list(table)
+        _last_table = (str(path), len(buf), buf[:header_end], (arch, table, parts))
+    return arch, list(table), parts
 
 
-def _parse_header(buf: mmap.mmap, path: str | Path) -> tuple[int, str, list[TensorInfo]]:
-    """(where the header ends, architecture, tensor table) of a mapped GGUF file."""
+def _parse_header(buf: mmap.mmap, path: str | Path) -> tuple[int, str, list[TensorInfo], int]:
+    """(where the header ends, architecture, tensor table, split parts) of a mapped GGUF file."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     magic, version = struct.unpack_from("<4sI", buf, 0)
@@ -114,7 +148,7 @@ def _parse_header(buf: mmap.mmap, path: str | Path) -> tuple[int, str, list[Tens
         raise ValueError(f"{path} is not a GGUF v2/v3 file")
     n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
     pos = 24
-    arch, alignment = "", 32
+    arch, alignment, parts = "", 32, 1
     for _ in range(n_kv):
         (n,) = _U64.unpack_from(buf, pos)
         key = buf[pos + 8 : pos + 8 + n]
@@ -125,6 +159,8 @@ def _parse_header(buf: mmap.mmap, path: str | Path) -> tuple[int, str, list[Tens
             arch = buf[pos + 8 : pos + 8 + n].decode()
         elif key == b"general.alignment" and kind == 4:
             (alignment,) = struct.unpack_from("<I", buf, pos)
+        elif key == b"split.count" and kind == 2:
+            (parts,) = struct.unpack_from("<H", buf, pos)
         pos = _skip_value(buf, pos, kind)
     raw = []
     for _ in range(n_tensors):
@@ -161,7 +197,7 @@ def _parse_header(buf: mmap.mmap, path: str | Path) -> tuple[int, str, list[Tens
             )
         names.add(name)
         table.append(TensorInfo(name, info.shape, info.type_name, info.offset, nbytes))
-    return pos, arch, table
+    return pos, arch, table, parts
 
 
 def _describe(t: TensorInfo) -> str:

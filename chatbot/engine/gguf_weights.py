@@ -48,18 +48,35 @@ def unpermute_rows(rows: int, n_head: int) -> torch.Tensor:
     return torch.arange(rows).reshape(n_head, dim, 2).transpose(1, 2).reshape(rows)
 
 
+class FileMaps:
+    """The memory maps of a GGUF file and of its split's other parts, each made when a tensor
+    in it is first asked for (`mode`: numpy's memmap mode)."""
+
+    def __init__(self, path: str | Path, mode: str = "r") -> None:
+        self.path, self.mode = str(path), mode
+        self._maps: dict[str, np.memmap] = {}
+
+    def bytes_of(self, t: TensorInfo) -> np.ndarray:
+        """The bytes of tensor `t` of the table, on its file's map."""
+        file = t.file or self.path
+        mm = self._maps.get(file)
+        if mm is None:
+            mm = self._maps[file] = np.memmap(file, dtype=np.uint8, mode=self.mode)  # type: ignore[call-overload]
+        return mm[t.offset : t.offset + t.nbytes]
+
+
 class _MappedTensor:
     """A tensor of the table with its bytes on the file's memory map (the few attributes
     of a GGUFReader tensor that `kernels.from_gguf` reads)."""
 
-    def __init__(self, info: TensorInfo, mm: np.memmap) -> None:
+    def __init__(self, info: TensorInfo, data: np.ndarray) -> None:
         from gguf import GGMLQuantizationType
 
         self.name = info.name
         self.shape = info.shape
         self.tensor_type = GGMLQuantizationType[info.type_name]
         rows = int(np.prod(info.shape[1:])) if len(info.shape) > 1 else 1
-        self.data = mm[info.offset : info.offset + info.nbytes].reshape(rows, -1)
+        self.data = data.reshape(rows, -1)
 
 
 class GGUFWeights:
@@ -77,8 +94,8 @@ class GGUFWeights:
         self.architecture, table = read_tensor_table(path)
         # "c": a copy-on-write map, so torch gets writable arrays; nothing writes to them,
         # and the pages stay shared with the page cache
-        self._map = np.memmap(path, dtype=np.uint8, mode="c")
-        self.tensors: dict[str, Any] = {t.name: _MappedTensor(t, self._map) for t in table}
+        self._maps = FileMaps(path, mode="c")
+        self.tensors: dict[str, Any] = {t.name: _MappedTensor(t, self._maps.bytes_of(t)) for t in table}
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -114,9 +131,9 @@ def check_finite(path: str | Path) -> None:
         ValueError: the file cannot be read as GGUF.
     """
     _, table = read_tensor_table(path)
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    maps = FileMaps(path)
     for t in table:
-        flat = mm[t.offset : t.offset + t.nbytes]
+        flat = maps.bytes_of(t)
         if t.type_name in FLOATS and t.nbytes <= _SMALL_BYTES:
             bad = first_nonfinite(flat.view(FLOATS[t.type_name]), t.type_name)
             if bad is not None:

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chatbot.errors import ModelLoadError
-from chatbot.models.loader import MANIFEST, cache_root, default_gguf_path
+from chatbot.models.hub import cached_files, gguf_names
+from chatbot.models.manifest import MANIFEST, cache_root
+from chatbot.models.source import default_gguf_path
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,9 @@ def human_size(n: int) -> str:
 
 
 def hub_models() -> list[LocalModel]:
-    """Model repos in the local hub cache (none when the cache is absent or unreadable)."""
+    """Models in the local hub cache (none when the cache is absent or unreadable): each GGUF
+    of a repo by the name that runs it (`user/repo:QUANT`, else `user/repo/file.gguf`), and a
+    repo with transformers weights by its id."""
     try:
         from huggingface_hub import scan_cache_dir
 
@@ -56,8 +60,23 @@ def hub_models() -> list[LocalModel]:
     for repo in info.repos:
         if repo.repo_type != "model":
             continue
-        out.append(LocalModel(repo.repo_id, int(repo.size_on_disk), "hub cache", str(repo.repo_path)))
-    return sorted(out, key=lambda m: m.name.lower())
+        for rev in repo.revisions:
+            folder = Path(rev.snapshot_path)
+            files = cached_files(folder)
+            ggufs = gguf_names(repo.repo_id, files)
+            for name, parts in ggufs.items():
+                size = sum(p.size or 0 for p in parts)
+                out.append(LocalModel(name, size, "hub cache", str(folder / parts[0].path)))
+            if any(f.path.endswith((".safetensors", ".bin")) for f in files):
+                size = sum(f.size or 0 for f in files if not f.path.endswith(".gguf"))
+                out.append(LocalModel(repo.repo_id, size, "hub cache", str(folder)))
+    return sorted({m.name: m for m in out}.values(), key=lambda m: m.name.lower())
+
+
+def downloaded(found: list[LocalModel]) -> set[str]:
+    """The lowercased names in `found` that come from the hub cache (what `--model` would not
+    download)."""
+    return {m.name.lower() for m in found if m.source == "hub cache"}
 
 
 def converted_models() -> list[LocalModel]:

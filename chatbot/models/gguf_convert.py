@@ -19,6 +19,7 @@ from chatbot.errors import ModelLoadError, first_line
 from chatbot.models.load_checks import quiet_transformers
 from chatbot.models.manifest import (  # noqa: F401  (MANIFEST: re-exported)
     MANIFEST,
+    cache_root,
     file_sha256,
     publish,
     read_manifest,
@@ -29,12 +30,6 @@ from chatbot.models.source import check_gguf
 from chatbot.progress import waiting
 
 _CONVERSION_VERSION = 1
-
-
-def cache_root() -> Path:
-    """`$XDG_CACHE_HOME/chatbot` (default `~/.cache/chatbot`)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "chatbot"
 
 
 def _identity(path: Path) -> str:

@@ -49,7 +49,7 @@ def metadata_key(path: Path) -> str:
     """A hash of everything in the file before the tensor data (metadata and tensor table):
     what the config and tokenizer are made from. Reads a few MB even of a 5 GB file."""
     _, table = read_tensor_table(path)
-    end = min((t.offset for t in table), default=path.stat().st_size)
+    end = min((t.offset for t in table if t.file is None), default=path.stat().st_size)
     h = hashlib.sha256(f"{_CACHE_VERSION}:{path.stat().st_size}:".encode())
     with path.open("rb") as f:
         h.update(f.read(end))
@@ -135,6 +135,9 @@ def load_config_and_tokenizer(path: Path, cache: Path, notes: list[str]) -> tupl
         notes.append(f"the cached tokenizer of {path.name} in {cache} was incomplete or changed; rebuilt it")
     with quiet_transformers(gguf=True), waiting("reading the file's tokenizer (once)"):
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        _, table = read_tensor_table(path)
+        if any(t.file for t in table):  # transformers sees the first part's tensors only
+            config.tie_word_embeddings = all(t.name != "output.weight" for t in table)
         typed = _tokenizer_type(path, config)
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, **typed)
     try:

@@ -346,8 +346,14 @@ def _check_finite(gguf: Path) -> None:
 
 
 def _load_gguf_converted(gguf: Path, opts: LoadOptions) -> tuple[Any, Any, list[str]]:
-    from chatbot.engine.gguf_table import FileStamp
+    from chatbot.engine.gguf_table import FileStamp, read_tensor_table
 
+    arch, table = read_tensor_table(gguf)
+    if any(t.file for t in table):
+        raise ModelLoadError(
+            f"{gguf.name} is a split file of architecture {arch!r}, which runs through transformers, "
+            "and it reads whole files only: join the parts (llama.cpp's llama-gguf-split --merge)"
+        )
     notes: list[str] = []
     stamp = FileStamp.of(gguf)  # the fast path maps the file's matrices
     target = converted_dir(gguf)
@@ -447,6 +453,12 @@ def load_model(
         opts.device_map = "auto"
     notes: list[str] = []
     checked = check_source(source)
+    if checked.kind == "hub-gguf":
+        from chatbot.models.hub import parse_ref, resolve
+
+        ref = parse_ref(checked.name)
+        assert ref is not None
+        checked = check_source(str(resolve(ref, revision, progress=True)))
     name, kind = checked.name, checked.kind
     if checked.path is None:
         model, tokenizer = _load_hub(checked.name, opts)
@@ -473,27 +485,26 @@ def _hub_offline() -> bool:
 def _load_hub(repo_id: str, opts: LoadOptions) -> tuple[Any, Any]:
     from huggingface_hub import snapshot_download
 
+    from chatbot.models.hub import SMALL_FILES, remote_files, weights_pattern
+
     offline = _hub_offline()
     at = f"{repo_id}@{opts.revision}" if opts.revision else repo_id
-    small = ["*.json", "*.model", "*.txt", "*.jinja", "*.py", "*.tiktoken"]
+    if offline:
+        patterns = [*SMALL_FILES, "*.safetensors", "*.bin"]
+    else:  # one request, no retries: an unreachable hub or a GGUF repo is told at once
+        patterns = [*SMALL_FILES, weights_pattern(repo_id, remote_files(repo_id, opts.revision))]
     try:
         folder = snapshot_download(
-            repo_id,
-            revision=opts.revision,
-            local_files_only=offline,
-            allow_patterns=[*small, "*.safetensors"],
+            repo_id, revision=opts.revision, local_files_only=offline, allow_patterns=patterns
         )
-        if not offline and not any(Path(folder).glob("*.safetensors")):
-            # Older repos (Vicuna, Colossal-LLaMA-2) ship only PyTorch pickles.
-            folder = snapshot_download(repo_id, revision=opts.revision, allow_patterns=[*small, "*.bin"])
     except Exception as exc:
         if offline:
             raise ModelLoadError(
                 f"{at} is not in the local hub cache and HF_HUB_OFFLINE is set: download it "
-                "where the hub is reachable, or give a local folder"
+                "where the hub is reachable (chatbot pull), or give a local folder"
             ) from exc
         raise ModelLoadError(
-            f"cannot get {at} from the hub or the local hub cache ({first_line(exc)}): check the "
-            "name and the network, or give a local folder"
+            f"cannot get {at} from the hub ({first_line(exc)}): check the name and the network, "
+            "or give a local folder"
         ) from exc
     return _load_folder(Path(folder), opts, at)

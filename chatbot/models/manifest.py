@@ -21,10 +21,17 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+
+def cache_root() -> Path:
+    """`$XDG_CACHE_HOME/chatbot` (default `~/.cache/chatbot`)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "chatbot"
+
 
 MANIFEST = "chatbot-manifest.json"
 WEIGHT_FILES = (".safetensors", ".bin", ".pt")  # checked by size only
@@ -97,10 +104,12 @@ def publish(tmp: Path, target: Path, **fields: Any) -> None:
     os.replace(tmp, target)
 
 
-def file_sha256(path: Path) -> str:
-    """The file's SHA-256, read in 4 MiB blocks."""
+def file_sha256(path: Path, advance: Callable[[int], object] | None = None) -> str:
+    """The file's SHA-256, read in 4 MiB blocks (`advance(n)` told after each)."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
+            if advance is not None:
+                advance(len(block))
     return h.hexdigest()

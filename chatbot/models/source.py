@@ -20,7 +20,8 @@ DEFAULT_NAME = "SmolLM2-135M-Instruct"
 
 @dataclass(frozen=True)
 class Source:
-    """A checked `--model`: kind is "default", "gguf", "folder" or "hub"; path is None for a hub id."""
+    """A checked `--model`: kind is "default", "gguf", "folder", "hub" (a transformers repo) or
+    "hub-gguf" (`chatbot.models.hub.parse_ref`); path is None for the hub's."""
 
     kind: str
     name: str
@@ -58,6 +59,11 @@ def check_source(source: str | None, tables: bool = True) -> Source:
             )
         check_gguf(path, tables)
         return Source("gguf", path.stem, path)
+    from chatbot.models.hub import parse_ref
+
+    ref = parse_ref(source)
+    if ref is not None:
+        return Source("hub-gguf", str(ref))
     if looks_like_path(source):
         named_a_file = "/" in source or source.lower().endswith(".gguf")
         hint = "" if named_a_file else " (nor a preset: see chatbot models)"
@@ -96,10 +102,12 @@ def check_gguf(path: Path, tables: bool = True) -> None:
         return
     try:
         # the tensor table only: gguf's reader would parse the whole vocabulary first
-        from chatbot.engine.gguf_table import read_tensor_table
+        from chatbot.engine.gguf_table import SplitPartError, read_tensor_table
 
-        _, table = read_tensor_table(path)
-        end = max((t.offset + t.nbytes for t in table), default=0)
+        _, table = read_tensor_table(path)  # a split's other parts are checked as they are read
+        end = max((t.offset + t.nbytes for t in table if t.file is None), default=0)
+    except SplitPartError as exc:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
     except Exception as exc:
         raise ModelLoadError(
             f"cannot read GGUF file {path}: it is truncated or corrupt ({_short(exc)}); download it again"

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from chatbot.engine.gguf_table import read_tensor_table
-from chatbot.engine.gguf_weights import BLOCK_SCALES, FLOATS, first_nonfinite
+from chatbot.engine.gguf_weights import BLOCK_SCALES, FLOATS, FileMaps, first_nonfinite
 
 Progress = Callable[[int, int], None]
 """Told (bytes read, bytes in all) as the scan goes."""
@@ -44,12 +44,12 @@ def scan_gguf(path: Path, progress: Progress | None = None) -> ScanResult:
         ValueError: the file cannot be read as GGUF.
     """
     _, table = read_tensor_table(path)
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    maps = FileMaps(path)
     total = sum(t.nbytes for t in table)
     done = 0
     unchecked = []
     for t in table:
-        flat = mm[t.offset : t.offset + t.nbytes]
+        flat = maps.bytes_of(t)
         bad = None
         if t.type_name in FLOATS:
             values = flat.view(FLOATS[t.type_name])
