@@ -464,4 +464,3 @@ def fetch_hub_gguf(config: RunConfig) -> RunConfig:
         return config
     path = resolve(ref, config.load.revision)
     return replace(config, load=replace(config.load, model=str(path), revision=None))
-
