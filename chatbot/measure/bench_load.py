@@ -27,8 +27,9 @@ import openai
 from rich import box
 from rich.console import Console
 
+from chatbot.engine.stats import proc_status_kb
 from chatbot.errors import ChatbotError, ConfigError
-from chatbot.measure.bench_http import make_client, model_of, quantile_or_nan, run_load_bench, stream_once
+from chatbot.measure.bench_http import make_client, model_of, run_load_bench, stream_once, ttft_figures
 from chatbot.measure.report import conditions, loadavg, print_note, table
 
 SETUPS = ("chatbot", "llama.cpp")
@@ -147,13 +148,8 @@ def server_argv(setup: str, gguf: Path | None, port: int, threads: int | None) -
 
 def proc_rss(pid: int) -> int | None:
     """A process's resident memory from /proc (None where there is none)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    kb = proc_status_kb("VmRSS", pid)
+    return None if kb is None else kb * 1024
 
 
 @contextlib.contextmanager
@@ -202,11 +198,11 @@ def _measure(
     turns: list[str],
     duration_s: float,
     max_new_tokens: int,
-    model: str | None,
-    api_key: str | None,
     progress: Callable[[str], None],
+    rounds: int,
+    model: str | None = None,
+    api_key: str | None = None,
     rss_of: Callable[[], int | None] | None = None,
-    rounds: int = 1,
 ) -> list[dict[str, Any]]:
     """One untimed answer, then a load run per client count on the server at `base_url`,
     all the counts `rounds` times in turn; each count's runs pooled into one (`pooled`)."""
@@ -276,9 +272,7 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "elapsed_s": elapsed,
         "tokens_per_s": tokens / elapsed if elapsed else 0.0,
         "tokens_per_s_rounds": [r["tokens_per_s"] for r in runs],
-        "ttft_p50_s": quantile_or_nan(ttfts, 0.5),
-        "ttft_p90_s": quantile_or_nan(ttfts, 0.9),
-        "ttft_p99_s": quantile_or_nan(ttfts, 0.99),
+        **ttft_figures(ttfts),
         "batch_rows_per_step": sum(rows) / sum(steps) if steps and sum(steps) else None,
         "rss_max_bytes": max(rss) if rss else None,
         "loadavg_end": statistics.fmean(r["loadavg_end"] for r in runs),
@@ -321,10 +315,12 @@ def run_load_comparison(
     say = progress or (lambda line: None)
     runs: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
+
+    def measure(setup: str, url: str, **server_options: Any) -> list[dict[str, Any]]:
+        return _measure(setup, url, clients, turns, duration_s, max_new_tokens, say, rounds, **server_options)
+
     if server is not None:
-        runs += _measure(
-            "server", server, clients, turns, duration_s, max_new_tokens, model, api_key, say, rounds=rounds
-        )
+        runs += measure("server", server, model=model, api_key=api_key)
     # Taken once, before any server here runs (a later count would see our own load): llama.cpp
     # gets the count chatbot serve starts with, which then runs 1 or that many threads a step,
     # whichever measures faster.
@@ -349,19 +345,7 @@ def run_load_comparison(
         say(f"{setup}: starting on port {port}")
         try:
             with started_server(setup, server_argv(setup, file, port, n_threads), url) as pid:
-                measured = _measure(
-                    setup,
-                    url,
-                    clients,
-                    turns,
-                    duration_s,
-                    max_new_tokens,
-                    None,
-                    None,
-                    say,
-                    lambda: proc_rss(pid),
-                    rounds,
-                )
+                measured = measure(setup, url, rss_of=lambda: proc_rss(pid))
         except ChatbotError as exc:
             skipped.append({"setup": setup, "reason": str(exc)})
             continue
