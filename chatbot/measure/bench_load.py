@@ -117,33 +117,16 @@ def server_argv(setup: str, gguf: Path | None, port: int, threads: int | None) -
     """The command line of a set-up's server on 127.0.0.1:`port` (`gguf` None: chatbot serve's
     default model; llama.cpp needs the file)."""
     if setup == "chatbot":
-        argv = [sys.executable, "-c", CHATBOT_MAIN, "serve", "--port", str(port)]
-        if gguf is not None:
-            argv += ["--model", str(gguf)]
-        if threads:
-            argv += ["--threads", str(threads)]
-        return argv
-    assert setup == "llama.cpp" and gguf is not None and threads
-    return [
-        sys.executable,
-        "-m",
-        "llama_cpp.server",
-        "--model",
-        str(gguf),
-        "--model_alias",
-        gguf.stem,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--n_threads",
-        str(threads),
-        "--n_threads_batch",
-        str(threads),
+        flags: dict[str, Any] = {"--port": port, "--model": gguf, "--threads": threads}
+        argv = [sys.executable, "-c", CHATBOT_MAIN, "serve"]
+    else:
+        assert setup == "llama.cpp" and gguf is not None and threads
+        flags = {"--model": gguf, "--model_alias": gguf.stem, "--host": "127.0.0.1", "--port": port}
+        flags.update({"--n_threads": threads, "--n_threads_batch": threads})
         # one request at a time; by default a new request cuts the stream in progress short
-        "--interrupt_requests",
-        "false",
-    ]
+        flags["--interrupt_requests"] = "false"
+        argv = [sys.executable, "-m", "llama_cpp.server"]
+    return argv + [str(part) for flag, value in flags.items() if value for part in (flag, value)]
 
 
 def proc_rss(pid: int) -> int | None:
