@@ -192,14 +192,14 @@ def bench_load(
     same server, each request one short prompt, and the runs are printed side by side:
     aggregate tok/s, its ratio to 1 client, time to first token p50/p90."""
     from chatbot.measure.bench import load_conversation
-    from chatbot.measure.bench_load import parse_clients, parse_setups
-    from chatbot.measure.report import write_json
+    from chatbot.measure.bench_load import parse_setups
+    from chatbot.measure.report import parse_counts, write_json
 
     if server is None and setups is None:
         raise ConfigError("give --server URL (a running server) or --setups chatbot,llama.cpp (started here)")
     if setups is None and (gguf is not None or threads is not None):
         raise ConfigError("--gguf and --threads are for the servers --setups starts; --server runs its own")
-    counts = parse_clients(clients or ("1,4" if setups is not None else "8"))
+    counts = parse_counts(clients or ("1,4" if setups is not None else "8"), "--clients", "1,4", most=64)
     chosen = parse_setups(setups) if setups is not None else None
     turns = load_conversation(conversation)
     key = resolve_api_key(api_key_env)
@@ -371,7 +371,7 @@ def bench_decode(
     our engine at each --opt level, and llama.cpp, side by side (one process per set-up)."""
     from chatbot.measure.bench_decode import run_decode_bench
     from chatbot.measure.decode_report import print_decode
-    from chatbot.measure.report import read_text, write_json
+    from chatbot.measure.report import parse_counts, read_text, write_json
 
     chosen = names(setups) or None
     extra = names(also)
@@ -382,12 +382,7 @@ def bench_decode(
         from chatbot.measure.bench_streaming import default_text_path
 
         long_text = read_text(text or default_text_path())
-    try:
-        prefill_sizes = tuple(int(n) for n in prefill.split(",") if n.strip())
-    except ValueError:
-        raise ConfigError(f"--prefill: expected prompt lengths like 50,500,2000, not {prefill!r}") from None
-    if not prefill_sizes or min(prefill_sizes) < 1:
-        raise ConfigError(f"--prefill: expected positive prompt lengths like 50,500,2000, not {prefill!r}")
+    prefill_sizes = tuple(parse_counts(prefill, "--prefill", "50,500,2000", what="prompt lengths"))
     progress = progress_to_stderr()
     result = run_decode_bench(
         chosen,

@@ -49,21 +49,6 @@ def last_line(text: str) -> str:
     return next((line for line in reversed(lines) if line), "no output")
 
 
-def parse_clients(text: str) -> list[int]:
-    """Client counts from "8" or "1,4" (each 1-64, in the order given, without repeats).
-
-    Raises:
-        ConfigError: not such a list.
-    """
-    try:
-        counts = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        counts = []
-    if not counts or not all(1 <= n <= 64 for n in counts):
-        raise ConfigError(f"--clients: expected a count or counts from 1 to 64 like 1,4, not {text!r}")
-    return list(dict.fromkeys(counts))
-
-
 def parse_setups(text: str) -> list[str]:
     """Set-up names from "chatbot,llama.cpp".
 

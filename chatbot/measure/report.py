@@ -112,6 +112,25 @@ def print_turns(console: Console, result: dict[str, Any]) -> None:
     )
 
 
+def parse_counts(text: str, option: str, example: str, most: int | None = None, what: str = "") -> list[int]:
+    """Counts from "8" or "1,4" (each at least 1 and at most `most`; in the order given, without
+    repeats), for the command-line option `option`.
+
+    Raises:
+        ConfigError: not such a list (the message names `what` is expected, and an `example`).
+    """
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or not all(1 <= n <= (most or n) for n in counts):
+        within = f"from 1 to {most}" if most else "of 1 or more"
+        raise ConfigError(
+            f"{option}: expected {what or 'a count or counts'} {within} like {example}, not {text!r}"
+        )
+    return list(dict.fromkeys(counts))
+
+
 def read_text(path: Path) -> str:
     """A text file for a benchmark, with a clear error when it cannot be read."""
     try:
