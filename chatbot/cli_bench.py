@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -25,7 +26,53 @@ from chatbot.cli_common import (
 )
 from chatbot.errors import ConfigError
 
+if TYPE_CHECKING:
+    from chatbot.models.loader import LoadedModel
+
 bench_app = typer.Typer(help="Benchmarks that print figures side by side.", no_args_is_help=True)
+
+ApiKeyEnvOpt = Annotated[str | None, typer.Option(help="--server's API key's environment variable.")]
+
+
+def progress_to_stderr() -> Callable[[str], None]:
+    """Prints a bench's progress lines, dim, on stderr (its figures go to stdout)."""
+    err = Console(stderr=True, highlight=False)
+    return lambda line: err.print(line, style="dim", markup=False)
+
+
+def names(text: str | None) -> list[str]:
+    """The names of a comma-separated option: "a, b,c" -> ["a", "b", "c"]."""
+    return [s.strip() for s in (text or "").split(",") if s.strip()]
+
+
+def loaded_model(model: str | None, device: str, dtype: str, threads: int | None) -> LoadedModel:
+    """The model a local bench measures, loaded with `threads` CPU threads set first."""
+    set_threads(threads)
+    return load_with_status(model, device, dtype)
+
+
+def turns_figures(loaded: LoadedModel, turns: list[str], **options: Any) -> dict[str, Any]:
+    """`run_turns_bench`'s figures (`options` are its own), printed."""
+    from chatbot.measure.bench import run_turns_bench
+    from chatbot.measure.report import print_turns
+
+    result = run_turns_bench(loaded, turns, **options)
+    print_turns(Console(), result)
+    return result
+
+
+def streaming_figures(loaded: LoadedModel, text: str, opt: str, **options: Any) -> dict[str, Any]:
+    """`run_streaming_bench`'s figures through the decode path `opt` picks (the native kernels
+    or transformers; `options` are the bench's own), printed."""
+    from chatbot.measure.bench_streaming import run_streaming_bench
+    from chatbot.measure.report import print_streaming
+
+    backend, note = make_backend(loaded.model, opt)
+    if note:
+        progress_to_stderr()(note)
+    result = run_streaming_bench(loaded, text, decoder=getattr(backend, "decoder", None), **options)
+    print_streaming(Console(), result)
+    return result
 
 
 @bench_app.command("turns")
@@ -46,39 +93,25 @@ def bench_turns(
             "http://127.0.0.1:8000/v1): the conversation with its cache, and again with it bypassed."
         ),
     ] = None,
-    api_key_env: Annotated[
-        str | None, typer.Option(help="With --server: the API key's environment variable.")
-    ] = None,
+    api_key_env: ApiKeyEnvOpt = None,
     json_out: JsonOpt = None,
 ) -> None:
     """Persistent cache against re-encoding the whole history every turn."""
-    from chatbot.measure.bench import load_conversation, run_turns_bench
-    from chatbot.measure.report import print_turns, write_json
+    from chatbot.measure.bench import load_conversation
+    from chatbot.measure.report import write_json
 
     turns = load_conversation(conversation)
-    if server is not None:
+    if server is None:
+        loaded = loaded_model(model, device, dtype, threads)
+        result = turns_figures(loaded, turns, max_new_tokens=max_new_tokens, repeats=repeats)
+    else:
         from chatbot.measure.bench_http import run_http_turns_bench
         from chatbot.measure.report import print_http_turns
 
-        err = Console(stderr=True, highlight=False)
-        result = run_http_turns_bench(
-            server,
-            turns,
-            max_new_tokens,
-            model,
-            resolve_api_key(api_key_env),
-            progress=lambda line: err.print(f"[dim]{line}[/dim]"),
-        )
+        key = resolve_api_key(api_key_env)
+        result = run_http_turns_bench(server, turns, max_new_tokens, model, key, progress_to_stderr())
         print_http_turns(Console(), result)
-        if json_out:
-            write_json(json_out, result)
-        return
-    set_threads(threads)
-    loaded = load_with_status(model, device, dtype)
-    result = run_turns_bench(loaded, turns, max_new_tokens, repeats)
-    print_turns(Console(), result)
-    if json_out:
-        write_json(json_out, result)
+    write_json(json_out, result)
 
 
 # `bench load`'s options
@@ -149,9 +182,7 @@ def bench_load(
         str | None,
         typer.Option("--model", "-m", help="The model id on --server (default: its first)."),
     ] = None,
-    api_key_env: Annotated[
-        str | None, typer.Option(help="--server's API key's environment variable.")
-    ] = None,
+    api_key_env: ApiKeyEnvOpt = None,
     json_out: JsonOpt = None,
 ) -> None:
     """A bounded load test on a server: N clients chatting at once for a fixed time; answers,
@@ -161,64 +192,49 @@ def bench_load(
     same server, each request one short prompt, and the runs are printed side by side:
     aggregate tok/s, its ratio to 1 client, time to first token p50/p90."""
     from chatbot.measure.bench import load_conversation
-    from chatbot.measure.bench_load import parse_clients, parse_setups
-    from chatbot.measure.report import write_json
+    from chatbot.measure.bench_load import parse_setups
+    from chatbot.measure.report import parse_counts, write_json
 
     if server is None and setups is None:
         raise ConfigError("give --server URL (a running server) or --setups chatbot,llama.cpp (started here)")
     if setups is None and (gguf is not None or threads is not None):
         raise ConfigError("--gguf and --threads are for the servers --setups starts; --server runs its own")
-    counts = parse_clients(clients or ("1,4" if setups is not None else "8"))
+    counts = parse_counts(clients or ("1,4" if setups is not None else "8"), "--clients", "1,4", most=64)
     chosen = parse_setups(setups) if setups is not None else None
     turns = load_conversation(conversation)
-    err = Console(stderr=True, highlight=False)
-
-    def progress(line: str) -> None:
-        err.print(line, style="dim", markup=False)
-
+    key = resolve_api_key(api_key_env)
     if chosen is None and len(counts) == 1 and rounds == 1:
         from chatbot.measure.bench_http import run_load_bench
         from chatbot.measure.report import print_load
 
         assert server is not None  # no --setups: --server was given
-        result = run_load_bench(
-            server,
-            turns,
-            counts[0],
-            duration or 60.0,
-            max_new_tokens or 32,
-            model,
-            resolve_api_key(api_key_env),
-            progress=progress,
-        )
+        tokens, seconds = max_new_tokens or 32, duration or 60.0
+        result = run_load_bench(server, turns, counts[0], seconds, tokens, model, key, progress_to_stderr())
         print_load(Console(), result)
-        if json_out:
-            write_json(json_out, result)
-        if result["errors"] or result["incomplete"]:
-            raise Exit(1)
-        return
-    from chatbot.measure.bench_load import print_load_comparison, run_load_comparison
+        runs = [result]
+    else:
+        from chatbot.measure.bench_load import print_load_comparison, run_load_comparison
 
-    if gguf is not None and not gguf.expanduser().is_file():
-        raise ConfigError(f"--gguf: {gguf} is not a file; give a .gguf file")
-    compared = run_load_comparison(
-        turns,
-        counts,
-        duration or 30.0,
-        max_new_tokens or 64,
-        server=server,
-        setups=chosen,
-        gguf=None if gguf is None else gguf.expanduser(),
-        threads=threads,
-        model=model,
-        api_key=resolve_api_key(api_key_env),
-        progress=progress,
-        rounds=rounds,
-    )
-    print_load_comparison(Console(), compared)
-    if json_out:
-        write_json(json_out, compared)
-    if any(r["errors"] or r["incomplete"] for r in compared["runs"]):
+        if gguf is not None and not gguf.expanduser().is_file():
+            raise ConfigError(f"--gguf: {gguf} is not a file; give a .gguf file")
+        result = run_load_comparison(
+            turns,
+            counts,
+            duration or 30.0,
+            max_new_tokens or 64,
+            server=server,
+            setups=chosen,
+            gguf=None if gguf is None else gguf.expanduser(),
+            threads=threads,
+            model=model,
+            api_key=key,
+            progress=progress_to_stderr(),
+            rounds=rounds,
+        )
+        print_load_comparison(Console(), result)
+        runs = result["runs"]
+    write_json(json_out, result)
+    if any(r["errors"] or r["incomplete"] for r in runs):
         raise Exit(1)
 
 
@@ -246,23 +262,14 @@ def bench_streaming(
     json_out: JsonOpt = None,
 ) -> None:
     """Decode speed and cache bytes at 1x, 4x, 16x the window, against recomputation."""
-    from chatbot.measure.bench_streaming import default_text_path, run_streaming_bench
-    from chatbot.measure.report import print_streaming, read_text, write_json
+    from chatbot.measure.bench_streaming import default_text_path
+    from chatbot.measure.report import read_text, write_json
 
     body = read_text(text or default_text_path())
-    set_threads(threads)
-    loaded = load_with_status(model, device, dtype)
+    loaded = loaded_model(model, device, dtype, threads)
     sizes = tuple(recent_size or (256, 1024))
-    backend, note = make_backend(loaded.model, opt)
-    decoder = getattr(backend, "decoder", None)  # the streaming bench runs the native kernels or transformers
-    if note:
-        Console(stderr=True, highlight=False).print(f"[dim]{note}[/dim]")
-    result = run_streaming_bench(
-        loaded, body, sizes, start_size, decode_tokens=decode_tokens, decoder=decoder
-    )
-    print_streaming(Console(), result)
-    if json_out:
-        write_json(json_out, result)
+    options = {"recent_sizes": sizes, "start_size": start_size, "decode_tokens": decode_tokens}
+    write_json(json_out, streaming_figures(loaded, body, opt, **options))
 
 
 def eval_ppl(
@@ -291,9 +298,8 @@ def eval_ppl(
     from chatbot.measure.report import read_text, write_json
 
     body = read_text(text or default_text_path())
-    chosen = tuple(s.strip() for s in setups.split(",") if s.strip())
-    set_threads(threads)
-    loaded = load_with_status(model, device, dtype)
+    chosen = tuple(names(setups))
+    loaded = loaded_model(model, device, dtype, threads)
     with Progress(console=Console(stderr=True), transient=True) as bar:
         tasks: dict[str, Any] = {}
 
@@ -310,9 +316,7 @@ def eval_ppl(
     title = f"{loaded.name}: {tokens} tokens, {start_size} sinks + {recent_size} recent"
     write_plot(result, png, title=title)
     print(f"plot: {png}")
-    if json_out:
-        slim = {k: {m: v for m, v in r.items() if m != "nll"} for k, r in result.items()}
-        write_json(json_out, slim)
+    write_json(json_out, {k: {m: v for m, v in r.items() if m != "nll"} for k, r in result.items()})
 
 
 @bench_app.command(
@@ -367,10 +371,10 @@ def bench_decode(
     our engine at each --opt level, and llama.cpp, side by side (one process per set-up)."""
     from chatbot.measure.bench_decode import run_decode_bench
     from chatbot.measure.decode_report import print_decode
-    from chatbot.measure.report import read_text, write_json
+    from chatbot.measure.report import parse_counts, read_text, write_json
 
-    chosen = [s.strip() for s in setups.split(",") if s.strip()] if setups else None
-    extra = [s.strip() for s in (also or "").split(",") if s.strip()]
+    chosen = names(setups) or None
+    extra = names(also)
     unknown = sorted(set(extra) - {"turns", "streaming"})
     if unknown:
         raise ConfigError(f"--also: unknown bench {', '.join(unknown)}; choose from turns, streaming")
@@ -378,13 +382,8 @@ def bench_decode(
         from chatbot.measure.bench_streaming import default_text_path
 
         long_text = read_text(text or default_text_path())
-    try:
-        prefill_sizes = tuple(int(n) for n in prefill.split(",") if n.strip())
-    except ValueError:
-        raise ConfigError(f"--prefill: expected prompt lengths like 50,500,2000, not {prefill!r}") from None
-    if not prefill_sizes or min(prefill_sizes) < 1:
-        raise ConfigError(f"--prefill: expected positive prompt lengths like 50,500,2000, not {prefill!r}")
-    err = Console(stderr=True, highlight=False)
+    prefill_sizes = tuple(parse_counts(prefill, "--prefill", "50,500,2000", what="prompt lengths"))
+    progress = progress_to_stderr()
     result = run_decode_bench(
         chosen,
         model=model,
@@ -395,25 +394,17 @@ def bench_decode(
         ppl_tokens=ppl_tokens,
         gguf=gguf,
         prefill_sizes=prefill_sizes,
-        progress=lambda line: err.print(f"[dim]{line}[/dim]"),
+        progress=progress,
     )
-    out = Console()
-    print_decode(out, result)
+    print_decode(Console(), result)
     if extra:
-        from chatbot.measure.bench import load_conversation, run_turns_bench
-        from chatbot.measure.bench_streaming import run_streaming_bench
-        from chatbot.measure.report import print_streaming, print_turns
+        from chatbot.measure.bench import load_conversation
 
-        set_threads(threads)
-        loaded = load_with_status(model, "cpu", "auto")
+        loaded = loaded_model(model, "cpu", "auto", threads)
         if "turns" in extra:
-            err.print("[dim]multi-turn bench[/dim]")
-            result["turns"] = run_turns_bench(loaded, load_conversation(None))
-            print_turns(out, result["turns"])
+            progress("multi-turn bench")
+            result["turns"] = turns_figures(loaded, load_conversation(None))
         if "streaming" in extra:
-            err.print("[dim]streaming bench[/dim]")
-            decoder = getattr(make_backend(loaded.model, "auto")[0], "decoder", None)
-            result["streaming"] = run_streaming_bench(loaded, long_text, decoder=decoder)
-            print_streaming(out, result["streaming"])
-    if json_out:
-        write_json(json_out, result)
+            progress("streaming bench")
+            result["streaming"] = streaming_figures(loaded, long_text, "auto")
+    write_json(json_out, result)

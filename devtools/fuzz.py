@@ -669,10 +669,9 @@ def run_kill(args: argparse.Namespace, work: Path) -> dict[str, int]:
 
 
 def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
+    from chatbot.engine.stats import proc_status_kb
+
+    return proc_status_kb("VmRSS", pid) or 0
 
 
 def run_soak(args: argparse.Namespace, work: Path) -> dict[str, object]:

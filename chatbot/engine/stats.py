@@ -88,10 +88,11 @@ def synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
-def proc_status_kb(field: str) -> int | None:
-    """A figure of this process's `/proc/self/status` in kB (e.g. "VmRSS"); None off Linux."""
+def proc_status_kb(field: str, pid: int | str = "self") -> int | None:
+    """A figure of a process's `/proc/PID/status` in kB (e.g. "VmRSS"; this process's unless
+    `pid` is given); None off Linux, or when the process is gone."""
     try:
-        with open("/proc/self/status", encoding="ascii") as f:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1])

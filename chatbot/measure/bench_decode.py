@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from typing import Any
 
 from chatbot.engine.seq import common_prefix, quantile
 from chatbot.measure.decode_report import LLAMA_CPP
+from chatbot.measure.report import loadavg
 from chatbot.models.gc_pause import pause_until_ready
 from chatbot.models.gc_pause import ready as gc_ready
 
@@ -30,9 +30,6 @@ PREFILL_SIZES = (50, 500, 2000)
 PREFILL_REPEATS = {50: 5, 500: 3, 2000: 2}  # per worker; the median is kept
 DECODE_PROMPT = 50  # tokens before the decoded ones: a short chat message
 LEVEL_SETUPS = ("chatbot-off", "chatbot-f32", "chatbot-auto", "chatbot-fast", "chatbot-int8", "chatbot-int4")
-# `auto` packed from the float32 model rather than the GGUF file's own matrices: the path
-# before GGUF packing (a K-quant matrix then decodes as float32), for before/after figures
-AUTO_FROM_MODEL = "chatbot-auto-model"
 # On an NVIDIA GPU (scripts/gpu-check): our engine (transformers forward passes, no native
 # kernels) in bfloat16, and with bitsandbytes 4-bit (NF4) and 8-bit (LLM.int8) weights.
 CUDA_SETUPS = {"cuda-bf16": None, "cuda-4bit": "4bit", "cuda-8bit": "8bit"}
@@ -66,12 +63,6 @@ def bench_text(path: Path | None) -> str:
 # --- in the worker process --------------------------------------------------------------------
 
 
-def _peak_rss_mb() -> float:
-    from chatbot.engine.stats import peak_rss_bytes
-
-    return peak_rss_bytes() / 2**20
-
-
 def _rss_mb() -> float | None:
     """The resident set now (Linux), in MB; None elsewhere."""
     from chatbot.engine.stats import proc_status_kb
@@ -92,34 +83,54 @@ def _runtime_mb() -> float | None:
     return _rss_mb()
 
 
-def _quantiles(latencies: list[float]) -> dict[str, float]:
+Prefill = Callable[[list[int]], tuple[float, float]]
+"""prefill(prompt) -> (seconds prefilling it, seconds to its first new token)."""
+Decode = Callable[[list[int], int], tuple[list[float], list[int] | None]]
+"""decode(prompt, n) -> (seconds of each decoded token, the tokens; None: not comparable)."""
+
+
+def _timed(
+    prefill: Prefill, decode: Decode, ids: list[int], sizes: tuple[int, ...], n: int
+) -> dict[str, Any]:
+    """The figures every set-up reports, from its own two timings: a warm-up (first-call
+    allocations, thread pools), prefill at each of `sizes` (the median of a few runs), then
+    `n` tokens decoded after a `DECODE_PROMPT`-token prompt."""
+    decode(ids[:16], 4)
+    runs = {str(size): [prefill(ids[:size]) for _ in range(PREFILL_REPEATS.get(size, 1))] for size in sizes}
+    ttft = {size: statistics.median(t for _, t in r) for size, r in runs.items()}
+    latencies, tokens = decode(ids[:DECODE_PROMPT], n)
     return {
         "decode_tps": len(latencies) / sum(latencies) if latencies else 0.0,
         "ms_per_token_p50": 1000 * quantile(latencies, 0.5),
         "ms_per_token_p90": 1000 * quantile(latencies, 0.9),
+        "prefill_tps": {size: int(size) / statistics.median(p for p, _ in r) for size, r in runs.items()},
+        "ttft_s": ttft[str(DECODE_PROMPT)],
+        "ttft_s_by_prompt": ttft,
+        **({} if tokens is None else {"tokens": tokens}),
     }
 
 
 def _engine_worker(
-    loaded: Any, level: str, ids: list[int], decode_tokens: int, ppl_tokens: int, threads: int | None = None
+    loaded: Any, level: str, ids: list[int], sizes: tuple[int, ...], spec: dict[str, Any]
 ) -> dict[str, Any]:
     from chatbot.config import SamplingConfig
     from chatbot.engine.backend import backend_for
     from chatbot.engine.generate import Engine
 
     t0 = time.perf_counter()
-    use_gguf = level != "auto-model"
-    backend, reason = backend_for(loaded.model, level.removesuffix("-model"), threads, use_gguf=use_gguf)
+    # `auto-model`: `auto` packed from the float32 model rather than the GGUF file's own
+    # matrices (a K-quant matrix then decodes as float32), for before/after figures
+    backend, reason = backend_for(
+        loaded.model, level.removesuffix("-model"), spec["threads"], use_gguf=level != "auto-model"
+    )
     setup_s = time.perf_counter() - t0
     gc_ready()  # as `chatbot run` at its prompt
     ready = time.time()  # the first usable state: model loaded, weights packed
     if reason:
         return {"error": reason}
     engine = Engine(loaded.model, loaded.tokenizer, backend=backend)
-    decoder = engine.decoder
-    greedy = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=decode_tokens)
 
-    def run(prompt: list[int], n_new: int) -> Any:
+    def run(prompt: list[int], n_new: int) -> tuple[Any, list[int]]:
         sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=n_new)
         stats: Any = None
         tokens: list[int] = []
@@ -129,38 +140,31 @@ def _engine_worker(
             stats = chunk.stats or stats
         return stats, tokens
 
-    run(ids[:16], 4)  # warm-up: first-call allocations, thread pools
-    prefill, ttft = {}, {}
-    for size in PREFILL_SIZES:
-        runs = [run(ids[:size], 1)[0] for _ in range(PREFILL_REPEATS.get(size, 1))]
-        prefill[str(size)] = size / statistics.median(s.context_time_s for s in runs)
-        ttft[str(size)] = statistics.median(s.ttft_s for s in runs)
-    if engine.compiled:  # compile every capacity the measured run meets, apart from it
-        run(ids[:DECODE_PROMPT], greedy.max_new_tokens)
-    stats, tokens = run(ids[:DECODE_PROMPT], greedy.max_new_tokens)
+    def prefill(prompt: list[int]) -> tuple[float, float]:
+        stats = run(prompt, 1)[0]
+        return stats.context_time_s, stats.ttft_s
+
+    def decode(prompt: list[int], n: int) -> tuple[list[float], list[int]]:
+        if engine.compiled:  # compile every capacity the measured run meets, apart from it
+            run(prompt, n)
+        stats, tokens = run(prompt, n)
+        return stats.token_latencies_s, tokens
+
     out = {
-        **_quantiles(stats.token_latencies_s),
-        "prefill_tps": prefill,
-        "ttft_s": ttft.get(str(DECODE_PROMPT), stats.ttft_s),
-        "ttft_s_by_prompt": ttft,
+        **_timed(prefill, decode, ids, sizes, spec["decode_tokens"]),
         "setup_s": setup_s,
         "ready_at": ready,
-        "tokens": tokens,
     }
-    if decoder is not None:
-        info = decoder.info()
-        out["weights"] = info.formats
-        out["weight_mb"] = info.weight_bytes / 2**20
-        out["bytes_per_weight"] = info.bytes_per_weight
-        out["weights_from"] = info.source
+    if engine.decoder is not None:
+        info = engine.decoder.info()
+        out.update(weights=info.formats, weight_mb=info.weight_bytes / 2**20,
+                   bytes_per_weight=info.bytes_per_weight, weights_from=info.source)  # fmt: skip
     figures = getattr(backend, "figures", None)
     if figures is not None:  # the compiled step: what compiling cost, apart from the figures
-        out["compiles"] = figures.compiles
-        out["compile_s"] = figures.compile_s
-        out["graph_breaks"] = figures.graph_breaks
-        out["compile_failure"] = getattr(backend, "failure", None)
-    if ppl_tokens:
-        out["ppl"] = _perplexity(loaded.model, decoder, ids[:ppl_tokens])
+        out.update(compiles=figures.compiles, compile_s=figures.compile_s, graph_breaks=figures.graph_breaks,
+                   compile_failure=getattr(backend, "failure", None))  # fmt: skip
+    if spec.get("ppl_tokens"):
+        out["ppl"] = _perplexity(loaded.model, engine.decoder, ids[: spec["ppl_tokens"]])
     return out
 
 
@@ -185,7 +189,9 @@ def _perplexity(model: Any, decoder: Any, ids: list[int]) -> float:
         return math.exp(nll_sum / (len(ids) - 1))
 
 
-def _generate_worker(loaded: Any, ids: list[int], decode_tokens: int, ppl_tokens: int) -> dict[str, Any]:
+def _generate_worker(
+    loaded: Any, ids: list[int], sizes: tuple[int, ...], spec: dict[str, Any]
+) -> dict[str, Any]:
     """transformers' own `generate()`, greedy, timed per token through a streamer."""
     import torch
     from transformers.generation.streamers import BaseStreamer
@@ -216,97 +222,65 @@ def _generate_worker(loaded: Any, ids: list[int], decode_tokens: int, ppl_tokens
             )  # fmt: skip
         return start, clock
 
+    def prefill(prompt: list[int]) -> tuple[float, float]:
+        start, clock = run(prompt, 1)
+        return (clock.times[1] - start,) * 2  # times[0] is the prompt being echoed
+
+    def decode(prompt: list[int], n: int) -> tuple[list[float], list[int]]:
+        clock = run(prompt, n)[1]
+        return [b - a for a, b in zip(clock.times[1:], clock.times[2:])], clock.tokens
+
     gc_ready()
-    ready = time.time()
-    run(ids[:16], 4)
-    prefill, ttft = {}, {}
-    for size in PREFILL_SIZES:
-        firsts = []
-        for _ in range(PREFILL_REPEATS.get(size, 1)):
-            start, clock = run(ids[:size], 1)
-            firsts.append(clock.times[1] - start)  # times[0] is the prompt being echoed
-        prefill[str(size)] = size / statistics.median(firsts)
-        ttft[str(size)] = statistics.median(firsts)
-    start, clock = run(ids[:DECODE_PROMPT], decode_tokens)
-    latencies = [b - a for a, b in zip(clock.times[1:], clock.times[2:])]
-    out = {
-        **_quantiles(latencies),
-        "prefill_tps": prefill,
-        "ttft_s": clock.times[1] - start,
-        "ttft_s_by_prompt": ttft,
-        "ready_at": ready,
-        "tokens": clock.tokens,
-    }
-    if ppl_tokens:
-        out["ppl"] = _perplexity(model, None, ids[:ppl_tokens])
+    out = {"ready_at": time.time(), **_timed(prefill, decode, ids, sizes, spec["decode_tokens"])}
+    if spec.get("ppl_tokens"):
+        out["ppl"] = _perplexity(model, None, ids[: spec["ppl_tokens"]])
     return out
 
 
-def _llama_cpp_worker(gguf: Path, text: str, threads: int, decode_tokens: int) -> dict[str, Any]:
+def _llama_cpp_worker(text: str, sizes: tuple[int, ...], spec: dict[str, Any]) -> dict[str, Any]:
     """llama.cpp through llama-cpp-python (an optional peer), on the GGUF file itself."""
     import numpy as np
     from llama_cpp import Llama
 
     runtime = _rss_mb()  # Python, numpy and the llama.cpp library, before the model
     t0 = time.perf_counter()
-    llm = Llama(
-        model_path=str(gguf),
-        n_ctx=4096,
-        n_batch=512,
-        n_threads=threads,
-        n_threads_batch=threads,
-        verbose=False,
-    )
+    threads = spec["threads"]
+    llm = Llama(model_path=spec["gguf"], n_ctx=4096, n_batch=512, n_threads=threads,
+                n_threads_batch=threads, verbose=False)  # fmt: skip
     setup_s = time.perf_counter() - t0
     gc_ready()
     ready = time.time()
     ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
     vocab = llm.n_vocab()
 
-    def prefill_s(prompt: list[int]) -> float:
+    def prefill(prompt: list[int]) -> tuple[float, float]:
         llm.reset()
         start = time.perf_counter()
         llm.eval(prompt)
-        return time.perf_counter() - start
+        return (time.perf_counter() - start,) * 2
 
-    def last_logits() -> Any:
-        # Without logits_all, llama-cpp-python keeps no scores; the context has the last row.
-        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))
+    def decode(prompt: list[int], n: int) -> tuple[list[float], None]:
+        prefill(prompt)
+        latencies = []
+        for _ in range(n):
+            start = time.perf_counter()
+            # Without logits_all, llama-cpp-python keeps no scores; the context has the last row.
+            llm.eval([int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))))])
+            latencies.append(time.perf_counter() - start)
+        return latencies[1:], None  # its own tokenizer's ids: not comparable with transformers'
 
-    prefill_s(ids[:16])
-    prefill, ttft = {}, {}
-    for size in PREFILL_SIZES:
-        seconds = statistics.median(prefill_s(ids[:size]) for _ in range(PREFILL_REPEATS.get(size, 1)))
-        prefill[str(size)] = size / seconds
-        ttft[str(size)] = seconds
-    prefill_s(ids[:DECODE_PROMPT])
-    latencies, tokens = [], []
-    for _ in range(decode_tokens):
-        start = time.perf_counter()
-        token = int(np.argmax(last_logits()))
-        tokens.append(token)
-        llm.eval([token])
-        latencies.append(time.perf_counter() - start)
-    return {
-        **_quantiles(latencies[1:]),
-        "prefill_tps": prefill,
-        "ttft_s": ttft[str(DECODE_PROMPT)],
-        "ttft_s_by_prompt": ttft,
-        "setup_s": setup_s,
-        "ready_at": ready,
-        "runtime_mb": runtime,
-    }
+    figures = _timed(prefill, decode, ids, sizes, spec["decode_tokens"])
+    return {**figures, "setup_s": setup_s, "ready_at": ready, "runtime_mb": runtime}
 
 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Measure one set-up (run in a fresh process by `run_decode_bench`)."""
-    global PREFILL_SIZES
-    PREFILL_SIZES = tuple(spec.get("prefill_sizes") or PREFILL_SIZES)  # this process only
     name = spec["name"]
+    sizes = tuple(sorted({DECODE_PROMPT, *(spec.get("prefill_sizes") or PREFILL_SIZES)}))
     text = bench_text(Path(spec["text"]) if spec.get("text") else None)
     if name == LLAMA_CPP:
         # llama.cpp's process imports neither torch nor transformers: its load time is its own
-        out = _llama_cpp_worker(Path(spec["gguf"]), text, spec["threads"], spec["decode_tokens"])
+        out = _llama_cpp_worker(text, sizes, spec)
     else:
         import torch
 
@@ -314,7 +288,6 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
         torch.set_num_threads(spec["threads"])
         runtime = _runtime_mb()
-
         if name in CUDA_SETUPS:
             loaded = load_model(
                 spec.get("model"), device="cuda", dtype="bfloat16", quantize=CUDA_SETUPS[name]
@@ -322,27 +295,25 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         else:
             loaded = load_model(spec.get("model"), device="cpu", dtype="float32")
         ids = list(loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
-        need = max(*PREFILL_SIZES, spec.get("ppl_tokens") or 0)
+        need = max(*sizes, spec.get("ppl_tokens") or 0)
         if len(ids) < need:
             return {"name": name, "error": f"the text has {len(ids)} tokens; {need} are needed"}
         if name == BASELINE:
-            out = _generate_worker(loaded, ids, spec["decode_tokens"], spec.get("ppl_tokens") or 0)
+            out = _generate_worker(loaded, ids, sizes, spec)
         else:
-            if name in CUDA_SETUPS:
-                level = "compile" if name.endswith("-compile") else "off"
-            else:
-                level = name.removeprefix("chatbot-")
-            out = _engine_worker(
-                loaded, level, ids, spec["decode_tokens"], spec.get("ppl_tokens") or 0, spec["threads"]
-            )
+            cuda_level = "compile" if name.endswith("-compile") else "off"
+            level = cuda_level if name in CUDA_SETUPS else name.removeprefix("chatbot-")
+            out = _engine_worker(loaded, level, ids, sizes, spec)
         out["runtime_mb"] = runtime
     out["name"] = name
-    out["peak_mem_mb"] = _peak_rss_mb()
+    from chatbot.engine.stats import peak_rss_bytes
+
+    out["peak_mem_mb"] = peak_rss_bytes() / 2**20
     if name in CUDA_SETUPS:
         import torch
 
         out["gpu_peak_mem_mb"] = torch.cuda.max_memory_allocated() / 2**20
-    out["loadavg"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    out["loadavg"] = loadavg()[0]
     return out
 
 
@@ -366,48 +337,25 @@ def _run_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _median_result(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A set-up's runs as one: the median of each figure in seconds, tok/s or MB (of each
+    prompt length's, for prefill), every run's decode tok/s and load average kept beside; a
+    count, a name or the tokens (the same in every run) from the first run that has it."""
     ok = [r for r in runs if "error" not in r]
     if not ok:
         return {"name": runs[0]["name"], "error": runs[0]["error"]}
     out: dict[str, Any] = {"name": ok[0]["name"], "runs": len(ok)}
-    keys = (
-        "decode_tps",
-        "ttft_s",
-        "ms_per_token_p50",
-        "ms_per_token_p90",
-        "peak_mem_mb",
-        "runtime_mb",
-        "setup_s",
-        "load_s",
-        "compile_s",
-    )
-    for key in keys:
+    for key in dict.fromkeys(k for r in ok for k in r if k != "name"):
         values = [r[key] for r in ok if r.get(key) is not None]
-        if values:
+        if key in ("prefill_tps", "ttft_s_by_prompt"):
+            out[key] = {size: statistics.median(v[size] for v in values) for size in values[0]}
+        elif values and all(isinstance(v, float) for v in values):
             out[key] = statistics.median(values)
-    for key in ("prefill_tps", "ttft_s_by_prompt"):
-        out[key] = {size: statistics.median(r[key][size] for r in ok) for size in ok[0][key]}
+        else:
+            out[key] = values[0] if values else None
     out["decode_tps_runs"] = [r["decode_tps"] for r in ok]
-    loads = [r["loadavg"] for r in ok if r.get("loadavg") is not None]
-    if loads:  # the 1-minute load average as each of this set-up's runs ended
-        out["loadavg"] = round(statistics.median(loads), 2)
-        out["loadavg_runs"] = [round(x, 2) for x in loads]
-    for key in (
-        "weights",
-        "weight_mb",
-        "bytes_per_weight",
-        "weights_from",
-        "ppl",
-        "tokens",
-        "gpu_peak_mem_mb",
-        "compiles",
-        "graph_breaks",
-        "compile_failure",
-    ):
-        for r in ok:
-            if key in r:
-                out[key] = r[key]
-                break
+    if out.get("loadavg") is not None:  # the 1-minute load average as each of this set-up's runs ended
+        out["loadavg"] = round(out["loadavg"], 2)
+        out["loadavg_runs"] = [round(r["loadavg"], 2) for r in ok if r.get("loadavg") is not None]
     return out
 
 
@@ -461,7 +409,7 @@ def run_decode_bench(
         setups = [s for s in default_setups() if not (s == LLAMA_CPP and other_model)]
     threads = threads or torch.get_num_threads()
     sizes = tuple(sorted({DECODE_PROMPT, *(prefill_sizes or PREFILL_SIZES)}))
-    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
+    load_before = loadavg()
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in setups}
     started = time.perf_counter()
     for round_no in range(rounds):
@@ -485,14 +433,10 @@ def run_decode_bench(
         decoded = r.pop("tokens", None)
         if reference and decoded is not None:
             r["same_tokens_as_baseline"] = common_prefix(decoded, reference)
-    machine = machine_info()
-    machine["torch_threads"] = threads
-    if load_before is not None:
-        machine["loadavg_start"] = [round(x, 2) for x in load_before]
-        machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    machine = {**machine_info(), "torch_threads": threads, "loadavg_start": list(load_before)}
     return {
         "results": results,
-        "machine": machine,
+        "machine": {**machine, "loadavg_end": list(loadavg())},
         "settings": {
             "model": model or "default (SmolLM2-135M-Instruct)",
             "rounds": rounds,

@@ -162,38 +162,35 @@ def run_http_turns_bench(
     }
 
 
-def _health(base_url: str, api_key: str | None, key: str) -> Any:
-    """A figure of chatbot serve's /health (None for other servers, or when it does not answer)."""
+def _health(base_url: str, api_key: str | None) -> dict[str, Any]:
+    """chatbot serve's /health ({} for other servers, or when it does not answer)."""
     root = base_url.rstrip("/").removesuffix("/v1")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     try:
-        data = httpx.get(
-            f"{root}/health", timeout=5, headers={"Authorization": f"Bearer {api_key}"} if api_key else None
-        ).json()
+        data = httpx.get(f"{root}/health", timeout=5, headers=headers).json()
     except (httpx.HTTPError, ValueError):
-        return None
-    return data.get(key) if isinstance(data, dict) else None
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _server_rss(base_url: str, api_key: str | None) -> int | None:
     """The server's resident memory from chatbot serve's /health (None for other servers)."""
-    try:
-        return int(_health(base_url, api_key, "rss_bytes"))
-    except (TypeError, ValueError):
-        return None
+    rss = _health(base_url, api_key).get("rss_bytes")
+    return rss if isinstance(rss, int) else None
 
 
 def _batched(base_url: str, api_key: str | None) -> tuple[int, int] | None:
     """(decode steps, rows in them) so far, from chatbot serve's /health; None elsewhere."""
     try:
-        steps = _health(base_url, api_key, "batched_steps")
+        steps = _health(base_url, api_key)["batched_steps"]
         return int(steps["steps"]), int(steps["rows"])
     except (KeyError, TypeError, ValueError):
         return None
 
 
-def quantile_or_nan(values: list[float], q: float) -> float:
-    """The `q` quantile of `values`; NaN when there are none (no request finished)."""
-    return quantile(values, q) if values else float("nan")
+def ttft_figures(ttfts: list[float]) -> dict[str, float]:
+    """Time to first token p50, p90 and p99 (NaN when no request finished)."""
+    return {f"ttft_p{q}_s": quantile(ttfts, q / 100) if ttfts else float("nan") for q in (50, 90, 99)}
 
 
 @dataclass
@@ -344,9 +341,7 @@ def run_load_bench(
         "elapsed_s": elapsed,
         "max_new_tokens": max_new_tokens,
         **run.counts,
-        "ttft_p50_s": quantile_or_nan(ttfts, 0.5),
-        "ttft_p90_s": quantile_or_nan(ttfts, 0.9),
-        "ttft_p99_s": quantile_or_nan(ttfts, 0.99),
+        **ttft_figures(ttfts),
         "ttft_mean_s": statistics.fmean(ttfts) if ttfts else float("nan"),
         "tokens_per_s": run.counts["tokens"] / elapsed if elapsed else 0.0,
         **_rss_figures(rss, duration_s),

@@ -27,8 +27,9 @@ import openai
 from rich import box
 from rich.console import Console
 
+from chatbot.engine.stats import proc_status_kb
 from chatbot.errors import ChatbotError, ConfigError
-from chatbot.measure.bench_http import make_client, model_of, quantile_or_nan, run_load_bench, stream_once
+from chatbot.measure.bench_http import make_client, model_of, run_load_bench, stream_once, ttft_figures
 from chatbot.measure.report import conditions, loadavg, print_note, table
 
 SETUPS = ("chatbot", "llama.cpp")
@@ -46,21 +47,6 @@ def last_line(text: str) -> str:
     """The last non-blank line of a process's or terminal's output (what to show when it failed)."""
     lines = [" ".join(line.split()) for line in re.split(r"[\r\n]+", text)]
     return next((line for line in reversed(lines) if line), "no output")
-
-
-def parse_clients(text: str) -> list[int]:
-    """Client counts from "8" or "1,4" (each 1-64, in the order given, without repeats).
-
-    Raises:
-        ConfigError: not such a list.
-    """
-    try:
-        counts = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        counts = []
-    if not counts or not all(1 <= n <= 64 for n in counts):
-        raise ConfigError(f"--clients: expected a count or counts from 1 to 64 like 1,4, not {text!r}")
-    return list(dict.fromkeys(counts))
 
 
 def parse_setups(text: str) -> list[str]:
@@ -116,44 +102,22 @@ def server_argv(setup: str, gguf: Path | None, port: int, threads: int | None) -
     """The command line of a set-up's server on 127.0.0.1:`port` (`gguf` None: chatbot serve's
     default model; llama.cpp needs the file)."""
     if setup == "chatbot":
-        argv = [sys.executable, "-c", CHATBOT_MAIN, "serve", "--port", str(port)]
-        if gguf is not None:
-            argv += ["--model", str(gguf)]
-        if threads:
-            argv += ["--threads", str(threads)]
-        return argv
-    assert setup == "llama.cpp" and gguf is not None and threads
-    return [
-        sys.executable,
-        "-m",
-        "llama_cpp.server",
-        "--model",
-        str(gguf),
-        "--model_alias",
-        gguf.stem,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--n_threads",
-        str(threads),
-        "--n_threads_batch",
-        str(threads),
+        flags: dict[str, Any] = {"--port": port, "--model": gguf, "--threads": threads}
+        argv = [sys.executable, "-c", CHATBOT_MAIN, "serve"]
+    else:
+        assert setup == "llama.cpp" and gguf is not None and threads
+        flags = {"--model": gguf, "--model_alias": gguf.stem, "--host": "127.0.0.1", "--port": port}
+        flags.update({"--n_threads": threads, "--n_threads_batch": threads})
         # one request at a time; by default a new request cuts the stream in progress short
-        "--interrupt_requests",
-        "false",
-    ]
+        flags["--interrupt_requests"] = "false"
+        argv = [sys.executable, "-m", "llama_cpp.server"]
+    return argv + [str(part) for flag, value in flags.items() if value for part in (flag, value)]
 
 
 def proc_rss(pid: int) -> int | None:
     """A process's resident memory from /proc (None where there is none)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    kb = proc_status_kb("VmRSS", pid)
+    return None if kb is None else kb * 1024
 
 
 @contextlib.contextmanager
@@ -202,11 +166,11 @@ def _measure(
     turns: list[str],
     duration_s: float,
     max_new_tokens: int,
-    model: str | None,
-    api_key: str | None,
     progress: Callable[[str], None],
+    rounds: int,
+    model: str | None = None,
+    api_key: str | None = None,
     rss_of: Callable[[], int | None] | None = None,
-    rounds: int = 1,
 ) -> list[dict[str, Any]]:
     """One untimed answer, then a load run per client count on the server at `base_url`,
     all the counts `rounds` times in turn; each count's runs pooled into one (`pooled`)."""
@@ -276,9 +240,7 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "elapsed_s": elapsed,
         "tokens_per_s": tokens / elapsed if elapsed else 0.0,
         "tokens_per_s_rounds": [r["tokens_per_s"] for r in runs],
-        "ttft_p50_s": quantile_or_nan(ttfts, 0.5),
-        "ttft_p90_s": quantile_or_nan(ttfts, 0.9),
-        "ttft_p99_s": quantile_or_nan(ttfts, 0.99),
+        **ttft_figures(ttfts),
         "batch_rows_per_step": sum(rows) / sum(steps) if steps and sum(steps) else None,
         "rss_max_bytes": max(rss) if rss else None,
         "loadavg_end": statistics.fmean(r["loadavg_end"] for r in runs),
@@ -321,10 +283,12 @@ def run_load_comparison(
     say = progress or (lambda line: None)
     runs: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
+
+    def measure(setup: str, url: str, **server_options: Any) -> list[dict[str, Any]]:
+        return _measure(setup, url, clients, turns, duration_s, max_new_tokens, say, rounds, **server_options)
+
     if server is not None:
-        runs += _measure(
-            "server", server, clients, turns, duration_s, max_new_tokens, model, api_key, say, rounds=rounds
-        )
+        runs += measure("server", server, model=model, api_key=api_key)
     # Taken once, before any server here runs (a later count would see our own load): llama.cpp
     # gets the count chatbot serve starts with, which then runs 1 or that many threads a step,
     # whichever measures faster.
@@ -349,19 +313,7 @@ def run_load_comparison(
         say(f"{setup}: starting on port {port}")
         try:
             with started_server(setup, server_argv(setup, file, port, n_threads), url) as pid:
-                measured = _measure(
-                    setup,
-                    url,
-                    clients,
-                    turns,
-                    duration_s,
-                    max_new_tokens,
-                    None,
-                    None,
-                    say,
-                    lambda: proc_rss(pid),
-                    rounds,
-                )
+                measured = measure(setup, url, rss_of=lambda: proc_rss(pid))
         except ChatbotError as exc:
             skipped.append({"setup": setup, "reason": str(exc)})
             continue

@@ -14,7 +14,6 @@ The computing functions return numbers only; `format_table` and `write_plot` pre
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,14 +24,7 @@ from transformers import DynamicCache
 
 from chatbot.engine.sink_cache import SinkCache
 from chatbot.errors import ConfigError
-
-__all__ = [
-    "SETUPS",
-    "format_table",
-    "run_eval_ppl",
-    "run_eval_ppl_ids",
-    "write_plot",
-]
+from chatbot.measure.report import conditions, loadavg
 
 SETUPS = ("dense", "window", "sinks", "recompute")
 
@@ -104,11 +96,7 @@ def run_eval_ppl_ids(
     for setup in setups:
         start = time.perf_counter()
         with torch.inference_mode():
-            if setup == "recompute":
-                nll, cache_tokens = _run_recompute(model, ids, start_size + recent_size, setup, progress)
-            else:
-                cache = _make_cache(model, setup, start_size, recent_size)
-                nll, cache_tokens = _run_cached(model, ids, cache, setup, progress)
+            nll, cache_tokens = _score(model, ids, setup, start_size, recent_size, progress)
         wall_s = time.perf_counter() - start
         nll_list = nll.tolist()
         results[setup] = {
@@ -117,7 +105,7 @@ def run_eval_ppl_ids(
             "wall_s": wall_s,
             "nll": nll_list,
             "cache_tokens": cache_tokens,
-            "loadavg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+            "loadavg": loadavg()[0],
         }
     return results
 
@@ -129,59 +117,36 @@ def _model_device(model: Any) -> torch.device:
     return next(model.parameters()).device
 
 
-def _make_cache(model: Any, setup: str, start_size: int, recent_size: int) -> DynamicCache | SinkCache:
+def _score(
+    model: Any, ids: torch.Tensor, setup: str, start_size: int, recent_size: int, progress: Progress | None
+) -> tuple[torch.Tensor, int]:
+    """The NLL of every next token of `ids` under `setup`, a token a step, and the most tokens
+    the set-up attended to in one step."""
+    window = start_size + recent_size
+    steps = ids.numel() - 1
+    cache: DynamicCache | SinkCache | None = None  # None: recompute
     if setup == "dense":
-        return DynamicCache()
-    if setup == "window":
-        return SinkCache.for_model(model, start_size=0, recent_size=start_size + recent_size, evict_block=1)
-    return SinkCache.for_model(model, start_size=start_size, recent_size=recent_size, evict_block=1)
+        cache = DynamicCache()
+    elif setup != "recompute":  # "window": the budget of "sinks", without sinks
+        sinks = start_size if setup == "sinks" else 0
+        cache = SinkCache.for_model(model, start_size=sinks, recent_size=window - sinks, evict_block=1)
 
+    def logits(t: int) -> torch.Tensor:  # [1, S, V]
+        if cache is None:  # the last `window` tokens re-encoded from scratch at positions 0..
+            lo = max(0, t + 1 - window)
+            return model(input_ids=ids[None, lo : t + 1], cache=DynamicCache(), use_cache=True).logits
+        if isinstance(cache, SinkCache):
+            cache.evict_for_space(1)
+        return model(input_ids=ids[None, t : t + 1], cache=cache, use_cache=True).logits
 
-def _next_token_nll(logits: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
-    # logits [1, S, V] -> NLL of `label` under the last position, kept on device (no sync).
-    logprobs = torch.log_softmax(logits[0, -1].float(), dim=-1)
-    return -logprobs[label]
-
-
-def _run_cached(
-    model: Any,
-    ids: torch.Tensor,
-    cache: DynamicCache | SinkCache,
-    setup: str,
-    progress: Progress | None,
-) -> tuple[torch.Tensor, int]:
-    steps = ids.numel() - 1
-    inputs = ids.view(-1, 1, 1)  # [N, 1, 1]: inputs[t] is a [B=1, S=1] batch
-    evict = cache.evict_for_space if isinstance(cache, SinkCache) else None
-    nll = torch.empty(steps, device=ids.device)
+    nll = torch.empty(steps, device=ids.device)  # kept on the device: no sync a step
     for t in range(steps):
-        if evict is not None:
-            evict(1)
-        logits = model(input_ids=inputs[t], cache=cache, use_cache=True).logits
-        nll[t] = _next_token_nll(logits, ids[t + 1])
+        nll[t] = -torch.log_softmax(logits(t)[0, -1].float(), dim=-1)[ids[t + 1]]
         if progress is not None:
             progress(setup, t + 1, steps)
-    attended = cache.get_seq_length() if isinstance(cache, SinkCache) else steps
-    return nll.cpu(), attended
-
-
-def _run_recompute(
-    model: Any,
-    ids: torch.Tensor,
-    window: int,
-    setup: str,
-    progress: Progress | None,
-) -> tuple[torch.Tensor, int]:
-    steps = ids.numel() - 1
-    nll = torch.empty(steps, device=ids.device)
-    batch = ids.view(1, -1)  # [1, N]
-    for t in range(steps):
-        lo = max(0, t + 1 - window)
-        logits = model(input_ids=batch[:, lo : t + 1], cache=DynamicCache(), use_cache=True).logits
-        nll[t] = _next_token_nll(logits, ids[t + 1])
-        if progress is not None:
-            progress(setup, t + 1, steps)
-    return nll.cpu(), min(window, steps)
+    if isinstance(cache, SinkCache):
+        return nll.cpu(), cache.get_seq_length()
+    return nll.cpu(), steps if cache is not None else min(window, steps)
 
 
 # --- presentation -----------------------------------------------------------------------
@@ -197,8 +162,6 @@ def format_table(result: dict[str, dict[str, Any]]) -> str:
             f"{name:<10} {row['ppl']:>10.3f} {row['tokens_per_s']:>9.2f} "
             f"{row['wall_s']:>9.1f} {row.get('cache_tokens', 0):>10d} {load:>9}"
         )
-    from chatbot.measure.report import conditions
-
     lines.append(f"{conditions()}; load avg: the 1-minute load average as each set-up ended")
     return "\n".join(lines)
 

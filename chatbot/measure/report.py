@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -11,22 +12,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-
-def cpu_model() -> str:
-    """The CPU's marketing name ("AMD EPYC 7B13"), from /proc/cpuinfo where there is one."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith(("model name", "hardware", "cpu model")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from chatbot.doctor import cpu_model
+from chatbot.errors import ConfigError
 
 
 def loadavg() -> tuple[float, float, float]:
     """The 1, 5 and 15-minute load averages (zeros where the OS has none)."""
-    import os
-
     if not hasattr(os, "getloadavg"):
         return (0.0, 0.0, 0.0)
     one, five, fifteen = os.getloadavg()
@@ -35,8 +26,6 @@ def loadavg() -> tuple[float, float, float]:
 
 def conditions() -> str:
     """What every printed figure is measured beside: the CPU and the load average now."""
-    import os
-
     one, five, fifteen = loadavg()
     return (
         f"{cpu_model()}, {os.cpu_count()} CPUs, "
@@ -45,8 +34,7 @@ def conditions() -> str:
 
 
 def machine_info() -> dict[str, Any]:
-    import os
-
+    """The platform, CPU, load, threads and torch build the figures were taken on."""
     import torch  # here: the HTTP benches print conditions without loading torch
 
     return {
@@ -61,7 +49,10 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def write_json(path: Path, result: dict[str, Any]) -> None:
+def write_json(path: Path | None, result: dict[str, Any]) -> None:
+    """`result` with the machine's description, as JSON at `path` (None: nothing is written)."""
+    if path is None:
+        return
     data = dict(result)
     data.setdefault("machine", machine_info())
     Path(path).write_text(json.dumps(data, indent=1))
@@ -121,10 +112,27 @@ def print_turns(console: Console, result: dict[str, Any]) -> None:
     )
 
 
+def parse_counts(text: str, option: str, example: str, most: int | None = None, what: str = "") -> list[int]:
+    """Counts from "8" or "1,4" (each at least 1 and at most `most`; in the order given, without
+    repeats), for the command-line option `option`.
+
+    Raises:
+        ConfigError: not such a list (the message names `what` is expected, and an `example`).
+    """
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or not all(1 <= n <= (most or n) for n in counts):
+        within = f"from 1 to {most}" if most else "of 1 or more"
+        raise ConfigError(
+            f"{option}: expected {what or 'a count or counts'} {within} like {example}, not {text!r}"
+        )
+    return list(dict.fromkeys(counts))
+
+
 def read_text(path: Path) -> str:
     """A text file for a benchmark, with a clear error when it cannot be read."""
-    from chatbot.errors import ConfigError
-
     try:
         return Path(path).read_text(encoding="utf-8", errors="replace")
     except OSError as exc:
