@@ -409,3 +409,43 @@ def test_llama_cpp_runs_only_on_the_same_file(monkeypatch) -> None:
     assert specs == [] and "give --gguf" in result["results"][0]["error"]
     bench_decode.run_decode_bench(["llama.cpp"], model="/models/x.gguf", rounds=1)
     assert specs[0]["gguf"] == "/models/x.gguf"
+
+
+@pytest.mark.slow
+def test_quality_is_judged_on_the_same_tokens_against_float32(tmp_path) -> None:
+    """`--ppl-tokens`: each set-up is fed the reference's token ids one at a time and scored
+    against float32's distributions. `off` (transformers step by step) sits at the
+    reference (the perplexity of one independent full forward pass, KL ~0, the same top-1
+    everywhere); the native `auto` path close to it; `fast` (int8 inputs) further."""
+    import torch
+
+    from chatbot.measure.quality import Judge
+    from chatbot.models.loader import load_model
+
+    result = bench_decode.run_decode_bench(
+        ["chatbot-off", "chatbot-auto", "chatbot-fast"], threads=1, rounds=1, decode_tokens=4,
+        ppl_tokens=96, prefill_sizes=(50,),
+    )  # fmt: skip
+    by = {r["name"]: r for r in result["results"]}
+    assert all("error" not in r for r in by.values()), by
+    loaded = load_model(None)
+    ids = list(loaded.tokenizer(bench_decode.bench_text(None), add_special_tokens=False)["input_ids"])[:96]
+    with torch.inference_mode():
+        logits = loaded.model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+    ppl = float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).exp())
+    off, auto, fast = by["chatbot-off"], by["chatbot-auto"], by["chatbot-fast"]
+    assert off["ppl"] == pytest.approx(ppl, rel=1e-4)
+    assert off["kl"] < 1e-4 and off["top1"] == 1.0  # the same arithmetic, summed in another order
+    assert auto["kl"] < 1e-3 and auto["top1"] > 0.97
+    assert auto["kl"] < fast["kl"] < 0.05, (auto, fast)
+    # the judge alone: the reference against itself is no divergence, its own perplexity
+    path = tmp_path / "ref.npz"
+    from chatbot.measure.quality import write_reference
+
+    write_reference(loaded, ids, path)
+    judge = Judge(path)
+    for row in logits:
+        judge.add(row.numpy())
+    scored = judge.result()
+    assert scored["ppl"] == pytest.approx(ppl, rel=1e-5) and scored["top1"] == 1.0
+    assert abs(scored["kl"]) < 1e-6

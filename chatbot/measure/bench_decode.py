@@ -10,10 +10,10 @@ load changes from minute to minute, and interleaving spreads it evenly over the 
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from importlib import resources
@@ -22,6 +22,7 @@ from typing import Any
 
 from chatbot.engine.seq import common_prefix, quantile
 from chatbot.measure.decode_report import LLAMA_CPP
+from chatbot.measure.quality import judge_decoder, judge_llama_cpp, write_reference
 from chatbot.measure.report import loadavg
 from chatbot.models.gc_pause import pause_until_ready
 from chatbot.models.gc_pause import ready as gc_ready
@@ -36,6 +37,7 @@ CUDA_SETUPS = {"cuda-bf16": None, "cuda-4bit": "4bit", "cuda-8bit": "8bit"}
 # The same through the compiled step (`--opt compile`).
 CUDA_SETUPS.update({f"{name}-compile": quantize for name, quantize in list(CUDA_SETUPS.items())})
 BASELINE = "transformers-generate"
+REFERENCE = "float32-reference"  # not a set-up: the distributions `--ppl-tokens` judges against
 WORKER_TIMEOUT_S = 3600
 
 
@@ -163,30 +165,9 @@ def _engine_worker(
     if figures is not None:  # the compiled step: what compiling cost, apart from the figures
         out.update(compiles=figures.compiles, compile_s=figures.compile_s, graph_breaks=figures.graph_breaks,
                    compile_failure=getattr(backend, "failure", None))  # fmt: skip
-    if spec.get("ppl_tokens"):
-        out["ppl"] = _perplexity(loaded.model, engine.decoder, ids[: spec["ppl_tokens"]])
+    if spec.get("reference"):
+        out.update(judge_decoder(loaded.model, engine.decoder, spec["reference"]))
     return out
-
-
-def _perplexity(model: Any, decoder: Any, ids: list[int]) -> float:
-    """Next-token perplexity of `ids`: through the fast decoder one token at a time (the path
-    being judged), or one transformers forward pass when there is no decoder."""
-    import torch
-
-    with torch.inference_mode():
-        if decoder is None:
-            logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
-            nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum")
-            return math.exp(float(nll) / (len(ids) - 1))
-        cache = decoder.new_cache()
-        prefill = decoder.prefill_model  # the model as the decoder's prefill runs it
-        logits = prefill(input_ids=torch.tensor([ids[:1]]), cache=cache, use_cache=True).logits[0, -1].float()
-        nll_sum = 0.0
-        for i in range(1, len(ids)):
-            nll_sum -= float(torch.log_softmax(logits, -1)[ids[i]])
-            if i + 1 < len(ids):
-                logits = decoder.decode(cache, ids[i])
-        return math.exp(nll_sum / (len(ids) - 1))
 
 
 def _generate_worker(
@@ -232,8 +213,8 @@ def _generate_worker(
 
     gc_ready()
     out = {"ready_at": time.time(), **_timed(prefill, decode, ids, sizes, spec["decode_tokens"])}
-    if spec.get("ppl_tokens"):
-        out["ppl"] = _perplexity(model, None, ids[: spec["ppl_tokens"]])
+    if spec.get("reference"):
+        out.update(judge_decoder(model, None, spec["reference"]))
     return out
 
 
@@ -269,8 +250,14 @@ def _llama_cpp_worker(text: str, sizes: tuple[int, ...], spec: dict[str, Any]) -
             latencies.append(time.perf_counter() - start)
         return latencies[1:], None  # its own tokenizer's ids: not comparable with transformers'
 
-    figures = _timed(prefill, decode, ids, sizes, spec["decode_tokens"])
-    return {**figures, "setup_s": setup_s, "ready_at": ready, "runtime_mb": runtime}
+    out = _timed(prefill, decode, ids, sizes, spec["decode_tokens"])
+    out.update(setup_s=setup_s, ready_at=ready, runtime_mb=runtime)
+    if spec.get("reference"):
+        from chatbot.engine.stats import peak_rss_bytes
+
+        out["peak_mem_mb"] = peak_rss_bytes() / 2**20  # before the judge's arrays
+        out.update(judge_llama_cpp(llm, spec["reference"]))
+    return out
 
 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -298,6 +285,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         need = max(*sizes, spec.get("ppl_tokens") or 0)
         if len(ids) < need:
             return {"name": name, "error": f"the text has {len(ids)} tokens; {need} are needed"}
+        if name == REFERENCE:
+            write_reference(loaded, ids[: spec["ppl_tokens"]], Path(spec["reference"]))
+            return {"name": name}
         if name == BASELINE:
             out = _generate_worker(loaded, ids, sizes, spec)
         else:
@@ -308,7 +298,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     out["name"] = name
     from chatbot.engine.stats import peak_rss_bytes
 
-    out["peak_mem_mb"] = peak_rss_bytes() / 2**20
+    out.setdefault("peak_mem_mb", peak_rss_bytes() / 2**20)
     if name in CUDA_SETUPS:
         import torch
 
@@ -357,6 +347,30 @@ def _median_result(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out["loadavg"] = round(out["loadavg"], 2)
         out["loadavg_runs"] = [round(r["loadavg"], 2) for r in ok if r.get("loadavg") is not None]
     return out
+
+
+def _run_rounds(
+    runs: dict[str, list[dict[str, Any]]],
+    rounds: int,
+    progress: Callable[[str], None] | None,
+    other_model: bool,
+    reference: str | None,
+    common: dict[str, Any],
+) -> None:
+    """Each set-up of `runs` `rounds` times, interleaved, into its list; the first round also
+    judges the distributions against `reference` (`--ppl-tokens`)."""
+    for round_no in range(rounds):
+        for name, done in runs.items():
+            if name == LLAMA_CPP and other_model:
+                error = "llama.cpp reads GGUF files: give --gguf FILE (the same model)"
+                done.append({"name": name, "error": error})
+                continue
+            if progress:
+                progress(f"round {round_no + 1}/{rounds}: {name}")
+            first = round_no == 0
+            spec = {**common, "name": name, "ppl_tokens": common["ppl_tokens"] if first else 0,
+                    "reference": reference if first else None}  # fmt: skip
+            done.append(_run_worker(spec))
 
 
 def run_decode_bench(
@@ -412,21 +426,18 @@ def run_decode_bench(
     load_before = loadavg()
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in setups}
     started = time.perf_counter()
-    for round_no in range(rounds):
-        for name in setups:
-            if name == LLAMA_CPP and other_model:
-                runs[name].append(
-                    {"name": name, "error": "llama.cpp reads GGUF files: give --gguf FILE (the same model)"}
-                )
-                continue
-            if progress:
-                progress(f"round {round_no + 1}/{rounds}: {name}")
-            spec = {
-                "name": name, "model": model, "threads": threads, "decode_tokens": decode_tokens,
-                "text": str(text) if text else None, "ppl_tokens": ppl_tokens if round_no == 0 else 0,
-                "gguf": str(gguf) if gguf else None, "prefill_sizes": list(sizes),
-            }  # fmt: skip
-            runs[name].append(_run_worker(spec))
+    with tempfile.TemporaryDirectory(prefix="chatbot-quality-") as scratch:
+        reference = str(Path(scratch) / "reference.npz") if ppl_tokens else None
+        if reference:  # the float32 distributions every set-up is judged against
+            made = _run_worker({"name": REFERENCE, "model": model, "threads": threads, "decode_tokens": 0,
+                                "text": str(text) if text else None, "ppl_tokens": ppl_tokens,
+                                "reference": reference})  # fmt: skip
+            if "error" in made:
+                return {"results": [made], "machine": machine_info(), "settings": {"ppl_tokens": ppl_tokens}}
+        common = {"model": model, "threads": threads, "decode_tokens": decode_tokens,
+                  "ppl_tokens": ppl_tokens, "text": str(text) if text else None,
+                  "gguf": str(gguf) if gguf else None, "prefill_sizes": list(sizes)}  # fmt: skip
+        _run_rounds(runs, rounds, progress, other_model, reference, common)
     results = [_median_result(runs[name]) for name in setups]
     reference = next((r.get("tokens") for r in results if r["name"] == BASELINE), None)
     for r in results:

@@ -21,8 +21,6 @@ def print_decode(console: Any, result: dict[str, Any]) -> None:
     decode = Table(title=f"decode: {title}")
     prefill = Table(title="prefill and time to first token")
     columns = ["tok/s", "p50\nms", "p90\nms", "peak\nMB", "B/\nweight", "same\ntok"]
-    if s.get("ppl_tokens"):
-        columns.append(f"ppl\n@{s['ppl_tokens']}")
     columns.append("load\navg")
     prefill_cols = [*[f"tok/s @{n}" for n in sizes], "TTFT s", "load s", "load avg"]
     for table, cols in ((decode, columns), (prefill, prefill_cols)):
@@ -42,8 +40,6 @@ def print_decode(console: Any, result: dict[str, Any]) -> None:
             f"{r['bytes_per_weight']:.3f}" if r.get("bytes_per_weight") else "",
             str(r.get("same_tokens_as_baseline", "")),
         ]
-        if s.get("ppl_tokens"):
-            row.append(f"{r['ppl']:.4f}" if "ppl" in r else "")
         load_avg = f"{r['loadavg']:.2f}" if r.get("loadavg") is not None else ""
         decode.add_row(*row, load_avg)
         load_s = f"{r['load_s']:.1f}" if "load_s" in r else ""
@@ -51,6 +47,8 @@ def print_decode(console: Any, result: dict[str, Any]) -> None:
                         load_s, load_avg)  # fmt: skip
     console.print(decode)
     console.print(prefill)
+    if s.get("ppl_tokens"):
+        console.print(quality_table(result))
     for line in versus_llama_cpp(result):
         console.print(line, markup=False)
     for r in result["results"]:
@@ -101,3 +99,20 @@ def versus_llama_cpp(result: dict[str, Any], ours: str = "chatbot-auto") -> list
             continue
         lines.append(f"  {label}: {x:,.1f} vs {y:,.1f} = {x / y:.2f}{unit}")
     return lines
+
+
+def quality_table(result: dict[str, Any]) -> Any:
+    """A rich table of each set-up's distributions against float32's on the same tokens
+    (`chatbot.measure.quality`): perplexity, mean KL divergence, top-1 agreement."""
+    from rich.table import Table
+
+    n = result["settings"]["ppl_tokens"]
+    table = Table(title=f"quality over {n} tokens, against float32 (--opt off's forward pass)")
+    table.add_column("set-up", no_wrap=True)
+    for col in ("perplexity", "KL nats", "same top-1"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for r in result["results"]:
+        if "error" not in r and "ppl" in r:
+            table.add_row(r["name"], f"{r['ppl']:.4f}", f"{r['kl']:.5f}", f"{100 * r['top1']:.1f}%")
+    return table
+
