@@ -115,4 +115,3 @@ def quality_table(result: dict[str, Any]) -> Any:
         if "error" not in r and "ppl" in r:
             table.add_row(r["name"], f"{r['ppl']:.4f}", f"{r['kl']:.5f}", f"{100 * r['top1']:.1f}%")
     return table
-
