@@ -54,9 +54,10 @@ def test_the_wheel_holds_every_module_preset_the_kernels_and_the_licence(wheel):
 
 
 def listed_presets(stdout: str) -> list[str]:
-    """The preset names `chatbot models` prints, in its order."""
+    """The preset names `chatbot models` prints, in its order (an entry's first line is
+    indented two spaces; its description under it, six)."""
     section = stdout.split("presets (chatbot run --preset NAME):\n", 1)[1].split("\nmodels on", 1)[0]
-    return [line.split()[0] for line in section.splitlines() if line.startswith("  ")]
+    return [line.split()[0] for line in section.splitlines() if line.startswith("  ") and line[2] != " "]
 
 
 def test_an_editable_install_lists_the_presets_of_configs(tmp_path):
