@@ -42,6 +42,7 @@ from chatbot.server.protocol import (
     CompletionRequest,
     PromptBound,
     StreamOptions,
+    check_format,
     conversation_of,
     sampling_of,
 )
@@ -284,6 +285,8 @@ class OpenAIApi:
         sampling = sampling_of(body, self.pool.sampling, None if self.streaming_cache else self.max_context)
         job = Job(conv, sampling, _nowhere, stops=body.stop_strings(), logprobs=body.top_logprobs_wanted())
         self.bound.check_conversation(conv)
+        if sampling.output_format is not None:  # a schema the engine cannot take never queues
+            await asyncio.to_thread(check_format, self.pool.engine.tokenizer, sampling.output_format)
         return await self.answer(request, job, body.stream, body.stream_options, chat=True)
 
     async def complete(self, body: CompletionRequest, request: Request) -> Any:
