@@ -283,7 +283,9 @@ class OpenAIApi:
         self.check_model(body.model)
         conv = conversation_of(body)
         sampling = sampling_of(body, self.pool.sampling, None if self.streaming_cache else self.max_context)
-        job = Job(conv, sampling, _nowhere, stops=body.stop_strings(), logprobs=body.top_logprobs_wanted())
+        job = Job(
+            conv, sampling, _nowhere, stops=body.stop_strings(), logprobs=body.top_logprobs_wanted(), n=body.n
+        )
         self.bound.check_conversation(conv)
         if sampling.output_format is not None:  # a schema the engine cannot take never queues
             await asyncio.to_thread(check_format, self.pool.engine.tokenizer, sampling.output_format)
@@ -300,6 +302,7 @@ class OpenAIApi:
             prompt=prompt,
             stops=body.stop_strings(),
             logprobs=body.top_logprobs_wanted(),
+            n=body.n,
         )
         self.bound.check_prompt(prompt)
         return await self.answer(request, job, body.stream, body.stream_options, chat=False)
@@ -336,13 +339,7 @@ class OpenAIApi:
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )
-            text: list[str] = []
-            entries: list[TokenLogprob] = []
-            event: tuple[str, Any] | None = first
-            while event is not None and event[0] == "text":
-                text.append(event[1][0])
-                entries += event[1][1]
-                event = await _next_event(events, job)
+            texts, entries, finishes, event = await _collect(first, events, job)
         finally:
             await _stop(watcher)
         if event is None:
@@ -350,35 +347,22 @@ class OpenAIApi:
         if event[0] == "error":
             raise event[1]
         done = event[1]
-        if not chat:
-            return {
-                "id": rid,
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": self.model_name,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": "".join(text),
-                        "finish_reason": done["finish_reason"],
-                        "logprobs": None if job.logprobs is None else completion_logprobs(entries),
-                    }
-                ],
-                "usage": _usage(done),
-            }
+        choices = []
+        for i in range(job.n):
+            choice: dict[str, Any] = {"index": i, "finish_reason": finishes.get(i, done["finish_reason"])}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": "".join(texts[i])}
+                choice["logprobs"] = None if job.logprobs is None else chat_logprobs(entries[i])
+            else:
+                choice["text"] = "".join(texts[i])
+                choice["logprobs"] = None if job.logprobs is None else completion_logprobs(entries[i])
+            choices.append(choice)
         return {
             "id": rid,
-            "object": "chat.completion",
+            "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": self.model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": "".join(text)},
-                    "finish_reason": done["finish_reason"],
-                    "logprobs": None if job.logprobs is None else chat_logprobs(entries),
-                }
-            ],
+            "choices": choices,
             "usage": _usage(done),
         }
 
@@ -393,15 +377,16 @@ class OpenAIApi:
     ) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        offset = 0  # of the chunk's text in the answer (a completion's text_offset)
+        offsets = [0] * job.n  # of each chunk's text in its answer (a completion's text_offset)
 
-        def chunk(delta: dict[str, Any], finish: str | None = None, entries: Any = None) -> str:
-            nonlocal offset
+        def chunk(
+            delta: dict[str, Any], finish: str | None = None, entries: Any = None, index: int = 0
+        ) -> str:
             logprobs = None
             if job.logprobs is not None and entries is not None:
-                logprobs = chat_logprobs(entries) if chat else completion_logprobs(entries, offset)
-            offset += len(delta.get("content", ""))
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
+                logprobs = chat_logprobs(entries) if chat else completion_logprobs(entries, offsets[index])
+            offsets[index] += len(delta.get("content", ""))
+            choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
             choice.update({"delta": delta} if chat else {"text": delta.get("content", "")})
             return _data(
                 {
@@ -415,10 +400,15 @@ class OpenAIApi:
 
         try:
             if chat:
-                yield chunk({"role": "assistant", "content": ""})
+                for i in range(job.n):
+                    yield chunk({"role": "assistant", "content": ""}, index=i)
             event: tuple[str, Any] | None = first
-            while event is not None and event[0] == "text":
-                yield chunk({"content": event[1][0]}, entries=event[1][1])
+            while event is not None and event[0] in ("text", "finish"):
+                if event[0] == "finish":
+                    yield chunk({}, event[1][1], index=event[1][0])
+                else:
+                    piece, tokens, index = event[1]
+                    yield chunk({"content": piece}, entries=tokens, index=index)
                 event = await _next_event(events, job)
             if event is None:
                 return
@@ -426,7 +416,6 @@ class OpenAIApi:
                 yield _data(event[1].body())  # the openai client raises it as an APIError
                 return
             done = event[1]
-            yield chunk({}, done["finish_reason"])
             if include_usage:
                 yield _data(
                     {
@@ -536,6 +525,27 @@ def _usage(done: dict[str, Any]) -> dict[str, Any]:
         "total_tokens": done["prompt_tokens"] + done["completion_tokens"],
         "prompt_tokens_details": {"cached_tokens": done["cached_tokens"]},
     }
+
+
+async def _collect(
+    first: tuple[str, Any], events: asyncio.Queue[tuple[str, Any]], job: Job
+) -> tuple[list[list[str]], list[list[TokenLogprob]], dict[int, str], tuple[str, Any] | None]:
+    """A job's answers gathered from its events: each answer's pieces of text and logprobs,
+    the finish reasons by answer, and the event that ended them ("done", "error", or None
+    when the client went away)."""
+    texts: list[list[str]] = [[] for _ in range(job.n)]
+    entries: list[list[TokenLogprob]] = [[] for _ in range(job.n)]
+    finishes: dict[int, str] = {}
+    event: tuple[str, Any] | None = first
+    while event is not None and event[0] in ("text", "finish"):
+        if event[0] == "finish":
+            finishes[event[1][0]] = event[1][1]
+        else:
+            piece, tokens, index = event[1]
+            texts[index].append(piece)
+            entries[index] += tokens
+        event = await _next_event(events, job)
+    return texts, entries, finishes, event
 
 
 async def _next_event(events: asyncio.Queue[tuple[str, Any]], job: Job) -> tuple[str, Any] | None:

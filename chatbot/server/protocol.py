@@ -101,6 +101,8 @@ class ResponseFormat(BaseModel):
 
 # OpenAI's limit on stop strings.
 MAX_STOPS = 4
+# The most answers (`n`) one request may ask for: they are generated one after another.
+MAX_CHOICES = 16
 
 
 class _Request(BaseModel):
@@ -419,8 +421,10 @@ def check_supported(body: ChatRequest | CompletionRequest) -> None:
             raise _unsupported(name, "a non-zero penalty (repetition_penalty is)")
     if body.logit_bias:
         raise _unsupported("logit_bias", "a logit bias")
-    if body.n != 1:
-        raise APIError(400, "n must be 1 (one answer per request)", param="n")
+    if not 1 <= body.n <= MAX_CHOICES:
+        raise APIError(400, f"n must be between 1 and {MAX_CHOICES}, got {body.n}", param="n")
+    if body.n > 1 and getattr(body, "continue_final_message", False):
+        raise _unsupported("n", "more than one answer with continue_final_message")
     if isinstance(body, CompletionRequest):
         if body.suffix:
             raise _unsupported("suffix", "a suffix (insertion)")
