@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import secrets
@@ -34,6 +35,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chatbot.engine.stats import peak_rss_bytes
+from chatbot.server.body_limit import BodyLimit
 from chatbot.server.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from chatbot.server.pool import PrefixCachePool
 from chatbot.server.protocol import (
@@ -46,6 +48,7 @@ from chatbot.server.protocol import (
     conversation_of,
     sampling_of,
 )
+from chatbot.server.tools import CallStream, ToolError, Tools, parse_calls, tool_prompt
 from chatbot.server.worker import Job, Worker
 
 # How often a waiting handler checks whether its client is still there.
@@ -166,7 +169,7 @@ async def validation_error_response(_: Request, exc: RequestValidationError) -> 
         where = ".".join(loc) or "body"
         message = f"{where}: {str(first.get('msg', 'invalid value')).removeprefix('Value error, ')}"
         if first.get("type") == "literal_error" and loc and loc[-1] == "role":
-            message = f"{where}: unknown role {first.get('input')!r} (use system, user or assistant)"
+            message = f"{where}: unknown role {first.get('input')!r} (use system, user, assistant or tool)"
     return APIError(400, message, param=".".join(loc) or None).response()
 
 
@@ -281,6 +284,12 @@ class OpenAIApi:
 
     async def chat(self, body: ChatRequest, request: Request) -> Any:
         self.check_model(body.model)
+        if (
+            body.tools
+            or body.tool_choice not in (None, "none")
+            or any(m.role == "tool" or m.tool_calls for m in body.messages)
+        ):
+            return await self.chat_with_tools(body, request)
         conv = conversation_of(body)
         sampling = sampling_of(body, self.pool.sampling, None if self.streaming_cache else self.max_context)
         job = Job(
@@ -289,6 +298,30 @@ class OpenAIApi:
         self.bound.check_conversation(conv)
         if sampling.output_format is not None:  # a schema the engine cannot take never queues
             await asyncio.to_thread(check_format, self.pool.engine.tokenizer, sampling.output_format)
+        return await self.answer(request, job, body.stream, body.stream_options, chat=True)
+
+    async def chat_with_tools(self, body: ChatRequest, request: Request) -> Any:
+        """A conversation with tools (or tool results): the whole message list rendered by the
+        template on a fresh cache (not the prefix cache), the calls read from the answer."""
+        tokenizer = self.pool.engine.tokenizer
+        try:
+            tools = Tools.of(body.tools, body.tool_choice)
+            prompt = tool_prompt(tokenizer, list(body.messages), tools)
+        except ToolError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
+        sampling = sampling_of(body, self.pool.sampling, None if self.streaming_cache else self.max_context)
+        if tools is not None and tools.forced:
+            if sampling.output_format is not None:
+                raise APIError(
+                    400, "tool_choice: a forced call takes no response_format", param="tool_choice"
+                )
+            sampling = dataclasses.replace(sampling, output_format=tools.call_format())
+        if sampling.output_format is not None:
+            await asyncio.to_thread(check_format, tokenizer, sampling.output_format)
+        job = Job(None, sampling, _nowhere, prompt=prompt, stops=body.stop_strings(), n=body.n)
+        job.templated, job.tools = True, tools
+        job.logprobs = body.top_logprobs_wanted()
+        self.bound.check_prompt(prompt)
         return await self.answer(request, job, body.stream, body.stream_options, chat=True)
 
     async def complete(self, body: CompletionRequest, request: Request) -> Any:
@@ -350,7 +383,14 @@ class OpenAIApi:
         choices = []
         for i in range(job.n):
             choice: dict[str, Any] = {"index": i, "finish_reason": finishes.get(i, done["finish_reason"])}
-            if chat:
+            if chat and job.tools is not None:
+                content, calls = parse_calls("".join(texts[i]))
+                choice["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    choice["message"]["tool_calls"] = [call.api() for call in calls]
+                    choice["finish_reason"] = "tool_calls"
+                choice["logprobs"] = None if job.logprobs is None else chat_logprobs(entries[i])
+            elif chat:
                 choice["message"] = {"role": "assistant", "content": "".join(texts[i])}
                 choice["logprobs"] = None if job.logprobs is None else chat_logprobs(entries[i])
             else:
@@ -403,11 +443,22 @@ class OpenAIApi:
                 for i in range(job.n):
                     yield chunk({"role": "assistant", "content": ""}, index=i)
             event: tuple[str, Any] | None = first
+            calls = [CallStream() for _ in range(job.n)] if job.tools is not None else None
             while event is not None and event[0] in ("text", "finish"):
                 if event[0] == "finish":
-                    yield chunk({}, event[1][1], index=event[1][0])
+                    index, finish = event[1]
+                    if calls is not None:  # the text held back: shown now, or read as calls
+                        rest, made = calls[index].finish()
+                        if rest:
+                            yield chunk({"content": rest}, index=index)
+                        if made:
+                            yield chunk({"tool_calls": [c.api(k) for k, c in enumerate(made)]}, index=index)
+                            finish = "tool_calls"
+                    yield chunk({}, finish, index=index)
                 else:
                     piece, tokens, index = event[1]
+                    if calls is not None:
+                        piece = calls[index].feed(piece)
                     yield chunk({"content": piece}, entries=tokens, index=index)
                 event = await _next_event(events, job)
             if event is None:
@@ -430,69 +481,6 @@ class OpenAIApi:
             yield "data: [DONE]\n\n"
         finally:
             job.cancel.set()  # a no-op when the answer is complete; stops it when the client left
-
-
-class BodyLimit:
-    """ASGI middleware: a request body is read whole, up to `max_bytes`, before the app sees
-    it. Over the cap (by Content-Length, before reading, or counted as a chunked body
-    arrives) is a 413 at once; bytes that are not UTF-8 are a 400 (JSON between systems is
-    UTF-8, and a body of raw bytes would otherwise reach the parser's generic error).
-
-    The app then reads the buffered body, and after it the connection's own messages (a
-    disconnect). The rest of a refused body is read and dropped by uvicorn, so the client
-    gets the answer and the connection stays usable; memory stays at the cap.
-    """
-
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            await self._too_large(int(declared)).response()(scope, receive, send)
-            return
-        parts: list[bytes] = []
-        size = 0
-        left: dict[str, Any] | None = None  # the client went away before the body was whole
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                left = message
-                break
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                await self._too_large(None).response()(scope, receive, send)
-                return
-            parts.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(parts)
-        try:
-            body.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            bad = body[exc.start : exc.start + 1].hex()
-            error = APIError(400, f"the body is not UTF-8: byte 0x{bad} at offset {exc.start:,}")
-            await error.response()(scope, receive, send)
-            return
-        pending = [left or {"type": "http.request", "body": body, "more_body": False}]
-
-        async def replay() -> dict[str, Any]:
-            return pending.pop() if pending else await receive()
-
-        await self.app(scope, replay, send)
-
-    def _too_large(self, declared: int | None) -> APIError:
-        size = f" ({declared:,} bytes)" if declared is not None else ""
-        return APIError(
-            413,
-            f"the request body{size} is over this server's limit of {self.max_bytes:,} bytes "
-            "(chatbot serve --max-body)",
-            code="request_too_large",
-        )
 
 
 def _defaults(pool: PrefixCachePool) -> dict[str, Any]:

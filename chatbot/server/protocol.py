@@ -45,8 +45,11 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, sent back
+    tool_call_id: Text | None = None  # a tool result's call
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -107,7 +110,7 @@ MAX_CHOICES = 16
 
 class _Request(BaseModel):
     """The fields both completion requests share. Every OpenAI field is either used or, set to
-    something this server cannot do (tools, logit_bias, penalties), a
+    something this server cannot do (legacy functions, logit_bias, penalties), a
     400 naming it (`check_supported`); fields OpenAI does not have are accepted and ignored, as
     vLLM does."""
 
@@ -431,13 +434,10 @@ def check_supported(body: ChatRequest | CompletionRequest) -> None:
         if body.best_of not in (None, 1):
             raise APIError(400, "best_of must be 1 (one answer per request)", param="best_of")
         return
-    if body.tools:
-        raise _unsupported("tools", "tool calling")
     if body.functions:
-        raise _unsupported("functions", "function calling")
-    for name in ("tool_choice", "function_call"):
-        if getattr(body, name) not in (None, "none"):
-            raise _unsupported(name, "tool calling")
+        raise _unsupported("functions", "the legacy function calling (tools is)")
+    if body.function_call not in (None, "none"):
+        raise _unsupported("function_call", "the legacy function calling (tool_choice is)")
 
 
 def check_format(tokenizer: Any, fmt: OutputFormat) -> None:

@@ -19,6 +19,7 @@ from chatbot.engine.sampling import seeded_generator
 from chatbot.engine.stop_criteria import stop_checks
 from chatbot.engine.stops import StopStrings
 from chatbot.errors import ChatbotError, ContextFullError
+from chatbot.models.templates import answer_stops
 from chatbot.server.logprobs import LogprobTracker, TokenLogprob, TokenTexts
 from chatbot.server.pool import Conversation, PrefixCachePool
 from chatbot.server.protocol import APIError
@@ -51,6 +52,8 @@ class Job:
     stops: tuple[str, ...] = ()  # the request's stop strings (the template's apply as well)
     logprobs: int | None = None  # report logprobs with this many top tokens; None: none
     n: int = 1  # answers (choices) to the one prompt, one after another from its cache
+    templated: bool = False  # `prompt` is a rendered chat: no special tokens added, the template's stops
+    tools: Any = None  # the request's `tools.Tools` (its answers are read for calls)
 
 
 class Worker:
@@ -159,12 +162,17 @@ class Worker:
         stamp = getattr(engine.model, "chatbot_file_stamp", None)
         if stamp is not None:  # a file changed under the mapping would kill the server (SIGBUS)
             stamp.check()
-        ids = list(engine.tokenizer(job.prompt)["input_ids"])
+        ids = list(engine.tokenizer(job.prompt, add_special_tokens=not job.templated)["input_ids"])
         if not ids:
             job.emit(("error", APIError(400, "the prompt is empty", param="prompt")))
             return
         cache = conversation_cache(engine, self.pool.engine_config, engine.max_context)
         eos = engine.tokenizer.eos_token_id
+        stop_ids = [] if eos is None else [int(eos)]
+        stops = StopStrings(job.stops)
+        if job.templated:  # the end of a turn, as a chat's
+            stop_ids, template_stops = answer_stops(engine.tokenizer, engine.model, self.pool.template)
+            stops = StopStrings((*template_stops.strings, *job.stops))
         generator = seeded_generator(engine.device, job.sampling.seed)
         tokens, finishes = 0, []
         for choice in range(job.n):
@@ -172,13 +180,13 @@ class Worker:
             if choice:  # the prompt but its last token stays: that one gives the first logits
                 new_ids = ids[-1:] if cache.crop_to(len(ids) - 1) else ids
             tracker = self._tracker(job)
-            criterion, view = stop_checks(engine.tokenizer, StopStrings(job.stops))
+            criterion, view = stop_checks(engine.tokenizer, stops)
             chunks = engine.generate(
                 cache,
                 new_ids,
                 job.sampling,
                 history_ids=ids[: len(ids) - len(new_ids)],
-                stop_ids=[] if eos is None else [int(eos)],
+                stop_ids=stop_ids,
                 prefill_chunk=self.pool.engine_config.prefill_chunk,
                 generator=generator,
                 stopping_criteria=criterion,
