@@ -186,6 +186,8 @@ class CompletionRequest(_Request):
     logprobs: int | None = None
     suffix: Text | None = None
     best_of: int | None = None
+    response_format: Any = None  # chat only: refused here rather than ignored
+    tools: Any = None
 
     def top_logprobs_wanted(self) -> int | None:
         """How many top tokens to list with each token's logprob; None: no logprobs.
@@ -433,6 +435,9 @@ def check_supported(body: ChatRequest | CompletionRequest) -> None:
             raise _unsupported("suffix", "a suffix (insertion)")
         if body.best_of not in (None, 1):
             raise APIError(400, "best_of must be 1 (one answer per request)", param="best_of")
+        for name in ("response_format", "tools"):
+            if getattr(body, name) is not None:
+                raise _unsupported(name, f"{name} on /v1/completions (it is on /v1/chat/completions)")
         return
     if body.functions:
         raise _unsupported("functions", "the legacy function calling (tools is)")
