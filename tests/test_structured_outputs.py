@@ -249,3 +249,18 @@ def test_set_format_json_in_the_piped_chat():
     assert isinstance(json.loads(first), dict), out.stdout
     with pytest.raises(ValueError):
         json.loads(second)
+
+
+def test_run_server_sends_the_format_as_response_format():
+    from chatbot.remote import remote_sampling
+    from chatbot.remote_backend import request_fields
+
+    fmt = OutputFormat(json.dumps(PERSON), "person", True)
+    body = request_fields(remote_sampling(output_format=fmt))
+    assert body == {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+        }
+    }
+    assert "response_format" not in request_fields(remote_sampling())
