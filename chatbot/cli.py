@@ -29,6 +29,7 @@ from chatbot.cli_common import (
     EnableStreamingOpt,
     GreedyOpt,
     HostOpt,
+    JsonSchemaOpt,
     KeepSystemOpt,
     LogLevelOpt,
     MaxBodyOpt,
@@ -69,6 +70,7 @@ from chatbot.cli_common import (
     TopPOpt,
     TrustOpt,
     VersionOpt,
+    banner_line,
     check_threads,
     context_note,
     exit_if_failed,
@@ -84,7 +86,7 @@ from chatbot.cli_common import (
 )
 from chatbot.cli_help import HelpGroup
 from chatbot.cli_hub import models, pull, rm
-from chatbot.config import EngineConfig, LoadConfig, RunConfig
+from chatbot.config import EngineConfig, LoadConfig, OutputFormat, RunConfig
 from chatbot.errors import ChatbotError, ConfigError
 from chatbot.models.gc_pause import pause_until_ready
 from chatbot.models.gc_pause import ready as gc_ready
@@ -143,6 +145,7 @@ def run(
     no_stats: NoStatsOpt = False,
     resume: ResumeOpt = None,
     prompt_option: PromptOpt = None,
+    json_schema: JsonSchemaOpt = None,
     server: ServerOpt = None,
     api_key_env: ClientKeyEnvOpt = None,
     debug: DebugOpt = False,
@@ -154,6 +157,7 @@ def run(
     from chatbot.terminal.oneshot import one_shot_message
 
     message = one_shot_message(prompt, prompt_option, None if sys.stdin.isatty() else sys.stdin.buffer)
+    output_format = None if json_schema is None else OutputFormat.from_file(json_schema)
     if server is not None:
         overrides = {
             "temperature": 0.0 if greedy else temperature,
@@ -163,6 +167,7 @@ def run(
             "max_new_tokens": max_new_tokens,
             "seed": seed,
             "stream_interval": stream_interval,
+            "output_format": output_format,
         }
         gc_ready()
         from chatbot.cli_remote import run_remote
@@ -185,6 +190,7 @@ def run(
         raise ConfigError("--api-key-env goes with --server URL")
     # Every setting, resolved and checked once, before the (slow) model load.
     settings = resolve_cli_settings(ctx, preset, config).run_config()
+    settings.output_format = output_format
     _chat_locally(settings, opt, check_threads(threads), plain, no_stats, resume, message)
 
 
@@ -290,19 +296,7 @@ def _make_chat(settings: Any, opt: str, threads: int | None, banner: bool, quiet
     notes = [backend_note, context_note(loaded, settings.engine), streaming_note(engine, settings.engine)]
     shown = [*loaded.notes, *filter(None, notes)]
     if banner:
-        d = loaded.describe()
-        quant = f" · {d['quantization']}" if d["quantization"] != "none" else ""
-        decoder = engine.decoder
-        if decoder is not None:
-            decode = f"native {decoder.info().activations} ({opt})"
-        else:
-            decode = "compiled (torch.compile)" if getattr(backend, "compiled", False) else "transformers"
-        shown.append(
-            " · ".join(f"{d[k]}" for k in ("model", "parameters", "dtype", "device"))
-            + quant
-            + f" · context {d['context']} · template {d['template']} · loaded in {d['load time']}"
-            + f" · decode: {decode}"
-        )
+        shown.append(banner_line(loaded, engine, opt))
     if engine.compiled:  # before the prompt, not in the first answer
         if not quiet and sys.stderr.isatty():
             with Console(stderr=True).status("compiling the decode step (once per cache size)…"):

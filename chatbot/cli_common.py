@@ -197,6 +197,15 @@ PromptArg = Annotated[
 PromptOpt = Annotated[
     str | None, typer.Option("--prompt", "-p", help="The prompt, as an option (the same as the argument).")
 ]
+JsonSchemaOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="Hold every answer to the JSON schema in this file (constrained decoding; "
+        "in the chat, /set format json asks for any JSON object).",
+        metavar="FILE",
+        show_default=False,
+    ),
+]
 PlainOpt = Annotated[bool, typer.Option(help="Print raw text instead of rendered Markdown.")]
 NoStatsOpt = Annotated[bool, typer.Option("--no-stats", help="Hide the stats line after each answer.")]
 ResumeOpt = Annotated[
@@ -383,6 +392,23 @@ def make_engine(loaded: Any, config: EngineConfig, backend: Backend) -> Engine:
     from chatbot.engine.generate import Engine
 
     return Engine(loaded.model, loaded.tokenizer, max_context=config.max_context, backend=backend)
+
+
+def banner_line(loaded: Any, engine: Engine, opt: str) -> str:
+    """The one line `chatbot run` shows on a terminal once the model is loaded."""
+    d = loaded.describe()
+    quant = f" · {d['quantization']}" if d["quantization"] != "none" else ""
+    decoder = engine.decoder
+    if decoder is not None:
+        decode = f"native {decoder.info().activations} ({opt})"
+    else:
+        decode = "compiled (torch.compile)" if engine.compiled else "transformers"
+    return (
+        " · ".join(f"{d[k]}" for k in ("model", "parameters", "dtype", "device"))
+        + quant
+        + f" · context {d['context']} · template {d['template']} · loaded in {d['load time']}"
+        + f" · decode: {decode}"
+    )
 
 
 def context_note(loaded: Any, config: EngineConfig) -> str | None:

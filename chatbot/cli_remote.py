@@ -80,7 +80,11 @@ def run_remote(
     repl.start_log(
         resume_path,
         system=system,
-        overrides={k: v for k, v in overrides.items() if v is not None and k != "stream_interval"},
+        overrides={
+            k: v
+            for k, v in overrides.items()
+            if v is not None and k not in ("stream_interval", "output_format")
+        },
     )
     if message is not None:
         sys.exit(answer_once(repl, message))

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from chatbot.errors import ConfigError
@@ -65,6 +68,74 @@ def _fmt(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
+@dataclass(frozen=True)
+class OutputFormat:
+    """What shape the answer must take, enforced token by token (`chatbot.engine.grammar`):
+    a JSON object (`schema` None), or JSON that satisfies `schema`, a JSON Schema as JSON text.
+
+    `name` is the schema's name (OpenAI's `json_schema.name`), `strict` its `strict` flag:
+    both travel with it to a server; the schema is enforced either way.
+    """
+
+    schema: str | None = None
+    name: str = "schema"
+    strict: bool | None = None
+
+    @classmethod
+    def json_object(cls) -> OutputFormat:
+        return cls()
+
+    def describe(self) -> str:
+        """The format as /set lists it."""
+        return "json" if self.schema is None else f"json schema {self.name}"
+
+    def response_format(self) -> dict[str, Any]:
+        """OpenAI's `response_format` for it."""
+        if self.schema is None:
+            return {"type": "json_object"}
+        spec: dict[str, Any] = {"name": self.name, "schema": json.loads(self.schema)}
+        if self.strict is not None:
+            spec["strict"] = self.strict
+        return {"type": "json_schema", "json_schema": spec}
+
+    @classmethod
+    def from_file(cls, path: Path) -> OutputFormat:
+        """The JSON schema in a file (`--json-schema FILE`), named after the file.
+
+        Raises:
+            ConfigError: the file cannot be read, or holds no JSON object.
+        """
+        try:
+            schema = json.loads(path.expanduser().read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"--json-schema: cannot read {path}: {exc.strerror or exc}") from None
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise ConfigError(f"--json-schema: {path} is not JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise ConfigError(f"--json-schema: {path} holds a {type(schema).__name__}, not a schema object")
+        name = re.sub(r"[^a-zA-Z0-9_-]", "_", path.stem)[:64] or "schema"
+        return cls(json.dumps(schema), name)
+
+
+FORMAT_KEY = "format"
+"""The `/set` key of `SamplingConfig.output_format`: `text` or `json` (any JSON object)."""
+
+
+def format_choice(raw: Any) -> str:
+    """`/set format`'s value, normalized: "text" or "json".
+
+    Raises:
+        ConfigError: anything else.
+    """
+    value = str(raw).strip().lower()
+    value = {"off": "text", "none": "text", "json_object": "json"}.get(value, value)
+    if value not in ("text", "json"):
+        raise ConfigError(
+            f"format must be text or json, got {raw!r} (a JSON schema: chatbot run --json-schema FILE)"
+        )
+    return value
+
+
 UNSET_TEXT = "server's default"
 """How a setting in `SamplingConfig.unset` is shown: only a chat with a server leaves any."""
 
@@ -85,6 +156,8 @@ class SamplingConfig:
     seed: int | None = None
     stream_interval: int = 1
     unset: frozenset[str] = frozenset()
+    # None: free text; else the answer is held to this format (constrained decoding).
+    output_format: OutputFormat | None = None
 
     RANGES: ClassVar[dict[str, Range]] = {
         "temperature": Range(float, 0.0, 100.0, gap_above_low=0.01),
@@ -123,6 +196,8 @@ class SamplingConfig:
 
     def shown(self, key: str) -> str:
         """A setting's value as /set lists it."""
+        if key == FORMAT_KEY:
+            return "text" if self.output_format is None else self.output_format.describe()
         if key in self.unset:
             return UNSET_TEXT
         value = getattr(self, key)
@@ -135,6 +210,11 @@ class SamplingConfig:
             ConfigError: for an unknown key or a value outside its range.
         """
         key = key.replace("-", "_")
+        if key == FORMAT_KEY:
+            json_object = format_choice(raw) == "json"
+            return dataclasses.replace(
+                self, output_format=OutputFormat.json_object() if json_object else None
+            )
         if key not in self.RANGES:
             raise ConfigError(f"unknown setting {key!r}; settings: {', '.join(self.RANGES)}")
         if key == "seed" and isinstance(raw, str) and raw.lower() in ("none", "off", "random"):
@@ -302,6 +382,8 @@ class RunConfig:
     system: str | None = None
     sampling: SamplingChoices = field(default_factory=SamplingChoices)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    # `run --json-schema`: a choice of this run, not a setting (no preset or log holds it)
+    output_format: OutputFormat | None = None
 
     @classmethod
     def setting_names(cls) -> tuple[str, ...]:
@@ -339,6 +421,8 @@ class RunConfig:
 
     def chat_config(self, sampling: SamplingConfig) -> ChatConfig:
         """The session's settings, with `sampling` completed from the loaded model."""
+        if self.output_format is not None:
+            sampling = dataclasses.replace(sampling, output_format=self.output_format)
         return ChatConfig(system=self.system, sampling=sampling, engine=self.engine, load=self.load)
 
 

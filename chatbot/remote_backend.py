@@ -364,6 +364,8 @@ def request_fields(sampling: SamplingConfig) -> dict[str, Any]:
     extra = {key: given[key] for key in ("top_k", "repetition_penalty") if key in given}
     if extra:
         body["extra_body"] = extra
+    if sampling.output_format is not None:
+        body["response_format"] = sampling.output_format.response_format()
     return body
 
 

@@ -119,7 +119,7 @@ def test_completion_of_commands_and_settings():
     assert names == ["/reset", "/retry"] and start == 0 and kind is None
     assert complete("/")[0] == [f"/{n}" for n in COMMANDS]
     assert complete("/set te") == (["temperature"], 5, None)
-    assert complete("/set ")[0] == list(SamplingConfig.RANGES)
+    assert complete("/set ")[0] == [*SamplingConfig.RANGES, "format"]
     assert complete("/set temperature ")[0] == []
     assert complete("/set seed n") == (["none"], 10, None)
     assert complete("/set temperature 0.5 top")[0] == ["top_p", "top_k"]

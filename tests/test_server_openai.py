@@ -187,8 +187,12 @@ def test_logprobs_ranges(client):
         ("max_completion_tokens", 0),
         ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
         ("tool_choice", "required"),
-        ("response_format", {"type": "json_object"}),
-        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+        # a schema the grammar engine cannot enforce (json_object and json_schema are done:
+        # test_structured_outputs)
+        (
+            "response_format",
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"uniqueItems": True}}},
+        ),
     ],
 )
 def test_what_the_server_cannot_do_is_a_400_naming_the_field(client, field, value):
@@ -196,7 +200,7 @@ def test_what_the_server_cannot_do_is_a_400_naming_the_field(client, field, valu
     assert error["param"] == field, error
 
 
-@pytest.mark.parametrize("field, value", [("temperature", -0.5), ("top_p", 1.5), ("n", 2), ("max_tokens", 0)])
+@pytest.mark.parametrize("field, value", [("temperature", -0.5), ("top_p", 1.5), ("n", 0), ("max_tokens", 0)])
 def test_ranges_the_server_held_already(client, field, value):
     """Refused before issue 25 too: kept so."""
     error = bad_request(client.chat.completions.create, model=MODEL, messages=COUNT, **{field: value})

@@ -280,12 +280,19 @@ class Engine:
 
         Raises:
             ContextFullError: before any work, when a growing cache cannot take the prompt.
+            GrammarError: before any work, when `sampling.output_format` cannot be enforced.
         """
         kv.check_room(len(new_ids))
         if history_ids is None:
             history_ids = list(kv.ids)
         processors = build_logits_processor(sampling) if logits_processor is None else logits_processor
-        sampler = Sampler(sampling, [*history_ids, *new_ids], processors, generator, self.device, self.model)
+        constraint = None
+        if sampling.output_format is not None:  # the grammar engine is imported only here
+            from chatbot.engine.grammar import JsonConstraint
+
+            constraint = JsonConstraint(self.tokenizer, sampling.output_format)
+        context = [*history_ids, *new_ids]
+        sampler = Sampler(sampling, context, processors, generator, self.device, self.model, constraint)
         stats = TurnStats(context_tokens=len(new_ids))
         t0 = time.perf_counter()
         reserve = min(sampling.max_new_tokens, 256) if kv.is_bounded else 0
@@ -348,7 +355,8 @@ def stream_chunks(
 ) -> Iterator[GenerationChunk]:
     """`token_steps`' tokens as chunks of text every `sampling.stream_interval` tokens, ended
     by a stop id ("stop", the id left out), `stopping_criteria` ("stop", the token kept),
-    `sampling.max_new_tokens` ("length") or a full cache ("context"). The last chunk carries
+    a complete answer under the sampler's constraint ("stop": the grammar allows nothing
+    more), `sampling.max_new_tokens` ("length") or a full cache ("context"). The last chunk carries
     the finish reason and `stats` (filled in here: first-token time, per-token latencies,
     the answer's length; `on_finish` is called to add the caller's figures before the last
     chunk goes out); `stats.context_time_s` is the caller's.
@@ -377,6 +385,9 @@ def stream_chunks(
             if len(pending) >= sampling.stream_interval:
                 yield GenerationChunk(pending_text, tuple(pending))
                 pending, pending_text = [], ""
+            if sampler.complete:
+                finish = "stop"
+                break
             if stopping_criteria is not None and sampler.scores is not None:
                 hit = stopping_criteria(sampler.context, sampler.scores)
                 if bool(hit.all()) if isinstance(hit, torch.Tensor) else bool(hit):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 from transformers.generation.logits_process import (
@@ -117,9 +117,25 @@ def seeded_generator(device: torch.device, seed: int | None) -> torch.Generator:
     return generator
 
 
+class TokenConstraint(Protocol):
+    """What holds an answer to a grammar (`chatbot.engine.grammar.JsonConstraint`)."""
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` (``[vocab]``) with the forbidden tokens at -inf (a copy)."""
+        ...
+
+    def accept(self, token: int) -> None: ...
+
+    @property
+    def complete(self) -> bool:
+        """Nothing may follow the answer so far."""
+        ...
+
+
 class Sampler:
-    """Chooses each answer token from the logits: the processors (repetition penalty over the
-    context so far, temperature, top-k/p), then argmax or a draw from `generator`.
+    """Chooses each answer token from the logits: the constraint's mask where there is one,
+    the processors (repetition penalty over the context so far, temperature, top-k/p), then
+    argmax or a draw from `generator`.
 
     Args:
         sampling: the settings (greedy or not, the most answer tokens).
@@ -128,6 +144,8 @@ class Sampler:
         generator: the random generator (seeded by the caller).
         device: where the context buffer lives (the logits' device).
         model: the model, only to name its file when its logits are not finite.
+        constraint: a grammar the answer must follow (None: free text); masked first, so
+            that top-k and top-p choose among the tokens it allows.
     """
 
     def __init__(
@@ -138,8 +156,10 @@ class Sampler:
         generator: torch.Generator | None,
         device: torch.device,
         model: Any = None,
+        constraint: TokenConstraint | None = None,
     ) -> None:
         self.model = model
+        self.constraint = constraint
         self.greedy = sampling.greedy
         self.processors = processors
         self.generator = generator
@@ -161,12 +181,21 @@ class Sampler:
             NonFiniteOutputError: the chosen token's logit is NaN or infinite (a damaged model).
         """
         context = cast(torch.LongTensor, self.context)
-        scores = self.scores = self.processors(context, logits[None]) if self.processors else logits[None]
+        allowed = logits if self.constraint is None else self.constraint.mask(logits)
+        scores = self.scores = self.processors(context, allowed[None]) if self.processors else allowed[None]
+        # The raw logits are checked: a masked one's -inf is the grammar's, not the model's.
         if self.greedy:  # the chosen token's logit is tested as it is read: free
             return checked_token(logits, scores.argmax(-1), self.model)
         return sampled_token(logits, scores, self.generator, self.model)
 
     def accept(self, token: int) -> None:
-        """`token` joins the answer (the repetition penalty's context)."""
+        """`token` joins the answer (the repetition penalty's context, the constraint's state)."""
         self.seen[0, self.n_seen] = token
         self.n_seen += 1
+        if self.constraint is not None:
+            self.constraint.accept(token)
+
+    @property
+    def complete(self) -> bool:
+        """The constraint allows nothing after the answer so far (never without one)."""
+        return self.constraint is not None and self.constraint.complete

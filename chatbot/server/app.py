@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import secrets
@@ -34,6 +35,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chatbot.engine.stats import peak_rss_bytes
+from chatbot.server.body_limit import BodyLimit
 from chatbot.server.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from chatbot.server.pool import PrefixCachePool
 from chatbot.server.protocol import (
@@ -42,9 +44,11 @@ from chatbot.server.protocol import (
     CompletionRequest,
     PromptBound,
     StreamOptions,
+    check_format,
     conversation_of,
     sampling_of,
 )
+from chatbot.server.tools import CallStream, ToolError, Tools, parse_calls, tool_prompt
 from chatbot.server.worker import Job, Worker
 
 # How often a waiting handler checks whether its client is still there.
@@ -165,7 +169,7 @@ async def validation_error_response(_: Request, exc: RequestValidationError) -> 
         where = ".".join(loc) or "body"
         message = f"{where}: {str(first.get('msg', 'invalid value')).removeprefix('Value error, ')}"
         if first.get("type") == "literal_error" and loc and loc[-1] == "role":
-            message = f"{where}: unknown role {first.get('input')!r} (use system, user or assistant)"
+            message = f"{where}: unknown role {first.get('input')!r} (use system, user, assistant or tool)"
     return APIError(400, message, param=".".join(loc) or None).response()
 
 
@@ -280,10 +284,44 @@ class OpenAIApi:
 
     async def chat(self, body: ChatRequest, request: Request) -> Any:
         self.check_model(body.model)
+        if (
+            body.tools
+            or body.tool_choice not in (None, "none")
+            or any(m.role == "tool" or m.tool_calls for m in body.messages)
+        ):
+            return await self.chat_with_tools(body, request)
         conv = conversation_of(body)
         sampling = sampling_of(body, self.pool.sampling, None if self.streaming_cache else self.max_context)
-        job = Job(conv, sampling, _nowhere, stops=body.stop_strings(), logprobs=body.top_logprobs_wanted())
+        job = Job(
+            conv, sampling, _nowhere, stops=body.stop_strings(), logprobs=body.top_logprobs_wanted(), n=body.n
+        )
         self.bound.check_conversation(conv)
+        if sampling.output_format is not None:  # a schema the engine cannot take never queues
+            await asyncio.to_thread(check_format, self.pool.engine.tokenizer, sampling.output_format)
+        return await self.answer(request, job, body.stream, body.stream_options, chat=True)
+
+    async def chat_with_tools(self, body: ChatRequest, request: Request) -> Any:
+        """A conversation with tools (or tool results): the whole message list rendered by the
+        template on a fresh cache (not the prefix cache), the calls read from the answer."""
+        tokenizer = self.pool.engine.tokenizer
+        try:
+            tools = Tools.of(body.tools, body.tool_choice)
+            prompt = tool_prompt(tokenizer, list(body.messages), tools)
+        except ToolError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
+        sampling = sampling_of(body, self.pool.sampling, None if self.streaming_cache else self.max_context)
+        if tools is not None and tools.forced:
+            if sampling.output_format is not None:
+                raise APIError(
+                    400, "tool_choice: a forced call takes no response_format", param="tool_choice"
+                )
+            sampling = dataclasses.replace(sampling, output_format=tools.call_format())
+        if sampling.output_format is not None:
+            await asyncio.to_thread(check_format, tokenizer, sampling.output_format)
+        job = Job(None, sampling, _nowhere, prompt=prompt, stops=body.stop_strings(), n=body.n)
+        job.templated, job.tools = True, tools
+        job.logprobs = body.top_logprobs_wanted()
+        self.bound.check_prompt(prompt)
         return await self.answer(request, job, body.stream, body.stream_options, chat=True)
 
     async def complete(self, body: CompletionRequest, request: Request) -> Any:
@@ -297,6 +335,7 @@ class OpenAIApi:
             prompt=prompt,
             stops=body.stop_strings(),
             logprobs=body.top_logprobs_wanted(),
+            n=body.n,
         )
         self.bound.check_prompt(prompt)
         return await self.answer(request, job, body.stream, body.stream_options, chat=False)
@@ -333,13 +372,7 @@ class OpenAIApi:
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )
-            text: list[str] = []
-            entries: list[TokenLogprob] = []
-            event: tuple[str, Any] | None = first
-            while event is not None and event[0] == "text":
-                text.append(event[1][0])
-                entries += event[1][1]
-                event = await _next_event(events, job)
+            texts, entries, finishes, event = await _collect(first, events, job)
         finally:
             await _stop(watcher)
         if event is None:
@@ -347,35 +380,29 @@ class OpenAIApi:
         if event[0] == "error":
             raise event[1]
         done = event[1]
-        if not chat:
-            return {
-                "id": rid,
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": self.model_name,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": "".join(text),
-                        "finish_reason": done["finish_reason"],
-                        "logprobs": None if job.logprobs is None else completion_logprobs(entries),
-                    }
-                ],
-                "usage": _usage(done),
-            }
+        choices = []
+        for i in range(job.n):
+            choice: dict[str, Any] = {"index": i, "finish_reason": finishes.get(i, done["finish_reason"])}
+            if chat and job.tools is not None:
+                content, calls = parse_calls("".join(texts[i]))
+                choice["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    choice["message"]["tool_calls"] = [call.api() for call in calls]
+                    choice["finish_reason"] = "tool_calls"
+                choice["logprobs"] = None if job.logprobs is None else chat_logprobs(entries[i])
+            elif chat:
+                choice["message"] = {"role": "assistant", "content": "".join(texts[i])}
+                choice["logprobs"] = None if job.logprobs is None else chat_logprobs(entries[i])
+            else:
+                choice["text"] = "".join(texts[i])
+                choice["logprobs"] = None if job.logprobs is None else completion_logprobs(entries[i])
+            choices.append(choice)
         return {
             "id": rid,
-            "object": "chat.completion",
+            "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": self.model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": "".join(text)},
-                    "finish_reason": done["finish_reason"],
-                    "logprobs": None if job.logprobs is None else chat_logprobs(entries),
-                }
-            ],
+            "choices": choices,
             "usage": _usage(done),
         }
 
@@ -390,15 +417,16 @@ class OpenAIApi:
     ) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        offset = 0  # of the chunk's text in the answer (a completion's text_offset)
+        offsets = [0] * job.n  # of each chunk's text in its answer (a completion's text_offset)
 
-        def chunk(delta: dict[str, Any], finish: str | None = None, entries: Any = None) -> str:
-            nonlocal offset
+        def chunk(
+            delta: dict[str, Any], finish: str | None = None, entries: Any = None, index: int = 0
+        ) -> str:
             logprobs = None
             if job.logprobs is not None and entries is not None:
-                logprobs = chat_logprobs(entries) if chat else completion_logprobs(entries, offset)
-            offset += len(delta.get("content", ""))
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
+                logprobs = chat_logprobs(entries) if chat else completion_logprobs(entries, offsets[index])
+            offsets[index] += len(delta.get("content", ""))
+            choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
             choice.update({"delta": delta} if chat else {"text": delta.get("content", "")})
             return _data(
                 {
@@ -412,10 +440,26 @@ class OpenAIApi:
 
         try:
             if chat:
-                yield chunk({"role": "assistant", "content": ""})
+                for i in range(job.n):
+                    yield chunk({"role": "assistant", "content": ""}, index=i)
             event: tuple[str, Any] | None = first
-            while event is not None and event[0] == "text":
-                yield chunk({"content": event[1][0]}, entries=event[1][1])
+            calls = [CallStream() for _ in range(job.n)] if job.tools is not None else None
+            while event is not None and event[0] in ("text", "finish"):
+                if event[0] == "finish":
+                    index, finish = event[1]
+                    if calls is not None:  # the text held back: shown now, or read as calls
+                        rest, made = calls[index].finish()
+                        if rest:
+                            yield chunk({"content": rest}, index=index)
+                        if made:
+                            yield chunk({"tool_calls": [c.api(k) for k, c in enumerate(made)]}, index=index)
+                            finish = "tool_calls"
+                    yield chunk({}, finish, index=index)
+                else:
+                    piece, tokens, index = event[1]
+                    if calls is not None:
+                        piece = calls[index].feed(piece)
+                    yield chunk({"content": piece}, entries=tokens, index=index)
                 event = await _next_event(events, job)
             if event is None:
                 return
@@ -423,7 +467,6 @@ class OpenAIApi:
                 yield _data(event[1].body())  # the openai client raises it as an APIError
                 return
             done = event[1]
-            yield chunk({}, done["finish_reason"])
             if include_usage:
                 yield _data(
                     {
@@ -438,69 +481,6 @@ class OpenAIApi:
             yield "data: [DONE]\n\n"
         finally:
             job.cancel.set()  # a no-op when the answer is complete; stops it when the client left
-
-
-class BodyLimit:
-    """ASGI middleware: a request body is read whole, up to `max_bytes`, before the app sees
-    it. Over the cap (by Content-Length, before reading, or counted as a chunked body
-    arrives) is a 413 at once; bytes that are not UTF-8 are a 400 (JSON between systems is
-    UTF-8, and a body of raw bytes would otherwise reach the parser's generic error).
-
-    The app then reads the buffered body, and after it the connection's own messages (a
-    disconnect). The rest of a refused body is read and dropped by uvicorn, so the client
-    gets the answer and the connection stays usable; memory stays at the cap.
-    """
-
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            await self._too_large(int(declared)).response()(scope, receive, send)
-            return
-        parts: list[bytes] = []
-        size = 0
-        left: dict[str, Any] | None = None  # the client went away before the body was whole
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                left = message
-                break
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                await self._too_large(None).response()(scope, receive, send)
-                return
-            parts.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(parts)
-        try:
-            body.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            bad = body[exc.start : exc.start + 1].hex()
-            error = APIError(400, f"the body is not UTF-8: byte 0x{bad} at offset {exc.start:,}")
-            await error.response()(scope, receive, send)
-            return
-        pending = [left or {"type": "http.request", "body": body, "more_body": False}]
-
-        async def replay() -> dict[str, Any]:
-            return pending.pop() if pending else await receive()
-
-        await self.app(scope, replay, send)
-
-    def _too_large(self, declared: int | None) -> APIError:
-        size = f" ({declared:,} bytes)" if declared is not None else ""
-        return APIError(
-            413,
-            f"the request body{size} is over this server's limit of {self.max_bytes:,} bytes "
-            "(chatbot serve --max-body)",
-            code="request_too_large",
-        )
 
 
 def _defaults(pool: PrefixCachePool) -> dict[str, Any]:
@@ -533,6 +513,27 @@ def _usage(done: dict[str, Any]) -> dict[str, Any]:
         "total_tokens": done["prompt_tokens"] + done["completion_tokens"],
         "prompt_tokens_details": {"cached_tokens": done["cached_tokens"]},
     }
+
+
+async def _collect(
+    first: tuple[str, Any], events: asyncio.Queue[tuple[str, Any]], job: Job
+) -> tuple[list[list[str]], list[list[TokenLogprob]], dict[int, str], tuple[str, Any] | None]:
+    """A job's answers gathered from its events: each answer's pieces of text and logprobs,
+    the finish reasons by answer, and the event that ended them ("done", "error", or None
+    when the client went away)."""
+    texts: list[list[str]] = [[] for _ in range(job.n)]
+    entries: list[list[TokenLogprob]] = [[] for _ in range(job.n)]
+    finishes: dict[int, str] = {}
+    event: tuple[str, Any] | None = first
+    while event is not None and event[0] in ("text", "finish"):
+        if event[0] == "finish":
+            finishes[event[1][0]] = event[1][1]
+        else:
+            piece, tokens, index = event[1]
+            texts[index].append(piece)
+            entries[index] += tokens
+        event = await _next_event(events, job)
+    return texts, entries, finishes, event
 
 
 async def _next_event(events: asyncio.Queue[tuple[str, Any]], job: Job) -> tuple[str, Any] | None:

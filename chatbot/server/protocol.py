@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from chatbot.config import SamplingConfig
+from chatbot.config import OutputFormat, SamplingConfig
 from chatbot.errors import ConfigError
 from chatbot.server.pool import Conversation
 
@@ -45,8 +45,11 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, sent back
+    tool_call_id: Text | None = None  # a tool result's call
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -60,18 +63,54 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`: the schema the answer must satisfy."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Text | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def output_format(self) -> OutputFormat | None:
+        """The format the answer is held to (None: free text).
+
+        Raises:
+            APIError: `json_schema` missing for that type, or given with another.
+        """
+        if self.type != "json_schema":
+            if self.json_schema is not None:
+                raise APIError(
+                    400,
+                    f"response_format: json_schema goes with type json_schema, not {self.type}",
+                    param="response_format.json_schema",
+                )
+            return OutputFormat.json_object() if self.type == "json_object" else None
+        if self.json_schema is None:
+            raise APIError(
+                400,
+                "response_format: type json_schema needs a json_schema object (name, schema)",
+                param="response_format.json_schema",
+            )
+        spec = self.json_schema
+        return OutputFormat(json.dumps(spec.schema_), spec.name, spec.strict)
 
 
 # OpenAI's limit on stop strings.
 MAX_STOPS = 4
+# The most answers (`n`) one request may ask for: they are generated one after another.
+MAX_CHOICES = 16
 
 
 class _Request(BaseModel):
     """The fields both completion requests share. Every OpenAI field is either used or, set to
-    something this server cannot do (tools, a JSON response format, logit_bias, penalties), a
+    something this server cannot do (legacy functions, logit_bias, penalties), a
     400 naming it (`check_supported`); fields OpenAI does not have are accepted and ignored, as
     vLLM does."""
 
@@ -147,6 +186,8 @@ class CompletionRequest(_Request):
     logprobs: int | None = None
     suffix: Text | None = None
     best_of: int | None = None
+    response_format: Any = None  # chat only: refused here rather than ignored
+    tools: Any = None
 
     def top_logprobs_wanted(self) -> int | None:
         """How many top tokens to list with each token's logprob; None: no logprobs.
@@ -385,23 +426,38 @@ def check_supported(body: ChatRequest | CompletionRequest) -> None:
             raise _unsupported(name, "a non-zero penalty (repetition_penalty is)")
     if body.logit_bias:
         raise _unsupported("logit_bias", "a logit bias")
-    if body.n != 1:
-        raise APIError(400, "n must be 1 (one answer per request)", param="n")
+    if not 1 <= body.n <= MAX_CHOICES:
+        raise APIError(400, f"n must be between 1 and {MAX_CHOICES}, got {body.n}", param="n")
+    if body.n > 1 and getattr(body, "continue_final_message", False):
+        raise _unsupported("n", "more than one answer with continue_final_message")
     if isinstance(body, CompletionRequest):
         if body.suffix:
             raise _unsupported("suffix", "a suffix (insertion)")
         if body.best_of not in (None, 1):
             raise APIError(400, "best_of must be 1 (one answer per request)", param="best_of")
+        for name in ("response_format", "tools"):
+            if getattr(body, name) is not None:
+                raise _unsupported(name, f"{name} on /v1/completions (it is on /v1/chat/completions)")
         return
-    if body.tools:
-        raise _unsupported("tools", "tool calling")
     if body.functions:
-        raise _unsupported("functions", "function calling")
-    for name in ("tool_choice", "function_call"):
-        if getattr(body, name) not in (None, "none"):
-            raise _unsupported(name, "tool calling")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise _unsupported("response_format", f"the response format {body.response_format.type!r}")
+        raise _unsupported("functions", "the legacy function calling (tools is)")
+    if body.function_call not in (None, "none"):
+        raise _unsupported("function_call", "the legacy function calling (tool_choice is)")
+
+
+def check_format(tokenizer: Any, fmt: OutputFormat) -> None:
+    """Compile the format's grammar once, to refuse what the engine cannot enforce before the
+    request queues (the grammar engine is imported here, on the first such request).
+
+    Raises:
+        APIError: 400 naming response_format, with the engine's reason.
+    """
+    from chatbot.engine.grammar import GrammarError, compiled
+
+    try:
+        compiled(tokenizer, fmt)
+    except GrammarError as exc:
+        raise APIError(400, f"response_format: {exc}", param="response_format") from None
 
 
 # What a request that sets temperature or top_p gets for the settings it leaves out: OpenAI's
@@ -440,6 +496,9 @@ def sampling_of(
         "max_new_tokens": max_tokens,
         "seed": body.seed,
     }
+    response_format = getattr(body, "response_format", None)
+    if response_format is not None:
+        sampling = dataclasses.replace(sampling, output_format=response_format.output_format())
     if body.top_p == 0:  # only the most likely token is left: greedy
         fields["top_p"], fields["temperature"] = None, 0.0
     for key, value in fields.items():

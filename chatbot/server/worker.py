@@ -19,6 +19,7 @@ from chatbot.engine.sampling import seeded_generator
 from chatbot.engine.stop_criteria import stop_checks
 from chatbot.engine.stops import StopStrings
 from chatbot.errors import ChatbotError, ContextFullError
+from chatbot.models.templates import answer_stops
 from chatbot.server.logprobs import LogprobTracker, TokenLogprob, TokenTexts
 from chatbot.server.pool import Conversation, PrefixCachePool
 from chatbot.server.protocol import APIError
@@ -50,6 +51,9 @@ class Job:
     prompt: str = ""
     stops: tuple[str, ...] = ()  # the request's stop strings (the template's apply as well)
     logprobs: int | None = None  # report logprobs with this many top tokens; None: none
+    n: int = 1  # answers (choices) to the one prompt, one after another from its cache
+    templated: bool = False  # `prompt` is a rendered chat: no special tokens added, the template's stops
+    tools: Any = None  # the request's `tools.Tools` (its answers are read for calls)
 
 
 class Worker:
@@ -61,9 +65,14 @@ class Worker:
     the pool and the tokenizer are only ever used by one at a time. Without them, jobs run one
     after the other.
 
-    Events: ("text", (str, [TokenLogprob])) for each piece of the answer (the logprobs of
-    the tokens it completes when the job asks for them), then ("done", usage dict with the
-    finish reason), or ("error", APIError) when nothing could be generated.
+    Events: ("text", (str, [TokenLogprob], choice)) for each piece of an answer (the
+    logprobs of the tokens it completes when the job asks for them), ("finish", (choice,
+    finish reason)) as each of the job's `n` answers ends, then ("done", usage dict with the
+    first answer's finish reason), or ("error", APIError) when nothing could be generated.
+
+    A job's `n` answers come one after another from the one prompt: the first is generated
+    after the prompt's prefill, each next one from the same cache cut back to the end of the
+    prompt (its last token fed again for the logits), so the prompt is prefilled once.
     """
 
     def __init__(self, pool: PrefixCachePool, slots: int = DEFAULT_SLOTS) -> None:
@@ -129,9 +138,8 @@ class Worker:
                 if job.cancel.is_set():  # the client left while it waited
                     continue
                 self.active += 1
-                tracker = None if job.logprobs is None else LogprobTracker(self.token_texts, job.logprobs)
                 try:
-                    self._run(job, tracker)
+                    self._run(job)
                 except Exception as exc:  # noqa: BLE001 - one request must not take the worker down
                     job.emit(
                         (
@@ -143,68 +151,70 @@ class Worker:
                     self.active -= 1
                     self.served += 1
 
-    def _complete(self, job: Job, tracker: LogprobTracker | None) -> None:
-        """A raw prompt on a fresh cache (no template, no prefix cache)."""
+    def _tracker(self, job: Job) -> LogprobTracker | None:
+        """A fresh logprob tracker for one answer of the job (None: it asks for none)."""
+        return None if job.logprobs is None else LogprobTracker(self.token_texts, job.logprobs)
+
+    def _complete(self, job: Job) -> None:
+        """A raw prompt on a fresh cache (no template, no prefix cache); each answer after
+        the first from the cache cut back to the prompt."""
         engine = self.pool.engine
         stamp = getattr(engine.model, "chatbot_file_stamp", None)
         if stamp is not None:  # a file changed under the mapping would kill the server (SIGBUS)
             stamp.check()
-        ids = list(engine.tokenizer(job.prompt)["input_ids"])
+        ids = list(engine.tokenizer(job.prompt, add_special_tokens=not job.templated)["input_ids"])
         if not ids:
             job.emit(("error", APIError(400, "the prompt is empty", param="prompt")))
             return
         cache = conversation_cache(engine, self.pool.engine_config, engine.max_context)
         eos = engine.tokenizer.eos_token_id
-        criterion, view = stop_checks(engine.tokenizer, StopStrings(job.stops))
-        chunks = engine.generate(
-            cache,
-            ids,
-            job.sampling,
-            stop_ids=[] if eos is None else [int(eos)],
-            prefill_chunk=self.pool.engine_config.prefill_chunk,
-            generator=seeded_generator(engine.device, job.sampling.seed),
-            stopping_criteria=criterion,
-            observer=tracker,
-        )
-        stats = None
-        try:
-            for chunk in chunks:
-                _emit_text(job, chunk if view is None else view.chunk(chunk), tracker)
-                stats = chunk.stats or stats
-                if job.cancel.is_set():
-                    return
-        except ContextFullError as exc:
-            job.emit(
-                (
-                    "error",
-                    APIError(
-                        400,
-                        f"{exc}".split(":")[0] + ": the prompt does not fit the context",
-                        param="prompt",
-                        code="context_length_exceeded",
-                    ),
-                )
+        stop_ids = [] if eos is None else [int(eos)]
+        stops = StopStrings(job.stops)
+        if job.templated:  # the end of a turn, as a chat's
+            stop_ids, template_stops = answer_stops(engine.tokenizer, engine.model, self.pool.template)
+            stops = StopStrings((*template_stops.strings, *job.stops))
+        generator = seeded_generator(engine.device, job.sampling.seed)
+        tokens, finishes = 0, []
+        for choice in range(job.n):
+            new_ids = ids
+            if choice:  # the prompt but its last token stays: that one gives the first logits
+                new_ids = ids[-1:] if cache.crop_to(len(ids) - 1) else ids
+            tracker = self._tracker(job)
+            criterion, view = stop_checks(engine.tokenizer, stops)
+            chunks = engine.generate(
+                cache,
+                new_ids,
+                job.sampling,
+                history_ids=ids[: len(ids) - len(new_ids)],
+                stop_ids=stop_ids,
+                prefill_chunk=self.pool.engine_config.prefill_chunk,
+                generator=generator,
+                stopping_criteria=criterion,
+                observer=tracker,
             )
-            return
-        finally:
-            chunks.close()
-        assert stats is not None
+            try:
+                stats = _stream(job, chunks, tracker, choice, view)
+            except ContextFullError as exc:
+                message = f"{exc}".split(":")[0] + ": the prompt does not fit the context"
+                job.emit(("error", APIError(400, message, param="prompt", code="context_length_exceeded")))
+                return
+            if stats is None:
+                return
+            tokens += stats.generated_tokens
+            finishes.append("stop" if stats.finish_reason == "stop" else "length")
+            job.emit(("finish", (choice, finishes[-1])))
         job.emit(
             (
                 "done",
-                {
-                    "finish_reason": "stop" if stats.finish_reason == "stop" else "length",
-                    "prompt_tokens": len(ids),
-                    "completion_tokens": stats.generated_tokens,
-                    "cached_tokens": 0,
-                },
+                {"finish_reason": finishes[0], "prompt_tokens": len(ids), "completion_tokens": tokens,
+                 "cached_tokens": 0},
             )
-        )
+        )  # fmt: skip
 
-    def _run(self, job: Job, tracker: LogprobTracker | None = None) -> None:
+    def _run(self, job: Job) -> None:
         conv = job.conversation
         if conv is None:
-            self._complete(job, tracker)
+            self._complete(job)
             return
         try:
             entry = self.pool.checkout(conv)
@@ -216,67 +226,9 @@ class Worker:
         # The request's stop strings join the template's for this answer: the session then
         # ends the answer before one, never shows part of one, and cuts it out of the cache.
         session.stops = StopStrings((*template_stops.strings, *job.stops))
-        session.token_observer = tracker
         keep = True
         try:
-            if conv.partial_answer is not None:
-                session.turns[-1].interrupted = True  # lets continue_answer go on from it
-                chunks = session.continue_answer(job.sampling)
-            else:
-                chunks = session.send(conv.user, job.sampling)
-            if job.sampling.seed is not None:
-                session.generator.manual_seed(job.sampling.seed)
-            prompt_tokens = 0
-            stats = None
-            first = True
-            try:
-                for chunk in chunks:
-                    if first:
-                        # Only the prompt is in the cache yet (a token enters after it is shown).
-                        prompt_tokens = len(session.cache_ids) + session.evicted_total
-                        first = False
-                    _emit_text(job, chunk, tracker)
-                    stats = chunk.stats or stats
-                    if job.cancel.is_set():
-                        break
-            finally:
-                chunks.close()  # an answer cut short is kept in the session
-            if job.cancel.is_set():
-                return
-            assert stats is not None
-            cached = max(0, prompt_tokens - stats.context_tokens)
-            finish = {"stop": "stop", "length": "length", "context": "length"}.get(
-                stats.finish_reason, "stop"
-            )
-            job.emit(
-                (
-                    "done",
-                    {
-                        "finish_reason": finish,
-                        "prompt_tokens": prompt_tokens,
-                        "completion_tokens": stats.generated_tokens,
-                        "cached_tokens": cached,
-                        "prefill_s": stats.context_time_s,
-                    },
-                )
-            )
-        except ContextFullError as exc:
-            keep = not entry.fresh  # a refused conversation takes no kept one's place
-            job.emit(
-                (
-                    "error",
-                    APIError(
-                        400,
-                        str(exc).split(":")[0] + ": the conversation does not fit the "
-                        f"model's context ({self.pool.engine.max_context:,} tokens)",
-                        param="messages",
-                        code="context_length_exceeded",
-                    ),
-                )
-            )
-        except ChatbotError as exc:
-            keep = not entry.fresh
-            job.emit(("error", _error(exc)))
+            keep = self._answers(job, entry)
         except BaseException:
             keep = False
             raise
@@ -288,11 +240,83 @@ class Worker:
             else:
                 self.pool.discard(entry)
 
+    def _answers(self, job: Job, entry: Any) -> bool:
+        """The job's answers on the checked-out `entry`; whether the pool keeps it."""
+        session, conv = entry.session, job.conversation
+        assert conv is not None
+        prompt_tokens, tokens, finishes, cached, prefill_s = 0, 0, [], 0, 0.0
+        try:
+            for choice in range(job.n):
+                tracker = session.token_observer = self._tracker(job)
+                if choice:
+                    chunks = session.retry(job.sampling)
+                elif conv.partial_answer is not None:
+                    session.turns[-1].interrupted = True  # lets continue_answer go on from it
+                    chunks = session.continue_answer(job.sampling)
+                else:
+                    chunks = session.send(conv.user, job.sampling)
+                if job.sampling.seed is not None and not choice:  # the next answers draw on
+                    session.generator.manual_seed(job.sampling.seed)
 
-def _emit_text(job: Job, chunk: GenerationChunk, tracker: LogprobTracker | None) -> None:
+                def measure() -> None:
+                    nonlocal prompt_tokens  # only the prompt is in the cache yet
+                    prompt_tokens = len(session.cache_ids) + session.evicted_total
+
+                stats = _stream(job, chunks, tracker, choice, first=measure if not choice else None)
+                if stats is None:  # the client has gone
+                    return True
+                if not choice:
+                    cached = max(0, prompt_tokens - stats.context_tokens)
+                    prefill_s = stats.context_time_s
+                tokens += stats.generated_tokens
+                finishes.append({"length": "length", "context": "length"}.get(stats.finish_reason, "stop"))
+                job.emit(("finish", (choice, finishes[-1])))
+        except ContextFullError as exc:
+            message = (
+                str(exc).split(":")[0] + ": the conversation does not fit the "
+                f"model's context ({self.pool.engine.max_context:,} tokens)"
+            )
+            job.emit(("error", APIError(400, message, param="messages", code="context_length_exceeded")))
+            return not entry.fresh  # a refused conversation takes no kept one's place
+        except ChatbotError as exc:
+            job.emit(("error", _error(exc)))
+            return not entry.fresh
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "cached_tokens": cached}
+        job.emit(("done", {"finish_reason": finishes[0], **usage, "prefill_s": prefill_s}))
+        return True
+
+
+def _stream(
+    job: Job,
+    chunks: Any,
+    tracker: LogprobTracker | None,
+    choice: int,
+    view: Any = None,
+    first: Callable[[], None] | None = None,
+) -> Any:
+    """Send one answer's chunks as the job's events (through the stop-string `view` where
+    there is one); its stats, or None when the client went away (the answer is cut short).
+    `first` is called once the first chunk has come."""
+    stats = None
+    try:
+        for chunk in chunks:
+            if first is not None:
+                first()
+                first = None
+            _emit_text(job, chunk if view is None else view.chunk(chunk), tracker, choice)
+            stats = chunk.stats or stats
+            if job.cancel.is_set():
+                return None
+    finally:
+        chunks.close()  # an answer cut short is kept in the session
+    assert stats is not None
+    return stats
+
+
+def _emit_text(job: Job, chunk: GenerationChunk, tracker: LogprobTracker | None, choice: int) -> None:
     """The chunk's text, with the logprobs of the tokens it completes."""
     entries: list[TokenLogprob] = []
     if tracker is not None:
         entries = tracker.take(chunk.text, final=chunk.finish_reason is not None)
     if chunk.text or entries:
-        job.emit(("text", (chunk.text, entries)))
+        job.emit(("text", (chunk.text, entries, choice)))

@@ -6,7 +6,7 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
-from chatbot.config import SamplingConfig
+from chatbot.config import FORMAT_KEY, SamplingConfig, format_choice
 from chatbot.errors import CommandError
 
 
@@ -87,7 +87,7 @@ SETTING_ALIASES = {
     "n": "max_new_tokens",
     "interval": "stream_interval",
 }
-SETTINGS = tuple(SamplingConfig.RANGES)
+SETTINGS = (*SamplingConfig.RANGES, FORMAT_KEY)
 CLEAR_FLAG = "--clear"
 
 
@@ -113,7 +113,7 @@ def setting_key(raw: str) -> str:
     """
     key = raw.strip().lower().replace("-", "_")
     key = SETTING_ALIASES.get(key, key)
-    if key in SamplingConfig.RANGES:
+    if key in SETTINGS:
         return key
     near = difflib.get_close_matches(key, SETTINGS, n=1, cutoff=0.6)
     hint = f"did you mean {near[0]}? " if near else ""
@@ -126,6 +126,8 @@ def parse_value(key: str, raw: str) -> Any:
     Raises:
         ConfigError: the value is not allowed (the message gives the range).
     """
+    if key == FORMAT_KEY:
+        return format_choice(raw)
     return getattr(SamplingConfig().with_value(key, raw), key)
 
 
@@ -220,6 +222,8 @@ def complete(line: str) -> tuple[list[str], int, str | None]:
         return [k for k in SETTINGS if k.startswith(word.lower())], word_start, None
     if SETTING_ALIASES.get(words_before[-1], words_before[-1]) == "seed":
         return [v for v in ("none",) if v.startswith(word)], word_start, None
+    if words_before[-1].lower() == FORMAT_KEY:
+        return [v for v in ("text", "json") if v.startswith(word.lower())], word_start, None
     return [], len(line), None
 
 
@@ -237,7 +241,10 @@ def settings_rows(sampling: SamplingConfig) -> list[tuple[str, str, str]]:
     """`/set` with no argument: (setting, value, allowed range) for every setting."""
     rows = []
     for key in SETTINGS:
-        rows.append((key, sampling.shown(key), SamplingConfig.RANGES[key].describe()))
+        allowed = (
+            "text, or json (a JSON object)" if key == FORMAT_KEY else SamplingConfig.RANGES[key].describe()
+        )
+        rows.append((key, sampling.shown(key), allowed))
     return rows
 
 

@@ -1,0 +1,154 @@
+"""Constrained decoding: a JSON schema (or any JSON object) compiled by llguidance into a
+token mask applied once per step, so that the answer is valid JSON of that schema.
+
+Only imported when an answer asks for a format (`SamplingConfig.output_format`): plain
+decoding never loads llguidance. A `JsonConstraint` is made per answer; the tokenizer's
+llguidance form is made once per tokenizer and kept on it.
+
+The JSON is written as OpenAI's models write it: `", "` between items, `": "` after a key, no
+other whitespace (a small model given free whitespace may fill its answer with newlines).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from chatbot.config import OutputFormat
+from chatbot.errors import ChatbotError
+
+
+class GrammarError(ChatbotError):
+    """A schema the grammar engine cannot enforce (or that is not a JSON schema at all)."""
+
+
+# How the JSON is laid out (see the module's docstring).
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_TOKENIZER_ATTR = "_chatbot_llguidance"
+_LOCK = threading.Lock()
+# byte value -> the 8 tokens it stands for, lowest bit first: 0 where allowed, -inf where not
+_BYTE_BIAS = np.where(
+    np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1,
+    np.float32(0),
+    np.float32(-np.inf),
+).astype(np.float32)
+
+
+def _llguidance() -> Any:
+    # The package alone (10 ms): its `torch` helpers import torch's compiler (seconds) and
+    # compile their mask kernel on first use, its `hf` helper imports transformers.
+    try:
+        import llguidance
+    except ImportError:
+        raise GrammarError(
+            "structured outputs need llguidance, which is not installed: pip install 'chatbot[grammar]'"
+        ) from None
+    return llguidance
+
+
+def _ll_tokenizer(tokenizer: Any) -> Any:
+    """The tokenizer as llguidance takes it, made once (~0.4 s for 49k tokens) and kept on it.
+
+    Raises:
+        GrammarError: a tokenizer llguidance cannot read (a slow, Python-only one).
+    """
+    made = getattr(tokenizer, _TOKENIZER_ATTR, None)
+    if made is not None:
+        return made
+    ll = _llguidance()
+    with _LOCK:
+        made = getattr(tokenizer, _TOKENIZER_ATTR, None)
+        if made is None:
+            backend = getattr(tokenizer, "backend_tokenizer", None)
+            if backend is None:
+                raise GrammarError("this model's tokenizer cannot be constrained: it is not a fast tokenizer")
+            backend = copy.copy(backend)  # its padding and truncation are not the grammar's
+            backend.no_padding()
+            backend.no_truncation()
+            try:
+                made = ll.LLTokenizer(
+                    backend.to_str(), n_vocab=len(tokenizer), eos_token=tokenizer.eos_token_id
+                )
+            except (ValueError, TypeError, RuntimeError) as exc:
+                raise GrammarError(f"this model's tokenizer cannot be constrained: {exc}") from None
+            setattr(tokenizer, _TOKENIZER_ATTR, made)
+    return made
+
+
+def schema_of(fmt: OutputFormat) -> dict[str, Any]:
+    """The JSON schema a format stands for: a `json_object` is any JSON object."""
+    if fmt.schema is None:
+        return {"type": "object"}
+    return json.loads(fmt.schema)
+
+
+def compiled(tokenizer: Any, fmt: OutputFormat) -> str:
+    """The llguidance grammar of `fmt`, checked against the tokenizer.
+
+    Raises:
+        GrammarError: the schema uses what the engine does not enforce (e.g. `uniqueItems`),
+            contradicts itself, or is not a JSON schema; the message says which.
+    """
+    ll = _llguidance()
+    tok = _ll_tokenizer(tokenizer)
+    try:
+        grammar = ll.LLMatcher.grammar_from_json_schema(schema_of(fmt), defaults=_JSON_OPTIONS)
+    except (ValueError, TypeError) as exc:
+        raise GrammarError(f"not a JSON schema: {exc}") from None
+    is_error, messages = ll.LLMatcher.validate_grammar_with_warnings(grammar, tok)
+    if is_error:
+        raise GrammarError(f"the schema cannot be enforced: {'; '.join(messages)}")
+    return grammar
+
+
+class JsonConstraint:
+    """One answer's grammar state: `mask` leaves only the tokens that keep the answer a
+    valid prefix of the format (the end-of-answer token only once it is complete), `accept`
+    moves on past the chosen token, and `complete` says that no token may follow.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        fmt: the format to hold the answer to.
+
+    Raises:
+        GrammarError: as `compiled`.
+    """
+
+    def __init__(self, tokenizer: Any, fmt: OutputFormat) -> None:
+        ll = _llguidance()
+        self.matcher = ll.LLMatcher(_ll_tokenizer(tokenizer), compiled(tokenizer, fmt))
+        if self.matcher.is_error():
+            raise GrammarError(f"the schema cannot be enforced: {self.matcher.get_error()}")
+        self.vocab = len(tokenizer)
+        self.words = np.zeros((self.vocab + 31) // 32, dtype=np.int32)  # one bit a token
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` (``[vocab]``) with the tokens the grammar forbids at -inf (a copy)."""
+        self.matcher.unsafe_compute_mask_ptr(self.words.ctypes.data, self.words.nbytes)
+        # each byte of the mask looked up as its 8 tokens' 0 or -inf, then added: no branch
+        # per token (a masked_fill over a mixed mask costs ~10x more)
+        bias = torch.from_numpy(np.take(_BYTE_BIAS, self.words.view(np.uint8), axis=0).reshape(-1))
+        out = logits.detach().to(torch.float32, copy=True)
+        n = min(self.vocab, out.shape[0])
+        out[n:] = -float("inf")  # a head wider than the tokenizer: those ids are never allowed
+        out[:n] += bias[:n].to(out.device)
+        return out
+
+    def accept(self, token: int) -> None:
+        """The chosen token joins the answer.
+
+        Raises:
+            GrammarError: the token breaks the grammar (a bug: the mask allowed it).
+        """
+        if not self.matcher.consume_token(token):
+            raise GrammarError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+
+    @property
+    def complete(self) -> bool:
+        """The answer is whole: nothing may follow it."""
+        return bool(self.matcher.is_stopped())

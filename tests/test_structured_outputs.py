@@ -1,0 +1,266 @@
+"""Structured outputs by constrained decoding (issue 39): `response_format` in `chatbot serve`,
+`run --json-schema FILE`, `/set format json`.
+
+The grammar engine is llguidance (`chatbot.engine.grammar`); the answers are checked with
+`jsonschema`, an independent validator. Engine tests on the tiny random Llama; the HTTP tests
+with the official `openai` client against a real `chatbot serve` of the default model.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jsonschema
+import openai
+import pytest
+from serve_helpers import running_server
+
+from chatbot.config import FORMAT_KEY, OutputFormat, SamplingConfig
+from chatbot.errors import ConfigError
+from chatbot.terminal.commands import parse_command, settings_rows
+
+MODEL = "SmolLM2-135M-Instruct"
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "colour": {"enum": ["red", "green", "blue"]},
+        "age": {"type": "integer", "minimum": 18, "maximum": 65},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "zip": {"type": "string", "maxLength": 10},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "colour", "age", "address"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Describe a person as JSON: name, favourite colour, age and address."}]
+UNENFORCEABLE = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+
+
+# -- settings and flags (no model) --------------------------------------------------------------
+
+
+def test_set_format_json_parses_and_lists():
+    command = parse_command("/set format json")
+    assert command.values == {FORMAT_KEY: "json"}
+    sampling = SamplingConfig().with_value(FORMAT_KEY, "json")
+    assert sampling.output_format == OutputFormat.json_object()
+    assert sampling.with_value(FORMAT_KEY, "text").output_format is None
+    rows = {key: value for key, value, _ in settings_rows(sampling)}
+    assert rows[FORMAT_KEY] == "json"
+    with pytest.raises(ConfigError, match="format must be text or json"):
+        parse_command("/set format yaml")
+
+
+def test_a_schema_file_becomes_the_response_format(tmp_path):
+    path = tmp_path / "person.json"
+    path.write_text(json.dumps(PERSON))
+    fmt = OutputFormat.from_file(path)
+    assert fmt.response_format() == {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": PERSON},
+    }
+    for text, match in (("[1, 2]", "not a schema object"), ("{nope", "is not JSON")):
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=match):
+            OutputFormat.from_file(path)
+    with pytest.raises(ConfigError, match="cannot read"):
+        OutputFormat.from_file(tmp_path / "missing.json")
+
+
+def test_plain_decoding_never_imports_the_grammar_engine(tmp_path):
+    """A fresh interpreter generates without a format: llguidance stays unimported (and where it
+    cannot be imported at all, asking for a format says how to install it)."""
+    code = """
+import sys
+sys.modules["llguidance"] = None  # any import of it fails
+from helpers import make_model, make_tokenizer
+from chatbot.config import OutputFormat, SamplingConfig
+from chatbot.engine.generate import Engine
+tok = make_tokenizer()
+engine = Engine(make_model(len(tok)), tok)
+ids = tok("hello")["input_ids"]
+chunks = list(engine.generate(engine.new_cache(), ids, SamplingConfig(max_new_tokens=4)))
+assert chunks[-1].stats.generated_tokens == 4
+try:
+    list(engine.generate(engine.new_cache(), tok("hello")["input_ids"],
+                         SamplingConfig(max_new_tokens=4, output_format=OutputFormat.json_object())))
+except Exception as exc:
+    print(type(exc).__name__, exc)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd="tests", timeout=300, check=True
+    )
+    assert out.stdout.strip().startswith("GrammarError structured outputs need llguidance"), out
+
+
+# -- the engine, on the tiny random model ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_engine_answers_in_the_schema_and_stops_when_it_is_complete(
+    tiny_engine, tiny_tokenizer, temperature
+):
+    """A random model held to an enum answers one of its values and ends there ("stop"), with
+    max_new_tokens far away; free, it runs to the limit."""
+    digit = {"type": "integer", "minimum": 1, "maximum": 9}
+    schema = {"type": "object", "properties": {"ok": {"enum": ["yes", "no"]}, "n": digit},
+              "required": ["ok", "n"], "additionalProperties": False}  # fmt: skip
+    fmt = OutputFormat(json.dumps(schema))
+    ids = tiny_tokenizer("hello there")["input_ids"]
+    for seed in range(3):
+        sampling = SamplingConfig(temperature=temperature, max_new_tokens=60, seed=seed, output_format=fmt)
+        chunks = list(tiny_engine.generate(tiny_engine.new_cache(), ids, sampling))
+        text = "".join(c.text for c in chunks)
+        jsonschema.validate(json.loads(text), schema)
+        assert chunks[-1].finish_reason == "stop" and chunks[-1].stats.generated_tokens < 60
+    free = list(tiny_engine.generate(tiny_engine.new_cache(), ids, SamplingConfig(max_new_tokens=20)))
+    assert free[-1].finish_reason == "length"
+
+
+def test_an_unenforceable_schema_is_refused_before_any_work(tiny_engine, tiny_tokenizer):
+    from chatbot.engine.grammar import GrammarError
+
+    cache = tiny_engine.new_cache()
+    sampling = SamplingConfig(output_format=OutputFormat(json.dumps(UNENFORCEABLE)))
+    with pytest.raises(GrammarError, match="uniqueItems"):
+        next(tiny_engine.generate(cache, tiny_tokenizer("hi")["input_ids"], sampling))
+    assert cache.length == 0
+
+
+# -- chatbot serve, with the openai client, on the default model -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    log = tmp_path_factory.mktemp("log") / "serve.log"
+    with running_server(log=log) as url:
+        yield openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
+
+
+def _answer(client, stream: bool, **kw) -> tuple[str, str | None]:
+    kw = {"model": MODEL, "messages": ASK, "max_tokens": 200, **kw}
+    if not stream:
+        r = client.chat.completions.create(**kw)
+        return r.choices[0].message.content, r.choices[0].finish_reason
+    pieces, finish = [], None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    return "".join(pieces), finish
+
+
+@pytest.mark.slow
+def test_json_schema_answers_satisfy_it_8_of_8_at_temperature_0_8(client):
+    """Required keys, an enum, an integer range and a nested object: every answer is JSON
+    that satisfies the schema, streamed or not, and ends as the grammar completes."""
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+    }
+    answers = []
+    for i in range(8):
+        text, finish = _answer(client, stream=i % 2 == 1, temperature=0.8, response_format=response_format)
+        jsonschema.validate(json.loads(text), PERSON)
+        assert finish == "stop", text
+        answers.append(text)
+    assert len(set(answers)) > 1  # sampled, not one fixed answer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_object_answers_parse(client, stream):
+    """Any JSON object: greedy, since nothing bounds its strings (sampled at 0.8, the model can
+    write one key until max_tokens; the answer then ends with "length", as OpenAI's does)."""
+    text, finish = _answer(client, stream, temperature=0, response_format={"type": "json_object"})
+    assert finish == "stop"
+    assert json.loads(text)["name"]
+
+
+@pytest.mark.slow
+def test_a_schema_the_engine_cannot_take_is_a_400_naming_the_field(client):
+    bad = {"type": "json_schema", "json_schema": {"name": "ids", "schema": UNENFORCEABLE}}
+    for kw in ({"response_format": bad}, {"response_format": bad, "stream": True}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=MODEL, messages=ASK, **kw)
+        error = caught.value.body
+        assert error["param"] == "response_format" and "uniqueItems" in error["message"], error
+    for shape, param in (
+        ({"type": "json_schema"}, "response_format.json_schema"),
+        ({"type": "xml"}, "response_format.type"),
+        ({"type": "json_schema", "json_schema": {"schema": PERSON}}, "response_format.json_schema.name"),
+    ):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=MODEL, messages=ASK, response_format=shape)
+        assert caught.value.body["param"] == param, caught.value.body
+    # and the server goes on
+    assert _answer(client, False, max_tokens=3)[0]
+
+
+# -- the chat ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_run_json_schema_answers_once_in_the_schema(tmp_path):
+    path = tmp_path / "person.json"
+    path.write_text(json.dumps(PERSON))
+    chatbot = [sys.executable, "-m", "chatbot.cli", "run", "--no-stats", "--temperature", "0.8"]
+    out = subprocess.run(
+        [*chatbot, "--json-schema", str(path), ASK[0]["content"]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    jsonschema.validate(json.loads(out.stdout), PERSON)
+    path.write_text(json.dumps(UNENFORCEABLE))
+    out = subprocess.run(
+        [*chatbot, "--json-schema", str(path), "List ids."],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert len(lines) == 1 and "uniqueItems" in lines[0], out.stderr
+
+
+@pytest.mark.slow
+def test_set_format_json_in_the_piped_chat():
+    script = "/set format json\nGive a name for a cat, as JSON.\n/set format text\nSay hi.\n"
+    out = subprocess.run(
+        [sys.executable, "-m", "chatbot.cli", "run", "--no-stats", "--greedy", "--max-new-tokens", "200"],
+        input=script, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "format = json" in out.stderr
+    first, second = out.stdout.splitlines()[:2]  # JSON on one line, then the free answer
+    assert isinstance(json.loads(first), dict), out.stdout
+    with pytest.raises(ValueError):
+        json.loads(second)
+
+
+def test_run_server_sends_the_format_as_response_format():
+    from chatbot.remote import remote_sampling
+    from chatbot.remote_backend import request_fields
+
+    fmt = OutputFormat(json.dumps(PERSON), "person", True)
+    body = request_fields(remote_sampling(output_format=fmt))
+    assert body == {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+        }
+    }
+    assert "response_format" not in request_fields(remote_sampling())
