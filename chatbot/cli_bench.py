@@ -118,19 +118,11 @@ def bench_turns(
 LoadServerOpt = Annotated[
     str | None, typer.Option(help="The server's API root, e.g. http://127.0.0.1:8000/v1.")
 ]
-LoadSetupsOpt = Annotated[
-    str | None,
-    typer.Option(
-        help="Start these servers here in turn and measure each (after --server, if given): "
-        "chatbot (chatbot serve), llama.cpp (llama-cpp-python's server, when installed), "
-        "comma-separated."
-    ),
-]
 ClientsOpt = Annotated[
     str | None,
     typer.Option(
         help="Concurrent streaming clients, or counts measured in turn, e.g. 1,4: each a run of "
-        "--duration, side by side with the tok/s ratio to 1 client (default: 8; 1,4 with --setups)."
+        "--duration, side by side with the tok/s ratio to 1 client (default: 8)."
     ),
 ]
 DurationOpt = Annotated[
@@ -148,20 +140,8 @@ LoadTokensOpt = Annotated[
 LoadRoundsOpt = Annotated[
     int,
     typer.Option(
-        help="When comparing: the client counts this many times in turn on each server (1, 4, 1, "
-        "4, ...), each count's runs pooled; a change in the machine's load falls on all alike.",
-        min=1,
-    ),
-]
-LoadGgufOpt = Annotated[
-    Path | None,
-    typer.Option(help="With --setups: the GGUF file both servers load (default: the default model's)."),
-]
-LoadThreadsOpt = Annotated[
-    int | None,
-    typer.Option(
-        help="With --setups: both servers' CPU threads (default: chatbot serve's own choice, and "
-        "the count it starts with for llama.cpp).",
+        help="When comparing: the client counts this many times in turn (1, 4, 1, 4, ...), each "
+        "count's runs pooled; a change in the machine's load falls on all alike.",
         min=1,
     ),
 ]
@@ -170,13 +150,10 @@ LoadThreadsOpt = Annotated[
 @bench_app.command("load", short_help="A bounded load test on a server: N clients chatting at once.")
 def bench_load(
     server: LoadServerOpt = None,
-    setups: LoadSetupsOpt = None,
     clients: ClientsOpt = None,
     duration: DurationOpt = None,
     max_new_tokens: LoadTokensOpt = None,
     rounds: LoadRoundsOpt = 1,
-    gguf: LoadGgufOpt = None,
-    threads: LoadThreadsOpt = None,
     conversation: ConversationOpt = None,
     model: Annotated[
         str | None,
@@ -188,26 +165,24 @@ def bench_load(
     """A bounded load test on a server: N clients chatting at once for a fixed time; answers,
     errors, time to first token and the server's memory (chatbot serve's /health).
 
-    With several client counts (--clients 1,4) or --setups, each count is a run against the
-    same server, each request one short prompt, and the runs are printed side by side:
-    aggregate tok/s, its ratio to 1 client, time to first token p50/p90."""
+    With several client counts (--clients 1,4) or --rounds, each count is a run against the
+    server, each request one short prompt, and the runs are printed side by side: aggregate
+    tok/s, its ratio to 1 client, time to first token p50/p90 (scripts/bench-servers, in a
+    clone, makes the same table of chatbot serve and llama.cpp's server started there)."""
     from chatbot.measure.bench import load_conversation
-    from chatbot.measure.bench_load import parse_setups
     from chatbot.measure.report import parse_counts, write_json
 
-    if server is None and setups is None:
-        raise ConfigError("give --server URL (a running server) or --setups chatbot,llama.cpp (started here)")
-    if setups is None and (gguf is not None or threads is not None):
-        raise ConfigError("--gguf and --threads are for the servers --setups starts; --server runs its own")
-    counts = parse_counts(clients or ("1,4" if setups is not None else "8"), "--clients", "1,4", most=64)
-    chosen = parse_setups(setups) if setups is not None else None
+    if server is None:
+        raise ConfigError(
+            "give --server URL: the API root of a running server, e.g. http://127.0.0.1:8000/v1"
+        )
+    counts = parse_counts(clients or "8", "--clients", "1,4", most=64)
     turns = load_conversation(conversation)
     key = resolve_api_key(api_key_env)
-    if chosen is None and len(counts) == 1 and rounds == 1:
+    if len(counts) == 1 and rounds == 1:
         from chatbot.measure.bench_http import run_load_bench
         from chatbot.measure.report import print_load
 
-        assert server is not None  # no --setups: --server was given
         tokens, seconds = max_new_tokens or 32, duration or 60.0
         result = run_load_bench(server, turns, counts[0], seconds, tokens, model, key, progress_to_stderr())
         print_load(Console(), result)
@@ -215,22 +190,8 @@ def bench_load(
     else:
         from chatbot.measure.bench_load import print_load_comparison, run_load_comparison
 
-        if gguf is not None and not gguf.expanduser().is_file():
-            raise ConfigError(f"--gguf: {gguf} is not a file; give a .gguf file")
-        result = run_load_comparison(
-            turns,
-            counts,
-            duration or 30.0,
-            max_new_tokens or 64,
-            server=server,
-            setups=chosen,
-            gguf=None if gguf is None else gguf.expanduser(),
-            threads=threads,
-            model=model,
-            api_key=key,
-            progress=progress_to_stderr(),
-            rounds=rounds,
-        )
+        plan = (duration or 30.0, max_new_tokens or 64, model, key, progress_to_stderr(), rounds)
+        result = run_load_comparison(server, turns, counts, *plan)
         print_load_comparison(Console(), result)
         runs = result["runs"]
     write_json(json_out, result)

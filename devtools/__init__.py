@@ -1,5 +1,6 @@
 """Developer tools kept beside the package, not in it: benchmarks of the kernels, builds, thread
-counts, model sizes, start-up and the renderer; the synthetic GGUF writer; the fuzzer.
+counts, model sizes, start-up, the renderer and servers started side by side; the synthetic
+GGUF writer; the fuzzer.
 
 The wheel does not carry them. `scripts/` runs them from the checkout's root, and the tests
 import them (pytest's `pythonpath` setting puts the root on `sys.path`).

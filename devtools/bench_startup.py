@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from chatbot.errors import ChatbotError, ConfigError
-from chatbot.measure.bench_load import CHATBOT_MAIN, last_line
+from devtools.bench_servers import CHATBOT_MAIN, last_line
 
 TIMEOUT_S = 300.0  # to the prompt and the model ready: a cold start of a large file fits
 EXIT_TIMEOUT_S = 30.0  # from "/quit" to the process gone

@@ -1,6 +1,7 @@
-"""`chatbot bench load` across client counts and servers: the bench starts real `chatbot serve`
-(and llama-cpp-python's server where it is installed) on the default model itself, for short
-runs; llama.cpp's absence is simulated by a `llama_cpp` that fails to import."""
+"""`chatbot bench load` across client counts, and `scripts/bench-servers` (devtools), which
+starts real `chatbot serve` (and llama-cpp-python's server where it is installed) on the
+default model itself, for short runs; llama.cpp's absence is simulated by a `llama_cpp` that
+fails to import."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import json
 import os
 
 import pytest
-from helpers import assert_one_line_error, cli
+from helpers import assert_one_line_error
 from rich.console import Console
 from serve_helpers import free_port
 
-from chatbot.measure.bench_load import llama_server_missing, print_load_comparison
+from chatbot.measure.bench_load import print_load_comparison
+from devtools import run_tool
+from devtools.bench_servers import llama_server_missing
+from devtools.bench_servers import main as bench_servers
 
 SHORT = ("--duration", "2", "--max-new-tokens", "4")
 
@@ -30,11 +34,30 @@ def no_llama_cpp(tmp_path, monkeypatch):
     return fake
 
 
+def servers(capsys, *args: str) -> tuple[int | str | None, str, str]:
+    """Run `scripts/bench-servers ARGS` in this process: the exit code, stdout and stderr."""
+    capsys.readouterr()
+    try:
+        code: int | str | None = run_tool("bench-servers", bench_servers, list(args))
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def assert_servers_error(capsys, *args: str, match: str) -> None:
+    """`scripts/bench-servers ARGS` fails as a user error should: status 2, one line."""
+    code, _, err = servers(capsys, *args)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert match in lines[0], lines[0]
+
+
 def _compare(capsys, tmp_path, monkeypatch, *args: str) -> tuple[dict, str]:
     monkeypatch.setenv("COLUMNS", "120")  # rich's width: no cell cut short
     out_json = tmp_path / "load.json"
     short = SHORT if "--max-new-tokens" not in args else SHORT[:2]
-    code, out, err = cli(capsys, "bench", "load", *args, *short, "--json", str(out_json))
+    code, out, err = servers(capsys, *args, *short, "--json", str(out_json))
     assert code == 0, out + err
     assert "Traceback" not in out + err
     return json.loads(out_json.read_text()), out
@@ -113,13 +136,12 @@ def test_llama_cpp_server_one_then_two_clients(capsys, tmp_path, monkeypatch):
 
 
 def test_llama_cpp_alone_and_not_importable_is_one_line(capsys, no_llama_cpp):
-    assert_one_line_error(
+    assert_servers_error(
         capsys,
-        "bench",
-        "load",
         "--setups",
         "llama.cpp",
-        match="no set-up was measured: llama.cpp: llama_cpp.server does not import (ImportError: simulated",
+        match="bench-servers: error: no set-up was measured: llama.cpp: llama_cpp.server does not import "
+        "(ImportError: simulated",
     )
 
 
@@ -144,15 +166,24 @@ def test_unreachable_server_is_one_line(capsys, clients):
     "args, match",
     [
         ([], "give --server URL"),
-        (["--setups", "chatbot,vllm"], "--setups: unknown set-up vllm; choose from chatbot, llama.cpp"),
-        (["--setups", "chatbot", "--clients", "1,0"], "--clients: expected a count or counts"),
-        (["--setups", "chatbot", "--clients", "one"], "--clients: expected a count or counts"),
-        (["--server", "http://127.0.0.1:9/v1", "--gguf", "x.gguf"], "--gguf and --threads are for"),
-        (["--setups", "chatbot", "--gguf", "/no/such.gguf"], "--gguf: /no/such.gguf is not a file"),
+        (["--server", "http://127.0.0.1:9/v1", "--clients", "1,0"], "--clients: expected a count or counts"),
+        (["--server", "http://127.0.0.1:9/v1", "--clients", "one"], "--clients: expected a count or counts"),
     ],
 )
 def test_bad_options_are_one_line(capsys, args, match):
     assert_one_line_error(capsys, "bench", "load", *args, match=match)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--setups", "chatbot,vllm"], "--setups: unknown set-up vllm; choose from chatbot, llama.cpp"),
+        (["--setups", "chatbot", "--clients", "1,0"], "--clients: expected a count or counts"),
+        (["--setups", "chatbot", "--gguf", "/no/such.gguf"], "--gguf: /no/such.gguf is not a file"),
+    ],
+)
+def test_bench_servers_bad_options_are_one_line(capsys, args, match):
+    assert_servers_error(capsys, *args, match=match)
 
 
 def _run(setup: str, clients: int, tps: float, ratio: float | None) -> dict:

@@ -479,6 +479,27 @@ def test_bench_load_short(server, capsys, tmp_path):
     assert data["rss_start_bytes"] and data["rss_end_bytes"]
 
 
+def test_bench_load_compares_client_counts_on_a_running_server(server, capsys, tmp_path, monkeypatch):
+    """`--clients 1,2 --rounds 2` against a running server: a row per count, the runs of each
+    count pooled over the rounds, the tok/s ratio to 1 client computed from them."""
+    from helpers import cli
+
+    monkeypatch.setenv("COLUMNS", "120")
+    out_json = tmp_path / "load.json"
+    code, out, err = cli(capsys, "bench", "load", "--server", server, "--clients", "1,2", "--rounds", "2",
+                         "--duration", "2", "--max-new-tokens", "4", "--json", str(out_json))  # fmt: skip
+    assert code == 0, out + err
+    data = json.loads(out_json.read_text())
+    one, two = data["runs"]
+    assert [one["clients"], two["clients"]] == [1, 2] and {one["setup"], two["setup"]} == {"server"}
+    assert one["rounds"] == two["rounds"] == 2 and data["skipped"] == []
+    assert one["errors"] == two["errors"] == 0 and two["complete"] >= 2
+    assert one["vs_one_client"] is None
+    assert two["vs_one_client"] == pytest.approx(two["tokens_per_s"] / one["tokens_per_s"])
+    assert f"server: 2 clients {two['vs_one_client']:.2f}x the tok/s of 1 client (by round: " in out
+    assert f"server: {server}" in " ".join(out.split())
+
+
 @pytest.mark.slow
 def test_bench_load_60_s_rss_flat(server, capsys, tmp_path):
     """The issue's load test: 8 clients for 60 s; the server's memory stays flat once the
