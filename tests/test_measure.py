@@ -449,3 +449,20 @@ def test_quality_is_judged_on_the_same_tokens_against_float32(tmp_path) -> None:
     scored = judge.result()
     assert scored["ppl"] == pytest.approx(ppl, rel=1e-5) and scored["top1"] == 1.0
     assert abs(scored["kl"]) < 1e-6
+
+
+@pytest.mark.slow
+def test_the_default_path_is_as_close_to_float32_as_llama_cpp_on_the_same_file() -> None:
+    """Issue 40's bar: on the default model, the default decode path's perplexity and KL
+    divergence from float32's distributions are at or below llama.cpp's on the same file and
+    the same tokens (llama-cpp-python, when installed)."""
+    pytest.importorskip("llama_cpp")
+    result = bench_decode.run_decode_bench(
+        ["chatbot-off", "chatbot-auto", "llama.cpp"], threads=1, rounds=1, decode_tokens=4,
+        ppl_tokens=256, prefill_sizes=(50,),
+    )  # fmt: skip
+    by = {r["name"]: r for r in result["results"]}
+    assert all("error" not in r for r in by.values()), by
+    ref, auto, peer = by["chatbot-off"]["ppl"], by["chatbot-auto"], by["llama.cpp"]
+    assert abs(auto["ppl"] - ref) <= abs(peer["ppl"] - ref), by
+    assert auto["kl"] <= peer["kl"] and auto["top1"] >= peer["top1"], by

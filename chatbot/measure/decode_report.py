@@ -113,5 +113,6 @@ def quality_table(result: dict[str, Any]) -> Any:
         table.add_column(col, justify="right", no_wrap=True)
     for r in result["results"]:
         if "error" not in r and "ppl" in r:
-            table.add_row(r["name"], f"{r['ppl']:.4f}", f"{r['kl']:.5f}", f"{100 * r['top1']:.1f}%")
+            kl = f"{r['kl']:.5f}" if r["kl"] >= 1e-4 else f"{r['kl']:.1e}"
+            table.add_row(r["name"], f"{r['ppl']:.4f}", kl, f"{100 * r['top1']:.1f}%")
     return table
