@@ -96,6 +96,13 @@ def screen_of(argv: list[str], columns: int, env: dict[str, str]) -> list[str]:
     return lines
 
 
+def piped_output(argv: list[str], env: dict[str, str]) -> str:
+    """What `chatbot ARGV` prints on a pipe."""
+    run = subprocess.run([sys.executable, "-m", "chatbot.cli", *argv], env={**os.environ, **env}, cwd=ROOT,
+                         capture_output=True, text=True, check=True, timeout=120)  # fmt: skip
+    return run.stdout
+
+
 def unbounded_help(path: tuple[str, ...]) -> str:
     """The help of `chatbot PATH` as click's own formatter writes it on an unbounded width:
     every paragraph, option help and command line on one line, nothing shortened."""
@@ -138,15 +145,7 @@ def test_the_first_screens_break_no_word_and_cut_no_phrase(tmp_path, columns):
     assert "--max-new-tokens <int> Most tokens per answer (default: the preset's, else 512)." in run_help
 
     fake_sessions(tmp_path)
-    piped = subprocess.run(
-        [sys.executable, "-m", "chatbot.cli", "sessions"],
-        env={**os.environ, **env},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    ).stdout
+    piped = piped_output(["sessions"], env)
     reference = piped + "\n".join(FIRST_MESSAGES)
     shown = screen_of(["sessions"], columns, env)
     assert indented_broken_words(shown, reference) == [], "\n".join(shown)
@@ -202,15 +201,7 @@ def test_models_breaks_no_word(tmp_path, columns):
     (tmp_path / "hub" / "models--stand--smol" / "refs").mkdir()
     (tmp_path / "hub" / "models--stand--smol" / "refs" / "main").write_text("0" * 40)
     env = {**env_for(tmp_path), "HF_HUB_CACHE": str(tmp_path / "hub")}
-    piped = subprocess.run(
-        [sys.executable, "-m", "chatbot.cli", "models"],
-        env={**os.environ, **env, "COLUMNS": "100000"},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    ).stdout
+    piped = piped_output(["models"], {**env, "COLUMNS": "100000"})
     shown = screen_of(["models"], columns, env)
     paths = [token for token in piped.split() if "/" in token and len(token) > columns - 6]
     rows = [line for line in shown if not any(line.strip() and line.strip() in p for p in paths)]
