@@ -289,7 +289,8 @@ def bench_decode(
         typer.Option(
             help="Comma-separated set-ups (default: transformers-generate, "
             "chatbot-off/f32/auto/fast/int8/int4, and llama.cpp when llama-cpp-python is installed; "
-            "chatbot-compile runs the compiled step)."
+            "chatbot-compile runs the compiled step; a -json suffix, as chatbot-auto-json, decodes "
+            "under a JSON-object grammar, as response_format asks)."
         ),
     ] = None,
     rounds: Annotated[

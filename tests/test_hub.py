@@ -233,3 +233,40 @@ def test_pull_shows_its_progress_on_a_terminal(env, hub, terminals):
     term.wait_for(lambda: any(bar.search(line) for line in term.lines()), 60, "the download's bar")
     assert all(len(line) <= 80 for line in term.lines())
     term.wait_text("pulled stand/smol:Q4_1", 120)
+
+
+@pytest.mark.slow
+def test_pull_and_rm_of_a_transformers_repo(tmp_path):
+    """`chatbot pull user/repo` on a safetensors repo: its weights and small files, checked;
+    `chatbot rm user/repo` deletes the whole repo from the hub cache."""
+    from helpers import make_model, make_tokenizer
+
+    src = tmp_path / "src"
+    tok = make_tokenizer()
+    make_model(len(tok)).save_pretrained(src)
+    tok.save_pretrained(src)
+    (src / "notes.bin.unused").write_bytes(b"not downloaded")
+    stand_in = StandInHub({"tiny-org/tiny": {p.name: p for p in src.iterdir()}})
+    try:
+        env = {**os.environ, **stand_in.env(tmp_path)}
+        pulled = chatbot(env, "pull", "tiny-org/tiny")
+        assert pulled.returncode == 0, pulled.stderr
+        assert (
+            pulled.stdout.startswith("pulled tiny-org/tiny (")
+            and "run it: chatbot run --model tiny-org/tiny" in pulled.stdout
+        )
+        got = {
+            path.rsplit("/", 1)[-1]
+            for method, path, _ in stand_in.requests
+            if method == "GET" and "/resolve/" in path
+        }
+        assert {"model.safetensors", "config.json", "tokenizer.json"} <= got and "notes.bin.unused" not in got
+        listed = chatbot(env, "models")
+        assert "tiny-org/tiny" in listed.stdout
+        removed = chatbot(env, "rm", "tiny-org/tiny")
+        assert removed.returncode == 0 and removed.stdout.startswith(
+            "removed tiny-org/tiny (the whole repo, "
+        )
+        assert not (Path(env["HF_HUB_CACHE"]) / "models--tiny-org--tiny").exists()
+    finally:
+        stand_in.close()

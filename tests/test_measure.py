@@ -466,3 +466,18 @@ def test_the_default_path_is_as_close_to_float32_as_llama_cpp_on_the_same_file()
     ref, auto, peer = by["chatbot-off"]["ppl"], by["chatbot-auto"], by["llama.cpp"]
     assert abs(auto["ppl"] - ref) <= abs(peer["ppl"] - ref), by
     assert auto["kl"] <= peer["kl"] and auto["top1"] >= peer["top1"], by
+
+
+@pytest.mark.slow
+def test_a_json_set_up_decodes_under_the_grammar() -> None:
+    """`chatbot-auto-json`: the `auto` backend with every answer under a JSON-object grammar
+    (the cost of `response_format`'s mask, beside `chatbot-auto` in one run): its greedy
+    answer parses as JSON and its steps are timed."""
+    from chatbot.models.loader import load_model
+
+    spec = {"name": "chatbot-auto-json", "model": None, "threads": 1, "decode_tokens": 48, "text": None,
+            "ppl_tokens": 0, "gguf": None, "prefill_sizes": [50]}  # fmt: skip
+    out = bench_decode._run_worker(spec)
+    assert "error" not in out, out
+    text = load_model(None).tokenizer.decode(out["tokens"])
+    assert isinstance(json.loads(text), dict) and out["decode_tps"] > 0, text

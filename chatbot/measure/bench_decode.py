@@ -115,11 +115,15 @@ def _timed(
 def _engine_worker(
     loaded: Any, level: str, ids: list[int], sizes: tuple[int, ...], spec: dict[str, Any]
 ) -> dict[str, Any]:
-    from chatbot.config import SamplingConfig
+    from chatbot.config import OutputFormat, SamplingConfig
     from chatbot.engine.backend import backend_for
     from chatbot.engine.generate import Engine
 
     t0 = time.perf_counter()
+    # `LEVEL-json`: the level's backend, every answer under a JSON-object grammar (what
+    # `response_format` costs a step: its token mask)
+    json_format = OutputFormat.json_object() if level.endswith("-json") else None
+    level = level.removesuffix("-json")
     # `auto-model`: `auto` packed from the float32 model rather than the GGUF file's own
     # matrices (a K-quant matrix then decodes as float32), for before/after figures
     backend, reason = backend_for(
@@ -133,7 +137,9 @@ def _engine_worker(
     engine = Engine(loaded.model, loaded.tokenizer, backend=backend)
 
     def run(prompt: list[int], n_new: int) -> tuple[Any, list[int]]:
-        sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=n_new)
+        sampling = SamplingConfig(
+            temperature=0.0, repetition_penalty=1.0, max_new_tokens=n_new, output_format=json_format
+        )
         stats: Any = None
         tokens: list[int] = []
         kv = engine.new_cache()  # a conversation of its own, freed after it as a chat frees it
