@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from chatbot.engine.gguf_table import split_parts
 from chatbot.errors import ModelLoadError
 
 NameArg = Annotated[
@@ -56,7 +57,7 @@ def pull(name: NameArg, revision: RevisionOpt = None) -> None:
     except KeyboardInterrupt:
         typer.echo(f"\ninterrupted: the part downloaded is kept; chatbot pull {name} resumes it", err=True)
         raise typer.Exit(130) from None
-    parts = hub.local_parts(first)
+    parts = split_parts(first)
     size = sum(p.stat().st_size for p in parts)
     files = f"{len(parts)} files" if len(parts) > 1 else "1 file"
     typer.echo(f"pulled {ref} ({files}, {human_size(size)}, checked): {first}")

@@ -103,8 +103,7 @@ def read_tensor_table(path: str | Path) -> tuple[str, list[TensorInfo]]:
         first = f"{m.group(1) if m else 'the one named '}-00001-of-{parts:05d}.gguf"
         raise SplitPartError(f"it is a part of a split of {parts} files: give the first part, {first}")
     names = {t.name for t in table}
-    for n in range(2, parts + 1):
-        part = Path(path).with_name(f"{m.group(1)}-{n:05d}-of-{parts:05d}.gguf")
+    for n, part in enumerate(split_parts(Path(path))[1:], start=2):
         if not part.is_file():
             raise SplitPartError(f"part {n} of its {parts} parts is missing ({part.name})")
         _, more, _ = _read_one(part)
@@ -114,6 +113,16 @@ def read_tensor_table(path: str | Path) -> tuple[str, list[TensorInfo]]:
             names.add(t.name)
             table.append(TensorInfo(t.name, t.shape, t.type_name, t.offset, t.nbytes, str(part)))
     return arch, table
+
+
+def split_parts(path: Path) -> list[Path]:
+    """The files of the split whose part `path` is, in order, by its name
+    (`-0000i-of-0000N.gguf`); `[path]` for a name that is not a split's."""
+    m = SPLIT.match(path.name)
+    if not m:
+        return [path]
+    count = int(m.group(3))
+    return [path.with_name(f"{m.group(1)}-{n:05d}-of-{count:05d}.gguf") for n in range(1, count + 1)]
 
 
 def _read_one(path: str | Path) -> tuple[str, list[TensorInfo], int]:

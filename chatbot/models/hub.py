@@ -349,15 +349,6 @@ def pull_repo(repo: str, revision: str | None = None) -> Path:
     return folder
 
 
-def local_parts(first: Path) -> list[Path]:
-    """The files of a local GGUF: `first` and, for a split's first part, the others."""
-    m = SPLIT.match(first.name)
-    if not m:
-        return [first]
-    count = int(m.group(3))
-    return [first.with_name(f"{m.group(1)}-{n:05d}-of-{count:05d}.gguf") for n in range(1, count + 1)]
-
-
 def cached_repo(repo: str) -> Any:
     """huggingface_hub's record of `repo` in its cache (`CachedRepoInfo`), or None."""
     from huggingface_hub import scan_cache_dir
