@@ -300,9 +300,9 @@ def _make_chat(settings: Any, opt: str, threads: int | None, banner: bool, quiet
     if engine.compiled:  # before the prompt, not in the first answer
         if not quiet and sys.stderr.isatty():
             with Console(stderr=True).status("compiling the decode step (once per cache size)…"):
-                engine.warm_up(session.kv)
+                engine.warm_up(session.kv, sampling)
         else:
-            engine.warm_up(session.kv)
+            engine.warm_up(session.kv, sampling)
     return ChatStart(session, loaded, shown)
 
 

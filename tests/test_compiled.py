@@ -5,6 +5,7 @@ capacity, buffers that never move, no host synchronization inside the step."""
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import subprocess
 import sys
@@ -179,10 +180,14 @@ def test_the_step_is_one_graph_without_host_syncs(model_and_tok):
     s = session(backend, model, tok, recent=64)
     text(s.send("hello there"))
     text(s.send("and again"))
-    assert len(graphs) == 1 and backend.failure is None
-    ops = {str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"}
-    assert not {op for op in ops if "_local_scalar_dense" in op or "nonzero" in op or ".item" in op}
-    assert any("index_copy" in op for op in ops)  # the cache is written in place, in the graph
+    # the forward step and the choice of the next token (greedy: one kind), each one graph
+    assert len(graphs) == 2 and backend.failure is None
+    ops = [{str(node.target) for node in g.graph.nodes if node.op == "call_function"} for g in graphs]
+    for found in ops:
+        assert not {op for op in found if "_local_scalar_dense" in op or "nonzero" in op or ".item" in op}
+    step, choose = sorted(ops, key=len, reverse=True)
+    assert any("index_copy" in op for op in step)  # the cache is written in place, in the graph
+    assert any("argmax" in op for op in choose) and any("index_fill" in op for op in choose)
 
 
 def test_a_model_that_cannot_compile_falls_back_to_eager_steps(model_and_tok):
@@ -225,7 +230,8 @@ def test_a_gguf_model_compiles_with_its_packed_products_as_ops(tiny_gguf):
     backend = CompiledBackend(model, compiler=aot_autograd(fw_compiler=record))
     assert script(session(backend, model, tok, recent=64), []) == ref
     assert backend.failure is None and backend.figures.compiles == 1
-    ops = [str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"]
+    step = max(graphs, key=lambda g: len(g.graph.nodes))  # (the other: choosing the next token)
+    ops = [str(node.target) for node in step.graph.nodes if node.op == "call_function"]
     linears = sum(isinstance(m, PackedLinear) for m in model.modules())
     assert sum("packed_matmul" in op for op in ops) == linears and any("packed_rows" in op for op in ops)
     inductor = CompiledBackend(model)  # and through inductor, as `--opt compile` runs it
@@ -326,3 +332,24 @@ def test_serve_with_opt_compile_answers_as_opt_off_and_reuses_prefixes(tmp_path)
     off, compiled = conversation("off"), conversation("compile")
     assert compiled == off
     assert all(cached > 0 for _, cached in compiled[1:]) and "".join(t for t, _ in off).strip()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
+@pytest.mark.parametrize("mode", ["4bit", "8bit"])
+def test_a_bitsandbytes_model_compiles_whole_and_answers_as_eager(mode, tmp_path):
+    """`--quantize 4bit|8bit` weights (bitsandbytes' Linear4bit / Linear8bitLt) go through the
+    same one-graph step, with no break, and answer as transformers' eager step does; so on
+    CUDA `--opt auto` compiles them too."""
+    from chatbot.models.loader import load_model
+
+    tok = make_tokenizer()
+    make_model(len(tok)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), device="cpu", quantize=mode)
+    model = loaded.model
+    layer = {"4bit": "Linear4bit", "8bit": "Linear8bitLt"}[mode]
+    assert any(type(m).__name__ == layer for m in model.modules())
+    want = script(session(HFBackend(model), model, tok, recent=64), [])
+    backend = CompiledBackend(model)
+    assert script(session(backend, model, tok, recent=64), []) == want
+    assert backend.failure is None and backend.figures.compiles == 1 and backend.figures.graph_breaks == 0

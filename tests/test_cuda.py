@@ -119,3 +119,49 @@ def test_compiled_step_on_cuda_equals_eager_with_evictions_and_no_syncs(tiny_tok
         return out
 
     assert greedy(CompiledBackend(model), True) == greedy(HFBackend(model), False)
+
+
+def test_device_loop_on_cuda_reads_back_nothing_per_token(tiny_tokenizer) -> None:
+    """`--opt compile` on CUDA: a sampled turn (top-k, top-p, repetition penalty) through
+    `Engine.generate` makes no more synchronizing calls (sync debug mode "warn") for 200
+    tokens than for 40: the token is read one step late through pinned memory and an event,
+    nothing else waits for the device per token. And a seed gives the host loop's answer."""
+    import warnings
+
+    from helpers import make_model
+
+    from chatbot.engine.backend import HFBackend
+    from chatbot.engine.compiled import CompiledBackend
+    from chatbot.engine.generate import Engine
+    from chatbot.engine.sampling import seeded_generator
+
+    model = make_model(len(tiny_tokenizer)).to("cuda", torch.bfloat16)
+    ids = tiny_tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"]
+    compiled = Engine(model, tiny_tokenizer, backend=CompiledBackend(model))
+
+    def turn(engine, n: int, seed: int = 1) -> list[int]:
+        sampling = SamplingConfig(
+            temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.2, max_new_tokens=n
+        )
+        generator = seeded_generator(engine.device, seed)
+        return [
+            t
+            for c in engine.generate(engine.new_cache(), ids, sampling, generator=generator)
+            for t in c.token_ids
+        ]
+
+    def syncs(n: int) -> int:
+        turn(compiled, n)  # compiles
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                assert len(turn(compiled, n)) == n
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    assert syncs(200) == syncs(40)
+    assert turn(compiled, 64, seed=9) == turn(
+        Engine(model, tiny_tokenizer, backend=HFBackend(model)), 64, seed=9
+    )

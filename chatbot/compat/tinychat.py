@@ -131,7 +131,7 @@ class _StopFlag:
     def __init__(self) -> None:
         self.stopped = False
 
-    def __call__(self, ids: torch.Tensor, scores: torch.Tensor) -> bool:
+    def __call__(self, ids: torch.Tensor, scores: torch.Tensor | None) -> bool:
         return self.stopped
 
 

@@ -282,10 +282,10 @@ def backend_for(
         ValueError: an unknown level.
     """
     device = model.get_input_embeddings().weight.device
-    # bitsandbytes' layers keep transformers' eager step on CUDA unless `compile` is asked
-    # for: the compiled step is not benchmarked with them
+    # bitsandbytes' layers trace whole from 0.50 on (their ops have fake implementations);
+    # older ones keep transformers' eager step on CUDA unless `compile` is asked for
     quantized = getattr(model, "is_quantized", False) or getattr(model, "hf_quantizer", None) is not None
-    if level == "compile" or (level == "auto" and device.type == "cuda" and not quantized):
+    if level == "compile" or (level == "auto" and device.type == "cuda" and (not quantized or _bnb_traces())):
         from chatbot.engine.compiled import CompiledBackend
 
         return CompiledBackend(model), None
@@ -293,3 +293,14 @@ def backend_for(
 
     decoder, reason = make_decoder(model, level, threads, use_gguf=use_gguf)
     return choose_backend(model, decoder), reason
+
+
+def _bnb_traces() -> bool:
+    """bitsandbytes is 0.50 or later: its layers compile into the one-graph step."""
+    import importlib.metadata
+
+    try:
+        major, minor = (int(part) for part in importlib.metadata.version("bitsandbytes").split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) >= (0, 50)

@@ -21,15 +21,21 @@ whole window (in a bucket) at once. A step compiles once per capacity (the buffe
 the graph's): a new conversation starts again at 256, in the pool's buffers of that size and
 on the graph already compiled. A GGUF model's packed products are custom ops
 (`chatbot.engine.packed`): one opaque kernel call each inside the graph.
+
+The next token is chosen on the device by a second compiled graph (`choose`,
+`chatbot.engine.device_decode.choose_token`) and fed by `launch` from the buffer it wrote, so
+`Engine.generate` reads each token back one step late (`device_sampling` lends the buffers to
+one turn at a time).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +44,7 @@ from transformers.cache_utils import Cache
 
 from chatbot.engine.backend import HFBackend, full_cache
 from chatbot.engine.buffer_cache import BufferLayer, adopt_layers
+from chatbot.engine.device_decode import DeviceSampler, choose_token
 from chatbot.engine.sink_cache import SinkCache
 
 SMALLEST_BUCKET = 256
@@ -207,6 +214,11 @@ class CompiledBackend(HFBackend):
         self._step: Callable[..., torch.Tensor] = torch.compile(
             self._forward_one, fullgraph=True, dynamic=False, mode=self.mode, backend=compiler
         )
+        self.sampler = DeviceSampler(self.device, mark_static=on_cuda)
+        self._sampling_lock = threading.Lock()
+        self._choose: Callable[..., torch.Tensor] = torch.compile(
+            choose_token, fullgraph=True, dynamic=False, mode=self.mode, backend=compiler
+        )
 
     def _forward_one(self, ids: torch.Tensor, slot: torch.Tensor, cache: Cache) -> torch.Tensor:
         out = self.model(input_ids=ids, position_ids=slot.view(1, 1), cache=cache, use_cache=True)
@@ -255,36 +267,75 @@ class CompiledBackend(HFBackend):
 
     def step(self, cache: Cache, token: int) -> torch.Tensor:
         with self._lock:
-            self.adopt(cache)
-            layers: Sequence[Any] = cache.layers
-            if self.failure is not None or not all(isinstance(layer, StaticLayer) for layer in layers):
-                return super().step(cache, token)
-            length = layers[0].length
-            for layer in layers:
-                layer.reserve(length + 1)  # full: the next bucket (a new capacity, compiled once)
             self.ids.fill_(int(token))
-            self.slot.fill_(length)
-            capacity = layers[0].capacity
-            first = capacity not in self._compiled_at
-            t0 = time.perf_counter()
-            try:
-                logits = self._step(self.ids, self.slot, cache)
-            except COMPILE_ERRORS as exc:
-                self.failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
-                self.figures.graph_breaks += 1
-                return super().step(cache, token)
-            for layer in layers:
-                layer.length += 1
-            result = logits[0, -1].float().clone()  # a CUDA graph's output is overwritten next replay
-            if first:
-                self._compiled_at.add(capacity)
-                self.figures.compiles += 1
-                self.figures.compile_s += time.perf_counter() - t0
-                gc.collect()  # tracing leaves cycles that hold the traced cache's layers (and buffers)
-            return result
+            return self._run(cache, self.ids)
+
+    def launch(self, cache: Cache, ids: torch.Tensor) -> torch.Tensor:
+        """`step` on the token already in `ids` (``[1, 1]`` on the device, written there by
+        `choose`): nothing is read back."""
+        with self._lock:
+            return self._run(cache, ids)
+
+    def _run(self, cache: Cache, ids: torch.Tensor) -> torch.Tensor:
+        self.adopt(cache)
+        layers: Sequence[Any] = cache.layers
+        if self.failure is not None or not all(isinstance(layer, StaticLayer) for layer in layers):
+            return super().step(cache, int(ids))
+        length = layers[0].length
+        for layer in layers:
+            layer.reserve(length + 1)  # full: the next bucket (a new capacity, compiled once)
+        self.slot.fill_(length)
+        capacity = layers[0].capacity
+        first = capacity not in self._compiled_at
+        t0 = time.perf_counter()
+        try:
+            logits = self._step(ids, self.slot, cache)
+        except COMPILE_ERRORS as exc:
+            self.failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
+            self.figures.graph_breaks += 1
+            return super().step(cache, int(ids))
+        for layer in layers:
+            layer.length += 1
+        result = logits[0, -1].float().clone()  # a CUDA graph's output is overwritten next replay
+        if first:
+            self._compiled_at.add(capacity)
+            self.figures.compiles += 1
+            self.figures.compile_s += time.perf_counter() - t0
+            gc.collect()  # tracing leaves cycles that hold the traced cache's layers (and buffers)
+        return result
+
+    # -- the next token on the device (`chatbot.engine.device_decode`) ----------------------
+
+    @contextlib.contextmanager
+    def device_sampling(self) -> Iterator[DeviceSampler | None]:
+        """The device sampler for one turn, or None while another turn holds it (a server's
+        concurrent requests: that one reads its tokens on the host) or where steps run eagerly."""
+        if self.failure is not None or not self._sampling_lock.acquire(blocking=False):
+            yield None
+            return
+        try:
+            yield self.sampler
+        finally:
+            self._sampling_lock.release()
+
+    def choose(self, logits: torch.Tensor, sampler: DeviceSampler) -> torch.Tensor:
+        """`choose_token` compiled (one graph per greedy / top-k / top-p kind); ``[token, bad]``."""
+        args = (logits, sampler.seen, sampler.params, sampler.noise, sampler.next_ids)
+        kind = (sampler.greedy, sampler.top_k, sampler.nucleus)
+        if self.failure is not None:
+            return choose_token(*args, *kind)
+        try:
+            return self._choose(*args, *kind)
+        except COMPILE_ERRORS as exc:
+            self.failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
+            self.figures.graph_breaks += 1
+            return choose_token(*args, *kind)
 
     def describe(self) -> str:
         if self.failure is not None:
             return f"transformers (compile failed, eager steps: {self.failure})"
         mode = f", mode {self.mode}" if self.mode else ""
-        return f"compiled (torch.compile: one step per token on a static cache{mode})"
+        return (
+            f"compiled (torch.compile: one step per token on a static cache{mode}; "
+            "the next token chosen on the device, read one step late)"
+        )

@@ -15,6 +15,7 @@ made; nothing here asks which one it is.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
@@ -28,9 +29,11 @@ from chatbot.config import SamplingConfig
 from chatbot.engine.backend import Backend, choose_backend, full_cache
 from chatbot.engine.buffer_cache import BufferLayer
 from chatbot.engine.detokenize import IncrementalDetokenizer
+from chatbot.engine.device_decode import DeviceBackend, DeviceSampler, device_token_steps
 from chatbot.engine.sampling import Sampler, build_logits_processor
 from chatbot.engine.sink_cache import SinkCache
 from chatbot.engine.stats import TurnStats, peak_memory_bytes, synchronize
+from chatbot.engine.stop_criteria import StopOnStrings
 from chatbot.engine.tracked_cache import TrackedCache
 
 __all__ = [
@@ -43,8 +46,9 @@ __all__ = [
 ]
 
 # transformers' StoppingCriteria(List) or any callable of the same shape:
-# (ids [1, n] incl. the new token, scores [1, vocab]) -> bool or BoolTensor [1].
-StopCallback = Callable[[torch.Tensor, torch.Tensor], Any]
+# (ids [1, n] incl. the new token, scores [1, vocab]) -> bool or BoolTensor [1]; scores are
+# None for tokens chosen on the device (only `StopOnStrings`, which reads none, is asked then).
+StopCallback = Callable[[torch.Tensor, torch.Tensor | None], Any]
 # Told of each answer token as it is chosen: (the model's raw logits [vocab], the token id).
 TokenObserver = Callable[[torch.Tensor, int], None]
 ANSWER_ROOM = 1024
@@ -151,20 +155,28 @@ class Engine:
         dst.feed(src.ids[:n])
         return True
 
-    def warm_up(self, kv: TrackedCache) -> None:
+    def warm_up(self, kv: TrackedCache, sampling: SamplingConfig | None = None) -> None:
         """Compile the decode step where the backend compiles one (`--opt compile`): a token
         prefilled into the empty cache `kv` and one step, then `kv` emptied again (its
-        buffers and pin kept), so that the first answer does not wait for the compiler. A
-        no-op for other backends, or a `kv` that holds tokens."""
+        buffers and pin kept), so that the first answer does not wait for the compiler; with
+        `sampling`, also the choice of the next token under it. A no-op for other backends,
+        or a `kv` that holds tokens."""
         if not self.compiled or kv.length:
             return
         token = next(
             (t for t in (self.tokenizer.bos_token_id, self.tokenizer.eos_token_id) if t is not None), 0
         )
         pinned = kv.pinned
+        on_device = getattr(self.backend, "device_sampling", None)
         with torch.inference_mode():
-            self.prefill(kv, [int(token)])
+            logits = self.prefill(kv, [int(token)])
             self._step(kv, int(token))
+            if sampling is not None and on_device is not None:
+                with on_device() as sampler:
+                    if sampler is not None:
+                        sampler.begin(sampling, [], logits.shape[-1], None, self.model)
+                        sampler.draw()
+                        cast(DeviceBackend, self.backend).choose(logits, sampler)
         kv.reset()
         kv.pin(pinned)  # (a reset drops the pin of a system prompt to the sinks)
 
@@ -183,8 +195,7 @@ class Engine:
         kv.evict_for(1)
         logits = self.backend.step(kv.cache, token)
         kv.feed((token,))
-        synchronize(self.device)
-        return logits
+        return logits  # (the sampler's read of the next token waits for the device)
 
     @torch.inference_mode()
     def prefill(
@@ -292,7 +303,10 @@ class Engine:
 
             constraint = JsonConstraint(self.tokenizer, sampling.output_format)
         context = [*history_ids, *new_ids]
-        sampler = Sampler(sampling, context, processors, generator, self.device, self.model, constraint)
+        # a plain turn on a backend that chooses tokens on the device: read one step late
+        plain = constraint is None and logits_processor is None and observer is None
+        plain = plain and (stopping_criteria is None or isinstance(stopping_criteria, StopOnStrings))
+        on_device = getattr(self.backend, "device_sampling", None) if plain else None
         stats = TurnStats(context_tokens=len(new_ids))
         t0 = time.perf_counter()
         reserve = min(sampling.max_new_tokens, 256) if kv.is_bounded else 0
@@ -307,8 +321,17 @@ class Engine:
             )
         synchronize(self.device)
         stats.context_time_s = time.perf_counter() - t0
-        with self.backend.decoding():
-            tokens = token_steps(lambda token: self._step(kv, token), kv, logits, sampler)
+        with self.backend.decoding(), on_device() if on_device else contextlib.nullcontext() as ahead:
+            sampler: Sampler | DeviceSampler
+            if ahead is not None:
+                ahead.begin(sampling, context, logits.shape[-1], generator, self.model)
+                tokens = device_token_steps(cast(DeviceBackend, self.backend), kv, logits, ahead)
+                sampler = ahead
+            else:
+                sampler = Sampler(
+                    sampling, context, processors, generator, self.device, self.model, constraint
+                )
+                tokens = token_steps(lambda token: self._step(kv, token), kv, logits, sampler)
             detok = IncrementalDetokenizer(self.tokenizer)
             finish = lambda: self._cache_stats(kv, stats)
             yield from stream_chunks(tokens, sampler, sampling, detok, stats, t0, set(stop_ids),
@@ -343,7 +366,7 @@ def token_steps(
 
 def stream_chunks(
     tokens: Generator[tuple[int, torch.Tensor], None, str],
-    sampler: Sampler,
+    sampler: Sampler | DeviceSampler,
     sampling: SamplingConfig,
     detok: IncrementalDetokenizer,
     stats: TurnStats,
@@ -388,7 +411,7 @@ def stream_chunks(
             if sampler.complete:
                 finish = "stop"
                 break
-            if stopping_criteria is not None and sampler.scores is not None:
+            if stopping_criteria is not None:  # (scores: None when chosen on the device)
                 hit = stopping_criteria(sampler.context, sampler.scores)
                 if bool(hit.all()) if isinstance(hit, torch.Tensor) else bool(hit):
                     finish = "stop"

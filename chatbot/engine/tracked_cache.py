@@ -183,6 +183,13 @@ class TrackedCache:
         self._check()
         return end - start
 
+    def would_evict(self, n_coming: int) -> bool:
+        """Whether `evict_for(n_coming)` would drop ids now (it changes nothing)."""
+        if self._sink is None:
+            return False
+        length = self._sink.get_seq_length()
+        return length + n_coming > self._sink.capacity and length > self._sink.pinned
+
     def feed(self, ids: Sequence[int]) -> None:
         """Record that `ids` went through a forward pass into the cache."""
         self.ids.extend(ids)
@@ -238,6 +245,11 @@ class TrackedCache:
         self._check()
         return True
 
+    def cut_unrecorded(self) -> None:
+        """Cut from the layers what a forward pass wrote past the ids recorded (a step run
+        ahead of its token being read, or torn by an interrupt)."""
+        self._crop_layers(len(self.ids))
+
     def _crop_layers(self, length: int) -> None:
         """Cut every layer back to `length` tokens (also evens out a cache an interrupted
         forward pass left uneven), and pull a pin back inside the new length."""
@@ -260,7 +272,7 @@ class TrackedCache:
     def settle(self) -> bool:
         """After a run that may have been interrupted: cut the cache back to the ids
         recorded; if it still does not match them, empty it. True when it was sound."""
-        self._crop_layers(len(self.ids))
+        self.cut_unrecorded()
         sound = (
             all(layer.get_seq_length() == len(self.ids) for layer in self.layers)
             and self.cache.get_seq_length() == len(self.ids)
