@@ -224,3 +224,31 @@ def test_a_second_turn_at_once_reads_on_the_host(model_and_tok):
         backend.sampler.n_history = -1  # marks that the held sampler is not touched
         assert answers(chat(backend, model, tok, sampling), MESSAGES[:2]) == want
         assert backend.sampler.n_history == -1
+
+
+def test_the_gpu_shape_bench_runs_every_path_on_a_tiny_shape(tmp_path):
+    """`devtools/gpu_shape_bench.py` (scripts/gpu-check's 8B figures) runs each of its paths on
+    the CPU: decode figures for eager, compiled (one compile, no break) and generate(), one
+    eviction of a block, and a job past the budget skipped with the reason."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "shape.json"
+
+    def bench(*args: str) -> list[dict]:
+        command = [sys.executable, "-m", "devtools.gpu_shape_bench", "--shape", "tiny", "--device", "cpu"]
+        subprocess.run([*command, *args, "--json", str(out)], check=True, capture_output=True)
+        return json.loads(out.read_text())["rows"]
+
+    rows = {
+        r["setup"]: r
+        for r in bench("--tokens", "8", "--jobs", "bf16:compile,bf16:eager,bf16:generate,bf16:eviction")
+    }
+    assert all("error" not in r for r in rows.values()), rows
+    assert all(rows[s]["tok_s"] > 0 for s in ("compile", "eager", "generate"))
+    compiled = rows["compile"]
+    assert compiled["compiles"] == 1 and compiled["graph_breaks"] == 0 and not compiled["failure"]
+    assert rows["eviction"]["tokens_dropped"] == 64 and rows["eviction"]["evict_ms"] > 0
+    skipped = bench("--jobs", "bf16:eager", "--budget-s", "-1")
+    assert skipped[0]["skipped"].startswith("past the budget")
