@@ -252,3 +252,30 @@ def test_the_gpu_shape_bench_runs_every_path_on_a_tiny_shape(tmp_path):
     assert rows["eviction"]["tokens_dropped"] == 64 and rows["eviction"]["evict_ms"] > 0
     skipped = bench("--jobs", "bf16:eager", "--budget-s", "-1")
     assert skipped[0]["skipped"].startswith("past the budget")
+
+
+def test_ctrl_c_then_continue_retry_undo_sampled_equal_the_host_loops(model_and_tok):
+    """Sampled and seeded, with evictions: Ctrl-C in the middle of an answer, /continue,
+    /retry, /undo and a new message give the host loop's texts (the step run ahead and its
+    draw are taken back at the interrupt)."""
+    model, tok = model_and_tok
+    sampling = SamplingConfig(temperature=0.9, top_k=40, top_p=0.9, repetition_penalty=1.2, max_new_tokens=60)
+
+    def flow(backend) -> list[str]:
+        s = chat(backend, model, tok, sampling, recent=48, seed=11)
+        out = answers(s, MESSAGES[:1])
+        shown = ""
+        with pytest.raises(KeyboardInterrupt):
+            for i, chunk in enumerate(s.send(MESSAGES[1])):
+                shown += chunk.text
+                if i == 9:
+                    raise KeyboardInterrupt
+        out.append(shown)
+        out.append("".join(c.text for c in s.continue_answer(sampling)))
+        out.append("".join(c.text for c in s.retry()))
+        s.undo()
+        out += answers(s, MESSAGES[2:3])
+        s.kv.check()
+        return out
+
+    assert flow(CompiledBackend(model)) == flow(HFBackend(model))
