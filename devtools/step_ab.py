@@ -16,19 +16,23 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from chatbot.engine.backend import Backend
 
-def _steps(backend: object, prompt: list[int], n: int) -> list[float]:
-    cache = backend.new_cache()  # type: ignore[attr-defined]
-    backend.reserve(cache, len(prompt) + n + 1)  # type: ignore[attr-defined]
+
+def _steps(backend: Backend, prompt: list[int], n: int) -> list[float]:
+    cache = backend.new_cache()
+    backend.reserve(cache, len(prompt) + n + 1)
     times = []
     with torch.inference_mode():
-        token = int(backend.prefill(cache, prompt).argmax())  # type: ignore[attr-defined]
+        token = int(backend.prefill(cache, prompt).argmax())
         for _ in range(n):
             t0 = time.perf_counter()
-            token = int(backend.step(cache, token).argmax())  # type: ignore[attr-defined]
+            token = int(backend.step(cache, token).argmax())
             times.append(time.perf_counter() - t0)
     return times
 
