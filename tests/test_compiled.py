@@ -190,6 +190,34 @@ def test_the_step_is_one_graph_without_host_syncs(model_and_tok):
     assert any("argmax" in op for op in choose) and any("index_fill" in op for op in choose)
 
 
+def test_the_step_attends_on_the_stored_key_value_heads(model_and_tok):
+    """Grouped-query attention in the compiled step reads the static cache as it is stored: no
+    copy of every key and value head per query head (`repeat_kv`), which on a static cache
+    would copy the whole capacity of every layer at every step."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    model, tok = model_and_tok
+    kv_heads, heads = model.config.num_key_value_heads, model.config.num_attention_heads
+    assert kv_heads < heads  # the tiny model groups its query heads
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    backend = CompiledBackend(model, compiler=aot_autograd(fw_compiler=record))
+    ref = text(session(HFBackend(model), model, tok).send("hello there"))
+    assert text(session(backend, model, tok).send("hello there")) == ref
+    step = max(graphs, key=lambda g: len(g.graph.nodes))
+    (capacity,) = {shape[2] for shape, _, _ in backend.pool.held}  # one bucket: the buffers'
+    shapes = [
+        tuple(n.meta["val"].shape) for n in step.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)
+    ]
+    assert (1, kv_heads, capacity, model.config.head_dim) in shapes  # the cache, as stored
+    repeated = [shape for shape in shapes if len(shape) >= 4 and shape[1] == heads and capacity in shape[2:]]
+    assert not repeated  # no tensor of the capacity per query head
+
+
 def test_a_model_that_cannot_compile_falls_back_to_eager_steps(model_and_tok):
     model, tok = model_and_tok
     ref = text(session(HFBackend(model), model, tok).send("hello there"))

@@ -20,7 +20,9 @@ of its length, grown when a prefill or a step needs room; an attention-sink cach
 whole window (in a bucket) at once. A step compiles once per capacity (the buffers' shape is
 the graph's): a new conversation starts again at 256, in the pool's buffers of that size and
 on the graph already compiled. A GGUF model's packed products are custom ops
-(`chatbot.engine.packed`): one opaque kernel call each inside the graph.
+(`chatbot.engine.packed`): one opaque kernel call each inside the graph. The token's query
+heads attend in groups on the key/value heads the cache stores (`decode_attention`), with no
+per-head copy of the buffers.
 
 The next token is chosen on the device by a second compiled graph (`choose`,
 `chatbot.engine.device_decode.choose_token`) and fed by `launch` from the buffer it wrote, so
@@ -40,7 +42,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from chatbot.engine.backend import HFBackend, full_cache
 from chatbot.engine.buffer_cache import BufferLayer, adopt_layers
@@ -153,6 +157,54 @@ class StaticLayer(BufferLayer):
         return self.length + query_length, 0
 
 
+def decode_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa attention, except for one query token inside a compiled step of a
+    grouped-query model: there its query heads are grouped under their key/value head
+    (``[B, kv_heads, groups, D]``) and attend to the cache as it is stored.
+
+    transformers does the same for one token in eager mode but not while dynamo traces, where it
+    repeats every key and value head `groups` times (`repeat_kv`): on a static cache that is a
+    copy of the whole capacity per layer and step, which costs the compiled step more than its
+    fusion saves."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    plain = (
+        groups == 1
+        or query.shape[2] != 1
+        or dropout
+        or not torch.compiler.is_compiling()
+        or any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "s_aux", "sinks"))
+    )
+    if plain:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+            **kwargs,
+        )  # fmt: skip
+    batch, heads, _, dim = query.shape
+    grouped = query.reshape(batch, heads // groups, groups, dim)
+    mask = attention_mask
+    if mask is not None and mask.shape[1] != 1:  # a mask per query head: grouped alike
+        mask = mask.reshape(batch, heads // groups, groups, mask.shape[-1])
+    out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
+
+
+def use_decode_attention() -> None:
+    """Make `decode_attention` transformers' "sdpa" (process-wide, as transformers registers
+    attention): outside a compiled step it is sdpa itself, so every model's eager forward pass is
+    unchanged, and a model's own checks for "sdpa" still hold."""
+    AttentionInterface.register("sdpa", decode_attention)
+
+
 def adopt_static(cache: Cache, pool: BufferPool, slot: torch.Tensor) -> bool:
     """Swap every layer of `cache` for a `StaticLayer` holding the same keys and values
     (see `chatbot.engine.buffer_cache.adopt_layers`); False where a layer cannot be taken over."""
@@ -198,6 +250,7 @@ class CompiledBackend(HFBackend):
     ) -> None:
         super().__init__(model)
         on_cuda = self.device.type == "cuda"
+        use_decode_attention()
         if mode is None and on_cuda and compiler == "inductor":
             mode = "reduce-overhead"
         self.mode = mode
