@@ -245,8 +245,14 @@ _NO_ROOM = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 MAX_WAITING_BYTES = 16 << 20
 
 
+# Characters that JSON leaves raw but that `str.splitlines` (and editors) take as line breaks:
+# written escaped, so that a log is one event per line to every reader.
+_BREAKS = re.compile("[\u0085\u2028\u2029]")
+
+
 def _line(event: dict[str, Any]) -> bytes:
-    return (json.dumps(event, ensure_ascii=False) + "\n").encode("utf-8", errors="surrogatepass")
+    text = _BREAKS.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(event, ensure_ascii=False))
+    return (text + "\n").encode("utf-8", errors="surrogatepass")
 
 
 def append_whole(

@@ -48,6 +48,18 @@ def test_replaying_the_log_gives_the_conversation_back(tiny_engine, tmp_path):
     assert Event.UNDO in events(s) and Event.SYSTEM in events(s)
 
 
+def test_line_separators_in_a_message_stay_inside_its_line(tiny_engine, tmp_path):
+    # U+0085, U+2028 and U+2029 are line breaks to `str.splitlines` (and to editors) but not to
+    # JSON, which leaves them raw: a sampled answer that held one tore the line for such readers.
+    s = logged_session(tiny_engine, tmp_path)
+    message = "one\u2028two\x85three\u2029four"
+    drain(s.send(message))
+    assert events(s) == [Event.START, Event.SEND, Event.TURN]
+    raw = s.log.path.read_bytes()
+    assert raw.count(b"\n") == 3 and "\u2028".encode() not in raw and b"\\u2028" in raw
+    assert replay(s.log.path)["turns"][0]["user"] == message == s.turns[0].user
+
+
 def test_an_answer_cut_short_is_logged_as_interrupted(tiny_engine, tmp_path):
     s = logged_session(tiny_engine, tmp_path)
     chunks = s.send("Hello there!")
