@@ -23,6 +23,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from chatbot.engine.batch import DecodeBatcher
+from chatbot.engine.pystack import call_with_room
 
 
 @runtime_checkable
@@ -118,7 +119,11 @@ class HFBackend:
 
     def prefill(self, cache: Cache, ids: Sequence[int]) -> torch.Tensor:
         tensor = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        out = self.forward_model(input_ids=tensor, cache=cache, use_cache=True, logits_to_keep=1)
+        # the forward pass's hundreds of Python frames on a fresh chunk of CPython's frame stack
+        # (`chatbot.engine.pystack`), whatever the caller's depth
+        out = call_with_room(
+            self.forward_model, input_ids=tensor, cache=cache, use_cache=True, logits_to_keep=1
+        )
         return out.logits[0, -1].float()
 
     def prefill_concurrent(self, cache: Cache, ids: Sequence[int]) -> torch.Tensor:
