@@ -263,7 +263,13 @@ def test_a_gguf_model_compiles_with_its_packed_products_as_ops(tiny_gguf):
     linears = sum(isinstance(m, PackedLinear) for m in model.modules())
     assert sum("packed_matmul" in op for op in ops) == linears and any("packed_rows" in op for op in ops)
     inductor = CompiledBackend(model)  # and through inductor, as `--opt compile` runs it
-    assert script(session(inductor, model, tok, recent=64), []) == ref and inductor.failure is None
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:  # the step's products on 1 and 2 threads, each timed over whole steps, alike in text
+        assert script(session(inductor, model, tok, recent=64), []) == ref and inductor.failure is None
+    finally:
+        torch.set_num_threads(before)
+    assert set(inductor.tuners[2].seconds) == {1, 2}
 
 
 def test_backend_for_chooses_once(model_and_tok):

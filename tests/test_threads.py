@@ -150,6 +150,48 @@ def test_prefill_product_times_both_thread_counts():
         torch.set_num_threads(before)
 
 
+@needs_kernels
+def test_few_row_products_time_both_thread_counts_per_matrix_size():
+    """A token decoded through transformers' eager forward runs matrix-vector products: they
+    take 1 or torch's thread count as measured, for each matrix size apart, and give the same
+    result either way; inside a compiled graph (the custom op) they take the compiled step's
+    count (`graph_threads`), one by default."""
+    import numpy as np
+
+    from chatbot.engine import kernels, packed
+    from devtools.gguf_synthetic import random_blocks
+
+    rng = np.random.default_rng(0)
+    mats = []
+    for rows, cols in ((64, 512), (96, 256)):
+        raw = random_blocks("Q4_K", rows * cols, rng, scale=0.5).reshape(rows, -1)
+        mats.append(
+            kernels.from_raw(
+                torch.from_numpy(raw.view(np.uint8)).reshape(rows, -1), kernels.FMT_Q4_K, rows, cols
+            )
+        )
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        packed._matvec_tuners.clear()
+        for p in mats:
+            x = torch.randn(1, p.cols)
+            ys = [packed.packed_matmul(p, x) for _ in range(3)]
+            for y in ys:
+                assert torch.equal(y, packed.packed_matmul(p, x, threads=1))
+        assert set(packed._matvec_tuners) == {(2, 64 * 512), (2, 96 * 256)}
+        assert all(set(t.seconds) == {1, 2} for t in packed._matvec_tuners.values())
+        packed._matvec_tuners.clear()
+        p = mats[0]
+        y = torch.ops.chatbot.packed_matmul(torch.ones(1, p.cols), packed._handle(p), kernels.ACT_F32)
+        assert torch.equal(y, packed.packed_matmul(p, torch.ones(1, p.cols), threads=1))
+        with packed.graph_threads(2):  # the compiled step's own choice, from its step times
+            y2 = torch.ops.chatbot.packed_matmul(torch.ones(1, p.cols), packed._handle(p), kernels.ACT_F32)
+        assert torch.equal(y2, y) and not packed._matvec_tuners
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_capped_threads_holds_in_its_thread_only_and_is_asked_each_time():
     """A server's prefill beside the decode steps: its products take one thread while
     generations decode, asked at each product; other threads and torch's count untouched."""

@@ -46,10 +46,13 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from chatbot.engine import packed
 from chatbot.engine.backend import HFBackend, full_cache
 from chatbot.engine.buffer_cache import BufferLayer, adopt_layers
 from chatbot.engine.device_decode import DeviceSampler, choose_token
+from chatbot.engine.pystack import call_with_room
 from chatbot.engine.sink_cache import SinkCache
+from chatbot.engine.threads import ThreadTuner, cap_threads
 
 SMALLEST_BUCKET = 256
 
@@ -261,6 +264,9 @@ class CompiledBackend(HFBackend):
         self.figures = CompileFigures()
         self._compiled_at: set[int] = set()  # the capacities with a compiled step
         self._lock = threading.Lock()
+        # a GGUF model's packed products inside the step take 1 thread or torch's count, as
+        # the step times say (`packed.graph_threads`); a tuner by the most threads allowed
+        self.tuners: dict[int, ThreadTuner] = {}
         # one compile per capacity and per model (a process may hold several): more than
         # dynamo's default of 8 for one function
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -340,9 +346,15 @@ class CompiledBackend(HFBackend):
         self.slot.fill_(length)
         capacity = layers[0].capacity
         first = capacity not in self._compiled_at
+        most = cap_threads(torch.get_num_threads()) if self.device.type == "cpu" else 1
+        tuner = self.tuners.get(most) or self.tuners.setdefault(most, ThreadTuner(most))
+        threads = 1 if first else tuner.pick()
         t0 = time.perf_counter()
         try:
-            logits = self._step(ids, self.slot, cache)
+            # the step calls back into Python for each packed product: on a fresh chunk of the
+            # frame stack (`chatbot.engine.pystack`)
+            with packed.graph_threads(threads):
+                logits = call_with_room(self._step, ids, self.slot, cache)
         except COMPILE_ERRORS as exc:
             self.failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
             self.figures.graph_breaks += 1
@@ -350,7 +362,9 @@ class CompiledBackend(HFBackend):
         for layer in layers:
             layer.length += 1
         result = logits[0, -1].float().clone()  # a CUDA graph's output is overwritten next replay
-        if first:
+        if not first:
+            tuner.record(threads, time.perf_counter() - t0)
+        else:
             self._compiled_at.add(capacity)
             self.figures.compiles += 1
             self.figures.compile_s += time.perf_counter() - t0
@@ -378,7 +392,7 @@ class CompiledBackend(HFBackend):
         if self.failure is not None:
             return choose_token(*args, *kind)
         try:
-            return self._choose(*args, *kind)
+            return call_with_room(self._choose, *args, *kind)
         except COMPILE_ERRORS as exc:
             self.failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
             self.figures.graph_breaks += 1

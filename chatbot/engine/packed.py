@@ -25,11 +25,14 @@ linears' on the meta device, so that code reading values fails loudly); the weig
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import threading
 import time
 import weakref
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,11 +57,21 @@ in a barrier; on a busy machine a descheduled thread stalls the others there, so
 can beat several: the tuner measures which."""
 
 
+_matvec_tuners: dict[tuple[int, int], ThreadTuner] = {}
+"""The same choice for the matrix-vector products of a few input rows (a token decoded through
+transformers' eager forward: `--opt off`, the compat APIs), by the most threads and the
+matrix's size: a small matrix's product can be over before a second thread has started."""
+
+
+def _tuner(table: dict[Any, ThreadTuner], most: int, key: Any) -> ThreadTuner:
+    return table.get(key) or table.setdefault(key, ThreadTuner(most))
+
+
 def _i16_product(p: kernels.PackedMatrix, x: torch.Tensor, threads: int | None) -> torch.Tensor | None:
     if threads:
         return kernels.matmul_i16(p, x, threads)
     most = cap_threads(torch.get_num_threads())
-    tuner = _tuners.get(most) or _tuners.setdefault(most, ThreadTuner(most))
+    tuner = _tuner(_tuners, most, most)
     n = tuner.pick()
     start = time.perf_counter()
     y = kernels.matmul_i16(p, x, n)
@@ -88,10 +101,11 @@ def packed_matmul(
     Args:
         p: the packed matrix.
         x: float32 inputs, one per row.
-        threads: threads for the native parts (default, float32 form: 1, each call is
-            short, and on a busy machine a descheduled thread would stall the others at its
-            barrier, hundreds of times per forward pass; torch's GEMM does the heavy part;
-            int16 form: 1 or torch's thread count, whichever measures faster, `_tuners`).
+        threads: threads for the native parts. By default, a few input rows (matrix-vector
+            products) and the int16 form: 1 or torch's thread count, whichever measures faster
+            (`_matvec_tuners`, `_tuners`: on a busy machine a descheduled thread stalls the
+            others at every product's barrier, hundreds of times per forward pass); the
+            float32 form's dequantization: 1 (torch's GEMM does the heavy part).
         act: `ACT_F32` (float32 inputs: the float32 product of the stored weights) or
             `ACT_I16` (`--opt auto`: inputs as int16 per block, exact integer products, as
             the decode kernels take them; formats without integer products use float32).
@@ -104,9 +118,14 @@ def packed_matmul(
         y = _i16_product(p, x, threads)
         if y is not None:
             return y
-    threads = threads or 1
     lib = kernels.load_library()
     if n <= SMALL_INPUT_ROWS:
+        tuner = None
+        if threads is None:
+            most = cap_threads(torch.get_num_threads())
+            tuner = _tuner(_matvec_tuners, most, (most, p.rows * p.cols))
+            threads = tuner.pick()
+        start = time.perf_counter()
         y = torch.empty(n, p.rows, dtype=torch.float32)
         mat = p.as_struct()
         scratch = kernels.matvec_scratch(p.cols)
@@ -119,7 +138,10 @@ def packed_matmul(
                 threads,
                 act,
             )
+        if tuner is not None:
+            tuner.record(threads, (time.perf_counter() - start) / n)
         return y
+    threads = threads or 1
     band = max(1, min(p.rows, BAND_FLOATS // p.cols))
     if p.x8:  # whole tiles of 8 rows
         band = max(8, band // 8 * 8)
@@ -152,9 +174,27 @@ def _handle(packed: kernels.PackedMatrix) -> int:
 # The packed products and row lookups as torch custom ops, so that `torch.compile` traces a
 # model holding packed modules (`--opt compile` on a GGUF model) with each product one opaque
 # call into the kernels, its output shape given by the fake implementation.
+@contextlib.contextmanager
+def graph_threads(threads: int) -> Iterator[None]:
+    """In this thread, for the block's length, a compiled graph's few-row products (`--opt
+    compile`'s step on a GGUF model) take `threads` (1 outside any such block). The compiled
+    step picks the count from its own step times (`CompiledBackend.tuners`), not product by
+    product: inside the graph a team of two for one product can slow the graph's other
+    kernels, on torch's own OpenMP threads, which the product's own time does not show (in a
+    bench worker a 576x576 product took 251 µs at 2 threads against 77 at 1, and the step was
+    1.3x slower with a tuner per product)."""
+    old = getattr(_local, "graph_threads", 1)
+    _local.graph_threads = threads
+    try:
+        yield
+    finally:
+        _local.graph_threads = old
+
+
 @torch.library.custom_op("chatbot::packed_matmul", mutates_args=())
 def _packed_matmul_op(x: torch.Tensor, handle: int, act: int) -> torch.Tensor:
-    return packed_matmul(_by_handle[handle], x, act=act)
+    threads = getattr(_local, "graph_threads", 1) if x.shape[0] <= SMALL_INPUT_ROWS else None
+    return packed_matmul(_by_handle[handle], x, threads=threads, act=act)
 
 
 @_packed_matmul_op.register_fake
