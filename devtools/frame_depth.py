@@ -2,7 +2,7 @@
 products) called at a range of depths of the caller's Python stack, bare and through
 `chatbot.engine.pystack.call_with_room`, alternating at each depth in one process:
 
-    python -m devtools.frame_depth [--model M] [--threads N] [--depths 0:40] [--steps N]
+    python -m devtools.frame_depth [--model M] [--threads N] [--depths 0:240:2] [--steps N]
 
 Prints, per depth, each side's median ms a step and page faults a step (a frame-stack chunk
 mapped afresh costs at least one), then the worst depth of each side. Where the bare step's
@@ -31,8 +31,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="as `chatbot run --model` (default: embedded)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--depths", default="0:40", help="first:last, as range()")
-    parser.add_argument("--steps", type=int, default=12, help="steps per depth and side")
+    parser.add_argument("--depths", default="0:240:2", help="first:last:stride, as range()")
+    parser.add_argument("--steps", type=int, default=6, help="steps per depth and side")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from chatbot.engine.backend import HFBackend
@@ -61,7 +61,7 @@ def main() -> None:
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         return statistics.median(times) * 1e3, faults / args.steps
 
-    first, last = (int(x) for x in args.depths.split(":"))
+    first, last, stride = (int(x) for x in (args.depths + ":1").split(":")[:3])
     worst: dict[str, tuple[float, float, int]] = {}
     with torch.inference_mode():
         backend.prefill(cache, prompt)
@@ -70,7 +70,7 @@ def main() -> None:
         print(
             f"{'depth':>5}  " + "  ".join(f"{name + ' ms':>13} {'faults':>7}" for name in sides), flush=True
         )
-        for depth in range(first, last):
+        for depth in range(first, last, stride):
             row = []
             for name, fn in sides.items():
                 ms, faults = measure(depth, fn)
