@@ -179,10 +179,8 @@ def graph_threads(threads: int) -> Iterator[None]:
     """In this thread, for the block's length, a compiled graph's few-row products (`--opt
     compile`'s step on a GGUF model) take `threads` (1 outside any such block). The compiled
     step picks the count from its own step times (`CompiledBackend.tuners`), not product by
-    product: inside the graph a team of two for one product can slow the graph's other
-    kernels, on torch's own OpenMP threads, which the product's own time does not show (in a
-    bench worker a 576x576 product took 251 µs at 2 threads against 77 at 1, and the step was
-    1.3x slower with a tuner per product)."""
+    product: what a second thread costs the graph's other kernels, on torch's own OpenMP
+    threads, shows in the step's time, not in the product's."""
     old = getattr(_local, "graph_threads", 1)
     _local.graph_threads = threads
     try:
