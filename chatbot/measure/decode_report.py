@@ -103,16 +103,22 @@ def versus_llama_cpp(result: dict[str, Any], ours: str = "chatbot-auto") -> list
 
 def quality_table(result: dict[str, Any]) -> Any:
     """A rich table of each set-up's distributions against float32's on the same tokens
-    (`chatbot.measure.quality`): perplexity, mean KL divergence, top-1 agreement."""
+    (`chatbot.measure.quality`): perplexity, its distance from float32's with the standard
+    error chance alone gives that distance on this text, mean KL divergence, top-1 agreement."""
     from rich.table import Table
 
     n = result["settings"]["ppl_tokens"]
     table = Table(title=f"quality over {n} tokens, against float32 (--opt off's forward pass)")
     table.add_column("set-up", no_wrap=True)
-    for col in ("perplexity", "KL nats", "same top-1"):
+    for col in ("perplexity", "vs float32 ± se", "KL nats", "same top-1"):
         table.add_column(col, justify="right", no_wrap=True)
-    for r in result["results"]:
-        if "error" not in r and "ppl" in r:
-            kl = f"{r['kl']:.5f}" if r["kl"] >= 1e-4 else f"{r['kl']:.1e}"
-            table.add_row(r["name"], f"{r['ppl']:.4f}", kl, f"{100 * r['top1']:.1f}%")
+    scored = [r for r in result["results"] if "error" not in r and "ppl" in r]
+    for r in scored:
+        kl = f"{r['kl']:.5f}" if r["kl"] >= 1e-4 else f"{r['kl']:.1e}"
+        gap = (
+            f"{100 * (r['ppl'] / r['ref_ppl'] - 1):+.2f}% ± {100 * r.get('ppl_se', 0.0):.2f}"
+            if r.get("ref_ppl")
+            else "-"
+        )
+        table.add_row(r["name"], f"{r['ppl']:.4f}", gap, kl, f"{100 * r['top1']:.1f}%")
     return table

@@ -37,6 +37,7 @@ class Judge:
         self.reference = data["logprobs"]
         self.nll = self.kl = 0.0
         self.same_top = self.count = 0
+        self.gaps: list[float] = []  # per position: the reference's log-probability of the next id less ours
 
     def add(self, logits: np.ndarray) -> None:
         """The logits after the first `count + 1` ids (the next position's)."""
@@ -44,15 +45,26 @@ class Judge:
         row = row - row.max()
         logp = row - math.log(np.exp(row).sum())
         ref = self.reference[self.count].astype(np.float64)
-        self.nll -= float(logp[self.ids[self.count + 1]])
+        nxt = self.ids[self.count + 1]
+        self.nll -= float(logp[nxt])
+        self.gaps.append(float(ref[nxt] - logp[nxt]))
         self.kl += float(np.sum(np.exp(ref) * (ref - logp)))
         self.same_top += int(np.argmax(logp) == np.argmax(ref))
         self.count += 1
 
     def result(self) -> dict[str, float]:
-        """{"ppl", "kl" (mean, nats), "top1" (share of positions)} over what was added."""
+        """{"ppl", "kl" (mean, nats), "top1" (share of positions), "ppl_se", "ref_ppl"} over
+        what was added. ``ref_ppl`` is float32's perplexity on the same positions; ``ppl_se``
+        the standard error of log(ppl / ref_ppl) from the spread of the per-position gaps:
+        how far chance alone moves a perplexity's distance from float32's on a text of this
+        length (perplexity is one token's probability per position, KL the whole
+        distribution's, so the KL column is the steadier of the two)."""
         n = max(self.count, 1)
-        return {"ppl": math.exp(self.nll / n), "kl": self.kl / n, "top1": self.same_top / n}
+        gaps = np.asarray(self.gaps or [0.0])
+        se = float(gaps.std(ddof=1) / math.sqrt(len(gaps))) if len(gaps) > 1 else 0.0
+        ref_nll = self.nll - float(gaps.sum()) if self.gaps else self.nll
+        return {"ppl": math.exp(self.nll / n), "kl": self.kl / n, "top1": self.same_top / n,
+                "ppl_se": se, "ref_ppl": math.exp(ref_nll / n)}  # fmt: skip
 
 
 def judge_decoder(model: Any, decoder: Any, reference: str | Path) -> dict[str, float]:
