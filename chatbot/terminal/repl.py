@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import contextvars
 import itertools
+import os
+import stat
 import sys
 from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import Future, wait
@@ -402,8 +404,22 @@ class Repl(ReplCommands):
             self.error(problem)
             self.failed += 1
         elif stats is not None and self.show_stats:
+            if self._answer_through_pipe():
+                self.info.print()  # see _answer_through_pipe
             self.note(format_stats_line(stats, self.info.width if self.info.is_terminal else None))
         return problem
+
+    def _answer_through_pipe(self) -> bool:
+        """The answer goes into a pipe (`chatbot run | cat`, `| tee log`) while the notes go
+        to a terminal: the pipe's reader may write the answer's last line end to that
+        terminal after the stats line, written at once, has begun, which would then read
+        on as the answer's last word. A line break first keeps them apart either way."""
+        if self.console.is_terminal or not self.info.is_terminal:
+            return False
+        try:
+            return stat.S_ISFIFO(os.fstat(self.console.file.fileno()).st_mode)
+        except (AttributeError, OSError, ValueError):
+            return False
 
     # -- loops -------------------------------------------------------------------------
 
