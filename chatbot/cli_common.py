@@ -152,8 +152,10 @@ OptOpt = Annotated[
     str,
     typer.Option(
         "--opt",
-        help="Decode path: auto (native CPU kernels, weights kept exact), fast (auto's weights, "
-        "inputs rounded to int8 as llama.cpp does: lossy, faster), f32, int8 or int4 "
+        help="Decode path: auto (native CPU kernels on the file's own weights; inputs int8 as "
+        "llama.cpp's where that is faster, int16 elsewhere: as close to float32 as llama.cpp or "
+        "closer), exact (int16 inputs everywhere: near float32), fast (int8 inputs everywhere, "
+        "llama.cpp's arithmetic), f32, int8 or int4 "
         "(smaller, lossy), compile (transformers compiled with torch.compile, one step per token "
         "on a static cache: the default on a GPU), off (transformers).",
         callback=check_opt,

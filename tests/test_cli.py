@@ -14,7 +14,7 @@ from helpers import cli
         (["run", "--top-k", "many"], "Invalid value for '--top-k'"),
         (["run", "--bogus-flag"], "No such option: --bogus-flag"),
         (["run", "--device", "quantum"], "unknown device"),
-        (["run", "--opt", "turbo"], "'turbo' is not one of off, f32, auto, fast, int8, int4"),
+        (["run", "--opt", "turbo"], "'turbo' is not one of off, f32, auto, exact, fast, int8, int4"),
         (["bench", "turns", "--conversation", "/no/such.json"], "cannot read conversation"),
     ],
 )

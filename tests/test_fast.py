@@ -170,16 +170,12 @@ def test_fast_greedy_equals_float32_reference_for_64_tokens(tiny_model, tiny_tok
 
 
 @needs_kernels
-def test_auto_on_block_quantized_weights_matches_recompute_and_greedy_reference(tiny_tokenizer):
-    """A model whose weights sit on the Q4_1 grid (as one converted from a Q4_1 GGUF): `auto`
+def test_exact_on_block_quantized_weights_matches_recompute_and_greedy_reference(tiny_tokenizer):
+    """A model whose weights sit on the Q4_1 grid (as one converted from a Q4_1 GGUF): `exact`
     packs them exactly and runs int16 activations; logits stay within 1e-3 of a float32
     full recompute and 64 greedy tokens equal the reference."""
-    model = make_model(len(tiny_tokenizer))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and p.shape[1] % 32 == 0:
-                p.copy_(ref_q4_1(p) if "embed" not in name else ref_q8_0(p))
-    decoder = FastDecoder(model, "auto")
+    model = _q4_1_grid_model(len(tiny_tokenizer))
+    decoder = FastDecoder(model, "exact")
     assert set(decoder.info().formats) <= {"q4_1", "q8_0"}
     assert decoder.struct.act == kernels.ACT_I16
     assert "int16 activations" in decoder.info().label()  # what /model shows
@@ -189,6 +185,59 @@ def test_auto_on_block_quantized_weights_matches_recompute_and_greedy_reference(
     assert answer(engine.generate(engine.new_cache(), prompt, GREEDY)) == greedy_by_recompute(
         model, prompt, 64
     )
+
+
+def _q4_1_grid_model(vocab: int):
+    """A tiny model whose matrices sit on the Q4_1 grid (the embedding/head on Q8_0's), as one
+    converted from a Q4_1 GGUF: the native levels pack them as those formats, exactly."""
+    model = make_model(vocab)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and p.shape[1] % 32 == 0:
+                p.copy_(ref_q4_1(p) if "embed" not in name else ref_q8_0(p))
+    return model
+
+
+def _step_logits(decoder: FastDecoder, ids: list[int]) -> torch.Tensor:
+    cache = decoder.new_cache()
+    decoder.prefill_model(input_ids=torch.tensor([ids[:4]]), cache=cache, use_cache=True)
+    return torch.stack([decoder.decode(cache, t) for t in ids[4:]])
+
+
+@needs_kernels
+def test_auto_takes_int8_inputs_where_faster_and_int16_into_the_head(tiny_tokenizer):
+    """`auto` holds the inputs of each product site by the build's `chatbot_int8_faster`:
+    on AVX2 the Q4_1 layers take int8 (llama.cpp's own rounding) and the Q8_0 head int16;
+    elsewhere every site takes int16, as `exact`. The per-site form is real in the kernels:
+    `fast` with every site's bit set decodes bit for bit as `exact`, and with auto's bits as
+    `auto`; auto's logits sit between exact's and fast's distance from a float32 recompute."""
+    from chatbot.engine.fast import SITES
+
+    model = _q4_1_grid_model(len(tiny_tokenizer))
+    ids = list(range(5, 29))
+    exact, auto, fast = (FastDecoder(model, level, threads=1) for level in ("exact", "auto", "fast"))
+    lib = kernels.load_library()
+    head = 1 << SITES.index("head")
+    if lib.chatbot_int8_faster(kernels.FMT_Q4_1, 0):
+        assert (auto.inputs.act, auto.inputs.int16_sites) == (kernels.ACT_Q8, head)
+        assert auto.info().activations == "int8+int16" and "llama.cpp" in auto.info().label()
+    else:  # no faster int8 product in this build: auto is exact
+        assert (auto.inputs.act, auto.inputs.int16_sites) == (kernels.ACT_I16, 0)
+    assert (exact.inputs.act, fast.inputs.act, fast.inputs.int16_sites) == (
+        kernels.ACT_I16,
+        kernels.ACT_Q8,
+        0,
+    )
+    got = {name: _step_logits(d, ids) for name, d in (("exact", exact), ("auto", auto), ("fast", fast))}
+    fast.struct.act_i16_sites = (1 << len(SITES)) - 1
+    assert torch.equal(_step_logits(fast, ids), got["exact"])
+    fast.struct.act_i16_sites = auto.inputs.int16_sites
+    assert torch.equal(_step_logits(fast, ids), got["auto"])
+    ref = torch.stack([full_logits(model, ids[: i + 1])[-1] for i in range(4, len(ids))])
+    err = {name: float((logits - ref).abs().mean()) for name, logits in got.items()}
+    assert err["exact"] < 1e-4 < err["fast"], err
+    if auto.inputs.act == kernels.ACT_Q8:
+        assert err["exact"] < err["auto"] < err["fast"], err
 
 
 @needs_kernels
@@ -341,7 +390,7 @@ def test_lossy_levels_keep_perplexity_close(tiny_model, tiny_tokenizer, level):
 
 @pytest.mark.slow
 @needs_kernels
-@pytest.mark.parametrize("level", ["auto", "fast", "int8", "int4"])
+@pytest.mark.parametrize("level", ["exact", "auto", "fast", "int8", "int4"])
 def test_default_model_perplexity_within_3_percent(default_model, level):
     import json
     from importlib import resources
@@ -351,7 +400,7 @@ def test_default_model_perplexity_within_3_percent(default_model, level):
     logits = full_logits(default_model.model, ids)[:-1]
     ref = math.exp(float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))))
     got = perplexity(FastDecoder(default_model.model, level), default_model.model, ids)
-    assert abs(got / ref - 1) < (1e-3 if level == "auto" else 0.03), (ref, got)
+    assert abs(got / ref - 1) < (1e-3 if level == "exact" else 0.03), (ref, got)
 
 
 # --- fallbacks ---------------------------------------------------------------------------------

@@ -66,7 +66,7 @@ def dense_default():
 @needs_kernels
 def test_default_model_decodes_from_its_file_losslessly(default_model, dense_default):
     """The default model is loaded as its file stores it: its matrices are the file's Q4_1/Q8_0
-    blocks, each equal to what transformers dequantizes; `auto` decodes from those very
+    blocks, each equal to what transformers dequantizes; `exact` decodes from those very
     blocks (shared with the model, no copy), and the greedy tokens equal float32
     transformers' on the dequantized model."""
     from chatbot.config import SamplingConfig
@@ -75,7 +75,7 @@ def test_default_model_decodes_from_its_file_losslessly(default_model, dense_def
     from chatbot.engine.packed import dense_weight
 
     model = default_model.model
-    decoder = FastDecoder(model, "auto")
+    decoder = FastDecoder(model, "exact")
     info = decoder.info()
     assert info.source == "gguf" and set(info.formats) == {"q4_1", "q8_0"}
     assert info.bytes_per_weight < 0.75  # Q4_1: 20 bytes per 32 weights; embedding Q8_0

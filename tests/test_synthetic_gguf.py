@@ -168,7 +168,7 @@ def test_fast_path_decodes_the_files_own_blocks_like_transformers(files, arch):
 
     loaded = load_model(str(files[arch]))
     model = loaded.model
-    decoder = FastDecoder(model, "auto")
+    decoder = FastDecoder(model, "exact")
     info = decoder.info()
     assert info.source == "gguf"
     expected = {"q8_0"} if arch == "llama" else {"q4_k", "q6_k"}
@@ -335,20 +335,33 @@ def test_a_tiled_file_decodes_in_batches_as_alone_and_as_untiled(files, monkeypa
 
 @needs_kernels
 def test_fast_decodes_the_files_own_blocks_with_int8_inputs(files):
-    """`--opt fast`: the same matrices as `auto` (the file's blocks, not repacked), inputs
-    rounded to int8 (the products themselves are checked exactly in test_tiles). Against the
-    logits of a full recompute (prefill's int16 products), `auto` is within float rounding;
-    `fast` is further off, by int8's rounding."""
+    """`--opt fast`: the same matrices as `exact` and `auto` (the file's blocks, not
+    repacked), inputs rounded to int8 (the products themselves are checked exactly in
+    test_tiles). Against the logits of a full recompute (prefill's int16 products), `exact`
+    is within float rounding; `fast` is further off, by int8's rounding; `auto` (int8 into
+    the layers' tiles, int16 into the head) between them."""
+    from chatbot.engine import kernels
     from chatbot.engine.fast import FastDecoder
     from chatbot.models.loader import load_model
 
     model = load_model(str(files["qwen2"])).model
     ids = list(range(100, 124))
     errors = {}
-    for level in ("auto", "fast"):
+    lib = kernels.load_library()
+    labels = {"exact": "int16", "fast": "int8"}
+    int16_sites = {}
+    for level in ("exact", "auto", "fast"):
         decoder = FastDecoder(model, level, threads=1)
         info = decoder.info()
-        assert info.source == "gguf" and info.activations == ("int16" if level == "auto" else "int8")
+        assert info.source == "gguf" and info.activations == labels.get(level, info.activations)
+        int16_sites[level] = decoder.inputs.int16_sites
+        if level == "auto":  # int8 into the sites whose every matrix has a faster int8 product
+            sites = [decoder.wqkv, decoder.wo, decoder.wgu, decoder.wdown, [[decoder.lm_head]]]
+            faster = [
+                all(lib.chatbot_int8_faster(p.fmt, int(p.x8)) for layer in s for p in layer) for s in sites
+            ]
+            assert decoder.inputs.int16_sites == sum(1 << i for i, f in enumerate(faster) if not f)
+            assert info.activations == ("int8" if all(faster) else "int8+int16" if any(faster) else "int16")
         errors[level] = info.weight_bytes, []
         cache = decoder.new_cache()
         with torch.no_grad():
@@ -357,10 +370,13 @@ def test_fast_decodes_the_files_own_blocks_with_int8_inputs(files):
             got = decoder.decode(cache, ids[i])
             ref = full_logits(model, ids[: i + 1])[-1]
             errors[level][1].append(float((got - ref).abs().max() / ref.std()))
-    assert errors["auto"][0] == errors["fast"][0]  # the very same matrices
+    assert errors["exact"][0] == errors["auto"][0] == errors["fast"][0]  # the very same matrices
     from test_decode_batch import _check
 
     _check(model, "fast", steps=4, rows=3)  # batched steps (chatbot serve): each row as alone
-    auto, fast = max(errors["auto"][1]), max(errors["fast"][1])
+    exact, auto, fast = (max(errors[level][1]) for level in ("exact", "auto", "fast"))
     # here 4e-4 and 0.1: the random tiny model has no real model's margins, so a loose bound
-    assert auto < 1e-3 and 10 * auto < fast < 0.4, (auto, fast)
+    assert exact < 1e-3 and 10 * exact < fast < 0.4, (exact, fast)
+    assert exact <= auto <= fast, (exact, auto, fast)
+    if 0 < int16_sites["auto"] < 31:  # some products int8, some int16
+        assert exact < auto < fast, (exact, auto, fast)

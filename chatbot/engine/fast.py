@@ -10,20 +10,25 @@ matrix-vector products (docs/benchmarks.md has figures).
 The weights are packed once per model, in one of these formats (`DecodeOptions.weights`):
 
 - ``f32``: float32, the model as loaded (outputs equal the reference up to rounding);
-- ``auto``: for a model loaded from a GGUF file, each matrix as the file stores it (Q4_K,
+- ``exact``: for a model loaded from a GGUF file, each matrix as the file stores it (Q4_K,
   Q6_K, Q5_0, Q8_0, Q4_1... on the memory-mapped file, `gguf_weights`: the very matrices of
   the model's packed modules, or read from the file for a dequantized model); otherwise per
   matrix the smallest format that holds it exactly: Q4_1/Q8_0, bfloat16 for a bf16
-  checkpoint, else float32; the model's own weights, no extra quantization of them;
-- ``fast``: the matrices of ``auto``, with the inputs rounded to int8 as llama.cpp rounds
+  checkpoint, else float32; the model's own weights, no extra quantization of them; int16
+  inputs into every product;
+- ``fast``: the matrices of ``exact``, with the inputs rounded to int8 as llama.cpp rounds
   them (per 32 values, per 256 into the K-quants): lossy, and the K-quant tile products take
   half the byte products (kernels.c, `dot_q4_k_x8_`);
+- ``auto`` (the default): the matrices of ``exact``; int8 inputs into the products where
+  this build's int8 product is faster, int16 into the others (`choose_inputs`: never
+  coarser than llama.cpp's inputs on the same file; measured at or below llama.cpp's
+  distance from float32);
 - ``int8``: Q8_0 everywhere (int8, one scale per 32 weights), lossy;
 - ``int4``: Q4_1 for the layers and Q8_0 for the embedding / lm_head (as llama.cpp's Q4_1
   files), lossy on a model that was not quantized that way already.
 
 ``f32`` keeps activations in float32 (weights are widened in registers), so it equals the
-transformers forward pass up to rounding. ``auto`` hands the inputs of its Q4_1/Q8_0 products
+transformers forward pass up to rounding. ``exact`` hands the inputs of its Q4_1/Q8_0 products
 to the kernels as int16 per block of 32 (an error of at most 1/65,534 of the block's largest
 value) for exact 16-bit integer dot products, 258x finer than int8 (derived in kernels.c,
 ACT_I16; docs/benchmarks.md compares the levels' speed, tokens and perplexity).
@@ -48,7 +53,7 @@ from typing import Any, cast
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
-from chatbot.config import OPT_LEVELS
+from chatbot.config import FILE_LEVELS, OPT_LEVELS
 from chatbot.engine import kernels
 from chatbot.engine.buffer_cache import BufferLayer, adopt_layers  # also re-exported (tests)
 from chatbot.engine.fast_model import FastPathUnavailable, NativeModel, check_model, native_struct, read_model
@@ -72,6 +77,71 @@ LEVELS = tuple(level for level in OPT_LEVELS if level != "compile")
 """Optimization levels: ``off`` is plain transformers; the others pick the weight format."""
 
 
+# --- the form of the products' inputs -----------------------------------------------------
+
+SITES = ("qkv", "o", "gate/up", "down", "head")
+"""The products of a layer and the head, in the order of kernels.c's ``SITE_*`` (each site's
+matrices share one input vector, so its inputs have one form)."""
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """How the inputs of the block-format products are held.
+
+    Attributes:
+        act: the kernels' form (`kernels.ACT_*`) of every product's inputs...
+        int16_sites: ...but with ``act`` int8, the products of the sites whose bit is set here
+            (1 << index in `SITES`) take int16 ones.
+        label: short, for banners: ``int16``, ``int8``, ``int8+int16`` or ``float32``.
+        why: what is held how, and why, in a few words.
+    """
+
+    act: int
+    int16_sites: int = 0
+    label: str = "float32"
+    why: str = ""
+
+
+def choose_inputs(level: str, native: NativeModel, lib: Any) -> Inputs:
+    """The form of the inputs of each product for `level`.
+
+    - ``exact``: int16 per block of 32 (2^-16 of the block's largest value: 258x finer than
+      int8), into every product: the integer products of the block formats, near float32's.
+    - ``fast``, ``int8``, ``int4``: int8, as llama.cpp rounds them (per 32 values, per 256
+      into the K-quants: ggml's Q8_1/Q8_0 and Q8_K), into every product.
+    - ``auto``: int8 into the products whose int8 form is faster in this build
+      (``chatbot_int8_faster``: Q4_1, and Q4_K/Q6_K in 8-row tiles, on AVX2), int16 into the
+      rest. So no product's inputs are coarser than llama.cpp's on the same file (its own
+      int8 where we take int8, finer elsewhere), and with the KV cache in float32
+      (llama.cpp's is float16) the next-token distributions sit at or below llama.cpp's
+      distance from float32's: measured on the default model and on a K-quant file of real
+      weights (docs/benchmarks.md, "The default chooses its inputs"). Where no product
+      gains, ``auto`` is ``exact``; where all do, ``fast``.
+    """
+    mats = [native.embed, native.lm_head, *native.layer_matrices()]
+    if level == "f32" or not any(p.fmt in kernels.INT16_PRODUCTS for p in mats):
+        return Inputs(kernels.ACT_F32, 0, "float32", "")
+    if level in ("fast", "int8", "int4"):
+        return Inputs(kernels.ACT_Q8, 0, "int8", "int8 inputs as llama.cpp's, into every product")
+    int16 = "int16 inputs, 2^-16 steps"
+    if level == "exact":
+        return Inputs(kernels.ACT_I16, 0, "int16", int16)
+    sites = [native.wqkv, native.wo, native.wgu, native.wdown, [[native.lm_head]]]
+    faster = [
+        all(lib.chatbot_int8_faster(p.fmt, int(p.x8)) for layer in site for p in layer) for site in sites
+    ]
+    if not any(faster):
+        return Inputs(kernels.ACT_I16, 0, "int16", f"{int16}: no product of this file is faster in int8")
+    int16_sites = sum(1 << i for i, fast in enumerate(faster) if not fast)
+    where = ", ".join(n for n, fast in zip(SITES, faster, strict=True) if fast)
+    if all(faster):
+        return Inputs(kernels.ACT_Q8, 0, "int8", "int8 as llama.cpp's, faster in every product here")
+    if all(faster[:4]):
+        where = "the layers"
+    why = f"int8 as llama.cpp's into {where}, faster there; int16 elsewhere"
+    return Inputs(kernels.ACT_Q8, int16_sites, "int8+int16", why)
+
+
 # --- the decoder ---------------------------------------------------------------------------
 
 
@@ -88,22 +158,24 @@ class DecodeInfo:
     weights: int = 0  # number of weights in the packed matrices
     own_pool: bool = False  # threads on kernels.c's own pool (built without OpenMP)
     tiled: int = 0  # matrices in 8-row tiles (kernels.tile_rows)
+    inputs_why: str = ""  # why the inputs are held so (`Inputs.why`)
 
     @property
     def bytes_per_weight(self) -> float:
         return self.weight_bytes / self.weights if self.weights else 0.0
 
     def label(self) -> str:
-        """One line for banners: e.g. ``native kernels (--opt auto): 120 q4_1 + 1 q8_0
-        matrices, 92 MB, int16 activations, up to 2 threads``, and ``(own pool)`` after the
-        threads where the kernels were built without OpenMP; ``(N in 8-row tiles)`` after the
-        matrices where some are."""
+        """One line for banners: e.g. ``native kernels (--opt exact): 120 q4_1 + 1 q8_0
+        matrices, 92 MB, int16 activations (int16 inputs, 2^-16 steps), up to 2 threads``,
+        and ``(own pool)`` after the threads where the kernels were built without OpenMP;
+        ``(N in 8-row tiles)`` after the matrices where some are."""
         mats = " + ".join(f"{n} {name}" for name, n in sorted(self.formats.items(), key=lambda kv: -kv[1]))
         mats += f" matrices ({self.tiled} in 8-row tiles)" if self.tiled else " matrices"
         threads = f"up to {self.threads} threads" if self.threads > 1 else "1 thread"
         pool = " (own pool)" if self.own_pool else ""
+        why = f" ({self.inputs_why})" if self.inputs_why else ""
         return (f"native kernels (--opt {self.level}): {mats}, {self.weight_bytes / 2**20:.0f} MB, "
-                f"{self.activations} activations, {threads}{pool}")  # fmt: skip
+                f"{self.activations} activations{why}, {threads}{pool}")  # fmt: skip
 
 
 class FastDecoder:
@@ -116,7 +188,7 @@ class FastDecoder:
         threads: threads for the kernels; None: 1 or torch's thread count
             (`torch.set_num_threads`), whichever measures faster (`ThreadTuner`).
         gguf: the GGUF file the model was loaded from (default: the loader's note of it,
-            ``model.chatbot_gguf``); at ``auto`` and ``fast`` its matrices are used as stored.
+            ``model.chatbot_gguf``); at ``auto``, ``exact`` and ``fast`` its matrices are used as stored.
         use_gguf: False packs the model's own weights even where a GGUF file is known.
 
     Raises:
@@ -148,8 +220,11 @@ class FastDecoder:
         self.embed, self.lm_head = native.embed, native.lm_head
         self.wqkv, self.wo, self.wgu, self.wdown = native.wqkv, native.wo, native.wgu, native.wdown
         self.source, self.vocab, self.dims = native.source, native.vocab, native.dims
-        self._c = native_struct(native, self._activation_form())
+        self.inputs = choose_inputs(level, native, self.lib)
+        """How the inputs of the products are held, where and why (`choose_inputs`)."""
+        self._c = native_struct(native, self.inputs.act)
         self.struct = self._c.struct
+        self.struct.act_i16_sites = self.inputs.int16_sites
         self._kptrs, self._vptrs = self._c.kptrs, self._c.vptrs
         self._ropes = native.ropes
         self._rope_tables: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -162,34 +237,22 @@ class FastDecoder:
         self._ensure_rope(min(4096, int(getattr(config, "max_position_embeddings", 2048) or 2048)))
         self.prefill_model = with_activations(model, self.prefill_activations)
         """The model as prefill runs it through transformers: `model` itself, or for a GGUF
-        model at ``auto``/``fast`` a view of it whose packed linears take int16 inputs, as
-        the decode kernels do (`packed.with_activations`: every weight shared, `model`
+        model at ``auto``/``exact``/``fast`` a view of it whose packed linears take int16
+        inputs, as ``exact``'s decode kernels do (`packed.with_activations`: every weight shared, `model`
         unchanged)."""
 
     @property
     def prefill_activations(self) -> int:
         """The form of the inputs of the packed linears in prefill (`kernels.ACT_I16` or
-        `ACT_F32`): int16 for ``auto`` where the matrices have integer products, so prompt
-        and answer see the same kind of arithmetic (and the batched integer product beats
-        dequantizing for torch's float32 GEMM); ``fast`` too, its int8 inputs would gain no
-        speed there, only error; float32 otherwise."""
-        if is_packed(self.model) and self.level in ("auto", "fast") and self._has_int16_products():
+        `ACT_F32`): int16 for ``exact`` where the matrices have integer products (the
+        batched integer product beats dequantizing for torch's float32 GEMM); ``auto`` and
+        ``fast`` too, as there is no batched int8 product, and int8 inputs would add error
+        without speed; float32 otherwise."""
+        if is_packed(self.model) and self.level in FILE_LEVELS and self._has_int16_products():
             return kernels.ACT_I16
         return kernels.ACT_F32
 
     # -- set-up ---------------------------------------------------------------------------
-
-    def _activation_form(self) -> int:
-        """How the inputs of the block-format products are held: int8 per block for the lossy
-        levels (llama.cpp's way: `fast` keeps auto's weights, int8 and int4 repack them),
-        int16 per block for `auto` (2^-16 of the block's largest value: the integer dot
-        products of the block formats at 1/258 of int8's error, see kernels.c;
-        `kernels.INT16_PRODUCTS` lists the formats that have them)."""
-        if self.level in ("int8", "int4"):
-            return kernels.ACT_Q8
-        if not self._has_int16_products():  # float weights only: float inputs
-            return kernels.ACT_F32
-        return kernels.ACT_Q8 if self.level == "fast" else kernels.ACT_I16
 
     def _has_int16_products(self) -> bool:
         mats = [self.native.embed, self.native.lm_head, *self.native.layer_matrices()]
@@ -233,10 +296,10 @@ class FastDecoder:
         for p in mats:
             formats[p.format_name] = formats.get(p.format_name, 0) + 1
         threads = self.threads or torch.get_num_threads()
-        acts = {kernels.ACT_F32: "float32", kernels.ACT_Q8: "int8", kernels.ACT_I16: "int16"}[self.struct.act]
         return DecodeInfo(
-            self.level, formats, sum(p.nbytes for p in mats), threads, acts, self.source,
+            self.level, formats, sum(p.nbytes for p in mats), threads, self.inputs.label, self.source,
             sum(p.rows * p.cols for p in mats), not kernels.uses_openmp(self.lib), sum(p.x8 for p in mats),
+            self.inputs.why,
         )  # fmt: skip
 
     def _threads(self) -> int:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from chatbot.config import FILE_LEVELS
 from chatbot.engine import kernels
 from chatbot.engine.architectures import BY_MODEL_TYPE, NativeArchitecture
 from chatbot.engine.fast_weights import from_gguf, from_model, from_packed, is_packed
@@ -197,7 +198,7 @@ def _packed_matrices(
     model: Any, level: str, gguf: str | Path | None, use_gguf: bool, heads: tuple[int, int]
 ) -> tuple[tuple[Any, ...], str]:
     """The packed matrices (`fast_weights`) and where they come from ("gguf" or "model")."""
-    from_file = use_gguf and level in ("auto", "fast")
+    from_file = use_gguf and level in FILE_LEVELS
     packed = from_packed(model) if from_file else None
     if packed is None and from_file and gguf and not is_packed(model):
         packed = from_gguf(model, gguf, *heads)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from chatbot.config import FILE_LEVELS
 from chatbot.engine import kernels
 from chatbot.engine.gguf_weights import GGUFWeights
 from chatbot.engine.packed import PackedEmbedding, PackedLinear, dense_weight
@@ -45,7 +46,7 @@ def packer(level: str) -> Any:
 
     def pack(role: str, *parts: torch.Tensor) -> kernels.PackedMatrix:
         parts = tuple(w.detach() for w in parts)
-        if level in ("auto", "fast"):  # fast: the same weights, int8 inputs
+        if level in FILE_LEVELS:  # the same weights; the inputs differ (fast.choose_inputs)
             return kernels.pack_lossless(*parts)
         if level == "f32" or any(w.shape[1] % kernels.QK for w in parts):
             return kernels.stack([kernels.pack_f32(w) for w in parts])

@@ -65,7 +65,7 @@ class ModelStruct(ctypes.Structure):
         ("vcache", ctypes.POINTER(ctypes.c_void_p)),
         ("scratch", ctypes.c_void_p),
         ("act", ctypes.c_int32),
-        ("pad_", ctypes.c_int32),
+        ("act_i16_sites", ctypes.c_int32),
         ("q_norm", ctypes.POINTER(ctypes.c_void_p)),
         ("k_norm", ctypes.POINTER(ctypes.c_void_p)),
         ("post_attn_norm", ctypes.POINTER(ctypes.c_void_p)),
@@ -175,3 +175,7 @@ def declare_functions(lib: ctypes.CDLL) -> None:
     ]
     lib.chatbot_quantize.restype = None
     lib.chatbot_openmp.argtypes, lib.chatbot_openmp.restype = [], ctypes.c_int
+    lib.chatbot_int8_faster.argtypes, lib.chatbot_int8_faster.restype = (
+        [ctypes.c_int, ctypes.c_int],
+        ctypes.c_int,
+    )

@@ -116,7 +116,7 @@ typedef struct {
     float *const *vcache;
     float *scratch; /* see chatbot_scratch_floats() */
     int32_t act; /* ACT_F32, ACT_Q8 or ACT_I16: the form of the inputs of Q8_0/Q4_1 products */
-    int32_t pad_;
+    int32_t act_i16_sites; /* with ACT_Q8: bit SITE_x set -> that product's inputs are ACT_I16 */
     const float *const *q_norm; /* NULL, or per layer [head_dim]: RMSNorm of each q head (qwen3) */
     const float *const *k_norm;
     /* Gemma 2/3 (all NULL or 0 for the others): */
@@ -133,6 +133,15 @@ typedef struct {
 } Model;
 
 enum { ACT_FN_SILU = 0, ACT_FN_GELU_TANH = 1 };
+
+/* The five kinds of product of a layer and the head, for Model.act_i16_sites. */
+enum { SITE_QKV = 0, SITE_O = 1, SITE_GU = 2, SITE_DOWN = 3, SITE_HEAD = 4 };
+
+/* The form of the inputs of the products at `site`: the model's, or int16 where the model's
+ * int8 inputs are overridden for that site. */
+static inline int site_act(const Model *m, int site) {
+    return m->act == ACT_Q8 && (m->act_i16_sites >> site & 1) ? ACT_I16 : m->act;
+}
 
 /* ---------------------------------------------------------------- scalar helpers */
 
@@ -2121,6 +2130,20 @@ static inline void dot_tile(const Mat *m, int g, const Vec *v, float *out) {
 }
 #endif
 
+/* 1 where this build's product of `fmt` (its 8-row tiles with `x8`) takes int8 inputs
+ * (ACT_Q8) in fewer instructions than int16 ones: the AVX2 products of Q4_1 and the tile
+ * products of Q4_K and Q6_K. Elsewhere int8 inputs run through the int16 products (Q4_0,
+ * Q5_0, Q5_1, Q5_K, untiled K-quants, NEON) or are no faster (Q8_0): measured,
+ * docs/benchmarks.md. `--opt auto` takes int8 inputs only where this says so. */
+int chatbot_int8_faster(int fmt, int x8) {
+#ifdef CB_AVX2
+    return fmt == FMT_Q4_1 || (x8 && (fmt == FMT_Q4_K || fmt == FMT_Q6_K));
+#else
+    (void)fmt, (void)x8;
+    return 0;
+#endif
+}
+
 /* Whether the products of m with v run 8 rows at a time (dot_tile) */
 static inline int tiled(const Mat *m, const Vec *v) {
 #ifdef CB_AVX2
@@ -2776,14 +2799,14 @@ static void decode_team(void *arg) {
         const int w = m->window ? m->window[l] : 0;
         const int first = w > 0 && pos + 1 > w ? pos + 1 - w : 0;
         rmsnorm(x, m->attn_norm[l], E, m->eps, xn);
-        prepare_vec(&vec, xn, E, m->act);
+        prepare_vec(&vec, xn, E, site_act(m, SITE_QKV));
         group_matvec_par(&m->wqkv[l], &vec, qkv);
         const Span heads = team_share(H);
         for (int h = heads.lo; h < heads.hi; h++)
             attend_head(m, l, h, qkv, lcs, lsn, kc, vc, m->cap, pos, first, qr, kr, scores + (size_t)h * m->cap,
                         att + h * D);
         team_barrier();
-        prepare_vec(&vec, att, H * D, m->act);
+        prepare_vec(&vec, att, H * D, site_act(m, SITE_O));
         group_matvec_par(&m->wo[l], &vec, o);
         if (m->post_attn_norm) {
             rmsnorm(o, m->post_attn_norm[l], E, m->eps, xn);
@@ -2792,13 +2815,13 @@ static void decode_team(void *arg) {
             for (int i = 0; i < E; i++) x[i] += o[i];
         }
         rmsnorm(x, m->ffn_norm[l], E, m->eps, xn);
-        prepare_vec(&vec, xn, E, m->act);
+        prepare_vec(&vec, xn, E, site_act(m, SITE_GU));
         group_matvec_par(&m->wgu[l], &vec, gu);
         if (m->act_fn == ACT_FN_GELU_TANH)
             gelu_tanh_mul(gu, gu + F, F, hid);
         else
             silu_mul(gu, gu + F, F, hid);
-        prepare_vec(&vec, hid, F, m->act);
+        prepare_vec(&vec, hid, F, site_act(m, SITE_DOWN));
         group_matvec_par(&m->wdown[l], &vec, dn);
         if (m->post_ffn_norm) {
             rmsnorm(dn, m->post_ffn_norm[l], E, m->eps, xn);
@@ -2808,7 +2831,7 @@ static void decode_team(void *arg) {
         }
     }
     rmsnorm(x, m->final_norm, E, m->eps, xn);
-    prepare_vec(&vec, xn, E, m->act);
+    prepare_vec(&vec, xn, E, site_act(m, SITE_HEAD));
     matvec_par(m->lm_head, &vec, logits);
     if (m->final_softcap > 0.0f) {
         const int V = m->lm_head->rows, chunk = 4096;
@@ -3107,7 +3130,7 @@ static void decode_batch_team(void *arg) {
     for (int l = 0; l < L; l++) {
         for (int t = 0; t < B; t++) {
             rmsnorm(x + (size_t)t * E, m->attn_norm[l], E, m->eps, xn + (size_t)t * E);
-            prepare_vec(&vec[t], xn + (size_t)t * E, E, m->act);
+            prepare_vec(&vec[t], xn + (size_t)t * E, E, site_act(m, SITE_QKV));
         }
         group_matmul_par(&m->wqkv[l], vec, B, tq, qkv, QKV);
         const int second = m->rope_sel && m->rope_sel[l];
@@ -3132,7 +3155,7 @@ static void decode_batch_team(void *arg) {
                           scores + ((size_t)t * H + h) * maxcap, att + ((size_t)t * H + h) * D);
         }
         team_barrier();
-        for (int t = 0; t < B; t++) prepare_vec(&vec[t], att + (size_t)t * H * D, H * D, m->act);
+        for (int t = 0; t < B; t++) prepare_vec(&vec[t], att + (size_t)t * H * D, H * D, site_act(m, SITE_O));
         group_matmul_par(&m->wo[l], vec, B, tq, o, E);
         for (int t = 0; t < B; t++) {
             float *xt = x + (size_t)t * E, *xnt = xn + (size_t)t * E;
@@ -3143,7 +3166,7 @@ static void decode_batch_team(void *arg) {
                 for (int i = 0; i < E; i++) xt[i] += o[(size_t)t * E + i];
             }
             rmsnorm(xt, m->ffn_norm[l], E, m->eps, xnt);
-            prepare_vec(&vec[t], xnt, E, m->act);
+            prepare_vec(&vec[t], xnt, E, site_act(m, SITE_GU));
         }
         group_matmul_par(&m->wgu[l], vec, B, tq, gu, 2 * F);
         for (int t = 0; t < B; t++) {
@@ -3153,7 +3176,7 @@ static void decode_batch_team(void *arg) {
                 gelu_tanh_mul(g, g + F, F, ht);
             else
                 silu_mul(g, g + F, F, ht);
-            prepare_vec(&vec[t], ht, F, m->act);
+            prepare_vec(&vec[t], ht, F, site_act(m, SITE_DOWN));
         }
         group_matmul_par(&m->wdown[l], vec, B, tq, dn, E);
         for (int t = 0; t < B; t++) {
@@ -3169,7 +3192,7 @@ static void decode_batch_team(void *arg) {
     const int lo = job->last_only ? B - 1 : 0, NL = B - lo; /* the rows that get logits */
     for (int t = lo; t < B; t++) {
         rmsnorm(x + (size_t)t * E, m->final_norm, E, m->eps, xn + (size_t)t * E);
-        prepare_vec(&vec[t], xn + (size_t)t * E, E, m->act);
+        prepare_vec(&vec[t], xn + (size_t)t * E, E, site_act(m, SITE_HEAD));
     }
     ready_multi(vec + lo, NL, m->lm_head, tq);
 #ifdef CB_AVX2

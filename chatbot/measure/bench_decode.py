@@ -30,7 +30,15 @@ from chatbot.models.gc_pause import ready as gc_ready
 PREFILL_SIZES = (50, 500, 2000)
 PREFILL_REPEATS = {50: 5, 500: 3, 2000: 2}  # per worker; the median is kept
 DECODE_PROMPT = 50  # tokens before the decoded ones: a short chat message
-LEVEL_SETUPS = ("chatbot-off", "chatbot-f32", "chatbot-auto", "chatbot-fast", "chatbot-int8", "chatbot-int4")
+LEVEL_SETUPS = (
+    "chatbot-off",
+    "chatbot-f32",
+    "chatbot-auto",
+    "chatbot-exact",
+    "chatbot-fast",
+    "chatbot-int8",
+    "chatbot-int4",
+)
 # On an NVIDIA GPU (scripts/gpu-check): our engine (transformers forward passes, no native
 # kernels) in bfloat16, and with bitsandbytes 4-bit (NF4) and 8-bit (LLM.int8) weights.
 CUDA_SETUPS = {"cuda-bf16": None, "cuda-4bit": "4bit", "cuda-8bit": "8bit"}
