@@ -125,8 +125,9 @@ def test_the_cli_sets_the_wait_before_torch_loads() -> None:
 
 @needs_kernels
 def test_prefill_product_times_both_thread_counts():
-    """The batched int16 product (prefill under `--opt auto`) picks 1 or torch's thread count
-    from measured times, as the decoder does, and gives the same result either way."""
+    """The batched integer products (prefill under `--opt auto`: int16 inputs, and int8 ones
+    into a matrix in 8-row tiles) each pick 1 or torch's thread count from measured times, as
+    the decoder does, and give the same result either way."""
     import numpy as np
 
     from chatbot.engine import kernels, packed
@@ -137,15 +138,20 @@ def test_prefill_product_times_both_thread_counts():
     p = kernels.from_raw(torch.from_numpy(raw.view(np.uint8)).reshape(rows, -1), kernels.FMT_Q4_K, rows, cols)
     x = torch.randn(12, cols)
     if kernels.matmul_i16(p, x, 1) is None:
-        pytest.skip("no batched int16 product on this CPU (AVX-512)")
+        pytest.skip("no batched int16 product on this CPU (AVX2 and up)")
+    tiles = kernels.tile_rows(p)
+    forms = [(p, kernels.ACT_I16, kernels.matmul_i16, False)]
+    if tiles.x8:
+        forms.append((tiles, kernels.ACT_Q8, kernels.matmul_x8, True))
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        packed._tuners.pop(2, None)
-        ys = [packed.packed_matmul(p, x, act=kernels.ACT_I16) for _ in range(3)]
-        assert set(packed._tuners[2].seconds) == {1, 2}
-        for y in ys:
-            assert torch.equal(y, kernels.matmul_i16(p, x, 1))
+        for matrix, act, product, int8 in forms:
+            packed._tuners.pop((2, int8), None)
+            ys = [packed.packed_matmul(matrix, x, act=act) for _ in range(3)]
+            assert set(packed._tuners[(2, int8)].seconds) == {1, 2}
+            for y in ys:
+                assert torch.equal(y, product(matrix, x, 1))
     finally:
         torch.set_num_threads(before)
 

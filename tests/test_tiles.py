@@ -128,6 +128,9 @@ def test_tile_sums_do_not_overflow_at_the_largest_weights_and_inputs(kind):
             got = kernels.matvec(tiles, torch.from_numpy(x), 1, act=act).numpy()
             check_product(got, ref, x)
             assert abs(got[0]) > 1e4
+        batched = kernels.matmul_x8(tiles, torch.from_numpy(np.tile(x, (5, 1))), 2)  # int8 inputs
+        for row in batched.numpy():
+            check_product(row, ref, x)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -136,6 +139,43 @@ def test_tile_prefill_products_equal_the_rows(kind):
     x = torch.from_numpy(np.random.default_rng(15).standard_normal((21, plain.cols)).astype(np.float32))
     for act in (kernels.ACT_I16, kernels.ACT_F32):
         assert torch.equal(packed_matmul(tiles, x, 2, act), packed_matmul(plain, x, 2, act))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batched_int8_products_are_the_one_token_products(kind):
+    """Prefill's int8 product (`kernels.matmul_x8`, `--opt auto` at an int8 site): each
+    input's row of the result is, bit for bit, the one-token tile product with int8 inputs
+    (`matvec(..., ACT_Q8)`, what the decode step computes), so a prompt prefills as it would
+    decode; and it is the exact product with the int8-rounded inputs. 13 inputs (not a multiple
+    of the 4 a tile takes at once), of very different sizes, one all zeros; 1 and 2 threads."""
+    plain, tiles, ref = tiled_pair(kind, seed=31, rows=40, cols=768)  # 5 tiles: one alone
+    x = np.random.default_rng(32).standard_normal((13, plain.cols)).astype(np.float32)
+    x[:, ::97] *= 60.0
+    x[3] *= 100.0
+    x[5] = 0.0
+    xt = torch.from_numpy(x)
+    one_token = torch.stack([kernels.matvec(tiles, xt[i], 1, act=kernels.ACT_Q8) for i in range(len(x))])
+    for threads in (1, 2):
+        got = kernels.matmul_x8(tiles, xt, threads)
+        assert got is not None and torch.equal(got, one_token), threads
+    for i, row in enumerate(x):
+        check_product(got[i].numpy(), ref, int16_activations(row, 256, top=127))
+    assert torch.all(got[5] == 0.0)
+    assert torch.equal(packed_matmul(tiles, xt, 2, kernels.ACT_Q8), got)
+    # not the int16 product: the int8 rounding is there
+    assert (got - kernels.matmul_i16(tiles, xt, 2)).abs().max() > 1e-3
+    # the rows as stored have no int8 product: None, and packed_matmul takes the int16 one
+    assert kernels.matmul_x8(plain, xt, 2) is None
+    assert torch.equal(packed_matmul(plain, xt, 2, kernels.ACT_Q8), kernels.matmul_i16(plain, xt, 2))
+    # a single input and fewer inputs than packed_matmul batches: the same rows
+    assert torch.equal(kernels.matmul_x8(tiles, xt[:1], 2), one_token[:1])
+
+
+def test_batched_int8_product_is_for_tiles_only():
+    """Formats without tiles have no int8 batched product (None, nothing written)."""
+    data, _ = random_matrix("Q4_1", seed=33, rows=16, cols=512)
+    other = kernels.from_raw(data, kernels.FMT_Q4_1, 16, 512)
+    assert kernels.matmul_x8(other, torch.ones(6, 512), 1) is None
 
 
 def test_stack_keeps_tiles_apart_from_rows():
@@ -162,7 +202,8 @@ def test_tiles_are_left_alone_where_they_do_not_fit(monkeypatch):
 
 def test_avx2_build_tiles_match_reference(tmp_path):
     """The tiles as an AVX2 CPU without AVX-512 runs them (vpmaddubsw, not vpdpbusd), with
-    int16 inputs and with int8 ones (their own tile products there)."""
+    int16 inputs and with int8 ones (their own tile products there), one input at a time and
+    several (prefill's batched int8 product)."""
     cc = kernels.find_compiler()
     if cc is None or not {"avx2", "fma", "f16c"} <= _cpu_flags():
         pytest.skip("no C compiler or no AVX2")
@@ -191,3 +232,16 @@ def test_avx2_build_tiles_match_reference(tmp_path):
                 ctypes.c_void_p(y.data_ptr()), threads, act,
             )  # fmt: skip
             check_product(y.numpy(), ref, int16_activations(x, 256, top=top))
+        # prefill's batched int8 product in this build: each row the one-token product
+        xs = torch.from_numpy(np.stack([x, -0.5 * x, 3.0 * x, x[::-1].copy(), 0 * x]))
+        for threads in (1, 2):
+            y = torch.full((len(xs), 32), float("nan"))
+            lib.chatbot_matmul_x8(
+                ctypes.byref(mat),
+                ctypes.c_void_p(xs.data_ptr()),
+                len(xs),
+                ctypes.c_void_p(y.data_ptr()),
+                threads,
+            )
+            for row, inp in zip(y.numpy(), xs.numpy(), strict=True):
+                check_product(row, ref, int16_activations(inp, 256, top=127))

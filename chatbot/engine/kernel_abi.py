@@ -156,6 +156,8 @@ def declare_functions(lib: ctypes.CDLL) -> None:
         ctypes.c_int,
     ]
     lib.chatbot_matmul.restype = ctypes.c_int
+    lib.chatbot_matmul_x8.argtypes = lib.chatbot_matmul.argtypes
+    lib.chatbot_matmul_x8.restype = ctypes.c_int
     lib.chatbot_matvec_scratch.argtypes = [ctypes.c_int]
     lib.chatbot_matvec_scratch.restype = ctypes.c_long
     lib.chatbot_dequantize.argtypes = [ctypes.POINTER(Mat), ctypes.c_void_p, ctypes.c_int]

@@ -377,6 +377,21 @@ def matmul_i16(p: PackedMatrix, x: torch.Tensor, threads: int | None = None) -> 
     return y
 
 
+def matmul_x8(p: PackedMatrix, x: torch.Tensor, threads: int | None = None) -> torch.Tensor | None:
+    """x @ W.T ([n, cols] -> [n, rows]) with x as int8 per super-block of 256 (ggml's Q8_K,
+    as `act=ACT_Q8` decodes the K-quants and llama.cpp prefills), for a matrix in 8-row tiles
+    (Q4_K, Q6_K on AVX2: kernels.c `chatbot_matmul_x8`); None where there is no such product:
+    the caller multiplies otherwise."""
+    lib = load_library()
+    x = x.detach().to(torch.float32).contiguous()
+    y = torch.empty(x.shape[0], p.rows, dtype=torch.float32)
+    mat = p.as_struct()
+    threads = threads or torch.get_num_threads()
+    if lib.chatbot_matmul_x8(ctypes.byref(mat), x.data_ptr(), x.shape[0], y.data_ptr(), threads) != 0:
+        return None
+    return y
+
+
 def pack_lossless(*parts: torch.Tensor, rtol: float = 2e-6) -> PackedMatrix:
     """The smallest format that holds the row blocks `parts` exactly (up to float32 rounding),
     stacked: Q4_1, Q8_0, bf16 or float32. A model converted from a Q4_1/Q8_0 GGUF, or from

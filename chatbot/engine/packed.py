@@ -7,15 +7,16 @@ does (prefill, `--opt off`, the compat APIs, perplexity) without a float32 copy 
 
 - a product with a few rows of input (decoding one token through transformers) runs the
   native matrix-vector kernel on the packed rows, in float32 activations;
-- a product with more rows (prefill) either runs the kernels' batched integer product on the
-  blocks (`act = ACT_I16`: `--opt auto` prefills through `with_activations`; AVX-512), or
-  dequantizes the matrix into a per-thread scratch buffer, in bands of at most 64 MB, and
-  multiplies each band with torch's GEMM, so at most one matrix (or band) of float32 weights
-  exists at a time.
+- a product with more rows (prefill) either runs one of the kernels' batched integer products
+  on the blocks (`--opt auto`/`exact`/`fast` prefill through `with_activations`: `ACT_I16`,
+  int16 inputs, AVX2 and up; `ACT_Q8`, int8 inputs into a matrix in 8-row tiles, as the
+  decode step's int8 sites take them), or dequantizes the matrix into a per-thread scratch
+  buffer, in bands of at most 64 MB, and multiplies each band with torch's GEMM, so at most
+  one matrix (or band) of float32 weights exists at a time.
 
 In float32 (the default, `--opt f32` and `off`) both compute with the weights the file
 stores, exactly as a model dequantized once would, up to the order of the additions; with
-int16 inputs, as the decode kernels of `--opt auto` do (kernels.c, ACT_I16).
+int16 or int8 inputs, as the decode kernels do (kernels.c, ACT_I16 and ACT_Q8).
 
 `weight` of these modules is a stand-in with the true shape and dtype and no storage (the
 embedding's on the CPU, so that code asking where the input ids go gets an answer; the
@@ -31,7 +32,7 @@ import ctypes
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -50,11 +51,11 @@ on a busy machine a descheduled thread stalls the others: fewer, larger calls wa
 (docs/benchmarks.md has figures)."""
 
 _local = threading.local()
-_tuners: dict[int, ThreadTuner] = {}
-"""Thread counts of the batched int16 product, by the most it may use: timed per weight and
-input, as the decoder times its steps. A forward pass makes ~7 products per layer, each ending
-in a barrier; on a busy machine a descheduled thread stalls the others there, so one thread
-can beat several: the tuner measures which."""
+_tuners: dict[tuple[int, bool], ThreadTuner] = {}
+"""Thread counts of the batched integer products, by the most they may use and whether the
+product is the int8 one: timed per weight and input, as the decoder times its steps. A forward
+pass makes ~7 products per layer, each ending in a barrier; on a busy machine a descheduled
+thread stalls the others there, so one thread can beat several: the tuner measures which."""
 
 
 _matvec_tuners: dict[tuple[int, int], ThreadTuner] = {}
@@ -67,16 +68,25 @@ def _tuner(table: dict[Any, ThreadTuner], most: int, key: Any) -> ThreadTuner:
     return table.get(key) or table.setdefault(key, ThreadTuner(most))
 
 
-def _i16_product(p: kernels.PackedMatrix, x: torch.Tensor, threads: int | None) -> torch.Tensor | None:
-    if threads:
-        return kernels.matmul_i16(p, x, threads)
-    most = cap_threads(torch.get_num_threads())
-    tuner = _tuner(_tuners, most, most)
-    n = tuner.pick()
+def _int_product(
+    p: kernels.PackedMatrix, x: torch.Tensor, threads: int | None, act: int
+) -> torch.Tensor | None:
+    """The batched integer product for `act`: int8 inputs into a matrix in 8-row tiles
+    (`kernels.matmul_x8`, as the decode step's tile products take them), int16 otherwise
+    (`kernels.matmul_i16`: finer than int8, so no matrix takes coarser inputs than asked);
+    None where neither runs."""
+    product = kernels.matmul_x8 if act == kernels.ACT_Q8 and p.x8 else kernels.matmul_i16
+    tuner = None
+    if not threads:
+        most = cap_threads(torch.get_num_threads())
+        tuner = _tuner(_tuners, most, (most, product is kernels.matmul_x8))
+        threads = tuner.pick()
     start = time.perf_counter()
-    y = kernels.matmul_i16(p, x, n)
-    if y is not None:
-        tuner.record(n, (time.perf_counter() - start) / (x.shape[0] * p.rows * p.cols))
+    y = product(p, x, threads)
+    if y is None and product is kernels.matmul_x8:
+        return kernels.matmul_i16(p, x, threads)
+    if y is not None and tuner is not None:
+        tuner.record(threads, (time.perf_counter() - start) / (x.shape[0] * p.rows * p.cols))
     return y
 
 
@@ -102,20 +112,22 @@ def packed_matmul(
         p: the packed matrix.
         x: float32 inputs, one per row.
         threads: threads for the native parts. By default, a few input rows (matrix-vector
-            products) and the int16 form: 1 or torch's thread count, whichever measures faster
+            products) and the integer forms: 1 or torch's thread count, whichever measures faster
             (`_matvec_tuners`, `_tuners`: on a busy machine a descheduled thread stalls the
             others at every product's barrier, hundreds of times per forward pass); the
             float32 form's dequantization: 1 (torch's GEMM does the heavy part).
-        act: `ACT_F32` (float32 inputs: the float32 product of the stored weights) or
-            `ACT_I16` (`--opt auto`: inputs as int16 per block, exact integer products, as
-            the decode kernels take them; formats without integer products use float32).
+        act: `ACT_F32` (float32 inputs: the float32 product of the stored weights),
+            `ACT_I16` (inputs as int16 per block, exact integer products, as the decode
+            kernels take them; formats without integer products use float32) or `ACT_Q8`
+            (int8 per super-block of 256, as llama.cpp: the int8 product of a matrix in
+            8-row tiles, the int16 one of the other formats).
     """
     x = x.to(torch.float32).contiguous()
     n = x.shape[0]
     if p.fmt == kernels.FMT_F32:
         return torch.nn.functional.linear(x, p.data)
-    if act == kernels.ACT_I16 and n > SMALL_INPUT_ROWS:
-        y = _i16_product(p, x, threads)
+    if act in (kernels.ACT_I16, kernels.ACT_Q8) and n > SMALL_INPUT_ROWS:
+        y = _int_product(p, x, threads, act)
         if y is not None:
             return y
     lib = kernels.load_library()
@@ -244,7 +256,8 @@ class PackedLinear(nn.Module):
             self.register_parameter("bias", None)
         self._shape = torch.empty(packed.rows, packed.cols, dtype=torch.float32, device="meta")
         self.act = kernels.ACT_F32
-        """The form of the inputs (`packed_matmul`): float32, or int16 in a `with_activations` view."""
+        """The form of the inputs (`packed_matmul`): float32, or int16 or int8 in a
+        `with_activations` view."""
 
     @property
     def weight(self) -> torch.Tensor:
@@ -321,17 +334,19 @@ class ScaledPackedEmbedding(PackedEmbedding):
         return f"{super().extra_repr()}, embed_scale={self.scalar_embed_scale:g}"
 
 
-def with_activations(model: nn.Module, act: int) -> nn.Module:
-    """`model` with every packed linear taking its inputs in the form `act` (`ACT_F32` or
-    `ACT_I16`), so that a forward pass computes as the decode kernels do, and `model` left
-    as it is: `model` itself where its packed linears take `act` already (or it has none),
-    else a view of it, a shallow copy of each packed linear and of each module on the way to
-    one, sharing every other module, weight and buffer with `model`."""
+def with_activations(model: nn.Module, act: int | Callable[[kernels.PackedMatrix], int]) -> nn.Module:
+    """`model` with every packed linear taking its inputs in the form `act` (`ACT_F32`,
+    `ACT_I16` or `ACT_Q8`; or a function of the linear's matrix, giving one of these), so
+    that a forward pass computes as the decode kernels do, and `model` left as it is: `model`
+    itself where its packed linears take their forms already (or it has none), else a view of
+    it, a shallow copy of each packed linear and of each module on the way to one, sharing
+    every other module, weight and buffer with `model`."""
     if isinstance(model, PackedLinear):
-        if model.act == act:
+        form = act(model.packed) if callable(act) else act
+        if model.act == form:
             return model
         linear = copy.copy(model)
-        linear.act = act
+        linear.act = form
         return linear
     children = {
         name: with_activations(child, act) for name, child in model._modules.items() if child is not None
