@@ -247,9 +247,10 @@ def test_script_help_and_bad_size():
 @needs_kernels
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_streaming_on_the_files_own_blocks_equals_plain_engine(files, arch):
-    """`--enable-streaming` on the default path (K-quant matrices from the file, int16
-    activations): evicting and re-rotating with the model's rope, two turns give the plain
-    transformers engine's tokens and evictions."""
+    """`--enable-streaming` on the fast path (K-quant matrices from the file; `exact`: int16
+    activations, as the default's int8 ones would part from float32's greedy tokens on a random
+    model by their rounding alone): evicting and re-rotating with the model's rope, two turns
+    give the plain transformers engine's tokens and evictions."""
     from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
     from chatbot.engine.fast import FastDecoder
     from chatbot.engine.generate import Engine
@@ -262,7 +263,7 @@ def test_streaming_on_the_files_own_blocks_equals_plain_engine(files, arch):
         sampling=sampling, engine=EngineConfig(enable_streaming=True, start_size=4, recent_size=48)
     )
     results = {}
-    for name, decoder in [("plain", None), ("fast", FastDecoder(loaded.model, "auto"))]:
+    for name, decoder in [("plain", None), ("fast", FastDecoder(loaded.model, "exact"))]:
         session = ChatSession(Engine(loaded.model, loaded.tokenizer, decoder=decoder), config)
         got = [
             [t for c in session.send(text) for t in c.token_ids] for text in ("Hello there!", "The quick fox")
@@ -380,3 +381,39 @@ def test_fast_decodes_the_files_own_blocks_with_int8_inputs(files):
     assert exact <= auto <= fast, (exact, auto, fast)
     if 0 < int16_sites["auto"] < 31:  # some products int8, some int16
         assert exact < auto < fast, (exact, auto, fast)
+
+
+@needs_kernels
+def test_auto_prefills_with_the_inputs_its_decode_step_takes(files):
+    """`auto` prefills as its step decodes: int8 inputs (the batched int8 product) into the
+    tiled matrices of the sites whose step takes int8, int16 into the others; `exact` int16
+    into all. So a prompt's logits from one prefill pass are the step-decoded ones up to the
+    float rounding of the attention, far closer than `exact`'s prefill, whose inputs are finer
+    than auto's step's."""
+    from chatbot.engine import kernels
+    from chatbot.engine.fast import FastDecoder
+    from chatbot.engine.packed import PackedLinear
+    from chatbot.models.loader import load_model
+
+    model = load_model(str(files["qwen2"])).model
+    auto, exact = FastDecoder(model, "auto", threads=1), FastDecoder(model, "exact", threads=1)
+    if not any(p.x8 for p in auto._parts()):
+        pytest.skip("no tile kernels on this CPU (AVX2 and up)")
+    assert (auto.inputs.act, auto.inputs.int16_sites) == (kernels.ACT_Q8, 0)  # every site int8 here
+    for decoder, tiled_form in ((auto, kernels.ACT_Q8), (exact, kernels.ACT_I16)):
+        linears = [m for m in decoder.prefill_model.modules() if isinstance(m, PackedLinear)]
+        assert len(linears) >= 7 and all(
+            m.act == (tiled_form if m.packed.x8 else kernels.ACT_I16) for m in linears
+        )
+    assert not any(isinstance(m, PackedLinear) and m.act != kernels.ACT_F32 for m in model.modules())
+    ids = list(range(100, 124))
+    cache = auto.new_cache()
+    with torch.no_grad():
+        auto.prefill_model(input_ids=torch.tensor([ids[:4]]), cache=cache, use_cache=True)
+        stepped = torch.stack([auto.decode(cache, t) for t in ids[4:]])
+        prefilled = {
+            name: d.prefill_model(input_ids=torch.tensor([ids])).logits[0, 4:]
+            for name, d in (("auto", auto), ("exact", exact))
+        }
+    gap = {name: float((logits - stepped).abs().max() / stepped.std()) for name, logits in prefilled.items()}
+    assert gap["auto"] < 1e-4 and gap["exact"] > 100 * gap["auto"], gap

@@ -43,6 +43,7 @@ are packed by `chatbot.engine.fast_weights`.
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -235,22 +236,37 @@ class FastDecoder:
         self._local = threading.local()  # the batched calls' scratch: one per thread (they may run at once)
         # Grown on demand: a 128k-context model need not hold 128k rows of cos/sin.
         self._ensure_rope(min(4096, int(getattr(config, "max_position_embeddings", 2048) or 2048)))
-        self.prefill_model = with_activations(model, self.prefill_activations)
+        self.prefill_model = with_activations(model, self.prefill_form)
         """The model as prefill runs it through transformers: `model` itself, or for a GGUF
-        model at ``auto``/``exact``/``fast`` a view of it whose packed linears take int16
-        inputs, as ``exact``'s decode kernels do (`packed.with_activations`: every weight shared, `model`
-        unchanged)."""
+        model at ``auto``/``exact``/``fast`` a view of it whose packed linears take their
+        inputs as the decode step does (`prefill_form`; `packed.with_activations`: every
+        weight shared, `model` unchanged)."""
 
-    @property
-    def prefill_activations(self) -> int:
-        """The form of the inputs of the packed linears in prefill (`kernels.ACT_I16` or
-        `ACT_F32`): int16 for ``exact`` where the matrices have integer products (the
-        batched integer product beats dequantizing for torch's float32 GEMM); ``auto`` and
-        ``fast`` too, as there is no batched int8 product, and int8 inputs would add error
-        without speed; float32 otherwise."""
-        if is_packed(self.model) and self.level in FILE_LEVELS and self._has_int16_products():
-            return kernels.ACT_I16
-        return kernels.ACT_F32
+    def prefill_form(self, p: kernels.PackedMatrix) -> int:
+        """The form of the inputs of packed matrix `p` in prefill (`kernels.ACT_*`), as the
+        decode step takes them: for a GGUF model at ``auto``/``exact``/``fast`` whose matrices
+        have integer products, int8 (llama.cpp's Q8_K) where the step takes int8 and `p` is
+        in 8-row tiles (the batched int8 tile product), int16 elsewhere (the batched int16
+        product: at an int8 site, finer than the step's inputs, as no batched int8 product
+        of `p`'s format exists); float32 otherwise."""
+        if not (is_packed(self.model) and self.level in FILE_LEVELS and self._has_int16_products()):
+            return kernels.ACT_F32
+        return kernels.ACT_Q8 if p.x8 and id(p) in self._int8_ids else kernels.ACT_I16
+
+    @functools.cached_property
+    def _int8_ids(self) -> frozenset[int]:
+        """The matrices whose decode products take int8 inputs (`choose_inputs`), by `id`."""
+        if self.inputs.act != kernels.ACT_Q8:
+            return frozenset()
+        native = self.native
+        sites = [native.wqkv, native.wo, native.wgu, native.wdown, [[native.lm_head]]]
+        return frozenset(
+            id(p)
+            for i, site in enumerate(sites)
+            if not self.inputs.int16_sites >> i & 1
+            for group in site
+            for p in group
+        )
 
     # -- set-up ---------------------------------------------------------------------------
 
