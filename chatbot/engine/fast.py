@@ -59,6 +59,7 @@ from chatbot.engine import kernels
 from chatbot.engine.buffer_cache import BufferLayer, adopt_layers  # also re-exported (tests)
 from chatbot.engine.fast_model import FastPathUnavailable, NativeModel, check_model, native_struct, read_model
 from chatbot.engine.fast_weights import is_packed
+from chatbot.engine.heap import hold_freed_memory
 from chatbot.engine.packed import with_activations
 from chatbot.engine.threads import ThreadTuner, cap_threads
 
@@ -236,6 +237,7 @@ class FastDecoder:
         self._local = threading.local()  # the batched calls' scratch: one per thread (they may run at once)
         # Grown on demand: a 128k-context model need not hold 128k rows of cos/sin.
         self._ensure_rope(min(4096, int(getattr(config, "max_position_embeddings", 2048) or 2048)))
+        hold_freed_memory()  # prefill's activations reuse the heap's pages, layer after layer
         self.prefill_model = with_activations(model, self.prefill_form)
         """The model as prefill runs it through transformers: `model` itself, or for a GGUF
         model at ``auto``/``exact``/``fast`` a view of it whose packed linears take their
