@@ -131,6 +131,7 @@ def test_batched_decode_and_the_other_parallel_calls_match(builds, tiny_model, m
         return [
             torch.stack(batch),
             kernels.matmul_i16(q4k, x, 2),
+            kernels.matmul_x8(kernels.tile_rows(q4k), x, 2),  # int8 inputs into 8-row tiles
             kernels.unpack(q4k, 2),
             kernels.matvec(q4k, x[0], 2, kernels.ACT_I16),
             packed,

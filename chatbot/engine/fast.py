@@ -128,9 +128,9 @@ def choose_inputs(level: str, native: NativeModel, lib: Any) -> Inputs:
     int16 = "int16 inputs, 2^-16 steps"
     if level == "exact":
         return Inputs(kernels.ACT_I16, 0, "int16", int16)
-    sites = [native.wqkv, native.wo, native.wgu, native.wdown, [[native.lm_head]]]
     faster = [
-        all(lib.chatbot_int8_faster(p.fmt, int(p.x8)) for layer in site for p in layer) for site in sites
+        all(lib.chatbot_int8_faster(p.fmt, int(p.x8)) for layer in site for p in layer)
+        for site in native.sites()
     ]
     if not any(faster):
         return Inputs(kernels.ACT_I16, 0, "int16", f"{int16}: no product of this file is faster in int8")
@@ -260,11 +260,9 @@ class FastDecoder:
         """The matrices whose decode products take int8 inputs (`choose_inputs`), by `id`."""
         if self.inputs.act != kernels.ACT_Q8:
             return frozenset()
-        native = self.native
-        sites = [native.wqkv, native.wo, native.wgu, native.wdown, [[native.lm_head]]]
         return frozenset(
             id(p)
-            for i, site in enumerate(sites)
+            for i, site in enumerate(self.native.sites())
             if not self.inputs.int16_sites >> i & 1
             for group in site
             for p in group

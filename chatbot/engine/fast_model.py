@@ -193,6 +193,11 @@ class NativeModel:
         """Every packed row block of the layers."""
         return [p for groups in (self.wqkv, self.wo, self.wgu, self.wdown) for g in groups for p in g]
 
+    def sites(self) -> list[list[list[kernels.PackedMatrix]]]:
+        """The matrices of each product site (kernels.c SITE_*: q/k/v, o, gate/up, down, the
+        head), each as its groups: a layer's row blocks, the head as one group of one."""
+        return [self.wqkv, self.wo, self.wgu, self.wdown, [[self.lm_head]]]
+
 
 def _packed_matrices(
     model: Any, level: str, gguf: str | Path | None, use_gguf: bool, heads: tuple[int, int]

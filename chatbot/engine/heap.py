@@ -6,7 +6,7 @@ block above its mmap threshold with a fresh mapping and returns it on free, and 
 memory at the heap's top back to the system: each layer then faults its pages in again, all
 of them zero-filled by the kernel. `hold_freed_memory` keeps such blocks in the heap, so a
 prefill reuses the pages of the layer before: the 1.5B `Q4_K_M` file prefilled 500 tokens at
-262-272 tok/s on two threads instead of 192-195 (docs/benchmarks.md). The cost is memory kept
+258-272 tok/s on two threads instead of 182-238 (docs/benchmarks.md). The cost is memory kept
 after a prefill up to the trim threshold, never above the peak the prefill reached.
 """
 

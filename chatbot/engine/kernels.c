@@ -3748,7 +3748,11 @@ static __attribute__((unused)) void x8_q4_k(const uint8_t *tile, int k, const X8
     __m256 acc[X8_TOK], accm[X8_TOK];
     for (int t = 0; t < X8_TOK; t++) acc[t] = accm[t] = _mm256_setzero_ps();
     const int8_t *x[X8_TOK];
-    for (int t = 0; t < X8_TOK; t++) x[t] = in->q + (size_t)(t0 + (t < nt ? t : 0)) * k;
+    int row[X8_TOK]; /* the inputs; past the nt real ones, the first again */
+    for (int t = 0; t < X8_TOK; t++) {
+        row[t] = t0 + (t < nt ? t : 0);
+        x[t] = in->q + (size_t)row[t] * k;
+    }
     for (int i = 0; i < nb; i++, tile += 1152) {
         TILE_PREFETCH(tile, 1152);
         const K4Scales s = k4_tile_scales(tile);
@@ -3775,12 +3779,12 @@ static __attribute__((unused)) void x8_q4_k(const uint8_t *tile, int k, const X8
             const __m256i pr = _mm256_or_si256(k4_lane_byte(s.mn03, s.mn47, b), _mm256_slli_epi32(k4_lane_byte(s.mn03, s.mn47, b + 1), 16));
             for (int t = 0; t < X8_TOK; t++) {
                 int32_t xs;
-                memcpy(&xs, in->s32 + (size_t)(t0 + (t < nt ? t : 0)) * (k / QK) + 8 * i + b, 4);
+                memcpy(&xs, in->s32 + (size_t)row[t] * (k / QK) + 8 * i + b, 4);
                 M[t] = _mm256_add_epi32(M[t], _mm256_madd_epi16(pr, _mm256_set1_epi32(xs)));
             }
         }
         for (int t = 0; t < X8_TOK; t++) {
-            const float dx = in->d[(size_t)(t0 + (t < nt ? t : 0)) * nb + i];
+            const float dx = in->d[(size_t)row[t] * nb + i];
             const __m256 vx = _mm256_set1_ps(dx);
             acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, vx), _mm256_cvtepi32_ps(S[t]), acc[t]);
             accm[t] = _mm256_fmadd_ps(_mm256_mul_ps(dm, vx), _mm256_cvtepi32_ps(M[t]), accm[t]);
@@ -3806,7 +3810,11 @@ static __attribute__((unused)) void x8_q6_k(const uint8_t *tile, int k, const X8
     __m256 acc[X8_TOK];
     for (int t = 0; t < X8_TOK; t++) acc[t] = _mm256_setzero_ps();
     const int8_t *x[X8_TOK];
-    for (int t = 0; t < X8_TOK; t++) x[t] = in->q + (size_t)(t0 + (t < nt ? t : 0)) * k;
+    int row[X8_TOK]; /* the inputs; past the nt real ones, the first again */
+    for (int t = 0; t < X8_TOK; t++) {
+        row[t] = t0 + (t < nt ? t : 0);
+        x[t] = in->q + (size_t)row[t] * k;
+    }
     for (int i = 0; i < nb; i++, tile += 1680) {
         TILE_PREFETCH(tile, 1680);
         __m256i S[X8_TOK];
@@ -3829,7 +3837,7 @@ static __attribute__((unused)) void x8_q6_k(const uint8_t *tile, int k, const X8
         /* the offset: 32 x sum over sub-blocks of scale x the inputs' sum of 16, per row */
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tile));
         for (int t = 0; t < X8_TOK; t++) {
-            const int16_t *s16 = in->s16 + (size_t)(t0 + (t < nt ? t : 0)) * (k / 16) + 16 * i;
+            const int16_t *s16 = in->s16 + (size_t)row[t] * (k / 16) + 16 * i;
             __m256i O = _mm256_setzero_si256();
             for (int bk = 0; bk < 16; bk += 2) {
                 const __m256i a = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(tile + 16 + 8 * bk)));
@@ -3840,7 +3848,7 @@ static __attribute__((unused)) void x8_q6_k(const uint8_t *tile, int k, const X8
                 O = _mm256_add_epi32(O, _mm256_madd_epi16(pr, _mm256_set1_epi32(xs)));
             }
             const __m256i D = _mm256_sub_epi32(S[t], _mm256_slli_epi32(O, 5));
-            const float dx = in->d[(size_t)(t0 + (t < nt ? t : 0)) * nb + i];
+            const float dx = in->d[(size_t)row[t] * nb + i];
             acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(D), acc[t]);
         }
     }

@@ -363,33 +363,32 @@ def matvec(
     return y
 
 
-def matmul_i16(p: PackedMatrix, x: torch.Tensor, threads: int | None = None) -> torch.Tensor | None:
-    """x @ W.T ([n, cols] -> [n, rows]) with x as int16 per block, exact integer products (the
-    batched form of `act=ACT_I16`, kernels.c); None where the kernels have no batched product
-    for this format or CPU (AVX-512 and a block format): the caller multiplies otherwise."""
+def _batched(name: str, p: PackedMatrix, x: torch.Tensor, threads: int | None) -> torch.Tensor | None:
+    """x @ W.T by the batched product `name` of kernels.c; None where it returns -1."""
     lib = load_library()
     x = x.detach().to(torch.float32).contiguous()
     y = torch.empty(x.shape[0], p.rows, dtype=torch.float32)
     mat = p.as_struct()
     threads = threads or torch.get_num_threads()
-    if lib.chatbot_matmul(ctypes.byref(mat), x.data_ptr(), x.shape[0], y.data_ptr(), threads) != 0:
+    if getattr(lib, name)(ctypes.byref(mat), x.data_ptr(), x.shape[0], y.data_ptr(), threads) != 0:
         return None
     return y
+
+
+def matmul_i16(p: PackedMatrix, x: torch.Tensor, threads: int | None = None) -> torch.Tensor | None:
+    """x @ W.T ([n, cols] -> [n, rows]) with x as int16 per block, exact integer products (the
+    batched form of `act=ACT_I16`, kernels.c `chatbot_matmul`); None where the kernels have no
+    batched product for this format or CPU (AVX2 and up, block formats): the caller
+    multiplies otherwise."""
+    return _batched("chatbot_matmul", p, x, threads)
 
 
 def matmul_x8(p: PackedMatrix, x: torch.Tensor, threads: int | None = None) -> torch.Tensor | None:
     """x @ W.T ([n, cols] -> [n, rows]) with x as int8 per super-block of 256 (ggml's Q8_K,
     as `act=ACT_Q8` decodes the K-quants and llama.cpp prefills), for a matrix in 8-row tiles
-    (Q4_K, Q6_K on AVX2: kernels.c `chatbot_matmul_x8`); None where there is no such product:
-    the caller multiplies otherwise."""
-    lib = load_library()
-    x = x.detach().to(torch.float32).contiguous()
-    y = torch.empty(x.shape[0], p.rows, dtype=torch.float32)
-    mat = p.as_struct()
-    threads = threads or torch.get_num_threads()
-    if lib.chatbot_matmul_x8(ctypes.byref(mat), x.data_ptr(), x.shape[0], y.data_ptr(), threads) != 0:
-        return None
-    return y
+    (Q4_K, Q6_K on AVX2 and up: kernels.c `chatbot_matmul_x8`); None where there is no such
+    product: the caller multiplies otherwise."""
+    return _batched("chatbot_matmul_x8", p, x, threads)
 
 
 def pack_lossless(*parts: torch.Tensor, rtol: float = 2e-6) -> PackedMatrix:
