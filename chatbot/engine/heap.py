@@ -4,7 +4,9 @@ A prefill of a few hundred tokens allocates and frees tens of megabytes per laye
 [tokens, width] float32 tensor, the batched products' int8 inputs). glibc's malloc serves a
 block above its mmap threshold with a fresh mapping and returns it on free, and trims freed
 memory at the heap's top back to the system: each layer then faults its pages in again, all
-of them zero-filled by the kernel. `hold_freed_memory` keeps such blocks in the heap, so a
+of them zero-filled by the kernel (glibc raises its threshold as mapped blocks are freed,
+which some processes reach early and others never: the same prefill ran at either speed).
+`hold_freed_memory` keeps such blocks in the heap, so a
 prefill reuses the pages of the layer before: the 1.5B `Q4_K_M` file prefilled 500 tokens at
 258-272 tok/s on two threads instead of 182-238 (docs/benchmarks.md). The cost is memory kept
 after a prefill up to the trim threshold, never above the peak the prefill reached.
