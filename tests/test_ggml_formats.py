@@ -122,6 +122,12 @@ BUILDS = {
     "scalar": (["-O2"], [kernels.ACT_F32]),
     # this CPU without AVX-512 (a Zen 3 or an older Xeon): the 256-bit integer products
     "avx2": (["-O3", "-march=native", "-mno-avx512f"], [kernels.ACT_F32, kernels.ACT_I16]),
+    # and without AVX-VNNI (Zen 3, Skylake), where this CPU has it: the batched product's
+    # step is asm of its own for each (vpmaddwd + vpaddd, or vpdpwssd)
+    "avx2-no-vnni": (
+        ["-O3", "-march=native", "-mno-avx512f", "-mno-avxvnni"],
+        [kernels.ACT_F32, kernels.ACT_I16],
+    ),
 }
 
 
@@ -132,8 +138,10 @@ def test_other_builds_match_reference(tmp_path, build):
     cc = kernels.find_compiler()
     if cc is None:
         pytest.skip("no C compiler")
-    if build == "avx2" and not {"avx2", "fma", "f16c"} <= _cpu_flags():
+    if build.startswith("avx2") and not {"avx2", "fma", "f16c"} <= _cpu_flags():
         pytest.skip("this CPU has no AVX2")
+    if build == "avx2-no-vnni" and "avx_vnni" not in _cpu_flags():
+        pytest.skip("this CPU has no AVX-VNNI: the avx2 build is this one")
     extra, acts = BUILDS[build]
     lib_path = tmp_path / f"{build}.so"
     flags = [*extra, "-fopenmp", "-shared", "-fPIC", "-std=c11"]

@@ -3411,12 +3411,6 @@ static void mm_unpack_block(int fmt, const uint8_t *b, int16_t *q, float *s, flo
     }
 }
 
-static inline int32_t xpair(const int16_t *x) {
-    int32_t v;
-    memcpy(&v, x, 4);
-    return v;
-}
-
 /* The tile of the product: MM_ROWS rows (two vectors of MM_LANES) x MM_TOK inputs, one named
  * integer accumulator per input and vector (sixteen on AVX-512; eight on AVX2, whose sixteen
  * registers also hold the weights, the broadcast and vpmaddwd's products), each broadcast
@@ -3456,25 +3450,57 @@ typedef __m256i mm_i;
 #define MM_LOAD_F(p) _mm256_load_ps(p)
 #define MM_SET1_I(v) _mm256_set1_epi32(v)
 #define MM_SET1_F(v) _mm256_set1_ps(v)
-#define MM_DPW(acc, a, b) DPW256(acc, a, b)
 #define MM_FMADD(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define MM_MUL(a, b) _mm256_mul_ps(a, b)
 #define MM_CVT(a) _mm256_cvtepi32_ps(a)
 #define MM_STORE_F(p, v) _mm256_storeu_ps(p, v)
 #define MM_ACCS(X) X(0) X(1) X(2) X(3)
-/* the pairs' loop as written: unrolled, gcc sums a unit's products in a tree that spills
- * them to the stack (1.3-1.8x slower; six inputs spilled even so) */
+/* the pairs' loop kept a loop: with the intrinsics, unrolled, gcc summed a unit's products in
+ * a tree that spilled them to the stack (1.3-1.8x slower); with the asm step (mm_dp256)
+ * unrolling by 4 gained 0-3% */
 #define MM_UNROLL _Pragma("GCC unroll 1")
 #endif
 #define MM_ROWS (2 * MM_LANES)
 
 #define MM_ACC(t) mm_i a##t = MM_ZERO_I, b##t = MM_ZERO_I;
+#ifdef MM_512
+static inline int32_t xpair(const int16_t *x) {
+    int32_t v;
+    memcpy(&v, x, 4);
+    return v;
+}
 #define MM_DP(t)                                                                 \
     {                                                                            \
         const mm_i xv = MM_SET1_I(xpair(xu + (size_t)(t) * k + 2 * p));          \
         a##t = MM_DPW(a##t, w0, xv);                                             \
         b##t = MM_DPW(b##t, w1, xv);                                             \
     }
+#else
+/* One input's step on 256-bit registers, as asm: for the intrinsics gcc 12 loaded each weight
+ * vector again for every input (12 loads a step) or kept an accumulator on the stack, and the
+ * product ran at 62 GMAC/s on a Zen 5 core where clang's code for the same source ran at 84. */
+static inline __attribute__((always_inline)) void mm_dp256(__m256i *a, __m256i *b, __m256i w0, __m256i w1,
+                                                            const int16_t *x) {
+    __m256i xv;
+#ifdef __AVXVNNI__
+    __asm__("vpbroadcastd %4, %2\n\t"
+            "%{vex%} vpdpwssd %2, %3, %0\n\t"
+            "%{vex%} vpdpwssd %2, %5, %1"
+            : "+x"(*a), "+x"(*b), "=&x"(xv)
+            : "x"(w0), "m"(*(const int32_t *)x), "x"(w1));
+#else
+    __m256i pr;
+    __asm__("vpbroadcastd %5, %2\n\t"
+            "vpmaddwd %2, %4, %3\n\t"
+            "vpaddd %3, %0, %0\n\t"
+            "vpmaddwd %2, %6, %2\n\t"
+            "vpaddd %2, %1, %1"
+            : "+x"(*a), "+x"(*b), "=&x"(xv), "=&x"(pr)
+            : "x"(w0), "m"(*(const int32_t *)x), "x"(w1));
+#endif
+}
+#define MM_DP(t) mm_dp256(&a##t, &b##t, w0, w1, xu + (size_t)(t) * k + 2 * p);
+#endif
 #define MM_F(t)                                                                                 \
     {                                                                                           \
         const mm_f d = MM_SET1_F(xd[(t) * nu + u]), o = MM_SET1_F(xs[(t) * nu + u]);            \
