@@ -200,18 +200,23 @@ def test_tiles_are_left_alone_where_they_do_not_fit(monkeypatch):
     assert kernels.tile_rows(fits) is fits
 
 
-def test_avx2_build_tiles_match_reference(tmp_path):
-    """The tiles as an AVX2 CPU without AVX-512 runs them (vpmaddubsw, not vpdpbusd), with
-    int16 inputs and with int8 ones (their own tile products there), one input at a time and
-    several (prefill's batched int8 product)."""
+@pytest.mark.parametrize("vnni", [True, False], ids=["avx-vnni", "no-vnni"])
+def test_avx2_build_tiles_match_reference(tmp_path, vnni):
+    """The tiles as an AVX2 CPU without AVX-512 runs them (256-bit vpdpbusd where the CPU has
+    AVX-VNNI, vpmaddubsw where not), with int16 inputs and with int8 ones (their own tile
+    products there), one input at a time and several (prefill's batched int8 product, which
+    gives each input the one-token product bit for bit)."""
     cc = kernels.find_compiler()
     if cc is None or not {"avx2", "fma", "f16c"} <= _cpu_flags():
         pytest.skip("no C compiler or no AVX2")
+    if not vnni and "avx_vnni" not in _cpu_flags():
+        pytest.skip("this CPU has no AVX-VNNI: the other build is this one")
     lib_path = tmp_path / "avx2.so"
     flags = [
         "-O3",
         "-march=native",
         "-mno-avx512f",
+        *([] if vnni else ["-mno-avxvnni"]),
         "-pthread",
         "-shared",
         "-fPIC",
@@ -240,6 +245,7 @@ def test_avx2_build_tiles_match_reference(tmp_path):
                 ctypes.c_void_p(y.data_ptr()), threads, act,
             )  # fmt: skip
             check_product(y.numpy(), ref, int16_activations(x, 256, top=top))
+            one_token = y.clone() if act == kernels.ACT_Q8 else None
         # prefill's batched int8 product in this build: each row the one-token product
         xs = torch.from_numpy(np.stack([x, -0.5 * x, 3.0 * x, x[::-1].copy(), 0 * x]))
         for threads in (1, 2):
@@ -253,3 +259,4 @@ def test_avx2_build_tiles_match_reference(tmp_path):
             )
             for row, inp in zip(y.numpy(), xs.numpy(), strict=True):
                 check_product(row, ref, int16_activations(inp, 256, top=127))
+            assert torch.equal(y[0], one_token), kind

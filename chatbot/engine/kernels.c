@@ -901,20 +901,21 @@ typedef struct {
     float *kbs;   /* [k / 32] */
     uint8_t *kl;  /* [k] with AVX-512 VNNI (prepare_k): the bytes of k16 = 256 kh + kl, the */
     int8_t *kh;   /* [k] blocks of 32 of a super-block in the order 0 2 1 3 4 6 5 7 (dot_q45_k_b8_) */
-    int8_t *khe;  /* [8 k] the bytes of k16 for the 8-row tiles (prepare_x8): every 4 of kh and */
-    uint8_t *kle; /* [8 k] of kl (x = 256 kh + kl, kl unsigned) 8 times over, 32 bytes a 4 */
+    int8_t *khe;  /* [8 k] int16 inputs' bytes for the 8-row tiles (prepare_x8): every 4 of kh */
+    uint8_t *kle; /* [8 k] and of kl (x = 256 kh + kl, kl unsigned) 8 times over, 32 bytes a 4 */
     int32_t *ks16; /* [k / 16] the integer sum of each 16 of k16 (Q6_K tiles) */
+    int8_t *kc;    /* [k] int8 inputs (ACT_Q8) for the tiles (prepare_x8): k16 as bytes */
     int act;
     int k;
     int kready, bready, xready; /* the K-quant form, the per-block form, the tiles' form made */
 } Vec;
 
 /* The arrays of a Vec of up to w values, in floats, in the order vec_place lays them out. */
-#define VEC_PARTS 13
+#define VEC_PARTS 14
 static void vec_parts(int w, long parts[VEC_PARTS]) {
     const long nb = w / QK + 1;
     const long n[VEC_PARTS] = {nb, nb, nb, w / 4 + 1, w / 2 + 1, w / 2 + 1, w / QK_K + 1, nb, w / 4 + 1, w / 4 + 1,
-                               2L * w + 8, 2L * w + 8, w / 16 + 1};
+                               2L * w + 8, 2L * w + 8, w / 16 + 1, w / 4 + 1};
     for (int i = 0; i < VEC_PARTS; i++) parts[i] = (n[i] + 15) / 16 * 16; /* whole 64-byte lines */
 }
 
@@ -948,6 +949,7 @@ static void vec_place(Vec *v, float *base, int w) {
     v->khe = (int8_t *)p[10];
     v->kle = (uint8_t *)p[11];
     v->ks16 = (int32_t *)p[12];
+    v->kc = (int8_t *)p[13];
 }
 
 /* Take x as the input of the next products; its forms are made as they are needed
@@ -1855,19 +1857,26 @@ int chatbot_repack(const Mat *src, void *dst) {
 }
 
 #ifdef CB_AVX2
-/* The tiles' form of an int16 vector (after prepare_k): khe / kle, and the sums of 16. */
+/* The tiles' form of the K-quant form (after prepare_k): int8 inputs (ACT_Q8) as bytes in
+ * order (kc), int16 ones as their bytes 8 times over (khe / kle); and the sums of 16. */
 static void prepare_x8(Vec *v) {
     if (v->xready) return;
-    for (int u = 0; u < v->k / 4; u++) {
-        uint32_t h = 0, l = 0;
-        for (int t = 0; t < 4; t++) {
-            const int x = v->k16[4 * u + t];
-            h |= (uint32_t)((x >> 8) & 0xff) << (8 * t); /* arithmetic shift: kh signed */
-            l |= (uint32_t)(x & 0xff) << (8 * t);
+    if (v->act == ACT_Q8) /* |x| <= 127: packs keeps them; it works per 128-bit lane */
+        for (int i = 0; i < v->k; i += 32) {
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(v->k16 + i)), b = _mm256_loadu_si256((const __m256i *)(v->k16 + i + 16));
+            _mm256_storeu_si256((__m256i *)(v->kc + i), _mm256_permute4x64_epi64(_mm256_packs_epi16(a, b), 0xD8));
         }
-        _mm256_storeu_si256((__m256i *)(v->khe + 32 * u), _mm256_set1_epi32((int)h));
-        _mm256_storeu_si256((__m256i *)(v->kle + 32 * u), _mm256_set1_epi32((int)l));
-    }
+    else
+        for (int u = 0; u < v->k / 4; u++) {
+            uint32_t h = 0, l = 0;
+            for (int t = 0; t < 4; t++) {
+                const int x = v->k16[4 * u + t];
+                h |= (uint32_t)((x >> 8) & 0xff) << (8 * t); /* arithmetic shift: kh signed */
+                l |= (uint32_t)(x & 0xff) << (8 * t);
+            }
+            _mm256_storeu_si256((__m256i *)(v->khe + 32 * u), _mm256_set1_epi32((int)h));
+            _mm256_storeu_si256((__m256i *)(v->kle + 32 * u), _mm256_set1_epi32((int)l));
+        }
     for (int b = 0; b < v->k / 16; b++) {
         int s = 0;
         for (int t = 0; t < 16; t++) s += v->k16[16 * b + t];
@@ -1924,21 +1933,32 @@ static inline __m256 k6_tile_scale(const uint8_t *t, int b) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(t + 16 + 8 * b))));
 }
 
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define X8_DPB256 1
+#define DPB256(acc, a, b) _mm256_dpbusd_epi32(acc, a, b)
+#elif defined(__AVXVNNI__)
+#define X8_DPB256 1
+#define DPB256(acc, a, b) _mm256_dpbusd_avx_epi32(acc, a, b)
+#endif
+
 /* AVX2: vpmaddubsw pairs (weight byte x input byte, exact in int16: Q4_K 2 x 15 x 255,
  * Q6_K 2 x 63 x 255 for kl, 2 x 15 x 128 and 2 x 63 x 128 for kh) added up in int16 as far as
  * they stay exact (8 kh or 4 kl pairs of Q4_K, 2 kh pairs of Q6_K), then vpmaddwd by the
- * scale (Q4_K) or by 1 / 256. Q4_K's scaled sums of 2 sub-blocks: < 2 x 32 x 15 x 63 x 32767 < 2^31.
- * i8: int8 inputs (ACT_Q8, |x| <= 127: --opt fast). The low bytes kle, read as signed, are
- * then the inputs themselves: one vpmaddubsw per pair of weights where int16 inputs take two,
- * the high bytes (0 or -1) never read. (A constant: each caller gets its own copy.) */
-static inline __attribute__((always_inline)) void dot_q4_k_x8_256_(const int i8, const uint8_t *tile, const Vec *v, int k, float *out) {
+ * scale (Q4_K) or by 1 / 256. Q4_K's scaled sums of 2 sub-blocks: < 2 x 32 x 15 x 63 x 32767 < 2^31. */
+static inline __attribute__((always_inline)) void dot_q4_k_x8_256(const uint8_t *tile, const Vec *v, int k, float *out) {
     const int nb = k / QK_K;
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
     for (int i = 0; i < nb; i++, tile += 1152) {
         TILE_PREFETCH(tile, 1152);
         const K4Scales s = k4_tile_scales(tile);
-        const int8_t *xh = (i8 ? (const int8_t *)v->kle : v->khe) + (size_t)i * QK_K * 8;
+        const int8_t *xh = v->khe + (size_t)i * QK_K * 8;
         const uint8_t *xl = v->kle + (size_t)i * QK_K * 8, *q = tile + 128;
         __m256 sf = _mm256_setzero_ps();
         for (int j = 0; j < 4; j++) {
@@ -1949,20 +1969,60 @@ static inline __attribute__((always_inline)) void dot_q4_k_x8_256_(const int i8,
                 const size_t uA = 32 * (16 * j + g), uB = uA + 32 * 8;
                 hA = _mm256_add_epi16(hA, _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xh + uA))));
                 hB = _mm256_add_epi16(hB, _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xh + uB))));
-                if (!i8) {
-                    lA[g >> 2] = _mm256_add_epi16(lA[g >> 2], _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(xl + uA)), lo));
-                    lB[g >> 2] = _mm256_add_epi16(lB[g >> 2], _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(xl + uB)), hi));
-                }
+                lA[g >> 2] = _mm256_add_epi16(lA[g >> 2], _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(xl + uA)), lo));
+                lB[g >> 2] = _mm256_add_epi16(lB[g >> 2], _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(xl + uB)), hi));
             }
-            /* each lane's scale as two int16 (x 256 for the kh sums of int16 inputs) */
+            /* each lane's scale as two int16, x 256 for the kh sums */
             const __m256i a = k4_lane_byte(s.sc03, s.sc47, 2 * j), b = k4_lane_byte(s.sc03, s.sc47, 2 * j + 1);
             const __m256i pa = _mm256_or_si256(a, _mm256_slli_epi32(a, 16)), pb = _mm256_or_si256(b, _mm256_slli_epi32(b, 16));
-            __m256i S = _mm256_add_epi32(_mm256_madd_epi16(hA, i8 ? pa : _mm256_slli_epi16(pa, 8)),
-                                         _mm256_madd_epi16(hB, i8 ? pb : _mm256_slli_epi16(pb, 8)));
-            if (!i8) {
-                S = _mm256_add_epi32(S, _mm256_add_epi32(_mm256_madd_epi16(lA[0], pa), _mm256_madd_epi16(lA[1], pa)));
-                S = _mm256_add_epi32(S, _mm256_add_epi32(_mm256_madd_epi16(lB[0], pb), _mm256_madd_epi16(lB[1], pb)));
+            __m256i S = _mm256_add_epi32(_mm256_madd_epi16(hA, _mm256_slli_epi16(pa, 8)), _mm256_madd_epi16(hB, _mm256_slli_epi16(pb, 8)));
+            S = _mm256_add_epi32(S, _mm256_add_epi32(_mm256_madd_epi16(lA[0], pa), _mm256_madd_epi16(lA[1], pa)));
+            S = _mm256_add_epi32(S, _mm256_add_epi32(_mm256_madd_epi16(lB[0], pb), _mm256_madd_epi16(lB[1], pb)));
+            sf = _mm256_add_ps(sf, _mm256_cvtepi32_ps(S));
+        }
+        k4_tile_close(tile, v->kd[i], sf, &s, v->kbs + 8 * i, &acc, &accm);
+    }
+    _mm256_storeu_ps(out, _mm256_sub_ps(acc, accm));
+}
+
+/* The same with int8 inputs (ACT_Q8: --opt fast, and auto's int8 sites), each step's 4 inputs
+ * broadcast from kc: one product per pair of weights where int16 inputs take two. With
+ * AVX-VNNI or AVX-512 VNNI, vpdpbusd sums a sub-block in int32 (< 32 x 15 x 127), times its
+ * scale with vpmulld; on AVX2, vpmaddubsw pairs add up in int16 (8 x 2 x 15 x 127 < 2^15),
+ * then vpmaddwd by the scale. The same integers either way. All builds with AVX2 take this
+ * 256-bit one: on AVX-512 VNNI it read a Zen 5 core's memory at 1.2-1.3x the rate of a 512-bit
+ * vpdpbusd form (docs/benchmarks.md). */
+static void dot_q4_k_x8_i8(const uint8_t *tile, const Vec *v, int k, float *out) {
+    const int nb = k / QK_K;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++, tile += 1152) {
+        TILE_PREFETCH(tile, 1152);
+        const K4Scales s = k4_tile_scales(tile);
+        const int8_t *x = v->kc + (size_t)i * QK_K;
+        const uint8_t *q = tile + 128;
+        __m256 sf = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) { /* sub-blocks 2 j (low nibbles) and 2 j + 1 (high) */
+            __m256i hA = _mm256_setzero_si256(), hB = hA;
+            for (int g = 0; g < 8; g++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(q + 32 * (8 * j + g)));
+                const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+                const __m256i xa = bcast4(x + 4 * (16 * j + g)), xb = bcast4(x + 4 * (16 * j + g + 8));
+#ifdef X8_DPB256
+                hA = DPB256(hA, lo, xa);
+                hB = DPB256(hB, hi, xb);
+#else
+                hA = _mm256_add_epi16(hA, _mm256_maddubs_epi16(lo, xa));
+                hB = _mm256_add_epi16(hB, _mm256_maddubs_epi16(hi, xb));
+#endif
             }
+            const __m256i a = k4_lane_byte(s.sc03, s.sc47, 2 * j), b = k4_lane_byte(s.sc03, s.sc47, 2 * j + 1);
+#ifdef X8_DPB256
+            const __m256i S = _mm256_add_epi32(_mm256_mullo_epi32(hA, a), _mm256_mullo_epi32(hB, b));
+#else
+            const __m256i pa = _mm256_or_si256(a, _mm256_slli_epi32(a, 16)), pb = _mm256_or_si256(b, _mm256_slli_epi32(b, 16));
+            const __m256i S = _mm256_add_epi32(_mm256_madd_epi16(hA, pa), _mm256_madd_epi16(hB, pb));
+#endif
             sf = _mm256_add_ps(sf, _mm256_cvtepi32_ps(S));
         }
         k4_tile_close(tile, v->kd[i], sf, &s, v->kbs + 8 * i, &acc, &accm);
@@ -2024,14 +2084,24 @@ static void dot_q4_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) {
     _mm256_storeu_ps(out, _mm256_sub_ps(acc, accm));
 }
 
+/* u32 0 of p in the low 8 lanes, u32 1 in the high 8: the int8 inputs of a tile's u32 pair
+ * (halves: the index vector, made once) */
+static inline __m512i x8_halves(const int8_t *p, __m512i halves) {
+    return _mm512_permutexvar_epi32(halves, _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* i8: int8 inputs from kc (u32 pairs spread over the halves, x8_halves), else int16 ones' bytes
+ * (khe, kle) */
 static inline __attribute__((always_inline)) void dot_q6_k_x8_(const int i8, const uint8_t *tile, const Vec *v, int k, float *out) {
     const int nb = k / QK_K;
+    const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     __m256 acc = _mm256_setzero_ps();
     for (int i = 0; i < nb; i++, tile += 1680) {
         TILE_PREFETCH(tile, 1680);
-        const int8_t *xh = (i8 ? (const int8_t *)v->kle : v->khe) + (size_t)i * QK_K * 8;
+        const int8_t *xh = v->khe + (size_t)i * QK_K * 8;
         const uint8_t *xl = v->kle + (size_t)i * QK_K * 8;
         const int32_t *xs = v->ks16 + 16 * i;
+        const int8_t *xc = v->kc + (size_t)i * QK_K;
         __m256 sf = _mm256_setzero_ps();
         for (int n = 0; n < 2; n++)
             for (int h = 0; h < 2; h++) { /* values 128 n + 32 s + 16 h + (0..15): sub-block 8 n + 2 s + h */
@@ -2042,8 +2112,12 @@ static inline __attribute__((always_inline)) void dot_q6_k_x8_(const int i8, con
                     k6_tile_quants(tile, n, g, q);
                     for (int s = 0; s < 4; s++) { /* q unsigned (0..63): less 32 x the inputs' sum below */
                         const size_t u = 32 * (32 * n + 8 * s + g);
-                        th[s] = dpbt(th[s], q[s], _mm512_loadu_si512(xh + u));
-                        if (!i8) tl[s] = dpbt(tl[s], _mm512_loadu_si512(xl + u), q[s]);
+                        if (i8) {
+                            th[s] = dpbt(th[s], q[s], x8_halves(xc + 4 * (32 * n + 8 * s + g), halves));
+                        } else {
+                            th[s] = dpbt(th[s], q[s], _mm512_loadu_si512(xh + u));
+                            tl[s] = dpbt(tl[s], _mm512_loadu_si512(xl + u), q[s]);
+                        }
                     }
                 }
                 for (int s = 0; s < 4; s++) {
@@ -2079,7 +2153,7 @@ static inline __attribute__((always_inline)) void dot_q6_k_x8_(const int i8, con
     __m256 acc = _mm256_setzero_ps();
     for (int i = 0; i < nb; i++, tile += 1680) {
         TILE_PREFETCH(tile, 1680);
-        const int8_t *xh = (i8 ? (const int8_t *)v->kle : v->khe) + (size_t)i * QK_K * 8;
+        const int8_t *xh = v->khe + (size_t)i * QK_K * 8, *xc = v->kc + (size_t)i * QK_K;
         const uint8_t *xl = v->kle + (size_t)i * QK_K * 8;
         const int32_t *xs = v->ks16 + 16 * i;
         __m256 sf = _mm256_setzero_ps();
@@ -2092,7 +2166,17 @@ static inline __attribute__((always_inline)) void dot_q6_k_x8_(const int i8, con
                     k6_tile_quants(tile, n, g, q);
                     for (int s = 0; s < 4; s++) {
                         const size_t u = 32 * (32 * n + 8 * s + g);
-                        th[s] = _mm256_add_epi16(th[s], _mm256_maddubs_epi16(q[s], _mm256_loadu_si256((const __m256i *)(xh + u))));
+                        if (i8) {
+                            const __m256i x = bcast4(xc + 4 * (32 * n + 8 * s + g));
+#ifdef X8_DPB256
+                            T[s] = DPB256(T[s], q[s], x); /* < 16 x 63 x 127 a sub-block */
+                            continue;
+#else
+                            th[s] = _mm256_add_epi16(th[s], _mm256_maddubs_epi16(q[s], x));
+#endif
+                        } else {
+                            th[s] = _mm256_add_epi16(th[s], _mm256_maddubs_epi16(q[s], _mm256_loadu_si256((const __m256i *)(xh + u))));
+                        }
                         if (!i8)
                             T[s] = _mm256_add_epi32(T[s], _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(xl + u)), q[s]), one));
                         if (g & 1) { /* two kh pairs a lane: < 2^15 */
@@ -2114,15 +2198,12 @@ static inline __attribute__((always_inline)) void dot_q6_k_x8_(const int i8, con
 
 #endif
 
-/* Each tile product for int16 inputs and for int8 ones (ACT_Q8): two copies of one body (Q4_K on
- * AVX-512 VNNI: two bodies) */
+/* Each tile product for int16 inputs and for int8 ones (ACT_Q8): Q6_K two copies of one body,
+ * Q4_K two bodies (dot_q4_k_x8_i8 above) */
 #if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
-static void dot_q4_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) { dot_q4_k_x8_256_(0, tile, v, k, out); }
+static void dot_q4_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) { dot_q4_k_x8_256(tile, v, k, out); }
 #endif
 static void dot_q6_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) { dot_q6_k_x8_(0, tile, v, k, out); }
-/* Q4_K with int8 inputs takes the 256-bit product on AVX-512 VNNI too: 1.2-1.3x the rate of
- * the 512-bit vpdpbusd one on the 1.5B file's matrices (Zen 5, docs/benchmarks.md) */
-static void dot_q4_k_x8_i8(const uint8_t *tile, const Vec *v, int k, float *out) { dot_q4_k_x8_256_(1, tile, v, k, out); }
 static void dot_q6_k_x8_i8(const uint8_t *tile, const Vec *v, int k, float *out) { dot_q6_k_x8_(1, tile, v, k, out); }
 
 /* rows 8 g .. 8 g + 7 of m (in tiles) . v (made ready by ready_for) */
@@ -3759,12 +3840,6 @@ static void x8_quantize(const float *x, int k, X8Inputs *in, int t) {
         const int16_t *s = in->s16 + (size_t)t * (k / 16) + 2 * u;
         in->s32[(size_t)t * (k / QK) + u] = (int16_t)(s[0] + s[1]);
     }
-}
-
-static inline __m256i bcast4(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
 }
 
 /* Q4_K tile (8 rows) x X8_TOK inputs (nt of them real): out[t][r] += the rows' sums. */
