@@ -2049,9 +2049,8 @@ static inline void k6_tile_quants(const uint8_t *tile, int n, int g, __m512i q[4
     q[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), m4), _mm512_and_si512(_mm512_srli_epi16(qh, 2), m30));
 }
 
-/* i8: int8 inputs (ACT_Q8, |x| <= 127: --opt fast): the low bytes kle, read as signed, are
- * the inputs themselves; one vpdpbusd per 4 weights where int16 inputs take two. (A constant:
- * each caller gets its own copy.) */
+/* The 512-bit form for int16 inputs (its int8 one was slower than dot_q4_k_x8_i8 above): one
+ * vpdpbusd per 4 weights and input byte, kh and kl. */
 static void dot_q4_k_x8(const uint8_t *tile, const Vec *v, int k, float *out) {
     const int nb = k / QK_K;
     const __m512i m4 = _mm512_set1_epi8(0x0f);
