@@ -904,18 +904,19 @@ typedef struct {
     int8_t *khe;  /* [8 k] int16 inputs' bytes for the 8-row tiles (prepare_x8): every 4 of kh */
     uint8_t *kle; /* [8 k] and of kl (x = 256 kh + kl, kl unsigned) 8 times over, 32 bytes a 4 */
     int32_t *ks16; /* [k / 16] the integer sum of each 16 of k16 (Q6_K tiles) */
-    int8_t *kc;    /* [k] int8 inputs (ACT_Q8) for the tiles (prepare_x8): k16 as bytes */
+    int8_t *kc;    /* [k] int8 inputs (ACT_Q8) for the tiles (prepare_x8): k16 as bytes, in khe's
+                    * place (a vector is int8 or int16, and so has one form or the other) */
     int act;
     int k;
     int kready, bready, xready; /* the K-quant form, the per-block form, the tiles' form made */
 } Vec;
 
 /* The arrays of a Vec of up to w values, in floats, in the order vec_place lays them out. */
-#define VEC_PARTS 14
+#define VEC_PARTS 13
 static void vec_parts(int w, long parts[VEC_PARTS]) {
     const long nb = w / QK + 1;
     const long n[VEC_PARTS] = {nb, nb, nb, w / 4 + 1, w / 2 + 1, w / 2 + 1, w / QK_K + 1, nb, w / 4 + 1, w / 4 + 1,
-                               2L * w + 8, 2L * w + 8, w / 16 + 1, w / 4 + 1};
+                               2L * w + 8, 2L * w + 8, w / 16 + 1};
     for (int i = 0; i < VEC_PARTS; i++) parts[i] = (n[i] + 15) / 16 * 16; /* whole 64-byte lines */
 }
 
@@ -949,7 +950,7 @@ static void vec_place(Vec *v, float *base, int w) {
     v->khe = (int8_t *)p[10];
     v->kle = (uint8_t *)p[11];
     v->ks16 = (int32_t *)p[12];
-    v->kc = (int8_t *)p[13];
+    v->kc = v->khe;
 }
 
 /* Take x as the input of the next products; its forms are made as they are needed
