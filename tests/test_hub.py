@@ -310,6 +310,14 @@ HOSTILE = {
     "an ETag with /": ({"etag": "sub/victim"}, "ETag"),
     "an ETag ..": ({"etag": ".."}, "ETag"),
     "a revision with ../": ({"revision": "../../../../victim-Q4_1.gguf"}, "revision"),
+    "a transformers repo's file name with ../": (
+        {"name": UP5 + "victim.safetensors", "ref": "stand/evil"},
+        "file name",
+    ),
+    "a transformers repo's ETag with ../": (
+        {"name": "model.safetensors", "etag": "../../../../victim.safetensors", "ref": "stand/evil"},
+        "ETag",
+    ),
 }
 
 
@@ -326,7 +334,8 @@ def test_names_from_a_hostile_hub_are_refused_and_nothing_lands_outside_the_cach
     before = outside(tmp_path)
     args = ["--revision", how["revision"]] if "revision" in how else []
     try:
-        done = chatbot(hostile_env(stand_in, tmp_path), "pull", "stand/evil:Q4_1", *args, timeout=60)
+        ref = how.get("ref", "stand/evil:Q4_1")
+        done = chatbot(hostile_env(stand_in, tmp_path), "pull", ref, *args, timeout=60)
     finally:
         stand_in.close()
     assert done.returncode == 2, (done.stdout, done.stderr)

@@ -1,8 +1,9 @@
 """GGUF files on the hugging face hub, by name: `user/repo:QUANT` (the quant matched among the
 repo's .gguf files, case-insensitively) or `user/repo/path/file.gguf`, split files
 (`-00001-of-00003.gguf`) taken together. Everything goes through huggingface_hub: its cache,
-token, `HF_ENDPOINT`, offline mode and resumable downloads; the files are then checked against
-the sha256 the hub names them by. Nothing here imports torch.
+token, `HF_ENDPOINT` and offline mode, with resumable downloads (`chatbot.models.hub_download`,
+which checks each name the hub gives before it names a path); the files are then checked
+against the sha256 the hub names them by. Nothing here imports torch.
 """
 
 from __future__ import annotations
