@@ -344,6 +344,23 @@ def test_names_from_a_hostile_hub_are_refused_and_nothing_lands_outside_the_cach
     assert outside(tmp_path) == before
 
 
+def test_run_of_a_transformers_repo_refuses_a_hostile_etag_as_pull_does(tmp_path):
+    """`run --model user/repo` downloads as `pull` does (huggingface_hub's snapshot_download
+    names a blob by the ETag as given)."""
+    stand_in = StandInHub({"stand/evil": {"model.safetensors": SMALL}})
+    stand_in.files["stand/evil"]["model.safetensors"].etag = "../../../../victim.safetensors"
+    before = outside(tmp_path)
+    try:
+        done = chatbot(hostile_env(stand_in, tmp_path), "run", "--model", "stand/evil", "hi", timeout=120)
+    finally:
+        stand_in.close()
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("chatbot: error: the hub gives model.safetensors")
+    assert "ETag that cannot name a file" in done.stderr
+    assert outside(tmp_path) == before
+
+
 def test_the_token_goes_to_the_hub_but_not_across_a_redirect_to_another_origin(tmp_path):
     files = {"stand/t": {"m-Q4_1.gguf": SMALL}}
     cdn = StandInHub(files)  # another port: another origin
