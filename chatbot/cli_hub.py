@@ -5,12 +5,15 @@ from __future__ import annotations
 import shutil
 import textwrap
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from chatbot.engine.gguf_table import split_parts
 from chatbot.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from chatbot.models.hub_download import Fetched
 
 NameArg = Annotated[
     str,
@@ -38,7 +41,8 @@ def _hub_name(name: str) -> str:
 
 def pull(name: NameArg, revision: RevisionOpt = None) -> None:
     """Download a model from the hub (resuming a partial download) and check its files against
-    the hub's checksums. Uses huggingface_hub's cache, login and HF_ENDPOINT."""
+    the sha256 the hub names them by (it names none for small git files). Uses huggingface_hub's
+    cache, login and HF_ENDPOINT."""
     from chatbot.models import hub
     from chatbot.models.catalog import human_size
 
@@ -47,21 +51,34 @@ def pull(name: NameArg, revision: RevisionOpt = None) -> None:
         raise ModelLoadError(f"HF_HUB_OFFLINE is set: pulling {name} needs the hub")
     ref = hub.parse_ref(name)
     if ref is None:
-        folder = hub.pull_repo(name, revision)
+        folder, fetched = hub.pull_repo(name, revision)
         size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-        typer.echo(f"pulled {name} ({human_size(size)}) into {folder}")
+        what = f"{len(fetched)} files, {human_size(size)}, {_checked(fetched)}"
+        typer.echo(f"pulled {name} ({what}) into {folder}")
         typer.echo(f"run it: chatbot run --model {name}")
         return
     try:
-        first = hub.resolve(ref, revision)
+        fetched = hub.fetch(ref, revision)
     except KeyboardInterrupt:
         typer.echo(f"\ninterrupted: the part downloaded is kept; chatbot pull {name} resumes it", err=True)
         raise typer.Exit(130) from None
+    first = fetched[0].path
     parts = split_parts(first)
     size = sum(p.stat().st_size for p in parts)
     files = f"{len(parts)} files" if len(parts) > 1 else "1 file"
-    typer.echo(f"pulled {ref} ({files}, {human_size(size)}, checked): {first}")
+    typer.echo(f"pulled {ref} ({files}, {human_size(size)}, {_checked(fetched)}): {first}")
     typer.echo(f"run it: chatbot run --model {ref}")
+
+
+def _checked(fetched: list[Fetched]) -> str:
+    """'checked', or which files were not: those the hub named no sha256 for."""
+    unchecked = [f.path.name for f in fetched if f.sha256 is None]
+    if not unchecked:
+        return "checked"
+    names = ", ".join(unchecked[:3]) + (f" and {len(unchecked) - 3} more" if len(unchecked) > 3 else "")
+    done = len(fetched) - len(unchecked)
+    head = f"{done} checked, " if done else ""
+    return f"{head}not checked: the hub named no sha256 for {names}"
 
 
 def rm(name: NameArg) -> None:

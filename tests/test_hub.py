@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hub_standin import StandInHub
+from hub_standin import COMMIT, StandInHub
 
 from chatbot.errors import ModelLoadError
 from chatbot.models.hub import HubRef, RepoFile, parse_ref, pick
@@ -270,3 +270,163 @@ def test_pull_and_rm_of_a_transformers_repo(tmp_path):
         assert not (Path(env["HF_HUB_CACHE"]) / "models--tiny-org--tiny").exists()
     finally:
         stand_in.close()
+
+
+# --- a hostile hub --------------------------------------------------------------------------
+
+SMALL = b"GGUF" + bytes(60_000)  # what the hostile stand-ins serve: small, so no slow mark
+
+
+def hostile_env(stand_in: StandInHub, tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The environment of a chatbot process using `stand_in` with every cache under
+    tmp_path/cache: what lies elsewhere under tmp_path is outside."""
+    cache = tmp_path / "cache"
+    return {**os.environ, **stand_in.env(cache), "XDG_CACHE_HOME": str(cache / "xdg"), **extra}
+
+
+def outside(root: Path) -> dict[str, object]:
+    """Every entry under `root` but outside root/cache: a link's target, a file's bytes."""
+    seen: dict[str, object] = {}
+    for folder, dirs, files in os.walk(root):
+        here = Path(folder)
+        dirs[:] = [d for d in dirs if here / d != root / "cache"]
+        for name in dirs + files:
+            p = here / name
+            what = os.readlink(p) if p.is_symlink() else p.read_bytes() if p.is_file() else "folder"
+            seen[str(p.relative_to(root))] = what
+    return seen
+
+
+# Each name leads out of the cache, to tmp_path/victim-Q4_1.gguf or tmp_path/victim/: the
+# pointer is cache/hub/models--stand--evil/snapshots/COMMIT/NAME, the blob .../blobs/ETAG.
+UP5 = "../" * 5
+HOSTILE = {
+    "an absolute file name": ({"name": "{tmp}/victim-Q4_1.gguf"}, "file name"),
+    "a file name with ../": ({"name": UP5 + "victim-Q4_1.gguf"}, "file name"),
+    "a file name with sub/../": ({"name": "sub/" + UP5 + "../victim-Q4_1.gguf"}, "file name"),
+    "a file name with sub/../ inside": ({"name": "sub/../m-Q4_1.gguf"}, "file name"),
+    "a commit with ../": ({"commit": "../../../../victim"}, "commit"),
+    "an ETag with ../": ({"etag": "../../../../victim-Q4_1.gguf"}, "ETag"),
+    "an ETag with /": ({"etag": "sub/victim"}, "ETag"),
+    "an ETag ..": ({"etag": ".."}, "ETag"),
+    "a revision with ../": ({"revision": "../../../../victim-Q4_1.gguf"}, "revision"),
+    "a transformers repo's file name with ../": (
+        {"name": UP5 + "victim.safetensors", "ref": "stand/evil"},
+        "file name",
+    ),
+    "a transformers repo's ETag with ../": (
+        {"name": "model.safetensors", "etag": "../../../../victim.safetensors", "ref": "stand/evil"},
+        "ETag",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_names_from_a_hostile_hub_are_refused_and_nothing_lands_outside_the_cache(case, tmp_path):
+    how, what = HOSTILE[case]
+    name = how.get("name", "m-Q4_1.gguf").format(tmp=tmp_path)
+    stand_in = StandInHub({"stand/evil": {name: SMALL}})
+    stand_in.commit = how.get("commit", COMMIT)
+    stand_in.files["stand/evil"][name].etag = how.get("etag")
+    (tmp_path / "victim").mkdir()
+    for precious in (tmp_path / "victim-Q4_1.gguf", tmp_path / "victim" / "m-Q4_1.gguf"):
+        precious.write_bytes(b"precious")
+    before = outside(tmp_path)
+    args = ["--revision", how["revision"]] if "revision" in how else []
+    try:
+        ref = how.get("ref", "stand/evil:Q4_1")
+        done = chatbot(hostile_env(stand_in, tmp_path), "pull", ref, *args, timeout=60)
+    finally:
+        stand_in.close()
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert f"{what} " in done.stderr and "refused" in done.stderr, done.stderr
+    assert outside(tmp_path) == before
+
+
+def test_run_of_a_transformers_repo_refuses_a_hostile_etag_as_pull_does(tmp_path):
+    """`run --model user/repo` downloads as `pull` does (huggingface_hub's snapshot_download
+    names a blob by the ETag as given)."""
+    stand_in = StandInHub({"stand/evil": {"model.safetensors": SMALL}})
+    stand_in.files["stand/evil"]["model.safetensors"].etag = "../../../../victim.safetensors"
+    before = outside(tmp_path)
+    try:
+        done = chatbot(hostile_env(stand_in, tmp_path), "run", "--model", "stand/evil", "hi", timeout=120)
+    finally:
+        stand_in.close()
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("chatbot: error: the hub gives model.safetensors")
+    assert "ETag that cannot name a file" in done.stderr
+    assert outside(tmp_path) == before
+
+
+def test_the_token_goes_to_the_hub_but_not_across_a_redirect_to_another_origin(tmp_path):
+    files = {"stand/t": {"m-Q4_1.gguf": SMALL}}
+    cdn = StandInHub(files)  # another port: another origin
+    hub = StandInHub(files, redirect=cdn.url)
+    same = StandInHub(files)
+    same.redirect = same.url  # a redirect that stays on the hub
+    try:
+        for stand_in, folder in ((hub, "other"), (same, "same")):
+            env = hostile_env(stand_in, tmp_path / folder, HF_TOKEN="hf_secret")
+            done = chatbot(env, "pull", "stand/t:Q4_1", timeout=60)
+            assert done.returncode == 0, done.stderr
+            assert "(1 file, 60.0 KB, checked)" in done.stdout
+    finally:
+        for s in (cdn, hub, same):
+            s.close()
+    assert "Bearer hf_secret" in hub.auth
+    assert [m for m, path, _ in cdn.requests] == ["GET"] and cdn.auth == [None]
+    at_cdn = [a for (_, path, _), a in zip(same.requests, same.auth, strict=True) if path.startswith("/cdn/")]
+    assert at_cdn and all(a == "Bearer hf_secret" for a in at_cdn)
+
+
+@pytest.mark.parametrize(
+    ("listed", "etag", "said"),
+    [
+        (True, "not-a-sha256", "(1 file, 60.0 KB, checked)"),  # against the listing's sha256
+        (False, None, "(1 file, 60.0 KB, checked)"),  # against the ETag, a sha256
+        (False, "0" * 40, "(1 file, 60.0 KB, not checked: the hub named no sha256 for m-Q4_1.gguf)"),
+        (False, "not-a-sha256", "(1 file, 60.0 KB, not checked: the hub named no sha256 for m-Q4_1.gguf)"),
+    ],
+)
+def test_pull_says_checked_only_of_what_it_checked(listed, etag, said, tmp_path):
+    stand_in = StandInHub({"stand/u": {"m-Q4_1.gguf": SMALL}})
+    stand_in.files["stand/u"]["m-Q4_1.gguf"].listed = listed
+    stand_in.files["stand/u"]["m-Q4_1.gguf"].etag = etag
+    try:
+        done = chatbot(hostile_env(stand_in, tmp_path), "pull", "stand/u:Q4_1", timeout=60)
+    finally:
+        stand_in.close()
+    assert done.returncode == 0, done.stderr
+    assert said in done.stdout
+
+
+def test_an_etag_sha256_the_file_does_not_match_is_refused(tmp_path):
+    """With no sha256 in the listing, a sha256 ETag is what the file is checked against."""
+    stand_in = StandInHub({"stand/u": {"m-Q4_1.gguf": SMALL}})
+    stand_in.files["stand/u"]["m-Q4_1.gguf"].listed = False
+    stand_in.files["stand/u"]["m-Q4_1.gguf"].etag = "0" * 64
+    try:
+        env = hostile_env(stand_in, tmp_path)
+        done = chatbot(env, "pull", "stand/u:Q4_1", timeout=60)
+    finally:
+        stand_in.close()
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "m-Q4_1.gguf does not match the hub's checksum" in done.stderr
+    assert [b for b in blobs(env) if not b.name.endswith(".lock")] == []
+
+
+def test_a_body_longer_than_announced_is_cut_off_and_removed(tmp_path):
+    stand_in = StandInHub({"stand/e": {"m-Q4_1.gguf": SMALL}}, overflow=64 << 20)
+    try:
+        done = chatbot(hostile_env(stand_in, tmp_path), "pull", "stand/e:Q4_1", timeout=120)
+    finally:
+        stand_in.close()
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert f"the hub sent more than the {len(SMALL)} bytes it announced for m-Q4_1.gguf" in done.stderr
+    written = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    assert not [p for p in written if p.stat().st_size > len(SMALL) or p.name.endswith(".partial")]
+    assert stand_in.sent < 32 << 20  # it hung up (what the sockets' buffers took is less)

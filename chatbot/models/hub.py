@@ -1,22 +1,32 @@
 """GGUF files on the hugging face hub, by name: `user/repo:QUANT` (the quant matched among the
 repo's .gguf files, case-insensitively) or `user/repo/path/file.gguf`, split files
 (`-00001-of-00003.gguf`) taken together. Everything goes through huggingface_hub: its cache,
-token, `HF_ENDPOINT`, offline mode and resumable downloads; the files are then checked against
-the sha256 the hub names them by. Nothing here imports torch.
+token, `HF_ENDPOINT` and offline mode, with resumable downloads (`chatbot.models.hub_download`,
+which checks each name the hub gives before it names a path); the files are then checked
+against the sha256 the hub names them by. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from fnmatch import fnmatch
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from chatbot.engine.gguf_table import SPLIT
-from chatbot.errors import ModelLoadError, first_line
-from chatbot.models.manifest import cache_root, file_sha256
+from chatbot.errors import ModelLoadError
+from chatbot.models.hub_download import (
+    HEX64,
+    Fetched,
+    check_revision,
+    checked_before,
+    fetch_file,
+    hub_error,
+    repo_path,
+    verified_marker,
+)
 
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 _REF = re.compile(
@@ -26,7 +36,6 @@ _FILE_REF = re.compile(
     rf"^(?:(?:https?://)?(?:hf\.co|huggingface\.co)/)?({_NAME}/{_NAME})/(.+\.gguf)$", re.IGNORECASE
 )
 _QUANT = re.compile(r"(?<![A-Za-z0-9])(I?Q\d(?:_[A-Z0-9]+)*|BF16|F16|F32)(?![A-Za-z0-9])", re.IGNORECASE)
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True)
@@ -139,38 +148,29 @@ def _offer(ggufs: list[RepoFile], repo: str) -> str:
     return "; it has no GGUF files"
 
 
-def hub_error(exc: BaseException, repo: str) -> ModelLoadError:
-    """One line for a failed hub request about `repo` (not found, gated, unreachable...)."""
-    from huggingface_hub import constants
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
-
-    if isinstance(exc, GatedRepoError):
-        return ModelLoadError(
-            f"{repo} is gated: accept its terms at {constants.ENDPOINT}/{repo} and log in (hf auth login)"
-        )
-    if isinstance(exc, RepositoryNotFoundError):
-        return ModelLoadError(f"no repo {repo} on the hub (a private one needs a login: hf auth login)")
-    if isinstance(exc, RevisionNotFoundError):
-        return ModelLoadError(f"{repo} has no such revision ({first_line(exc)})")
-    return ModelLoadError(
-        f"cannot reach the hub at {constants.ENDPOINT} ({type(exc).__name__}: {first_line(exc)}); "
-        "check the network, or set HF_HUB_OFFLINE=1 to use what is downloaded"
-    )
-
-
 def remote_files(repo: str, revision: str | None) -> list[RepoFile]:
-    """The files of `repo` at `revision` on the hub: one request, no retries.
+    """The files of `repo` at `revision` on the hub: one request, no retries. Their names and
+    checksums are checked: each a path inside the repo, each sha256 one.
 
     Raises:
-        ModelLoadError: `hub_error`'s line.
+        ModelLoadError: `hub_error`'s line; a name, size or checksum that is refused.
     """
     from huggingface_hub import HfApi
 
+    check_revision(revision)
     try:
         info = HfApi().model_info(repo, revision=revision, files_metadata=True)
     except Exception as exc:
         raise hub_error(exc, repo) from exc
-    files = [RepoFile(s.rfilename, s.size, s.lfs.sha256 if s.lfs else None) for s in info.siblings or []]
+    files = []
+    for s in info.siblings or []:
+        path = repo_path(s.rfilename, repo)
+        sha = s.lfs.sha256 if s.lfs else None
+        if sha is not None and not (isinstance(sha, str) and HEX64.match(sha)):
+            raise ModelLoadError(f"the hub lists a sha256 for {path} in {repo} that is not one: refused")
+        if s.size is not None and not (isinstance(s.size, int) and s.size >= 0):
+            raise ModelLoadError(f"the hub lists a size for {path} in {repo} that is not one: refused")
+        files.append(RepoFile(path, s.size, sha))
     return files
 
 
@@ -192,19 +192,30 @@ def cached_files(folder: Path) -> list[RepoFile]:
             blob = p.resolve().name
             out.append(
                 RepoFile(
-                    p.relative_to(folder).as_posix(), p.stat().st_size, blob if _HEX64.match(blob) else None
+                    p.relative_to(folder).as_posix(), p.stat().st_size, blob if HEX64.match(blob) else None
                 )
             )
     return out
 
 
 def resolve(ref: HubRef, revision: str | None = None, progress: bool = True) -> Path:
-    """The local path of the GGUF `ref` names (its first part, for a split), downloaded
-    (resuming a partial download) and checked against the hub's sha256 when not there yet.
-    Offline (`HF_HUB_OFFLINE`): from the cache only. Hub unreachable: from the cache, if there.
+    """The local path of the GGUF `ref` names (its first part, for a split): `fetch`'s.
 
     Raises:
         ModelLoadError: one line (not found, not downloaded, unreachable, a bad checksum).
+    """
+    return fetch(ref, revision, progress)[0].path
+
+
+def fetch(ref: HubRef, revision: str | None = None, progress: bool = True) -> list[Fetched]:
+    """The files of the GGUF `ref` names (a split's parts in order), downloaded (resuming a
+    partial download) and checked against the hub's sha256 when not there yet, with the
+    sha256 each was checked against (None where the hub names none). Offline
+    (`HF_HUB_OFFLINE`): from the cache only. Hub unreachable: from the cache, if there.
+
+    Raises:
+        ModelLoadError: one line (not found, not downloaded, unreachable, a name from the hub
+            that is refused, a bad checksum).
     """
     folder = cached_folder(ref.repo, revision)
     if offline():
@@ -213,94 +224,37 @@ def resolve(ref: HubRef, revision: str | None = None, progress: bool = True) -> 
                 f"{ref.repo} is not downloaded and HF_HUB_OFFLINE is set: "
                 f"chatbot pull {ref} where the hub is reachable"
             )
-        parts = pick(ref, cached_files(folder), f"the downloaded copy of {ref.repo}")
-        return folder / parts[0].path
+        return _cached(folder, pick(ref, cached_files(folder), f"the downloaded copy of {ref.repo}"))
     try:
         files = remote_files(ref.repo, revision)
     except ModelLoadError:
         if folder is not None:  # unreachable, but downloaded: use it
             try:
-                parts = pick(ref, cached_files(folder))
-                return folder / parts[0].path
+                return _cached(folder, pick(ref, cached_files(folder)))
             except ModelLoadError:
                 pass
         raise
-    parts = pick(ref, files)
-    paths = [download(ref.repo, revision, part, progress) for part in parts]
-    return paths[0]
+    return [download(ref.repo, revision, part, progress) for part in pick(ref, files)]
 
 
-def download(repo: str, revision: str | None, part: RepoFile, progress: bool = True) -> Path:
-    """One file of `repo` at `revision` into the hub cache, checked against its sha256 once: a
-    large (LFS) file resumably (`chatbot.models.hub_download`), a small one by huggingface_hub.
-
-    Raises:
-        ModelLoadError: the download failed (a partial large file stays, to resume), or the
-            file does not match its checksum (then it is removed).
-    """
-    if part.sha256:
-        from chatbot.models.hub_download import fetch_file
-
-        return fetch_file(repo, part.path, revision, part.sha256, progress)
-    from huggingface_hub import hf_hub_download
-
-    try:
-        return Path(hf_hub_download(repo, part.path, revision=revision))
-    except Exception as exc:
-        raise ModelLoadError(
-            f"downloading {part.path} from {repo} failed ({type(exc).__name__}: {first_line(exc)})"
-        ) from exc
+def _cached(folder: Path, parts: list[RepoFile]) -> list[Fetched]:
+    """Downloaded files, with the sha256 each was checked against when it was downloaded."""
+    out = []
+    for part in parts:
+        path = folder / part.path
+        out.append(Fetched(path, part.sha256 if checked_before(path, part.sha256) else None))
+    return out
 
 
-def _verified_marker(sha: str) -> Path:
-    return cache_root() / "hub-verified" / sha
-
-
-def verify(path: Path, sha256: str | None, progress: bool = True, name: str | None = None) -> None:
-    """Check `path` against `sha256` (its blob's name when None), once per blob (`name`: the
-    file's name on its progress bar).
+def download(repo: str, revision: str | None, part: RepoFile, progress: bool = True) -> Fetched:
+    """One file of `repo` at `revision` into the hub cache, resumably, checked against its
+    sha256 once (`chatbot.models.hub_download.fetch_file`).
 
     Raises:
-        ModelLoadError: it does not match; the file is removed.
+        ModelLoadError: the download failed (a partial file stays, to resume), or the file
+            does not match its checksum (then it is removed).
     """
-    blob = path.resolve()
-    want = sha256 or (blob.name if _HEX64.match(blob.name) else None)
-    if want is None:  # a small git file: the hub names it by its git hash, not a sha256
-        return
-    marker = _verified_marker(want)
-    stamp = _stamp(blob)
-    if marker.is_file() and stamp in marker.read_text(encoding="utf-8").splitlines():
-        return
-    got = file_sha256(blob, _hash_bar(name or path.name, blob.stat().st_size) if progress else None)
-    if got != want:
-        blob.unlink(missing_ok=True)
-        path.unlink(missing_ok=True)
-        raise ModelLoadError(
-            f"{name or path.name} does not match the hub's checksum (sha256 {got[:12]}…, expected "
-            f"{want[:12]}…): it was removed; download it again"
-        )
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    with marker.open("a", encoding="utf-8") as f:
-        f.write(_stamp(blob, final=True) + "\n")
-
-
-def _stamp(blob: Path, final: bool = False) -> str:
-    """What a checked blob is remembered by: where it will lie (a partial file is checked
-    before it is moved to its blob's name), its size and modification time."""
-    st = blob.stat()
-    where = blob.with_name(blob.name.removesuffix(".partial")) if final else blob
-    return f"{where} {st.st_size} {st.st_mtime_ns}"
-
-
-def _hash_bar(name: str, size: int) -> Callable[[int], Any] | None:
-    """A progress bar for checking a large file (huggingface_hub's tqdm, so that it is turned
-    off where its download bars are)."""
-    if size < 256 << 20:
-        return None
-    from huggingface_hub.utils import tqdm
-
-    bar = tqdm(total=size, unit="B", unit_scale=True, desc=f"checking {name}", leave=False)
-    return bar.update
+    return fetch_file(repo, part.path, revision, part.sha256, part.size, progress)
 
 
 SMALL_FILES = ["*.json", "*.model", "*.txt", "*.jinja", "*.py", "*.tiktoken"]
@@ -323,30 +277,19 @@ def weights_pattern(repo: str, files: list[RepoFile]) -> str:
     raise ModelLoadError(f"{repo} has no model weights (no .safetensors, .bin or .gguf files)")
 
 
-def pull_repo(repo: str, revision: str | None = None) -> Path:
+def pull_repo(repo: str, revision: str | None = None) -> tuple[Path, list[Fetched]]:
     """Download a transformers repo's weights and small files (resuming, checked against the
-    hub's sha256); its snapshot folder.
+    hub's sha256 where it names one); its snapshot folder and the files.
 
     Raises:
         ModelLoadError: one line.
     """
-    from huggingface_hub import snapshot_download
-
     files = remote_files(repo, revision)
-    pattern = weights_pattern(repo, files)
-    try:
-        folder = Path(snapshot_download(repo, revision=revision, allow_patterns=[*SMALL_FILES, pattern]))
-    except KeyboardInterrupt:
-        raise
-    except Exception as exc:
-        raise ModelLoadError(
-            f"downloading {repo} failed ({type(exc).__name__}: {first_line(exc)}); run it again to resume"
-        ) from exc
-    for f in files:
-        local = folder / f.path
-        if f.sha256 and local.is_file():
-            verify(local, f.sha256)
-    return folder
+    patterns = [*SMALL_FILES, weights_pattern(repo, files)]
+    wanted = [f for f in files if any(fnmatch(f.path, p) for p in patterns)]
+    fetched = [download(repo, revision, f) for f in wanted]
+    folder = fetched[0].path.parents[len(PurePosixPath(wanted[0].path).parts) - 1]
+    return folder, fetched
 
 
 def cached_repo(repo: str) -> Any:
@@ -400,7 +343,7 @@ def remove(name: str) -> tuple[str, int]:
         if blob not in still:
             blob.unlink(missing_ok=True)
             if sha:
-                _verified_marker(sha).unlink(missing_ok=True)
+                verified_marker(sha).unlink(missing_ok=True)
     return f"{len(links)} file{'s' if len(links) > 1 else ''}", freed
 
 

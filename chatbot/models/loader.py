@@ -485,26 +485,22 @@ def _hub_offline() -> bool:
 def _load_hub(repo_id: str, opts: LoadOptions) -> tuple[Any, Any]:
     from huggingface_hub import snapshot_download
 
-    from chatbot.models.hub import SMALL_FILES, remote_files, weights_pattern
+    from chatbot.models.hub import SMALL_FILES, pull_repo
 
-    offline = _hub_offline()
     at = f"{repo_id}@{opts.revision}" if opts.revision else repo_id
-    if offline:
-        patterns = [*SMALL_FILES, "*.safetensors", "*.bin"]
-    else:  # one request, no retries: an unreachable hub or a GGUF repo is told at once
-        patterns = [*SMALL_FILES, weights_pattern(repo_id, remote_files(repo_id, opts.revision))]
+    if not _hub_offline():  # as `chatbot pull`: what the hub names is checked, then downloaded
+        folder, _ = pull_repo(repo_id, opts.revision)
+        return _load_folder(folder, opts, at)
     try:
-        folder = snapshot_download(
-            repo_id, revision=opts.revision, local_files_only=offline, allow_patterns=patterns
+        cached = snapshot_download(
+            repo_id,
+            revision=opts.revision,
+            local_files_only=True,
+            allow_patterns=[*SMALL_FILES, "*.safetensors", "*.bin"],
         )
     except Exception as exc:
-        if offline:
-            raise ModelLoadError(
-                f"{at} is not in the local hub cache and HF_HUB_OFFLINE is set: download it "
-                "where the hub is reachable (chatbot pull), or give a local folder"
-            ) from exc
         raise ModelLoadError(
-            f"cannot get {at} from the hub ({first_line(exc)}): check the name and the network, "
-            "or give a local folder"
+            f"{at} is not in the local hub cache and HF_HUB_OFFLINE is set: download it "
+            "where the hub is reachable (chatbot pull), or give a local folder"
         ) from exc
-    return _load_folder(Path(folder), opts, at)
+    return _load_folder(Path(cached), opts, at)
