@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -125,9 +126,14 @@ class Worker:
     def submit(self, job: Job) -> None:
         self.jobs.put(job)
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 0.0) -> None:
+        """End the threads once the jobs before this are done; wait up to `wait_s` for them
+        (a thread still inside the engine when the interpreter exits can abort it)."""
         for _ in self.threads:
             self.jobs.put(None)
+        deadline = time.monotonic() + wait_s
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _loop(self) -> None:
         while True:
