@@ -20,6 +20,7 @@ import httpx
 CHATBOT = str(Path(sys.executable).with_name("chatbot"))
 START_TIMEOUT_S = 120.0  # importing torch and transformers on a busy 2-core machine
 PIDS: dict[str, int] = {}  # base URL -> the server's process id, while it runs
+PROCS: dict[str, subprocess.Popen] = {}  # base URL -> the server's process, while it runs
 
 
 def save_tiny_model(folder: Path, max_position_embeddings: int = 4096) -> Path:
@@ -86,9 +87,11 @@ def running_server(*args: str, env: dict[str, str] | None = None, log: Path | No
                 raise RuntimeError("chatbot serve did not start in time")
             time.sleep(0.3)
         PIDS[f"{base}/v1"] = proc.pid
+        PROCS[f"{base}/v1"] = proc
         yield f"{base}/v1"
     finally:
         PIDS.pop(f"{base}/v1", None)
+        PROCS.pop(f"{base}/v1", None)
         proc.terminate()
         try:
             proc.wait(timeout=15)

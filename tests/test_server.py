@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import itertools
 import json
+import signal
 import threading
 import time
 import uuid
@@ -21,7 +22,7 @@ import openai
 import pytest
 import torch
 from helpers import assert_ids_match_text, needs_kernels
-from serve_helpers import health, running_server, save_tiny_model
+from serve_helpers import PROCS, health, running_server, save_tiny_model
 
 GREEDY = {"temperature": 0.0}
 
@@ -378,6 +379,47 @@ def test_streaming_cache_never_runs_out(keyed_streaming_server):
     prefilled = [u.prompt_tokens - u.prompt_tokens_details.cached_tokens for u in usages[1:]]
     assert all(n <= len(messages[2]["content"]) + 20 for n in prefilled), prefilled
     assert health(keyed_streaming_server)["context"] is None
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_ends_the_streams_under_way_and_the_server_quietly(model_dir, tmp_path, sig):
+    """Ctrl-C (SIGINT) shuts down as SIGTERM does: each stream under way ends with an error
+    event, and no traceback is printed. (Before, under SIGINT, uvicorn cancelled the streams
+    after its grace period and logged "Exception in ASGI application" for each.)"""
+    log = tmp_path / "serve.log"
+    # a sink cache: the answers never run out of context, so they are all under way at the signal
+    args = ["--model", str(model_dir), "--enable-streaming", "--recent-size", "64", "--start-size", "4"]
+    with running_server(*args, "--served-model-name", "tiny", log=log) as url:
+        proc = PROCS[url]
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+        clients = 4
+        streaming = threading.Barrier(clients + 1, timeout=120)
+        errors: list[BaseException | None] = [None] * clients
+
+        def ask(i: int) -> None:
+            stream = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=200_000, stream=True
+            )
+            try:
+                for n, _ in enumerate(stream):
+                    if n == 2:
+                        streaming.wait()
+            except BaseException as exc:  # noqa: BLE001 - what the client met is checked below
+                errors[i] = exc
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(clients)]
+        for thread in threads:
+            thread.start()
+        streaming.wait()
+        proc.send_signal(sig)
+        code = proc.wait(timeout=120)
+        for thread in threads:
+            thread.join(timeout=120)
+    out = log.read_text()
+    assert code == (130 if sig == signal.SIGINT else -signal.SIGTERM), out
+    assert "Traceback" not in out and "Exception in ASGI" not in out, out
+    for error in errors:
+        assert isinstance(error, openai.APIError) and "shutting down" in error.message, errors
 
 
 def test_serve_bad_flags(capsys, tmp_path, monkeypatch):

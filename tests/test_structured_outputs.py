@@ -15,7 +15,7 @@ import sys
 import jsonschema
 import openai
 import pytest
-from serve_helpers import running_server
+from serve_helpers import running_server, save_tiny_model
 
 from chatbot.config import FORMAT_KEY, OutputFormat, SamplingConfig
 from chatbot.errors import ConfigError
@@ -43,6 +43,14 @@ PERSON = {
 }
 ASK = [{"role": "user", "content": "Describe a person as JSON: name, favourite colour, age and address."}]
 UNENFORCEABLE = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+# Schemas that pass llguidance's validation but that it cannot hold an answer to. No JSON value
+# satisfies these two: it stops at once, allowing only the end of the answer.
+CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+SELF = {"$ref": "#"}
+# Its lexer gives up on this pattern after some tokens (~15-70 on the tiny models); the `x{40}`
+# end keeps a model from closing the string first.
+GIVES_UP = {"type": "string", "pattern": "^(.{1,1000}){1,1000}$"}
+GIVES_UP_LATE = {"type": "string", "pattern": "^(.{1,1000}){1,1000}x{40}$"}
 
 
 # -- settings and flags (no model) --------------------------------------------------------------
@@ -134,6 +142,109 @@ def test_an_unenforceable_schema_is_refused_before_any_work(tiny_engine, tiny_to
     with pytest.raises(GrammarError, match="uniqueItems"):
         next(tiny_engine.generate(cache, tiny_tokenizer("hi")["input_ids"], sampling))
     assert cache.length == 0
+
+
+@pytest.mark.parametrize("schema", [CYCLE, SELF], ids=["cycle", "self"])
+def test_a_schema_no_value_satisfies_is_refused_before_any_work(tiny_engine, tiny_tokenizer, schema):
+    """Unchecked, the grammar engine's first step fails, the mask leaves only the end of the
+    answer, and an empty answer ends with "stop" as if it were complete."""
+    from chatbot.engine.grammar import GrammarError
+
+    cache = tiny_engine.new_cache()
+    sampling = SamplingConfig(output_format=OutputFormat(json.dumps(schema)))
+    with pytest.raises(GrammarError, match="no JSON value satisfies it"):
+        next(tiny_engine.generate(cache, tiny_tokenizer("hi")["input_ids"], sampling, stop_ids=[2]))
+    assert cache.length == 0
+
+
+def test_a_grammar_the_engine_gives_up_on_is_an_error_not_a_stop(tiny_engine, tiny_tokenizer):
+    """Part way through the string the lexer gives up: the answer so far is not JSON, so it
+    must end in an error, never in "stop"."""
+    from chatbot.engine.grammar import GrammarError
+
+    fmt = OutputFormat(json.dumps(GIVES_UP))
+    ids = tiny_tokenizer("hello there")["input_ids"]
+    for seed in range(3):
+        sampling = SamplingConfig(temperature=1.0, max_new_tokens=300, seed=seed, output_format=fmt)
+        chunks = tiny_engine.generate(
+            tiny_engine.new_cache(), ids, sampling, stop_ids=[tiny_tokenizer.eos_token_id]
+        )
+        with pytest.raises(GrammarError, match=r"gave up on the schema after \d+ tokens: lexer error"):
+            for chunk in chunks:
+                assert chunk.finish_reason != "stop", chunk
+
+
+# -- chatbot serve on the tiny random model: schemas the grammar engine gives up on ---------------
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def tiny_client(tiny_dir):
+    with running_server("--model", str(tiny_dir), "--served-model-name", "tiny") as url:
+        yield openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+
+
+def _schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_serve_refuses_a_schema_no_value_satisfies(tiny_client, stream):
+    for schema in (CYCLE, SELF):
+        with pytest.raises(openai.BadRequestError) as caught:
+            tiny_client.chat.completions.create(
+                model="tiny",
+                messages=ASK,
+                max_tokens=20,
+                stream=stream,
+                response_format=_schema_format(schema),
+            )
+        error = caught.value.body
+        assert error["param"] == "response_format" and "no JSON value" in error["message"], error
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_serve_ends_in_an_error_when_the_grammar_engine_gives_up(tiny_client, stream):
+    """Never a 200 with finish_reason "stop" and text that is not in the schema: a 400 naming
+    response_format, or in a stream an error event after the text so far (no clean stop)."""
+    for seed in range(2):
+        kw = {"model": "tiny", "messages": ASK, "max_tokens": 300, "temperature": 1.0, "seed": seed}
+        kw["response_format"] = _schema_format(GIVES_UP_LATE)
+        finishes = []
+        with pytest.raises(openai.APIError) as caught:
+            if stream:
+                for chunk in tiny_client.chat.completions.create(stream=True, **kw):
+                    finishes += [c.finish_reason for c in chunk.choices if c.finish_reason]
+            else:
+                finishes.append(tiny_client.chat.completions.create(**kw).choices[0].finish_reason)
+        assert finishes == []
+        if not stream:
+            assert isinstance(caught.value, openai.BadRequestError)
+        assert "gave up on the schema" in caught.value.message and "\n" not in caught.value.message
+    # the server goes on
+    r = tiny_client.chat.completions.create(model="tiny", messages=ASK, max_tokens=3)
+    assert r.choices[0].message.content
+
+
+def test_run_json_schema_exits_1_when_the_grammar_engine_gives_up(tiny_dir, tmp_path):
+    path = tmp_path / "schema.json"
+    chatbot = [sys.executable, "-m", "chatbot.cli", "run", "--model", str(tiny_dir), "--no-stats"]
+    for schema, match in ((GIVES_UP_LATE, "gave up on the schema"), (CYCLE, "no JSON value")):
+        path.write_text(json.dumps(schema))
+        out = subprocess.run(
+            [*chatbot, "--max-new-tokens", "300", "--json-schema", str(path), "hi"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        lines = [line for line in out.stderr.splitlines() if line.strip()]
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        assert len(lines) == 1 and match in lines[0], out.stderr
 
 
 # -- chatbot serve, with the openai client, on the default model -----------------------------------

@@ -185,6 +185,71 @@ def test_bad_tools_are_a_400_naming_the_field(tiny):
         assert caught.value.body["param"] == param, caught.value.body
 
 
+@pytest.mark.parametrize(
+    "choice",
+    [
+        {"type": "function", "function": "add"},
+        {"type": "function", "function": None},
+        {"type": "function", "function": {"name": ["add"]}},
+        {"type": "retrieval", "function": {"name": "add"}},
+        "add",
+        5,
+    ],
+)
+def test_a_malformed_tool_choice_is_a_400_in_one_line(tiny, choice):
+    with pytest.raises(openai.BadRequestError) as caught:
+        tiny.chat.completions.create(
+            model="tiny", messages=ASK, tools=TOOLS, max_tokens=4, extra_body={"tool_choice": choice}
+        )
+    error = caught.value.body
+    assert error["param"] == "tool_choice" and "\n" not in error["message"], error
+    assert error["message"].startswith("tool_choice: must be"), error
+
+
+def test_a_null_tool_choice_is_the_default(tiny):
+    """As OpenAI reads it: auto with tools, none without."""
+    for tools in (TOOLS, None):
+        kw = {"tools": tools} if tools else {}
+        r = tiny.chat.completions.create(
+            model="tiny", messages=ASK, max_tokens=4, temperature=0, extra_body={"tool_choice": None}, **kw
+        )
+        assert r.choices[0].finish_reason == "length" and r.choices[0].message.content
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_no_arguments_can_satisfy_is_a_400_naming_tools(tiny, stream):
+    """`{"$ref": "#"}` is the parameters schema itself: no value satisfies it, refused before
+    decoding as the same schema is under response_format."""
+    tools = [{"type": "function", "function": {"name": "loop", "parameters": {"$ref": "#"}}}]
+    for choice in ("required", {"type": "function", "function": {"name": "loop"}}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            tiny.chat.completions.create(
+                model="tiny", messages=ASK, tools=tools, tool_choice=choice, max_tokens=40, stream=stream
+            )
+        error = caught.value.body
+        assert error["param"] == "tools" and "no JSON value satisfies it" in error["message"], error
+
+
+def test_a_forced_call_reads_the_parameters_refs_against_the_parameters(tiny):
+    """A `#/$defs/...` ref (as pydantic writes them) means the parameters schema's own `$defs`,
+    not the object the call is wrapped in."""
+    parameters = {
+        "type": "object",
+        "properties": {"unit": {"$ref": "#/$defs/Unit"}},
+        "required": ["unit"],
+        "additionalProperties": False,
+        "$defs": {"Unit": {"enum": ["C", "F"]}},
+    }
+    tools = [{"type": "function", "function": {"name": "unit", "parameters": parameters}}]
+    r = tiny.chat.completions.create(
+        model="tiny", messages=ASK, tools=tools, tool_choice="required", max_tokens=80, temperature=0
+    )
+    assert r.choices[0].message.tool_calls, r.choices[0]
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "unit"
+    jsonschema.validate(json.loads(call.function.arguments), parameters)
+
+
 # -- a template that does not render tools (the default model) --------------------------------------
 
 

@@ -103,13 +103,37 @@ def compiled(tokenizer: Any, fmt: OutputFormat) -> str:
     is_error, messages = ll.LLMatcher.validate_grammar_with_warnings(grammar, tok)
     if is_error:
         raise GrammarError(f"the schema cannot be enforced: {'; '.join(messages)}")
+    # The first steps, as decoding starts: the text every answer begins with (forced), then
+    # the choice after it. A schema no JSON value satisfies (a `$ref` cycle a -> b -> a,
+    # `{"$ref": "#"}`) or one the engine cannot even start on passes the validation and only
+    # fails here, where unchecked it would end the answer at once, as if it were complete.
+    first = ll.LLMatcher(tok, grammar, log_level=0)
+    first.consume_tokens(first.compute_ff_tokens())
+    first.compute_bitmask()
+    if first.is_error():
+        raise GrammarError(f"the schema cannot be enforced: {_reason(first, started=False)}")
     return grammar
+
+
+def _reason(matcher: Any, started: bool) -> str:
+    """The matcher's error in one line (llguidance adds a dump of its state after it)."""
+    lines = str(matcher.get_error()).strip().splitlines()
+    reason = lines[0] if lines else f"it stopped ({matcher.stop_reason()})"
+    if reason.startswith("NoExtension"):  # no token can start (or go on with) the answer
+        what = "no token can go on with the answer" if started else "no JSON value satisfies it"
+        return f"{what} (a $ref cycle, or a schema that only refers to itself?)"
+    return reason
 
 
 class JsonConstraint:
     """One answer's grammar state: `mask` leaves only the tokens that keep the answer a
     valid prefix of the format (the end-of-answer token only once it is complete), `accept`
     moves on past the chosen token, and `complete` says that no token may follow.
+
+    The grammar engine can give up part way (a lexer or parser over its limits, e.g. a
+    pattern like `^(.{1,1000}){1,1000}$` after some tokens): it then allows the end of the
+    answer alone, which would pass for a complete answer. Each step checks for that and
+    raises instead.
 
     Args:
         tokenizer: the model's tokenizer.
@@ -121,15 +145,26 @@ class JsonConstraint:
 
     def __init__(self, tokenizer: Any, fmt: OutputFormat) -> None:
         ll = _llguidance()
-        self.matcher = ll.LLMatcher(_ll_tokenizer(tokenizer), compiled(tokenizer, fmt))
-        if self.matcher.is_error():
-            raise GrammarError(f"the schema cannot be enforced: {self.matcher.get_error()}")
+        self.tokens = 0  # accepted so far
+        self.matcher = ll.LLMatcher(_ll_tokenizer(tokenizer), compiled(tokenizer, fmt), log_level=0)
+        self._check()
         self.vocab = len(tokenizer)
         self.words = np.zeros((self.vocab + 31) // 32, dtype=np.int32)  # one bit a token
 
+    def _check(self) -> None:
+        if self.matcher.is_error():
+            where = f"after {self.tokens} tokens" if self.tokens else "at the start"
+            reason = _reason(self.matcher, started=self.tokens > 0)
+            raise GrammarError(f"the grammar engine gave up on the schema {where}: {reason}")
+
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` (``[vocab]``) with the tokens the grammar forbids at -inf (a copy)."""
+        """`logits` (``[vocab]``) with the tokens the grammar forbids at -inf (a copy).
+
+        Raises:
+            GrammarError: the grammar engine gave up (see the class).
+        """
         self.matcher.unsafe_compute_mask_ptr(self.words.ctypes.data, self.words.nbytes)
+        self._check()
         # each byte of the mask looked up as its 8 tokens' 0 or -inf, then added: no branch
         # per token (a masked_fill over a mixed mask costs ~10x more)
         bias = torch.from_numpy(np.take(_BYTE_BIAS, self.words.view(np.uint8), axis=0).reshape(-1))
@@ -143,12 +178,26 @@ class JsonConstraint:
         """The chosen token joins the answer.
 
         Raises:
-            GrammarError: the token breaks the grammar (a bug: the mask allowed it).
+            GrammarError: the token breaks the grammar, or the grammar engine gave up on it.
         """
         if not self.matcher.consume_token(token):
-            raise GrammarError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+            self._check()
+            raise GrammarError(f"the grammar refused token {token}")  # a bug: the mask allowed it
+        self.tokens += 1
 
     @property
     def complete(self) -> bool:
-        """The answer is whole: nothing may follow it."""
-        return bool(self.matcher.is_stopped())
+        """The answer is whole: nothing may follow it.
+
+        Raises:
+            GrammarError: the grammar engine stopped with the answer incomplete.
+        """
+        if not self.matcher.is_stopped():
+            return False
+        self._check()
+        if not self.matcher.is_accepting():
+            raise GrammarError(
+                f"the grammar engine stopped after {self.tokens} tokens with the answer incomplete "
+                f"({self.matcher.stop_reason()})"
+            )
+        return True

@@ -24,6 +24,7 @@ import json
 import os
 import secrets
 import socket
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -53,6 +54,9 @@ from chatbot.server.worker import Job, Worker
 
 # How often a waiting handler checks whether its client is still there.
 POLL_S = 0.25
+# How long a shutdown waits for the answers under way to end (they end within POLL_S of it)
+# and then for the engine's threads to finish their step.
+SHUTDOWN_WAIT_S = 5
 
 # The default cap on a request body: 128 bytes per token of context, at least 1 MiB. A prompt
 # that fills the context is about 4 bytes a token of English, up to 6x that JSON-escaped
@@ -106,10 +110,12 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        api.worker.stop()
+        api.closing.set()
+        await asyncio.to_thread(api.worker.stop, wait_s=SHUTDOWN_WAIT_S)
 
     app = FastAPI(title="chatbot", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = api.worker
+    app.state.closing = api.closing
     app.state.pool = pool
     app.state.max_body = max_body
     # Added before the key check, so inside it: a request without the key is refused unread.
@@ -211,6 +217,9 @@ class OpenAIApi:
         self.max_context = pool.engine.max_context
         self.bound = PromptBound.of(pool.engine.tokenizer, None if streaming_cache else self.max_context)
         self.worker = Worker(pool)
+        # Set as the server begins to shut down (a signal): answers under way end with an error
+        # event, queued ones with a 503, so no response is left for uvicorn to cancel.
+        self.closing = threading.Event()
         self.batcher = None if self.worker.batched is None else self.worker.batched.batcher
         self.model_card = {
             "id": model_name,
@@ -317,7 +326,8 @@ class OpenAIApi:
                 )
             sampling = dataclasses.replace(sampling, output_format=tools.call_format())
         if sampling.output_format is not None:
-            await asyncio.to_thread(check_format, tokenizer, sampling.output_format)
+            param = "tools" if tools is not None and tools.forced else "response_format"
+            await asyncio.to_thread(check_format, tokenizer, sampling.output_format, param)
         job = Job(None, sampling, _nowhere, prompt=prompt, stops=body.stop_strings(), n=body.n)
         job.templated, job.tools = True, tools
         job.logprobs = body.top_logprobs_wanted()
@@ -358,7 +368,7 @@ class OpenAIApi:
         try:
             # Wait for the first event (the request may queue behind others): an error before
             # any text is still an HTTP status.
-            first = await _next_event(events, job)
+            first = await _next_event(events, job, self.closing)
             if first is None:
                 return JSONResponse({}, status_code=499)
             if first[0] == "error":
@@ -372,7 +382,7 @@ class OpenAIApi:
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )
-            texts, entries, finishes, event = await _collect(first, events, job)
+            texts, entries, finishes, event = await _collect(first, events, job, self.closing)
         finally:
             await _stop(watcher)
         if event is None:
@@ -460,7 +470,7 @@ class OpenAIApi:
                     if calls is not None:
                         piece = calls[index].feed(piece)
                     yield chunk({"content": piece}, entries=tokens, index=index)
-                event = await _next_event(events, job)
+                event = await _next_event(events, job, self.closing)
             if event is None:
                 return
             if event[0] == "error":
@@ -516,7 +526,7 @@ def _usage(done: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _collect(
-    first: tuple[str, Any], events: asyncio.Queue[tuple[str, Any]], job: Job
+    first: tuple[str, Any], events: asyncio.Queue[tuple[str, Any]], job: Job, closing: threading.Event
 ) -> tuple[list[list[str]], list[list[TokenLogprob]], dict[int, str], tuple[str, Any] | None]:
     """A job's answers gathered from its events: each answer's pieces of text and logprobs,
     the finish reasons by answer, and the event that ended them ("done", "error", or None
@@ -532,13 +542,19 @@ async def _collect(
             piece, tokens, index = event[1]
             texts[index].append(piece)
             entries[index] += tokens
-        event = await _next_event(events, job)
+        event = await _next_event(events, job, closing)
     return texts, entries, finishes, event
 
 
-async def _next_event(events: asyncio.Queue[tuple[str, Any]], job: Job) -> tuple[str, Any] | None:
-    """The job's next event; None when it was cancelled (the client has gone)."""
+async def _next_event(
+    events: asyncio.Queue[tuple[str, Any]], job: Job, closing: threading.Event
+) -> tuple[str, Any] | None:
+    """The job's next event; None when it was cancelled (the client has gone); an error
+    event (503) once the server is shutting down, the job then cancelled."""
     while True:
+        if closing.is_set():
+            job.cancel.set()
+            return ("error", APIError(503, "the server is shutting down", "server_error"))
         try:
             return await asyncio.wait_for(events.get(), POLL_S)
         except asyncio.TimeoutError:
@@ -564,8 +580,17 @@ async def _stop(task: asyncio.Task[None]) -> None:
 
 def serve(app: FastAPI, sockets: list[socket.socket], log_level: str = "warning") -> None:
     """Run the app with uvicorn on listening `sockets` (bound before the model loaded) until
-    Ctrl-C."""
+    Ctrl-C or SIGTERM, which shut it down the same way: the answers under way end at once
+    with an error event (`OpenAIApi.closing`), the engine's threads stop, then the process
+    ends by the signal (130 after Ctrl-C)."""
     import uvicorn
 
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2)
-    uvicorn.Server(config).run(sockets=sockets)
+    closing: threading.Event = app.state.closing
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            closing.set()  # in the event loop's thread (signal handlers run in the main one)
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_WAIT_S)
+    Server(config).run(sockets=sockets)

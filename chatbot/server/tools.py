@@ -26,6 +26,7 @@ from chatbot.config import OutputFormat
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{")
+_ANY = {"type": "object"}  # the arguments of a function that gives no parameters
 
 
 class ToolError(ValueError):
@@ -75,14 +76,21 @@ class Tools:
                 raise ToolError(f"tools[{i}].function.parameters: must be a JSON schema object", "tools")
             functions.append(fn)
         names = [fn["name"] for fn in functions]
-        if tool_choice in (None, "auto", "required"):
+        if tool_choice in (None, "auto", "required"):  # null: the default, as OpenAI reads it
             return cls(tuple(functions), tool_choice or "auto")
-        name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+        name = _chosen_name(tool_choice)
+        if name is None:
+            raise ToolError(
+                'tool_choice: must be "none", "auto", "required" or {"type": "function", "function": '
+                f'{{"name": NAME}}}}, got {json.dumps(tool_choice)[:80]}',
+                "tool_choice",
+            )
         if name not in names:
             raise ToolError(
-                f"tool_choice: {tool_choice!r} names none of the tools ({', '.join(names)})", "tool_choice"
+                f"tool_choice: names the function {name!r}, which is none of the tools ({', '.join(names)})",
+                "tool_choice",
             )
-        return cls(tuple(functions), str(name))
+        return cls(tuple(functions), name)
 
     def template_tools(self) -> list[dict[str, Any]]:
         """The tools as `apply_chat_template(tools=...)` takes them."""
@@ -96,12 +104,14 @@ class Tools:
                 "type": "object",
                 "properties": {
                     "name": {"const": fn["name"]},
-                    "arguments": fn.get("parameters") or {"type": "object"},
+                    # on a base of its own: its `#` refs (`#/$defs/...`, `#`) mean the
+                    # parameters schema as the client wrote it, not this wrapper
+                    "arguments": {"$id": f"urn:chatbot:tool:{i}", **(fn.get("parameters") or _ANY)},
                 },
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
-            for fn in allowed
+            for i, fn in enumerate(allowed)
         ]
         schema = options[0] if len(options) == 1 else {"anyOf": options}
         return OutputFormat(json.dumps(schema), "tool_call")
@@ -113,6 +123,16 @@ class Tools:
         ]
         lines += [json.dumps(fn, ensure_ascii=False) for fn in self.functions]
         return "\n".join(lines)
+
+
+def _chosen_name(tool_choice: Any) -> str | None:
+    """The function a tool_choice object names; None where it is not one
+    (`{"type": "function", "function": {"name": NAME}}`)."""
+    if not isinstance(tool_choice, dict) or tool_choice.get("type", "function") != "function":
+        return None
+    function = tool_choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    return name if isinstance(name, str) else None
 
 
 def template_takes_tools(tokenizer: Any) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from chatbot.config import SamplingConfig
 from chatbot.engine.backend import BatchedBackend, serving_backend
 from chatbot.engine.gguf_table import ModelFileChanged
+from chatbot.engine.grammar import GrammarError
 from chatbot.engine.kernels import KernelsUnavailable
 from chatbot.engine.sampling import seeded_generator
 from chatbot.engine.stop_criteria import stop_checks
@@ -32,11 +34,15 @@ if TYPE_CHECKING:
     from chatbot.engine.generate import GenerationChunk
 
 
-def _error(exc: ChatbotError) -> APIError:
+def _error(exc: ChatbotError, job: Job) -> APIError:
     """The answer to a request the engine refused: the server's fault (500) where its native
-    kernels do not load, which no request could change; else the request's (400)."""
+    kernels do not load, which no request could change; else the request's (400). A schema
+    the grammar engine gave up on while decoding names the field it came from."""
     if isinstance(exc, (KernelsUnavailable, ModelFileChanged)):
         return APIError(500, str(exc), "server_error")
+    if isinstance(exc, GrammarError):
+        param = "tools" if job.tools is not None and job.tools.forced else "response_format"
+        return APIError(400, f"{param}: {exc}", param=param)
     return APIError(400, str(exc))
 
 
@@ -120,9 +126,14 @@ class Worker:
     def submit(self, job: Job) -> None:
         self.jobs.put(job)
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 0.0) -> None:
+        """End the threads once the jobs before this are done; wait up to `wait_s` for them
+        (a thread still inside the engine when the interpreter exits can abort it)."""
         for _ in self.threads:
             self.jobs.put(None)
+        deadline = time.monotonic() + wait_s
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _loop(self) -> None:
         while True:
@@ -198,6 +209,9 @@ class Worker:
                 message = f"{exc}".split(":")[0] + ": the prompt does not fit the context"
                 job.emit(("error", APIError(400, message, param="prompt", code="context_length_exceeded")))
                 return
+            except ChatbotError as exc:  # a grammar given up on part way, a changed model file
+                job.emit(("error", _error(exc, job)))
+                return
             if stats is None:
                 return
             tokens += stats.generated_tokens
@@ -219,7 +233,7 @@ class Worker:
         try:
             entry = self.pool.checkout(conv)
         except ChatbotError as exc:
-            job.emit(("error", _error(exc)))
+            job.emit(("error", _error(exc, job)))
             return
         session = entry.session
         template_stops = session.stops
@@ -278,8 +292,11 @@ class Worker:
             )
             job.emit(("error", APIError(400, message, param="messages", code="context_length_exceeded")))
             return not entry.fresh  # a refused conversation takes no kept one's place
+        except GrammarError as exc:  # part of an answer that breaks the schema: not kept
+            job.emit(("error", _error(exc, job)))
+            return False
         except ChatbotError as exc:
-            job.emit(("error", _error(exc)))
+            job.emit(("error", _error(exc, job)))
             return not entry.fresh
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "cached_tokens": cached}
         job.emit(("done", {"finish_reason": finishes[0], **usage, "prefill_s": prefill_s}))
