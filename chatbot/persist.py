@@ -18,7 +18,7 @@ from typing import Any
 from chatbot.config import SamplingConfig
 from chatbot.engine.stats import TurnStats, stats_from_dict, stats_to_dict
 from chatbot.errors import ChatbotError, ConfigError
-from chatbot.limits import MAX_SAVED_BYTES, expand, file_kind, loads_json, read_text
+from chatbot.limits import MAX_SAVED_BYTES, expand, file_kind, loads_json, read_text, without_surrogates
 
 SAVE_FORMAT = "chatbot-session"
 SAVE_VERSION = 1
@@ -155,7 +155,8 @@ def parse_saved(
             stats = stats_from_dict(t.get("stats"), rejected)
             if rejected and warnings is not None:
                 warnings.append(f"turn {i + 1}: stats {', '.join(rejected)} left out (not real figures)")
-            turns.append(Turn(t["user"], t["answer"], stats, bool(t.get("interrupted"))))
+            user, answer = without_surrogates(t["user"]), without_surrogates(t["answer"])
+            turns.append(Turn(user, answer, stats, bool(t.get("interrupted"))))
     elif isinstance(data.get("messages"), list):
         msgs = data["messages"]
         if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs):
@@ -167,11 +168,16 @@ def parse_saved(
             m.get("role") != ("user" if i % 2 == 0 else "assistant") for i, m in enumerate(msgs)
         ):
             raise ConfigError("messages must alternate user and assistant, after an optional system message")
-        turns = [Turn(u["content"], a["content"], TurnStats()) for u, a in zip(msgs[::2], msgs[1::2])]
+        turns = [
+            Turn(without_surrogates(u["content"]), without_surrogates(a["content"]), TurnStats())
+            for u, a in zip(msgs[::2], msgs[1::2])
+        ]
     else:
         raise ConfigError("a saved chat needs a list of turns or messages")
     if system is not None and not isinstance(system, str):
         raise ConfigError("system must be text")
+    # A lone surrogate ("\\ud800" in the JSON) is no text a tokenizer or a pipe takes.
+    system = None if system is None else without_surrogates(system)
     sampling = base
     settings = data.get("settings")
     if isinstance(settings, dict):

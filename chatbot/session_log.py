@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from chatbot.errors import ChatbotError
-from chatbot.limits import bounded_lines, check_nesting
+from chatbot.limits import bounded_lines, check_nesting, without_surrogates
 
 if TYPE_CHECKING:
     from chatbot.persist import Turn
@@ -349,17 +349,7 @@ def read_events(path: Path, head: int | None = None) -> Iterator[dict[str, Any]]
 
 def _text(value: Any) -> str | None:
     """A string field of an event, or None (lone surrogates become U+FFFD)."""
-    if not isinstance(value, str):
-        return None
-    return value.encode("utf-8", errors="replace").decode("utf-8") if _has_surrogates(value) else value
-
-
-def _has_surrogates(value: str) -> bool:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
+    return without_surrogates(value) if isinstance(value, str) else None
 
 
 def _turn(ev: Any) -> dict[str, Any] | None:
