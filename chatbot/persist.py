@@ -7,10 +7,11 @@ import contextlib
 import errno
 import json
 import os
+import signal
 import stat
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,22 +113,68 @@ def write_saved(path: str | os.PathLike[str], data: dict[str, Any]) -> Path:
     text = json.dumps(data, ensure_ascii=False, indent=1)
     _check_save_target(target)
     tmp: str | None = None
-    try:
-        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")  # 0600
-        with os.fdopen(fd, "wb") as f:
-            f.write((text + "\n").encode("utf-8", errors="surrogatepass"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-        tmp = None
-    except OSError as exc:
-        raise ChatbotError(f"cannot save to {target}: {exc.strerror or exc}") from None
-    finally:
-        if tmp is not None:  # a failed write leaves no copy of the chat behind
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+    with _signals_after_cleanup():
+        try:
+            target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")  # 0600
+            with os.fdopen(fd, "wb") as f:
+                f.write((text + "\n").encode("utf-8", errors="surrogatepass"))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+            tmp = None
+        except OSError as exc:
+            raise ChatbotError(f"cannot save to {target}: {exc.strerror or exc}") from None
+        finally:
+            if tmp is not None:  # a failed write (or a signal) leaves no copy of the chat behind
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
     return target
+
+
+class _Signalled(BaseException):
+    """SIGTERM or SIGHUP came while a save was being written (`_signals_after_cleanup`)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+_ENDING_SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s)
+
+
+@contextlib.contextmanager
+def _signals_after_cleanup() -> Iterator[None]:
+    """SIGTERM and SIGHUP inside the block raise `_Signalled`, so that its `finally` removes
+    the temporary file; at the end the signal is given again to the handler there was before
+    (by default, the process ends by it as it would have). Without this, a signal in a pipe
+    (no handler: the process ends where it stands) left a copy of the chat beside the target.
+    Signals already ignored stay ignored; outside the main thread nothing changes."""
+    caught: list[int] = []
+
+    def handler(signum: int, _frame: Any) -> None:
+        if not caught:
+            caught.append(signum)
+            raise _Signalled(signum)
+
+    previous: dict[int, Any] = {}
+    try:
+        for s in _ENDING_SIGNALS:
+            before = signal.getsignal(s)
+            if before is not None and before != signal.SIG_IGN:  # (None: a handler not set from Python)
+                previous[s] = signal.signal(s, handler)
+    except ValueError:  # not the main thread
+        pass
+    try:
+        yield
+    except _Signalled:
+        pass
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+    if caught:
+        signal.raise_signal(caught[0])  # the handler before: ends the process, or raises
+        raise ChatbotError(f"saving stopped by {signal.Signals(caught[0]).name}")
 
 
 def parse_saved(

@@ -9,8 +9,10 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -193,3 +195,57 @@ def test_bad_entries_among_the_logs_hide_none_of_the_others(capsys, tmp_path, mo
     for ref in ("20260102-000000-fifo", "20260102-000001-loop", "20260102-000002-dang"):
         with pytest.raises(session_log.ChatbotError, match="no session"):
             find_session(ref, logs)
+
+
+# -- 16. a signal during /save in a pipe ----------------------------------------------------------
+
+# `chatbot run` in a pipe whose fsync of the save's temporary file waits (after saying so in
+# READY) until the test's signal comes: the signal lands in the middle of the save, every time.
+SLOW_SAVE = """
+import os, sys, time
+from pathlib import Path
+real_fsync = os.fsync
+def fsync(fd):
+    if os.readlink(f"/proc/self/fd/{fd}").endswith(".tmp"):
+        Path(sys.argv[1]).write_text("writing")
+        time.sleep(600)
+    real_fsync(fd)
+os.fsync = fsync
+from chatbot.cli import main
+main(sys.argv[2:])
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="finds the temporary file by /proc")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_during_save_in_a_pipe_leaves_no_temporary_file(tmp_path, tiny_dir, signum):
+    folder = tmp_path / "saved"
+    folder.mkdir()
+    target = folder / "chat.json"
+    target.write_text('{"turns": []}\n')
+    ready = tmp_path / "ready"
+    args = ["run", "--model", str(tiny_dir), "--device", "cpu", "--opt", "off", "--threads", "1"]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_SAVE, str(ready), *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "XDG_DATA_HOME": str(tmp_path / "data"), "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        proc.stdin.write(f"Hello there!\n/save {target}\n".encode())
+        proc.stdin.close()
+        deadline = time.monotonic() + 300  # the model loads and answers first
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready.exists(), proc.communicate(timeout=60)
+        assert [p.name for p in folder.iterdir() if p.name.endswith(".tmp")]  # in the middle of it
+        proc.send_signal(signum)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signum, proc.stderr.read().decode()
+    assert sorted(p.name for p in folder.iterdir()) == ["chat.json"]
+    assert target.read_text() == '{"turns": []}\n'  # the old file is whole
