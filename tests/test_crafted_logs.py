@@ -249,3 +249,38 @@ def test_a_signal_during_save_in_a_pipe_leaves_no_temporary_file(tmp_path, tiny_
     assert proc.returncode == -signum, proc.stderr.read().decode()
     assert sorted(p.name for p in folder.iterdir()) == ["chat.json"]
     assert target.read_text() == '{"turns": []}\n'  # the old file is whole
+
+
+# -- 13. a chat far too long for the context -------------------------------------------------------
+
+
+def test_a_chat_far_too_long_is_refused_before_it_is_tokenized(
+    tiny_model, tiny_tokenizer, tmp_path, monkeypatch
+):
+    """A 1 MB chat (the cap is 64 MiB) against a 512-token context: refused in one line by its
+    characters, with no more than a few characters tokenized; the chat goes on as it was.
+    (A 20 MB one took 50 s and 3.6 GB to be found too long.)"""
+    turns = [{"user": f"question {i} " + "word " * 200, "answer": "answer " * 200} for i in range(400)]
+    saved = tmp_path / "big.json"
+    saved.write_text(json.dumps({"turns": turns}))
+    assert saved.stat().st_size > 900_000
+    c = Chat(tiny_model, tiny_tokenizer, None)
+    c.lines("Hello there!")
+    before = [(t.user, t.answer) for t in c.session.turns]
+    tokenized: list[int] = []
+    tokenizer_type = type(c.session.text.tokenizer)
+    encode = tokenizer_type.__call__
+
+    def counting(self, text, *args, **kwargs):
+        tokenized.append(sum(map(len, text)) if isinstance(text, list) else len(text))
+        return encode(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer_type, "__call__", counting)
+    c.lines(f"/load {saved}", "/history")
+    monkeypatch.undo()
+    errors = [line for line in c.err.getvalue().splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "not loaded" in errors[0] and "over the context of 512" in errors[0], errors
+    assert sum(tokenized) < 10_000, sum(tokenized)  # (all of it: 900,000 characters)
+    assert [(t.user, t.answer) for t in c.session.turns] == before
+    c.lines("and on")
+    assert len(c.session.turns) == 2
