@@ -117,9 +117,8 @@ class ConversationCache:
         at_least = chars // self._longest_token()
         if at_least > self.max_context:
             raise ChatbotError(
-                f"not loaded: its {chars:,} characters are at least {at_least:,} tokens, over the "
-                f"context of {self.max_context:,} (/load a shorter chat, or restart with "
-                "--enable-streaming)"
+                f"the conversation is not loaded: its {chars:,} characters are at least "
+                f"{at_least:,} tokens, over the context of {self.max_context:,}"
             )
 
     def _longest_token(self) -> int:
