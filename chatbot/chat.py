@@ -226,12 +226,15 @@ class Chat(SavedConversation, LoggedSession, ABC, Generic[ChunkT]):
 
         Raises:
             ConfigError: the data is not a conversation (nothing is changed).
+            ChatbotError: far too long for the context, by a count of its characters before
+                any tokenizing (nothing is changed).
             ContextFullError: it does not fit in the context (it is kept, not encoded).
             ChatbotError: the chat cannot take it now (nothing is changed).
         """
         if encode:
             self._check_usable()
         system, sampling, turns = parse_saved(data, self.sampling, warnings)
+        self._check_size(system, turns)
         self.system = system
         self.turns = turns
         self._use_sampling(sampling)
@@ -254,6 +257,14 @@ class Chat(SavedConversation, LoggedSession, ABC, Generic[ChunkT]):
 
     def _check_usable(self) -> None:
         """Refuse a turn (or a change that encodes), before anything changes."""
+
+    def _check_size(self, system: str | None, turns: list[Turn]) -> None:
+        """Refuse a conversation to restore that cannot fit, by a cheap count, before it is
+        tokenized (nothing is changed).
+
+        Raises:
+            ChatbotError: it cannot fit.
+        """
 
     def _use_sampling(self, sampling: SamplingConfig) -> None:
         self.sampling = sampling

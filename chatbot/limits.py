@@ -11,6 +11,7 @@ import errno
 import json
 import math
 import os
+import re
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -108,6 +109,20 @@ def read_text(path: str | os.PathLike[str], limit: int, what: str = "file") -> s
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ChatbotError(f"{path} is not a {what}: not UTF-8 text (byte {exc.start})") from None
+
+
+def without_surrogates(text: str) -> str:
+    """`text` with each lone surrogate (JSON's "\\ud800", which no UTF-8 can carry) replaced by
+    U+FFFD: text from a file or a server is cleaned so where it comes in, before a tokenizer,
+    a pipe or a save meets it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return _SURROGATE.sub("\ufffd", text)
+    return text
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def check_nesting(data: Any, what: str, max_depth: int = MAX_DEPTH, max_nodes: int = MAX_NODES) -> None:

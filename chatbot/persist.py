@@ -7,10 +7,11 @@ import contextlib
 import errno
 import json
 import os
+import signal
 import stat
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 from chatbot.config import SamplingConfig
 from chatbot.engine.stats import TurnStats, stats_from_dict, stats_to_dict
 from chatbot.errors import ChatbotError, ConfigError
-from chatbot.limits import MAX_SAVED_BYTES, expand, file_kind, loads_json, read_text
+from chatbot.limits import MAX_SAVED_BYTES, expand, file_kind, loads_json, read_text, without_surrogates
 
 SAVE_FORMAT = "chatbot-session"
 SAVE_VERSION = 1
@@ -112,22 +113,68 @@ def write_saved(path: str | os.PathLike[str], data: dict[str, Any]) -> Path:
     text = json.dumps(data, ensure_ascii=False, indent=1)
     _check_save_target(target)
     tmp: str | None = None
-    try:
-        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")  # 0600
-        with os.fdopen(fd, "wb") as f:
-            f.write((text + "\n").encode("utf-8", errors="surrogatepass"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-        tmp = None
-    except OSError as exc:
-        raise ChatbotError(f"cannot save to {target}: {exc.strerror or exc}") from None
-    finally:
-        if tmp is not None:  # a failed write leaves no copy of the chat behind
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+    with _signals_after_cleanup():
+        try:
+            target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")  # 0600
+            with os.fdopen(fd, "wb") as f:
+                f.write((text + "\n").encode("utf-8", errors="surrogatepass"))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+            tmp = None
+        except OSError as exc:
+            raise ChatbotError(f"cannot save to {target}: {exc.strerror or exc}") from None
+        finally:
+            if tmp is not None:  # a failed write (or a signal) leaves no copy of the chat behind
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
     return target
+
+
+class _Signalled(BaseException):
+    """SIGTERM or SIGHUP came while a save was being written (`_signals_after_cleanup`)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+_ENDING_SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s)
+
+
+@contextlib.contextmanager
+def _signals_after_cleanup() -> Iterator[None]:
+    """SIGTERM and SIGHUP inside the block raise `_Signalled`, so that its `finally` removes
+    the temporary file; at the end the signal is given again to the handler there was before
+    (by default, the process ends by it as it would have). Without this, a signal in a pipe
+    (no handler: the process ends where it stands) left a copy of the chat beside the target.
+    Signals already ignored stay ignored; outside the main thread nothing changes."""
+    caught: list[int] = []
+
+    def handler(signum: int, _frame: Any) -> None:
+        if not caught:
+            caught.append(signum)
+            raise _Signalled(signum)
+
+    previous: dict[int, Any] = {}
+    try:
+        for s in _ENDING_SIGNALS:
+            before = signal.getsignal(s)
+            if before is not None and before != signal.SIG_IGN:  # (None: a handler not set from Python)
+                previous[s] = signal.signal(s, handler)
+    except ValueError:  # not the main thread
+        pass
+    try:
+        yield
+    except _Signalled:
+        pass
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+    if caught:
+        signal.raise_signal(caught[0])  # the handler before: ends the process, or raises
+        raise ChatbotError(f"saving stopped by {signal.Signals(caught[0]).name}")
 
 
 def parse_saved(
@@ -155,7 +202,8 @@ def parse_saved(
             stats = stats_from_dict(t.get("stats"), rejected)
             if rejected and warnings is not None:
                 warnings.append(f"turn {i + 1}: stats {', '.join(rejected)} left out (not real figures)")
-            turns.append(Turn(t["user"], t["answer"], stats, bool(t.get("interrupted"))))
+            user, answer = without_surrogates(t["user"]), without_surrogates(t["answer"])
+            turns.append(Turn(user, answer, stats, bool(t.get("interrupted"))))
     elif isinstance(data.get("messages"), list):
         msgs = data["messages"]
         if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs):
@@ -167,11 +215,16 @@ def parse_saved(
             m.get("role") != ("user" if i % 2 == 0 else "assistant") for i, m in enumerate(msgs)
         ):
             raise ConfigError("messages must alternate user and assistant, after an optional system message")
-        turns = [Turn(u["content"], a["content"], TurnStats()) for u, a in zip(msgs[::2], msgs[1::2])]
+        turns = [
+            Turn(without_surrogates(u["content"]), without_surrogates(a["content"]), TurnStats())
+            for u, a in zip(msgs[::2], msgs[1::2])
+        ]
     else:
         raise ConfigError("a saved chat needs a list of turns or messages")
     if system is not None and not isinstance(system, str):
         raise ConfigError("system must be text")
+    # A lone surrogate ("\\ud800" in the JSON) is no text a tokenizer or a pipe takes.
+    system = None if system is None else without_surrogates(system)
     sampling = base
     settings = data.get("settings")
     if isinstance(settings, dict):

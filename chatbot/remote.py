@@ -32,6 +32,7 @@ from chatbot.chat import (
 )
 from chatbot.config import SamplingConfig
 from chatbot.engine.stats import summarize
+from chatbot.limits import without_surrogates
 from chatbot.persist import Turn, saved_dict
 from chatbot.remote_backend import RemoteBackend, RemoteError
 
@@ -165,6 +166,9 @@ class RemoteSession(Chat[RemoteChunk]):
                 for choice in chunk.choices or ():
                     piece = choice.delta.content if choice.delta is not None else None
                     if piece:
+                        # (a lone surrogate from the server would break the pipe, the save
+                        # and the next request)
+                        piece = without_surrogates(piece)
                         arrivals.append(now)
                         piece = join.feed(piece) if join is not None else piece
                     if piece:

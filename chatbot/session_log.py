@@ -17,6 +17,7 @@ import re
 import secrets
 import shlex
 import signal
+import stat
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from chatbot.errors import ChatbotError
-from chatbot.limits import bounded_lines, check_nesting
+from chatbot.limits import bounded_lines, check_nesting, without_surrogates
 
 if TYPE_CHECKING:
     from chatbot.persist import Turn
@@ -348,17 +349,7 @@ def read_events(path: Path, head: int | None = None) -> Iterator[dict[str, Any]]
 
 def _text(value: Any) -> str | None:
     """A string field of an event, or None (lone surrogates become U+FFFD)."""
-    if not isinstance(value, str):
-        return None
-    return value.encode("utf-8", errors="replace").decode("utf-8") if _has_surrogates(value) else value
-
-
-def _has_surrogates(value: str) -> bool:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
+    return without_surrogates(value) if isinstance(value, str) else None
 
 
 def _turn(ev: Any) -> dict[str, Any] | None:
@@ -482,14 +473,10 @@ HEAD_BYTES = 1024 * 1024
 def list_sessions(directory: Path | None = None) -> list[SessionInfo]:
     """Logged sessions with at least one line, newest first."""
     directory = directory or sessions_dir()
-    try:
-        paths = sorted(directory.glob("*" + SUFFIX), key=lambda p: (p.stat().st_mtime, p.name), reverse=True)
-    except OSError:
-        return []
     infos = []
-    for p in paths:
+    for p, size in _log_files(directory, "*" + SUFFIX):
         try:
-            head = None if p.stat().st_size <= REPLAY_BYTES else HEAD_BYTES
+            head = None if size <= REPLAY_BYTES else HEAD_BYTES
             state = replay(p, head)
         except (ChatbotError, OSError, ValueError, TypeError, RecursionError, MemoryError):
             continue  # one unreadable log must not hide the others
@@ -512,6 +499,25 @@ def list_sessions(directory: Path | None = None) -> list[SessionInfo]:
     return infos
 
 
+def _log_files(directory: Path, pattern: str) -> list[tuple[Path, int]]:
+    """The regular files in `directory` whose names match `pattern`, newest first, with their
+    sizes. Anything else is passed over without being opened: a FIFO (opening it would wait
+    for a writer), a folder, a dangling link or a loop of links (their `stat` fails); one bad
+    entry never hides the others. An unreadable folder has none."""
+    found = []
+    try:
+        for p in directory.glob(pattern):
+            try:
+                st = p.stat()  # (follows links)
+            except (OSError, ValueError):
+                continue
+            if stat.S_ISREG(st.st_mode):
+                found.append((st.st_mtime, p.name, p, st.st_size))
+    except (OSError, ValueError):
+        return []
+    return [(p, size) for _, _, p, size in sorted(found, reverse=True)]
+
+
 def find_session(ref: str, directory: Path | None = None) -> Path:
     """The log a user means: `last`, a whole id, or the start of one.
 
@@ -528,10 +534,7 @@ def find_session(ref: str, directory: Path | None = None) -> Path:
     exact = directory / (ref.removesuffix(SUFFIX) + SUFFIX)
     if exact.is_file():
         return exact
-    try:
-        matches = sorted(directory.glob(ref + "*" + SUFFIX))
-    except (OSError, ValueError):
-        matches = []
+    matches = sorted(p for p, _ in _log_files(directory, ref + "*" + SUFFIX))
     if len(matches) == 1:
         return matches[0]
     if matches:

@@ -11,6 +11,7 @@ the command line changed.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,9 +59,12 @@ def _check(name: str, value: Any) -> Any:
         return EngineConfig.RANGES[name].check(name, value)
     if value is None or isinstance(value, str):  # model, template, system
         if name == "template" and value is not None:
-            from chatbot.models.templates import check_template_choice
+            from chatbot.models.templates import TEMPLATE_CHOICES
 
-            check_template_choice(value)
+            # A log is not trusted to name files: a template comes back by name, never from
+            # a path (a crafted log's "/etc/shadow" went into the cache).
+            if value not in TEMPLATE_CHOICES:
+                raise ConfigError(f"template {value!r} is not a template's name")
         return value
     raise ConfigError(f"{name} must be text")
 
@@ -104,6 +108,10 @@ def _otherwise(settings: Settings, name: str) -> Any:
     return getattr(SamplingConfig, name) if value is None and name in SAMPLING else value
 
 
+def _names_a_file(value: str) -> bool:
+    return "/" in value or os.sep in value or value.endswith((".jinja", ".j2")) or value.startswith("~")
+
+
 def resume_settings(
     settings: Settings, state: dict[str, Any], explicit: set[str]
 ) -> tuple[Settings, str | None]:
@@ -130,6 +138,10 @@ def resume_settings(
             f"{_flag(n, settings[n])} (the session's: {_flag(n, logged[n])})" for n in overridden
         )
         parts.append("the command line's win: " + changed)
+    template = state.get("load", {}).get("template") if isinstance(state.get("load"), dict) else None
+    if "template" in bad and isinstance(template, str) and _names_a_file(template):
+        bad.remove("template")
+        parts.append(f"the log's template {template} is a file: not read (--template FILE reads it)")
     if bad:
         parts.append(f"the log's {', '.join(bad)} not valid, left out")
     return resumed, ("note: " + "; ".join(parts)) if parts else None

@@ -30,6 +30,7 @@ class FakeServer:
 
     def __init__(self, root: str = "/v1", key: str | None = None) -> None:
         self.root, self.key = root, key
+        self.story = STORY  # what every answer says (a test may change it)
         self.requests: list[dict] = []
         fake = self
 
@@ -70,7 +71,7 @@ class FakeServer:
                 if "fail" in body["messages"][-1]["content"]:
                     self.reply(500, {"error": {"message": "the model fell over"}})
                     return
-                words = STORY.split()
+                words = fake.story.split()
                 pieces = [w if i == 0 else " " + w for i, w in enumerate(words)][: body.get("max_tokens")]
                 finish = "length" if len(pieces) < len(words) else "stop"
                 if not body.get("stream"):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from chatbot.errors import ContextFullError
-from chatbot.limits import expand
+from chatbot.limits import expand, without_surrogates
 from chatbot.session_log import data_dir
 from chatbot.terminal.commands import (
     CLEAR_FLAG,
@@ -150,8 +150,8 @@ class ReplCommands:
         data = read_saved(command.arg)
         self._restore(data)
         model = data.get("model")
-        if model and model != self.loaded.name:
-            self.note(f"that chat was with {model}; continuing with {self.loaded.name}")
+        if isinstance(model, str) and model and model != self.loaded.name:
+            self.note(f"that chat was with {without_surrogates(model)}; continuing with {self.loaded.name}")
 
     def _restore(self, data: dict[str, Any]) -> None:
         try:
