@@ -1,5 +1,5 @@
 """Decode and prefill speed of the kernels' builds side by side: gcc with OpenMP, gcc without
-it (kernels.c's own thread pool), and clang without OpenMP where clang is installed, each at
+it (the kernels' own thread pool), and clang without OpenMP where clang is installed, each at
 1 and 2 threads.
 
 Each measurement is a fresh `chatbot.measure.bench_decode` worker (the ``chatbot-auto``

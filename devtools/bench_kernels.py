@@ -1,6 +1,6 @@
 """The kernels' matrix-vector products of a GGUF file, several builds side by side in one
 process: e.g. the native build against ``-mno-avx512f`` (what an AVX2 CPU runs), or a
-changed copy of kernels.c against the current one.
+changed copy of the source (csrc/) against the current one.
 
 On a shared virtual machine the memory bandwidth one core gets moves by 1.5x from minute to
 minute, so two builds timed in two processes, or one after the other, differ by more than
@@ -52,8 +52,10 @@ def default_builds() -> dict[str, str]:
 
 
 def build(name: str, flags: str, folder: Path, source: Path | None = None) -> ctypes.CDLL:
-    """kernels.c (or `source`, a copy of it) compiled as the cache would, plus `flags`: with
-    OpenMP, or where the compiler has none (clang without libomp), on the kernels' own pool.
+    """csrc/kernels.c (or `source`: the kernels.c of a changed copy of csrc/, or the whole
+    source in one file, `kernel_build.source_text`) compiled as the cache would, plus `flags`:
+    with OpenMP, or where the compiler has none (clang without libomp), on the kernels' own
+    pool.
 
     Raises:
         RuntimeError: the compiler failed (the OpenMP build's first error line).
@@ -98,8 +100,8 @@ def run_kernels_bench(
     folder: Path | None = None,
     acts: tuple[str, ...] = ("int16",),
 ) -> dict[str, Any]:
-    """Time `builds` (name -> extra compiler flags; `sources`: name -> a copy of kernels.c to
-    build instead) on the file's matrices, alternating them `rounds` times.
+    """Time `builds` (name -> extra compiler flags; `sources`: name -> a C file to build
+    instead, as `build` takes it) on the file's matrices, alternating them `rounds` times.
 
     Returns:
         {"builds": {name: {group: {"min_ms", "median_ms", "gbps"}}}, "bytes": {group: n},

@@ -215,7 +215,7 @@ make_decoder(loaded.model, "auto")
 
 def warm_up(path: Path, python: str = sys.executable) -> float | None:
     """Load `path` once as ours would, untimed by the bench: the first load of a file writes
-    its metadata cache (and of a new kernels.c, builds the library), which later starts
+    its metadata cache (and of a changed csrc/, builds the library), which later starts
     skip. Returns that first load's seconds (None when it failed: the bench will say why)."""
     start = time.monotonic()
     proc = subprocess.run([python, "-c", WARM_UP, str(path)], capture_output=True, text=True, check=False)

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from helpers import needs_kernels
 
-from chatbot.engine import kernels
+from chatbot.engine import kernel_build
 from devtools.gguf_synthetic import SHAPES, write_synthetic_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
-# The tile products' last step (kernels.c, AVX2 and AVX-512): the sums less the mins
+# The tile products' last step (csrc/tiles.c, AVX2 and AVX-512): the sums less the mins
 TILE_CLOSE = "_mm256_storeu_ps(out, _mm256_sub_ps(acc, accm));"
 
 pytestmark = [
@@ -47,8 +47,9 @@ def _bench(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
 
 
 def _broken_copy(folder: Path) -> Path:
-    """kernels.c with the tile products adding the mins where they subtract them."""
-    text = kernels.SOURCE.read_text()
+    """The kernels' source in one file (`source_text`), with the tile products adding the mins
+    where they subtract them."""
+    text = kernel_build.source_text()
     macros = subprocess.run(
         ["cc", "-march=native", "-dM", "-E", "-x", "c", "/dev/null"],
         capture_output=True,

@@ -23,7 +23,7 @@ import pytest
 from helpers import make_model, make_tokenizer, write_tiny_gguf
 from serve_helpers import running_server
 
-from chatbot.engine import kernels
+from chatbot.engine import kernel_build, kernels
 from chatbot.errors import ChatbotError
 
 PAGE = 4096
@@ -196,6 +196,27 @@ def _failing_compiler(folder: Path) -> Path:
     )
     cc.chmod(0o755)
     return cc
+
+
+def test_an_edit_to_any_part_of_the_source_names_another_library(tmp_path, monkeypatch):
+    """The cache key hashes every file of csrc/, not only the kernels.c the compiler is given
+    (it includes the others): after an edit to any part, or a part added, the build cached
+    before is not the one loaded. Where the folder lies does not count."""
+    cc = str(_failing_compiler(tmp_path))  # library_path only asks it for its version
+    first = kernels.library_path(cc)
+    copy = tmp_path / "csrc"
+    shutil.copytree(kernel_build.SOURCE_DIR, copy)
+    monkeypatch.setattr(kernel_build, "SOURCE_DIR", copy)
+    assert kernels.library_path(cc) == first
+    parts = sorted(copy.iterdir())
+    assert {"kernels.c", "kernels.h", "formats.c"} <= {p.name for p in parts}
+    seen = {first}
+    for part in parts:
+        part.write_text(part.read_text() + "/* edited */\n")
+        seen.add(kernels.library_path(cc))
+    (copy / "added.c").write_text("")
+    seen.add(kernels.library_path(cc))
+    assert len(seen) == len(parts) + 2
 
 
 def test_a_damaged_library_that_cannot_be_rebuilt_leaves_one_note_naming_it(good, tmp_path, monkeypatch):

@@ -470,5 +470,5 @@ def test_kernels_refuse_ctypes_mirrors_of_the_wrong_size():
     kernels.check_abi(lib)  # the real mirrors pass
     # without `cols` and `x8` (one field alone would hide in the alignment padding)
     short = type("Mat", (ctypes.Structure,), {"_fields_": kernels.Mat._fields_[:-2]})
-    with pytest.raises(kernels.KernelsUnavailable, match="struct mat is 24 bytes in kernels.c but 16"):
+    with pytest.raises(kernels.KernelsUnavailable, match="struct mat is 24 bytes in csrc/kernels.h but 16"):
         kernels.check_abi(lib, {**kernels.ABI_MIRRORS, "mat": short})

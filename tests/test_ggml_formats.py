@@ -144,7 +144,7 @@ def test_other_builds_match_reference(tmp_path, build):
         pytest.skip("this CPU has no AVX-VNNI: the avx2 build is this one")
     extra, acts = BUILDS[build]
     lib_path = tmp_path / f"{build}.so"
-    # threads as this machine's own build runs them: OpenMP, or kernels.c's pool where the
+    # threads as this machine's own build runs them: OpenMP, or the kernels' own pool where the
     # compiler has no OpenMP (clang without libomp)
     threads = "-fopenmp" if kernels.uses_openmp(kernels.load_library()) else "-pthread"
     flags = [*extra, threads, "-shared", "-fPIC", "-std=c11"]

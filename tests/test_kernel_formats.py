@@ -1,9 +1,10 @@
-"""The format table (`chatbot.engine.formats`) against kernels.c and against ggml.
+"""The format table (`chatbot.engine.formats`) against the kernels' C source and against ggml.
 
-kernels.c names each format in an enum (``FMT_Q4_K = 10``) and gives its block size in two
-switches (`block_len`: weights, `block_bytes`: bytes). Python reads all of that from the
-table; these tests read the C source and fail where the two disagree, so a format changed on
-one side only is caught before a kernel reads a matrix with the wrong stride.
+The kernels name each format in an enum (``FMT_Q4_K = 10``, csrc/kernels.h) and give its
+block size in two switches (`block_len`: weights, `block_bytes`: bytes, csrc/formats.c).
+Python reads all of that from the table; these tests read the C source and fail where the two
+disagree, so a format changed on one side only is caught before a kernel reads a matrix with
+the wrong stride.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import re
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from chatbot.engine import kernels
+from chatbot.engine import kernel_build
 from chatbot.engine.formats import FORMATS, KernelFormat
 
 
@@ -22,7 +23,7 @@ def _function_body(source: str, name: str) -> str:
     at the start of a line)."""
     found = re.search(rf"static int {name}\(int fmt\) \{{\n(.*?)\n\}}", source, re.DOTALL)
     if found is None:
-        raise AssertionError(f"kernels.c has no function {name}(int fmt)")
+        raise AssertionError(f"the kernels' source has no function {name}(int fmt)")
     return found.group(1)
 
 
@@ -41,10 +42,10 @@ def _switch_values(body: str, constants: dict[str, int]) -> tuple[dict[str, int]
 
 
 def c_formats(source: str) -> dict[str, tuple[int, int, int]]:
-    """kernels.c's formats: ``FMT_`` name -> (enum value, weights per block, bytes per block)."""
+    """The kernels' formats: ``FMT_`` name -> (enum value, weights per block, bytes per block)."""
     enum = re.search(r"enum\s*\{([^}]*FMT_F32[^}]*)\}", source)
     if enum is None:
-        raise AssertionError("kernels.c has no enum of FMT_ formats")
+        raise AssertionError("the kernels' source has no enum of FMT_ formats")
     codes = {name: int(value) for name, value in re.findall(r"(FMT_\w+)\s*=\s*(\d+)", enum.group(1))}
     defines = {name: int(value) for name, value in re.findall(r"#define (QK\w*) (\d+)", source)}
     lengths, default_length = _switch_values(_function_body(source, "block_len"), defines)
@@ -58,27 +59,27 @@ def c_formats(source: str) -> dict[str, tuple[int, int, int]]:
 
 
 def mismatches(source: str, table: tuple[KernelFormat, ...] = FORMATS) -> list[str]:
-    """Where kernels.c (`source`) and the table disagree, one line each."""
+    """Where the C source (`source`) and the table disagree, one line each."""
     found = c_formats(source)
     problems = []
     expected = {f"FMT_{f.gguf_name}": (f.code, f.block_weights, f.block_bytes) for f in table}
     for name in sorted(set(found) | set(expected)):
         if name not in found:
-            problems.append(f"{name} is in the table but not in kernels.c's enum")
+            problems.append(f"{name} is in the table but not in the kernels' enum")
         elif name not in expected:
-            problems.append(f"{name} is in kernels.c's enum but not in the table")
+            problems.append(f"{name} is in the kernels' enum but not in the table")
         elif found[name] != expected[name]:
             problems.append(
-                f"{name}: kernels.c has (code, weights, bytes) {found[name]}, the table {expected[name]}"
+                f"{name}: the C source has (code, weights, bytes) {found[name]}, the table {expected[name]}"
             )
     return problems
 
 
-def test_kernels_c_agrees_with_the_table():
-    assert mismatches(kernels.SOURCE.read_text()) == []
+def test_the_c_source_agrees_with_the_table():
+    assert mismatches(kernel_build.source_text()) == []
 
 
-# Each edit makes kernels.c disagree with the table in one way; the check must see each.
+# Each edit makes the C source disagree with the table in one way; the check must see each.
 EDITS = {
     "block bytes": ("case FMT_Q4_K: return 144;", "case FMT_Q4_K: return 145;"),
     "enum value": ("FMT_Q6_K = 12", "FMT_Q6_K = 13"),
@@ -89,10 +90,10 @@ EDITS = {
 
 
 @pytest.mark.parametrize("edit", EDITS)
-def test_the_check_fails_on_a_changed_copy_of_kernels_c(edit):
-    source = kernels.SOURCE.read_text()
+def test_the_check_fails_on_a_changed_copy_of_the_c_source(edit):
+    source = kernel_build.source_text()
     old, new = EDITS[edit]
-    assert source.count(old) >= 1, f"the edit {edit!r} no longer applies to kernels.c"
+    assert source.count(old) >= 1, f"the edit {edit!r} no longer applies to the C source"
     assert mismatches(source.replace(old, new, 1)) != []
 
 

@@ -1,5 +1,6 @@
-"""The kernels built without OpenMP, on kernels.c's own thread pool (as clang without libomp
-builds them, Apple's among others): the same bits as the OpenMP build, at any thread count.
+"""The kernels built without OpenMP, on their own thread pool (csrc/pool.c; as clang without
+libomp builds them, Apple's among others): the same bits as the OpenMP build, at any thread
+count.
 
 The builds are made here, into the module's folder: with the C compiler the kernels use
 (gcc on CI, so the pool is always tested, by leaving out -fopenmp), and with clang where it

@@ -1,7 +1,7 @@
 """The package's shape, read with `ast` (nothing is imported): no module under chatbot/ over
-`MAX_FILE_LINES` lines, no function over `MAX_FUNCTION_LINES`, and no name that starts with a
-single underscore imported from another chatbot module (a name another module needs is
-public)."""
+`MAX_FILE_LINES` lines, no C file over `MAX_C_FILE_LINES`, no function over
+`MAX_FUNCTION_LINES`, and no name that starts with a single underscore imported from another
+chatbot module (a name another module needs is public)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "chatbot"
 MAX_FILE_LINES = 600
+MAX_C_FILE_LINES = 1500
 MAX_FUNCTION_LINES = 100
 
 
@@ -30,6 +31,16 @@ def is_private(name: str) -> bool:
 def long_files() -> list[str]:
     """'path: N lines' for each module over `MAX_FILE_LINES`."""
     return [f"{rel}: {n} lines" for rel, src in modules() if (n := len(src.splitlines())) > MAX_FILE_LINES]
+
+
+def long_c_files() -> list[str]:
+    """'path: N lines' for each C source or header under chatbot/ over `MAX_C_FILE_LINES`."""
+    paths = sorted(p for ext in ("*.c", "*.h") for p in PACKAGE.rglob(ext))
+    return [
+        f"{p.relative_to(PACKAGE.parent)}: {n} lines"
+        for p in paths
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_C_FILE_LINES
+    ]
 
 
 def long_functions() -> list[str]:
@@ -73,6 +84,12 @@ def test_the_checks_see_the_package():
 def test_no_module_over_the_line_limit():
     found = long_files()
     assert found == [], "split these modules:\n" + "\n".join(found)
+
+
+def test_no_c_file_over_the_line_limit():
+    assert any(PACKAGE.rglob("*.c")), "the checks see no C source"
+    found = long_c_files()
+    assert found == [], "split these C files along their concepts:\n" + "\n".join(found)
 
 
 def test_no_function_over_the_line_limit():

@@ -45,7 +45,10 @@ def test_the_wheel_holds_every_module_preset_the_kernels_and_the_licence(wheel):
     modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "chatbot").rglob("*.py")}
     assert modules - names == set()  # a subpackage missing from pyproject's list fails here
     assert not [n for n in names if n.startswith(("devtools/", "configs/", "tests/"))]
-    assert "chatbot/engine/kernels.c" in names
+    csrc = ROOT / "chatbot" / "engine" / "csrc"
+    parts = {p.relative_to(ROOT).as_posix() for p in csrc.rglob("*") if p.is_file()}
+    assert "chatbot/engine/csrc/kernels.c" in parts and "chatbot/engine/csrc/kernels.h" in parts
+    assert parts - names == set()  # every part the build includes (and its cache key hashes)
     (licence,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
     assert "MIT License" in zipfile.ZipFile(wheel).read(licence).decode()
     (meta,) = [n for n in names if n.endswith(".dist-info/METADATA")]

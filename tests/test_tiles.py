@@ -1,4 +1,4 @@
-"""Q4_K and Q6_K matrices in tiles of 8 rows (`kernels.tile_rows`, kernels.c "8-row tiles"):
+"""Q4_K and Q6_K matrices in tiles of 8 rows (`kernels.tile_rows`, csrc/tiles.c):
 the same weights as the rows they came from, and products equal to the float64 product of
 ggml's reference weights with the int16-rounded inputs, on this CPU's build and on its AVX2
 build; down to a whole decode step (the synthetic-file tests decode through tiles too)."""
@@ -99,7 +99,7 @@ def test_int8_inputs_give_the_exact_int8_products(kind, rows):
 @pytest.mark.parametrize("kind", KINDS)
 def test_tile_sums_do_not_overflow_at_the_largest_weights_and_inputs(kind):
     """Every quant and scale at its largest magnitude, every input at +-32767: the integer
-    sums are at their bounds (kernels.c) and must still be exact."""
+    sums are at their bounds (csrc/tiles.c) and must still be exact."""
     rows, cols = 16, 512
     per_row = cols // 256
     fmt = kernels.GGUF_FORMATS[kind]

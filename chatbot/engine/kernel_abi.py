@@ -1,5 +1,5 @@
-"""The C interface of the native kernels: ctypes mirrors of kernels.c's structs, checked
-against the compiler's sizes (`check_abi`), and the argument types of its functions
+"""The C interface of the native kernels: ctypes mirrors of the structs of csrc/kernels.h,
+checked against the compiler's sizes (`check_abi`), and the argument types of its functions
 (`declare_functions`).
 """
 
@@ -101,7 +101,7 @@ def check_abi(lib: Any, mirrors: dict[str, type[ctypes.Structure]] | None = None
         if c_size != py_size:
             raise KernelsUnavailable(
                 f"the native kernels do not match their Python side: struct {name} is {c_size} bytes "
-                f"in kernels.c but {py_size} in kernels.py's {mirror.__name__}; update both together"
+                f"in csrc/kernels.h but {py_size} in kernels.py's {mirror.__name__}; update both together"
             )
 
 

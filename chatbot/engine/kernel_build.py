@@ -1,11 +1,15 @@
 """Building the native kernels and keeping them in the user's cache.
 
-`kernels.c` is compiled with the system C compiler (``cc -O3 -march=native -fopenmp``; on
-64-bit ARM ``-mcpu=native``, `arch_flags`) and kept in ``$XDG_CACHE_HOME/chatbot/kernels``
-under a key made of the source, the flags, the compiler and the CPU (`library_path`). A
-compiler without OpenMP (clang without libomp, as Apple ships it) builds it with ``-pthread``
-instead: kernels.c then runs on a thread pool of its own, with the same work on the same
-threads (`uses_openmp` tells which a library has). Beside each library,
+The source is the folder `csrc/`: ``kernels.h`` and one ``.c`` file per concern (formats,
+integer products, tiles, thread pool, ops, decode, batched decode, prefill), which
+``csrc/kernels.c`` includes in order, so that they compile as one translation unit and the
+compiler inlines across them. It is compiled with the system C compiler
+(``cc -O3 -march=native -fopenmp``; on 64-bit ARM ``-mcpu=native``, `arch_flags`) and kept in
+``$XDG_CACHE_HOME/chatbot/kernels`` under a key made of every file of `csrc/`, the flags, the
+compiler and the CPU (`library_path`). A compiler without OpenMP (clang without libomp, as
+Apple ships it) builds it with ``-pthread`` instead: the kernels then run on a thread pool of
+their own (csrc/pool.c), with the same work on the same threads (`uses_openmp` tells which a
+library has). Beside each library,
 ``<name>.so.sha256`` records the checksum and size of what was built: a cached file that does
 not match it (cut short, zeroed pages, another library, a directory in its place) is never
 handed to the dynamic loader, which would crash the process on some of these (SIGBUS,
@@ -19,6 +23,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -30,7 +35,38 @@ from typing import Any
 from chatbot.engine.kernel_abi import KernelsUnavailable, check_abi, declare_functions
 from chatbot.progress import waiting
 
-SOURCE = Path(__file__).with_name("kernels.c")
+SOURCE_DIR = Path(__file__).with_name("csrc")
+"""The kernels' C source: kernels.h and the parts that csrc/kernels.c includes."""
+SOURCE = SOURCE_DIR / "kernels.c"
+"""The one file the compiler is given (its parts are included from beside it)."""
+
+_LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)".*$', re.MULTILINE)
+
+
+def source_files() -> list[Path]:
+    """Every file of `csrc/`, by path: what the cache key hashes, so that an edit to any part
+    builds the kernels again."""
+    return sorted(p for p in SOURCE_DIR.rglob("*") if p.is_file())
+
+
+def source_digest() -> str:
+    """The sha256 of every file of `csrc/`: its path in the folder and its bytes."""
+    digest = hashlib.sha256()
+    for path in source_files():
+        digest.update(path.relative_to(SOURCE_DIR).as_posix().encode() + b"\0")
+        data = path.read_bytes()
+        digest.update(len(data).to_bytes(8, "little") + data)
+    return digest.hexdigest()
+
+
+def source_text(source: Path = SOURCE) -> str:
+    """The whole source as one text, as the compiler reads it: `source` with each
+    ``#include "part"`` replaced by that part's text. Written anywhere, it builds alone (the
+    changed copies that tests and scripts/bench-kernels compile)."""
+    return _LOCAL_INCLUDE.sub(
+        lambda found: source_text(source.parent / found.group(1)).rstrip("\n"), source.read_text()
+    )
+
 
 SIMD_LEVELS = [
     ("AVX-512 VNNI", ("__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX512VNNI__", "__AVX2__")),
@@ -39,12 +75,12 @@ SIMD_LEVELS = [
     ("NEON + dotprod", ("__aarch64__", "__ARM_NEON", "__ARM_FEATURE_DOTPROD")),
     ("NEON", ("__aarch64__", "__ARM_NEON")),
 ]
-"""What the kernels' source tests (kernels.c), from the widest down: the level they run at,
+"""What the kernels' source tests (csrc/kernels.h), from the widest down: the level they run at,
 by the macros the compiler defines with `arch_flags`."""
 
 
 def simd_level(macros: set[str]) -> str:
-    """The SIMD level kernels.c compiles to where the compiler defines `macros`."""
+    """The SIMD level the kernels compile to where the compiler defines `macros`."""
     for name, needs in SIMD_LEVELS:
         if all(m in macros for m in needs):
             return name
@@ -116,7 +152,7 @@ def arch_flags(machine: str | None = None, system: str | None = None) -> list[st
 
 FLAGS = ["-O3", *arch_flags(), "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 NO_OPENMP_FLAGS = [flag for flag in FLAGS if flag != "-fopenmp"] + ["-pthread"]
-"""The build where the compiler has no OpenMP: kernels.c's own thread pool (pthreads)."""
+"""The build where the compiler has no OpenMP: the kernels' own thread pool (pthreads)."""
 
 
 def extra_flags() -> list[str]:
@@ -127,16 +163,16 @@ def extra_flags() -> list[str]:
 
 
 def build_flags(openmp: bool = True) -> list[str]:
-    """The compiler flags of the OpenMP build, or of the build on kernels.c's own pool."""
+    """The compiler flags of the OpenMP build, or of the build on the kernels' own pool."""
     return [*(FLAGS if openmp else NO_OPENMP_FLAGS), *extra_flags()]
 
 
 def library_path(cc: str, openmp: bool = True) -> Path:
     """Where the library built by `cc` (with OpenMP or without) is cached for this source
-    and CPU: the two builds have their own names."""
+    (every file of `csrc/`) and CPU: the two builds have their own names."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), " ".join(build_flags(openmp)), version, _cpu_identity()]).encode()
+        "\0".join([source_digest(), " ".join(build_flags(openmp)), version, _cpu_identity()]).encode()
     ).hexdigest()[:16]
     return kernels_dir() / f"chatbot_kernels-{key}.so"
 
@@ -225,13 +261,13 @@ def cache_lock(folder: Path) -> Iterator[None]:
 
 
 def compile_command(cc: str, flags: list[str], target: str | Path, source: Path = SOURCE) -> list[str]:
-    """The compiler's command line that builds `source` (kernels.c, or a copy of it) into the
-    shared library `target` with `flags` (`build_flags`)."""
+    """The compiler's command line that builds `source` (csrc/kernels.c, or a changed copy of
+    csrc/ or of `source_text`) into the shared library `target` with `flags` (`build_flags`)."""
     return [cc, *flags, "-o", str(target), str(source), "-lm"]
 
 
 def build(cc: str, target: Path, openmp: bool = True) -> None:
-    """Compile kernels.c into `target` (with OpenMP, or on its own thread pool), then record
+    """Compile the kernels into `target` (with OpenMP, or on its own thread pool), then record
     its checksum (`checksum_path`).
 
     Both files are written atomically (a half-written file never has its name), the

@@ -1,6 +1,7 @@
-/* The aarch64 side of scripts/test-arm: kernels.c built for ARM (this file includes it, so
- * one static program runs under qemu-aarch64), run on the inputs that
- * tests/arm/make_reference.py wrote on x86, its outputs compared with x86's.
+/* The aarch64 side of scripts/test-arm: the kernels built for ARM (this file includes
+ * csrc/kernels.c, which includes the other parts, so one static program runs under
+ * qemu-aarch64), run on the inputs that tests/arm/make_reference.py wrote on x86, its outputs
+ * compared with x86's.
  *
  *     driver DIR     (DIR/manifest.txt: one check per line, see make_reference.py)
  *
@@ -16,7 +17,7 @@
  * next integer: within 1e-3 of x86's largest logit (measured: up to 1.1e-4 on the default
  * model; a wrong product moves logits by whole units), and the same greedy token at every
  * step. */
-#include "../../chatbot/engine/kernels.c"
+#include "../../chatbot/engine/csrc/kernels.c"
 
 #include <stdio.h>
 

@@ -1,4 +1,4 @@
-"""The x86 side of `scripts/test-arm`: inputs for the aarch64 build of kernels.c and this
+"""The x86 side of `scripts/test-arm`: inputs for the aarch64 build of the kernels and this
 machine's outputs for them, in a folder that `tests/arm/driver.c` reads under qemu.
 
     python tests/arm/make_reference.py OUT [--no-default-model]
@@ -6,7 +6,7 @@ machine's outputs for them, in a folder that `tests/arm/driver.c` reads under qe
 Writes OUT/manifest.txt, one check per line, and the binary files it names:
 
     product NAME FMT ACT ROWS COLS
-        NAME.w (the matrix as kernels.c reads it), NAME.x (float32 [COLS]), NAME.y (this
+        NAME.w (the matrix as the kernels read it), NAME.x (float32 [COLS]), NAME.y (this
         library's product, float32 [ROWS]), NAME.exact (float64 [ROWS]: the dequantized
         weights times x as the kernels hold it for this format and ACT, in float64) and
         NAME.bound (float64 [ROWS]: |w| . |x|, the scale of the rounding errors).
@@ -39,7 +39,7 @@ from devtools.gguf_synthetic import BLOCKS, FLOAT_TYPES, random_blocks, random_f
 ROWS, COLS = 40, 512  # two K-quant super-blocks, sixteen 32-blocks per row
 ACTS = {"f32": kernels.ACT_F32, "q8": kernels.ACT_Q8, "i16": kernels.ACT_I16}
 K_QUANTS = {"Q4_K", "Q5_K", "Q6_K"}
-# the formats whose products take the integer activations (kernels.c, dot_vec)
+# the formats whose products take the integer activations (csrc/matvec.c, dot_vec)
 Q8_FORMATS = {"Q8_0", "Q4_1"}
 I16_FORMATS = {"Q8_0", "Q4_1", "Q4_0", "Q5_0", "Q5_1", *K_QUANTS}
 
@@ -54,8 +54,8 @@ def random_matrix(kind: str, rows: int, cols: int, rng: np.random.Generator, sca
 
 
 def held(x: np.ndarray, kind: str, act: int) -> np.ndarray:
-    """x as the kernels hold it in a product with a `kind` matrix (kernels.c, prepare_blocks
-    and prepare_k): int8 or int16 per block with a float32 scale, or x itself. The K-quants
+    """x as the kernels hold it in a product with a `kind` matrix (csrc/int_products.c,
+    prepare_blocks and prepare_k): int8 or int16 per block with a float32 scale, or x itself. The K-quants
     take int8 per super-block of 256 (`--opt fast`) as they take int16."""
     if act == kernels.ACT_Q8 and kind in Q8_FORMATS:
         block, top = 32, 127.0
