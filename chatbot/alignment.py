@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from chatbot.engine.generate import GenerationChunk
+from chatbot.engine.chunk import GenerationChunk
 from chatbot.models.template_budget import install as install_template_budget
 
 # Ids of left context for decoding an answer as it reads in the conversation.

@@ -441,7 +441,7 @@ def doctor(
     if load:  # before the kernels' line: loading a GGUF file builds them
         settings = resolve_cli_settings(ctx, preset, config).run_config()
         loaded = load_with_status(settings.load.model, **settings.load.options())  # a status on a tty
-        from chatbot.engine.backend import backend_for
+        from chatbot.engine.backend_choice import backend_for
 
         backend, reason = backend_for(loaded.model, opt)
     folder, library = facts.kernels_cache(cc)

@@ -295,9 +295,9 @@ ConversationOpt = Annotated[
 
 
 def make_backend(model: Any, opt: str) -> tuple[Backend, str | None]:
-    """The backend for --opt (`chatbot.engine.backend.backend_for`), and a note when the one
+    """The backend for --opt (`chatbot.engine.backend_choice.backend_for`), and a note when the one
     asked for is off (None where the user need not hear it)."""
-    from chatbot.engine.backend import backend_for
+    from chatbot.engine.backend_choice import backend_for
     from chatbot.engine.kernels import failure
 
     backend, reason = backend_for(model, opt)

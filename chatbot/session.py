@@ -47,7 +47,8 @@ from chatbot.alignment import (
 )
 from chatbot.chat import Chat, Meter, ModelInfo
 from chatbot.config import ChatConfig, SamplingConfig
-from chatbot.engine.generate import Engine, GenerationChunk, TokenObserver
+from chatbot.engine.chunk import GenerationChunk
+from chatbot.engine.generate import Engine, TokenObserver
 from chatbot.engine.sampling import (
     sampling_from_model,  # noqa: F401 - re-exported
     seeded_generator,

@@ -8,7 +8,8 @@ import torch
 from helpers import greedy_by_recompute, needs_kernels
 
 from chatbot.config import EngineConfig, SamplingConfig
-from chatbot.engine.backend import Backend, BatchedBackend, HFBackend, NativeBackend, serving_backend
+from chatbot.engine.backend import Backend, BatchedBackend, HFBackend, NativeBackend
+from chatbot.engine.backend_choice import serving_backend
 from chatbot.engine.generate import Engine
 
 GREEDY = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=10)

@@ -15,7 +15,8 @@ import torch
 from helpers import make_model, make_tokenizer, needs_kernels
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
-from chatbot.engine.backend import HFBackend, NativeBackend, backend_for
+from chatbot.engine.backend import HFBackend, NativeBackend
+from chatbot.engine.backend_choice import backend_for
 from chatbot.engine.compiled import CompiledBackend, StaticLayer, bucket
 from chatbot.engine.generate import Engine
 from chatbot.session import ChatSession

@@ -24,7 +24,7 @@ from test_repl import Chat
 from test_session import assert_invariant
 
 from chatbot import session_log
-from chatbot.engine.generate import GenerationChunk
+from chatbot.engine.chunk import GenerationChunk
 from chatbot.terminal.sanitize import safe_line, safe_text
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -26,8 +25,10 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.generation.logits_process import LogitsProcessorList
 
 from chatbot.config import SamplingConfig
-from chatbot.engine.backend import Backend, choose_backend, full_cache
+from chatbot.engine.backend import Backend, full_cache
+from chatbot.engine.backend_choice import choose_backend
 from chatbot.engine.buffer_cache import BufferLayer
+from chatbot.engine.chunk import GenerationChunk
 from chatbot.engine.detokenize import IncrementalDetokenizer
 from chatbot.engine.device_decode import DeviceBackend, DeviceSampler, device_token_steps
 from chatbot.engine.sampling import Sampler, build_logits_processor
@@ -54,21 +55,6 @@ TokenObserver = Callable[[torch.Tensor, int], None]
 ANSWER_ROOM = 1024
 """The most answer tokens a prefill makes room for in the fast path's cache buffers up front
 (a longer answer grows them once more)."""
-
-
-@dataclass(frozen=True)
-class GenerationChunk:
-    """One piece of a streamed answer.
-
-    `text` is the new text since the previous chunk; `token_ids` the answer tokens it covers
-    (a stop token is never among them). The last chunk has `finish_reason` ("stop",
-    "length" or "context") and `stats`.
-    """
-
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str | None = None
-    stats: TurnStats | None = None
 
 
 class Engine:

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from chatbot.engine.generate import GenerationChunk
+    from chatbot.engine.chunk import GenerationChunk
 
 
 class StopStrings:

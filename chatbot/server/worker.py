@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from chatbot.config import SamplingConfig
-from chatbot.engine.backend import BatchedBackend, serving_backend
+from chatbot.engine.backend import BatchedBackend
+from chatbot.engine.backend_choice import serving_backend
 from chatbot.engine.gguf_table import ModelFileChanged
 from chatbot.engine.grammar import GrammarError
 from chatbot.engine.kernels import KernelsUnavailable
@@ -31,7 +32,7 @@ DEFAULT_SLOTS = 8
 """Requests that generate at once (continuous batching), where the native kernels run."""
 
 if TYPE_CHECKING:
-    from chatbot.engine.generate import GenerationChunk
+    from chatbot.engine.chunk import GenerationChunk
 
 
 def _error(exc: ChatbotError, job: Job) -> APIError:
