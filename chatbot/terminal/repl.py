@@ -388,7 +388,7 @@ class Repl(ReplCommands):
             except KeyboardInterrupt:
                 chunks.close()
                 problem = "interrupted"
-            except Terminated:  # SIGTERM, SIGHUP: the turn is closed (and logged) as far as it got
+            except Terminated:  # SIGTERM, SIGHUP, SIGQUIT: the turn is closed (and logged) as far as it got
                 chunks.close()
                 raise
             except ChatbotError as exc:
