@@ -75,6 +75,7 @@ def main() -> None:
     parser.add_argument("--load-fails", action="store_true")
     parser.add_argument("--load-waits-on", help="words of a wait (chatbot.progress) the load is in")
     parser.add_argument("--resume", type=Path, help="a session log to resume once loaded")
+    parser.add_argument("--name", default="scripted", help="the model's name (the toolbar shows it)")
     parser.add_argument(
         "--prefill-delay", type=float, default=0.0, help="seconds the first prompt's pass sleeps"
     )
@@ -100,9 +101,7 @@ def main() -> None:
     engine = Engine(model, tokenizer, max_context=4096)
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=max(len(a) for a in answers) + 8)
     session = ChatSession(engine, ChatConfig(sampling=sampling))
-    loaded = LoadedModel(
-        model=model.model, tokenizer=tokenizer, name="scripted", source="test", kind="folder"
-    )
+    loaded = LoadedModel(model=model.model, tokenizer=tokenizer, name=args.name, source="test", kind="folder")
     interactive = sys.stdin.isatty()
     out, info = make_consoles(interactive)
     if args.load_when is None:
@@ -128,7 +127,7 @@ def main() -> None:
     threading.Thread(target=load, daemon=True).start()
     repl = Repl.loading(
         pending,
-        "scripted",
+        args.name,
         out,
         plain=not sys.stdout.isatty(),
         info=info,

@@ -90,3 +90,21 @@ def test_a_signal_at_the_prompt_puts_the_terminal_back(tmp_path, terminals):
     assert term.raw.rfind("\x1b[?2004l") > term.raw.rfind("\x1b[?2004h")
     assert termios.tcgetattr(term.proc.fd)[3] == settings[3]
     assert "Traceback" not in term.raw
+
+
+def test_ctrl_backslash_during_an_answer_puts_the_terminal_back(tmp_path, terminals):
+    """Ctrl-\\ (SIGQUIT, which Python leaves to its default: die, the cursor hidden) ends
+    the chat as SIGTERM does: the terminal put back, the turn logged, exit 128+3."""
+    term = _chat(tmp_path, terminals)
+    settings = _fresh_terminal()
+    term.type("tell me\r")
+    term.wait_text("word20", 60)
+    assert term.screen.cursor.hidden
+    term.type("\x1c")  # the key: the terminal's line discipline sends SIGQUIT
+    assert _ended(term) == 128 + signal.SIGQUIT
+    assert not term.screen.cursor.hidden
+    assert term.raw.rfind("\x1b[?25h") > term.raw.rfind("\x1b[?25l")
+    assert termios.tcgetattr(term.proc.fd)[3] == settings[3]
+    assert "Traceback" not in term.raw
+    answers = _logged_answers(tmp_path)
+    assert answers and "word20" in answers[-1]

@@ -388,7 +388,7 @@ class Repl(ReplCommands):
             except KeyboardInterrupt:
                 chunks.close()
                 problem = "interrupted"
-            except Terminated:  # SIGTERM, SIGHUP: the turn is closed (and logged) as far as it got
+            except Terminated:  # SIGTERM, SIGHUP, SIGQUIT: the turn is closed (and logged) as far as it got
                 chunks.close()
                 raise
             except ChatbotError as exc:
@@ -437,24 +437,23 @@ class Repl(ReplCommands):
 
     def toolbar(self, width: int | None = None) -> StyleAndTextTuples:
         """The line under the prompt; on a narrow terminal the less useful parts go first,
-        so that it is never cut (the cache meter stays)."""
+        so that it is never cut (the cache meter stays). Names come from files and servers:
+        their control characters are shown, not sent (`safe_line`), as everywhere else."""
         if width is None:
             from prompt_toolkit.application import get_app_or_none
 
             app = get_app_or_none()
             width = app.output.get_size().columns if app is not None else 80
         if self.pending is not None or self.session is None:
-            what = progress.current()
-            lines = [f" loading {self.loading_name}: {what}… · /help", f" loading: {what}… · /help"]
+            what, name = safe_line(progress.current() or ""), safe_line(self.loading_name)
+            lines = [f" loading {name}: {what}… · /help", f" loading: {what}… · /help"]
             line = (
-                next((t for t in lines if len(t) < width), lines[-1])
-                if what
-                else f" loading {self.loading_name}… · /help"
+                next((t for t in lines if len(t) < width), lines[-1]) if what else f" loading {name}… · /help"
             )
             return [("", line if len(line) < width else line[: width - 2] + "…")]
         s = self.session
         gauge = s.meter()
-        model = f"{self.loaded.name} {gauge.where}".strip()
+        model = safe_line(f"{self.loaded.name} {gauge.where}".strip())
         used, cap = gauge.used, gauge.capacity
         if used is None:
             meter = ("", f"{gauge.label} ? tok")

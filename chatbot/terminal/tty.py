@@ -69,7 +69,8 @@ def no_echo(stream: IO[str] | None) -> Iterator[None]:
 
 
 class Terminated(SystemExit):
-    """SIGTERM or SIGHUP ended the chat (`ended_by_signals`); the exit status is 128 + N."""
+    """SIGTERM, SIGHUP or SIGQUIT ended the chat (`ended_by_signals`); the exit status is
+    128 + N."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(128 + signum)
@@ -82,20 +83,30 @@ RESTORE = "\x1b[0m\x1b[?2004l\x1b[?25h"
 
 @contextlib.contextmanager
 def ended_by_signals(stdin: IO[str] | None, out: IO[str] | None) -> Iterator[None]:
-    """While inside, SIGTERM and SIGHUP raise `Terminated` in the main thread instead of ending
-    the process where it stands: every `finally` runs (the live answer stops and shows the
-    cursor, prompt_toolkit leaves raw mode, the session log closes the turn). On the way out,
-    however it ends, the terminal gets back the settings it had on the way in and `RESTORE`."""
+    """While inside, SIGTERM, SIGHUP and SIGQUIT (Ctrl-\\ during an answer) raise `Terminated`
+    in the main thread instead of ending the process where it stands: every `finally` runs (the
+    live answer stops and shows the cursor, prompt_toolkit leaves raw mode, the session log
+    closes the turn). On the way out, however it ends, the terminal gets back the settings it
+    had on the way in and `RESTORE`.
+
+    Ctrl-\\ is a person's way to quit now, not a request for a core dump of a process holding
+    a model: the first ends the chat as SIGTERM does; a second one, while that clean-up runs,
+    quits at once as it always did."""
     fd = _terminal_fd(stdin)
     try:
         saved = None if fd is None else termios.tcgetattr(fd)
     except (termios.error, OSError):
         saved = None
 
+    quit_signal = getattr(signal, "SIGQUIT", None)
+
     def handler(signum: int, _frame: Any) -> None:
+        if signum == quit_signal:
+            signal.signal(signum, signal.SIG_DFL)  # the next Ctrl-\ quits at once
         raise Terminated(signum)
 
-    signals = [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s]
+    names = ("SIGTERM", "SIGHUP", "SIGQUIT")
+    signals = [s for s in (getattr(signal, name, None) for name in names) if s]
     previous = {s: signal.signal(s, handler) for s in signals}
     try:
         yield
