@@ -24,6 +24,7 @@ from transformers.generation.logits_process import (
 
 from chatbot.config import SamplingConfig
 from chatbot.engine.finite import checked_token, sampled_token
+from chatbot.settings import layer
 
 
 class TopKTopPLogitsWarper(LogitsProcessor):
@@ -76,7 +77,7 @@ def sampling_from_model(model: Any, **overrides: Any) -> SamplingConfig:
     gc = getattr(model, "generation_config", None)
     values: dict[str, Any] = {}
     if gc is not None:
-        for key in ("temperature", "top_p", "top_k", "repetition_penalty"):
+        for key in (row.name for row in layer("sampling") if row.from_model):
             v = getattr(gc, key, None)
             if v is not None and v != getattr(type(gc)(), key, None):
                 values[key] = v
