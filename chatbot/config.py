@@ -110,6 +110,7 @@ class SamplingConfig:
     top_p: float = default("top_p")
     top_k: int = default("top_k")
     repetition_penalty: float = default("repetition_penalty")
+    repeat_last_n: int = default("repeat_last_n")  # the penalty's window; 0: off, -1: all
     max_new_tokens: int = default("max_new_tokens")
     seed: int | None = default("seed")
     stream_interval: int = default("stream_interval")
@@ -294,6 +295,7 @@ class SamplingChoices:
     top_p: float | None = None
     top_k: int | None = None
     repetition_penalty: float | None = None
+    repeat_last_n: int | None = None
     max_new_tokens: int | None = None
     seed: int | None = None
     stream_interval: int = 1

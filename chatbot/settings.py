@@ -156,6 +156,14 @@ SETTINGS: tuple[Setting, ...] = (
         openai_default=1.0, brief="rep {:g}", brief_off=1.0,
     ),
     Setting(
+        "repeat_last_n", int, "sampling", 64,
+        "How many of the last tokens the repetition penalty looks at; 0 turns it off, -1 is the "
+        "whole conversation (default: the preset's, else {default}).",
+        Range(int, -1, MAX_TOKENS),
+        inherited=True, aliases=("last_n", "penalty_last_n"), preset="sampling.repeat_last_n",
+        request="repeat_last_n", extra=True,
+    ),
+    Setting(
         "max_new_tokens", int, "sampling", 512,
         "Most tokens per answer (default: the preset's, else {default}).",
         Range(int, 1, 1_000_000),

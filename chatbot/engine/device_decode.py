@@ -25,13 +25,14 @@ which stays.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Collection, Generator, Sequence
 from typing import Any, Protocol
 
 import torch
 
 from chatbot.config import SamplingConfig
 from chatbot.engine.finite import nonfinite_message
+from chatbot.engine.sampling import penalised_ids
 from chatbot.engine.tracked_cache import TrackedCache
 from chatbot.errors import NonFiniteOutputError
 
@@ -152,8 +153,12 @@ class DeviceSampler:
         vocab: int,
         generator: torch.Generator | None,
         model: Any = None,
+        special: Collection[int] = (),
     ) -> None:
-        """Set up a turn: `context` is the repetition penalty's (the ids before the answer)."""
+        """Set up a turn: `context` is the repetition penalty's (the ids before the answer; its
+        last `sampling.repeat_last_n`, less the `special` ids). The answer's tokens join the
+        penalised ones as they are chosen and stay for the turn: an answer longer than the
+        window keeps its first tokens penalised, where the host loop lets them go."""
         if self.seen.shape[0] != vocab:
             self.seen = torch.zeros(vocab, dtype=torch.bool, device=self.device)
             self.noise = torch.ones(vocab, dtype=torch.float32, device=self.device)
@@ -161,7 +166,7 @@ class DeviceSampler:
                 torch._dynamo.mark_static_address(self.seen)
                 torch._dynamo.mark_static_address(self.noise)
         self.seen.zero_()
-        ids = [i for i in context if 0 <= i < vocab]
+        ids = [i for i in penalised_ids(context, sampling.repeat_last_n, special) if 0 <= i < vocab]
         if sampling.repetition_penalty != 1.0 and ids:
             self.seen[torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)] = True
         greedy = sampling.greedy
