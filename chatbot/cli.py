@@ -26,48 +26,32 @@ from chatbot.cli_common import (
     DeviceMapOpt,
     DeviceOpt,
     DtypeOpt,
-    EnableStreamingOpt,
     GreedyOpt,
     HostOpt,
     JsonSchemaOpt,
-    KeepSystemOpt,
     LogLevelOpt,
     MaxBodyOpt,
-    MaxContextOpt,
     MaxMemoryOpt,
-    MaxNewTokensOpt,
     ModelOpt,
     NoStatsOpt,
     OptOpt,
     PlainOpt,
     PortOpt,
-    PrefillChunkOpt,
     PrefixCacheOpt,
     PresetOpt,
     PromptArg,
     PromptOpt,
     QuantizeOpt,
-    RecentSizeOpt,
-    RepetitionPenaltyOpt,
     ResumeOpt,
     RevisionOpt,
-    SeedOpt,
     ServedModelNameOpt,
-    ServeMaxNewTokensOpt,
     ServeModelOpt,
     ServePresetOpt,
     ServerKeyEnvOpt,
     ServerOpt,
-    ServeStreamingOpt,
-    ServeTemperatureOpt,
-    StartSizeOpt,
-    StreamIntervalOpt,
     SystemOpt,
-    TemperatureOpt,
     TemplateOpt,
     ThreadsOpt,
-    TopKOpt,
-    TopPOpt,
     TrustOpt,
     VersionOpt,
     banner_line,
@@ -82,6 +66,7 @@ from chatbot.cli_common import (
     resolve_api_key,
     resolve_cli_settings,
     set_threads,
+    setting_options,
     streaming_note,
 )
 from chatbot.cli_help import HelpGroup
@@ -90,6 +75,7 @@ from chatbot.config import EngineConfig, LoadConfig, OutputFormat, RunConfig
 from chatbot.errors import ChatbotError, ConfigError
 from chatbot.models.gc_pause import pause_until_ready
 from chatbot.models.gc_pause import ready as gc_ready
+from chatbot.settings import layer
 
 app = typer.Typer(
     name="chatbot",
@@ -110,25 +96,13 @@ def options(version: VersionOpt = False) -> None:
 
 
 @app.command()
+@setting_options("run", after="system", moved={"greedy": "seed"})
 def run(
     ctx: typer.Context,
     prompt: PromptArg = None,
     model: ModelOpt = None,
     system: SystemOpt = None,
-    temperature: TemperatureOpt = None,
-    top_p: TopPOpt = None,
-    top_k: TopKOpt = None,
-    repetition_penalty: RepetitionPenaltyOpt = None,
-    max_new_tokens: MaxNewTokensOpt = None,
-    seed: SeedOpt = None,
     greedy: GreedyOpt = False,
-    stream_interval: StreamIntervalOpt = 1,
-    prefill_chunk: PrefillChunkOpt = 512,
-    enable_streaming: EnableStreamingOpt = False,
-    start_size: StartSizeOpt = 4,
-    recent_size: RecentSizeOpt = None,
-    keep_system: KeepSystemOpt = None,
-    max_context: MaxContextOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     quantize: QuantizeOpt = None,
@@ -149,6 +123,7 @@ def run(
     server: ServerOpt = None,
     api_key_env: ClientKeyEnvOpt = None,
     debug: DebugOpt = False,
+    **settings: Any,
 ) -> None:
     """Chat with a model; with a PROMPT, answer it and exit. Reads one message per line when
     stdin is not a terminal."""
@@ -159,16 +134,10 @@ def run(
     message = one_shot_message(prompt, prompt_option, None if sys.stdin.isatty() else sys.stdin.buffer)
     output_format = None if json_schema is None else OutputFormat.from_file(json_schema)
     if server is not None:
-        overrides = {
-            "temperature": 0.0 if greedy else temperature,
-            "top_p": top_p,
-            "top_k": top_k,
-            "repetition_penalty": repetition_penalty,
-            "max_new_tokens": max_new_tokens,
-            "seed": seed,
-            "stream_interval": stream_interval,
-            "output_format": output_format,
-        }
+        overrides = {row.name: settings[row.name] for row in layer("sampling")}
+        if greedy:
+            overrides["temperature"] = 0.0
+        overrides["output_format"] = output_format
         gc_ready()
         from chatbot.cli_remote import run_remote
 
@@ -179,7 +148,7 @@ def run(
             api_key_env,
             system,
             overrides,
-            enable_streaming,
+            settings["enable_streaming"],
             plain,
             no_stats,
             resume,
@@ -189,9 +158,9 @@ def run(
     if api_key_env is not None:
         raise ConfigError("--api-key-env goes with --server URL")
     # Every setting, resolved and checked once, before the (slow) model load.
-    settings = resolve_cli_settings(ctx, preset, config).run_config()
-    settings.output_format = output_format
-    _chat_locally(settings, opt, check_threads(threads), plain, no_stats, resume, message)
+    resolved = resolve_cli_settings(ctx, preset, config).run_config()
+    resolved.output_format = output_format
+    _chat_locally(resolved, opt, check_threads(threads), plain, no_stats, resume, message)
 
 
 def _chat_locally(
@@ -307,6 +276,7 @@ def _make_chat(settings: Any, opt: str, threads: int | None, banner: bool, quiet
 
 
 @app.command(short_help="Serve the model over the OpenAI-compatible HTTP API.")
+@setting_options("serve", after="config")
 def serve(
     model: ServeModelOpt = None,
     host: HostOpt = "127.0.0.1",
@@ -318,13 +288,6 @@ def serve(
     cache_memory: CacheMemoryOpt = "2GiB",
     preset: ServePresetOpt = None,
     config: ConfigOpt = None,
-    temperature: ServeTemperatureOpt = None,
-    max_new_tokens: ServeMaxNewTokensOpt = None,
-    prefill_chunk: PrefillChunkOpt = 512,
-    enable_streaming: ServeStreamingOpt = False,
-    start_size: StartSizeOpt = 4,
-    recent_size: RecentSizeOpt = None,
-    max_context: MaxContextOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     template: TemplateOpt = "auto",
@@ -334,6 +297,7 @@ def serve(
     max_body: MaxBodyOpt = "auto",
     log_level: LogLevelOpt = "warning",
     debug: DebugOpt = False,
+    **settings: Any,
 ) -> None:
     """Serve the model over the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
     /v1/models, /health), with conversation caches kept as a prefix cache.
@@ -359,14 +323,8 @@ def serve(
         log_level,
     )
     load = LoadConfig(model, device, dtype, template=template, trust_remote_code=trust_remote_code)
-    engine = EngineConfig(
-        prefill_chunk=prefill_chunk,
-        enable_streaming=enable_streaming,
-        start_size=start_size,
-        recent_size=recent_size,
-        max_context=max_context,
-    )
-    overrides = {"temperature": temperature, "max_new_tokens": max_new_tokens}
+    engine = EngineConfig(**{row.name: settings[row.name] for row in layer("engine") if row.name in settings})
+    overrides = {row.name: settings[row.name] for row in layer("sampling") if row.name in settings}
     serve_model(load, engine, overrides, preset, config, listen, threads, opt)
 
 
@@ -477,6 +435,7 @@ app.command()(rm)
 
 
 @config_app.command("show")
+@setting_options("config", after="trust_remote_code", moved={"greedy": "seed"})
 def config_show(
     ctx: typer.Context,
     preset: PresetOpt = None,
@@ -491,25 +450,14 @@ def config_show(
     max_memory: MaxMemoryOpt = None,
     revision: RevisionOpt = None,
     trust_remote_code: TrustOpt = False,
-    temperature: TemperatureOpt = None,
-    top_p: TopPOpt = None,
-    top_k: TopKOpt = None,
-    repetition_penalty: RepetitionPenaltyOpt = None,
-    max_new_tokens: MaxNewTokensOpt = None,
-    seed: SeedOpt = None,
     greedy: GreedyOpt = False,
-    stream_interval: StreamIntervalOpt = 1,
-    enable_streaming: EnableStreamingOpt = False,
-    start_size: StartSizeOpt = 4,
-    recent_size: RecentSizeOpt = None,
-    keep_system: KeepSystemOpt = None,
-    max_context: MaxContextOpt = None,
+    **settings: Any,
 ) -> None:
     """Print the settings `chatbot run` would use with these flags, as a preset file
     (each line says where its value came from; save it and pass it to --config)."""
-    settings = resolve_cli_settings(ctx, preset, config)
-    settings.run_config()  # refuse what `run` would refuse
-    print(settings.as_yaml(), end="")
+    resolved = resolve_cli_settings(ctx, preset, config)
+    resolved.run_config()  # refuse what `run` would refuse
+    print(resolved.as_yaml(), end="")
 
 
 def _optional_values(args: list[str]) -> list[str]:

@@ -4,21 +4,23 @@ flags to a loaded model and engine."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 
-from chatbot.config import EngineConfig, SamplingConfig
+from chatbot.config import EngineConfig
 from chatbot.engine.threads import apply_wait_policy
 from chatbot.errors import ConfigError
 from chatbot.models.templates import choices_text
+from chatbot.settings import SETTINGS, Setting
 
 # Before torch loads libgomp (it reads its wait settings once): threads that wait at a
 # barrier spin briefly, then sleep, so a busy machine is not made busier (engine/threads.py).
@@ -29,6 +31,9 @@ if TYPE_CHECKING:
     from chatbot.engine.backend import Backend
     from chatbot.engine.generate import Engine
     from chatbot.models.presets import Settings
+
+F = TypeVar("F", bound=Callable[..., Any])
+KEYWORD = inspect.Parameter.KEYWORD_ONLY
 
 
 def check_opt(value: str) -> str:
@@ -93,61 +98,59 @@ ConfigOpt = Annotated[Path | None, typer.Option("--config", help="A preset file 
 SystemOpt = Annotated[str | None, typer.Option(help="System prompt.")]
 
 
-def _sampling_default(name: str, model: bool = True) -> str:
-    """Where a sampling setting comes from when no flag gives it (the model's: its
-    generation_config, `chatbot.engine.sampling.sampling_from_model`)."""
-    model_part = "the model's, else " if model else ""
-    return f"(default: the preset's, else {model_part}{getattr(SamplingConfig, name)})"
-
-
-TemperatureOpt = Annotated[
-    float | None,
-    typer.Option(help=f"Sampling temperature; 0 is greedy {_sampling_default('temperature')}."),
-]
-TopPOpt = Annotated[
-    float | None, typer.Option(help=f"Nucleus sampling mass (0, 1] {_sampling_default('top_p')}.")
-]
-TopKOpt = Annotated[
-    int | None,
-    typer.Option(help=f"Sample among the k likeliest tokens; 0 turns it off {_sampling_default('top_k')}."),
-]
-RepetitionPenaltyOpt = Annotated[
-    float | None,
-    typer.Option(
-        help="Penalty for tokens already in the conversation; 1 turns it off "
-        f"{_sampling_default('repetition_penalty')}."
-    ),
-]
-MaxNewTokensOpt = Annotated[
-    int | None,
-    typer.Option(help=f"Most tokens per answer {_sampling_default('max_new_tokens', model=False)}."),
-]
-SeedOpt = Annotated[int | None, typer.Option(help="Random seed for reproducible sampling.")]
 GreedyOpt = Annotated[
     bool, typer.Option(help="Always pick the likeliest token (same as --temperature 0, which it overrides).")
 ]
-StreamIntervalOpt = Annotated[int, typer.Option(help="Show text every N tokens.")]
-PrefillChunkOpt = Annotated[int, typer.Option(help="Prefill long inputs in chunks of this many tokens.")]
-EnableStreamingOpt = Annotated[
-    bool, typer.Option(help="Attention sinks + recent window: chat forever in bounded memory.")
-]
-StartSizeOpt = Annotated[
-    int, typer.Option(help="Attention-sink tokens kept at the start (with --enable-streaming).")
-]
-RecentSizeOpt = Annotated[
-    int | None,
-    typer.Option(
-        help="Recent tokens kept (with --enable-streaming; default: a quarter of the context, at most 2000)."
-    ),
-]
-KeepSystemOpt = Annotated[
-    bool | None,
-    typer.Option(help="Pin the system prompt in the streaming cache (default: on when --system is set)."),
-]
-MaxContextOpt = Annotated[
-    int | None,
-    typer.Option(help="Most tokens the conversation may hold (default: the model's context)."),
-]
+
+
+def setting_options(command: str, after: str, moved: dict[str, str] | None = None) -> Callable[[F], F]:
+    """Give a command taking `**settings` one option per setting of `chatbot.settings.SETTINGS`
+    it has, declared from the table's row (help, type, default), inserted after its parameter
+    `after`; typer reads the signature built here.
+
+    Args:
+        command: "run" (every setting), "config" (those a preset holds) or "serve" (its own).
+        after: the parameter the settings' options follow (`--help` lists them there).
+        moved: the command's own parameters to list after a setting's option instead, e.g.
+            {"greedy": "seed"}.
+    """
+
+    def wanted(row: Setting) -> bool:
+        return (
+            command == "run"
+            or (command == "config" and row.preset is not None)
+            or bool(command == "serve" and row.serve)
+        )
+
+    def option(row: Setting) -> inspect.Parameter:
+        text = row.serve if command == "serve" and isinstance(row.serve, str) else row.help_text()
+        optional = row.inherited or row.default is None
+        kind: Any = row.kind | None if optional else row.kind
+        default = None if row.inherited else row.default
+        annotation = Annotated[kind, typer.Option(help=text)]
+        return inspect.Parameter(row.name, KEYWORD, default=default, annotation=annotation)
+
+    def decorate(func: F) -> F:
+        own = {
+            p.name: p
+            for p in inspect.signature(func, eval_str=True).parameters.values()
+            if p.kind is not inspect.Parameter.VAR_KEYWORD
+        }
+        later = {name: own.pop(name) for name in moved or {}}
+        params: list[inspect.Parameter] = []
+        for name, param in own.items():
+            params.append(param.replace(kind=KEYWORD))
+            if name != after:
+                continue
+            for row in filter(wanted, SETTINGS):
+                params.append(option(row))
+                params += [later[k].replace(kind=KEYWORD) for k, v in (moved or {}).items() if v == row.name]
+        func.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        return func
+
+    return decorate
+
+
 OptOpt = Annotated[
     str,
     typer.Option(
@@ -265,13 +268,6 @@ ServePresetOpt = Annotated[
         help="A preset by name (see: chatbot models): its model and its sampling as the defaults "
         "of requests (default: the default model's preset when no --model is given)."
     ),
-]
-ServeTemperatureOpt = Annotated[
-    float | None, typer.Option(help="Default temperature (requests may set their own).")
-]
-ServeMaxNewTokensOpt = Annotated[int | None, typer.Option(help="Default max_tokens of a request.")]
-ServeStreamingOpt = Annotated[
-    bool, typer.Option(help="Each conversation on an attention-sink cache: no context limit.")
 ]
 MaxBodyOpt = Annotated[
     str,

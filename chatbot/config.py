@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 from chatbot.errors import ConfigError
+from chatbot.settings import MAX_TOKENS, Range, default, ranges
+
+__all__ = ["MAX_TOKENS", "Range"]  # also here: older callers import them from config
 
 QUANTIZE_CHOICES = ("4bit", "8bit")
 """bitsandbytes modes of `--quantize` (`chatbot.models.quantize`)."""
@@ -21,54 +23,6 @@ others pick the weight format of the native kernels (`chatbot.engine.fast`)."""
 FILE_LEVELS = ("auto", "exact", "fast")
 """The native levels that decode a GGUF file's matrices as stored; they differ in the form of
 the products' inputs (`chatbot.engine.fast.choose_inputs`)."""
-
-# Above any context a model has today; bounds token counts given on the command line.
-MAX_TOKENS = 1 << 24
-
-
-@dataclass(frozen=True)
-class Range:
-    """Allowed values of a numeric setting; `high=None` means unbounded."""
-
-    kind: type
-    low: float
-    high: float | None = None
-    low_inclusive: bool = True
-    # Values between `low` and this are refused (e.g. a temperature of 1e-300, which
-    # overflows the logits): `low` itself, or at least this.
-    gap_above_low: float | None = None
-
-    def check(self, key: str, value: Any) -> Any:
-        try:
-            if self.kind is int:
-                if isinstance(value, float) and not value.is_integer():
-                    raise ValueError
-                value = int(value)
-            else:
-                value = float(value)
-        except (TypeError, ValueError, OverflowError):
-            raise ConfigError(f"{key} must be {self.describe()}, got {value!r}") from None
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{key} must be {self.describe()}, got {value!r}")
-        too_low = value < self.low if self.low_inclusive else value <= self.low
-        if self.gap_above_low is not None and self.low < value < self.gap_above_low:
-            raise ConfigError(
-                f"{key} must be {_fmt(self.low)} or at least {_fmt(self.gap_above_low)}, got {value!r}"
-            )
-        if too_low or (self.high is not None and value > self.high):
-            raise ConfigError(f"{key} must be {self.describe()}, got {value!r}")
-        return value
-
-    def describe(self) -> str:
-        name = "an integer" if self.kind is int else "a number"
-        lo = ("≥ " if self.low_inclusive else "> ") + _fmt(self.low)
-        if self.high is None:
-            return f"{name} {lo}"
-        return f"{name} {lo} and ≤ {_fmt(self.high)}"
-
-
-def _fmt(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else str(x)
 
 
 @dataclass(frozen=True)
@@ -151,26 +105,20 @@ class SamplingConfig:
     defaults (its model's preset) to the fields a request leaves out. Their values here are
     placeholders, never sent nor shown; `with_value` sets one."""
 
-    temperature: float = 0.7
-    top_p: float = 0.9
-    top_k: int = 50
-    repetition_penalty: float = 1.1
-    max_new_tokens: int = 512
-    seed: int | None = None
-    stream_interval: int = 1
+    # The fields of the "sampling" rows of `chatbot.settings.SETTINGS` (defaults, ranges there).
+    temperature: float = default("temperature")
+    top_p: float = default("top_p")
+    top_k: int = default("top_k")
+    repetition_penalty: float = default("repetition_penalty")
+    repeat_last_n: int = default("repeat_last_n")  # the penalty's window; 0: off, -1: all
+    max_new_tokens: int = default("max_new_tokens")
+    seed: int | None = default("seed")
+    stream_interval: int = default("stream_interval")
     unset: frozenset[str] = frozenset()
     # None: free text; else the answer is held to this format (constrained decoding).
     output_format: OutputFormat | None = None
 
-    RANGES: ClassVar[dict[str, Range]] = {
-        "temperature": Range(float, 0.0, 100.0, gap_above_low=0.01),
-        "top_p": Range(float, 0.0, 1.0, low_inclusive=False),
-        "top_k": Range(int, 0),
-        "repetition_penalty": Range(float, 0.01, 10.0),
-        "max_new_tokens": Range(int, 1, 1_000_000),
-        "seed": Range(int, 0, 2**63 - 1),
-        "stream_interval": Range(int, 1, 1000),
-    }
+    RANGES: ClassVar[dict[str, Range]] = ranges("sampling")
 
     @property
     def greedy(self) -> bool:
@@ -252,20 +200,16 @@ def default_recent_size(max_context: int, window: int | None = None, start_size:
 class EngineConfig:
     """How the engine runs the model: chunking, streaming cache, context limits."""
 
-    prefill_chunk: int = 512
-    enable_streaming: bool = False
-    start_size: int = 4
-    recent_size: int | None = None  # None: derived from the model's context (`recent_window`)
-    keep_system: bool | None = None  # None: on when a system prompt is set
-    max_context: int | None = None  # None: the model's max_position_embeddings
+    # The fields of the "engine" rows of `chatbot.settings.SETTINGS` (defaults, ranges there).
+    prefill_chunk: int = default("prefill_chunk")
+    enable_streaming: bool = default("enable_streaming")
+    start_size: int = default("start_size")
+    recent_size: int | None = default("recent_size")  # None: from the model's context (`recent_window`)
+    keep_system: bool | None = default("keep_system")  # None: on when a system prompt is set
+    max_context: int | None = default("max_context")  # None: the model's max_position_embeddings
 
     # The numeric settings (None, where a field allows it, is not checked against these).
-    RANGES: ClassVar[dict[str, Range]] = {
-        "prefill_chunk": Range(int, 1, MAX_TOKENS),
-        "start_size": Range(int, 0, MAX_TOKENS),
-        "recent_size": Range(int, 16, MAX_TOKENS),
-        "max_context": Range(int, 16, MAX_TOKENS),
-    }
+    RANGES: ClassVar[dict[str, Range]] = ranges("engine")
 
     def validated(self) -> EngineConfig:
         """Check each value alone, and the sinks against a given recent window (the model's
@@ -351,6 +295,7 @@ class SamplingChoices:
     top_p: float | None = None
     top_k: int | None = None
     repetition_penalty: float | None = None
+    repeat_last_n: int | None = None
     max_new_tokens: int | None = None
     seed: int | None = None
     stream_interval: int = 1

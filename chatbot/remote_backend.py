@@ -20,6 +20,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from chatbot.config import SamplingConfig
 from chatbot.errors import ChatbotError, ConfigError
+from chatbot.settings import layer
 
 __all__ = ["RemoteBackend", "RemoteError", "api_roots", "request_fields"]
 
@@ -356,12 +357,15 @@ def api_roots(url: str) -> list[str]:
 
 def request_fields(sampling: SamplingConfig) -> dict[str, Any]:
     """The API's fields for the settings the user gave (`SamplingConfig.given`); the server
-    applies its own defaults to the others. top_k and repetition_penalty are not OpenAI's:
-    they go as extra fields (vLLM, SGLang, llama-server and chatbot serve read them)."""
+    applies its own defaults to the others. Those that are not OpenAI's (`Setting.extra`:
+    top_k, the repetition penalty) go as extra fields (vLLM, SGLang, llama-server and
+    chatbot serve read them)."""
     given = sampling.given()
-    names = {"temperature": "temperature", "top_p": "top_p", "max_new_tokens": "max_tokens", "seed": "seed"}
-    body: dict[str, Any] = {api: given[ours] for ours, api in names.items() if ours in given}
-    extra = {key: given[key] for key in ("top_k", "repetition_penalty") if key in given}
+    body: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for row in layer("sampling"):
+        if row.request is not None and row.name in given:
+            (extra if row.extra else body)[row.request] = given[row.name]
     if extra:
         body["extra_body"] = extra
     if sampling.output_format is not None:

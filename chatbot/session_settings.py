@@ -17,14 +17,15 @@ from typing import TYPE_CHECKING, Any
 
 from chatbot.config import EngineConfig, SamplingConfig
 from chatbot.errors import ConfigError
+from chatbot.settings import layer
 
 if TYPE_CHECKING:
     from chatbot.config import ChatConfig
     from chatbot.models.presets import Settings
 
 LOADED = ("model", "template")  # of LoadConfig
-ENGINE = ("enable_streaming", "start_size", "recent_size", "keep_system", "max_context")  # of EngineConfig
-SAMPLING = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens", "seed")
+ENGINE = tuple(s.name for s in layer("engine") if s.resumed)  # of EngineConfig
+SAMPLING = tuple(s.name for s in layer("sampling") if s.resumed)
 RESUMED = (*LOADED, "system", *ENGINE, *SAMPLING)
 """The settings a resumed chat takes from its log, by name (`RunConfig.setting_names`)."""
 

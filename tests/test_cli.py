@@ -90,8 +90,9 @@ SERVE_OWN_HELP = {"model", "preset", "temperature", "max_new_tokens", "enable_st
 
 def test_run_serve_and_config_show_share_one_declaration_of_each_option():
     """Every option of the three commands is an `Annotated` alias of chatbot.cli_common,
-    declared there once; an option two of them share reads the same in both (`serve`'s few
-    own meanings aside, which still take the same flags)."""
+    declared there once, or a setting's, built from its row of chatbot.settings (`**settings`);
+    an option two of them share reads the same in both (`serve`'s few own meanings aside, which
+    still take the same flags)."""
     import typing
 
     from typer.main import get_command
@@ -110,7 +111,7 @@ def test_run_serve_and_config_show_share_one_declaration_of_each_option():
         inline = [
             name
             for name, hint in hints.items()
-            if name not in ("ctx", "return")
+            if name not in ("ctx", "return", "settings")
             and not (hint.__metadata__ and id(hint.__metadata__[0]) in aliases)
         ]
         assert not inline, (command.__name__, inline)
@@ -121,6 +122,11 @@ def test_run_serve_and_config_show_share_one_declaration_of_each_option():
         "config show": _options(root.commands["config"].commands["show"]),
     }
     assert len(set(commands["run"]) & set(commands["serve"])) >= 15
+    from chatbot.settings import SETTINGS
+
+    for row in SETTINGS:  # each setting's flag, as its row of the table says
+        opts, _, _, help_text, *_ = commands["run"][row.name]
+        assert opts == (row.flag,) and help_text == row.help_text(), row.name
     for a, b in (("run", "serve"), ("serve", "config show"), ("run", "config show")):
         for name in set(commands[a]) & set(commands[b]):
             mine, theirs = commands[a][name], commands[b][name]

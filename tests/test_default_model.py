@@ -75,3 +75,32 @@ def test_piped_two_turn_chat():
     (_, cache1), (ctx2, _) = [(int(a.replace(",", "")), int(b.replace(",", ""))) for a, b in stats]
     assert ctx2 < cache1  # the second turn prefilled only its new tokens
     assert "Traceback" not in proc.stderr
+
+
+# A word broken by the sampler: an apostrophe that begins no English contraction
+# ("I'shine-shi'lah", what the README's greeting answered under a penalty over the whole chat).
+BROKEN_WORD = re.compile(r"\b[A-Za-z]+'(?!(?:s|m|re|ve|ll|d|t)\b)[A-Za-z]+")
+README_EXAMPLES = [  # (prompt, piped text, words the answer must hold: one of each group)
+    ("Hi! Who are you?", "", [("help", "assist")]),
+    ("Summarize this.", "The cat sat on the mat.\n", [("cat",), ("mat",)]),
+    ("What is a KV cache?", "", [("cache",)]),
+]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "piped", "groups"), README_EXAMPLES, ids=[p for p, _, _ in README_EXAMPLES]
+)
+def test_the_readme_examples_answer_sensibly_on_the_default_settings(prompt, piped, groups):
+    """The README's own prompts, greedy, on the default settings (the default preset's
+    repetition penalty and window): whole words, on the subject."""
+    proc = run_cli(["run", prompt, "--greedy", "--max-new-tokens", "80", "--no-stats"], piped)
+    assert proc.returncode == 0, proc.stderr
+    answer = proc.stdout.strip()
+    assert answer and not BROKEN_WORD.search(answer), answer
+    for group in groups:
+        assert any(word in answer.lower() for word in group), answer
+
+
+def test_the_broken_word_check_sees_the_garbled_greeting():
+    assert BROKEN_WORD.search("Hello there. I'shine-shi'lah. I'm here to help")
+    assert not BROKEN_WORD.search("I'm here, you're there, it's fine, we'll see, don't, I'd, they've")

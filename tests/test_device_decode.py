@@ -51,10 +51,36 @@ def device_choice(logits, sampling, context, seed, fn=choose_token):
     sampler = DeviceSampler(torch.device("cpu"))
     sampler.begin(sampling, context, logits.shape[-1], torch.Generator().manual_seed(seed))
     sampler.draw()
-    out = fn(logits, sampler.seen, sampler.params, sampler.noise, sampler.next_ids,
+    out = fn(logits, sampler.last, sampler.window, sampler.params, sampler.noise, sampler.next_ids,
              sampler.greedy, sampler.top_k, sampler.nucleus)  # fmt: skip
-    assert int(sampler.next_ids) == int(out[0]) and bool(sampler.seen[out[0]])
+    assert int(sampler.next_ids) == int(out[0])
+    assert int(sampler.last[out[0]]) == len(context) and int(sampler.window[0]) == len(context) + 1
     return int(out[0]), bool(out[1]), sampler
+
+
+@pytest.mark.parametrize("last_n", [1, 3, 7, -1, 0])
+def test_the_penalty_window_moves_with_the_answer_as_the_host_loops(last_n):
+    """Greedy steps past the window, with special ids in the context: the device's places
+    penalise what the host's `WindowedRepetitionPenalty` penalises over context + answer, at
+    every step (the answer's own ids leave the window as it moves)."""
+    sampling = SamplingConfig(temperature=0.0, repetition_penalty=3.0, repeat_last_n=last_n)
+    special = {1, 2}
+    torch.manual_seed(1)
+    vocab = 12  # a small vocabulary: the penalised ids are often the best ones
+    context = [1, 5, 6, 2, 7, 5]
+    sampler = DeviceSampler(torch.device("cpu"))
+    sampler.begin(sampling, context, vocab, None, special=special)
+    host = build_logits_processor(sampling, special)
+    ids = list(context)
+    for step in range(24):
+        logits = torch.randn(vocab)
+        if step % 4 == 0:
+            logits[1] = logits.max() + 0.5  # a special id penalised would lose its lead
+        want = int(host(torch.tensor([ids]), logits[None].clone()).argmax(-1))
+        got = int(choose_token(logits, sampler.last, sampler.window, sampler.params, sampler.noise,
+                               sampler.next_ids, True, 0, False)[0])  # fmt: skip
+        assert got == want, ids
+        ids.append(want)
 
 
 @pytest.mark.parametrize("sampling", KINDS, ids=lambda s: f"t{s.temperature}-k{s.top_k}-p{s.top_p}")

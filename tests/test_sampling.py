@@ -25,3 +25,50 @@ def test_fused_top_k_top_p_keeps_what_transformers_keeps():
 def test_engine_sampling_uses_the_fused_filter():
     names = [type(p) for p in build_logits_processor(SamplingConfig(temperature=0.7, top_k=50, top_p=0.9))]
     assert TopKTopPLogitsWarper in names and len(names) == 3  # penalty, temperature, fused
+
+
+def _penalised(scores, ids, penalty):
+    """The repetition penalty computed directly: each id's score divided by the penalty when
+    above 0, multiplied when below."""
+    out = scores.clone()
+    for i in ids:
+        v = float(out[0, i])
+        out[0, i] = v * penalty if v < 0 else v / penalty
+    return out
+
+
+def test_repetition_penalty_covers_only_the_last_n_ids_and_never_special_ones():
+    from chatbot.engine.device_decode import DeviceSampler
+    from chatbot.engine.sampling import WindowedRepetitionPenalty
+
+    torch.manual_seed(0)
+    scores = torch.randn(1, 40)
+    context = [3, 7, 7, 9, 1, 12, 4, 9, 30, 2]  # 1 and 2: the template's special ids
+    special = {1, 2}
+    for last_n, covered in ((4, {4, 9, 30}), (-1, {3, 7, 9, 12, 4, 30}), (1, set()), (0, set())):
+        sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.3, repeat_last_n=last_n)
+        got = build_logits_processor(sampling, special)(torch.tensor([context]), scores)
+        torch.testing.assert_close(got, _penalised(scores, covered, 1.3))
+        device = DeviceSampler(torch.device("cpu"))
+        device.begin(sampling, context, 40, None, special=special)
+        assert set(torch.nonzero(device.seen).flatten().tolist()) == covered, last_n
+    # the whole context, special ids included, as transformers' own processor
+    whole = WindowedRepetitionPenalty(1.3, -1)(torch.tensor([context]), scores)
+    torch.testing.assert_close(whole, _penalised(scores, set(context), 1.3))
+
+
+def test_repeat_last_n_is_a_setting_of_set_presets_and_requests(tmp_path):
+    from chatbot.models.presets import parse_preset
+    from chatbot.remote_backend import request_fields
+    from chatbot.server.protocol import ChatRequest, sampling_of
+    from chatbot.terminal.commands import parse_command
+
+    assert SamplingConfig().repeat_last_n == 64
+    assert parse_command("/set repeat_last_n 0").values == {"repeat_last_n": 0}
+    assert parse_command("/set last_n -1").values == {"repeat_last_n": -1}
+    preset = parse_preset({"sampling": {"repeat_last_n": 128}})
+    assert preset.config.sampling.repeat_last_n == 128
+    body = ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}], repeat_last_n=32)
+    assert sampling_of(body, SamplingConfig(), None).repeat_last_n == 32
+    sent = request_fields(SamplingConfig().with_value("repeat_last_n", 16))
+    assert sent["extra_body"]["repeat_last_n"] == 16 and "repeat_last_n" not in sent

@@ -387,7 +387,7 @@ class CompiledBackend(HFBackend):
 
     def choose(self, logits: torch.Tensor, sampler: DeviceSampler) -> torch.Tensor:
         """`choose_token` compiled (one graph per greedy / top-k / top-p kind); ``[token, bad]``."""
-        args = (logits, sampler.seen, sampler.params, sampler.noise, sampler.next_ids)
+        args = (logits, sampler.last, sampler.window, sampler.params, sampler.noise, sampler.next_ids)
         kind = (sampler.greedy, sampler.top_k, sampler.nucleus)
         if self.failure is not None:
             return choose_token(*args, *kind)

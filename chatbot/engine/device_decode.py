@@ -5,11 +5,12 @@ each read waits for the step to finish, so the device idles while the host detok
 renders and launches the next step. Here, as gpt-fast and vLLM do it:
 
 - `choose_token` picks the next token from the logits with tensor operations only (no
-  ``nonzero``, no ``.item()``): the repetition penalty over a ``[vocab]`` mask of the ids seen,
-  temperature, top-k (``topk`` over the vocabulary, a static k) and top-p (a cumulative sum over
-  those k, or over the sorted vocabulary without top-k), then a draw. It writes the token into
-  the step's input buffer and marks it seen, and returns ``[token, not finite]``. The backend
-  compiles it as one graph (`CompiledBackend.choose`).
+  ``nonzero``, no ``.item()``): the repetition penalty over the ids whose last place is inside
+  its window (a ``[vocab]`` buffer of places), temperature, top-k (``topk`` over the
+  vocabulary, a static k) and top-p (a cumulative sum over those k, or over the sorted
+  vocabulary without top-k), then a draw. It writes the token into the step's input buffer and
+  records its place, and returns ``[token, not finite]``. The backend compiles it as one graph
+  (`CompiledBackend.choose`).
 - The draw is ``argmax(probs / q)`` with ``q ~ Exp(1)`` drawn from the turn's generator, which
   is how ``torch.multinomial`` draws one sample, so a seed gives the host loop's answer
   (without the check that makes multinomial read the device).
@@ -25,7 +26,7 @@ which stays.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Collection, Generator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -38,7 +39,8 @@ from chatbot.errors import NonFiniteOutputError
 
 def choose_token(
     logits: torch.Tensor,
-    seen: torch.Tensor,
+    last: torch.Tensor,
+    window: torch.Tensor,
     params: torch.Tensor,
     noise: torch.Tensor,
     next_ids: torch.Tensor,
@@ -51,7 +53,11 @@ def choose_token(
 
     Args:
         logits: the raw logits.
-        seen: ``[vocab]`` bool, the ids the repetition penalty covers; the token is added.
+        last: ``[vocab]`` long, where each id last stood in the sequence (-1: nowhere; the
+            template's special ids stay -1); the token's entry is set to its place.
+        window: ``[2]`` long: the place the token takes (the sequence's length; advanced by one)
+            and the repetition penalty's window in tokens (0: none; a huge one: the whole
+            sequence). An id is penalised where it last stood inside the window.
         params: ``[3]`` float32: the repetition penalty, the temperature, ``1 - top_p``.
         noise: ``[vocab]`` float32 draws of Exp(1) (unused when greedy).
         next_ids: ``[1, 1]`` long, the next step's input: the token is written there.
@@ -64,6 +70,8 @@ def choose_token(
     """
     raw = logits.float()
     penalty = params[0]
+    place, size = window[0], window[1]
+    seen = (last >= 0) & (last >= place - size)
     scores = torch.where(seen, torch.where(raw < 0, raw * penalty, raw / penalty), raw)
     if greedy:
         token = scores.argmax(-1, keepdim=True)
@@ -86,7 +94,10 @@ def choose_token(
             scores = scores.masked_fill(scores < floor, float("-inf"))
         token = (scores.softmax(-1) / noise).argmax(-1, keepdim=True)
     bad = ~torch.isfinite(raw).all()
-    seen.index_fill_(0, token, True)
+    # a special id keeps -1 (never penalised); any other takes the token's place
+    keep = last.index_select(0, token)
+    last.index_copy_(0, token, torch.where(keep < -1, keep, place.view(1)))
+    window[0] += 1
     next_ids.copy_(token.view(1, 1))
     return torch.cat([token, bad.view(1).long()])
 
@@ -116,8 +127,9 @@ class TokenReader:
 
 class DeviceSampler:
     """A turn's sampling state on the device, in buffers that keep their addresses from turn
-    to turn (a CUDA graph replays on them): the seen mask, the parameters, the noise and the
-    next step's input. One turn at a time (the backend lends it under a lock).
+    to turn (a CUDA graph replays on them): where each id last stood (the repetition penalty's
+    window), the parameters, the noise and the next step's input. One turn at a time (the
+    backend lends it under a lock).
 
     It stands in for `chatbot.engine.sampling.Sampler` in `stream_chunks`: `accept` records
     the answer's ids on the host (for stop strings), and there are no host-side scores or
@@ -132,7 +144,8 @@ class DeviceSampler:
         self.mark_static = mark_static
         self.params = torch.ones(3, dtype=torch.float32, device=device)
         self.next_ids = torch.zeros(1, 1, dtype=torch.long, device=device)
-        self.seen = torch.zeros(0, dtype=torch.bool, device=device)
+        self.last = torch.zeros(0, dtype=torch.long, device=device)
+        self.window = torch.zeros(2, dtype=torch.long, device=device)
         self.noise = torch.ones(0, dtype=torch.float32, device=device)
         self.reader = TokenReader(device)
         self.generator: torch.Generator | None = None
@@ -142,7 +155,7 @@ class DeviceSampler:
         self.n_history = 0
         self.model: Any = None
         if mark_static:
-            for buffer in (self.params, self.next_ids):
+            for buffer in (self.params, self.next_ids, self.window):
                 torch._dynamo.mark_static_address(buffer)
 
     def begin(
@@ -152,18 +165,29 @@ class DeviceSampler:
         vocab: int,
         generator: torch.Generator | None,
         model: Any = None,
+        special: Collection[int] = (),
     ) -> None:
-        """Set up a turn: `context` is the repetition penalty's (the ids before the answer)."""
-        if self.seen.shape[0] != vocab:
-            self.seen = torch.zeros(vocab, dtype=torch.bool, device=self.device)
+        """Set up a turn: `context` holds the ids before the answer. The repetition penalty
+        covers the ids among the last `sampling.repeat_last_n` of the sequence (context and
+        answer so far, as the host loop's `WindowedRepetitionPenalty`), never the `special` ids."""
+        if self.last.shape[0] != vocab:
+            self.last = torch.zeros(vocab, dtype=torch.long, device=self.device)
             self.noise = torch.ones(vocab, dtype=torch.float32, device=self.device)
             if self.mark_static:
-                torch._dynamo.mark_static_address(self.seen)
+                torch._dynamo.mark_static_address(self.last)
                 torch._dynamo.mark_static_address(self.noise)
-        self.seen.zero_()
-        ids = [i for i in context if 0 <= i < vocab]
-        if sampling.repetition_penalty != 1.0 and ids:
-            self.seen[torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)] = True
+        # -1: not seen; -2: special, never penalised (choose_token leaves entries below -1)
+        places = torch.full((vocab,), -1, dtype=torch.long)
+        for place, i in enumerate(context):
+            if 0 <= i < vocab:
+                places[i] = place
+        specials = [i for i in special if 0 <= i < vocab]
+        if specials:
+            places[torch.tensor(specials, dtype=torch.long)] = -2
+        self.last.copy_(places.to(self.device), non_blocking=True)
+        last_n = sampling.repeat_last_n if sampling.repetition_penalty != 1.0 else 0
+        size = 1 << 62 if last_n < 0 else last_n
+        self.window.copy_(torch.tensor([len(context), size], dtype=torch.long), non_blocking=True)
         greedy = sampling.greedy
         temperature = 1.0 if greedy else sampling.temperature
         values = [sampling.repetition_penalty, temperature, 1.0 - sampling.top_p]

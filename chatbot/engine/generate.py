@@ -57,6 +57,15 @@ ANSWER_ROOM = 1024
 (a longer answer grows them once more)."""
 
 
+def special_ids(tokenizer: Any) -> frozenset[int]:
+    """The tokenizer's special ids (its template's markers: end of turn and the like, and the
+    added tokens flagged special), which the repetition penalty never touches."""
+    ids = set(getattr(tokenizer, "all_special_ids", None) or ())
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids.update(i for i, token in added.items() if getattr(token, "special", False))
+    return frozenset(int(i) for i in ids)
+
+
 class Engine:
     """Runs one causal LM: prefill new tokens into a cache, then decode token by token.
 
@@ -84,6 +93,7 @@ class Engine:
         self.device = model.get_input_embeddings().weight.device
         trained = getattr(model.config, "max_position_embeddings", None) or 2048
         self.max_context = max_context or trained
+        self.special_ids = special_ids(tokenizer)
 
     def with_backend(self, backend: Backend) -> Engine:
         """This engine's model, tokenizer and context on another backend (e.g. a server's
@@ -282,7 +292,10 @@ class Engine:
         kv.check_room(len(new_ids))
         if history_ids is None:
             history_ids = list(kv.ids)
-        processors = build_logits_processor(sampling) if logits_processor is None else logits_processor
+        if logits_processor is None:
+            processors = build_logits_processor(sampling, self.special_ids)
+        else:
+            processors = logits_processor
         constraint = None
         if sampling.output_format is not None:  # the grammar engine is imported only here
             from chatbot.engine.grammar import JsonConstraint
@@ -310,7 +323,7 @@ class Engine:
         with self.backend.decoding(), on_device() if on_device else contextlib.nullcontext() as ahead:
             sampler: Sampler | DeviceSampler
             if ahead is not None:
-                ahead.begin(sampling, context, logits.shape[-1], generator, self.model)
+                ahead.begin(sampling, context, logits.shape[-1], generator, self.model, self.special_ids)
                 tokens = device_token_steps(cast(DeviceBackend, self.backend), kv, logits, ahead)
                 sampler = ahead
             else:

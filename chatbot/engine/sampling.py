@@ -9,14 +9,13 @@ docs/benchmarks.md has figures).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Protocol, cast
 
 import torch
 from transformers.generation.logits_process import (
     LogitsProcessor,
     LogitsProcessorList,
-    RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -24,6 +23,7 @@ from transformers.generation.logits_process import (
 
 from chatbot.config import SamplingConfig
 from chatbot.engine.finite import checked_token, sampled_token
+from chatbot.settings import layer
 
 
 class TopKTopPLogitsWarper(LogitsProcessor):
@@ -76,7 +76,7 @@ def sampling_from_model(model: Any, **overrides: Any) -> SamplingConfig:
     gc = getattr(model, "generation_config", None)
     values: dict[str, Any] = {}
     if gc is not None:
-        for key in ("temperature", "top_p", "top_k", "repetition_penalty"):
+        for key in (row.name for row in layer("sampling") if row.from_model):
             v = getattr(gc, key, None)
             if v is not None and v != getattr(type(gc)(), key, None):
                 values[key] = v
@@ -88,12 +88,53 @@ def sampling_from_model(model: Any, **overrides: Any) -> SamplingConfig:
     return dataclasses.replace(base, **values).validated()
 
 
-def build_logits_processor(sampling: SamplingConfig) -> LogitsProcessorList:
+def penalised_ids(context: Sequence[int], last_n: int, special: Collection[int] = ()) -> set[int]:
+    """The ids the repetition penalty covers: those among the last `last_n` of `context` (0:
+    none, -1: all), less the template's special ids (`special`: end of turn and the like,
+    which every turn holds)."""
+    if last_n == 0:
+        return set()
+    window = context if last_n < 0 else context[-last_n:]
+    return set(window).difference(special)
+
+
+class WindowedRepetitionPenalty(LogitsProcessor):
+    """transformers' `RepetitionPenaltyLogitsProcessor` over the last `last_n` ids only (as
+    llama.cpp's `repeat_last_n`), never over `special` ids: a penalty over the whole chat
+    would hold back the end-of-turn token and every common word of a long conversation.
+
+    Args:
+        penalty: a score above 0 is divided by it, one below multiplied (> 1: penalised).
+        last_n: the window, in tokens (0: none, -1: the whole context).
+        special: ids never penalised.
+    """
+
+    def __init__(self, penalty: float, last_n: int, special: Collection[int] = ()) -> None:
+        self.penalty = penalty
+        self.last_n = last_n
+        self.special = frozenset(special)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        out = scores.clone()
+        for row in range(scores.shape[0]):
+            ids = penalised_ids(input_ids[row].tolist(), self.last_n, self.special)
+            if not ids:
+                continue
+            idx = torch.tensor(sorted(ids), dtype=torch.long, device=scores.device)
+            picked = out[row, idx]
+            out[row, idx] = torch.where(picked < 0, picked * self.penalty, picked / self.penalty)
+        return out
+
+
+def build_logits_processor(sampling: SamplingConfig, special: Collection[int] = ()) -> LogitsProcessorList:
     """transformers' processors for the settings (top-k with top-p fused into one that sorts
-    only the k candidates): built once per turn."""
+    only the k candidates; the repetition penalty over a window, never on `special` ids):
+    built once per turn."""
     processors = LogitsProcessorList()
-    if sampling.repetition_penalty != 1.0:
-        processors.append(RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty))
+    if sampling.repetition_penalty != 1.0 and sampling.repeat_last_n != 0:
+        processors.append(
+            WindowedRepetitionPenalty(sampling.repetition_penalty, sampling.repeat_last_n, special)
+        )
     if not sampling.greedy:
         if sampling.temperature != 1.0:
             processors.append(TemperatureLogitsWarper(sampling.temperature))

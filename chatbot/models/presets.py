@@ -15,9 +15,8 @@ it, and what is left comes from the built-in defaults. The layout (all keys opti
     device_map: null
     max_memory: null
     max_context: null
-    sampling: {temperature: 0.7, top_p: 0.9, top_k: 50, repetition_penalty: 1.1,
-               max_new_tokens: 512, seed: null}
-    streaming: {enable: false, start_size: 4, recent_size: null, keep_system: null}
+    sampling: {temperature: 0.7, top_p: 0.9, ...}   # the "sampling.*" keys of chatbot.settings
+    streaming: {enable: false, start_size: 4, ...}   # its "streaming.*" keys
 
 Relative paths in `model` and `template` are taken from the preset file's folder. Unknown
 keys and bad values are refused with the file, the key and the allowed values.
@@ -34,6 +33,7 @@ from typing import Any
 from chatbot.config import QUANTIZE_CHOICES, EngineConfig, Range, RunConfig, SamplingConfig
 from chatbot.errors import ConfigError
 from chatbot.models.templates import TEMPLATES
+from chatbot.settings import preset_section
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
@@ -41,7 +41,7 @@ _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 # Every setting a preset or a flag can give (the prefill chunk is a flag of `run` only); the
 # built-in defaults are those of RunConfig's dataclasses.
 PRESET_SETTINGS = tuple(name for name in RunConfig.setting_names() if name != "prefill_chunk")
-SAMPLING_KEYS = tuple(SamplingConfig.RANGES)
+SAMPLING_KEYS = tuple(preset_section("sampling"))
 _TOP_KEYS = (
     "description",
     "model",
@@ -59,12 +59,7 @@ _TOP_KEYS = (
     "streaming",
 )
 # streaming.<key> -> setting name
-_STREAMING_KEYS = {
-    "enable": "enable_streaming",
-    "start_size": "start_size",
-    "recent_size": "recent_size",
-    "keep_system": "keep_system",
-}
+_STREAMING_KEYS = preset_section("streaming")
 
 
 @dataclass(frozen=True)

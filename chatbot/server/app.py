@@ -51,6 +51,7 @@ from chatbot.server.protocol import (
 )
 from chatbot.server.tools import CallStream, ToolError, Tools, parse_calls, tool_prompt
 from chatbot.server.worker import Job, Worker
+from chatbot.settings import layer
 
 # How often a waiting handler checks whether its client is still there.
 POLL_S = 0.25
@@ -494,13 +495,10 @@ class OpenAIApi:
 
 
 def _defaults(pool: PrefixCachePool) -> dict[str, Any]:
-    s = pool.sampling
     return {
-        "temperature": s.temperature,
-        "top_p": s.top_p,
-        "top_k": s.top_k,
-        "repetition_penalty": s.repetition_penalty,
-        "max_tokens": s.max_new_tokens,
+        row.request: getattr(pool.sampling, row.name)
+        for row in layer("sampling")
+        if row.request is not None and row.name != "seed"
     }
 
 

@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from chatbot.config import OutputFormat, SamplingConfig
 from chatbot.errors import ConfigError
 from chatbot.server.pool import Conversation
+from chatbot.settings import SETTINGS, layer
 
 # -- requests ---------------------------------------------------------------------------------
 
@@ -122,6 +123,7 @@ class _Request(BaseModel):
     top_p: float | None = None
     top_k: int | None = None
     repetition_penalty: float | None = None
+    repeat_last_n: int | None = None  # llama-server's
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -465,7 +467,7 @@ def check_format(tokenizer: Any, fmt: OutputFormat, param: str = "response_forma
 
 # What a request that sets temperature or top_p gets for the settings it leaves out: OpenAI's
 # meaning (no top-k, no repetition penalty, the other of the two at 1), not the preset's.
-OPENAI_SAMPLING: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
+OPENAI_SAMPLING: dict[str, Any] = {s.name: s.openai_default for s in SETTINGS if s.openai_default is not None}
 
 
 def sampling_of(
@@ -491,14 +493,8 @@ def sampling_of(
         max_param = "max_completion_tokens"
     else:
         max_tokens = body.max_tokens
-    fields = {
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "top_k": body.top_k,
-        "repetition_penalty": body.repetition_penalty,
-        "max_new_tokens": max_tokens,
-        "seed": body.seed,
-    }
+    fields = {s.name: getattr(body, s.request, None) for s in layer("sampling") if s.request}
+    fields["max_new_tokens"] = max_tokens
     response_format = getattr(body, "response_format", None)
     if response_format is not None:
         sampling = dataclasses.replace(sampling, output_format=response_format.output_format())

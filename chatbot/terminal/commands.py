@@ -8,6 +8,7 @@ from typing import Any
 
 from chatbot.config import FORMAT_KEY, SamplingConfig, format_choice
 from chatbot.errors import CommandError
+from chatbot.settings import layer
 
 
 @dataclass(frozen=True)
@@ -73,20 +74,7 @@ ALIASES = {
     "cont": "continue",
     "c": "continue",
 }
-SETTING_ALIASES = {
-    "temp": "temperature",
-    "t": "temperature",
-    "p": "top_p",
-    "topp": "top_p",
-    "k": "top_k",
-    "topk": "top_k",
-    "rep": "repetition_penalty",
-    "repeat_penalty": "repetition_penalty",
-    "max": "max_new_tokens",
-    "max_tokens": "max_new_tokens",
-    "n": "max_new_tokens",
-    "interval": "stream_interval",
-}
+SETTING_ALIASES = {alias: s.name for s in layer("sampling") for alias in s.aliases}
 SETTINGS = (*SamplingConfig.RANGES, FORMAT_KEY)
 CLEAR_FLAG = "--clear"
 

@@ -17,6 +17,7 @@ from rich.text import Text
 from chatbot.chat import RemoteStats
 from chatbot.config import UNSET_TEXT
 from chatbot.engine.stats import TurnStats
+from chatbot.settings import layer
 from chatbot.terminal.sanitize import safe_text
 
 
@@ -276,14 +277,11 @@ def sampling_brief(s: Any) -> str:
     (`SamplingConfig.unset`) are not shown as numbers."""
     given = s.given()
     parts = ["greedy"] if s.greedy else []
-    if not s.greedy:
-        parts += [f"{name} {given[key]:g}" for key, name in (("temperature", "temp"), ("top_p", "top-p"))
-                  if key in given]  # fmt: skip
-        parts += [f"top-k {given['top_k']}"] if "top_k" in given else []
-    if given.get("repetition_penalty", 1.0) != 1.0:
-        parts.append(f"rep {given['repetition_penalty']:g}")
-    parts += [f"max {given['max_new_tokens']}"] if "max_new_tokens" in given else []
-    parts += [f"seed {s.seed}"] if s.seed is not None else []
+    for row in layer("sampling"):
+        value = given.get(row.name)
+        if row.brief is None or value is None or value == row.brief_off or (row.brief_sampled and s.greedy):
+            continue
+        parts.append(row.brief.format(value))
     if s.unset - {"seed"}:
         parts.append(f"others: the {UNSET_TEXT}s" if parts else f"the {UNSET_TEXT}s")
     return " · ".join(parts)
