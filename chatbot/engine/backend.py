@@ -38,6 +38,16 @@ class Backend(Protocol):
     model: Any
     max_batch: int  # the most caches `step_batch` takes at once (1: it cannot batch)
 
+    @property
+    def compiled(self) -> bool:
+        """Decode steps run compiled (`chatbot.engine.compiled`)."""
+        ...
+
+    @property
+    def decoder(self) -> Any | None:
+        """The native kernels' decoder its steps run on (None: transformers' forward pass)."""
+        ...
+
     def new_cache(self) -> Cache:
         """An empty growing cache of the layers this backend writes."""
         ...
@@ -76,6 +86,12 @@ class Backend(Protocol):
         """Held around a generation's decode loop (its `step` calls)."""
         ...
 
+    def device_sampling(self) -> contextlib.AbstractContextManager[Any]:
+        """Held around a turn's decode loop: the sampler that chooses its tokens on the device
+        (`chatbot.engine.device_decode.DeviceSampler`), or None where they are chosen on the
+        host (every backend but the compiled one, and that one while another turn holds it)."""
+        ...
+
     def describe(self) -> str:
         """One line for the banner, /model and `chatbot doctor`."""
         ...
@@ -102,6 +118,9 @@ class HFBackend:
     """
 
     max_batch = 1
+
+    compiled = False
+    decoder: Any | None = None
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -145,6 +164,9 @@ class HFBackend:
     def decoding(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
+    def device_sampling(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()  # tokens are chosen on the host
+
     def describe(self) -> str:
         return "transformers (model forward pass)"
 
@@ -159,6 +181,8 @@ class NativeBackend(HFBackend):
         model: the model the decoder was made from.
         decoder: a `chatbot.engine.fast.FastDecoder`.
     """
+
+    decoder: Any  # a FastDecoder, never None here
 
     def __init__(self, model: Any, decoder: Any) -> None:
         super().__init__(model)
@@ -212,6 +236,14 @@ class BatchedBackend:
         ValueError: `inner` cannot batch.
     """
 
+    @property
+    def compiled(self) -> bool:
+        return self.inner.compiled
+
+    @property
+    def decoder(self) -> Any | None:
+        return self.inner.decoder
+
     def __init__(self, inner: Backend) -> None:
         if inner.max_batch <= 1:
             raise ValueError(f"{inner.describe()} cannot step several caches at once")
@@ -255,6 +287,9 @@ class BatchedBackend:
             yield
         finally:
             self.batcher.leave()
+
+    def device_sampling(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()  # tokens are chosen on the host
 
     def describe(self) -> str:
         return f"{self.inner.describe()} · batched steps (up to {self.max_batch})"

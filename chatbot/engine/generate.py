@@ -103,13 +103,12 @@ class Engine:
     @property
     def compiled(self) -> bool:
         """True when decode steps run compiled (`chatbot.engine.compiled`)."""
-        return bool(getattr(self.backend, "compiled", False))
+        return self.backend.compiled
 
     @property
     def decoder(self) -> Any | None:
         """The native kernels' decoder the backend runs on (None: transformers runs)."""
-        inner = getattr(self.backend, "inner", self.backend)
-        return getattr(inner, "decoder", None)
+        return self.backend.decoder
 
     # -- caches -----------------------------------------------------------------------
 
@@ -163,12 +162,11 @@ class Engine:
             (t for t in (self.tokenizer.bos_token_id, self.tokenizer.eos_token_id) if t is not None), 0
         )
         pinned = kv.pinned
-        on_device = getattr(self.backend, "device_sampling", None)
         with torch.inference_mode():
             logits = self.prefill(kv, [int(token)])
             self._step(kv, int(token))
-            if sampling is not None and on_device is not None:
-                with on_device() as sampler:
+            if sampling is not None:
+                with self.backend.device_sampling() as sampler:
                     if sampler is not None:
                         sampler.begin(sampling, [], logits.shape[-1], None, self.model)
                         sampler.draw()
@@ -305,7 +303,6 @@ class Engine:
         # a plain turn on a backend that chooses tokens on the device: read one step late
         plain = constraint is None and logits_processor is None and observer is None
         plain = plain and (stopping_criteria is None or isinstance(stopping_criteria, StopOnStrings))
-        on_device = getattr(self.backend, "device_sampling", None) if plain else None
         stats = TurnStats(context_tokens=len(new_ids))
         t0 = time.perf_counter()
         reserve = min(sampling.max_new_tokens, 256) if kv.is_bounded else 0
@@ -320,7 +317,8 @@ class Engine:
             )
         synchronize(self.device)
         stats.context_time_s = time.perf_counter() - t0
-        with self.backend.decoding(), on_device() if on_device else contextlib.nullcontext() as ahead:
+        on_device = self.backend.device_sampling() if plain else contextlib.nullcontext()
+        with self.backend.decoding(), on_device as ahead:
             sampler: Sampler | DeviceSampler
             if ahead is not None:
                 ahead.begin(sampling, context, logits.shape[-1], generator, self.model, self.special_ids)
