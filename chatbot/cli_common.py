@@ -19,6 +19,7 @@ from chatbot.config import EngineConfig, SamplingConfig
 from chatbot.engine.threads import apply_wait_policy
 from chatbot.errors import ConfigError
 from chatbot.models.templates import choices_text
+from chatbot.terminal.tty import line_console
 
 # Before torch loads libgomp (it reads its wait settings once): threads that wait at a
 # barrier spin briefly, then sleep, so a busy machine is not made busier (engine/threads.py).
@@ -312,7 +313,7 @@ def check_threads(threads: int | None) -> int | None:
     """--threads, capped at the cores here (with a note); checked before the model loads."""
     cores = os.cpu_count() or 1
     if threads and threads > cores:  # more threads than cores only make them wait for each other
-        Console(stderr=True, highlight=False).print(
+        line_console(stderr=True).print(
             f"note: --threads {threads} is more than the {cores} cores here; using {cores}", markup=False
         )
         return cores
@@ -384,7 +385,7 @@ def _resumed(settings: Settings, ref: str, typed: set[str]) -> Settings:
     assert path is not None
     settings, note = resume_settings(settings, replay(path), typed)
     if note:
-        Console(stderr=True, highlight=False, soft_wrap=True).print(note, markup=False)
+        line_console(stderr=True).print(note, markup=False)
     return settings
 
 
