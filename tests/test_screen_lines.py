@@ -55,3 +55,23 @@ def test_doctor_breaks_no_word(tmp_path, columns):
     shown, piped = shown_and_piped(["doctor"], columns, env_for(tmp_path))
     assert "python" in piped and len(shown) > 3
     assert broken_fitting_words(shown, piped, columns) == [], "\n".join(shown)
+
+
+@pytest.mark.parametrize("columns", [80, 50])
+def test_the_stats_line_and_the_toolbar_count_the_cache_alike(tmp_path, terminals, columns):
+    """Issue 59, item 15: `cache 72` under the answer, `cache 74/8,192` under the prompt (the
+    stats line left out the closing text that waits to enter the cache)."""
+    import re
+
+    from test_screen import send, start
+
+    term = start(tmp_path, ["A short answer.", "Another one."], columns)
+    terminals.append(term)
+    for message in ("hello", "and again"):
+        send(term, message)
+        stats = re.findall(r"cache ([\d,]+) ", " ".join(term.lines()[:-1]) + " ")[-1]
+        term.wait_for(
+            lambda: re.search(r"cache [\d,]+/", term.screen_lines()[-1]) is not None, 30, "the toolbar"
+        )
+        toolbar = re.search(r"cache ([\d,]+)/", term.screen_lines()[-1])
+        assert toolbar is not None and stats == toolbar.group(1), term.screen_lines()
