@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -397,8 +398,25 @@ def make_engine(loaded: Any, config: EngineConfig, backend: Backend) -> Engine:
     return Engine(loaded.model, loaded.tokenizer, max_context=config.max_context, backend=backend)
 
 
+_IMPORTED = time.monotonic()  # where /proc cannot say when the process started
+
+
+def seconds_since_start() -> float:
+    """Seconds since this process started (what a user waited since the command), from
+    /proc where there is one, else since this module was imported."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as stat:
+            fields = stat.read().rpartition(")")[2].split()
+        with open("/proc/uptime", encoding="ascii") as uptime:
+            now = float(uptime.read().split()[0])
+        return max(0.0, now - int(fields[19]) / os.sysconf("SC_CLK_TCK"))  # field 22: starttime
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED
+
+
 def banner_line(loaded: Any, engine: Engine, opt: str) -> str:
-    """The one line `chatbot run` shows on a terminal once the model is loaded."""
+    """The one line `chatbot run` shows on a terminal once the model is loaded; its "ready
+    in" is the time since the command (imports too), the model's own load beside it."""
     d = loaded.describe()
     quant = f" · {d['quantization']}" if d["quantization"] != "none" else ""
     decoder = engine.decoder
@@ -409,7 +427,8 @@ def banner_line(loaded: Any, engine: Engine, opt: str) -> str:
     return (
         " · ".join(f"{d[k]}" for k in ("model", "parameters", "dtype", "device"))
         + quant
-        + f" · context {d['context']} · template {d['template']} · loaded in {d['load time']}"
+        + f" · context {d['context']} · template {d['template']} · "
+        + f"ready in {seconds_since_start():.1f} s (load {d['load time']})"
         + f" · decode: {decode}"
     )
 

@@ -75,3 +75,17 @@ def test_the_stats_line_and_the_toolbar_count_the_cache_alike(tmp_path, terminal
         )
         toolbar = re.search(r"cache ([\d,]+)/", term.screen_lines()[-1])
         assert toolbar is not None and stats == toolbar.group(1), term.screen_lines()
+
+
+def test_the_banner_counts_the_seconds_since_the_command():
+    """Issue 59, item 14: the banner said `loaded in 2.8 s` when the model was ready 6.3 s
+    after the command (imports and set-up were not counted). A process that spends 1.5 s
+    before its banner says at least that."""
+    code = (
+        "import time; time.sleep(1.5)\n"
+        "from chatbot.cli_common import seconds_since_start; print(seconds_since_start())"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert 1.5 <= float(run.stdout) < 120
