@@ -373,8 +373,9 @@ def doctor(
         check_model_files(check_model)
         return
     from chatbot import doctor as facts
+    from chatbot.terminal.tty import line_console
 
-    out = Console(highlight=False, soft_wrap=True)
+    out = line_console()
 
     def line(key: str, value: str) -> None:
         out.print(f"{key}: {value}", markup=False)
@@ -484,7 +485,9 @@ def main(argv: list[str] | None = None) -> None:
 
     _open_closed_streams()
     command = typer.main.get_command(app)
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    from chatbot.terminal.tty import line_console
+
+    err = line_console(stderr=True)
     args = _optional_values(list(sys.argv[1:] if argv is None else argv))
     if argv is None and args[:1] == ["run"]:  # the process itself, not a caller's main(...)
         pause_until_ready()  # its imports and load run faster without collector passes

@@ -8,6 +8,7 @@ import inspect
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -21,6 +22,7 @@ from chatbot.engine.threads import apply_wait_policy
 from chatbot.errors import ConfigError
 from chatbot.models.templates import choices_text
 from chatbot.settings import SETTINGS, Setting
+from chatbot.terminal.tty import line_console
 
 # Before torch loads libgomp (it reads its wait settings once): threads that wait at a
 # barrier spin briefly, then sleep, so a busy machine is not made busier (engine/threads.py).
@@ -308,7 +310,7 @@ def check_threads(threads: int | None) -> int | None:
     """--threads, capped at the cores here (with a note); checked before the model loads."""
     cores = os.cpu_count() or 1
     if threads and threads > cores:  # more threads than cores only make them wait for each other
-        Console(stderr=True, highlight=False).print(
+        line_console(stderr=True).print(
             f"note: --threads {threads} is more than the {cores} cores here; using {cores}", markup=False
         )
         return cores
@@ -380,7 +382,7 @@ def _resumed(settings: Settings, ref: str, typed: set[str]) -> Settings:
     assert path is not None
     settings, note = resume_settings(settings, replay(path), typed)
     if note:
-        Console(stderr=True, highlight=False, soft_wrap=True).print(note, markup=False)
+        line_console(stderr=True).print(note, markup=False)
     return settings
 
 
@@ -392,8 +394,25 @@ def make_engine(loaded: Any, config: EngineConfig, backend: Backend) -> Engine:
     return Engine(loaded.model, loaded.tokenizer, max_context=config.max_context, backend=backend)
 
 
+_IMPORTED = time.monotonic()  # where /proc cannot say when the process started
+
+
+def seconds_since_start() -> float:
+    """Seconds since this process started (what a user waited since the command), from
+    /proc where there is one, else since this module was imported."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as stat:
+            fields = stat.read().rpartition(")")[2].split()
+        with open("/proc/uptime", encoding="ascii") as uptime:
+            now = float(uptime.read().split()[0])
+        return max(0.0, now - int(fields[19]) / os.sysconf("SC_CLK_TCK"))  # field 22: starttime
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED
+
+
 def banner_line(loaded: Any, engine: Engine, opt: str) -> str:
-    """The one line `chatbot run` shows on a terminal once the model is loaded."""
+    """The one line `chatbot run` shows on a terminal once the model is loaded; its "ready
+    in" is the time since the command (imports too), the model's own load beside it."""
     d = loaded.describe()
     quant = f" · {d['quantization']}" if d["quantization"] != "none" else ""
     decoder = engine.decoder
@@ -404,7 +423,8 @@ def banner_line(loaded: Any, engine: Engine, opt: str) -> str:
     return (
         " · ".join(f"{d[k]}" for k in ("model", "parameters", "dtype", "device"))
         + quant
-        + f" · context {d['context']} · template {d['template']} · loaded in {d['load time']}"
+        + f" · context {d['context']} · template {d['template']} · "
+        + f"ready in {seconds_since_start():.1f} s (load {d['load time']})"
         + f" · decode: {decode}"
     )
 

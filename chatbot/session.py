@@ -325,9 +325,13 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
             if after.startswith(expected):
                 if len(after) > len(expected):
                     self.segments.append(self._segment("prompt", after[len(expected) :]))
-                return
-        turn.answer = shown
-        self._reencode_answer(prompt_text)
+                break
+        else:
+            turn.answer = shown
+            self._reencode_answer(prompt_text)
+        # The stats line counts what the toolbar's meter counts: the cache with the closing
+        # text that waits to enter it (the cache alone read 72 beside the toolbar's 74).
+        stats.cache_tokens = turn.stats.cache_tokens = self.cache_count()
 
     def _reencode_answer(self, prompt_text: str) -> None:
         """The template renders the last answer otherwise than the model wrote it (e.g. a
@@ -449,7 +453,7 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
 
     def summary(self) -> dict[str, Any]:
         """Totals over all turns, for /stats."""
-        return summarize([t.stats for t in self.turns], len(self.cache_ids))
+        return summarize([t.stats for t in self.turns], self.cache_count())
 
     def describe_model(self, model: ModelInfo) -> tuple[str, dict[str, str]]:
         rows = dict(model.describe())
@@ -483,11 +487,16 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
 
         return default_system_prompt(self.tokenizer)
 
-    def meter(self) -> Meter:
-        """The toolbar's gauge: the cache with what waits to enter it; a bounded cache never
-        holds more than its window (what enters evicts), so it is shown full, not over."""
+    def cache_count(self) -> int:
+        """The cache with what waits to enter it (the closing text of the last answer), as the
+        toolbar, the stats line and /stats count it; a bounded cache never holds more than
+        its window (what enters evicts), so it is shown full, not over."""
         used = self.conversation_tokens
-        return Meter("cache", min(used, self.capacity) if self.kv.is_bounded else used, self.capacity)
+        return min(used, self.capacity) if self.kv.is_bounded else used
+
+    def meter(self) -> Meter:
+        """The toolbar's gauge (`cache_count`)."""
+        return Meter("cache", self.cache_count(), self.capacity)
 
     def encoded_note(self, tokens: int, system: bool) -> str:
         return f"; re-encoded {tokens:,} tokens" if system else f" ({tokens:,} tokens encoded)"

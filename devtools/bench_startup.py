@@ -4,7 +4,7 @@ to have its model ready, against llama.cpp loading the same file.
 Our side runs the real command in a pseudo-terminal (standard library only: `pty`,
 `select`, `termios`), 80x24 with TERM=xterm-256color and the user's own environment (XDG
 cache and all), and timestamps the raw output: the prompt prompt_toolkit draws, the banner
-note "... · loaded in 1.3 s ..." and, after "/quit", the process's exit. prompt_toolkit asks
+note "... · ready in 1.3 s ..." and, after "/quit", the process's exit. prompt_toolkit asks
 the terminal where the cursor is (`ESC [6n`); we answer as a terminal does rather than set
 PROMPT_TOOLKIT_NO_CPR, so that the REPL runs exactly as it does for a person (with the
 variable set it skips a render path). llama.cpp's side is a fresh Python process that
@@ -58,7 +58,7 @@ _ESCAPES = re.compile(rb"\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b\[[0-?]*[ -/]*[@-
 _CONTROLS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # all but \t \n \r
 START_NOTE = "type a message"  # the REPL's note just before its first prompt
 # The model banner (chatbot.cli.run); Rich wraps it at the width, anywhere between words.
-_BANNER = re.compile(r"·\s+loaded\s+in\s+\S")
+_BANNER = re.compile(r"·\s+(?:ready|loaded)\s+in\s+\S")
 # prompt_toolkit draws "> " at the start of a line; the space is often a cursor move.
 _PROMPT = re.compile(r"(?:^|[\r\n])[ \t]*>")
 
@@ -84,7 +84,7 @@ def prompt_seen(text: str) -> bool:
 
 
 def banner_seen(text: str) -> bool:
-    """Whether the model banner ("... · loaded in 1.3 s · ...") has been printed."""
+    """Whether the model banner ("... · ready in 1.3 s (load 0.9 s) · ...") has been printed."""
     return _BANNER.search(text) is not None
 
 
@@ -122,7 +122,11 @@ class StartupWatch:
         return " and ".join(what for what, at in pairs if at is None)
 
     def last_line(self) -> str:
-        return last_line(strip_ansi(bytes(self.raw)))
+        """The last line written, or the error chatbot ended with (wrapped between words on
+        the terminal: its lines joined again)."""
+        lines = [line.strip() for line in strip_ansi(bytes(self.raw)).splitlines() if line.strip()]
+        start = max((i for i, line in enumerate(lines) if line.startswith("chatbot")), default=-1)
+        return " ".join(lines[start:]) if start >= 0 else last_line(strip_ansi(bytes(self.raw)))
 
 
 def chatbot_run_argv(model: Path | None, threads: int | None) -> list[str]:

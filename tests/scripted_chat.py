@@ -122,7 +122,7 @@ def main() -> None:
         if args.load_fails:
             pending.set_exception(ModelLoadError("cannot read GGUF file scripted.gguf: it is truncated"))
         else:
-            pending.set_result(ChatStart(session, loaded, ["scripted · loaded in 0.0 s"]))
+            pending.set_result(ChatStart(session, loaded, ["scripted · ready in 0.0 s (load 0.0 s)"]))
 
     threading.Thread(target=load, daemon=True).start()
     repl = Repl.loading(

@@ -1,6 +1,6 @@
 """What a person copies from the screen (issue 37, defects 7-9), in a pseudo-terminal behind
-pyte at 80 and 50 columns: code blocks start in column 0 and keep each line whole (the
-terminal wraps a long one: a copy of it is the line); a long message typed at the prompt
+pyte at 80 and 50 columns: code blocks start in column 0, each line that fits whole, a longer
+one wrapped between words as /history wraps it (issue 59, item 6); a long message typed at the prompt
 wraps between words, without the "… " of a new line; the stats line breaks between its
 phrases."""
 
@@ -21,21 +21,34 @@ CODE = f"def pick(fruits):\n{LONG}\n\n\nprint(pick([]))"
 ANSWER = f"Here is the code:\n\n```python\n{CODE}\n```\n\nDone.\n"
 
 
+def code_rows(lines: list[str]) -> list[str]:
+    """The rows of the code block in `lines`: from `def pick` to `print(pick([]))`."""
+    top = next(i for i, line in enumerate(lines) if "def pick" in line)
+    end = next(i for i in range(top, len(lines)) if lines[i].startswith("print(pick"))
+    return lines[top : end + 1]
+
+
 @pytest.mark.parametrize("columns", [50, 80])
-def test_code_copied_from_the_screen_is_the_code(tmp_path, terminals, columns):
+def test_code_is_wrapped_between_words_as_history_shows_it(tmp_path, terminals, columns):
+    """Issue 59, item 6: a code line longer than the screen went out whole while the answer
+    streamed, and the terminal cut it mid-word (`...all elements exce` / `pt one`), while
+    /history wrapped it between words. Both now draw it the same way."""
     term = start(tmp_path, [ANSWER], columns, lines=30)
     terminals.append(term)
     send(term, "code please")
     (answer,) = saved_answers(term, tmp_path)
     assert answer.strip() == ANSWER.strip()
-    lines = after(term.lines(), "> code please")
-    top = next(i for i, line in enumerate(lines) if "def pick" in line)
-    assert lines[top] == "def pick(fruits):"  # column 0: no indent added
-    rows = -(-len(LONG) // columns)  # the terminal's own wrapping of the long line
-    assert rows > 1
-    wrapped = lines[top + 1 : top + 1 + rows]
-    assert "".join(row.ljust(columns) for row in wrapped).rstrip() == LONG
-    assert lines[top + 1 + rows : top + 4 + rows] == ["", "", "print(pick([]))"]
+    streamed = code_rows(after(term.lines(), "> code please"))
+    assert streamed[0] == "def pick(fruits):"  # column 0: no indent added
+    assert streamed[-3:] == ["", "", "print(pick([]))"]  # lines that fit are whole
+    wrapped = streamed[1:-3]
+    assert len(wrapped) > 1 and all(len(row) < columns for row in wrapped)
+    assert " ".join(row.strip() for row in wrapped) == " ".join(LONG.split())  # every word, in order
+    tokens = LONG.split()
+    for row in wrapped:  # each row holds whole words: none is cut across two rows
+        assert all(word in tokens for word in row.split()), wrapped
+    send(term, "/history")
+    assert code_rows(after(term.lines(), "> /history")) == streamed
 
 
 @pytest.mark.parametrize("columns", [50, 80])

@@ -61,7 +61,7 @@ def test_the_prompt_is_up_while_the_model_loads_and_a_message_waits_for_it(tmp_p
     term.wait_text("tok/s", 60)
     lines = term.lines()
     sent = lines.index("> what is the answer?")
-    banner = lines.index("scripted · loaded in 0.0 s")
+    banner = lines.index("scripted · ready in 0.0 s (load 0.0 s)")
     answer = next(i for i, line in enumerate(lines) if "forty-two" in line)
     assert sent < banner < answer  # the load's notes, then the answer to the waiting message
     term.wait_prompt(30)
@@ -74,10 +74,10 @@ def test_a_load_that_ends_at_the_prompt_prints_its_notes_above_it(tmp_path, term
     term.type("half a mess")  # typing, not sent
     term.wait_for(lambda: "> half a mess" in term.screen_lines(), 30, "the typed text")
     flag.touch()
-    term.wait_text("scripted · loaded in 0.0 s", 30)
+    term.wait_text("scripted · ready in 0.0 s (load 0.0 s)", 30)
     wait_toolbar(term, "scripted · cache")
     assert "> half a mess" in term.screen_lines()  # the typed text is kept
-    assert term.lines().count("scripted · loaded in 0.0 s") == 1
+    assert term.lines().count("scripted · ready in 0.0 s (load 0.0 s)") == 1
     term.type("age\r")
     term.wait_text("tok/s", 60)
     assert "forty-two" in screen_text(term)
@@ -154,7 +154,7 @@ def test_help_runs_while_loading_and_other_commands_wait(tmp_path, terminals):
     flag.touch()
     term.wait_text("(no messages yet)", 30)  # /history ran once the model was there
     lines = term.lines()
-    assert lines.index("scripted · loaded in 0.0 s") < lines.index("(no messages yet)")
+    assert lines.index("scripted · ready in 0.0 s (load 0.0 s)") < lines.index("(no messages yet)")
     term.wait_prompt(30)
 
 
@@ -197,9 +197,9 @@ def test_chatbot_run_shows_the_prompt_first_and_answers_a_message_sent_at_once(t
     term.wait_text("tok/s", 180)
     raw = term.raw
     # The prompt (its toolbar saying the model loads) was drawn before the model was ready.
-    assert raw.index("loading SmolLM2-135M-Instruct…") < raw.index("loaded in")
+    assert raw.index("loading SmolLM2-135M-Instruct…") < raw.index("ready in")
     lines = term.lines()
-    assert lines.index("> Name a colour.") < next(i for i, x in enumerate(lines) if "loaded in" in x)
+    assert lines.index("> Name a colour.") < next(i for i, x in enumerate(lines) if "ready in" in x)
     term.wait_prompt(60)
     term.type("/exit\r")
     term.wait_for(lambda: not term.proc.isalive(), 30, "the program to end")
@@ -214,7 +214,7 @@ def test_chatbot_run_left_while_loading_exits_at_once_and_cleanly(tmp_path, term
     term.type("/exit\r")
     term.wait_for(lambda: not term.proc.isalive(), 60, "the program to end")
     term.pump(0.3)
-    assert "loaded in" not in term.raw  # it left before the model was ready
+    assert "ready in" not in term.raw  # it left before the model was ready
     assert term.proc.exitstatus == 0
     assert "Traceback" not in term.raw and "Fatal" not in term.raw
 

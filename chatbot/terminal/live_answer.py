@@ -24,12 +24,10 @@ from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.live import Live
 from rich.segment import ControlType, Segment
 from rich.style import Style
-from rich.syntax import Syntax
 from rich.text import Text
 
-from chatbot.terminal.render import THINK_OPEN, AnswerMarkdown, markdown_parser
+from chatbot.terminal.render import CODE_THEME, THINK_OPEN, AnswerMarkdown, code_block, markdown_parser
 
-CODE_THEME = "monokai"
 _ERASE_TO_END = "\x1b[K"  # filled by the terminal with the background colour set before it
 THINKING_STYLE = "dim italic"
 # The parser Rich's Markdown uses, so that blocks are cut where Rich would see them.
@@ -108,9 +106,14 @@ def _fence(text: str, closed_too: bool) -> tuple[str, str] | None:
     return token.content, token.info
 
 
-def _widest(code: str) -> int:
-    """The cells of the widest line of `code`."""
-    return max((cell_len(line) for line in code.splitlines()), default=0)
+def _rows(line: str, width: int) -> int:
+    """The rows a code line takes when wrapped between words at `width` (`code_block`)."""
+    if cell_len(line) <= width:
+        return 1
+    return len(Text(line).wrap(_MEASURE, width))
+
+
+_MEASURE = Console(width=10_000, color_system=None)  # measures text only, writes nothing
 
 
 class _Lines:
@@ -261,13 +264,12 @@ class MarkdownAnswer:
             return Text(source.rstrip("\n"), style=THINKING_STYLE)
         fence = _fence(source, closed_too=True)
         if fence is not None:
-            # Open: plain, wrapped to the live region. Final: highlighted, each line whole (the
-            # terminal wraps a long one; a copy of it stays intact). The rest of a fence whose
-            # top is printed already has no top padding. No side padding: copied code starts
-            # in column 0.
+            # Open: plain. Final: highlighted. Either way as /history draws it (`code_block`):
+            # wrapped between words, so the live region and the lines printed for good match.
+            # The rest of a fence whose top is printed already has no top padding.
             lexer = fence[1].partition(" ")[0] or "text" if final else "text"
-            padding = (0, 0, 1, 0) if continued else (1, 0)
-            return Syntax(fence[0].rstrip(), lexer, theme=CODE_THEME, word_wrap=not final, padding=padding)
+            padding = (0, 0, 1, 0) if continued else (1, 0, 1, 0)
+            return code_block(fence[0].rstrip(), lexer, padding)
         return AnswerMarkdown(source, code_theme=CODE_THEME)
 
     def _render(
@@ -281,9 +283,6 @@ class MarkdownAnswer:
         if not source.strip():
             return []
         continued = self._fence_continued if continued is None else continued
-        fence = None if thinking or not final else _fence(source, closed_too=True)
-        if fence is not None:  # wide enough for its longest line (see `_renderable`)
-            width = max(width or self.console.width, _widest(fence[0]) + 1)
         return self._render_lines(self._renderable(source, thinking, final, continued), width)
 
     def _render_lines(self, renderable: RenderableType, width: int | None = None) -> list[list[Segment]]:
@@ -343,7 +342,7 @@ class MarkdownAnswer:
         opener, _, code = self._open.partition("\n")
         body = code.split("\n")  # the last item is the line still being written
         inner = max(width - 1, 1)  # the width less one column
-        rows = [max(1, -(-cell_len(line) // inner)) for line in body[:-1]]
+        rows = [_rows(line, inner) for line in body[:-1]]
         total, count = sum(rows) + 3, 0  # + top padding, the open line, bottom padding
         while count < len(rows) and total > limit:
             total -= rows[count]
@@ -354,10 +353,10 @@ class MarkdownAnswer:
         blank = first and self._blank_before_open()
         lexer = info.partition(" ")[0] or "text"
         code = "\n".join(body[:count])
-        head = Syntax(code, lexer, theme=CODE_THEME, word_wrap=False, padding=(1 if first else 0, 0, 0, 0))
+        head = code_block(code, lexer, padding=(1 if first else 0, 0, 0, 0))
         self._open = opener + "\n" + "\n".join(body[count:])
         self._fence_continued = True
-        self._emit(self._render_lines(head, max(width, _widest(code) + 1)), blank=blank)
+        self._emit(self._render_lines(head, width), blank=blank)
 
     def _refresh(self) -> None:
         self._fit()

@@ -6,11 +6,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from chatbot.errors import ModelLoadError
 from chatbot.models.tensor_scan import ScanResult, scan_model
+from chatbot.terminal.tty import line_console
 
 
 def check_model_files(path: Path) -> ScanResult:
@@ -20,8 +20,7 @@ def check_model_files(path: Path) -> ScanResult:
         ModelLoadError: a damaged file, naming the first bad tensor (and block) or the first
             inconsistency of its metadata; or a path that is no model.
     """
-    out = Console(highlight=False, soft_wrap=True)
-    err = Console(stderr=True, highlight=False)
+    out, err = line_console(), line_console(stderr=True)
     path = path.expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         from chatbot.models.gguf_metadata import InconsistentMetadata, check_metadata

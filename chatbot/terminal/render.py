@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from markdown_it import MarkdownIt
-from rich.console import Console, Group, RenderableType
-from rich.markdown import Markdown
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.markdown import CodeBlock, Markdown, MarkdownElement
 from rich.measure import Measurement
 from rich.padding import Padding
+from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
@@ -222,10 +223,35 @@ def markdown_parser() -> MarkdownIt:
     return MarkdownIt("commonmark", {"html": False}).enable("strikethrough").enable("table")
 
 
-class AnswerMarkdown(Markdown):
-    """Rich Markdown that shows everything the model wrote (see `markdown_parser`)."""
+CODE_THEME = "monokai"
 
-    def __init__(self, markup: str, code_theme: str = "monokai") -> None:
+
+def code_block(code: str, lexer: str, padding: tuple[int, int, int, int] = (1, 0, 1, 0)) -> Syntax:
+    """A code block as every view shows it (the streamed answer, /history): highlighted,
+    from column 0 (no side padding, so copied lines keep their own indent), a line longer
+    than the width wrapped between words (a word longer than the width alone is cut).
+    `padding`: blank rows above and below, as (top, 0, bottom, 0)."""
+    return Syntax(code, lexer or "text", theme=CODE_THEME, word_wrap=True, padding=padding)
+
+
+class _AnswerCodeBlock(CodeBlock):
+    """Rich's code block drawn by `code_block`, as the streamed answer draws it."""
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield code_block(str(self.text).rstrip(), self.lexer_name)
+
+
+class AnswerMarkdown(Markdown):
+    """Rich Markdown that shows everything the model wrote (see `markdown_parser`), its code
+    blocks as the streamed answer shows them (`code_block`)."""
+
+    elements: ClassVar[dict[str, type[MarkdownElement]]] = {
+        **Markdown.elements,
+        "fence": _AnswerCodeBlock,
+        "code_block": _AnswerCodeBlock,
+    }
+
+    def __init__(self, markup: str, code_theme: str = CODE_THEME) -> None:
         super().__init__(markup, code_theme=code_theme)
         self.parsed = markdown_parser().parse(markup)
 

@@ -18,6 +18,18 @@ except ImportError:  # Windows
     termios = None  # type: ignore[assignment]
 
 
+def line_console(stderr: bool = False) -> Console:
+    """A console for lines (notes, errors, `chatbot doctor`): on a terminal Rich wraps them
+    between words at the terminal's width (the terminal itself would cut a word in two);
+    into a pipe or file a line stays one line."""
+    try:
+        tty = (sys.stderr if stderr else sys.stdout).isatty()
+    except (ValueError, AttributeError):  # a closed or missing stream
+        tty = False
+    environ = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    return Console(stderr=stderr, highlight=False, soft_wrap=not tty, _environ=environ if tty else None)
+
+
 def make_consoles(interactive: bool) -> tuple[Console, Console]:
     """The consoles for answers (stdout) and for notes and stats: stdout on a terminal, else
     stderr. On a terminal Rich wraps every line by words at the width; into a pipe or file a
