@@ -317,7 +317,8 @@ class OpenAIApi:
                 )
             sampling = dataclasses.replace(sampling, output_format=tools.call_format())
         if sampling.output_format is not None:
-            await asyncio.to_thread(check_format, tokenizer, sampling.output_format)
+            asked_by = "tool_choice" if tools is not None and tools.forced else "response_format"
+            await asyncio.to_thread(check_format, tokenizer, sampling.output_format, asked_by)
         job = Job(None, sampling, _nowhere, prompt=prompt, stops=body.stop_strings(), n=body.n)
         job.templated, job.tools = True, tools
         job.logprobs = body.top_logprobs_wanted()

@@ -445,19 +445,22 @@ def check_supported(body: ChatRequest | CompletionRequest) -> None:
         raise _unsupported("function_call", "the legacy function calling (tool_choice is)")
 
 
-def check_format(tokenizer: Any, fmt: OutputFormat) -> None:
+def check_format(tokenizer: Any, fmt: OutputFormat, param: str = "response_format") -> None:
     """Compile the format's grammar once, to refuse what the engine cannot enforce before the
     request queues (the grammar engine is imported here, on the first such request).
 
+    Args:
+        param: the request's field that asked for the format (a forced call: tool_choice).
+
     Raises:
-        APIError: 400 naming response_format, with the engine's reason.
+        APIError: 400 naming `param`, with the engine's reason.
     """
     from chatbot.engine.grammar import GrammarError, compiled
 
     try:
         compiled(tokenizer, fmt)
     except GrammarError as exc:
-        raise APIError(400, f"response_format: {exc}", param="response_format") from None
+        raise APIError(400, f"{param}: {exc}", param=param) from None
 
 
 # What a request that sets temperature or top_p gets for the settings it leaves out: OpenAI's
