@@ -85,10 +85,10 @@ def test_system_load_and_resume_on_a_real_terminal(tiny_dir, tmp_path):
         child.expect("system prompt set; re-encoded")
         child.expect(">")
         child.sendline(f"/save {saved}")
-        child.expect("saved 1 turns")
+        child.expect("saved 1 turn to ")  # not "1 turns"
         child.expect(">")
         child.sendline(f"/load {saved}")
-        child.expect(r"loaded 1 turns \(\d+ tokens encoded\)")
+        child.expect(r"loaded 1 turn \(\d+ tokens encoded\)")
         child.expect(">")
         child.sendline("How are you?")
         child.expect(r"context \d+ tok")
