@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from chatbot.engine.gguf_table import split_parts
-from chatbot.errors import ModelLoadError
+from chatbot.errors import ConfigError, ModelLoadError
 
 NameArg = Annotated[
     str,
@@ -86,6 +86,10 @@ def models(
     from chatbot.models.catalog import downloaded, human_size, local_models
     from chatbot.models.presets import list_presets
 
+    for folder in folders or []:
+        if not folder.expanduser().is_dir():
+            what = "is not a folder" if folder.expanduser().exists() else "does not exist"
+            raise ConfigError(f"models: {folder} {what}")
     width = max(40, shutil.get_terminal_size((80, 24)).columns)
     found = local_models(folders)
     here = downloaded(found)

@@ -578,3 +578,12 @@ def test_one_turn_is_said_in_the_singular(tiny_model, tiny_tokenizer, tmp_path):
     second = Chat(tiny_model, tiny_tokenizer, None)
     second.repl.start_log(resume=session_log.find_session("last", logs))
     assert "(1 turn)" in second.err.getvalue()
+
+
+def test_save_into_a_missing_folder_is_refused_not_made(tiny_model, tiny_tokenizer, tmp_path):
+    """`/save /nonexistent/dir/x.json` made the folders; a mistyped folder is an error now,
+    and nothing is made (the default place, `/save` alone, is still made)."""
+    c = Chat(tiny_model, tiny_tokenizer, None)
+    c.lines("Hello", f"/save {tmp_path / 'no' / 'dir' / 'x.json'}")
+    assert "the folder" in c.err.getvalue() and "does not exist" in c.err.getvalue()
+    assert not (tmp_path / "no").exists()

@@ -142,7 +142,8 @@ class ReplCommands:
             if command.arg
             else (data_dir() / "saved" / time.strftime("chat-%Y%m%d-%H%M%S.json"))
         )
-        written = self.session.save(path, model=self.loaded.name)
+        # the default folder is made; a folder the user names must exist (a typo is refused)
+        written = self.session.save(path, model=self.loaded.name, make_folder=not command.arg)
         self.note(f"saved {counted(len(self.session.turns), 'turn')} to {written}")
 
     def _load(self, command: Command) -> None:
