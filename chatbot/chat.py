@@ -204,6 +204,12 @@ class Chat(SavedConversation, LoggedSession, ABC, Generic[ChunkT]):
         return self._encode_conversation(on_progress)
 
     def set_sampling(self, sampling: SamplingConfig) -> None:
+        """Use these settings from the next answer on.
+
+        Raises:
+            ChatbotError: settings this chat cannot answer with (nothing is changed).
+        """
+        self._check_sampling(sampling)
         self._use_sampling(sampling)
         self._log(Event.SETTINGS, settings=sampling.as_dict())
 
@@ -265,6 +271,9 @@ class Chat(SavedConversation, LoggedSession, ABC, Generic[ChunkT]):
         Raises:
             ChatbotError: it cannot fit.
         """
+
+    def _check_sampling(self, sampling: SamplingConfig) -> None:
+        """Refuse settings this chat cannot answer with, before they are taken."""
 
     def _use_sampling(self, sampling: SamplingConfig) -> None:
         self.sampling = sampling

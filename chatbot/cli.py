@@ -159,6 +159,13 @@ def run(
         raise ConfigError("--api-key-env goes with --server URL")
     # Every setting, resolved and checked once, before the (slow) model load.
     resolved = resolve_cli_settings(ctx, preset, config).run_config()
+    if output_format is not None:  # the grammar engine's faults before the (slow) load
+        from chatbot.engine.grammar import GrammarError, check_format
+
+        try:
+            check_format(output_format)
+        except GrammarError as exc:
+            raise ConfigError(f"--json-schema {json_schema}: {exc}") from None
     resolved.output_format = output_format
     _chat_locally(resolved, opt, check_threads(threads), plain, no_stats, resume, message)
 

@@ -243,7 +243,9 @@ def eval_ppl(
     ] = "dense,window,sinks,recompute",
     plot: Annotated[
         Path | None,
-        typer.Option(help="PNG of running log-perplexity (default: beside --json, or eval_ppl.png)."),
+        typer.Option(
+            help="PNG of running log-perplexity (default: beside --json, or eval_ppl.png; needs matplotlib)."
+        ),
     ] = None,
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
@@ -255,11 +257,16 @@ def eval_ppl(
     from rich.progress import Progress
 
     from chatbot.measure.bench_streaming import default_text_path
-    from chatbot.measure.eval_ppl import format_table, run_eval_ppl, write_plot
+    from chatbot.measure.eval_ppl import format_table, plotting_missing, run_eval_ppl, write_plot
     from chatbot.measure.report import read_text, write_json
 
     body = read_text(text or default_text_path())
     chosen = tuple(names(setups))
+    # Known before the (minutes-long) run: a plot asked for by name needs what draws it; the
+    # default one is left out, said in a line after the table.
+    missing = plotting_missing()
+    if missing is not None and plot is not None:
+        raise ConfigError(f"--plot: {missing}")
     loaded = loaded_model(model, device, dtype, threads)
     with Progress(console=Console(stderr=True), transient=True) as bar:
         tasks: dict[str, Any] = {}
@@ -273,11 +280,14 @@ def eval_ppl(
             loaded.model, loaded.tokenizer, body, tokens, start_size, recent_size, chosen, progress
         )
     print(format_table(result))
+    write_json(json_out, {k: {m: v for m, v in r.items() if m != "nll"} for k, r in result.items()})
+    if missing is not None:
+        Console(stderr=True, highlight=False, soft_wrap=True).print(f"no plot: {missing}", markup=False)
+        return
     png = plot or (json_out.with_suffix(".png") if json_out else Path("eval_ppl.png"))
     title = f"{loaded.name}: {tokens} tokens, {start_size} sinks + {recent_size} recent"
     write_plot(result, png, title=title)
     print(f"plot: {png}")
-    write_json(json_out, {k: {m: v for m, v in r.items() if m != "nll"} for k, r in result.items()})
 
 
 @bench_app.command(

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from chatbot.engine.gguf_table import split_parts
-from chatbot.errors import ModelLoadError
+from chatbot.errors import ConfigError, ModelLoadError
 
 if TYPE_CHECKING:
     from chatbot.models.hub_download import Fetched
@@ -103,6 +103,10 @@ def models(
     from chatbot.models.catalog import downloaded, human_size, local_models
     from chatbot.models.presets import list_presets
 
+    for folder in folders or []:
+        if not folder.expanduser().is_dir():
+            what = "is not a folder" if folder.expanduser().exists() else "does not exist"
+            raise ConfigError(f"models: {folder} {what}")
     width = max(40, shutil.get_terminal_size((80, 24)).columns)
     found = local_models(folders)
     here = downloaded(found)

@@ -148,10 +148,12 @@ def environment() -> dict[str, str]:
     """Python, the platform, and the versions of the libraries the chat runs on."""
     from importlib.metadata import PackageNotFoundError, version
 
+    from chatbot import DISTRIBUTION
+
     out = {"python": sys.version.split()[0], "platform": platform.platform()}
-    for name in ("chatbot", "torch", "transformers"):
+    for name, dist in (("chatbot", DISTRIBUTION), ("torch", "torch"), ("transformers", "transformers")):
         try:
-            out[name] = version(name)
+            out[name] = version(dist)
         except PackageNotFoundError:
             out[name] = "not installed"
     return out

@@ -59,13 +59,14 @@ class SavedConversation:
         """The conversation as plain data: messages, system prompt, settings, per-turn stats."""
         return saved_dict(self.system, self.sampling, self.messages(), self.turns, model)
 
-    def save(self, path: str | os.PathLike[str], model: str | None = None) -> Path:
+    def save(self, path: str | os.PathLike[str], model: str | None = None, make_folder: bool = False) -> Path:
         """Write `to_dict` as JSON (see `write_saved`).
 
         Raises:
-            ChatbotError: the file cannot be written.
+            ChatbotError: the file cannot be written, or its folder does not exist (unless
+                `make_folder`).
         """
-        return write_saved(path, self.to_dict(model))
+        return write_saved(path, self.to_dict(model), make_folder)
 
 
 def saved_dict(
@@ -102,9 +103,11 @@ def read_saved(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-def write_saved(path: str | os.PathLike[str], data: dict[str, Any]) -> Path:
+def write_saved(path: str | os.PathLike[str], data: dict[str, Any], make_folder: bool = False) -> Path:
     """Write a saved chat as JSON, atomically (a crash never leaves half a file), private to
     the user (0600), refusing targets that are not regular files; returns the path written.
+    The folder must exist unless `make_folder` (the default place, in the data directory): a
+    mistyped folder is refused, not made.
 
     Raises:
         ChatbotError: the file cannot be written.
@@ -112,10 +115,13 @@ def write_saved(path: str | os.PathLike[str], data: dict[str, Any]) -> Path:
     target = expand(path)
     text = json.dumps(data, ensure_ascii=False, indent=1)
     _check_save_target(target)
+    if not make_folder and not target.parent.is_dir():
+        raise ChatbotError(f"cannot save to {target}: the folder {target.parent} does not exist")
     tmp: str | None = None
     with _signals_after_cleanup():
         try:
-            target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if make_folder:
+                target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")  # 0600
             with os.fdopen(fd, "wb") as f:
                 f.write((text + "\n").encode("utf-8", errors="surrogatepass"))

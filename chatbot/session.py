@@ -438,6 +438,13 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
         turn.evicted_before = min(turn.evicted_before, self.evicted_total)
         yield from self._answer(turn.user, None, sampling, resume=turn, extend=True)
 
+    def _check_sampling(self, sampling: SamplingConfig) -> None:
+        fmt = sampling.output_format
+        if fmt is not None and fmt != self.sampling.output_format:
+            from chatbot.engine.grammar import compiled  # imported only when a format is asked for
+
+            compiled(self.tokenizer, fmt)  # GrammarError: no grammar engine, or a schema it refuses
+
     def _use_sampling(self, sampling: SamplingConfig) -> None:
         reseed = sampling.seed != self.sampling.seed
         self.sampling = sampling

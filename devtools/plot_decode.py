@@ -26,7 +26,7 @@ def plot_decode(result: dict[str, Any], path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ConfigError("plotting needs matplotlib: pip install 'chatbot[plot]'") from None
+        raise ConfigError(f"plotting needs matplotlib: {sys.executable} -m pip install matplotlib") from None
     rows = [r for r in result["results"] if "error" not in r]
     names = [r["name"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))

@@ -81,6 +81,25 @@ def test_set_parses_into_values():
     assert parse_command("/set Repetition_Penalty 1.2").values == {"repetition_penalty": 1.2}
 
 
+def test_set_takes_both_forms_mixed():
+    """`/set name value` and `/set name=value` are both documented: one command may mix them."""
+    assert parse_command("/set seed none max_new_tokens=120").values == {"seed": None, "max_new_tokens": 120}
+    assert parse_command("/set top_p=0.8 temp 0 k=5").values == {"top_p": 0.8, "temperature": 0.0, "top_k": 5}
+
+
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ("/set seed 3 top_k=-1", "top_k must be an integer ≥ 0"),
+        ("/set seed max=5", "/set seed needs a value"),
+    ],
+)
+def test_a_mixed_set_with_one_bad_word_changes_nothing(line, message):
+    """The whole command is parsed before anything is applied: one bad word refuses it all."""
+    with pytest.raises(ChatbotError, match=message):
+        parse_command(line)
+
+
 @pytest.mark.parametrize(
     "line,message",
     [

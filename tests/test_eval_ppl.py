@@ -3,7 +3,9 @@ forward pass for "dense", recomputation for the window set-ups."""
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 
 import pytest
 import torch
@@ -118,3 +120,38 @@ def test_table_and_plot(model, tmp_path):
     assert path.exists()
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size > 5000
+
+
+# -- the command, where matplotlib is missing ----------------------------------------------------
+
+
+@pytest.fixture
+def tiny_dir(tmp_path_factory, tiny_model, tiny_tokenizer):
+    path = tmp_path_factory.mktemp("tiny-model")
+    tiny_model.save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return path
+
+
+def test_without_matplotlib_the_table_and_json_are_kept_and_the_plot_is_one_line(
+    capsys, monkeypatch, tiny_dir, tmp_path
+):
+    """The run's work is never lost to a missing plotting library: the table and the JSON
+    come out, then one line saying how to get the plot; `--plot` asked by name is refused
+    before the run."""
+    from helpers import cli
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # any import of it fails
+    monkeypatch.chdir(tmp_path)
+    args = ["eval-ppl", "--model", str(tiny_dir), "--tokens", "12", "--setups", "dense", "--threads", "1"]
+    code, out, err = cli(capsys, *args, "--json", str(tmp_path / "ppl.json"))
+    assert code == 0, err
+    assert "dense" in out and json.loads((tmp_path / "ppl.json").read_text())["dense"]["ppl"] > 0
+    notes = [line for line in err.splitlines() if line.strip()]
+    assert notes == [f"no plot: matplotlib is not installed: {sys.executable} -m pip install matplotlib"]
+    assert not list(tmp_path.glob("*.png"))
+
+    code, out, err = cli(capsys, *args, "--plot", str(tmp_path / "ppl.png"))
+    assert code == 2 and out == "", out
+    missing = f"matplotlib is not installed: {sys.executable} -m pip install matplotlib"
+    assert err.strip() == f"chatbot: error: --plot: {missing}"

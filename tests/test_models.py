@@ -533,3 +533,11 @@ def test_models_lists_presets_caches_and_folders(capsys, tmp_path, tok, monkeypa
     lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
     assert "folder" in lines["my-qwen"] and "KB" in lines["my-qwen"]
     assert "gguf file" in lines["tiny"]
+
+
+def test_models_refuses_a_folder_that_does_not_exist(capsys, tmp_path):
+    """`chatbot models /nonexistent` listed nothing and exited 0; it is a bad argument."""
+    line = assert_one_line_error(capsys, "models", str(tmp_path / "nonexistent"))
+    assert "does not exist" in line and "nonexistent" in line
+    (tmp_path / "file.txt").write_text("x")
+    assert "is not a folder" in assert_one_line_error(capsys, "models", str(tmp_path / "file.txt"))

@@ -151,7 +151,7 @@ def test_a_prompt_through_a_server_answers_once_and_a_failure_exits_1(env):
 
 def test_version_is_quick_and_says_what_runs(tmp_path, monkeypatch):
     """No torch import, no kernel build: the level is the one `chatbot doctor` reports."""
-    from chatbot import doctor
+    from chatbot import DISTRIBUTION, doctor
 
     monkeypatch.delenv("CHATBOT_KERNEL_FLAGS", raising=False)
 
@@ -166,7 +166,7 @@ def test_version_is_quick_and_says_what_runs(tmp_path, monkeypatch):
     assert last == "exit 0 False", proc.stdout + proc.stderr
     for name in ("torch", "transformers"):
         assert f"{name} {version(name)}" in first
-    assert first.startswith(f"chatbot {version('chatbot')} (python {sys.version.split()[0]}")
+    assert first.startswith(f"chatbot {version(DISTRIBUTION)} (python {sys.version.split()[0]}")
     cc = doctor.compiler()
     expected = cc.simd if cc.command is not None else "none (no C compiler"
     assert second.startswith(f"kernels: {expected}")

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from chatbot import DISTRIBUTION
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -31,7 +33,7 @@ def wheel(tmp_path_factory) -> Path:
     except ImportError:
         pass
     subprocess.run([*args, "-w", str(out), str(ROOT)], check=True, timeout=600, capture_output=True)
-    (found,) = out.glob("chatbot-*.whl")
+    (found,) = out.glob(f"{DISTRIBUTION.replace('-', '_')}-*.whl")
     return found
 
 
@@ -54,6 +56,10 @@ def test_the_wheel_holds_every_module_preset_the_kernels_and_the_licence(wheel):
     (meta,) = [n for n in names if n.endswith(".dist-info/METADATA")]
     metadata = Parser().parsestr(zipfile.ZipFile(wheel).read(meta).decode())
     assert metadata["License-Expression"] == "MIT"
+    # a name of our own: pip install chatbot gets PyPI's chatbot, a wiki chat tool of 2013
+    assert metadata["Name"] == DISTRIBUTION == "chatbot-local"
+    entry_points = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    assert "chatbot = chatbot.cli:main" in zipfile.ZipFile(wheel).read(entry_points[0]).decode()
 
 
 def listed_presets(stdout: str) -> list[str]:
@@ -68,7 +74,7 @@ def test_an_editable_install_lists_the_presets_of_configs(tmp_path):
     checkout, lists configs/."""
     # (a chatbot.egg-info in the checkout, left by a build, carries no direct_url.json)
     urls = [
-        json.loads(d.read_text("direct_url.json") or "{}") for d in metadata.distributions(name="chatbot")
+        json.loads(d.read_text("direct_url.json") or "{}") for d in metadata.distributions(name=DISTRIBUTION)
     ]
     if not any(u.get("dir_info", {}).get("editable") and u["url"] == ROOT.as_uri() for u in urls):
         pytest.skip("chatbot is not installed editable from this checkout (scripts/setup does that)")

@@ -105,7 +105,8 @@ def test_probe_failure_is_caught(monkeypatch):
 def test_missing_bitsandbytes_is_one_line(capsys, tiny_folder, monkeypatch):
     monkeypatch.setattr(quantize, "bnb_version", lambda: None)
     line = assert_one_line_error(capsys, "run", "--model", str(tiny_folder), "--quantize", "8bit")
-    assert "--quantize 8bit needs bitsandbytes: pip install" in line
+    assert "--quantize 8bit needs bitsandbytes: pip install 'bitsandbytes>=" in line
+    assert "chatbot[" not in line  # PyPI's chatbot is another project
 
 
 def test_unknown_mode_is_one_line(capsys, tiny_folder):

@@ -85,10 +85,10 @@ def test_system_load_and_resume_on_a_real_terminal(tiny_dir, tmp_path):
         child.expect("system prompt set; re-encoded")
         child.expect(">")
         child.sendline(f"/save {saved}")
-        child.expect("saved 1 turns")
+        child.expect("saved 1 turn to ")  # not "1 turns"
         child.expect(">")
         child.sendline(f"/load {saved}")
-        child.expect(r"loaded 1 turns \(\d+ tokens encoded\)")
+        child.expect(r"loaded 1 turn \(\d+ tokens encoded\)")
         child.expect(">")
         child.sendline("How are you?")
         child.expect(r"context \d+ tok")
@@ -535,7 +535,13 @@ def test_failed_save_leaves_no_temp_file(tiny_model, tiny_tokenizer, tmp_path, m
 
 def test_kill_9_mid_answer_keeps_the_message(tiny_dir, tmp_path):
     """kill -9 while an answer streams: --resume has every finished turn and the message
-    whose answer was cut (with what is logged of it: nothing, marked interrupted)."""
+    whose answer was cut (with what is logged of it: nothing, marked interrupted).
+
+    The kill waits for the state, not the clock: the log holds the message (written before
+    its answer starts), and the process is stopped (SIGSTOP) while its answer is still under
+    way (a sink cache never fills the context: 100,000 tokens are minutes). A pipe shows the
+    tiny model's sampled bytes only when the answer ends, so reading stdout waited for the
+    end, and on a loaded machine the finished turn was logged before the kill came."""
     env = env_for(tmp_path)
     args = [CHATBOT, "run", "--model", str(tiny_dir), "--threads", "1", "--temperature", "0"]
     proc = subprocess.Popen(
@@ -547,29 +553,28 @@ def test_kill_9_mid_answer_keeps_the_message(tiny_dir, tmp_path):
     )
     proc.communicate(b"first message\nsecond message\n", timeout=120)
     assert proc.returncode == 0
+    log = session_log.find_session("last", tmp_path / "chatbot" / "sessions")
+    logged = len(list(session_log.read_events(log)))
     proc = subprocess.Popen(
-        # sampled: the tiny model's greedy answer is whitespace, which a pipe holds back
-        [
-            *args,
-            "--resume",
-            "--max-new-tokens",
-            "100000",
-            "--stream-interval",
-            "1",
-            "--temperature",
-            "1",
-            "--seed",
-            "1",
-        ],
+        [*args, "--resume", "--max-new-tokens", "100000", "--temperature", "1", "--seed", "1",
+         "--enable-streaming", "--recent-size", "64"],
         stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
         env=env,
-    )
-    assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write(b"a long answer please\n")
+    )  # fmt: skip
+    assert proc.stdin is not None
+    proc.stdin.write(b"a long answer please\n")  # stdin stays open: the chat waits for more
     proc.stdin.flush()
-    proc.stdout.read(50)  # the answer is streaming
+    deadline = time.monotonic() + 240
+    events: list[str] = []
+    while "send" not in events[logged:]:  # the message logged: its answer has started
+        assert proc.poll() is None and time.monotonic() < deadline, events
+        time.sleep(0.05)
+        events = [ev["event"] for ev in session_log.read_events(log)]
+    os.kill(proc.pid, signal.SIGSTOP)
+    events = [ev["event"] for ev in session_log.read_events(log)]
+    assert events[logged:] == ["resume", "send"], events  # and it has not ended
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     path = session_log.find_session("last", tmp_path / "chatbot" / "sessions")

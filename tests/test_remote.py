@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -264,6 +265,23 @@ def test_unreachable_server_and_bad_names(env, capsys, server):
     bad_key = run_piped(server, {**env, "TEST_REMOTE_KEY": "wrong"}, ["hi"])
     assert bad_key.returncode == 2 and "refused the API key in TEST_REMOTE_KEY (401)" in bad_key.stderr
     assert len(bad_key.stderr.strip().splitlines()) == 1
+
+
+def test_a_one_shot_on_an_unreachable_server_exits_2_as_docs_chat_md_says(env):
+    """`chatbot run "hi" --server URL` where nothing listens: a bad flag before any answer,
+    exit 2 with one line (as on a pipe); docs/chat.md's exit statuses say so (they said 1)."""
+    port = free_port()  # nothing listens there
+    proc = subprocess.run(
+        [CHATBOT, "run", "hi", "--server", f"http://127.0.0.1:{port}"],
+        capture_output=True, text=True, check=False, env=env, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "cannot reach the server" in proc.stderr
+    chat_md = " ".join((Path(__file__).resolve().parents[1] / "docs" / "chat.md").read_text().split())
+    statuses = chat_md.split("The exit status says whether it answered:", 1)[1]
+    statuses = statuses.split(" The turn is logged", 1)[0]
+    assert "1 when the model or the server failed while answering" in statuses
+    assert "a `--server` that cannot be reached" in statuses.split("; 2 for", 1)[1], statuses
 
 
 @pytest.mark.parametrize(

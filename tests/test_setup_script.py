@@ -14,9 +14,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 STAND_IN = """#!/usr/bin/env bash
-# A stand-in interpreter: `-c ...` succeeds (torch is "there"), `-m pip install` records its
+# A stand-in interpreter: `-c ...` succeeds (torch is "there"; the distribution once named
+# chatbot only with OLD_DIST set), `-m pip install` (or uninstall) records its
 # arguments and prints setuptools' editable-install warning as pip would.
-if [ "$1" = "-c" ]; then exit 0; fi
+if [ "$1" = "-c" ]; then
+  case "$2" in *"distribution('chatbot')"*) [ -n "$OLD_DIST" ] && exit 0 || exit 1;; esac
+  exit 0
+fi
 if [ "$1" = "-m" ] && [ "$2" = "pip" ]; then
   echo "$*" >> "$(dirname "$0")/../../pip-calls.log"
   echo "  !! Please be careful with folders in your working directory with the same name !!" >&2
@@ -42,8 +46,10 @@ def _checkout(tmp_path: Path) -> Path:
     return tree
 
 
-def _setup(tree: Path, *args: str, fail_on: str = "") -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "FAIL_ON": fail_on}
+def _setup(
+    tree: Path, *args: str, fail_on: str = "", old_dist: bool = False
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "FAIL_ON": fail_on, "OLD_DIST": "1" if old_dist else ""}
     return subprocess.run(
         [str(tree / "scripts" / "setup"), *args],
         check=False,
@@ -105,3 +111,18 @@ def test_a_failed_step_shows_pips_output_and_leaves_no_stamp(tmp_path: Path) -> 
     # Run again once the cause is gone: it installs.
     assert _setup(tree).returncode == 0
     assert (tree / ".venv" / ".chatbot-setup").exists()
+
+
+def test_a_venv_set_up_before_the_rename_loses_the_old_distribution(tmp_path: Path) -> None:
+    """A .venv made when the distribution was `chatbot` (PyPI's name of another project) holds
+    it; set-up removes it before installing chatbot-local, which owns the same package and
+    command, and leaves alone a .venv without it."""
+    tree = _checkout(tmp_path)
+    assert _setup(tree, old_dist=True).returncode == 0
+    calls = _calls(tree)
+    removed = [i for i, call in enumerate(calls) if "uninstall" in call and call.endswith(" chatbot")]
+    editable = [i for i, call in enumerate(calls) if "-e ." in call]
+    assert removed and editable and removed[0] < editable[0], calls
+    fresh = _checkout(tmp_path / "fresh")
+    assert _setup(fresh).returncode == 0
+    assert not any("uninstall" in call for call in _calls(fresh))

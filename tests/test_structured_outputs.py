@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import jsonschema
 import openai
@@ -51,6 +52,8 @@ SELF = {"$ref": "#"}
 # end keeps a model from closing the string first.
 GIVES_UP = {"type": "string", "pattern": "^(.{1,1000}){1,1000}$"}
 GIVES_UP_LATE = {"type": "string", "pattern": "^(.{1,1000}){1,1000}x{40}$"}
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 # -- settings and flags (no model) --------------------------------------------------------------
@@ -108,6 +111,57 @@ except Exception as exc:
         [sys.executable, "-c", code], capture_output=True, text=True, cwd="tests", timeout=300, check=True
     )
     assert out.stdout.strip().startswith("GrammarError structured outputs need llguidance"), out
+    # a command that installs it here (pip install 'chatbot[grammar]' took PyPI's unrelated chatbot)
+    assert f"{sys.executable} -m pip install 'llguidance>=" in out.stdout, out.stdout
+
+
+def test_the_grammar_engine_is_a_dependency_not_an_extra():
+    """What the README offers (structured outputs, tools) works after its set-up, which
+    installs the package's dependencies and no extra."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert any(req.startswith("llguidance") for req in project["dependencies"]), project["dependencies"]
+    assert not any(
+        req.startswith("llguidance") for extra in project["optional-dependencies"].values() for req in extra
+    )
+
+
+@pytest.mark.parametrize(
+    "engine, said", [("here", "uniqueItems"), ("missing", "-m pip install 'llguidance>=")]
+)
+def test_json_schema_faults_come_before_the_model_loads(tmp_path, engine, said):
+    """A schema the engine refuses, or no engine at all: one line and exit 2 before the model
+    is even looked for (it does not exist here)."""
+    path = tmp_path / "ids.json"
+    path.write_text(json.dumps(UNENFORCEABLE))
+    block = "sys.modules['llguidance'] = None; " if engine == "missing" else ""
+    code = f"import sys; {block}from chatbot.cli import main; main(sys.argv[1:])"
+    out = subprocess.run(
+        [sys.executable, "-c", code, "run", "--model", str(tmp_path / "no-such-model.gguf"),
+         "--json-schema", str(path), "List ids."],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert said in lines[0] and "--json-schema" in lines[0] and "no-such-model" not in lines[0], lines
+
+
+def test_set_format_json_is_refused_at_once_without_the_grammar_engine(tiny_engine, monkeypatch):
+    """`/set format json` in a local chat where llguidance is missing fails when it is set,
+    saying how to install it, and leaves the format as it was (not at the next message)."""
+    from chatbot.config import ChatConfig
+    from chatbot.engine.grammar import GrammarError
+    from chatbot.session import ChatSession
+
+    session = ChatSession(tiny_engine, ChatConfig())
+    json_object = session.sampling.with_value(FORMAT_KEY, "json")
+    with monkeypatch.context() as patched:
+        patched.setitem(sys.modules, "llguidance", None)  # any import of it fails
+        with pytest.raises(GrammarError, match="-m pip install 'llguidance>="):
+            session.set_sampling(json_object)
+    assert session.sampling.output_format is None
+    session.set_sampling(json_object)  # with the engine there, taken
+    assert session.sampling.output_format == OutputFormat.json_object()
 
 
 # -- the engine, on the tiny random model ----------------------------------------------------------
@@ -343,7 +397,7 @@ def test_run_json_schema_answers_once_in_the_schema(tmp_path):
         check=False,
     )
     lines = [line for line in out.stderr.splitlines() if line.strip()]
-    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.returncode == 2 and "Traceback" not in out.stderr  # a bad flag, before the load
     assert len(lines) == 1 and "uniqueItems" in lines[0], out.stderr
 
 

@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import copy
 import json
+import shlex
+import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from chatbot.config import OutputFormat
 from chatbot.errors import ChatbotError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class GrammarError(ChatbotError):
@@ -39,6 +43,16 @@ _BYTE_BIAS = np.where(
 ).astype(np.float32)
 
 
+# A dependency of the package; an environment can still lack it (installed without
+# dependencies). The command installs it into the interpreter that runs chatbot.
+LLGUIDANCE_REQUIREMENT = "llguidance>=1.9,<2"
+
+
+def install_command() -> str:
+    """The command that installs the grammar engine where chatbot runs."""
+    return f"{shlex.quote(sys.executable)} -m pip install {shlex.quote(LLGUIDANCE_REQUIREMENT)}"
+
+
 def _llguidance() -> Any:
     # The package alone (10 ms): its `torch` helpers import torch's compiler (seconds) and
     # compile their mask kernel on first use, its `hf` helper imports transformers.
@@ -46,9 +60,27 @@ def _llguidance() -> Any:
         import llguidance
     except ImportError:
         raise GrammarError(
-            "structured outputs need llguidance, which is not installed: pip install 'chatbot[grammar]'"
+            f"structured outputs need llguidance, which is not installed: {install_command()}"
         ) from None
     return llguidance
+
+
+def check_format(fmt: OutputFormat) -> None:
+    """Check that `fmt` can be enforced, without a model (milliseconds; torch not imported):
+    the grammar engine is there and the schema is one it enforces. The tokenizer's own
+    check comes with the model (`compiled`).
+
+    Raises:
+        GrammarError: no grammar engine, or a schema it refuses (the message says which).
+    """
+    ll = _llguidance()
+    try:
+        grammar = ll.LLMatcher.grammar_from_json_schema(schema_of(fmt), defaults=_JSON_OPTIONS)
+    except (ValueError, TypeError) as exc:
+        raise GrammarError(f"not a JSON schema: {exc}") from None
+    is_error, messages = ll.LLMatcher.validate_grammar_with_warnings(grammar, None)
+    if is_error:
+        raise GrammarError(f"the schema cannot be enforced: {'; '.join(messages)}")
 
 
 def _ll_tokenizer(tokenizer: Any) -> Any:
@@ -163,6 +195,8 @@ class JsonConstraint:
         Raises:
             GrammarError: the grammar engine gave up (see the class).
         """
+        import torch  # loaded by then (the model runs on it); kept off `check_format`'s path
+
         self.matcher.unsafe_compute_mask_ptr(self.words.ctypes.data, self.words.nbytes)
         self._check()
         # each byte of the mask looked up as its 8 tokens' 0 or -inf, then added: no branch

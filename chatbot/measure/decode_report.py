@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from chatbot.wording import counted
+
 LLAMA_CPP = "llama.cpp"
 """The set-up name of llama.cpp in `chatbot bench decode`."""
 
@@ -16,7 +18,7 @@ def print_decode(console: Any, result: dict[str, Any]) -> None:
 
     s = result["settings"]
     sizes = [str(n) for n in s["prefill_sizes"]]
-    title = (f"{s['model']}, {result['machine']['torch_threads']} threads, "
+    title = (f"{s['model']}, {counted(result['machine']['torch_threads'], 'thread')}, "
              f"medians of {s['rounds']} interleaved rounds")  # fmt: skip
     decode = Table(title=f"decode: {title}")
     prefill = Table(title="prefill and time to first token")

@@ -166,6 +166,19 @@ def format_table(result: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def plotting_missing() -> str | None:
+    """Why no plot can be drawn here, with the command that installs what it needs; None
+    when it can (matplotlib, an optional dependency: the `plot` extra)."""
+    import shlex
+    import sys
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return f"matplotlib is not installed: {shlex.quote(sys.executable)} -m pip install matplotlib"
+    return None
+
+
 def write_plot(result: dict[str, dict[str, Any]], path: str | Path, title: str | None = None) -> Path:
     """Draw the running mean log-perplexity of each set-up against position, as a PNG.
 

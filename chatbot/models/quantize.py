@@ -97,9 +97,7 @@ def check_quantization(mode: str, device: torch.device, dtype: torch.dtype) -> N
         raise ModelLoadError(f"unknown --quantize {mode!r}: use 4bit or 8bit")
     version = bnb_version()
     if version is None:
-        raise ModelLoadError(
-            f"--quantize {mode} needs bitsandbytes: pip install 'bitsandbytes>=0.46' (or chatbot[quant])"
-        )
+        raise ModelLoadError(f"--quantize {mode} needs bitsandbytes: pip install 'bitsandbytes>=0.50'")
     if device.type not in ("cpu", "cuda", "xpu", "mps"):
         raise ModelLoadError(f"--quantize {mode} does not run on {device.type} with bitsandbytes {version}")
     reason = _probe(mode, device, dtype)

@@ -150,15 +150,21 @@ def parse_command(line: str) -> Command:
 
 
 def _parse_set(arg: str, spec: CommandSpec) -> dict[str, Any]:
+    """`KEY VALUE` pairs and `KEY=VALUE` words, in any mix (`/set seed none max=120`); all are
+    parsed before any is applied, so an error anywhere changes nothing."""
     words = arg.split()
-    if all("=" in w for w in words):
-        return _parse_assignments(words, spec)
     values: dict[str, Any] = {}
-    for i in range(0, len(words), 2):
+    i = 0
+    while i < len(words):
+        if "=" in words[i]:
+            values.update(_parse_assignments(words[i : i + 1], spec))
+            i += 1
+            continue
         key = setting_key(words[i])
-        if i + 1 == len(words):
+        if i + 1 == len(words) or "=" in words[i + 1]:
             raise CommandError(f"/set {key} needs a value (usage: {spec.usage}; /set lists the settings)")
         values[key] = parse_value(key, words[i + 1])
+        i += 2
     return values
 
 

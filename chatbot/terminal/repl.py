@@ -57,6 +57,7 @@ from chatbot.terminal.repl_commands import ReplCommands
 from chatbot.terminal.sanitize import safe_line, safe_text
 from chatbot.terminal.tty import Terminated, ended_by_signals, interrupt_once, make_consoles, no_echo
 from chatbot.terminal.wrap_input import WordWrap
+from chatbot.wording import counted
 
 if TYPE_CHECKING:  # torch and transformers come with these: the prompt must not wait for them
     from chatbot.chat import Chat, ModelInfo
@@ -260,7 +261,7 @@ class Repl(ReplCommands):
                 state["system"] = system
             if overrides:
                 state["settings"] = {**(state.get("settings") or {}), **overrides}
-            self.note(f"resuming session {state['id']} ({len(state['turns'])} turns)")
+            self.note(f"resuming session {state['id']} ({counted(len(state['turns']), 'turn')})")
             if state.get("model") and state["model"] != self.loaded.name:
                 self.note(f"that session was with {state['model']}; continuing with {self.loaded.name}")
             self._restore(state)

@@ -31,6 +31,7 @@ from chatbot.terminal.render import (
     stats_renderable,
 )
 from chatbot.terminal.tty import interrupt_once
+from chatbot.wording import counted
 
 if TYPE_CHECKING:  # torch and transformers come with these: the prompt must not wait for them
     from chatbot.chat import Chat, ModelInfo
@@ -141,8 +142,9 @@ class ReplCommands:
             if command.arg
             else (data_dir() / "saved" / time.strftime("chat-%Y%m%d-%H%M%S.json"))
         )
-        written = self.session.save(path, model=self.loaded.name)
-        self.note(f"saved {len(self.session.turns)} turns to {written}")
+        # the default folder is made; a folder the user names must exist (a typo is refused)
+        written = self.session.save(path, model=self.loaded.name, make_folder=not command.arg)
+        self.note(f"saved {counted(len(self.session.turns), 'turn')} to {written}")
 
     def _load(self, command: Command) -> None:
         from chatbot.persist import read_saved
@@ -160,16 +162,19 @@ class ReplCommands:
                 n = self.session.restore(data, progress, warnings=problems)
             for problem in problems:
                 self.note(f"warning: {problem}")
-            self.note(f"loaded {len(self.session.turns)} turns" + self.session.encoded_note(n, system=False))
+            self.note(
+                f"loaded {counted(len(self.session.turns), 'turn')}"
+                + self.session.encoded_note(n, system=False)
+            )
         except KeyboardInterrupt:
             self.note(
-                f"loaded {len(self.session.turns)} turns; encoding stopped, the rest is "
+                f"loaded {counted(len(self.session.turns), 'turn')}; encoding stopped, the rest is "
                 "encoded with the next message"
             )
         except ContextFullError as exc:
             # The conversation is kept (not encoded): the user decides what to drop.
             self.note(
-                f"loaded {len(self.session.turns)} turns, but they do not fit: {exc}; "
+                f"loaded {counted(len(self.session.turns), 'turn')}, but they do not fit: {exc}; "
                 "/undo drops the last turn"
             )
 

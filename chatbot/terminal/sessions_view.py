@@ -17,6 +17,7 @@ from rich.text import Text
 
 from chatbot.session_log import SessionInfo, list_sessions, sessions_dir
 from chatbot.terminal.sanitize import safe_text
+from chatbot.wording import counted
 
 PIPED_WORDS = 60  # characters of the first words on a piped line
 FEWEST_WORDS = 20  # the table needs this many columns left for the first words, else records
@@ -48,7 +49,7 @@ def short_path(path: Path) -> str:
 def _turns(n: int | None) -> str:
     if n is None:
         return "? turns (a large log)"
-    return f"{n} turn" if n == 1 else f"{n} turns"
+    return counted(n, "turn")
 
 
 def print_sessions(console: Console, limit: int = 20, directory: Path | None = None) -> None:
