@@ -51,7 +51,9 @@ def test_repetition_penalty_covers_only_the_last_n_ids_and_never_special_ones():
         torch.testing.assert_close(got, _penalised(scores, covered, 1.3))
         device = DeviceSampler(torch.device("cpu"))
         device.begin(sampling, context, 40, None, special=special)
-        assert set(torch.nonzero(device.seen).flatten().tolist()) == covered, last_n
+        place, size = device.window.tolist()  # an id is covered where it last stood in the window
+        seen = (device.last >= 0) & (device.last >= place - size)
+        assert set(torch.nonzero(seen).flatten().tolist()) == covered, last_n
     # the whole context, special ids included, as transformers' own processor
     whole = WindowedRepetitionPenalty(1.3, -1)(torch.tensor([context]), scores)
     torch.testing.assert_close(whole, _penalised(scores, set(context), 1.3))
