@@ -18,11 +18,11 @@ QUANTIZE_CHOICES = ("4bit", "8bit")
 """bitsandbytes modes of `--quantize` (`chatbot.models.quantize`)."""
 OPT_LEVELS = ("off", "f32", "auto", "exact", "fast", "int8", "int4", "compile")
 """`--opt`: ``off`` is plain transformers; ``compile`` is transformers' forward pass compiled as
-one step per token on a static cache (`chatbot.engine.compiled`; the default on CUDA); the
-others pick the weight format of the native kernels (`chatbot.engine.fast`)."""
+one step per token on a static cache (`chatbot.engine.backends.compiled`; the default on CUDA); the
+others pick the weight format of the native kernels (`chatbot.engine.backends.native.decoder`)."""
 FILE_LEVELS = ("auto", "exact", "fast")
 """The native levels that decode a GGUF file's matrices as stored; they differ in the form of
-the products' inputs (`chatbot.engine.fast.choose_inputs`)."""
+the products' inputs (`chatbot.engine.backends.native.decoder.choose_inputs`)."""
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from chatbot.engine import kernel_build
+from chatbot.engine.backends.native import build as kernel_build
 
 
 @dataclass
@@ -122,7 +122,7 @@ def gpus() -> Gpu:
 def kernels_cache(cc: Compiler) -> tuple[Path, Path | None]:
     """The kernels' cache folder, and the library this compiler and CPU would use (None
     without a compiler): the OpenMP build, or the one on the kernels' own pool."""
-    from chatbot.engine import kernels  # torch: only `chatbot doctor` asks
+    from chatbot.engine.backends.native import kernels  # torch: only `chatbot doctor` asks
 
     if cc.command is None:
         return kernels.kernels_dir(), None
@@ -134,7 +134,7 @@ def kernels_cache(cc: Compiler) -> tuple[Path, Path | None]:
 def kernel_threads(cc: Compiler) -> str | None:
     """How the kernels run on several threads: "OpenMP", or "own pool" where they were (or
     would be) built without it; None without a compiler. A loaded library says so itself."""
-    from chatbot.engine import kernels
+    from chatbot.engine.backends.native import kernels
 
     lib = kernels.loaded()
     if lib is not None:

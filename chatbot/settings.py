@@ -2,10 +2,10 @@
 `/set` aliases, the preset key, the OpenAI request field, and the layer it belongs to.
 
 Everything that names a setting reads this table: the dataclasses of `chatbot.config` (their
-defaults and ranges), the CLI flags (`chatbot.cli_common.setting_options`), `/set`
+defaults and ranges), the CLI flags (`chatbot.cli.options.setting_options`), `/set`
 (`chatbot.terminal.commands`), presets (`chatbot.models.presets`), `--resume`
-(`chatbot.session_settings`), `serve`'s requests (`chatbot.server.protocol`), the remote client
-(`chatbot.remote_backend`) and the status line. Adding a setting is a row here, a field of its
+(`chatbot.conversation.settings`), `serve`'s requests (`chatbot.server.protocol`), the remote client
+(`chatbot.conversation.remote_backend`) and the status line. Adding a setting is a row here, a field of its
 dataclass, the code that uses it (a sampler) and a test.
 """
 

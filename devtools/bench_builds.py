@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from chatbot.engine.threads import wait_policy_env
+from chatbot.engine.backends.native.threads import wait_policy_env
 from devtools import child_env
 
 WORKER_TIMEOUT_S = 1800
@@ -53,7 +53,7 @@ def build_envs(folder: Path) -> dict[str, str]:
 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     """bench_decode's worker for ``chatbot-auto``, and whether the kernels ran on OpenMP."""
-    from chatbot.engine import kernels
+    from chatbot.engine.backends.native import kernels
     from chatbot.measure import bench_decode
 
     out = bench_decode.worker(spec)
@@ -64,7 +64,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _run(spec: dict[str, Any], cc: str) -> dict[str, Any]:
     env = child_env({**os.environ, "CC": cc})
-    env.update(wait_policy_env(env))  # the wait `chatbot` sets for OpenMP (engine/threads.py)
+    env.update(wait_policy_env(env))  # the wait `chatbot` sets for OpenMP (engine/backends/native/threads.py)
     cmd = [sys.executable, "-m", "devtools.bench_builds", json.dumps(spec)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=WORKER_TIMEOUT_S, check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

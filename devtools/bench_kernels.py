@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from chatbot.engine import kernels
-from chatbot.engine.gguf_weights import GGUFWeights
+from chatbot.engine.backends.native import kernels
+from chatbot.engine.backends.native.gguf_weights import GGUFWeights
 
 HOT_REPEATS = 20
 ACTS = {"int16": kernels.ACT_I16, "int8": kernels.ACT_Q8}

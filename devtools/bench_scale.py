@@ -206,7 +206,7 @@ def startup_one(path: Path, *, threads: int, rounds: int, python: str = sys.exec
 
 WARM_UP = """
 import sys
-from chatbot.engine.fast import make_decoder
+from chatbot.engine.backends.native.decoder import make_decoder
 from chatbot.models.loader import load_model
 loaded = load_model(sys.argv[1], device="cpu", dtype="float32")
 make_decoder(loaded.model, "auto")

@@ -32,9 +32,9 @@ STOP_TIMEOUT_S = 15.0
 # What decides that llama-cpp-python's server can run: its module imports (it needs the
 # [server] extra), checked in a fresh process so that this one never loads libllama.
 LLAMA_SERVER_CHECK = "import llama_cpp.server.app"
-# What the console script (`chatbot = "chatbot.cli:main"` in pyproject.toml) runs: the module
+# What the console script (`chatbot = "chatbot.cli.app:main"` in pyproject.toml) runs: the module
 # imported as itself, not as __main__ (`python -m chatbot.cli` would run it as __main__).
-CHATBOT_MAIN = "import sys; from chatbot.cli import main; sys.argv[0] = 'chatbot'; sys.exit(main())"
+CHATBOT_MAIN = "import sys; from chatbot.cli.app import main; sys.argv[0] = 'chatbot'; sys.exit(main())"
 
 
 def last_line(text: str) -> str:
@@ -87,7 +87,7 @@ def serve_default_threads() -> int:
     physical cores less the CPUs other processes keep busy now."""
     import torch
 
-    from chatbot.engine.threads import default_threads
+    from chatbot.engine.backends.native.threads import default_threads
 
     return default_threads(most=torch.get_num_threads())
 

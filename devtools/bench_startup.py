@@ -57,7 +57,7 @@ QUIT = b"/quit\r"
 _ESCAPES = re.compile(rb"\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b\[[0-?]*[ -/]*[@-~]|\x1b[ -/]*[0-~]")
 _CONTROLS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # all but \t \n \r
 START_NOTE = "type a message"  # the REPL's note just before its first prompt
-# The model banner (chatbot.cli.run); Rich wraps it at the width, anywhere between words.
+# The model banner (chatbot.cli.app.run); Rich wraps it at the width, anywhere between words.
 _BANNER = re.compile(r"·\s+(?:ready|loaded)\s+in\s+\S")
 # prompt_toolkit draws "> " at the start of a line; the space is often a cursor move.
 _PROMPT = re.compile(r"(?:^|[\r\n])[ \t]*>")
@@ -295,7 +295,7 @@ def _threads(threads: int | None) -> int:
         return min(threads, os.cpu_count() or threads)
     import torch
 
-    from chatbot.engine.threads import default_threads
+    from chatbot.engine.backends.native.threads import default_threads
 
     return default_threads(most=torch.get_num_threads())
 
@@ -410,7 +410,7 @@ def run_startup_bench(
             "rounds": rounds,
             "threads": n_threads,
             "terminal": f"{COLUMNS}x{ROWS}, TERM=xterm-256color, cursor-position requests answered",
-            "command": argv[:1] + ["-c", "<chatbot.cli:main>"] + argv[3:],
+            "command": argv[:1] + ["-c", "<chatbot.cli.app:main>"] + argv[3:],
             "llama_cpp": "Llama(model_path, n_ctx=4096, n_batch=512, n_threads, verbose=False)",
             "wall_s": round(time.perf_counter() - started, 1),
         },

@@ -2,7 +2,7 @@
 
 One worker process per wait policy (libgomp reads its wait settings once, when torch loads
 it): OpenMP's default (spin ~300,000 iterations at a barrier, then sleep) against
-spin-then-sleep (`chatbot.engine.threads.SPIN_COUNT`). Each worker loads the model once,
+spin-then-sleep (`chatbot.engine.backends.native.threads.SPIN_COUNT`). Each worker loads the model once,
 then takes turns between its thread counts, each measured with nothing of ours running
 beside it and with `busy` competing processes that spin (a build, a test run, another
 agent); the figures are medians over the rounds. Run it with `scripts/bench-threads`.
@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 import devtools
-from chatbot.engine.threads import WAIT_VARIABLES, wait_policy_env
+from chatbot.engine.backends.native.threads import WAIT_VARIABLES, wait_policy_env
 from chatbot.measure.report import loadavg
 
 WAITS = {"omp-default": {}, "spin-then-sleep": wait_policy_env({})}
@@ -50,8 +50,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Measure every (threads, load) pair of `spec` with this process's wait policy."""
     import torch
 
-    from chatbot.engine.fast import make_decoder
-    from chatbot.engine.threads import default_threads
+    from chatbot.engine.backends.native.decoder import make_decoder
+    from chatbot.engine.backends.native.threads import default_threads
     from chatbot.measure.bench_decode import bench_text
     from chatbot.models.loader import load_model
 
@@ -106,7 +106,7 @@ def run_threads_bench(
 ) -> dict[str, Any]:
     """Decode tok/s for threads 1..`most`, the measured tuner and the load policy, under
     each wait policy, quiet and with `busy` spinning processes; medians of `rounds`."""
-    from chatbot.engine.threads import available_cpus
+    from chatbot.engine.backends.native.threads import available_cpus
     from chatbot.measure.report import machine_info
 
     most = most or available_cpus()

@@ -1,13 +1,13 @@
 """The eager decode step (`--opt off`: transformers' forward pass over the model's packed
 products) called at a range of depths of the caller's Python stack, bare and through
-`chatbot.engine.pystack.call_with_room`, alternating at each depth in one process:
+`chatbot.engine.backends.native.pystack.call_with_room`, alternating at each depth in one process:
 
     python -m devtools.frame_depth [--model M] [--threads N] [--depths 0:240:2] [--steps N]
 
 Prints, per depth, each side's median ms a step and page faults a step (a frame-stack chunk
 mapped afresh costs at least one), then the worst depth of each side. Where the bare step's
 faults jump at some depths and its time with them, CPython's frame stack maps and unmaps a
-chunk per module call there (chatbot/engine/pystack.py says why).
+chunk per module call there (chatbot/engine/backends/native/pystack.py says why).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="steps per depth and side")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from chatbot.engine.backend import HFBackend
-    from chatbot.engine.pystack import call_with_room
+    from chatbot.engine.backends.base import HFBackend
+    from chatbot.engine.backends.native.pystack import call_with_room
     from chatbot.models.loader import load_model
 
     loaded = load_model(args.model, device="cpu", dtype="float32")

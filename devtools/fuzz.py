@@ -352,11 +352,11 @@ def run_repl(args: argparse.Namespace, work: Path) -> dict[str, int]:
     from prompt_toolkit.output import DummyOutput
     from rich.console import Console
 
-    from chatbot import session_log
     from chatbot.config import ChatConfig, SamplingConfig
+    from chatbot.conversation import log as session_log
+    from chatbot.conversation.session import ChatSession
     from chatbot.engine.generate import Engine
     from chatbot.models.loader import LoadedModel
-    from chatbot.session import ChatSession
     from chatbot.terminal.repl import Repl
 
     torch.set_num_threads(1)
@@ -545,7 +545,7 @@ def run_cmdline(args: argparse.Namespace, work: Path) -> dict[str, int]:
 
 def run_kill(args: argparse.Namespace, work: Path) -> dict[str, int]:
     """kill -9 at random points; each round resumes the log of the one before."""
-    from chatbot import session_log
+    from chatbot.conversation import log as session_log
 
     rng = random.Random(args.seed + 2)
     model = tiny_model_dir(work)
@@ -753,8 +753,8 @@ def run_load(args: argparse.Namespace, work: Path) -> dict[str, object]:
     from helpers import make_model, make_tokenizer
 
     from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
+    from chatbot.conversation.session import ChatSession
     from chatbot.engine.generate import Engine
-    from chatbot.session import ChatSession
 
     torch.set_num_threads(1)
     tok = make_tokenizer()
@@ -1005,7 +1005,7 @@ def _damage_server(
         [
             sys.executable,
             "-m",
-            "chatbot.cli",
+            "chatbot.cli.app",
             "serve",
             "--model",
             str(model),

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from chatbot.engine.architectures import ARCHITECTURES, BY_GGUF_ARCH
-from chatbot.engine.formats import FORMATS
+from chatbot.engine.backends.native.architectures import ARCHITECTURES, BY_GGUF_ARCH
+from chatbot.engine.backends.native.formats import FORMATS
 
 # block (weights, bytes) and where the fp16 scale fields sit, with the largest integer a
 # weight's scale multiplies (so random blocks get weights of about the size asked for)

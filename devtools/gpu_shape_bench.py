@@ -85,9 +85,9 @@ def ours(model: Any, compiled: bool, n: int) -> dict[str, Any]:
     from transformers.generation.logits_process import LogitsProcessorList
 
     from chatbot.config import SamplingConfig
-    from chatbot.engine.backend import HFBackend
-    from chatbot.engine.compiled import CompiledBackend
-    from chatbot.engine.device_decode import device_token_steps
+    from chatbot.engine.backends.base import HFBackend
+    from chatbot.engine.backends.compiled import CompiledBackend
+    from chatbot.engine.backends.device_sampling import device_token_steps
     from chatbot.engine.generate import Engine, token_steps
     from chatbot.engine.sampling import Sampler
 
@@ -154,7 +154,7 @@ def generate(model: Any, n: int) -> dict[str, Any]:
 def eviction(model: Any, recent: int = 512) -> dict[str, Any]:
     """One eviction of the compiled step's sink cache (4 sinks, `recent` tokens), once full:
     the block dropped and the kept keys moved and re-rotated in place."""
-    from chatbot.engine.compiled import CompiledBackend
+    from chatbot.engine.backends.compiled import CompiledBackend
     from chatbot.engine.generate import Engine
 
     engine = Engine(model, None, backend=CompiledBackend(model))

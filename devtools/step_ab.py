@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from chatbot.engine.backend import Backend
+    from chatbot.engine.backends.base import Backend
 
 
 def _steps(backend: Backend, prompt: list[int], n: int) -> list[float]:
@@ -45,8 +45,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from chatbot.engine.backend import HFBackend
-    from chatbot.engine.compiled import CompiledBackend
+    from chatbot.engine.backends.base import HFBackend
+    from chatbot.engine.backends.compiled import CompiledBackend
     from chatbot.models.loader import load_model
 
     loaded = load_model(args.model, device="cpu", dtype="float32")

@@ -27,7 +27,7 @@ def native_kernels():
     """The C kernels, compiled (or found in the build cache) once per session; skips the
     test that asks, with the reason, where they cannot be built (no C compiler). pytest
     keeps the skip too, so a machine without a compiler tries once."""
-    from chatbot.engine import kernels
+    from chatbot.engine.backends.native import kernels
 
     try:
         return kernels.load_library()

@@ -32,7 +32,7 @@ needs_kernels = pytest.mark.needs_kernels
 
 def cli(capsys, *args: str) -> tuple[int | str | None, str, str]:
     """Run `chatbot ARGS`; the exit code (0 when main returns), stdout and stderr."""
-    from chatbot.cli import main  # here, so that engine tests do not import the terminal
+    from chatbot.cli.app import main  # here, so that engine tests do not import the terminal
 
     code = 0
     capsys.readouterr()  # drop what the set-up printed (progress bars of save_pretrained)

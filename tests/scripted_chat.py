@@ -83,10 +83,10 @@ def main() -> None:
 
     torch.set_num_threads(1)
     from chatbot.config import ChatConfig, SamplingConfig
+    from chatbot.conversation.session import ChatSession
     from chatbot.engine.generate import Engine
     from chatbot.errors import ModelLoadError
     from chatbot.models.loader import LoadedModel
-    from chatbot.session import ChatSession
     from chatbot.terminal.repl import ChatStart, Repl
     from chatbot.terminal.repl import run as run_repl
     from chatbot.terminal.tty import make_consoles

@@ -17,7 +17,7 @@ import pytest
 from helpers import needs_kernels
 
 from chatbot.doctor import Compiler
-from chatbot.engine import kernels
+from chatbot.engine.backends.native import kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSROOT = Path("/usr/aarch64-linux-gnu")

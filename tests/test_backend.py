@@ -8,8 +8,8 @@ import torch
 from helpers import greedy_by_recompute, needs_kernels
 
 from chatbot.config import EngineConfig, SamplingConfig
-from chatbot.engine.backend import Backend, BatchedBackend, HFBackend, NativeBackend
-from chatbot.engine.backend_choice import serving_backend
+from chatbot.engine.backends.base import Backend, BatchedBackend, HFBackend, NativeBackend
+from chatbot.engine.backends.choose import serving_backend
 from chatbot.engine.generate import Engine
 
 GREEDY = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=10)
@@ -64,7 +64,7 @@ def test_a_batched_backend_needs_one_that_can_batch(tiny_model):
 
 @needs_kernels
 def test_native_backend_gives_transformers_greedy_tokens(tiny_model, tiny_tokenizer):
-    from chatbot.engine.fast import FastDecoder
+    from chatbot.engine.backends.native.decoder import FastDecoder
 
     decoder = FastDecoder(tiny_model, "f32", threads=1)
     engines = [Engine(tiny_model, tiny_tokenizer), Engine(tiny_model, tiny_tokenizer, decoder=decoder)]
@@ -83,7 +83,7 @@ def test_native_backend_gives_transformers_greedy_tokens(tiny_model, tiny_tokeni
 
 @needs_kernels
 def test_the_server_wraps_the_backend_and_leaves_the_engine_as_it_was(tiny_model, tiny_tokenizer):
-    from chatbot.engine.fast import FastDecoder
+    from chatbot.engine.backends.native.decoder import FastDecoder
     from chatbot.server.pool import PrefixCachePool
     from chatbot.server.worker import Worker
 

@@ -7,7 +7,7 @@ import json
 
 from helpers import assert_one_line_error, cli, make_model
 
-from chatbot.cli import main
+from chatbot.cli.app import main
 from chatbot.measure import bench_decode
 
 

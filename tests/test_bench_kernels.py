@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import needs_kernels
 
-from chatbot.engine import kernel_build
+from chatbot.engine.backends.native import build as kernel_build
 from devtools.gguf_synthetic import SHAPES, write_synthetic_gguf
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from chatbot import session_log
+from chatbot.conversation import log as session_log
 
 
 def _read_bytes() -> int:

@@ -66,7 +66,7 @@ def _options(command) -> dict[str, tuple]:
 def test_run_and_config_show_declare_their_shared_options_alike():
     from typer.main import get_command
 
-    from chatbot.cli import app
+    from chatbot.cli.app import app
     from chatbot.models.presets import PRESET_SETTINGS
 
     root = get_command(app)
@@ -89,7 +89,7 @@ SERVE_OWN_HELP = {"model", "preset", "temperature", "max_new_tokens", "enable_st
 
 
 def test_run_serve_and_config_show_share_one_declaration_of_each_option():
-    """Every option of the three commands is an `Annotated` alias of chatbot.cli_common,
+    """Every option of the three commands is an `Annotated` alias of chatbot.cli.options,
     declared there once, or a setting's, built from its row of chatbot.settings (`**settings`);
     an option two of them share reads the same in both (`serve`'s few own meanings aside, which
     still take the same flags)."""
@@ -97,8 +97,9 @@ def test_run_serve_and_config_show_share_one_declaration_of_each_option():
 
     from typer.main import get_command
 
-    from chatbot import cli, cli_common
-    from chatbot.cli import app
+    from chatbot.cli import app as cli
+    from chatbot.cli import options as cli_common
+    from chatbot.cli.app import app
 
     aliases = {
         id(meta)

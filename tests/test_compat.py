@@ -28,8 +28,8 @@ from chatbot.compat import (
 )
 from chatbot.compat.records import track
 from chatbot.config import SamplingConfig
+from chatbot.engine.cache.sinks import SinkCache
 from chatbot.engine.generate import Engine
-from chatbot.engine.sink_cache import SinkCache
 from chatbot.engine.stops import StopStrings
 from chatbot.errors import ConfigError, StreamingUnsupportedError
 

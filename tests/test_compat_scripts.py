@@ -34,8 +34,8 @@ from chatbot.compat import (
     reset_persistent_cache,
     streaming_chat,
 )
+from chatbot.engine.cache.sinks import rotate_keys, rotation_for_shift
 from chatbot.engine.generate import Engine
-from chatbot.engine.sink_cache import rotate_keys, rotation_for_shift
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 TEXT = " ".join(["the quick brown fox jumps over the lazy dog, and then it sleeps."] * 6)

@@ -22,8 +22,8 @@ from chatbot.compat import (
     streaming_chat,
 )
 from chatbot.config import ConfigError
+from chatbot.engine.cache.sinks import SinkCache
 from chatbot.engine.generate import Engine
-from chatbot.engine.sink_cache import SinkCache
 
 
 @pytest.fixture(autouse=True)

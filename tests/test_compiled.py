@@ -15,11 +15,11 @@ import torch
 from helpers import make_model, make_tokenizer, needs_kernels
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
-from chatbot.engine.backend import HFBackend, NativeBackend
-from chatbot.engine.backend_choice import backend_for
-from chatbot.engine.compiled import CompiledBackend, StaticLayer, bucket
+from chatbot.conversation.session import ChatSession
+from chatbot.engine.backends.base import HFBackend, NativeBackend
+from chatbot.engine.backends.choose import backend_for
+from chatbot.engine.backends.compiled import CompiledBackend, StaticLayer, bucket
 from chatbot.engine.generate import Engine
-from chatbot.session import ChatSession
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -242,7 +242,7 @@ def test_a_model_that_cannot_compile_falls_back_to_eager_steps(model_and_tok):
 def test_a_gguf_model_compiles_with_its_packed_products_as_ops(tiny_gguf):
     """A GGUF file loaded as stored (packed modules calling C kernels): the compiled graph
     calls each packed product as a custom op, and answers as the eager path does."""
-    from chatbot.engine.packed import PackedLinear
+    from chatbot.engine.backends.native.packed import PackedLinear
     from chatbot.models.loader import load_model
 
     path, _, _ = tiny_gguf

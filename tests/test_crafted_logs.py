@@ -21,8 +21,8 @@ from test_remote_clients import FakeServer
 from test_repl import Chat
 from test_session import assert_invariant
 
-from chatbot import session_log
-from chatbot.session_log import find_session, list_sessions, replay
+from chatbot.conversation import log as session_log
+from chatbot.conversation.log import find_session, list_sessions, replay
 
 SECRET = "TOPSECRET-PASSWORD-hunter2"
 
@@ -103,7 +103,7 @@ def test_resume_never_reads_a_template_file_the_log_names(capsys, monkeypatch, t
 
 
 def test_logged_settings_never_take_a_path_for_a_template(tmp_path):
-    from chatbot.session_settings import logged_settings
+    from chatbot.conversation.settings import logged_settings
 
     secret = tmp_path / "secret.jinja"
     secret.write_text(SECRET)
@@ -211,7 +211,7 @@ def fsync(fd):
         time.sleep(600)
     real_fsync(fd)
 os.fsync = fsync
-from chatbot.cli import main
+from chatbot.cli.app import main
 main(sys.argv[2:])
 """
 

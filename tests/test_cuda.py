@@ -88,8 +88,8 @@ def test_compiled_step_on_cuda_equals_eager_with_evictions_and_no_syncs(tiny_tok
     "error" raises on one) and no recompile."""
     from helpers import make_model
 
-    from chatbot.engine.backend import HFBackend
-    from chatbot.engine.compiled import CompiledBackend
+    from chatbot.engine.backends.base import HFBackend
+    from chatbot.engine.backends.compiled import CompiledBackend
     from chatbot.engine.generate import Engine
 
     model = make_model(len(tiny_tokenizer)).to("cuda", torch.bfloat16)
@@ -130,8 +130,8 @@ def test_device_loop_on_cuda_reads_back_nothing_per_token(tiny_tokenizer) -> Non
 
     from helpers import make_model
 
-    from chatbot.engine.backend import HFBackend
-    from chatbot.engine.compiled import CompiledBackend
+    from chatbot.engine.backends.base import HFBackend
+    from chatbot.engine.backends.compiled import CompiledBackend
     from chatbot.engine.generate import Engine
     from chatbot.engine.sampling import seeded_generator
 

@@ -23,7 +23,8 @@ import pytest
 from helpers import make_model, make_tokenizer, write_tiny_gguf
 from serve_helpers import running_server
 
-from chatbot.engine import kernel_build, kernels
+from chatbot.engine.backends.native import build as kernel_build
+from chatbot.engine.backends.native import kernels
 from chatbot.errors import ChatbotError
 
 PAGE = 4096
@@ -76,7 +77,7 @@ def _chat(gguf: Path, cache: Path, **env: str) -> subprocess.CompletedProcess[st
         [
             sys.executable,
             "-m",
-            "chatbot.cli",
+            "chatbot.cli.app",
             "run",
             "--model",
             str(gguf),

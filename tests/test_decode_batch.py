@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import make_model, needs_kernels
 
-from chatbot.engine.fast import FastDecoder
+from chatbot.engine.backends.native.decoder import FastDecoder
 from chatbot.engine.generate import Engine
 
 

@@ -13,8 +13,8 @@ import torch
 from helpers import assert_ids_match_text, full_logits
 
 from chatbot.config import ChatConfig, SamplingConfig
+from chatbot.conversation.session import ChatSession
 from chatbot.engine.generate import Engine
-from chatbot.session import ChatSession
 
 pytestmark = pytest.mark.slow
 CHATBOT = str(Path(sys.executable).with_name("chatbot"))

@@ -1,4 +1,4 @@
-"""The next token chosen on the device and read one step late (`chatbot.engine.device_decode`,
+"""The next token chosen on the device and read one step late (`chatbot.engine.backends.device_sampling`,
 `--opt compile`): the same choice as the host `Sampler` (transformers' processors and
 `torch.multinomial`), compiled as the eager function, the step after a token launched before
 the token is read, taken back on a stop, and no device read per token."""
@@ -12,13 +12,13 @@ import torch
 from helpers import make_model, make_tokenizer
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
-from chatbot.engine.backend import HFBackend
-from chatbot.engine.compiled import CompiledBackend
-from chatbot.engine.device_decode import DeviceSampler, choose_token
+from chatbot.conversation.session import ChatSession
+from chatbot.engine.backends.base import HFBackend
+from chatbot.engine.backends.compiled import CompiledBackend
+from chatbot.engine.backends.device_sampling import DeviceSampler, choose_token
 from chatbot.engine.generate import Engine
 from chatbot.engine.sampling import Sampler, build_logits_processor
 from chatbot.errors import NonFiniteOutputError
-from chatbot.session import ChatSession
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

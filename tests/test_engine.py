@@ -8,9 +8,9 @@ from helpers import full_logits, greedy_by_recompute
 from transformers import DynamicCache
 
 from chatbot.config import ChatConfig, SamplingConfig
+from chatbot.conversation.session import ChatSession
 from chatbot.engine.generate import Engine
 from chatbot.errors import ContextFullError
-from chatbot.session import ChatSession
 
 GREEDY = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=12)
 

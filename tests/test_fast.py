@@ -16,11 +16,11 @@ from helpers import CORPUS, full_logits, greedy_by_recompute, make_model, needs_
 from transformers.cache_utils import DynamicCache
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
-from chatbot.engine import kernels
-from chatbot.engine.fast import BufferLayer, FastDecoder, adopt_layers, make_decoder
+from chatbot.conversation.session import ChatSession
+from chatbot.engine.backends.native import kernels
+from chatbot.engine.backends.native.decoder import BufferLayer, FastDecoder, adopt_layers, make_decoder
+from chatbot.engine.cache.sinks import SinkCache, SinkLayer, rotation_for_shift
 from chatbot.engine.generate import Engine
-from chatbot.engine.sink_cache import SinkCache, SinkLayer, rotation_for_shift
-from chatbot.session import ChatSession
 
 GREEDY = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=64)
 
@@ -211,7 +211,7 @@ def test_auto_takes_int8_inputs_where_faster_and_int16_into_the_head(tiny_tokeni
     elsewhere every site takes int16, as `exact`. The per-site form is real in the kernels:
     `fast` with every site's bit set decodes bit for bit as `exact`, and with auto's bits as
     `auto`; auto's logits sit between exact's and fast's distance from a float32 recompute."""
-    from chatbot.engine.fast import SITES
+    from chatbot.engine.backends.native.decoder import SITES
 
     model = _q4_1_grid_model(len(tiny_tokenizer))
     ids = list(range(5, 29))
@@ -419,7 +419,7 @@ def test_unsupported_models_fall_back_with_a_reason(tiny_tokenizer):
 
 
 def test_thread_tuner_settles_on_the_faster_count_and_rechecks_rarely():
-    from chatbot.engine.fast import ThreadTuner
+    from chatbot.engine.backends.native.decoder import ThreadTuner
 
     tuner = ThreadTuner(4, explore_every=8)
     cost = {1: 0.010, 4: 0.100}  # a busy machine: four threads ten times slower

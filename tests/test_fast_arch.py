@@ -11,9 +11,9 @@ import torch
 from helpers import full_logits, greedy_by_recompute, make_model, needs_kernels
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
-from chatbot.engine.fast import FastDecoder
+from chatbot.conversation.session import ChatSession
+from chatbot.engine.backends.native.decoder import FastDecoder
 from chatbot.engine.generate import Engine
-from chatbot.session import ChatSession
 
 pytestmark = needs_kernels
 
@@ -241,7 +241,7 @@ def test_gemma3_with_its_vision_tower_falls_back_with_a_reason():
     model) is refused with a reason, not an AttributeError."""
     import transformers
 
-    from chatbot.engine.fast import make_decoder
+    from chatbot.engine.backends.native.decoder import make_decoder
 
     text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,  # noqa: C408
                 num_key_value_heads=2, head_dim=16, vocab_size=300)  # fmt: skip

@@ -11,7 +11,7 @@ from helpers import make_tokenizer
 from rich.console import Console
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
-from chatbot.session import ChatSession
+from chatbot.conversation.session import ChatSession
 from chatbot.terminal.live_answer import PlainAnswer
 from chatbot.terminal.render import format_stats_line, stats_table
 

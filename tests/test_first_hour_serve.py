@@ -66,7 +66,16 @@ def test_a_taken_port_is_one_line_before_the_model_loads(model_dir, tmp_path, ca
         taken.bind(("127.0.0.1", port))
         taken.listen()
         proc = subprocess.run(
-            [sys.executable, "-m", "chatbot.cli", "serve", "--model", str(model_dir), "--port", str(port)],
+            [
+                sys.executable,
+                "-m",
+                "chatbot.cli.app",
+                "serve",
+                "--model",
+                str(model_dir),
+                "--port",
+                str(port),
+            ],
             capture_output=True,
             text=True,
             timeout=120,

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from chatbot import session_log
 from chatbot.config import ChatConfig, SamplingConfig
-from chatbot.session import ChatSession
-from chatbot.session_log import Event, SessionLog, replay
+from chatbot.conversation import log as session_log
+from chatbot.conversation.log import Event, SessionLog, replay
+from chatbot.conversation.session import ChatSession
 
 GREEDY = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=6)
 SCRIPT = Path(__file__).parent / "scripted_chat.py"

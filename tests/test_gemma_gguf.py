@@ -126,7 +126,7 @@ def test_logits_and_greedy_tokens_equal_transformers(files, arch, kind):
 def test_model_is_packed_with_gemmas_modules(files, arch):
     """Every matrix is a packed module over the file; the only float weights are the norms
     (minus 1); the embedding keeps Gemma's sqrt(hidden) scale; the output shares its table."""
-    from chatbot.engine.packed import PackedLinear, ScaledPackedEmbedding
+    from chatbot.engine.backends.native.packed import PackedLinear, ScaledPackedEmbedding
     from chatbot.models.loader import load_model
 
     loaded = load_model(str(files[arch, "Q4_K_M"]))
@@ -297,9 +297,9 @@ def test_turns_cross_the_sliding_window(files):
     """Three turns of a chat on a model whose 16-token window the conversation passes: each
     answer is the greedy continuation of the conversation, recomputed without a cache."""
     from chatbot.config import ChatConfig, SamplingConfig
+    from chatbot.conversation.session import ChatSession
     from chatbot.engine.generate import Engine
     from chatbot.models.loader import load_model
-    from chatbot.session import ChatSession
 
     loaded = load_model(str(files["gemma3", "Q8_0"]))
     config = ChatConfig(sampling=SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=8))

@@ -23,16 +23,16 @@ import torch
 from helpers import assert_one_line_error, cli, full_logits, make_model
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig, default_recent_size
-from chatbot.engine.buffer_cache import BufferLayer, adopt_layers
-from chatbot.engine.generate import Engine
-from chatbot.engine.sink_cache import (
+from chatbot.conversation.session import ChatSession
+from chatbot.engine.cache.buffers import BufferLayer, adopt_layers
+from chatbot.engine.cache.sinks import (
     SinkCache,
     check_streaming_support,
     layer_inv_freqs,
     streaming_window,
 )
+from chatbot.engine.generate import Engine
 from chatbot.errors import StreamingUnsupportedError
-from chatbot.session import ChatSession
 
 WINDOW = 32
 S, F = "sliding_attention", "full_attention"

@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from helpers import needs_kernels
 
-from chatbot.engine import kernels
+from chatbot.engine.backends.native import kernels
 from devtools.gguf_synthetic import BLOCKS, FLOAT_TYPES, random_blocks, random_floats
 
 pytestmark = needs_kernels

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from helpers import make_model, make_tokenizer, write_tiny_gguf
 
-from chatbot.engine.gguf_table import read_tensor_table
+from chatbot.gguf.table import read_tensor_table
 from devtools.gguf_synthetic import SHAPES, write_synthetic_gguf
 
 NORM = "blk.0.attn_norm.weight"

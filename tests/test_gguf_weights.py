@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers import greedy_by_recompute, needs_kernels
 
-from chatbot.engine import kernels
-from chatbot.engine.gguf_weights import GGUFWeights, read_tensor_table, unpermute_rows
+from chatbot.engine.backends.native import kernels
+from chatbot.engine.backends.native.gguf_weights import GGUFWeights, read_tensor_table, unpermute_rows
 from chatbot.models.loader import default_gguf_path
 
 
@@ -70,9 +70,9 @@ def test_default_model_decodes_from_its_file_losslessly(default_model, dense_def
     blocks (shared with the model, no copy), and the greedy tokens equal float32
     transformers' on the dequantized model."""
     from chatbot.config import SamplingConfig
-    from chatbot.engine.fast import FastDecoder
+    from chatbot.engine.backends.native.decoder import FastDecoder
+    from chatbot.engine.backends.native.packed import dense_weight
     from chatbot.engine.generate import Engine
-    from chatbot.engine.packed import dense_weight
 
     model = default_model.model
     decoder = FastDecoder(model, "exact")
@@ -107,7 +107,7 @@ def test_packed_model_logits_equal_the_dequantized_model(default_model, dense_de
     matrix-vector product): up to rounding. int16 inputs (`--opt auto`, as the decode kernels
     take them; prefill: the batched integer product): within the int16 rounding of the
     inputs, and the same next token everywhere."""
-    from chatbot.engine.packed import PackedLinear, with_activations
+    from chatbot.engine.backends.native.packed import PackedLinear, with_activations
 
     form = {"float32": kernels.ACT_F32, "int16": kernels.ACT_I16}[act]
     ids = default_model.tokenizer("Tell me a story about a cat who learned to fly. " * 3)["input_ids"]
@@ -127,8 +127,8 @@ def test_opt_level_sets_the_prefill_arithmetic_without_changing_the_model(defaul
     """`--opt auto` prefills with int16 inputs like its decode kernels (the decoder's
     `prefill_model`, a view of the model); `f32` computes in float32. The loaded model
     itself stays in float32 whatever decoders are made on it."""
-    from chatbot.engine.fast import make_decoder
-    from chatbot.engine.packed import PackedLinear
+    from chatbot.engine.backends.native.decoder import make_decoder
+    from chatbot.engine.backends.native.packed import PackedLinear
 
     model = default_model.model
 

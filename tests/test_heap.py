@@ -1,4 +1,4 @@
-"""`chatbot.engine.heap`: a prefill's large, short-lived activations reuse the heap's pages
+"""`chatbot.engine.backends.native.heap`: a prefill's large, short-lived activations reuse the heap's pages
 instead of faulting fresh zero-filled ones in for every layer."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 CHURN = """
 import ctypes, resource, sys, torch
-from chatbot.engine.heap import M_MMAP_THRESHOLD, hold_freed_memory
+from chatbot.engine.backends.native.heap import M_MMAP_THRESHOLD, hold_freed_memory
 # glibc's initial threshold, pinned: left to itself glibc raises it as mapped blocks are freed,
 # and whether these blocks then come back from the heap varied from run to run
 ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 128 * 1024)
@@ -46,7 +46,7 @@ def test_freed_activations_are_reused_not_faulted_in_again():
 
 
 def test_only_once_and_true_after():
-    from chatbot.engine import heap
+    from chatbot.engine.backends.native import heap
 
     first = heap.hold_freed_memory()
     assert heap.hold_freed_memory() == first

@@ -1,4 +1,4 @@
-"""The format table (`chatbot.engine.formats`) against the kernels' C source and against ggml.
+"""The format table (`chatbot.engine.backends.native.formats`) against the kernels' C source and against ggml.
 
 The kernels name each format in an enum (``FMT_Q4_K = 10``, csrc/kernels.h) and give its
 block size in two switches (`block_len`: weights, `block_bytes`: bytes, csrc/formats.c).
@@ -14,8 +14,8 @@ import re
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from chatbot.engine import kernel_build
-from chatbot.engine.formats import FORMATS, KernelFormat
+from chatbot.engine.backends.native import build as kernel_build
+from chatbot.engine.backends.native.formats import FORMATS, KernelFormat
 
 
 def _function_body(source: str, name: str) -> str:

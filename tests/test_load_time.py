@@ -10,7 +10,7 @@ import json
 import pytest
 from gguf import GGUFReader
 
-from chatbot.engine.gguf_weights import read_tensor_table
+from chatbot.engine.backends.native.gguf_weights import read_tensor_table
 from chatbot.models.gc_pause import paused_gc
 from chatbot.models.loader import cache_root, load_model
 from devtools.gguf_synthetic import SHAPES, write_synthetic_gguf
@@ -183,7 +183,7 @@ def test_chatbot_run_turns_the_collector_back_on_for_the_chat(tiny_gguf, monkeyp
     import io
     import sys
 
-    from chatbot import cli
+    from chatbot.cli import app as cli
     from chatbot.terminal import repl
 
     path, _, _ = tiny_gguf

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
+from chatbot.conversation.session import ChatSession
 from chatbot.engine.generate import Engine
 from chatbot.errors import ContextFullError
-from chatbot.session import ChatSession
 
 LONG = "Hello there how are you today, the quick brown fox jumps over the lazy dog again and again"
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=4)
@@ -17,8 +17,8 @@ def test_the_cli_engine_takes_max_context_from_engine_config(tiny_model, tiny_to
     """The CLI builds its Engine from the EngineConfig that flags and presets resolve to."""
     from types import SimpleNamespace
 
-    from chatbot.cli_common import make_engine
-    from chatbot.engine.backend import HFBackend
+    from chatbot.cli.options import make_engine
+    from chatbot.engine.backends.base import HFBackend
 
     loaded = SimpleNamespace(model=tiny_model, tokenizer=tiny_tokenizer)
     backend = HFBackend(tiny_model)

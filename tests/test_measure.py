@@ -352,7 +352,7 @@ def test_gpu_check_help_and_refusal_without_cuda() -> None:
 
 
 def test_thread_bench_compares_two_different_wait_policies() -> None:
-    from chatbot.engine.threads import SPIN_COUNT
+    from chatbot.engine.backends.native.threads import SPIN_COUNT
     from devtools.bench_threads import WAITS
 
     assert WAITS["omp-default"] == {}  # the worker starts without any OpenMP wait variable

@@ -23,9 +23,9 @@ GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=6)
 
 
 def _session(path: Path):
+    from chatbot.conversation.session import ChatSession
     from chatbot.engine.generate import Engine
     from chatbot.models.loader import load_model
-    from chatbot.session import ChatSession
 
     loaded = load_model(str(path), device="cpu")
     assert loaded.model.chatbot_gguf == str(path)  # the block-format model, mapped from the file
@@ -78,7 +78,7 @@ from chatbot.config import ChatConfig, SamplingConfig
 from chatbot.engine.generate import Engine
 from chatbot.errors import ChatbotError
 from chatbot.models.loader import load_model
-from chatbot.session import ChatSession
+from chatbot.conversation.session import ChatSession
 
 path = sys.argv[1]
 loaded = load_model(path, device="cpu")

@@ -15,11 +15,11 @@ import torch
 from helpers import CHATML, assert_one_line_error, cli, make_model, make_tokenizer, write_tiny_gguf
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
+from chatbot.conversation.session import ChatSession
 from chatbot.engine.generate import Engine
 from chatbot.errors import ConfigError, ModelLoadError, StreamingUnsupportedError
 from chatbot.models import loader
 from chatbot.models.loader import load_model, parse_device_map, parse_max_memory
-from chatbot.session import ChatSession
 
 
 def build(family: str, vocab: int):
@@ -132,7 +132,7 @@ def test_gguf_loads_as_the_model_it_was_written_from(tiny_gguf, monkeypatch):
     """A GGUF file runs as it is: no converted copy, every matrix a packed module over the
     file's bytes, the same logits as the model it was written from; the second load takes
     the config and tokenizer from the small cache instead of parsing the file's vocabulary."""
-    from chatbot.engine.packed import PackedEmbedding, PackedLinear
+    from chatbot.engine.backends.native.packed import PackedEmbedding, PackedLinear
 
     def no_conversion(*a, **k):
         raise AssertionError("converted")
@@ -508,11 +508,11 @@ def test_unknown_template_before_loading(capsys, monkeypatch):
 
 
 def test_debug_shows_the_traceback(tmp_path, monkeypatch):
-    import chatbot.cli
+    import chatbot.cli.app
 
-    monkeypatch.setattr(chatbot.cli, "_DEBUG", False)  # --debug sets it for the process: undo after
+    monkeypatch.setattr(chatbot.cli.app, "_DEBUG", False)  # --debug sets it for the process: undo after
     with pytest.raises(ModelLoadError, match="no such file or folder"):
-        chatbot.cli.main(["run", "--model", str(tmp_path / "nowhere"), "--debug"])
+        chatbot.cli.app.main(["run", "--model", str(tmp_path / "nowhere"), "--debug"])
 
 
 # -- chatbot models ---------------------------------------------------------------------------

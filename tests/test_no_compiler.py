@@ -16,7 +16,7 @@ def _chat(gguf, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
         [
             sys.executable,
             "-m",
-            "chatbot.cli",
+            "chatbot.cli.app",
             "run",
             "--model",
             str(gguf),

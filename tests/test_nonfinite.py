@@ -23,9 +23,9 @@ from helpers import make_model, make_tokenizer
 from chatbot.config import SamplingConfig
 from chatbot.engine.finite import checked_token, sampled_token
 from chatbot.engine.generate import Engine
-from chatbot.engine.gguf_table import read_tensor_table
 from chatbot.errors import NonFiniteOutputError
-from chatbot.models.gguf_metadata import InconsistentMetadata, check_metadata
+from chatbot.gguf.metadata import InconsistentMetadata, check_metadata
+from chatbot.gguf.table import read_tensor_table
 from chatbot.models.tensor_scan import scan_gguf
 from devtools.gguf_synthetic import SHAPES, write_synthetic_gguf
 
@@ -49,7 +49,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
 
 def _nan_scales(good: Path, dst: Path, tensor: str, field: str) -> str:
     """Copy `good` with every block of `tensor` given a NaN `field` ("d" or "dmin"); returns its type."""
-    from chatbot.engine.gguf_weights import BLOCK_SCALES
+    from chatbot.engine.backends.native.gguf_weights import BLOCK_SCALES
 
     shutil.copy(good, dst)
     info = next(t for t in read_tensor_table(dst)[1] if t.name == tensor)

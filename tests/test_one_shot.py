@@ -86,7 +86,17 @@ def test_a_prompt_in_a_terminal_answers_and_exits_with_no_prompt(tiny, env, term
     from screen import Terminal, missing_words
 
     reference = chatbot(env, "run", "--model", tiny, *GREEDY, stdin="Hello there!\n").stdout
-    argv = [sys.executable, "-m", "chatbot.cli", "run", "--model", tiny, *GREEDY, "--plain", "Hello there!"]
+    argv = [
+        sys.executable,
+        "-m",
+        "chatbot.cli.app",
+        "run",
+        "--model",
+        tiny,
+        *GREEDY,
+        "--plain",
+        "Hello there!",
+    ]
     term = Terminal(argv, columns=columns, env={"XDG_DATA_HOME": env["XDG_DATA_HOME"]})
     terminals.append(term)
     term.wait_for(lambda: not term.proc.isalive(), 180, "the end of the run")
@@ -156,7 +166,7 @@ def test_version_is_quick_and_says_what_runs(tmp_path, monkeypatch):
     monkeypatch.delenv("CHATBOT_KERNEL_FLAGS", raising=False)
 
     code = (
-        "import sys\nfrom chatbot.cli import main\ncode = 0\ntry:\n    main(['--version'])\n"
+        "import sys\nfrom chatbot.cli.app import main\ncode = 0\ntry:\n    main(['--version'])\n"
         "except SystemExit as exc:\n    code = exc.code\nprint('exit', code, 'torch' in sys.modules)\n"
     )
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}

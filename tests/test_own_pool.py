@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from chatbot.engine import kernels
-from chatbot.engine.fast import FastDecoder
+from chatbot.engine.backends.native import kernels
+from chatbot.engine.backends.native.decoder import FastDecoder
 
 PROMPT = [5, 17, 42, 99, 7, 250, 31, 8, 64, 3, 120, 77]
 
@@ -178,7 +178,7 @@ def test_a_forked_child_runs_its_own_pool(builds, tmp_path):
     script = f"""
 import ctypes, os, sys
 import torch
-from chatbot.engine import kernels
+from chatbot.engine.backends.native import kernels
 lib = kernels.open_library({str(lib_path)!r})
 p = kernels.pack_f32(torch.randn(300, 64, generator=torch.Generator().manual_seed(0)))
 x = torch.randn(64)

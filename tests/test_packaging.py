@@ -49,7 +49,10 @@ def test_the_wheel_holds_every_module_preset_the_kernels_and_the_licence(wheel):
     assert not [n for n in names if n.startswith(("devtools/", "configs/", "tests/"))]
     csrc = ROOT / "chatbot" / "engine" / "csrc"
     parts = {p.relative_to(ROOT).as_posix() for p in csrc.rglob("*") if p.is_file()}
-    assert "chatbot/engine/csrc/kernels.c" in parts and "chatbot/engine/csrc/kernels.h" in parts
+    assert (
+        "chatbot/engine/backends/native/csrc/kernels.c" in parts
+        and "chatbot/engine/backends/native/csrc/kernels.h" in parts
+    )
     assert parts - names == set()  # every part the build includes (and its cache key hashes)
     (licence,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
     assert "MIT License" in zipfile.ZipFile(wheel).read(licence).decode()
@@ -59,7 +62,7 @@ def test_the_wheel_holds_every_module_preset_the_kernels_and_the_licence(wheel):
     # a name of our own: pip install chatbot gets PyPI's chatbot, a wiki chat tool of 2013
     assert metadata["Name"] == DISTRIBUTION == "chatbot-local"
     entry_points = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
-    assert "chatbot = chatbot.cli:main" in zipfile.ZipFile(wheel).read(entry_points[0]).decode()
+    assert "chatbot = chatbot.cli.app:main" in zipfile.ZipFile(wheel).read(entry_points[0]).decode()
 
 
 def listed_presets(stdout: str) -> list[str]:
@@ -80,7 +83,7 @@ def test_an_editable_install_lists_the_presets_of_configs(tmp_path):
         pytest.skip("chatbot is not installed editable from this checkout (scripts/setup does that)")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CHATBOT_PRESETS")}
     env["XDG_CONFIG_HOME"] = str(tmp_path / "config")
-    code = "import sys, chatbot, chatbot.cli; print(chatbot.__file__, file=sys.stderr); chatbot.cli.main()"
+    code = "import sys, chatbot, chatbot.cli.app as app; print(chatbot.__file__, file=sys.stderr); app.main()"
     listed = subprocess.run([sys.executable, "-c", code, "models"], capture_output=True, text=True,
                             timeout=300, cwd=tmp_path, env=env, check=False)  # fmt: skip
     assert listed.returncode == 0, listed.stderr
@@ -107,7 +110,7 @@ def installed_chatbot(
     """`chatbot ARGS` from the installed copy, first on the path; cwd is not the source tree."""
     env = {**os.environ, "PYTHONPATH": str(target), "XDG_CONFIG_HOME": str(cwd / "config")}
     env.pop("CHATBOT_PRESETS", None)
-    code = "import sys, chatbot, chatbot.cli; print(chatbot.__file__, file=sys.stderr); chatbot.cli.main()"
+    code = "import sys, chatbot, chatbot.cli.app as app; print(chatbot.__file__, file=sys.stderr); app.main()"
     return subprocess.run([sys.executable, "-c", code, *args], input=stdin, capture_output=True, text=True,
                           timeout=300, cwd=cwd, env=env, check=False)  # fmt: skip
 

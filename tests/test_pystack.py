@@ -1,5 +1,5 @@
 """A forward pass run at any depth of the caller's Python stack maps no frame-stack chunk per
-module call (`chatbot.engine.pystack`): counted as the page faults of the process, which a
+module call (`chatbot.engine.backends.native.pystack`): counted as the page faults of the process, which a
 chunk mapped afresh on every call costs at least once per call."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from chatbot.engine.backend import HFBackend
-from chatbot.engine.pystack import call_with_room
+from chatbot.engine.backends.base import HFBackend
+from chatbot.engine.backends.native.pystack import call_with_room
 
 pytestmark = pytest.mark.skipif(
     sys.implementation.name != "cpython" or sys.platform != "linux",

@@ -8,12 +8,12 @@ import torch
 from helpers import assert_one_line_error, make_model, make_tokenizer
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
+from chatbot.conversation.session import ChatSession
 from chatbot.engine.generate import Engine
 from chatbot.errors import ModelLoadError
 from chatbot.models import quantize
 from chatbot.models.loader import load_model
 from chatbot.models.quantize import bnb_version, check_quantization, compute_dtype, describe_quantization
-from chatbot.session import ChatSession
 
 needs_bnb = pytest.mark.skipif(bnb_version() is None, reason="bitsandbytes is not installed")
 CPU = torch.device("cpu")
@@ -172,7 +172,7 @@ def test_cli_default_decode_path_matches_transformers(flags, tiny_folder, tmp_pa
             [
                 sys.executable,
                 "-m",
-                "chatbot.cli",
+                "chatbot.cli.app",
                 "run",
                 "--model",
                 str(tiny_folder),

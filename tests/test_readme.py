@@ -111,7 +111,7 @@ def subcommand(args: list[str]) -> tuple[str, ...]:
     """The chatbot subcommand path of `args` (e.g. ("config", "show")), read from the CLI."""
     import typer
 
-    from chatbot.cli import app
+    from chatbot.cli.app import app
 
     group = typer.main.get_command(app)
     path: list[str] = []

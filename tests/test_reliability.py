@@ -23,7 +23,7 @@ from helpers import cli
 from test_repl import Chat
 from test_session import assert_invariant
 
-from chatbot import session_log
+from chatbot.conversation import log as session_log
 from chatbot.engine.chunk import GenerationChunk
 from chatbot.terminal.sanitize import safe_line, safe_text
 
@@ -645,9 +645,9 @@ def count_rendered_messages(session, monkeypatch) -> list[int]:
 def test_load_renders_linear_in_turns(tiny_engine, monkeypatch, system):
     """Splitting a loaded chat into turns renders O(turns) messages, not O(turns²), and
     gives the same segments as rendering up to every message."""
-    from chatbot.alignment import turn_pieces, turn_pieces_windowed
     from chatbot.config import ChatConfig, SamplingConfig
-    from chatbot.session import ChatSession
+    from chatbot.conversation.alignment import turn_pieces, turn_pieces_windowed
+    from chatbot.conversation.session import ChatSession
 
     costs = {}
     for n in (50, 100, 200):
@@ -747,7 +747,7 @@ def test_nan_in_the_converted_copy_is_rebuilt(tiny_gguf):
 
 
 def test_unwritable_conversion_cache_converts_into_a_temporary_folder(tiny_gguf, tmp_path, monkeypatch):
-    from chatbot.engine import kernels
+    from chatbot.engine.backends.native import kernels
     from chatbot.models.loader import load_model
 
     # the kernels built first, from the usual cache: run alone, this test's process would

@@ -202,7 +202,7 @@ def test_ctrl_c_in_a_terminal_closes_the_stream(server, env):
 def test_remote_session_interrupt_retry_continue(server):
     """The backend object the REPL uses: an answer closed mid-stream is kept and marked;
     /continue extends it; /retry replaces it; /undo drops it."""
-    from chatbot.remote import RemoteBackend, RemoteSession, remote_sampling
+    from chatbot.conversation.remote import RemoteBackend, RemoteSession, remote_sampling
 
     backend = RemoteBackend(server, api_key="k3y")
     backend.connect()
@@ -230,8 +230,8 @@ def test_server_dying_mid_answer(tmp_path):
     'cannot reach')."""
     import signal
 
+    from chatbot.conversation.remote import RemoteBackend, RemoteError, RemoteSession, remote_sampling
     from chatbot.errors import ChatbotError
-    from chatbot.remote import RemoteBackend, RemoteError, RemoteSession, remote_sampling
 
     folder = save_tiny_model(tmp_path / "tiny")
     with running_server("--model", str(folder), "--served-model-name", "tiny") as url:
@@ -386,7 +386,7 @@ def test_stats_from_the_stream():
     """Figures from chunk arrival times; counts from usage, or estimated without it."""
     from types import SimpleNamespace
 
-    from chatbot.remote import _stats
+    from chatbot.conversation.remote import _stats
     from chatbot.terminal.render import format_remote_stats_line
 
     arrivals = [10.5, 10.6, 10.8, 10.9]

@@ -207,7 +207,7 @@ def test_no_usage_toolbar_says_unknown(fake):
 
     from rich.console import Console
 
-    from chatbot.remote import RemoteBackend, RemoteSession, remote_sampling
+    from chatbot.conversation.remote import RemoteBackend, RemoteSession, remote_sampling
     from chatbot.terminal.repl import Repl
 
     backend = RemoteBackend(fake.url)
@@ -246,7 +246,7 @@ def test_continue_method_is_told_by_the_prompt_counts():
     import httpx
     import openai
 
-    from chatbot.remote import RemoteBackend
+    from chatbot.conversation.remote import RemoteBackend
 
     refused = openai.BadRequestError(
         "400", response=httpx.Response(400, request=httpx.Request("POST", "http://x")), body=None
@@ -273,7 +273,7 @@ def test_continue_method_is_told_by_the_prompt_counts():
 
 
 def test_continuation_join():
-    from chatbot.remote import ContinuationJoin
+    from chatbot.conversation.remote import ContinuationJoin
 
     def join(before, pieces):
         j = ContinuationJoin(before)

@@ -17,11 +17,11 @@ from prompt_toolkit.output import DummyOutput
 from rich.console import Console
 from test_session import Interrupter, assert_invariant
 
-from chatbot import session_log
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
+from chatbot.conversation import log as session_log
+from chatbot.conversation.session import ChatSession
 from chatbot.engine.generate import Engine
 from chatbot.models.loader import LoadedModel
-from chatbot.session import ChatSession
 from chatbot.terminal.commands import COMMANDS
 from chatbot.terminal.input import BlockReader, SlashCompleter, clean_message, read_lines
 from chatbot.terminal.render import answer_renderable, split_thinking

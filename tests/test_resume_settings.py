@@ -12,8 +12,8 @@ import re
 import pytest
 from helpers import cli, make_model, make_tokenizer
 
-from chatbot.session_log import find_session, replay
-from chatbot.session_settings import logged_settings
+from chatbot.conversation.log import find_session, replay
+from chatbot.conversation.settings import logged_settings
 
 MESSAGES = ["Hello there! How are you today?", "The quick brown fox jumps.", "Tell me more about it please."]
 

@@ -38,7 +38,7 @@ def _penalised(scores, ids, penalty):
 
 
 def test_repetition_penalty_covers_only_the_last_n_ids_and_never_special_ones():
-    from chatbot.engine.device_decode import DeviceSampler
+    from chatbot.engine.backends.device_sampling import DeviceSampler
     from chatbot.engine.sampling import WindowedRepetitionPenalty
 
     torch.manual_seed(0)
@@ -60,8 +60,8 @@ def test_repetition_penalty_covers_only_the_last_n_ids_and_never_special_ones():
 
 
 def test_repeat_last_n_is_a_setting_of_set_presets_and_requests(tmp_path):
+    from chatbot.conversation.remote_backend import request_fields
     from chatbot.models.presets import parse_preset
-    from chatbot.remote_backend import request_fields
     from chatbot.server.protocol import ChatRequest, sampling_of
     from chatbot.terminal.commands import parse_command
 

@@ -108,7 +108,7 @@ def unbounded_help(path: tuple[str, ...]) -> str:
     every paragraph, option help and command line on one line, nothing shortened."""
     import typer
 
-    from chatbot.cli import app
+    from chatbot.cli.app import app
 
     command = typer.main.get_command(app)
     ctx = typer.Context(command, info_name="chatbot", terminal_width=100_000, max_content_width=100_000)
@@ -119,7 +119,7 @@ def unbounded_help(path: tuple[str, ...]) -> str:
 
 
 def fake_sessions(home: Path) -> None:
-    from chatbot.session_log import Event, SessionLog
+    from chatbot.conversation.log import Event, SessionLog
 
     logs = home / ".local" / "share" / "chatbot" / "sessions"
     logs.mkdir(parents=True)

@@ -23,9 +23,9 @@ from test_session import assert_invariant
 from test_stop_strings import ScriptedEngine
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
+from chatbot.conversation.saved import read_saved
+from chatbot.conversation.session import ChatSession
 from chatbot.models.templates import apply_template
-from chatbot.persist import read_saved
-from chatbot.session import ChatSession
 
 MESSAGES = ["Hi there!", "How are you today?", "The quick brown fox.", "Answer briefly."]
 ANSWER = ("▁Hel", "lo", "▁thank", "▁you")  # " Hello thank you"

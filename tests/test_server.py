@@ -69,8 +69,8 @@ def reference_answer(model_dir, messages, max_new_tokens):
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     from chatbot.config import ChatConfig, SamplingConfig
+    from chatbot.conversation.session import ChatSession
     from chatbot.engine.generate import Engine
-    from chatbot.session import ChatSession
 
     model = LlamaForCausalLM.from_pretrained(model_dir).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -600,7 +600,7 @@ def test_a_new_conversation_takes_the_start_it_shares_with_a_kept_one(tiny_model
     their common start and prefills only the rest: the same answer as without the pool, the
     same cache (within float rounding) as a prefill of its own; never across salts."""
     from chatbot.config import EngineConfig, SamplingConfig
-    from chatbot.engine.fast import FastDecoder
+    from chatbot.engine.backends.native.decoder import FastDecoder
     from chatbot.engine.generate import Engine
     from chatbot.server.pool import Conversation, PrefixCachePool
 
@@ -652,7 +652,7 @@ def test_pool_counts_the_fast_paths_buffers_against_its_memory_cap(tiny_model, t
     """On the fast path a conversation's buffers are sized ahead of its tokens (room for the
     answer): the pool counts what they hold, so `--cache-memory` caps real memory."""
     from chatbot.config import EngineConfig, SamplingConfig
-    from chatbot.engine.fast import FastDecoder
+    from chatbot.engine.backends.native.decoder import FastDecoder
     from chatbot.engine.generate import Engine
     from chatbot.server.pool import Conversation, PrefixCachePool
 

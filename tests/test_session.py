@@ -12,10 +12,10 @@ import torch
 from helpers import assert_ids_match_text, full_logits, needs_kernels
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
+from chatbot.conversation.saved import read_saved
+from chatbot.conversation.session import ChatSession
 from chatbot.engine.generate import Engine
 from chatbot.errors import ChatbotError, ContextFullError
-from chatbot.persist import read_saved
-from chatbot.session import ChatSession
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -350,7 +350,7 @@ def any_engine(request, tiny_model, tiny_tokenizer):
     """The engine with transformers' forward pass for decoding, and with the native fast path."""
     if request.param == "transformers":
         return Engine(tiny_model, tiny_tokenizer)
-    from chatbot.engine.fast import FastDecoder
+    from chatbot.engine.backends.native.decoder import FastDecoder
 
     return Engine(tiny_model, tiny_tokenizer, decoder=FastDecoder(tiny_model, "auto"))
 

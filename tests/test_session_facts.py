@@ -7,9 +7,9 @@ from helpers import make_model, make_tokenizer
 from transformers import GenerationConfig
 
 from chatbot.config import ChatConfig
+from chatbot.conversation.session import ChatSession, sampling_from_model
 from chatbot.engine.generate import Engine
 from chatbot.models.templates import apply_template
-from chatbot.session import ChatSession, sampling_from_model
 
 
 def test_template_info_from_the_loader_gives_the_stop_strings():

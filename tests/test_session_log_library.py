@@ -8,9 +8,9 @@ import json
 import pytest
 
 from chatbot.config import ChatConfig, SamplingConfig
+from chatbot.conversation.log import Event, SessionLog, replay
+from chatbot.conversation.session import ChatSession
 from chatbot.errors import ContextFullError
-from chatbot.session import ChatSession
-from chatbot.session_log import Event, SessionLog, replay
 
 GREEDY = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=6)
 

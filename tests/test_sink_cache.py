@@ -17,8 +17,8 @@ from transformers import (
     Qwen2Config,
 )
 
-from chatbot.engine import sink_cache
-from chatbot.engine.sink_cache import (
+from chatbot.engine.cache import sinks as sink_cache
+from chatbot.engine.cache.sinks import (
     SinkCache,
     check_streaming_support,
 )

@@ -248,7 +248,7 @@ def test_what_runs_before_the_prompt_imports_neither_torch_nor_numpy():
     transformers (0.8 s) or numpy: the CLI, the settings, the model check and the REPL."""
     code = (
         "import sys\n"
-        "from chatbot.cli import app\n"
+        "from chatbot.cli.app import app\n"
         "from chatbot.models.presets import resolve_settings, select_preset\n"
         "from chatbot.models.source import check_source\n"
         "from chatbot.terminal.repl import Repl, ChatStart\n"
@@ -303,7 +303,7 @@ def test_warnings_of_a_background_load_become_notes_above_the_prompt(monkeypatch
     shown as a note instead (once), before the load's own notes."""
     import warnings
 
-    from chatbot import cli
+    from chatbot.cli import app as cli
     from chatbot.terminal.repl import ChatStart
 
     def make(settings, opt, threads, banner, quiet):

@@ -29,10 +29,10 @@ from hypothesis.stateful import (
 from test_session import Interrupter, answer, assert_invariant
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
+from chatbot.conversation.saved import read_saved
+from chatbot.conversation.session import ChatSession
 from chatbot.engine.generate import Engine
 from chatbot.errors import ChatbotError
-from chatbot.persist import read_saved
-from chatbot.session import ChatSession
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -16,10 +16,10 @@ from test_session import assert_invariant
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
+from chatbot.conversation.session import ChatSession
 from chatbot.engine.generate import Engine
 from chatbot.engine.stops import StopStrings
 from chatbot.models.templates import apply_template, stop_strings_of
-from chatbot.session import ChatSession
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -95,7 +95,7 @@ def stop_inside_a_token(tok) -> list[int]:
 def make_engine(kind: str, model, tok) -> ScriptedEngine:
     if kind == "transformers":
         return ScriptedEngine(model, tok)
-    from chatbot.engine.fast import FastDecoder
+    from chatbot.engine.backends.native.decoder import FastDecoder
 
     return ScriptedEngine(model, tok, decoder=FastDecoder(model, "auto"))  # "fast" cases need kernels
 

@@ -135,7 +135,7 @@ def test_json_schema_faults_come_before_the_model_loads(tmp_path, engine, said):
     path = tmp_path / "ids.json"
     path.write_text(json.dumps(UNENFORCEABLE))
     block = "sys.modules['llguidance'] = None; " if engine == "missing" else ""
-    code = f"import sys; {block}from chatbot.cli import main; main(sys.argv[1:])"
+    code = f"import sys; {block}from chatbot.cli.app import main; main(sys.argv[1:])"
     out = subprocess.run(
         [sys.executable, "-c", code, "run", "--model", str(tmp_path / "no-such-model.gguf"),
          "--json-schema", str(path), "List ids."],
@@ -150,8 +150,8 @@ def test_set_format_json_is_refused_at_once_without_the_grammar_engine(tiny_engi
     """`/set format json` in a local chat where llguidance is missing fails when it is set,
     saying how to install it, and leaves the format as it was (not at the next message)."""
     from chatbot.config import ChatConfig
+    from chatbot.conversation.session import ChatSession
     from chatbot.engine.grammar import GrammarError
-    from chatbot.session import ChatSession
 
     session = ChatSession(tiny_engine, ChatConfig())
     json_object = session.sampling.with_value(FORMAT_KEY, "json")
@@ -420,8 +420,8 @@ def test_set_format_json_in_the_piped_chat():
 
 
 def test_run_server_sends_the_format_as_response_format():
-    from chatbot.remote import remote_sampling
-    from chatbot.remote_backend import request_fields
+    from chatbot.conversation.remote import remote_sampling
+    from chatbot.conversation.remote_backend import request_fields
 
     fmt = OutputFormat(json.dumps(PERSON), "person", True)
     body = request_fields(remote_sampling(output_format=fmt))

@@ -162,7 +162,7 @@ def test_fast_path_decodes_the_files_own_blocks_like_transformers(files, arch):
     (within the int16 rounding of the activations),
     and the greedy tokens are equal."""
     from chatbot.config import SamplingConfig
-    from chatbot.engine.fast import FastDecoder
+    from chatbot.engine.backends.native.decoder import FastDecoder
     from chatbot.engine.generate import Engine
     from chatbot.models.loader import load_model
 
@@ -252,10 +252,10 @@ def test_streaming_on_the_files_own_blocks_equals_plain_engine(files, arch):
     model by their rounding alone): evicting and re-rotating with the model's rope, two turns
     give the plain transformers engine's tokens and evictions."""
     from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
-    from chatbot.engine.fast import FastDecoder
+    from chatbot.conversation.session import ChatSession
+    from chatbot.engine.backends.native.decoder import FastDecoder
     from chatbot.engine.generate import Engine
     from chatbot.models.loader import load_model
-    from chatbot.session import ChatSession
 
     loaded = load_model(str(files[arch]))
     sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=100)
@@ -305,7 +305,7 @@ def test_a_tiled_file_decodes_in_batches_as_alone_and_as_untiled(files, monkeypa
     from test_decode_batch import _check
 
     from chatbot.config import SamplingConfig
-    from chatbot.engine.fast import FastDecoder
+    from chatbot.engine.backends.native.decoder import FastDecoder
     from chatbot.engine.generate import Engine
     from chatbot.models.loader import load_model
 
@@ -341,8 +341,8 @@ def test_fast_decodes_the_files_own_blocks_with_int8_inputs(files):
     test_tiles). Against the logits of a full recompute (prefill's int16 products), `exact`
     is within float rounding; `fast` is further off, by int8's rounding; `auto` (int8 into
     the layers' tiles, int16 into the head) between them."""
-    from chatbot.engine import kernels
-    from chatbot.engine.fast import FastDecoder
+    from chatbot.engine.backends.native import kernels
+    from chatbot.engine.backends.native.decoder import FastDecoder
     from chatbot.models.loader import load_model
 
     model = load_model(str(files["qwen2"])).model
@@ -390,9 +390,9 @@ def test_auto_prefills_with_the_inputs_its_decode_step_takes(files):
     into all. So a prompt's logits from one prefill pass are the step-decoded ones up to the
     float rounding of the attention, far closer than `exact`'s prefill, whose inputs are finer
     than auto's step's."""
-    from chatbot.engine import kernels
-    from chatbot.engine.fast import FastDecoder
-    from chatbot.engine.packed import PackedLinear
+    from chatbot.engine.backends.native import kernels
+    from chatbot.engine.backends.native.decoder import FastDecoder
+    from chatbot.engine.backends.native.packed import PackedLinear
     from chatbot.models.loader import load_model
 
     model = load_model(str(files["qwen2"])).model

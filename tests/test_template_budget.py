@@ -172,7 +172,7 @@ def _real_templates() -> list[str]:
     from helpers import CHATML
     from test_tool_calls import TEMPLATE as TOOLS
 
-    from chatbot.models.gguf_metadata import read_metadata
+    from chatbot.gguf.metadata import read_metadata
     from chatbot.models.source import default_gguf_path
     from chatbot.models.templates import TEMPLATES
 

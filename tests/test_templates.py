@@ -245,8 +245,8 @@ def test_session_chats_with_each_fallback(name, answers):
     answer itself, so the session re-encodes a turn whose answer starts without one: those
     cases check the conversation only."""
     from chatbot.config import ChatConfig, SamplingConfig
+    from chatbot.conversation.session import ChatSession
     from chatbot.engine.generate import Engine
-    from chatbot.session import ChatSession
 
     tok = make_tokenizer()
     model = make_model(len(tok))

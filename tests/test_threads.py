@@ -1,4 +1,4 @@
-"""The thread-count and wait policy for a shared machine (chatbot/engine/threads.py)."""
+"""The thread-count and wait policy for a shared machine (chatbot/engine/backends/native/threads.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import needs_kernels
 
-from chatbot.engine import threads
+from chatbot.engine.backends.native import threads
 
 
 @pytest.mark.parametrize(
@@ -64,7 +64,8 @@ def test_available_cpus_follows_the_affinity_mask() -> None:
     if not hasattr(os, "sched_getaffinity"):
         pytest.skip("no affinity masks here")
     code = "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); " \
-           "from chatbot.engine.threads import available_cpus; print(available_cpus())"  # fmt: skip
+           "from chatbot.engine.backends.native.threads import available_cpus; " \
+           "print(available_cpus())"  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "1"
     assert 1 <= threads.available_cpus() <= (os.cpu_count() or 1)
@@ -90,7 +91,7 @@ def test_cli_default_threads_follow_the_load(monkeypatch) -> None:
     """Without --threads, the CLI decodes on the CPUs others leave free; --threads wins."""
     import torch
 
-    from chatbot.cli_common import set_threads
+    from chatbot.cli.options import set_threads
 
     before = torch.get_num_threads()
     monkeypatch.setattr(threads, "available_cpus", lambda: 2)
@@ -113,7 +114,7 @@ def test_cli_default_threads_follow_the_load(monkeypatch) -> None:
 def test_the_cli_sets_the_wait_before_torch_loads() -> None:
     """`chatbot` sets GOMP_SPINCOUNT before anything imports torch (libgomp reads it once,
     when loaded), and leaves a user's own OpenMP wait settings alone."""
-    code = ("import os, sys; import chatbot.cli; "
+    code = ("import os, sys; import chatbot.cli.app; "
             "print('torch' in sys.modules, os.environ.get('GOMP_SPINCOUNT'))")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in threads.WAIT_VARIABLES}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
@@ -130,7 +131,7 @@ def test_prefill_product_times_both_thread_counts():
     the decoder does, and give the same result either way."""
     import numpy as np
 
-    from chatbot.engine import kernels, packed
+    from chatbot.engine.backends.native import kernels, packed
     from devtools.gguf_synthetic import random_blocks
 
     rows, cols = 64, 512
@@ -164,7 +165,7 @@ def test_few_row_products_time_both_thread_counts_per_matrix_size():
     count (`graph_threads`), one by default."""
     import numpy as np
 
-    from chatbot.engine import kernels, packed
+    from chatbot.engine.backends.native import kernels, packed
     from devtools.gguf_synthetic import random_blocks
 
     rng = np.random.default_rng(0)
@@ -205,7 +206,7 @@ def test_capped_threads_holds_in_its_thread_only_and_is_asked_each_time():
 
     import torch
 
-    from chatbot.engine.threads import cap_threads, capped_threads
+    from chatbot.engine.backends.native.threads import cap_threads, capped_threads
 
     decoding = [True]
     before = torch.get_num_threads()

@@ -17,8 +17,8 @@ from gguf.quants import dequantize
 from helpers import needs_kernels
 from test_ggml_formats import _cpu_flags, int16_activations, random_matrix
 
-from chatbot.engine import kernels
-from chatbot.engine.packed import packed_matmul
+from chatbot.engine.backends.native import kernels
+from chatbot.engine.backends.native.packed import packed_matmul
 
 pytestmark = needs_kernels
 

@@ -13,9 +13,9 @@ import torch
 from helpers import full_logits, make_model
 
 from chatbot.compat.records import forget, lookup, track
-from chatbot.engine import tracked_cache
+from chatbot.engine.cache import tracked as tracked_cache
+from chatbot.engine.cache.tracked import UNKNOWN, TrackedCache
 from chatbot.engine.generate import Engine
-from chatbot.engine.tracked_cache import UNKNOWN, TrackedCache
 from chatbot.errors import ContextFullError
 
 
@@ -179,12 +179,12 @@ def test_generate_has_no_bookkeeping_callbacks():
 
 
 def test_no_module_but_the_tracked_cache_asks_what_kind_of_cache_it_has():
-    root = Path(tracked_cache.__file__).resolve().parents[1]
+    root = Path(tracked_cache.__file__).resolve().parents[2]
     probe = re.compile(r"(hasattr|getattr)\((self\.)?(session\.)?(s\.)?cache\b")
     found = [
         f"{path.relative_to(root)}:{n}"
         for path in root.rglob("*.py")
-        if path.name != "tracked_cache.py"
+        if path.name != "tracked.py"
         for n, line in enumerate(path.read_text().splitlines(), 1)
         if probe.search(line)
     ]

@@ -95,7 +95,7 @@ def test_the_kernels_build_is_a_wait_that_names_its_simd_level(tmp_path, monkeyp
     """A first build of the kernels (about 20 s) runs inside a wait that names the SIMD level
     the compiler targets here, as `chatbot doctor` names it."""
     from chatbot import doctor, progress
-    from chatbot.engine import kernel_build
+    from chatbot.engine.backends.native import build as kernel_build
 
     cc = kernel_build.find_compiler()
     if cc is None:

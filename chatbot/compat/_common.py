@@ -13,8 +13,8 @@ from transformers.cache_utils import Cache
 
 from chatbot.compat.records import track
 from chatbot.config import Range, SamplingConfig
+from chatbot.engine.cache.tracked import TrackedCache
 from chatbot.engine.generate import Engine
-from chatbot.engine.tracked_cache import TrackedCache
 from chatbot.errors import ConfigError
 
 

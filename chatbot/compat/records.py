@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 from transformers.cache_utils import Cache
 
-from chatbot.engine.sink_cache import SinkCache
-from chatbot.engine.tracked_cache import UNKNOWN, TrackedCache
+from chatbot.engine.cache.sinks import SinkCache
+from chatbot.engine.cache.tracked import UNKNOWN, TrackedCache
 
 # The record of a cache is kept on the cache itself, under this attribute: a record and its
 # cache refer to each other, a cycle the garbage collector frees once neither is reachable.

@@ -21,8 +21,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 from chatbot.compat._common import CompatArgumentError, check_model, check_range
 from chatbot.compat.tinychat import PERSISTENT
 from chatbot.config import MAX_TOKENS, Range
+from chatbot.engine.cache.sinks import SinkCache
 from chatbot.engine.generate import Engine
-from chatbot.engine.sink_cache import SinkCache
 
 # --- StreamingLLM: enable_streaming_llm, StartRecentKVCache ----------------------------------
 

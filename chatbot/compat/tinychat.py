@@ -23,10 +23,10 @@ from chatbot.compat._common import (
 )
 from chatbot.compat.records import track
 from chatbot.config import MAX_TOKENS, Range, SamplingConfig
+from chatbot.engine.cache.tracked import TrackedCache
 from chatbot.engine.detokenize import IncrementalDetokenizer
 from chatbot.engine.generate import Engine
 from chatbot.engine.stops import StopStrings
-from chatbot.engine.tracked_cache import TrackedCache
 from chatbot.errors import ConfigError
 
 _RANGES = SamplingConfig.RANGES

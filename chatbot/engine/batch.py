@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from chatbot.engine.threads import capped_threads
+from chatbot.engine.backends.native.threads import capped_threads
 
 STRAGGLER_S = 0.5
 """A step waits at most this long for a generation that joined and has not asked (one whose
@@ -41,7 +41,7 @@ class DecodeBatcher:
     """Gathers the one-token steps of concurrent generations into batched steps.
 
     Args:
-        backend: a `chatbot.engine.backend.Backend` (its `step_batch` and `max_batch`).
+        backend: a `chatbot.engine.backends.base.Backend` (its `step_batch` and `max_batch`).
     """
 
     def __init__(self, backend: Any) -> None:

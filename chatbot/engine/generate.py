@@ -25,17 +25,17 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.generation.logits_process import LogitsProcessorList
 
 from chatbot.config import SamplingConfig
-from chatbot.engine.backend import Backend, full_cache
-from chatbot.engine.backend_choice import choose_backend
-from chatbot.engine.buffer_cache import BufferLayer
+from chatbot.engine.backends.base import Backend, full_cache
+from chatbot.engine.backends.choose import choose_backend
+from chatbot.engine.backends.device_sampling import DeviceBackend, DeviceSampler, device_token_steps
+from chatbot.engine.cache.buffers import BufferLayer
+from chatbot.engine.cache.sinks import SinkCache
+from chatbot.engine.cache.tracked import TrackedCache
 from chatbot.engine.chunk import GenerationChunk
 from chatbot.engine.detokenize import IncrementalDetokenizer
-from chatbot.engine.device_decode import DeviceBackend, DeviceSampler, device_token_steps
 from chatbot.engine.sampling import Sampler, build_logits_processor
-from chatbot.engine.sink_cache import SinkCache
 from chatbot.engine.stats import TurnStats, peak_memory_bytes, synchronize
 from chatbot.engine.stop_criteria import StopOnStrings
-from chatbot.engine.tracked_cache import TrackedCache
 
 __all__ = [
     "Engine",
@@ -73,9 +73,10 @@ class Engine:
         model: a transformers causal LM (any device map).
         tokenizer: its tokenizer.
         max_context: the most tokens the cache may hold (the model's trained context).
-        decoder: the native CPU kernels' one-token step (`chatbot.engine.fast.FastDecoder`):
-            shorthand for ``backend=NativeBackend(model, decoder)``.
-        backend: what runs the forward passes (`chatbot.engine.backend`); default: the
+        decoder: the native CPU kernels' one-token step
+            (`chatbot.engine.backends.native.decoder.FastDecoder`): shorthand for
+            ``backend=NativeBackend(model, decoder)``.
+        backend: what runs the forward passes (`chatbot.engine.backends.base`); default: the
             native kernels with `decoder`, else transformers.
     """
 
@@ -102,7 +103,7 @@ class Engine:
 
     @property
     def compiled(self) -> bool:
-        """True when decode steps run compiled (`chatbot.engine.compiled`)."""
+        """True when decode steps run compiled (`chatbot.engine.backends.compiled`)."""
         return self.backend.compiled
 
     @property

@@ -16,7 +16,7 @@ from chatbot.limits import finite
 if TYPE_CHECKING:
     import torch
 
-    from chatbot.engine.tracked_cache import CacheLayout
+    from chatbot.engine.cache.tracked import CacheLayout
 
 
 @dataclass

@@ -2,7 +2,7 @@
 and the attention window its streaming cache must fit in.
 
 `check_streaming_support` refuses, with one line naming the reason, the models whose keys
-`chatbot.engine.sink_cache.SinkCache` cannot re-rotate: no rotary embedding, interleaved or
+`chatbot.engine.cache.sinks.SinkCache` cannot re-rotate: no rotary embedding, interleaved or
 partial or multimodal rotary embeddings, layers other than full or sliding-window attention,
 a sliding window smaller than the cache. `layer_inv_freqs` gives each layer's frequencies.
 """

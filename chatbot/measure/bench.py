@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from chatbot.config import ChatConfig, SamplingConfig
+from chatbot.conversation.session import ChatSession
 from chatbot.engine.generate import Engine
 from chatbot.errors import ConfigError
 from chatbot.measure.report import conditions, loadavg
 from chatbot.models.loader import LoadedModel
-from chatbot.session import ChatSession
 
 
 def load_conversation(path: Path | None) -> list[str]:

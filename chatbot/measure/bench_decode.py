@@ -124,7 +124,7 @@ def _engine_worker(
     loaded: Any, level: str, ids: list[int], sizes: tuple[int, ...], spec: dict[str, Any]
 ) -> dict[str, Any]:
     from chatbot.config import OutputFormat, SamplingConfig
-    from chatbot.engine.backend_choice import backend_for
+    from chatbot.engine.backends.choose import backend_for
     from chatbot.engine.generate import Engine
 
     t0 = time.perf_counter()

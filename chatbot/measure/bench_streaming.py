@@ -58,7 +58,7 @@ def run_streaming_bench(
     """For each window size, feed the text (prefilled in chunks, evicting as it goes) until
     `multiples` x the window have passed; at each mark decode `decode_tokens` greedily and
     record tokens/s and cache bytes, and decode `recompute_tokens` by recomputation.
-    `decoder`: the engine's one-token step (`chatbot.engine.fast.FastDecoder`), or None for
+    `decoder`: the engine's one-token step (`chatbot.engine.backends.native.decoder.FastDecoder`), or None for
     transformers; recomputation always runs the model's forward pass.
 
     Raises:

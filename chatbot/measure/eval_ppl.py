@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from chatbot.engine.sink_cache import SinkCache
+from chatbot.engine.cache.sinks import SinkCache
 from chatbot.errors import ConfigError
 from chatbot.measure.report import conditions, loadavg
 

@@ -4,7 +4,7 @@ The config and the tokenizer (with its chat template) come from the file's metad
 transformers; both are kept in the user's cache directory (a few MB, keyed by a hash of the
 file's metadata), so only the first load of a file pays for parsing a large vocabulary. The
 model is built on the meta device, then every matrix becomes a `PackedLinear` /
-`PackedEmbedding` over the file's memory map (`chatbot.engine.gguf_weights`: no copy but the
+`PackedEmbedding` over the file's memory map (`chatbot.engine.backends.native.gguf_weights`: no copy but the
 q/k rows of llama files, which llama.cpp stores permuted), and only what is small is
 materialised: norms, biases and the rotary tables.
 
@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from chatbot.engine.architectures import BY_GGUF_ARCH, BY_MODEL_TYPE
-from chatbot.engine.gguf_weights import GGUFWeights, read_tensor_table
-from chatbot.engine.packed import PackedEmbedding, PackedLinear, ScaledPackedEmbedding
+from chatbot.engine.backends.native.architectures import BY_GGUF_ARCH, BY_MODEL_TYPE
+from chatbot.engine.backends.native.gguf_weights import GGUFWeights, read_tensor_table
+from chatbot.engine.backends.native.packed import PackedEmbedding, PackedLinear, ScaledPackedEmbedding
 from chatbot.models.load_checks import quiet_transformers
 from chatbot.models.manifest import publish, read_manifest, staging
 from chatbot.progress import waiting

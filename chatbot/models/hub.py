@@ -15,8 +15,8 @@ from fnmatch import fnmatch
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from chatbot.engine.gguf_table import SPLIT
 from chatbot.errors import ModelLoadError
+from chatbot.gguf.table import SPLIT
 from chatbot.models.hub_download import (
     HEX64,
     Fetched,

@@ -100,7 +100,7 @@ class LoadedModel:
     @property
     def num_parameters(self) -> int:
         """Parameters as the model was trained (a 4-bit tensor packs two per byte)."""
-        from chatbot.engine.packed import packed_parameters
+        from chatbot.engine.backends.native.packed import packed_parameters
 
         total = packed_parameters(self.model)  # a GGUF model's matrices, in their blocks
         for p in self.model.parameters():
@@ -118,7 +118,7 @@ class LoadedModel:
     def quantization(self) -> str:
         """The weights' format: a GGUF file's block formats (as stored: e.g. "GGUF 210 q4_1 +
         1 q8_0 matrices"), else what the config says ("none" for plain floats)."""
-        from chatbot.engine.packed import packed_formats
+        from chatbot.engine.backends.native.packed import packed_formats
 
         formats = packed_formats(self.model)
         if formats:
@@ -271,7 +271,7 @@ def _packable(opts: LoadOptions) -> bool:
 def _kernels_load(gguf: Path, notes: list[str]) -> bool:
     """Whether the native kernels build and load (a file run as stored needs them for every
     product); if not, a note says why and what the chat runs on instead."""
-    from chatbot.engine.kernels import KernelsUnavailable, load_library
+    from chatbot.engine.backends.native.kernels import KernelsUnavailable, load_library
 
     try:
         load_library()
@@ -320,7 +320,7 @@ def _load_gguf(gguf: Path, opts: LoadOptions, checked: bool = False) -> tuple[An
 
 def _check_metadata(gguf: Path) -> None:
     """Refuse a GGUF file whose metadata disagrees with its tensors (`gguf_metadata`)."""
-    from chatbot.models.gguf_metadata import InconsistentMetadata, check_metadata
+    from chatbot.gguf.metadata import InconsistentMetadata, check_metadata
 
     try:
         check_metadata(gguf)
@@ -333,7 +333,7 @@ def _check_metadata(gguf: Path) -> None:
 def _check_finite(gguf: Path) -> None:
     """Refuse a GGUF file with NaN or infinity in its norms, small float tensors, or the
     block scales of its embedding and output matrices (a few ms: `gguf_weights.check_finite`)."""
-    from chatbot.engine.gguf_weights import NonFiniteWeights, check_finite
+    from chatbot.engine.backends.native.gguf_weights import NonFiniteWeights, check_finite
 
     try:
         check_finite(gguf)
@@ -346,7 +346,7 @@ def _check_finite(gguf: Path) -> None:
 
 
 def _load_gguf_converted(gguf: Path, opts: LoadOptions) -> tuple[Any, Any, list[str]]:
-    from chatbot.engine.gguf_table import FileStamp, read_tensor_table
+    from chatbot.gguf.table import FileStamp, read_tensor_table
 
     arch, table = read_tensor_table(gguf)
     if any(t.file for t in table):
@@ -386,11 +386,11 @@ def _load_gguf_converted(gguf: Path, opts: LoadOptions) -> tuple[Any, Any, list[
                 "the file is damaged, download it again"
             )
     # The fast decode path packs its matrices straight from this file, in their stored
-    # formats (chatbot.engine.gguf_weights), rather than from the float32 copy.
+    # formats (chatbot.engine.backends.native.gguf_weights), rather than from the float32 copy.
     model.chatbot_gguf = str(gguf)
     model.chatbot_file_stamp = stamp
     if getattr(getattr(model, "model", None), "rotary_emb", None) is not None:
-        from chatbot.engine.gguf_weights import GGUFWeights
+        from chatbot.engine.backends.native.gguf_weights import GGUFWeights
         from chatbot.models.gguf_model import NotPackable, apply_rope_freqs
 
         try:

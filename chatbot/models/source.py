@@ -102,7 +102,7 @@ def check_gguf(path: Path, tables: bool = True) -> None:
         return
     try:
         # the tensor table only: gguf's reader would parse the whole vocabulary first
-        from chatbot.engine.gguf_table import SplitPartError, read_tensor_table
+        from chatbot.gguf.table import SplitPartError, read_tensor_table
 
         _, table = read_tensor_table(path)  # a split's other parts are checked as they are read
         end = max((t.offset + t.nbytes for t in table if t.file is None), default=0)

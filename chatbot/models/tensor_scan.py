@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from chatbot.engine.gguf_table import read_tensor_table
-from chatbot.engine.gguf_weights import BLOCK_SCALES, FLOATS, FileMaps, first_nonfinite
+from chatbot.engine.backends.native.gguf_weights import BLOCK_SCALES, FLOATS, FileMaps, first_nonfinite
+from chatbot.gguf.table import read_tensor_table
 
 Progress = Callable[[int, int], None]
 """Told (bytes read, bytes in all) as the scan goes."""

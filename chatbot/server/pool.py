@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
-from chatbot.engine.buffer_cache import BufferLayer
+from chatbot.conversation.saved import Turn
+from chatbot.conversation.session import ChatSession, sampling_from_model
+from chatbot.engine.cache.buffers import BufferLayer
+from chatbot.engine.cache.tracked import TrackedCache
 from chatbot.engine.generate import Engine
 from chatbot.engine.seq import common_prefix
-from chatbot.engine.tracked_cache import TrackedCache
 from chatbot.models.templates import TemplateInfo
-from chatbot.persist import Turn
-from chatbot.session import ChatSession, sampling_from_model
 
 
 @dataclass

@@ -13,20 +13,20 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from chatbot.config import SamplingConfig
-from chatbot.engine.backend import BatchedBackend
-from chatbot.engine.backend_choice import serving_backend
-from chatbot.engine.gguf_table import ModelFileChanged
+from chatbot.conversation.cache import conversation_cache
+from chatbot.engine.backends.base import BatchedBackend
+from chatbot.engine.backends.choose import serving_backend
+from chatbot.engine.backends.native.kernels import KernelsUnavailable
 from chatbot.engine.grammar import GrammarError
-from chatbot.engine.kernels import KernelsUnavailable
 from chatbot.engine.sampling import seeded_generator
 from chatbot.engine.stop_criteria import stop_checks
 from chatbot.engine.stops import StopStrings
 from chatbot.errors import ChatbotError, ContextFullError
+from chatbot.gguf.table import ModelFileChanged
 from chatbot.models.templates import answer_stops
 from chatbot.server.logprobs import LogprobTracker, TokenLogprob, TokenTexts
 from chatbot.server.pool import Conversation, PrefixCachePool
 from chatbot.server.protocol import APIError
-from chatbot.session_cache import conversation_cache
 
 DEFAULT_SLOTS = 8
 """Requests that generate at once (continuous batching), where the native kernels run."""

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 if TYPE_CHECKING:
-    from chatbot.chat import Chat
+    from chatbot.conversation.chat import Chat
 
 LONG_PROMPT = 128
 """Tokens of a new prompt from which its encoding shows a bar (about a second on a laptop CPU)."""

@@ -12,7 +12,7 @@ from prompt_toolkit.completion import CompleteEvent, Completer, Completion, Path
 from prompt_toolkit.document import Document
 from prompt_toolkit.history import FileHistory
 
-from chatbot.session_log import append_whole
+from chatbot.conversation.log import append_whole
 from chatbot.terminal.commands import complete
 
 BLOCK = '"""'

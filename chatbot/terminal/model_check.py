@@ -23,7 +23,7 @@ def check_model_files(path: Path) -> ScanResult:
     out, err = line_console(), line_console(stderr=True)
     path = path.expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
-        from chatbot.models.gguf_metadata import InconsistentMetadata, check_metadata
+        from chatbot.gguf.metadata import InconsistentMetadata, check_metadata
 
         try:
             check_metadata(path)

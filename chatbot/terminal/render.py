@@ -15,8 +15,8 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from chatbot.chat import RemoteStats
 from chatbot.config import UNSET_TEXT
+from chatbot.conversation.chat import RemoteStats
 from chatbot.engine.stats import TurnStats
 from chatbot.settings import layer
 from chatbot.terminal.sanitize import safe_text

@@ -30,8 +30,7 @@ from prompt_toolkit.output import create_output
 from rich.console import Console
 
 from chatbot import progress
-from chatbot.errors import ChatbotError
-from chatbot.session_log import (
+from chatbot.conversation.log import (
     FILE_MODE,
     Event,
     SessionLog,
@@ -39,6 +38,7 @@ from chatbot.session_log import (
     private_dir,
     replay,
 )
+from chatbot.errors import ChatbotError
 from chatbot.terminal.bars import prompt_bar, token_bar
 from chatbot.terminal.commands import (
     Command,
@@ -60,7 +60,7 @@ from chatbot.terminal.wrap_input import WordWrap
 from chatbot.wording import counted
 
 if TYPE_CHECKING:  # torch and transformers come with these: the prompt must not wait for them
-    from chatbot.chat import Chat, ModelInfo
+    from chatbot.conversation.chat import Chat, ModelInfo
 
 MAX_MESSAGE_CHARS = 200_000
 __all__ = [

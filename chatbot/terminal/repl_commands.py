@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
+from chatbot.conversation.log import data_dir
 from chatbot.errors import ContextFullError
 from chatbot.limits import expand, without_surrogates
-from chatbot.session_log import data_dir
 from chatbot.terminal.commands import (
     CLEAR_FLAG,
     Command,
@@ -34,7 +34,7 @@ from chatbot.terminal.tty import interrupt_once
 from chatbot.wording import counted
 
 if TYPE_CHECKING:  # torch and transformers come with these: the prompt must not wait for them
-    from chatbot.chat import Chat, ModelInfo
+    from chatbot.conversation.chat import Chat, ModelInfo
 
 __all__ = ["KEYS", "KEYS_HELP", "ReplCommands"]
 
@@ -147,7 +147,7 @@ class ReplCommands:
         self.note(f"saved {counted(len(self.session.turns), 'turn')} to {written}")
 
     def _load(self, command: Command) -> None:
-        from chatbot.persist import read_saved
+        from chatbot.conversation.saved import read_saved
 
         data = read_saved(command.arg)
         self._restore(data)

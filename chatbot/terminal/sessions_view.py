@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.padding import Padding
 from rich.text import Text
 
-from chatbot.session_log import SessionInfo, list_sessions, sessions_dir
+from chatbot.conversation.log import SessionInfo, list_sessions, sessions_dir
 from chatbot.terminal.sanitize import safe_text
 from chatbot.wording import counted
 

@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from chatbot.engine import kernels
-from chatbot.engine.fast import FastDecoder
+from chatbot.engine.backends.native import kernels
+from chatbot.engine.backends.native.decoder import FastDecoder
 from devtools.gguf_synthetic import BLOCKS, FLOAT_TYPES, random_blocks, random_floats
 
 ROWS, COLS = 40, 512  # two K-quant super-blocks, sixteen 32-blocks per row

@@ -1,0 +1,244 @@
+"""How a conversation keeps its cache (a part of `ChatSession`): which cache it makes (with
+a pinned system prompt under --enable-streaming), what it holds, emptying it, refilling an
+emptied window, cutting it back, and feeding what is pending. The ids themselves are kept by
+the cache's `TrackedCache`; this is the session's policy on top."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from chatbot.engine.cache.sinks import streaming_window
+from chatbot.engine.cache.tracked import CacheLayout, TrackedCache
+from chatbot.errors import ChatbotError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from chatbot.config import ChatConfig, EngineConfig
+    from chatbot.conversation.alignment import Segment
+    from chatbot.conversation.saved import Turn
+    from chatbot.engine.generate import Engine
+
+
+def conversation_cache(
+    engine: Engine, ec: EngineConfig, limit: int, pinned_tokens: Callable[[], int] | None = None
+) -> TrackedCache:
+    """The empty cache of a conversation (a chat's, or a server's raw completion): growing, or
+    with `ec.enable_streaming` an attention-sink cache of `ec.start_size` sinks and the recent
+    window (its default chosen for `limit` and the model's sliding window).
+
+    Args:
+        engine: the model runner.
+        ec: the engine settings.
+        limit: the most tokens the conversation may hold.
+        pinned_tokens: under streaming, the length of the start to pin (a system prompt),
+            asked only then; None pins nothing past the sinks.
+
+    Raises:
+        ConfigError: the window does not fit `limit`.
+        StreamingUnsupportedError: the model cannot take an attention-sink cache.
+    """
+    if not ec.enable_streaming:
+        cache = engine.new_cache()
+        cache.max_context = limit
+        return cache
+    # A model with sliding-window layers (gemma) needs the whole cache inside its window.
+    window = streaming_window(engine.model)
+    recent = ec.recent_window(limit, window)
+    ec.check_window(ec.start_size, recent, limit)
+    cache = engine.new_cache(ec.start_size, recent)
+    cache.max_context = limit
+    if pinned_tokens is not None:
+        # A system prompt longer than the context (or the sliding window) allows is pinned
+        # only as far as it fits beside the recent window; the rest is evicted like any old text.
+        room = max(ec.start_size, min(limit, window or limit) - recent)
+        cache.pin(min(pinned_tokens(), room))
+    return cache
+
+
+class ConversationCache:
+    """The cache half of `ChatSession` (a mixin: it works on the session's attributes)."""
+
+    engine: Engine
+    config: ChatConfig
+    system: str | None
+    kv: TrackedCache
+    segments: list[Segment]
+    turns: list[Turn]
+    tokenizer: Any
+    _longest: int | None = None  # `_longest_token`
+
+    @property
+    def all_ids(self) -> list[int]:
+        """Every id of the conversation, in order (the segments' ids)."""
+        return [i for s in self.segments for i in s.ids]
+
+    @property
+    def pending_ids(self) -> list[int]:
+        """The ids of the conversation the cache has not taken in yet."""
+        return self.all_ids[self.n_fed :]
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        raise NotImplementedError  # ChatSession's
+
+    def encode(self, text: str, literal: bool = False) -> list[int]:
+        raise NotImplementedError  # ChatSession's
+
+    def _rebuild_segments(self) -> None:
+        raise NotImplementedError  # ChatSession's
+
+    @property
+    def max_context(self) -> int:
+        """The most tokens this conversation may hold: the config's, else the engine's."""
+        return self.config.engine.max_context or self.engine.max_context
+
+    def make_cache(self) -> TrackedCache:
+        ec = self.config.engine
+        keep = ec.keep_system if ec.keep_system is not None else bool(self.system)
+        return conversation_cache(
+            self.engine, ec, self.max_context, self.system_prompt_tokens if keep else None
+        )
+
+    def _check_size(self, system: str | None, turns: list[Turn]) -> None:
+        """A growing cache refuses a conversation whose characters alone say it holds more
+        tokens than the context, before tokenizing it: no token is longer than the vocabulary's
+        longest entry, so the text holds at least `characters / longest` tokens. (A 20 MB chat
+        took 50 s and 3.6 GB to be found too long.) A bounded cache takes any length.
+
+        Raises:
+            ChatbotError: it cannot fit.
+        """
+        if self.kv.is_bounded:
+            return
+        chars = len(system or "") + sum(len(t.user) + len(t.answer) for t in turns)
+        if chars <= self.max_context:  # (fewer characters than the context: no count can refuse it)
+            return
+        at_least = chars // self._longest_token()
+        if at_least > self.max_context:
+            raise ChatbotError(
+                f"the conversation is not loaded: its {chars:,} characters are at least "
+                f"{at_least:,} tokens, over the context of {self.max_context:,}"
+            )
+
+    def _longest_token(self) -> int:
+        """Characters in the vocabulary's longest entry (as written in it, which is never
+        shorter than the text it stands for); computed once."""
+        if self._longest is None:
+            try:
+                longest = max(map(len, self.tokenizer.get_vocab()), default=0)
+            except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary dict: no bound
+                longest = 0
+            self._longest = longest if longest > 0 else 1 << 30
+        return self._longest
+
+    def system_prompt_tokens(self) -> int:
+        """How many tokens the rendered system prompt takes at the start of the conversation."""
+        if not self.system:
+            return 0
+        msgs = [{"role": "system", "content": self.system}]
+        try:
+            sys_text = self.render(msgs, False)
+            full = self.render([*msgs, {"role": "user", "content": "x"}], False)
+        except Exception:  # noqa: BLE001 - a template (user code) that cannot render a lone system message
+            return 0
+        return len(self.encode(sys_text)) if full.startswith(sys_text) else 0
+
+    @property
+    def cache(self) -> Any:
+        """The transformers cache the model writes into."""
+        return self.kv.cache
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """The ids the cache holds now (after evictions)."""
+        return self.kv.ids
+
+    @property
+    def n_fed(self) -> int:
+        """How many ids of the conversation have gone through the cache (evicted ones too)."""
+        return len(self.kv.seen)
+
+    @property
+    def evicted_total(self) -> int:
+        return self.kv.evicted_total
+
+    @property
+    def capacity(self) -> int:
+        """The most tokens the cache holds: the window of a bounded cache, else the context."""
+        return self.kv.capacity
+
+    def _forget_cache(self) -> None:
+        """Empty the cache; every id of the conversation becomes pending."""
+        self.kv.reset()
+        self.kv = self.make_cache()  # re-pinned for the current system prompt
+        for turn in self.turns:  # a new cache has evicted nothing yet
+            turn.evicted_before = 0
+
+    def _skip_to_window(self) -> None:
+        """An emptied streaming cache is refilled with what it would hold had it never been
+        emptied: the pinned start (sinks, system prompt) and the last `recent_size` ids. The
+        ids between are counted as evicted instead of being encoded only to be evicted (after
+        /undo or /retry past an eviction, a /load, a new system prompt), so the cost is the
+        window, not the whole conversation.
+        """
+        try:
+            self.engine.refill_window(self.kv, self.all_ids, self.config.engine.prefill_chunk)
+        finally:
+            if not self.kv.settle():
+                self._forget_cache()
+
+    def _keep_common_prefix(self) -> None:
+        """Cut the cache back to the longest prefix of what it took in that the conversation
+        still starts with; empty a bounded cache (its window is refilled instead)."""
+        keep = self.kv.common_prefix(self.all_ids)
+        if keep == 0 or self.kv.is_bounded or not self.kv.crop_to(keep):
+            self._forget_cache()
+            return
+        for turn in self.turns:
+            turn.evicted_before = 0
+
+    def _truncate(self, n_segments: int, keep: int, evicted_before: int) -> None:
+        """Keep `segments[:n_segments]` and at most `keep` ids of them in the cache.
+
+        The cache is cut back (no re-encoding) when nothing was evicted since the cut point
+        entered it; otherwise it is emptied and the next turn re-encodes.
+        """
+        self.segments = self.segments[:n_segments]
+        target = max(0, min(self.n_fed, keep, len(self.all_ids)))
+        cut = self.n_fed - target
+        if cut == 0:
+            return
+        if target == 0 or self.evicted_total != evicted_before or not self.kv.crop_to(target):
+            self._forget_cache()
+
+    def prefill_pending(self, on_progress: Callable[[int, int], None] | None = None) -> int:
+        """Feed every pending id into the cache now, in chunks (e.g. after a load).
+
+        Interrupted, it keeps what was fed; the rest stays pending for the next turn.
+
+        Returns:
+            the number of tokens fed.
+
+        Raises:
+            ContextFullError: the pending ids do not fit in a growing cache.
+        """
+        self._skip_to_window()
+        ids = self.pending_ids
+        if not ids:
+            return 0
+        self.kv.check_room(len(ids))
+        before = self.n_fed
+        try:
+            self.engine.prefill(self.kv, ids, self.config.engine.prefill_chunk, on_progress=on_progress)
+        finally:
+            if not self.kv.settle():
+                self._forget_cache()
+        return max(0, self.n_fed - before)
+
+    def cache_layout(self) -> CacheLayout:
+        """Where the cache stands, and the oldest text it holds after the pinned part."""
+        layout = self.kv.layout()
+        tail = self.cache_ids[layout.pinned : layout.pinned + 24]
+        oldest = self.tokenizer.decode(tail, skip_special_tokens=True).strip() if tail else ""
+        return dataclasses.replace(layout, oldest_text=oldest)
