@@ -226,7 +226,7 @@ def coverage(candidate: Candidate, tok: Any) -> tuple[list[str], list[str]]:
 
 def decode_figures(rounds: int, threads: int | None) -> None:
     """Decode tok/s of the default model's answers, free and under SCHEMA, in turn."""
-    from chatbot.cli.options import make_backend, set_threads
+    from chatbot.cli.load import make_backend, set_threads
     from chatbot.config import ChatConfig, SamplingConfig
     from chatbot.conversation.session import ChatSession
     from chatbot.engine.generate import Engine

@@ -83,7 +83,7 @@ def llama_server_missing(timeout_s: float = 120.0) -> str | None:
 
 
 def serve_default_threads() -> int:
-    """The threads `chatbot serve` starts with when not told (cli_common.set_threads): the
+    """The threads `chatbot serve` starts with when not told (chatbot.cli.load.set_threads): the
     physical cores less the CPUs other processes keep busy now."""
     import torch
 

@@ -98,12 +98,12 @@ def test_run_serve_and_config_show_share_one_declaration_of_each_option():
     from typer.main import get_command
 
     from chatbot.cli import app as cli
-    from chatbot.cli import options as cli_common
+    from chatbot.cli import options
     from chatbot.cli.app import app
 
     aliases = {
         id(meta)
-        for value in vars(cli_common).values()
+        for value in vars(options).values()
         if typing.get_origin(value) is typing.Annotated
         for meta in value.__metadata__
     }

@@ -17,7 +17,7 @@ def test_the_cli_engine_takes_max_context_from_engine_config(tiny_model, tiny_to
     """The CLI builds its Engine from the EngineConfig that flags and presets resolve to."""
     from types import SimpleNamespace
 
-    from chatbot.cli.options import make_engine
+    from chatbot.cli.load import make_engine
     from chatbot.engine.backends.base import HFBackend
 
     loaded = SimpleNamespace(model=tiny_model, tokenizer=tiny_tokenizer)

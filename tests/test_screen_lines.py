@@ -83,7 +83,7 @@ def test_the_banner_counts_the_seconds_since_the_command():
     before its banner says at least that."""
     code = (
         "import time; time.sleep(1.5)\n"
-        "from chatbot.cli.options import seconds_since_start; print(seconds_since_start())"
+        "from chatbot.cli.load import seconds_since_start; print(seconds_since_start())"
     )
     run = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120

@@ -91,7 +91,7 @@ def test_cli_default_threads_follow_the_load(monkeypatch) -> None:
     """Without --threads, the CLI decodes on the CPUs others leave free; --threads wins."""
     import torch
 
-    from chatbot.cli.options import set_threads
+    from chatbot.cli.load import set_threads
 
     before = torch.get_num_threads()
     monkeypatch.setattr(threads, "available_cpus", lambda: 2)

@@ -19,6 +19,21 @@ from typer.exceptions import Abort, Exit, TyperException
 from chatbot.cli.bench import bench_app, eval_ppl
 from chatbot.cli.help import HelpGroup
 from chatbot.cli.hub import models, pull, rm
+from chatbot.cli.load import (
+    banner_line,
+    check_threads,
+    context_note,
+    exit_if_failed,
+    fetch_hub_gguf,
+    in_background,
+    load_with_status,
+    make_backend,
+    make_engine,
+    resolve_api_key,
+    resolve_cli_settings,
+    set_threads,
+    streaming_note,
+)
 from chatbot.cli.options import (
     CacheConversationsOpt,
     CacheMemoryOpt,
@@ -56,20 +71,7 @@ from chatbot.cli.options import (
     ThreadsOpt,
     TrustOpt,
     VersionOpt,
-    banner_line,
-    check_threads,
-    context_note,
-    exit_if_failed,
-    fetch_hub_gguf,
-    in_background,
-    load_with_status,
-    make_backend,
-    make_engine,
-    resolve_api_key,
-    resolve_cli_settings,
-    set_threads,
     setting_options,
-    streaming_note,
 )
 from chatbot.config import EngineConfig, LoadConfig, OutputFormat, RunConfig
 from chatbot.errors import ChatbotError, ConfigError

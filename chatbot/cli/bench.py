@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from typer.exceptions import Exit
 
+from chatbot.cli.load import load_with_status, make_backend, resolve_api_key, set_threads
 from chatbot.cli.options import (
     ConversationOpt,
     DeviceOpt,
@@ -19,10 +20,6 @@ from chatbot.cli.options import (
     TextOpt,
     ThreadsOpt,
     check_opt,
-    load_with_status,
-    make_backend,
-    resolve_api_key,
-    set_threads,
 )
 from chatbot.errors import ConfigError
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from chatbot.cli.options import exit_if_failed, resolve_api_key
+from chatbot.cli.load import exit_if_failed, resolve_api_key
 from chatbot.errors import ConfigError
 
 # `run` options that shape the local model and its cache: a server has its own.

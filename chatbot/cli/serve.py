@@ -12,7 +12,7 @@ from typing import Any
 
 from rich.console import Console
 
-from chatbot.cli.options import (
+from chatbot.cli.load import (
     context_note,
     load_with_status,
     make_backend,
