@@ -18,7 +18,17 @@ class ContextFullError(ChatbotError):
 
 
 class StreamingUnsupportedError(ChatbotError):
-    """The model cannot run with the attention-sink cache."""
+    """The model cannot run with the attention-sink cache (or not with the window asked for).
+
+    Args:
+        message: what is wrong, in the engine's words (the CLI names the flag).
+        recent_fits: the largest recent window that would fit, where a smaller one would do
+            (0: none would: fewer sinks are needed); None where the window is not the cause.
+    """
+
+    def __init__(self, message: str, recent_fits: int | None = None) -> None:
+        super().__init__(message)
+        self.recent_fits = recent_fits
 
 
 class CommandError(ChatbotError):

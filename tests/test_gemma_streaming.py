@@ -33,6 +33,7 @@ from chatbot.engine.cache.sinks import (
 )
 from chatbot.engine.generate import Engine
 from chatbot.errors import StreamingUnsupportedError
+from chatbot.terminal.advice import in_user_words
 
 WINDOW = 32
 S, F = "sliding_attention", "full_attention"
@@ -271,11 +272,18 @@ def test_a_cache_larger_than_the_window_is_refused_naming_the_recent_size_that_f
     with pytest.raises(StreamingUnsupportedError) as info:
         SinkCache.for_model(model, start_size=4, recent_size=40)
     message = str(info.value)
-    assert "\n" not in message
-    assert f"sliding window of {WINDOW} tokens" in message and "--recent-size 28 or less" in message
+    assert "\n" not in message and "--" not in message  # the engine's words: no flag named
+    assert f"sliding window of {WINDOW} tokens" in message and info.value.recent_fits == 28
+    # the command line names the flag and the window that fits
+    assert in_user_words(info.value).endswith("; use --recent-size 28 or less")
+    assert in_user_words(info.value).startswith("--enable-streaming: the attention-sink cache must lie")
     SinkCache.for_model(model, start_size=4, recent_size=28)  # exactly the window: accepted
-    with pytest.raises(StreamingUnsupportedError, match="--recent-size 24 or less"):
+    with pytest.raises(StreamingUnsupportedError) as info:
         check_streaming_support(model, capacity=33, start_size=8)
+    assert in_user_words(info.value).endswith("; use --recent-size 24 or less")
+    with pytest.raises(StreamingUnsupportedError) as info:
+        check_streaming_support(model, capacity=40, start_size=32)
+    assert in_user_words(info.value).endswith("; use fewer --start-size tokens")
 
 
 def test_only_full_attention_layers_need_no_window():

@@ -273,7 +273,7 @@ def test_refuses_gpt2_with_a_message():
     with pytest.raises(StreamingUnsupportedError, match="gpt2 uses learned absolute positions") as info:
         check_streaming_support(model)
     assert isinstance(info.value, ChatbotError)
-    assert "--enable-streaming needs rotary position embeddings" in str(info.value)
+    assert "the attention-sink cache needs rotary position embeddings" in str(info.value)
     with pytest.raises(StreamingUnsupportedError):
         SinkCache.for_model(model, 4, 64)
 

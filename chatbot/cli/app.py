@@ -78,6 +78,7 @@ from chatbot.errors import ChatbotError, ConfigError
 from chatbot.models.gc_pause import pause_until_ready
 from chatbot.models.gc_pause import ready as gc_ready
 from chatbot.settings import layer
+from chatbot.terminal.advice import in_user_words
 
 app = typer.Typer(
     name="chatbot",
@@ -520,7 +521,7 @@ def main(argv: list[str] | None = None) -> None:
     except ChatbotError as exc:
         if _DEBUG or os.environ.get("CHATBOT_DEBUG"):
             raise
-        err.print(safe_line(f"chatbot: error: {exc}"), markup=False)
+        err.print(safe_line(f"chatbot: error: {in_user_words(exc)}"), markup=False)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)

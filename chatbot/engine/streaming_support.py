@@ -98,7 +98,7 @@ def layer_inv_freqs(model: Any) -> list[torch.Tensor]:
     rotary = _find_rotary(model)
     if rotary is None:
         raise StreamingUnsupportedError(
-            f"--enable-streaming needs rotary position embeddings; no rotary embedding module "
+            f"the attention-sink cache needs rotary position embeddings; no rotary embedding module "
             f"found on {type(model).__name__}"
         )
     layer_types = list(getattr(config, "layer_types", None) or [])
@@ -110,7 +110,7 @@ def layer_inv_freqs(model: Any) -> list[torch.Tensor]:
         freq = freq if isinstance(freq, torch.Tensor) else shared
         if not isinstance(freq, torch.Tensor):
             raise StreamingUnsupportedError(
-                f"--enable-streaming cannot read the rotary frequencies of {model_type}"
+                f"the attention-sink cache cannot read the rotary frequencies of {model_type}"
                 + (f" {kind} layers" if kind else "")
                 + " (non-standard rotary embedding)"
             )
@@ -129,7 +129,7 @@ def check_streaming_support(
         capacity: start + recent of the intended cache; a model with sliding-window layers
             is accepted when the whole cache fits in the smallest window (the window mask
             then never bites).
-        start_size: the sinks of the intended cache, for the ``--recent-size`` that would
+        start_size: the sinks of the intended cache, for the recent window that would
             fit (default 4).
 
     Raises:
@@ -137,7 +137,7 @@ def check_streaming_support(
     """
     config, is_model = _text_config(model_or_config)
     model_type = getattr(config, "model_type", "") or "this model"
-    need = "--enable-streaming needs rotary position embeddings"
+    need = "the attention-sink cache needs rotary position embeddings"
 
     if model_type in _NO_ROPE:
         raise StreamingUnsupportedError(f"{need}; {model_type} uses {_NO_ROPE[model_type]}")
@@ -145,12 +145,12 @@ def check_streaming_support(
         raise StreamingUnsupportedError(f"{need}; this falcon model uses ALiBi attention biases")
     if model_type in _INTERLEAVED_ROPE:
         raise StreamingUnsupportedError(
-            f"--enable-streaming re-rotates keys in the Llama (rotate_half) layout; "
+            f"the attention-sink cache re-rotates keys in the Llama (rotate_half) layout; "
             f"{model_type} uses interleaved rotary embeddings"
         )
     if getattr(config, "qk_rope_head_dim", None):
         raise StreamingUnsupportedError(
-            f"--enable-streaming cannot re-rotate {model_type} keys: only part of each key "
+            f"the attention-sink cache cannot re-rotate {model_type} keys: only part of each key "
             "is rotary (multi-head latent attention)"
         )
 
@@ -164,14 +164,14 @@ def check_streaming_support(
     partial = [f for f in factors if f is not None and float(f) < 1.0]
     if partial:
         raise StreamingUnsupportedError(
-            f"--enable-streaming needs rotary embeddings on the whole head; {model_type} "
+            f"the attention-sink cache needs rotary embeddings on the whole head; {model_type} "
             f"rotates only a part (partial_rotary_factor={partial[0]})"
         )
     if any(d.get("mrope_section") for d in rope_dicts) or any(
         str(d.get(key, "")).startswith("mrope") for d in rope_dicts for key in ("rope_type", "type")
     ):
         raise StreamingUnsupportedError(
-            f"--enable-streaming cannot re-rotate {model_type} keys: it uses multimodal "
+            f"the attention-sink cache cannot re-rotate {model_type} keys: it uses multimodal "
             "rotary embeddings (mrope_section)"
         )
 
@@ -179,24 +179,23 @@ def check_streaming_support(
     other_types = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
     if other_types:
         raise StreamingUnsupportedError(
-            f"--enable-streaming needs full or sliding-window attention in every layer; {model_type} "
+            f"the attention-sink cache needs full or sliding-window attention in every layer; {model_type} "
             f"has {', '.join(other_types)} layers"
         )
     window = streaming_window(config)
     if window is not None and (capacity is None or capacity > window):
         fits = window - (4 if start_size is None else start_size)
         where = " (its sliding_attention layers)" if "sliding_attention" in layer_types else ""
+        if capacity is None:
+            size = ""
+        elif start_size is None:
+            size = f", smaller than the cache's {capacity} tokens"
+        else:
+            size = f"; {start_size} sinks + {capacity - start_size} recent make {capacity}"
         raise StreamingUnsupportedError(
-            f"--enable-streaming needs the whole cache inside {model_type}'s sliding window of "
-            f"{window} tokens{where}"
-            + (
-                ""
-                if capacity is None
-                else f", smaller than the cache's {capacity} tokens"
-                if start_size is None
-                else f"; {start_size} sinks + {capacity - start_size} recent make {capacity}"
-            )
-            + (f"; use --recent-size {fits} or less" if fits > 0 else "; use fewer --start-size tokens")
+            f"the attention-sink cache must lie inside {model_type}'s sliding window of "
+            f"{window} tokens{where}{size}",
+            recent_fits=max(fits, 0),
         )
 
     if is_model:
@@ -204,6 +203,6 @@ def check_streaming_support(
         for inv_freq in layer_inv_freqs(model_or_config):
             if inv_freq.numel() * 2 != head_dim:
                 raise StreamingUnsupportedError(
-                    f"--enable-streaming needs rotary embeddings on the whole head; {model_type} "
+                    f"the attention-sink cache needs rotary embeddings on the whole head; {model_type} "
                     f"rotates {inv_freq.numel() * 2} of {head_dim} dims"
                 )

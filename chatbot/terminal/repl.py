@@ -39,6 +39,7 @@ from chatbot.conversation.log import (
     replay,
 )
 from chatbot.errors import ChatbotError
+from chatbot.terminal.advice import in_user_words
 from chatbot.terminal.bars import prompt_bar, token_bar
 from chatbot.terminal.commands import (
     Command,
@@ -324,7 +325,7 @@ class Repl(ReplCommands):
                     return
                 self.handlers[command.name](command)
             except ChatbotError as exc:
-                self.error(str(exc))
+                self.error(in_user_words(exc))
             except (ValueError, TypeError, OverflowError, RecursionError, LookupError, OSError) as exc:
                 # A command failed in a way we did not foresee: say so and keep the chat.
                 self.error(f"{line.split()[0]} failed: {type(exc).__name__}: {exc}")
@@ -348,7 +349,7 @@ class Repl(ReplCommands):
         try:
             chunks = self.session.send(text)
         except ChatbotError as exc:
-            self.error(str(exc))
+            self.error(in_user_words(exc))
             self.failed += 1
             return
         # The session logs the message before its answer (and cancels it if it left no turn).
@@ -394,7 +395,7 @@ class Repl(ReplCommands):
                 raise
             except ChatbotError as exc:
                 chunks.close()
-                problem = str(exc)
+                problem = in_user_words(exc)
             except (RuntimeError, ValueError) as exc:  # the model or sampling failed: keep the chat
                 chunks.close()
                 problem = f"generation failed: {type(exc).__name__}: {exc}"

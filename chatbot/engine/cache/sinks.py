@@ -241,8 +241,8 @@ class SinkCache(Cache):
         if self.max_capacity is not None and pinned + self.recent_size > self.max_capacity:
             raise StreamingUnsupportedError(
                 f"keeping {pinned} tokens plus a recent window of {self.recent_size} exceeds the "
-                f"model's sliding window of {self.max_capacity} tokens; lower --recent-size "
-                f"(to {max(1, self.max_capacity - pinned)} or less)"
+                f"model's sliding window of {self.max_capacity} tokens",
+                recent_fits=max(1, self.max_capacity - pinned),
             )
         self._pinned = pinned
 

@@ -155,10 +155,7 @@ class TrackedCache:
             return
         used = len(self.ids)
         if used + n_new + 1 > self.max_context:
-            raise ContextFullError(
-                f"context full ({used} + {n_new} new tokens > {self.max_context}): "
-                "/reset, or restart with --enable-streaming"
-            )
+            raise ContextFullError(f"context full ({used} + {n_new} new tokens > {self.max_context})")
 
     def is_full(self) -> bool:
         """True when a growing cache has room for no more token."""
