@@ -515,3 +515,18 @@ def test_commands_keep_the_invariant_on_the_default_model(default_model, tmp_pat
     s.reset()
     s.restore(read_saved(path))
     check()
+
+
+def test_model_counts_the_cache_as_the_toolbar_and_the_stats_line(tiny_engine):
+    """/model said `cache 258 / 8,192` where the toolbar and the stats line said 260: it left
+    out the closing text of the last answer that waits to enter the cache."""
+    from types import SimpleNamespace
+
+    session = make(tiny_engine)
+    chunks = list(session.send("hello there"))
+    count = session.cache_count()
+    assert session.pending_ids and count == len(session.cache_ids) + len(session.pending_ids)
+    model = SimpleNamespace(name="tiny", describe=lambda: {"model": "tiny"})
+    _, rows = session.describe_model(model)
+    assert rows["cache"].startswith(f"{count:,} / ")
+    assert session.meter().used == count == chunks[-1].stats.cache_tokens

@@ -469,7 +469,7 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
         rows["context limit"] = f"{self.max_context:,} tokens" + (
             f" (the model's: {int(own):,})" if own and own.isdigit() and int(own) != self.max_context else ""
         )
-        rows["cache"] = f"{len(self.cache_ids):,} / {self.capacity:,} tokens" + (
+        rows["cache"] = f"{self.cache_count():,} / {self.capacity:,} tokens" + (
             " (attention sinks + recent window)" if self.kv.is_bounded else ""
         )
         rows["decode"] = self.engine.backend.describe()
