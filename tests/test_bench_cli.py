@@ -83,3 +83,83 @@ def test_bench_decode_also_runs_the_turns_bench_into_the_same_json(
     last = turns["turns"][-1]
     assert last["persistent"]["prefill_tokens"] < last["reencode"]["prefill_tokens"]
     assert "multi-turn chat" in stdout
+
+
+def _fake_decode_worker(spec):
+    """A worker's figures, distinct per set-up (each cell can be found), without a model: the
+    baseline's 12 greedy tokens, and the others' the same up to where they end the answer
+    (token 2 at index 9) and go on."""
+    i = [*bench_decode.default_setups()].index(spec["name"])
+    baseline = spec["name"] == "transformers-generate"
+    return {
+        "name": spec["name"],
+        "decode_tps": 10.0 + 11.1 * i,
+        "ms_per_token_p50": 40.25 + i,
+        "ms_per_token_p90": 100.5 + i,
+        "prefill_tps": {"50": 1001.0 + i, "500": 2002.0 + i, "2000": 3003.0 + i},
+        "ttft_s": 0.4123 + i / 1000,
+        "ttft_s_by_prompt": {"50": 0.4, "500": 1.6, "2000": 8.0},
+        "peak_mem_mb": 1200.0 + i,
+        "bytes_per_weight": None if baseline else 1.0625,
+        "load_s": 2.5 + i,
+        "loadavg": 7.5 + i / 100,
+        "tokens": list(range(10, 22)) if baseline else [*range(10, 19), 2, 5, 6],
+        **({} if baseline else {"answer_end": 9}),
+    }
+
+
+def _decode_cells(i: int) -> list[str]:
+    """Every figure `_fake_decode_worker`'s set-up `i` shows, as printed."""
+    cells = [f"{10.0 + 11.1 * i:.1f}", f"{40.25 + i:.1f}", f"{100.5 + i:.1f}", f"{1200 + i}"]
+    cells += [f"{n + i}" for n in (1001, 2002, 3003)]
+    cells += [f"{0.4123 + i / 1000:.3f}", f"{2.5 + i:.1f}", f"{7.5 + i / 100:.2f}"]
+    return [*cells, "12/12" if i == 0 else "9/12*"] + ([] if i == 0 else ["1.062"])
+
+
+def test_bench_decode_fits_80_and_60_columns_and_says_why_llama_cpp_is_missing(monkeypatch, capsys):
+    """At 80 and 60 columns every header and figure of `bench decode` is printed whole (the
+    tables split into parts that fit, never an ellipsis); without llama-cpp-python a line
+    says why llama.cpp has no row and how to get it; `same tok` is N of the compared, and a
+    legend says what it counts and why every set-up parts where it ends the answer."""
+    monkeypatch.setattr(bench_decode, "_run_worker", _fake_decode_worker)
+    monkeypatch.setattr(bench_decode, "llama_cpp_available", lambda: False)
+    measured = [s for s in bench_decode.default_setups() if s != "llama.cpp"]
+    for width in (80, 60):
+        monkeypatch.setenv("COLUMNS", str(width))
+        code, stdout, _ = cli(capsys, "bench", "decode", "--rounds", "1")
+        assert code == 0
+        assert "…" not in stdout
+        assert max(len(line) for line in stdout.splitlines()) <= width
+        for header in ("tok/s", "p50", "p90", "peak", "B/", "weight", "same", "TTFT", "@2000", "load"):
+            assert f" {header} " in stdout, header
+        for i, name in enumerate(measured):
+            row = [cell.strip() for line in stdout.splitlines() if line.startswith(f"│ {name} ")
+                   for cell in line.split("│")]  # fmt: skip
+            assert set(_decode_cells(i)) <= set(row), (name, row)
+        words = " ".join(stdout.split())
+        missing = "llama.cpp: not measured (llama-cpp-python is not installed: pip install llama-cpp-python)"
+        assert missing in words
+        assert "same tok: greedy tokens equal to transformers-generate's up to the first difference" in words
+        assert "*: the set-up ended the answer there (end-of-text token)" in words
+
+
+def test_bench_decode_progress_is_a_bar_on_a_terminal_and_lines_in_a_pipe(monkeypatch, capsys):
+    """In a pipe, a plain line per worker on stderr (stdout keeps the figures); on a
+    terminal, a bar with the worker now running and the count done."""
+    import io
+
+    from rich.console import Console
+
+    from chatbot.cli.bench import workers_progress
+
+    monkeypatch.setattr(bench_decode, "_run_worker", _fake_decode_worker)
+    code, stdout, err = cli(capsys, "bench", "decode", "--setups", "transformers-generate,chatbot-auto",
+                            "--rounds", "2")  # fmt: skip
+    assert code == 0 and "round 1/2" not in stdout
+    assert err.splitlines() == [f"round {r}/2: {name}" for r in (1, 2)
+                                for name in ("transformers-generate", "chatbot-auto")]  # fmt: skip
+    screen = io.StringIO()
+    with workers_progress(Console(file=screen, force_terminal=True, width=80)) as progress:
+        progress("round 2/2: transformers-generate", 2, 4)
+    assert "round 2/2: transformers-generate" in screen.getvalue()
+    assert "2/4" in screen.getvalue() and "━" in screen.getvalue()

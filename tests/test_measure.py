@@ -126,6 +126,7 @@ def test_bench_decode_prints_load_average_and_the_comparison(monkeypatch, capsys
         return {**_row("chatbot-auto", 60.0, 400.0, 2.0, 500.0), "loadavg": 1.0 + len(seen)}
 
     monkeypatch.setattr(bench_decode, "_run_worker", fake_worker)
+    monkeypatch.setattr(bench_decode, "llama_cpp_available", lambda: True)  # the worker is faked
     out = tmp_path / "b.json"
     code, stdout, _ = cli(capsys, "bench", "decode", "--setups", "chatbot-auto,llama.cpp", "--rounds", "3",
                           "--prefill", "500", "--json", str(out))  # fmt: skip
@@ -395,16 +396,17 @@ def test_every_printer_names_the_cpu_and_load(capsys) -> None:
 
 
 def test_llama_cpp_runs_only_on_the_same_file(monkeypatch) -> None:
-    """With --model a folder and no --gguf, llama.cpp is left out of the default set-ups (it
-    would run the default model) and, asked for, is a row saying why; with --model FILE.gguf
-    it gets that very file."""
+    """With --model a folder and no --gguf, llama.cpp is not run (it would run the default
+    model): by default or asked for, its row says why; with --model FILE.gguf it gets that
+    very file."""
     specs = []
     monkeypatch.setattr(
         bench_decode, "_run_worker", lambda spec: specs.append(spec) or {"name": spec["name"], "error": "x"}
     )
     monkeypatch.setattr(bench_decode, "llama_cpp_available", lambda: True)
     result = bench_decode.run_decode_bench(model="/some/folder", rounds=1)
-    assert bench_decode.LLAMA_CPP not in [r["name"] for r in result["results"]]
+    assert bench_decode.LLAMA_CPP not in [s["name"] for s in specs]
+    assert "give --gguf" in result["results"][-1]["error"]
     specs.clear()
     result = bench_decode.run_decode_bench(["llama.cpp"], model="/some/folder", rounds=1)
     assert specs == [] and "give --gguf" in result["results"][0]["error"]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -35,6 +36,30 @@ def progress_to_stderr() -> Callable[[str], None]:
     """Prints a bench's progress lines, dim, on stderr (its figures go to stdout)."""
     err = Console(stderr=True, highlight=False)
     return lambda line: err.print(line, style="dim", markup=False)
+
+
+@contextmanager
+def workers_progress(console: Console) -> Iterator[Callable[[str, int, int], None]]:
+    """A bench's progress by worker (`progress(what starts now, finished, in all)`): on a
+    terminal, a bar with the count and the time gone and left, gone when the bench ends; in
+    a pipe or a file, a plain line per worker."""
+    if not console.is_terminal:
+        yield lambda line, done, total: console.print(line, style="dim", markup=False, highlight=False)
+        return
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = (TextColumn("{task.description}"), BarColumn(bar_width=None), MofNCompleteColumn(),
+               TimeElapsedColumn(), TimeRemainingColumn())  # fmt: skip
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("", total=None)
+        yield lambda line, done, total: bar.update(task, description=line, completed=done, total=total)
 
 
 def names(text: str | None) -> list[str]:
@@ -353,18 +378,19 @@ def bench_decode(
         long_text = read_text(text or default_text_path())
     prefill_sizes = tuple(parse_counts(prefill, "--prefill", "50,500,2000", what="prompt lengths"))
     progress = progress_to_stderr()
-    result = run_decode_bench(
-        chosen,
-        model=model,
-        threads=threads,
-        rounds=rounds,
-        decode_tokens=decode_tokens,
-        text=text,
-        ppl_tokens=ppl_tokens,
-        gguf=gguf,
-        prefill_sizes=prefill_sizes,
-        progress=progress,
-    )
+    with workers_progress(Console(stderr=True, highlight=False)) as workers:
+        result = run_decode_bench(
+            chosen,
+            model=model,
+            threads=threads,
+            rounds=rounds,
+            decode_tokens=decode_tokens,
+            text=text,
+            ppl_tokens=ppl_tokens,
+            gguf=gguf,
+            prefill_sizes=prefill_sizes,
+            progress=workers,
+        )
     print_decode(Console(), result)
     if extra:
         from chatbot.measure.bench import load_conversation

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from chatbot.engine.seq import common_prefix, quantile
-from chatbot.measure.decode_report import LLAMA_CPP
+from chatbot.measure.decode_report import BASELINE, LLAMA_CPP
 from chatbot.measure.quality import judge_decoder, judge_llama_cpp, write_reference
 from chatbot.measure.report import loadavg
 from chatbot.models.gc_pause import pause_until_ready
@@ -44,7 +44,6 @@ LEVEL_SETUPS = (
 CUDA_SETUPS = {"cuda-bf16": None, "cuda-4bit": "4bit", "cuda-8bit": "8bit"}
 # The same through the compiled step (`--opt compile`).
 CUDA_SETUPS.update({f"{name}-compile": quantize for name, quantize in list(CUDA_SETUPS.items())})
-BASELINE = "transformers-generate"
 REFERENCE = "float32-reference"  # not a set-up: the distributions `--ppl-tokens` judges against
 WORKER_TIMEOUT_S = 3600
 
@@ -56,10 +55,25 @@ def llama_cpp_available() -> bool:
 
 
 def default_setups() -> list[str]:
-    setups = [BASELINE, *LEVEL_SETUPS]
-    if llama_cpp_available():
-        setups.append(LLAMA_CPP)
-    return setups
+    """Every set-up measured when none is named; llama.cpp's row says why where it cannot run."""
+    return [BASELINE, *LEVEL_SETUPS, LLAMA_CPP]
+
+
+def why_not_measured(name: str, other_model: bool) -> str | None:
+    """Why set-up `name` cannot run here (None: it can): llama.cpp needs its Python package
+    and the GGUF file of the model the others run."""
+    if name != LLAMA_CPP:
+        return None
+    if not llama_cpp_available():
+        return "llama-cpp-python is not installed: pip install llama-cpp-python"
+    if other_model:
+        return "llama.cpp reads GGUF files: give --gguf FILE (the same model)"
+    return None
+
+
+def answer_end(tokens: list[int], end_ids: set[int]) -> int | None:
+    """Where the answer in `tokens` ends: the index of its first end-of-text token (None: none)."""
+    return next((i for i, t in enumerate(tokens) if t in end_ids), None)
 
 
 def bench_text(path: Path | None) -> str:
@@ -309,6 +323,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             level = cuda_level if name in CUDA_SETUPS else name.removeprefix("chatbot-")
             out = _engine_worker(loaded, level, ids, sizes, spec)
         out["runtime_mb"] = runtime
+        eos = loaded.tokenizer.eos_token_id
+        if "tokens" in out and eos is not None:
+            out["answer_end"] = answer_end(out["tokens"], {eos})
     out["name"] = name
     from chatbot.engine.stats import peak_rss_bytes
 
@@ -363,24 +380,33 @@ def _median_result(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+Progress = Callable[[str, int, int], None]
+"""progress(what starts now, workers finished, workers in all)."""
+
+
 def _run_rounds(
     runs: dict[str, list[dict[str, Any]]],
     rounds: int,
-    progress: Callable[[str], None] | None,
+    progress: Progress | None,
     other_model: bool,
     reference: str | None,
     common: dict[str, Any],
+    finished: int = 0,
 ) -> None:
     """Each set-up of `runs` `rounds` times, interleaved, into its list; the first round also
-    judges the distributions against `reference` (`--ppl-tokens`)."""
+    judges the distributions against `reference` (`--ppl-tokens`). A set-up that cannot run
+    here gets its reason in place of figures, and no worker. `finished`: workers already run
+    (the reference's), for `progress`."""
+    why = {name: why_not_measured(name, other_model) for name in runs}
+    total = finished + rounds * sum(reason is None for reason in why.values())
     for round_no in range(rounds):
         for name, done in runs.items():
-            if name == LLAMA_CPP and other_model:
-                error = "llama.cpp reads GGUF files: give --gguf FILE (the same model)"
-                done.append({"name": name, "error": error})
+            if why[name] is not None:
+                done.append({"name": name, "error": why[name]})
                 continue
             if progress:
-                progress(f"round {round_no + 1}/{rounds}: {name}")
+                progress(f"round {round_no + 1}/{rounds}: {name}", finished, total)
+            finished += 1
             first = round_no == 0
             spec = {**common, "name": name, "ppl_tokens": common["ppl_tokens"] if first else 0,
                     "reference": reference if first else None}  # fmt: skip
@@ -398,7 +424,7 @@ def run_decode_bench(
     ppl_tokens: int = 0,
     gguf: Path | None = None,
     prefill_sizes: tuple[int, ...] | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Run every set-up `rounds` times, interleaved; return medians per set-up.
 
@@ -414,7 +440,7 @@ def run_decode_bench(
         gguf: the GGUF file for llama.cpp (default: the embedded default model's).
         prefill_sizes: prompt lengths prefill is timed at (default 50, 500, 2000; 50 is
             always one: decoding starts after a 50-token prompt).
-        progress: told of each worker as it starts.
+        progress: told of each worker as it starts (`Progress`).
 
     Returns:
         ``{"results": [...], "machine": {...}, "settings": {...}}``; each result has
@@ -434,7 +460,7 @@ def run_decode_bench(
     # Given another model and no GGUF, llama.cpp would run the default model: no comparison.
     other_model = model is not None and gguf is None
     if setups is None:
-        setups = [s for s in default_setups() if not (s == LLAMA_CPP and other_model)]
+        setups = default_setups()
     threads = threads or torch.get_num_threads()
     sizes = tuple(sorted({DECODE_PROMPT, *(prefill_sizes or PREFILL_SIZES)}))
     load_before = loadavg()
@@ -443,6 +469,9 @@ def run_decode_bench(
     with tempfile.TemporaryDirectory(prefix="chatbot-quality-") as scratch:
         reference = str(Path(scratch) / "reference.npz") if ppl_tokens else None
         if reference:  # the float32 distributions every set-up is judged against
+            if progress:
+                runnable = sum(why_not_measured(name, other_model) is None for name in setups)
+                progress("float32 reference for --ppl-tokens", 0, 1 + rounds * runnable)
             made = _run_worker({"name": REFERENCE, "model": model, "threads": threads, "decode_tokens": 0,
                                 "text": str(text) if text else None, "ppl_tokens": ppl_tokens,
                                 "reference": reference})  # fmt: skip
@@ -451,13 +480,18 @@ def run_decode_bench(
         common = {"model": model, "threads": threads, "decode_tokens": decode_tokens,
                   "ppl_tokens": ppl_tokens, "text": str(text) if text else None,
                   "gguf": str(gguf) if gguf else None, "prefill_sizes": list(sizes)}  # fmt: skip
-        _run_rounds(runs, rounds, progress, other_model, reference, common)
+        _run_rounds(runs, rounds, progress, other_model, reference, common, finished=1 if reference else 0)
     results = [_median_result(runs[name]) for name in setups]
     reference = next((r.get("tokens") for r in results if r["name"] == BASELINE), None)
     for r in results:
         decoded = r.pop("tokens", None)
         if reference and decoded is not None:
-            r["same_tokens_as_baseline"] = common_prefix(decoded, reference)
+            same = common_prefix(decoded, reference)
+            r["same_tokens_as_baseline"] = same
+            r["compared_tokens"] = min(len(decoded), len(reference))
+            # generate() is held to decode_tokens (min_new_tokens), so it never ends the
+            # answer: a set-up that does, and goes on, parts from it there
+            r["parts_at_answer_end"] = r["name"] != BASELINE and same == r.get("answer_end")
     machine = {**machine_info(), "torch_threads": threads, "loadavg_start": list(load_before)}
     return {
         "results": results,

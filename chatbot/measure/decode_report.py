@@ -3,52 +3,104 @@ llama.cpp in words (`versus_llama_cpp`)."""
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Any
 
 from chatbot.wording import counted
 
 LLAMA_CPP = "llama.cpp"
 """The set-up name of llama.cpp in `chatbot bench decode`."""
+BASELINE = "transformers-generate"
+"""The set-up whose greedy tokens the others are compared with."""
+
+
+def _width(table: Any) -> int:
+    """The columns `table` takes when nothing squeezes it (its widest rendered line)."""
+    from io import StringIO
+
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    wide = Console(width=10_000, file=StringIO(), color_system=None)
+    return Measurement.get(wide, wide.options, table).maximum
+
+
+def fitted_tables(width: int, title: str, columns: list[str], rows: list[list[str]]) -> list[Any]:
+    """`rows` under `columns` as Rich tables no wider than `width`: one table when it fits,
+    else the columns after the first (the set-up's name, in every part) split into parts
+    that fit, in order, so that no header or value is cut to an ellipsis."""
+    from rich.table import Table
+
+    def make(cols: list[int], part_title: str) -> Table:
+        out = Table(title=part_title)
+        for i in cols:
+            out.add_column(columns[i], justify="left" if i == 0 else "right", no_wrap=True)
+        for row in rows:
+            out.add_row(*(row[i] for i in cols))
+        return out
+
+    parts: list[list[int]] = [[0]]
+    for i in range(1, len(columns)):
+        if len(parts[-1]) > 1 and _width(make([*parts[-1], i], title)) > width:
+            parts.append([0])
+        parts[-1].append(i)
+    count = len(parts)
+    # as many columns in each part as can be (7 as 4 + 3 rather than 5 + 2), where that fits
+    rest = list(range(1, len(columns)))
+    cut = [-(-n * len(rest) // count) for n in range(count + 1)]
+    even = [[0, *rest[a:b]] for a, b in pairwise(cut)]
+    if all(_width(make(cols, title)) <= width for cols in even):
+        parts = even
+    return [make(cols, title if count == 1 else f"{title} ({n}/{count})") for n, cols in enumerate(parts, 1)]
+
+
+def same_tokens(r: dict[str, Any]) -> str:
+    """The `same tok` cell: greedy tokens equal to the reference's, of those compared, with
+    `*` where the difference is the set-up's own end of the answer."""
+    same = r.get("same_tokens_as_baseline")
+    if same is None:
+        return ""
+    end = "*" if r.get("parts_at_answer_end") else ""
+    return f"{same}/{r['compared_tokens']}{end}" if r.get("compared_tokens") else f"{same}{end}"
 
 
 def print_decode(console: Any, result: dict[str, Any]) -> None:
-    """Rich tables of the medians, one row per set-up: decode, then prefill (two narrow
-    tables rather than one that an 80-column terminal would squeeze to ellipses)."""
-    from rich.table import Table
-
+    """The medians as tables, one row per set-up, decode then prefill; each split into parts
+    that fit the console's width (never a value cut to an ellipsis); a line for each set-up
+    not measured and why; a legend of the columns."""
     s = result["settings"]
     sizes = [str(n) for n in s["prefill_sizes"]]
     title = (f"{s['model']}, {counted(result['machine']['torch_threads'], 'thread')}, "
              f"medians of {s['rounds']} interleaved rounds")  # fmt: skip
-    decode = Table(title=f"decode: {title}")
-    prefill = Table(title="prefill and time to first token")
-    columns = ["tok/s", "p50\nms", "p90\nms", "peak\nMB", "B/\nweight", "same\ntok"]
-    columns.append("load\navg")
-    prefill_cols = [*[f"tok/s @{n}" for n in sizes], "TTFT s", "load s", "load avg"]
-    for table, cols in ((decode, columns), (prefill, prefill_cols)):
-        table.add_column("set-up", no_wrap=True)
-        for col in cols:
-            table.add_column(col, justify="right", no_wrap=True)
-    for r in result["results"]:
-        if "error" in r:
-            decode.add_row(r["name"], f"[dim]{r['error']}[/dim]", *[""] * (len(columns) - 1))
-            continue
-        row = [
+    measured = [r for r in result["results"] if "error" not in r]
+    decode_rows, prefill_rows = [], []
+    for r in measured:
+        load_avg = f"{r['loadavg']:.2f}" if r.get("loadavg") is not None else ""
+        decode_rows.append([
             r["name"],
             f"{r['decode_tps']:.1f}",
             f"{r['ms_per_token_p50']:.1f}",
             f"{r['ms_per_token_p90']:.1f}",
             f"{r['peak_mem_mb']:.0f}",
             f"{r['bytes_per_weight']:.3f}" if r.get("bytes_per_weight") else "",
-            str(r.get("same_tokens_as_baseline", "")),
-        ]
-        load_avg = f"{r['loadavg']:.2f}" if r.get("loadavg") is not None else ""
-        decode.add_row(*row, load_avg)
+            same_tokens(r),
+            load_avg,
+        ])  # fmt: skip
         load_s = f"{r['load_s']:.1f}" if "load_s" in r else ""
-        prefill.add_row(r["name"], *[f"{r['prefill_tps'][n]:.0f}" for n in sizes], f"{r['ttft_s']:.3f}",
-                        load_s, load_avg)  # fmt: skip
-    console.print(decode)
-    console.print(prefill)
+        prefill = [f"{r['prefill_tps'][n]:.0f}" for n in sizes]
+        prefill_rows.append([r["name"], *prefill, f"{r['ttft_s']:.3f}", load_s, load_avg])
+    decode_cols = ["set-up", "tok/s", "p50\nms", "p90\nms", "peak\nMB", "B/\nweight", "same\ntok"]
+    decode_cols.append("load\navg")
+    prefill_cols = ["set-up", *[f"@{n}\ntok/s" for n in sizes], "TTFT\ns", "load\ns", "load\navg"]
+    if measured:
+        for table in fitted_tables(console.width, f"decode: {title}", decode_cols, decode_rows):
+            console.print(table)
+        prefill_title = "prefill at each prompt length, and time to first token"
+        for table in fitted_tables(console.width, prefill_title, prefill_cols, prefill_rows):
+            console.print(table)
+    for r in result["results"]:
+        if "error" in r:
+            console.print(f"{r['name']}: not measured ({r['error']})", markup=False, highlight=False)
     if s.get("ppl_tokens"):
         console.print(quality_table(result))
     for line in versus_llama_cpp(result):
@@ -61,15 +113,24 @@ def print_decode(console: Any, result: dict[str, Any]) -> None:
     m = result["machine"]
     load = f"; load average {m['loadavg_start'][0]} -> {m['loadavg_end'][0]}" if "loadavg_start" in m else ""
     cpu = m.get("cpu_model", m["processor"])
-    console.print(
-        f"[dim]{cpu}, {m['cpu_count']} CPUs, torch {m['torch']}{load}. load avg: the 1-minute load "
-        "average as the set-up's runs ended (median); load s: from starting its process to the model "
-        "ready to run (imports, reading the file, packing). prefill: tokens/s "
-        f"at that prompt length; TTFT: time to first token after a {s['decode_prompt_tokens']}-token "
-        "prompt; p50/p90 ms: per decoded token; same tok: greedy tokens equal to transformers' "
-        "before the first difference; B/weight: bytes per weight of the matrices the native "
-        "kernels read[/dim]"
-    )
+    prompt = s["decode_prompt_tokens"]
+    legend = [
+        f"{cpu}, {m['cpu_count']} CPUs, torch {m['torch']}{load}",
+        "tok/s: tokens decoded per second; p50/p90 ms: per decoded token (median, 90th percentile)",
+        "peak MB: the set-up's process's peak resident memory",
+        "B/weight: bytes per weight of the matrices the native kernels read",
+        f"same tok: greedy tokens equal to {BASELINE}'s up to the first difference / N compared",
+        f"@N tok/s: prefill tokens per second, N-token prompt; TTFT s: first token, {prompt}-token prompt",
+        "load s: from starting the set-up's process to its model ready (imports, reading, packing)",
+        "load avg: the 1-minute load average as the set-up's runs ended (median)",
+    ]
+    if any(r.get("parts_at_answer_end") for r in measured):
+        n = s.get("decode_tokens", "N")
+        end = (f"  *: the set-up ended the answer there (end-of-text token); {BASELINE} is held to {n} "
+               "tokens (min_new_tokens) and goes on past it")  # fmt: skip
+        legend.insert(5, end)
+    for line in legend:
+        console.print(line, style="dim", markup=False, highlight=False)
 
 
 def versus_llama_cpp(result: dict[str, Any], ours: str = "chatbot-auto") -> list[str]:
