@@ -135,3 +135,37 @@ def test_cache_crop_repairs_uneven_layers(tiny_engine):
 
 def test_dynamic_cache_is_the_default(tiny_engine):
     assert isinstance(tiny_engine.new_cache().cache, DynamicCache)
+
+
+def test_bounded_window_evicts_only_what_a_turn_needs(tiny_engine, tiny_model):
+    """Issue 59, 17: with a 64-token window and up to 60 answer tokens, a 15-token message
+    answered in 5 tokens left `cache 24/68` (62 evicted that turn): the prefill made room for
+    a whole 60-token answer up front. Each pass now evicts what it needs, rounded up to the
+    cache's block; the window keeps the rest, and its keys are still exact."""
+    kv = tiny_engine.new_cache(start_size=4, recent_size=64)
+    sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=60)
+    torch.manual_seed(3)
+    list(tiny_engine.generate(kv, torch.randint(3, 300, (40,)).tolist(), sampling))  # a full window
+    assert kv.length > 60 and kv.evicted_total > 0
+    message = torch.randint(3, 300, (15,)).tolist()
+    held, evicted = kv.length, kv.evicted_total
+    answered: list[int] = []
+
+    def five_tokens(ids: torch.Tensor, scores: torch.Tensor | None) -> bool:
+        answered.append(int(ids[0, -1]))
+        return len(answered) == 5  # a stop string that ends the answer at its 5th token
+
+    chunks = list(tiny_engine.generate(kv, message, sampling, stopping_criteria=five_tokens))
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].stats.generated_tokens == 5
+    fed = len(message) + 4  # (the answer's last token is not fed)
+    needed = held + fed - kv.capacity
+    block = kv.cache.evict_block
+    assert block <= kv.recent_size // 4
+    assert needed <= kv.evicted_total - evicted < needed + block
+    assert kv.length == held + fed - (kv.evicted_total - evicted) > kv.capacity - block
+    assert chunks[-1].stats.cache_tokens == kv.length  # what the stats line shows
+    # the kept keys are re-rotated to where a fresh pass over the kept ids puts them
+    fresh = DynamicCache()
+    with torch.no_grad():
+        tiny_model(input_ids=torch.tensor([kv.ids]), cache=fresh, use_cache=True)
+    assert torch.allclose(kv.cache.layers[0].keys, fresh.layers[0].keys, atol=1e-4)

@@ -177,10 +177,10 @@ class Engine:
 
     # -- forward passes -----------------------------------------------------------------
 
-    def _feed(self, kv: TrackedCache, ids: Sequence[int], reserve: int = 0) -> torch.Tensor:
-        """Prefill `ids` after making room for them (and `reserve` more) in the cache; the
-        last position's logits (``[vocab]``)."""
-        kv.evict_for(len(ids) + reserve)
+    def _feed(self, kv: TrackedCache, ids: Sequence[int]) -> torch.Tensor:
+        """Prefill `ids` after making room for them in the cache; the last position's logits
+        (``[vocab]``)."""
+        kv.evict_for(len(ids))
         logits = self.backend.prefill(kv.cache, ids)
         kv.feed(ids)
         return logits
@@ -198,14 +198,16 @@ class Engine:
         kv: TrackedCache,
         ids: Sequence[int],
         prefill_chunk: int = 512,
-        reserve: int = 0,
         on_progress: Callable[[int, int], None] | None = None,
         answer: int = 0,
     ) -> torch.Tensor:
         """Feed `ids` into the cache in chunks; return the logits after the last one.
 
-        `reserve` asks a bounded cache to leave room for that many tokens after the prompt
-        (the answer), so that decoding seldom has to evict. `on_progress` is told (tokens
+        A bounded cache evicts before each chunk only what that chunk needs, rounded up to
+        its eviction block (a slice of at most a quarter of the window, 64 tokens at most);
+        nothing is set aside for the answer, whose steps evict a block in turn when they run
+        out of room, so the window keeps as much history as fits and re-rotates its keys
+        once per block, not once per token. `on_progress` is told (tokens
         done, tokens in all) before the first chunk and after each one. Interrupted, the
         cache holds the chunks that were fed (`TrackedCache.settle` evens out a torn one).
         The backend first gives the cache room for the ids and `answer` tokens after them (at
@@ -215,16 +217,11 @@ class Engine:
             raise ValueError("prefill needs at least one token")
         self.backend.reserve(kv.cache, min(kv.capacity, kv.length + len(ids) + answer), limit=kv.capacity)
         step = kv.chunk_size(prefill_chunk)
-        recent = kv.recent_size
         logits = None
         if on_progress is not None:
             on_progress(0, len(ids))
         for start in range(0, len(ids), step):
-            chunk = ids[start : start + step]
-            extra = reserve if start + step >= len(ids) else 0
-            if recent:
-                extra = max(0, min(extra, recent - len(chunk)))
-            logits = self._feed(kv, chunk, extra)
+            logits = self._feed(kv, ids[start : start + step])
             if on_progress is not None:
                 on_progress(min(start + step, len(ids)), len(ids))
         assert logits is not None
@@ -306,13 +303,11 @@ class Engine:
         plain = plain and (stopping_criteria is None or isinstance(stopping_criteria, StopOnStrings))
         stats = TurnStats(context_tokens=len(new_ids))
         t0 = time.perf_counter()
-        reserve = min(sampling.max_new_tokens, 256) if kv.is_bounded else 0
         with self.backend.prefilling():
             logits = self.prefill(
                 kv,
                 new_ids,
                 prefill_chunk,
-                reserve,
                 on_progress=on_progress,
                 answer=min(sampling.max_new_tokens, ANSWER_ROOM),
             )
