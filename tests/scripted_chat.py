@@ -98,6 +98,8 @@ def main() -> None:
         "--chunk-delay", type=float, default=0.0, help="seconds the second chunk of a long message sleeps"
     )
     parser.add_argument("--prompt", help="answer this message once and exit (chatbot run PROMPT)")
+    parser.add_argument("--source", default="test", help="where the model came from (/model shows it)")
+    parser.add_argument("--decode", help="how the model decodes, as /model says it")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -125,7 +127,11 @@ def main() -> None:
     engine = Engine(model, tokenizer, max_context=4096)
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=max(len(a) for a in answers) + 8)
     session = ChatSession(engine, ChatConfig(sampling=sampling))
-    loaded = LoadedModel(model=model.model, tokenizer=tokenizer, name=args.name, source="test", kind="folder")
+    if args.decode is not None:
+        engine.backend.describe = lambda: args.decode
+    loaded = LoadedModel(
+        model=model.model, tokenizer=tokenizer, name=args.name, source=args.source, kind="folder"
+    )
     interactive = sys.stdin.isatty() and args.prompt is None
     out, info = make_consoles(interactive)
     if args.prompt is not None:
