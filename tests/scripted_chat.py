@@ -4,7 +4,9 @@ REPL and renderer, with a model that replays given Markdown token by token.
 Run as a program (the screen tests start it in a pseudo-terminal):
     python tests/scripted_chat.py ANSWER.md [ANSWER2.md ...] [--delay SECONDS]
 The n-th message gets the n-th answer (the last one repeats). Each decode step sleeps
-`--delay` seconds, so a test can act in the middle of an answer. With `--load-when PATH`,
+`--delay` seconds, so a test can act in the middle of an answer; `--chunk-delay` holds the
+second pass of the first message read in several chunks, once the first is in the cache.
+With `--prompt TEXT` it answers once and exits, as `chatbot run "TEXT"`. With `--load-when PATH`,
 the REPL starts as `chatbot run` does, with its model still loading: the load ends when the
 test creates PATH (with `--load-fails`, it ends with an error).
 """
@@ -31,15 +33,23 @@ class ScriptedModel:
     script's. A prompt (more than one new token) starts the next answer of the script."""
 
     def __init__(
-        self, model, answers: list[list[int]], eos: int, delay: float = 0.0, prefill_delay: float = 0.0
+        self,
+        model,
+        answers: list[list[int]],
+        eos: int,
+        delay: float = 0.0,
+        prefill_delay: float = 0.0,
+        chunk_delay: float = 0.0,
     ) -> None:
         self.model = model
         self.answers = answers
         self.eos = eos
         self.delay = delay
         self.prefill_delay = prefill_delay
+        self.chunk_delay = chunk_delay
         self.turn = -1
         self.pos = 0
+        self.prompt_passes = 0  # prompt passes in a row: the chunks of one message
 
     def __getattr__(self, name):
         return getattr(self.model, name)
@@ -50,12 +60,17 @@ class ScriptedModel:
         if ids is None:
             ids = args[0]
         if ids.shape[-1] > 1:  # a prompt: the next answer begins
+            self.prompt_passes += 1
+            if self.prompt_passes == 2 and self.chunk_delay:
+                delay, self.chunk_delay = self.chunk_delay, 0.0  # once: the first chunk is in
+                time.sleep(delay)
             self.turn += 1
             self.pos = 0
             if self.prefill_delay:
                 delay, self.prefill_delay = self.prefill_delay, 0.0  # the first prompt's pass only
                 time.sleep(delay)
         else:
+            self.prompt_passes = 0
             self.pos += 1
             if self.delay:
                 time.sleep(self.delay)
@@ -79,6 +94,12 @@ def main() -> None:
     parser.add_argument(
         "--prefill-delay", type=float, default=0.0, help="seconds the first prompt's pass sleeps"
     )
+    parser.add_argument(
+        "--chunk-delay", type=float, default=0.0, help="seconds the second chunk of a long message sleeps"
+    )
+    parser.add_argument("--prompt", help="answer this message once and exit (chatbot run PROMPT)")
+    parser.add_argument("--source", default="test", help="where the model came from (/model shows it)")
+    parser.add_argument("--decode", help="how the model decodes, as /model says it")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -96,14 +117,29 @@ def main() -> None:
         tokenizer.encode(p.read_text(encoding="utf-8"), add_special_tokens=False) for p in args.answers
     ]
     model = ScriptedModel(
-        make_model(len(tokenizer)), answers, tokenizer.eos_token_id, args.delay, args.prefill_delay
+        make_model(len(tokenizer)),
+        answers,
+        tokenizer.eos_token_id,
+        args.delay,
+        args.prefill_delay,
+        args.chunk_delay,
     )
     engine = Engine(model, tokenizer, max_context=4096)
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=max(len(a) for a in answers) + 8)
     session = ChatSession(engine, ChatConfig(sampling=sampling))
-    loaded = LoadedModel(model=model.model, tokenizer=tokenizer, name=args.name, source="test", kind="folder")
-    interactive = sys.stdin.isatty()
+    if args.decode is not None:
+        engine.backend.describe = lambda: args.decode
+    loaded = LoadedModel(
+        model=model.model, tokenizer=tokenizer, name=args.name, source=args.source, kind="folder"
+    )
+    interactive = sys.stdin.isatty() and args.prompt is None
     out, info = make_consoles(interactive)
+    if args.prompt is not None:
+        from chatbot.terminal.oneshot import answer_once
+
+        repl = Repl(session, loaded, out, plain=not sys.stdout.isatty(), info=info)
+        repl.start_log()
+        sys.exit(answer_once(repl, args.prompt))
     if args.load_when is None:
         repl = Repl(session, loaded, out, plain=not sys.stdout.isatty(), info=info)
         repl.start_log()

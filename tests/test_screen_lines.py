@@ -6,6 +6,7 @@ console that left the wrapping to the terminal. They break between words now."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -89,3 +90,77 @@ def test_the_banner_counts_the_seconds_since_the_command():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert 1.5 <= float(run.stdout) < 120
+
+
+SOURCE = "/home/someone/.cache/chatbot/hub/models--someone--smol/snapshots/main/smol-135m-instruct-q4.gguf"
+DECODE = (
+    "native kernels (--opt fast): 120 q4_1 + 1 q8_0 matrices, 92 MB, int16 activations "
+    "(int16 inputs, 2^-16 steps), up to 2 threads"
+)
+
+
+def scripted(tmp_path, terminals, columns: int, *flags: str) -> Terminal:
+    from test_screen_widths import SCRIPT
+
+    answer = tmp_path / "answer.md"
+    answer.write_text("A short answer.", encoding="utf-8")
+    term = Terminal([sys.executable, str(SCRIPT), str(answer), *flags], columns=columns, lines=60,
+                    cwd=str(tmp_path))  # fmt: skip
+    terminals.append(term)
+    term.wait_prompt(120)
+    return term
+
+
+def command_output(term: Terminal, command: str) -> list[str]:
+    term.type(command + "\r")
+    term.wait_prompt(60)
+    lines = term.lines()
+    start = max(i for i, line in enumerate(lines) if line == f"> {command}")
+    end = max(i for i, line in enumerate(lines) if line == ">")
+    return lines[start + 1 : end]
+
+
+@pytest.mark.parametrize("columns", [80, 50])
+def test_model_keeps_a_number_with_its_unit_and_folds_a_path_after_its_slashes(tmp_path, terminals, columns):
+    """Issue 59, item 10: /model broke `92` / `MB` across lines and folded a path anywhere
+    (`...SmolLM2-` / `135M...`). A value breaks between words, a number stays with its unit,
+    and only a path longer than its column is folded, after a "/"."""
+    term = scripted(tmp_path, terminals, columns, "--source", SOURCE, "--decode", DECODE)
+    shown = command_output(term, "/model")
+    assert all(len(line) <= columns for line in shown), "\n".join(shown)
+    rows: dict[str, list[str]] = {}
+    key = ""
+    for line in shown:
+        cells = line.split("│")
+        if len(cells) == 4:
+            key = cells[1].strip() or key
+            rows.setdefault(key, []).append(cells[2].strip())
+    source, decode = rows["source"], rows["decode"]
+    assert "".join(source) == SOURCE, "\n".join(shown)  # whole, on lines of its own
+    assert len(source) > 1 and all(part.endswith("/") for part in source[:-1]), "\n".join(shown)
+    assert " ".join(decode) == DECODE, "\n".join(shown)  # broken between words only
+    assert any("92 MB" in part for part in decode), "\n".join(shown)
+    for part in decode[:-1]:  # no line ends with a number whose unit went to the next
+        assert not re.search(r"(^|\s)\d[\d.,]*$", part), "\n".join(shown)
+
+
+@pytest.mark.parametrize("columns", [80, 50])
+def test_the_stats_key_is_whole_and_leaves_no_orphan_line(tmp_path, terminals, columns):
+    """Issue 59, item 10: the caption under /stats wrapped to a last line far shorter than the
+    others (at 50 columns, where /stats is a line per turn, it was not shown at all)."""
+    from screen import missing_words
+
+    from chatbot.terminal.render import STATS_KEY
+
+    term = scripted(tmp_path, terminals, columns)
+    for message in ("hello", "and again"):
+        term.type(message + "\r")
+        term.wait_prompt(60)
+    shown = command_output(term, "/stats")
+    last = max(i for i, line in enumerate(shown) if line.startswith(("└", "all ·")))
+    key = [line.strip() for line in shown[last + 1 :] if line.strip()]
+    assert missing_words(" ".join(STATS_KEY), key) == [], "\n".join(shown)
+    longest = max(len(line) for line in key)
+    assert all(2 * len(line) >= longest for line in key), "\n".join(shown)
+    assert " ".join(" ".join(key).split()) == " ".join(STATS_KEY), "\n".join(shown)
+    assert all(len(line) <= columns for line in shown), "\n".join(shown)

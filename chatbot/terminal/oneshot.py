@@ -53,6 +53,7 @@ def answer_once(repl: Repl, message: str) -> int:
     message starting with a slash is sent as it is). Returns the exit status: 0 answered, 1
     failed (its error line is printed), 130 stopped by Ctrl-C."""
     failed, turns = repl.failed, len(repl.session.turns)
+    repl.one_shot = True
     repl.chat(message)
     if repl.failed > failed:
         return 1

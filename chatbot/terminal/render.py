@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from markdown_it import MarkdownIt
+from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.markdown import CodeBlock, Markdown, MarkdownElement
 from rich.measure import Measurement
@@ -115,8 +116,6 @@ def stats_table(turns: list[Any], summary: dict[str, Any]) -> Table:
     table = Table(
         title=f"turns{window}",
         show_footer=False,
-        caption="fed: context tokens prefilled for the turn and the time that took (all its parts, "
-        "after a /continue); TTFT: time to the answer's first token; p50/p90: ms per new token",
     )
     # Two-line headers and unwrapped cells: the table fits an 80-column terminal whole.
     for col in ("#", "fed\ntok", "fed\ns", "TTFT\ns", "new\ntok", "tok/s", "p50\nms",
@@ -188,14 +187,26 @@ def _total(value: int | None) -> str:
     return "?" if value is None else f"{value:,}"
 
 
+# What /stats's words mean, a paragraph each (wrapped as evenly as the width allows).
+STATS_KEY = (
+    "fed: context tokens prefilled for the turn and the time that took (all its parts, after a /continue)",
+    "TTFT: time to the answer's first token; p50/p90: ms per new token",
+)
+
+
 def stats_renderable(console: Console, turns: list[Any], summary: dict[str, Any]) -> RenderableType:
-    """The /stats table where it fits the console's width whole, else one line per turn."""
+    """The /stats table where it fits the console's width whole, else one line per turn;
+    under either, what its words mean."""
     table = stats_table(turns, summary)
+    key = list(STATS_KEY)
     if any(isinstance(t.stats, RemoteStats) for t in turns):
-        table.caption = f"{table.caption}; ?: not reported by the server"
-    if Measurement.get(console, console.options.update_width(10_000), table).maximum <= console.width:
+        key[-1] += "; ?: not reported by the server"
+    width = Measurement.get(console, console.options.update_width(10_000), table).maximum
+    lines = [line for part in key for line in balanced_lines(part, min(width, console.width))]
+    if width <= console.width:
+        table.caption = "\n".join(lines)
         return table
-    return stats_lines(turns, summary)
+    return Group(stats_lines(turns, summary), Text("\n".join(lines), style="dim"))
 
 
 def columns(rows: Sequence[tuple[str, ...]], width: int) -> RenderableType:
@@ -323,6 +334,12 @@ def history_renderable(
         items.append(Text.assemble(("system  ", "bold magenta"), (safe_text(system), "magenta")))
     for i, t in enumerate(turns, first):
         items.append(Text.assemble((f"[{i}] you  ", "bold cyan"), safe_text(t.user)))
+        if t.interrupted and not t.answer:
+            # Ctrl-C while the model read the message (or a killed run): no answer; /retry gives one
+            items.append(
+                Text.assemble((f"[{i}] bot  [not answered: interrupted before the answer]", "bold green"))
+            )
+            continue
         mark = "  [interrupted]" if t.interrupted else ""
         items.append(Text.assemble((f"[{i}] bot{mark}", "bold green")))
         answer = safe_text(t.answer)
@@ -332,11 +349,69 @@ def history_renderable(
     return Group(*items)
 
 
-def key_value_table(title: str, rows: dict[str, str]) -> Table:
-    """Keys and values; a value longer than the row (a path) folds onto more rows, whole."""
-    table = Table(show_header=False, title=title)
-    table.add_column(no_wrap=True)
-    table.add_column(overflow="fold")
-    for k, v in rows.items():
-        table.add_row(safe_text(k), safe_text(v))
-    return table
+_NUMBER = re.compile(r"[\d][\d.,]*")
+
+
+def wrap_words(text: str, width: int) -> list[str]:
+    """`text` in lines of at most `width` cells, broken between words. A number stays with
+    the word after it (its unit: "92 MB", "8,192 tokens"); only a word longer than a line (a
+    path) is folded, on lines of its own, after its last "/" that fits (anywhere, where none does)."""
+    width = max(width, 8)
+    units: list[str] = []
+    for word in text.split():
+        if units and _NUMBER.fullmatch(units[-1]):
+            units[-1] += " " + word
+        else:
+            units.append(word)
+    lines: list[str] = []
+    line = ""
+    for unit in units:
+        joined = f"{line} {unit}" if line else unit
+        if cell_len(joined) <= width:
+            line = joined
+            continue
+        if line:
+            lines.append(line)
+        while cell_len(unit) > width:
+            cut = next(i for i in range(len(unit), 0, -1) if cell_len(unit[:i]) <= width)
+            slash = unit.rfind("/", 0, cut)
+            cut = slash + 1 if slash > 0 else cut
+            lines.append(unit[:cut])
+            unit = unit[cut:]
+        line = unit
+    if line:
+        lines.append(line)
+    return lines
+
+
+def balanced_lines(text: str, width: int) -> list[str]:
+    """`wrap_words` in as many lines as at `width`, but as even as they can be: no last line
+    of a word or two under long ones."""
+    lines = wrap_words(text, width)
+    while width > 8 and len(narrower := wrap_words(text, width - 1)) == len(lines):
+        lines, width = narrower, width - 1
+    return lines
+
+
+class KeyValueTable:
+    """Keys and values in a box as wide as the console allows; a value is wrapped between
+    words (`wrap_words`) to the room its column has."""
+
+    def __init__(self, title: str, rows: dict[str, str]) -> None:
+        self.title = title
+        self.rows = [(safe_text(k), safe_text(v)) for k, v in rows.items()]
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        key_width = max((cell_len(k) for k, _ in self.rows), default=0)
+        room = options.max_width - key_width - 7  # "│ key │ value │"
+        table = Table(show_header=False, title=self.title)
+        table.add_column(no_wrap=True)
+        table.add_column(overflow="fold")  # a console narrower than a key: Rich's fold at least
+        for k, v in self.rows:
+            table.add_row(Text(k), Text("\n".join(wrap_words(v, room))))
+        yield table
+
+
+def key_value_table(title: str, rows: dict[str, str]) -> KeyValueTable:
+    """Keys and values for /model and /cache (see `KeyValueTable`)."""
+    return KeyValueTable(title, rows)

@@ -122,6 +122,7 @@ class Repl(ReplCommands):
         self.load_error: BaseException | None = None
         self._draft = ""  # a message typed but not sent (Ctrl-C while loading or before its answer)
         self._prompting = False  # run_terminal's loop: a message not sent comes back at the prompt
+        self.one_shot = False  # `chatbot run "PROMPT"`: no prompt follows, so no command to offer
         self.blocks = BlockReader()
         self.handlers: dict[str, Callable[[Command], None]] = {
             "help": self._help,
@@ -355,7 +356,7 @@ class Repl(ReplCommands):
         # The session logs the message before its answer (and cancels it if it left no turn).
         if self._stream(chunks, keep_note=False) == "interrupted":
             if len(self.session.turns) > before:
-                self.note("[interrupted: the partial answer is kept; /continue goes on]")
+                self._interrupted_note()
             elif self._prompting:
                 self._draft = typed if typed is not None else text
                 self.note("[interrupted before the answer began: the message is back at the prompt]")
@@ -401,7 +402,7 @@ class Repl(ReplCommands):
                 problem = f"generation failed: {type(exc).__name__}: {exc}"
         if problem == "interrupted":
             if keep_note:
-                self.note("[interrupted: the partial answer is kept; /continue goes on]")
+                self._interrupted_note()
         elif problem is not None:
             self.error(problem)
             self.failed += 1
@@ -410,6 +411,21 @@ class Repl(ReplCommands):
                 self.info.print()  # see _answer_through_pipe
             self.note(format_stats_line(stats, self.info.width if self.info.is_terminal else None))
         return problem
+
+    def _interrupted_note(self) -> None:
+        """Say what a Ctrl-C left of the last turn: a partial answer, or (stopped while the
+        model read the message) none, the message kept; a one-shot offers no command."""
+        turn = self.session.turns[-1]
+        if turn.answer:
+            self.note(
+                "[interrupted]"
+                if self.one_shot
+                else "[interrupted: the partial answer is kept; /continue goes on]"
+            )
+        elif self.one_shot:
+            self.note("[interrupted before the answer]")
+        else:
+            self.note("[interrupted before the answer: the message is kept; /retry answers it]")
 
     def _answer_through_pipe(self) -> bool:
         """The answer goes into a pipe (`chatbot run | cat`, `| tee log`) while the notes go
