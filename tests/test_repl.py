@@ -443,7 +443,7 @@ def test_real_chat_interrupt_and_resume(tmp_path):
         child.expect(">")
         # The prompt comes before the model: wait for its banner, so that the words matched
         # below are the answer's, not the banner's.
-        child.expect("loaded in")
+        child.expect("ready in")
         typed = "Write a long story about a dragon."
         child.sendline(typed)
         child.expect("dragon\\.")  # the line as typed
