@@ -47,7 +47,7 @@ def test_the_wheel_holds_every_module_preset_the_kernels_and_the_licence(wheel):
     modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "chatbot").rglob("*.py")}
     assert modules - names == set()  # a subpackage missing from pyproject's list fails here
     assert not [n for n in names if n.startswith(("devtools/", "configs/", "tests/"))]
-    csrc = ROOT / "chatbot" / "engine" / "csrc"
+    csrc = ROOT / "chatbot" / "engine" / "backends" / "native" / "csrc"
     parts = {p.relative_to(ROOT).as_posix() for p in csrc.rglob("*") if p.is_file()}
     assert (
         "chatbot/engine/backends/native/csrc/kernels.c" in parts

@@ -135,7 +135,7 @@ def test_resume_and_load_a_remote_chat(server, env, tmp_path):
     p, c, _ = map(int, STATS.search(again.stderr).groups())
     assert c > 0 and p > c  # the history went with the message; the server still had its cache
     loaded = run_piped(server, env, [f"/load {saved}", "/history"], "--temperature", "0")
-    assert "loaded 1 turns" in loaded.stderr and "Hello there!" in loaded.stderr
+    assert "loaded 1 turn (" in loaded.stderr and "Hello there!" in loaded.stderr
 
 
 def test_ctrl_c_in_a_terminal_closes_the_stream(server, env):

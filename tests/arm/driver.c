@@ -17,7 +17,7 @@
  * next integer: within 1e-3 of x86's largest logit (measured: up to 1.1e-4 on the default
  * model; a wrong product moves logits by whole units), and the same greedy token at every
  * step. */
-#include "../../chatbot/engine/csrc/kernels.c"
+#include "../../chatbot/engine/backends/native/csrc/kernels.c"
 
 #include <stdio.h>
 
