@@ -590,7 +590,7 @@ def test_kill_9_mid_answer_keeps_the_message(tiny_dir, tmp_path):
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    assert b"(3 turns)" in out.stderr and b"[interrupted]" in out.stderr
+    assert b"(3 turns)" in out.stderr and b"[3] bot  [not answered: interrupted]" in out.stderr
 
 
 # -- 7. role forgery ---------------------------------------------------------------------------

@@ -242,7 +242,9 @@ class RemoteSession(Chat[RemoteChunk]):
 
     def encoded_note(self, tokens: int, system: bool) -> str:
         return (
-            " (sent with the next message)" if system else " (the server encodes the chat with the next message)"
+            " (sent with the next message)"
+            if system
+            else " (the server encodes the chat with the next message)"
         )
 
     # -- saving ------------------------------------------------------------------------------

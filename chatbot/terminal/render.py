@@ -336,9 +336,7 @@ def history_renderable(
         items.append(Text.assemble((f"[{i}] you  ", "bold cyan"), safe_text(t.user)))
         if t.interrupted and not t.answer:
             # Ctrl-C while the model read the message (or a killed run): no answer; /retry gives one
-            items.append(
-                Text.assemble((f"[{i}] bot  [not answered: interrupted before the answer]", "bold green"))
-            )
+            items.append(Text.assemble((f"[{i}] bot  [not answered: interrupted]", "bold green")))
             continue
         mark = "  [interrupted]" if t.interrupted else ""
         items.append(Text.assemble((f"[{i}] bot{mark}", "bold green")))
