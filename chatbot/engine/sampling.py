@@ -116,8 +116,10 @@ class WindowedRepetitionPenalty(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         out = scores.clone()
+        # only the window is read back to the host: per token, not the whole conversation
+        window = input_ids if self.last_n < 0 else input_ids[:, -self.last_n :]
         for row in range(scores.shape[0]):
-            ids = penalised_ids(input_ids[row].tolist(), self.last_n, self.special)
+            ids = penalised_ids(window[row].tolist(), self.last_n, self.special)
             if not ids:
                 continue
             idx = torch.tensor(sorted(ids), dtype=torch.long, device=scores.device)
