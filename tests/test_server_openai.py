@@ -260,12 +260,12 @@ def test_error_shapes(server, client):
 
 
 def test_a_request_without_settings_gets_the_presets(server, client):
-    """The default model's preset (temperature 0.2, top-p 0.9, top-k 50, no repetition
-    penalty), not OpenAI's temperature 1: /health says so, and a plain greeting gets a short answer
+    """The default model's preset (temperature 0.2, top-p 0.9, top-k 50, repetition penalty
+    1.05), not OpenAI's temperature 1: /health says so, and a plain greeting gets a short answer
     that ends by itself."""
     defaults = health(server)["sampling_defaults"]
     assert defaults["temperature"] == 0.2 and defaults["top_k"] == 50
-    assert defaults["repetition_penalty"] == 1.0 and "preset default" in defaults["from"]
+    assert defaults["repetition_penalty"] == 1.05 and "preset default" in defaults["from"]
     for seed in (1, 2, 3):
         r = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], seed=seed
