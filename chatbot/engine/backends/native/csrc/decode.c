@@ -1,6 +1,5 @@
-/* The forward pass of one token (chatbot_decode): scratch sizes, what the architectures differ
- * in (written once, for this step and decode_batch.c's), the attention heads, and the layers in
- * one parallel region.
+/* The forward pass of one token (chatbot_decode): scratch sizes, the attention heads, and the
+ * layers in one parallel region.
  *
  * Part of the kernels' one translation unit: kernels.c includes it after the parts before it, whose
  * definitions it uses; it is not compiled alone. */
@@ -35,82 +34,6 @@ long chatbot_scratch_floats(const Model *m, int max_threads) {
     return shared_floats(m) + (long)max_threads * private_floats(m) + 16;
 }
 
-/* ---------------------------------------------------------------- what the architectures differ in
- *
- * The families' differences (engine/architectures.py sets the Model fields they read), written
- * once for the one-token step (decode_team) and the batched one (decode_batch_team). */
-
-/* The embedding row of `token` into x [dim], times the embedding scale where the model has one
- * (Gemma). */
-static inline void embed_token(const Model *m, int token, float *x) {
-    embed_row(m->embed, token, x);
-    if (m->embed_scale != 0.0f)
-        for (int i = 0; i < m->dim; i++) x[i] *= m->embed_scale;
-}
-
-/* Layer l's rotary tables [rope_len, head_dim / 2]: the second rope where the layer takes it
- * (gemma3's local layers), else the first. */
-static inline const float *layer_cos(const Model *m, int l) {
-    return m->rope_sel && m->rope_sel[l] ? m->rope_cos2 : m->rope_cos;
-}
-
-static inline const float *layer_sin(const Model *m, int l) {
-    return m->rope_sel && m->rope_sel[l] ? m->rope_sin2 : m->rope_sin;
-}
-
-/* The first position layer l attends to from position p: a sliding-window layer sees the
- * positions (p - window, p], the others all of [0, p]. */
-static inline int first_seen(const Model *m, int l, int p) {
-    const int w = m->window ? m->window[l] : 0;
-    return w > 0 && p + 1 > w ? p + 1 - w : 0;
-}
-
-/* A head's query or key (D floats, in place) normalized by `norm[l]` where the model has such
- * a norm (qwen3's q_norm / k_norm, NULL elsewhere), then rotated. */
-static inline void norm_rope(const Model *m, const float *const *norm, int l, float *v, const float *cs,
-                             const float *sn) {
-    if (norm) rmsnorm(v, norm[l], m->head_dim, m->eps, v);
-    rope(v, cs, sn, m->head_dim);
-}
-
-/* x += y [dim]; through RMSNorm `norm[l]` first (into xn) where the model has that norm
- * (Gemma's post-attention and post-MLP norms, NULL elsewhere). */
-static inline void add_residual(const Model *m, const float *const *norm, int l, const float *y, float *x,
-                                float *xn) {
-    const int E = m->dim;
-    if (norm) {
-        rmsnorm(y, norm[l], E, m->eps, xn);
-        for (int i = 0; i < E; i++) x[i] += xn[i];
-    } else {
-        for (int i = 0; i < E; i++) x[i] += y[i];
-    }
-}
-
-/* The MLP's activation: hid [F] = act(gate) * up, of gu [2 F] (gate, then up): GELU (tanh)
- * for Gemma, SiLU for the others. */
-static inline void mlp_act(const Model *m, const float *gu, float *hid) {
-    const int F = m->ffn_dim;
-    if (m->act_fn == ACT_FN_GELU_TANH)
-        gelu_tanh_mul(gu, gu + F, F, hid);
-    else
-        silu_mul(gu, gu + F, F, hid);
-}
-
-/* The logits of `rows` rows (logits [rows, vocab]) soft-capped where the model caps them
- * (Gemma 2), in chunks of 4096 shared out over the team; called by every thread. */
-static inline void softcap_logits(const Model *m, float *logits, int rows) {
-    if (m->final_softcap > 0.0f) {
-        const int V = m->lm_head->rows, chunk = 4096, nc = (V + chunk - 1) / chunk;
-        const Span chunks = team_share(rows * nc);
-        for (int c = chunks.lo; c < chunks.hi; c++) {
-            const int t = c / nc, i = c % nc;
-            softcap(logits + (size_t)t * V + (size_t)i * chunk, V - i * chunk < chunk ? V - i * chunk : chunk,
-                    m->final_softcap);
-        }
-        team_barrier();
-    }
-}
-
 /* Write kv head g's rotated key and its value for position p of layer l's cache (as
  * attend_head does), so that rows of one batch sharing a cache see each other's. */
 static void store_kv_head(const Model *m, int l, int g, const float *qkv, const float *lcs, const float *lsn,
@@ -119,7 +42,8 @@ static void store_kv_head(const Model *m, int l, int g, const float *qkv, const 
     const size_t off = (size_t)g * cap * D + (size_t)p * D;
     float *k = kc + off;
     memcpy(k, qkv + (H + g) * D, (size_t)D * 4);
-    norm_rope(m, m->k_norm, l, k, lcs, lsn);
+    if (m->k_norm) rmsnorm(k, m->k_norm[l], D, m->eps, k);
+    rope(k, lcs, lsn, D);
     memcpy(vc + off, qkv + (H + HKV + g) * D, (size_t)D * 4);
 }
 
@@ -131,7 +55,8 @@ static void attend_stored(const Model *m, int l, int h, const float *qkv, const 
     const int D = m->head_dim, H = m->n_heads, HKV = m->n_kv_heads, g = h / (H / HKV);
     const size_t off = (size_t)g * cap * D;
     memcpy(qr, qkv + h * D, (size_t)D * 4);
-    norm_rope(m, m->q_norm, l, qr, lcs, lsn);
+    if (m->q_norm) rmsnorm(qr, m->q_norm[l], D, m->eps, qr);
+    rope(qr, lcs, lsn, D);
     attend(qr, kc + off + (size_t)first * D, vc + off + (size_t)first * D, kc + off + (size_t)p * D,
            vc + off + (size_t)p * D, p - first, D, m->attn_scale, m->attn_softcap, scores, out);
 }
@@ -150,8 +75,12 @@ static void attend_head(const Model *m, int l, int h, const float *qkv, const fl
     const float *v = qkv + (H + HKV + g) * D;
     memcpy(qr, qkv + h * D, (size_t)D * 4);
     memcpy(kr, qkv + (H + g) * D, (size_t)D * 4);
-    norm_rope(m, m->q_norm, l, qr, lcs, lsn);
-    norm_rope(m, m->k_norm, l, kr, lcs, lsn);
+    if (m->q_norm) { /* qwen3: RMSNorm per head before the rotation */
+        rmsnorm(qr, m->q_norm[l], D, m->eps, qr);
+        rmsnorm(kr, m->k_norm[l], D, m->eps, kr);
+    }
+    rope(qr, lcs, lsn, D);
+    rope(kr, lcs, lsn, D);
     if (h % group == 0) {
         memcpy(kc + off + (size_t)p * D, kr, (size_t)D * 4);
         memcpy(vc + off + (size_t)p * D, v, (size_t)D * 4);
@@ -180,6 +109,8 @@ static void decode_team(void *arg) {
     float *dn = gu + 2 * F;
     float *scores = dn + E;
     float *priv = m->scratch + shared_floats(m);
+    const float *cs = m->rope_cos + (size_t)pos * half;
+    const float *sn = m->rope_sin + (size_t)pos * half;
     float *x = priv + (size_t)team_id() * private_floats(m);
     float *xn = x + E;
     float *hid = xn + E;
@@ -187,11 +118,17 @@ static void decode_team(void *arg) {
     float *kr = qr + D;
     Vec vec = {0};
     vec_place(&vec, kr + D, widest_input(m));
-    embed_token(m, token, x);
+    embed_row(m->embed, token, x);
+    if (m->embed_scale != 0.0f)
+        for (int i = 0; i < E; i++) x[i] *= m->embed_scale;
     for (int l = 0; l < m->n_layers; l++) {
         float *kc = m->kcache[l], *vc = m->vcache[l];
-        const float *lcs = layer_cos(m, l) + (size_t)pos * half, *lsn = layer_sin(m, l) + (size_t)pos * half;
-        const int first = first_seen(m, l, pos);
+        const int second = m->rope_sel && m->rope_sel[l];
+        const float *lcs = second ? m->rope_cos2 + (size_t)pos * half : cs;
+        const float *lsn = second ? m->rope_sin2 + (size_t)pos * half : sn;
+        /* a sliding-window layer sees the positions (pos - window, pos] */
+        const int w = m->window ? m->window[l] : 0;
+        const int first = w > 0 && pos + 1 > w ? pos + 1 - w : 0;
         rmsnorm(x, m->attn_norm[l], E, m->eps, xn);
         prepare_vec(&vec, xn, E, site_act(m, SITE_QKV));
         group_matvec_par(&m->wqkv[l], &vec, qkv);
@@ -202,19 +139,38 @@ static void decode_team(void *arg) {
         team_barrier();
         prepare_vec(&vec, att, H * D, site_act(m, SITE_O));
         group_matvec_par(&m->wo[l], &vec, o);
-        add_residual(m, m->post_attn_norm, l, o, x, xn);
+        if (m->post_attn_norm) {
+            rmsnorm(o, m->post_attn_norm[l], E, m->eps, xn);
+            for (int i = 0; i < E; i++) x[i] += xn[i];
+        } else {
+            for (int i = 0; i < E; i++) x[i] += o[i];
+        }
         rmsnorm(x, m->ffn_norm[l], E, m->eps, xn);
         prepare_vec(&vec, xn, E, site_act(m, SITE_GU));
         group_matvec_par(&m->wgu[l], &vec, gu);
-        mlp_act(m, gu, hid);
+        if (m->act_fn == ACT_FN_GELU_TANH)
+            gelu_tanh_mul(gu, gu + F, F, hid);
+        else
+            silu_mul(gu, gu + F, F, hid);
         prepare_vec(&vec, hid, F, site_act(m, SITE_DOWN));
         group_matvec_par(&m->wdown[l], &vec, dn);
-        add_residual(m, m->post_ffn_norm, l, dn, x, xn);
+        if (m->post_ffn_norm) {
+            rmsnorm(dn, m->post_ffn_norm[l], E, m->eps, xn);
+            for (int i = 0; i < E; i++) x[i] += xn[i];
+        } else {
+            for (int i = 0; i < E; i++) x[i] += dn[i];
+        }
     }
     rmsnorm(x, m->final_norm, E, m->eps, xn);
     prepare_vec(&vec, xn, E, site_act(m, SITE_HEAD));
     matvec_par(m->lm_head, &vec, logits);
-    softcap_logits(m, logits, 1);
+    if (m->final_softcap > 0.0f) {
+        const int V = m->lm_head->rows, chunk = 4096;
+        const Span chunks = team_share((V + chunk - 1) / chunk);
+        for (int c = chunks.lo; c < chunks.hi; c++)
+            softcap(logits + (size_t)c * chunk, V - c * chunk < chunk ? V - c * chunk : chunk, m->final_softcap);
+        team_barrier();
+    }
 }
 
 /* Forward one token at position `pos` (keys/values written to the caches at `pos`; the

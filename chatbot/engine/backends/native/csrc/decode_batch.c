@@ -269,7 +269,10 @@ static void decode_batch_team(void *arg) {
     memset(vec, 0, sizeof vec);
     for (int t = 0; t < B; t++) {
         vec_place(&vec[t], kr + D + t * vf, widest_input(m));
-        embed_token(m, tokens[t], x + (size_t)t * E);
+        float *xt = x + (size_t)t * E;
+        embed_row(m->embed, tokens[t], xt);
+        if (m->embed_scale != 0.0f)
+            for (int i = 0; i < E; i++) xt[i] *= m->embed_scale;
     }
     for (int l = 0; l < L; l++) {
         for (int t = 0; t < B; t++) {
@@ -277,7 +280,9 @@ static void decode_batch_team(void *arg) {
             prepare_vec(&vec[t], xn + (size_t)t * E, E, site_act(m, SITE_QKV));
         }
         group_matmul_par(&m->wqkv[l], vec, B, tq, qkv, QKV);
-        const float *cos_l = layer_cos(m, l), *sin_l = layer_sin(m, l);
+        const int second = m->rope_sel && m->rope_sel[l];
+        const int w = m->window ? m->window[l] : 0;
+        const float *cos_l = second ? m->rope_cos2 : m->rope_cos, *sin_l = second ? m->rope_sin2 : m->rope_sin;
         /* every row's key and value first, then the attention: a row may share its cache with
          * the rows before it (a prompt's tokens, chatbot_prefill_rows) and must see theirs */
         const Span kvh = team_share(B * HKV);
@@ -290,7 +295,7 @@ static void decode_batch_team(void *arg) {
         const Span heads = team_share(B * H);
         for (int th = heads.lo; th < heads.hi; th++) {
             const int t = th / H, h = th % H, p = pos[t];
-            const int first = first_seen(m, l, p);
+            const int first = w > 0 && p + 1 > w ? p + 1 - w : 0;
             float qh[512]; /* head_dim <= 512 (checked by kernels.py) */
             attend_stored(m, l, h, qkv + (size_t)t * QKV, cos_l + (size_t)p * half, sin_l + (size_t)p * half,
                           kcache[(size_t)t * L + l], vcache[(size_t)t * L + l], caps[t], p, first, qh,
@@ -301,19 +306,35 @@ static void decode_batch_team(void *arg) {
         group_matmul_par(&m->wo[l], vec, B, tq, o, E);
         for (int t = 0; t < B; t++) {
             float *xt = x + (size_t)t * E, *xnt = xn + (size_t)t * E;
-            add_residual(m, m->post_attn_norm, l, o + (size_t)t * E, xt, xnt);
+            if (m->post_attn_norm) {
+                rmsnorm(o + (size_t)t * E, m->post_attn_norm[l], E, m->eps, xnt);
+                for (int i = 0; i < E; i++) xt[i] += xnt[i];
+            } else {
+                for (int i = 0; i < E; i++) xt[i] += o[(size_t)t * E + i];
+            }
             rmsnorm(xt, m->ffn_norm[l], E, m->eps, xnt);
             prepare_vec(&vec[t], xnt, E, site_act(m, SITE_GU));
         }
         group_matmul_par(&m->wgu[l], vec, B, tq, gu, 2 * F);
         for (int t = 0; t < B; t++) {
+            const float *g = gu + (size_t)t * 2 * F;
             float *ht = hid + (size_t)t * F;
-            mlp_act(m, gu + (size_t)t * 2 * F, ht);
+            if (m->act_fn == ACT_FN_GELU_TANH)
+                gelu_tanh_mul(g, g + F, F, ht);
+            else
+                silu_mul(g, g + F, F, ht);
             prepare_vec(&vec[t], ht, F, site_act(m, SITE_DOWN));
         }
         group_matmul_par(&m->wdown[l], vec, B, tq, dn, E);
-        for (int t = 0; t < B; t++)
-            add_residual(m, m->post_ffn_norm, l, dn + (size_t)t * E, x + (size_t)t * E, xn + (size_t)t * E);
+        for (int t = 0; t < B; t++) {
+            float *xt = x + (size_t)t * E, *xnt = xn + (size_t)t * E;
+            if (m->post_ffn_norm) {
+                rmsnorm(dn + (size_t)t * E, m->post_ffn_norm[l], E, m->eps, xnt);
+                for (int i = 0; i < E; i++) xt[i] += xnt[i];
+            } else {
+                for (int i = 0; i < E; i++) xt[i] += dn[(size_t)t * E + i];
+            }
+        }
     }
     const int lo = job->last_only ? B - 1 : 0, NL = B - lo; /* the rows that get logits */
     for (int t = lo; t < B; t++) {
@@ -337,7 +358,16 @@ static void decode_batch_team(void *arg) {
         }
     }
     team_barrier();
-    softcap_logits(m, logits, NL);
+    if (m->final_softcap > 0.0f) {
+        const int chunk = 4096, nc = (V + chunk - 1) / chunk;
+        const Span chunks = team_share(NL * nc);
+        for (int c = chunks.lo; c < chunks.hi; c++) {
+            const int t = c / nc, i = c % nc;
+            softcap(logits + (size_t)t * V + (size_t)i * chunk, V - i * chunk < chunk ? V - i * chunk : chunk,
+                    m->final_softcap);
+        }
+        team_barrier();
+    }
 }
 
 /* Forward B tokens, row t being `tokens[t]` at position `pos[t]` of its cache: layer l's

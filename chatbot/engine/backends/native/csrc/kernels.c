@@ -45,7 +45,7 @@
 #include "pool.c"           /* the team of threads: OpenMP or our own pthreads */
 #include "matvec.c"         /* a row's product by format and input form; matrix x vector over a team */
 #include "ops.c"            /* RMSNorm, RoPE, soft-capping, attention, SiLU / GELU */
-#include "decode.c"         /* what the architectures differ in; one token's forward pass (chatbot_decode) */
+#include "decode.c"         /* one token's forward pass (chatbot_decode) */
 #include "decode_batch.c"   /* one token for each of B conversations (chatbot_decode_batch) */
 #include "prefill.c"        /* one matrix's product and rows; the batched int16 product (chatbot_matmul) */
 #include "prefill_x8.c"     /* the batched int8 product on 8-row tiles (chatbot_matmul_x8) */
