@@ -8,7 +8,8 @@ The n-th message gets the n-th answer (the last one repeats). Each decode step s
 second pass of the first message read in several chunks, once the first is in the cache.
 With `--prompt TEXT` it answers once and exits, as `chatbot run "TEXT"`. With `--load-when PATH`,
 the REPL starts as `chatbot run` does, with its model still loading: the load ends when the
-test creates PATH (with `--load-fails`, it ends with an error).
+test creates PATH (with `--load-fails`, it ends with an error). `--max-context` makes room
+for a long paste (the tiny tokenizer spends about one token per two characters).
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ def main() -> None:
     parser.add_argument("--prompt", help="answer this message once and exit (chatbot run PROMPT)")
     parser.add_argument("--source", default="test", help="where the model came from (/model shows it)")
     parser.add_argument("--decode", help="how the model decodes, as /model says it")
+    parser.add_argument("--max-context", type=int, default=4096, help="the engine's context, in tokens")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -124,7 +126,7 @@ def main() -> None:
         args.prefill_delay,
         args.chunk_delay,
     )
-    engine = Engine(model, tokenizer, max_context=4096)
+    engine = Engine(model, tokenizer, max_context=args.max_context)
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=max(len(a) for a in answers) + 8)
     session = ChatSession(engine, ChatConfig(sampling=sampling))
     if args.decode is not None:

@@ -57,7 +57,7 @@ from chatbot.terminal.render import (
 from chatbot.terminal.repl_commands import ReplCommands
 from chatbot.terminal.sanitize import safe_line, safe_text
 from chatbot.terminal.tty import Terminated, ended_by_signals, interrupt_once, make_consoles, no_echo
-from chatbot.terminal.wrap_input import WordWrap
+from chatbot.terminal.wrap_input import FoldLongLines, WordWrap
 from chatbot.wording import counted
 
 if TYPE_CHECKING:  # torch and transformers come with these: the prompt must not wait for them
@@ -527,7 +527,8 @@ class Repl(ReplCommands):
             prompt_continuation=lambda width, line_number, wrap_count: (
                 " " * width if wrap_count else "… ".rjust(width)
             ),
-            input_processors=[WordWrap(lambda: 2)],  # "> " and "… "
+            # "> " and "… " before each row; a line taller than half the screen is folded
+            input_processors=[FoldLongLines(lambda: 2, _half_screen), WordWrap(lambda: 2)],
             enable_history_search=False,
             input=input,
             output=output,
@@ -576,6 +577,11 @@ class Repl(ReplCommands):
                     self.handle(message)
                 except KeyboardInterrupt:  # a command's output cut short; answers handle their own
                     self.note("(interrupted)")
+
+
+def _half_screen() -> int:
+    """The rows one line of the input may take: half the terminal's."""
+    return get_app().output.get_size().rows // 2
 
 
 def run(repl: Repl, interactive: bool) -> None:
