@@ -72,3 +72,12 @@ def test_a_line_that_fits_is_not_folded():
     text = "short words " * 60  # 720 characters: 10 rows of 78
     shown, to_display, _ = fold(text, 30)
     assert shown == text and to_display(30) == 30
+
+
+def test_a_folded_line_of_wide_characters_stays_within_its_rows():
+    from prompt_toolkit.utils import get_cwidth
+
+    text = "日本語のテキストと中文文本 " * 800  # two cells a character
+    shown, to_display, _ = fold(text, len(text) // 2)
+    assert get_cwidth(shown) <= 12 * 78
+    assert shown[to_display(len(text) // 2) :].startswith(text[len(text) // 2 : len(text) // 2 + 5])

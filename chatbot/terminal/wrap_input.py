@@ -159,15 +159,17 @@ class FoldLongLines(Processor):
         self.max_rows = max_rows
 
     def apply_transformation(self, ti: TransformationInput) -> Transformation:
-        room = ti.width - self.prefix_width()
-        length = sum(len(f[1]) for f in ti.fragments)
+        text = "".join(f[1] for f in ti.fragments)
+        length = len(text)
+        # Characters to a row: a wide (CJK) character takes two cells, so a line that is not
+        # all ASCII is measured as if every character did.
+        room = (ti.width - self.prefix_width()) // (1 if text.isascii() else 2)
         rows = max(self.max_rows(), 4)
         if room < 8 or length <= rows * room:
             return Transformation(ti.fragments)
         cursor = None
         if ti.lineno == ti.document.cursor_position_row:
             cursor = ti.source_to_display(ti.document.cursor_position_col)
-        text = "".join(f[1] for f in ti.fragments)
         spans = [_at_spaces(text, *span, cursor) for span in kept_spans(length, room, rows, cursor)]
         out: StyleAndTextTuples = []
         starts: list[int] = []  # display position of each span's first character
