@@ -11,7 +11,7 @@ import argparse
 import functools
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -87,13 +87,31 @@ class Shape:
     sliding_window: int = 0  # gemma: the window of the sliding-attention layers
     context: int = 32768
     linear_rope: float = 0.0  # Gemma-3 4B+: the global layers' positions divided by this
+    # mixtures of experts: `experts` experts of width `expert_ffn`, `experts_used` per token
+    # (then `ffn` is unused); qwen2moe also a shared expert of width `shared_ffn`
+    experts: int = 0
+    experts_used: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0
 
     def params(self) -> int:
         d = self.head_dim or self.hidden // self.heads
         attn = self.hidden * d * (2 * self.heads + 2 * self.kv_heads)
         norms = 4 if self.sliding_window else 2  # gemma: a norm before and after each block
-        per_layer = attn + 3 * self.hidden * self.ffn + norms * self.hidden
+        if self.experts:
+            mlp = self.experts * (3 * self.hidden * self.expert_ffn + self.hidden)
+            mlp += 3 * self.hidden * self.shared_ffn + (self.hidden if self.shared_ffn else 0)
+        else:
+            mlp = 3 * self.hidden * self.ffn
+        per_layer = attn + mlp + norms * self.hidden
         return self.layers * per_layer + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    def active_params(self) -> int:
+        """The parameters one token reads (the chosen experts' only)."""
+        if not self.experts:
+            return self.params()
+        idle = self.layers * (self.experts - self.experts_used) * 3 * self.hidden * self.expert_ffn
+        return self.params() - idle
 
 
 # Real shapes by architecture; "tiny" is for tests (every matrix whole K-quant super-blocks).
@@ -153,6 +171,19 @@ SHAPES: dict[str, dict[str, Shape]] = {
         "1.7B": Shape("Qwen3-1.7B", 2048, 28, 16, 8, 6144, 151936, True, head_dim=128, rope_theta=1e6),
         "4B": Shape("Qwen3-4B", 2560, 36, 32, 8, 9728, 151936, True, head_dim=128, rope_theta=1e6),
         "8B": Shape("Qwen3-8B", 4096, 36, 32, 8, 12288, 151936, False, head_dim=128, rope_theta=1e6),
+    },
+    # Mixtures of experts. Qwen3-30B-A3B: 48 layers (`--layers` writes a slice of a few).
+    "qwen3moe": {
+        "tiny": Shape("tiny", 256, 2, 4, 2, 512, 49152, True, head_dim=64, rope_theta=1e6,
+                      experts=8, experts_used=2, expert_ffn=256),
+        "30B-A3B": Shape("Qwen3-30B-A3B", 2048, 48, 32, 4, 6144, 151936, False, head_dim=128,
+                         rope_theta=1e6, experts=128, experts_used=8, expert_ffn=768, context=40960),
+    },
+    "qwen2moe": {
+        "tiny": Shape("tiny", 256, 2, 4, 2, 512, 49152, True, rope_theta=1e6,
+                      experts=8, experts_used=2, expert_ffn=256, shared_ffn=512),
+        "A2.7B": Shape("Qwen1.5-MoE-A2.7B", 2048, 24, 16, 16, 5632, 151936, False, rope_theta=1e6,
+                       experts=60, experts_used=4, expert_ffn=1408, shared_ffn=5632, context=8192),
     },
     # Gemma: heads of 256 (transformers scales the scores by 1/16, the query_pre_attn_scalar
     # it does not read from the file, as llama.cpp does by the head size: so the tiny files
@@ -453,6 +484,12 @@ def write_synthetic_gguf(
     if shape.linear_rope:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(shape.linear_rope)
+    if shape.experts:
+        w.add_expert_count(shape.experts)
+        w.add_expert_used_count(shape.experts_used)
+        w.add_expert_feed_forward_length(shape.expert_ffn)
+        if shape.shared_ffn:
+            w.add_expert_shared_feed_forward_length(shape.shared_ffn)
     w.add_vocab_size(shape.vocab)
     if arch in GEMMA:
         _add_sentencepiece_tokenizer(
@@ -484,10 +521,25 @@ def write_synthetic_gguf(
         plan += [(b + "attn_output.weight", shape.hidden, q_rows, "attn_output", i)]
         if "post_attention_norm" in norm_names:  # gemma: a norm after attention and the MLP too
             plan += [(b + "post_attention_norm.weight", 0, shape.hidden, "norm", i)]
-        plan += [(b + "ffn_norm.weight", 0, shape.hidden, "norm", i),
-                 (b + "ffn_gate.weight", shape.ffn, shape.hidden, "ffn_gate", i),
-                 (b + "ffn_up.weight", shape.ffn, shape.hidden, "ffn_up", i),
-                 (b + "ffn_down.weight", shape.hidden, shape.ffn, "ffn_down", i)]  # fmt: skip
+        plan += [(b + "ffn_norm.weight", 0, shape.hidden, "norm", i)]
+        if shape.experts:
+            # the router in float32 (llama.cpp's quantizer leaves it), then the experts'
+            # matrices as 3-D tensors: `rows` counts the rows of all experts together
+            n, f = shape.experts, shape.expert_ffn
+            plan += [(b + "ffn_gate_inp.weight", n, shape.hidden, "router", i),
+                     (b + "ffn_gate_exps.weight", n * f, shape.hidden, "ffn_gate", i),
+                     (b + "ffn_up_exps.weight", n * f, shape.hidden, "ffn_up", i),
+                     (b + "ffn_down_exps.weight", n * shape.hidden, f, "ffn_down", i)]  # fmt: skip
+            if shape.shared_ffn:
+                sf = shape.shared_ffn
+                plan += [(b + "ffn_gate_inp_shexp.weight", 0, shape.hidden, "router", i),
+                         (b + "ffn_gate_shexp.weight", sf, shape.hidden, "ffn_gate", i),
+                         (b + "ffn_up_shexp.weight", sf, shape.hidden, "ffn_up", i),
+                         (b + "ffn_down_shexp.weight", shape.hidden, sf, "ffn_down", i)]  # fmt: skip
+        else:
+            plan += [(b + "ffn_gate.weight", shape.ffn, shape.hidden, "ffn_gate", i),
+                     (b + "ffn_up.weight", shape.ffn, shape.hidden, "ffn_up", i),
+                     (b + "ffn_down.weight", shape.hidden, shape.ffn, "ffn_down", i)]  # fmt: skip
         if "post_ffw_norm" in norm_names:
             plan += [(b + "post_ffw_norm.weight", 0, shape.hidden, "norm", i)]
     plan.append(("output_norm.weight", 0, shape.hidden, "norm", 0))
@@ -502,12 +554,17 @@ def write_synthetic_gguf(
         if rows == 0:
             kind = "F32"
             w.add_tensor_info(name, (cols,), np.dtype(np.float32), cols * 4)
+        elif role == "router":
+            kind = "F32"
+            w.add_tensor_info(name, (rows, cols), np.dtype(np.float32), rows * cols * 4)
         else:
             kind = tensor_type(file_type, role, layer, shape.layers, cols)
             per_block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
             nbytes = rows * cols // per_block * block_bytes
-            # the writer takes quantized shapes in bytes per row
-            byte_shape = (rows, nbytes // rows)
+            # the writer takes quantized shapes in bytes per row; experts' tensors are 3-D
+            byte_shape: tuple[int, ...] = (rows, nbytes // rows)
+            if name.endswith("_exps.weight"):
+                byte_shape = (shape.experts, rows // shape.experts, nbytes // rows)
             w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, gguf.GGMLQuantizationType[kind])
             counts[kind] = counts.get(kind, 0) + 1
         kinds.append(kind)
@@ -520,6 +577,8 @@ def write_synthetic_gguf(
         if role == "rope_freqs":
             assert shape.llama3_rope is not None
             w.write_tensor_data(llama3_rope_factors(head_dim, shape.rope_theta, *shape.llama3_rope))
+        elif role == "router":
+            w.write_tensor_data(random_floats("F32", (rows, cols), rng, scale=1.0))
         elif rows == 0:
             arr = 1.0 + 0.1 * rng.standard_normal(cols) if role == "norm" else 0.1 * rng.standard_normal(cols)
             w.write_tensor_data(arr.astype(np.float32))
@@ -547,6 +606,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--type", dest="file_type", choices=FILE_TYPES, default="Q4_K_M")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--layers", type=int, help="write only this many layers (a slice of a large model, for benches)"
+    )
+    parser.add_argument(
         "-o", "--out", type=Path, help="output file (default: synthetic-ARCH-PARAMS-TYPE.gguf)"
     )
     args = parser.parse_args(argv)
@@ -554,6 +616,11 @@ def main(argv: list[str] | None = None) -> int:
         shape = pick_shape(args.arch, args.params)
     except ValueError as exc:
         parser.error(str(exc))  # exits
+    if args.layers is not None:
+        if not 1 <= args.layers <= shape.layers:
+            parser.error(f"--layers takes 1 to {shape.layers} for {shape.name}")
+        name = f"{shape.name} ({args.layers} of {shape.layers} layers)"
+        shape = replace(shape, layers=args.layers, name=name)
     out = args.out or Path(f"synthetic-{args.arch}-{args.params}-{args.file_type}.gguf")
     start = time.perf_counter()
     try:

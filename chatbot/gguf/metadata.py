@@ -40,12 +40,16 @@ _SHARED = {"general", "tokenizer", "split", "quantize", "imatrix", "adapter", "c
 _LAYER = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
           "ffn_down"]  # fmt: skip
 _GEMMA = [*_LAYER, "post_attention_norm", "post_ffw_norm"]
+# A mixture of experts' layer: attention as its dense family's, then a router and the experts
+_MOE = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate_inp", "ffn_gate_exps",
+        "ffn_up_exps", "ffn_down_exps"]  # fmt: skip
 LAYER_TENSORS: dict[str, set[str]] = {
     "llama": {f"{n}.weight" for n in _LAYER},
     "qwen2": {f"{n}.weight" for n in _LAYER} | {"attn_q.bias", "attn_k.bias", "attn_v.bias"},
     "qwen3": {f"{n}.weight" for n in [*_LAYER, "attn_q_norm", "attn_k_norm"]},
     "gemma2": {f"{n}.weight" for n in _GEMMA},
     "gemma3": {f"{n}.weight" for n in [*_GEMMA, "attn_q_norm", "attn_k_norm"]},
+    "qwen3moe": {f"{n}.weight" for n in [*_MOE, "attn_q_norm", "attn_k_norm"]},
 }
 _GLOBAL_TENSORS = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"}
 
@@ -185,6 +189,9 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "attn_logit_softcapping": (0, 1e6, True),
     "final_logit_softcapping": (0, 1e6, True),
     "attention.sliding_window": (0, 1 << 26, False),
+    "expert_count": (1, 1 << 16, False),
+    "expert_used_count": (1, 1 << 16, False),
+    "expert_feed_forward_length": (1, 1 << 22, False),
 }
 
 
@@ -199,6 +206,17 @@ def _check_scalars(meta: dict[str, Any], arch: str) -> None:
             raise InconsistentMetadata(
                 f"its metadata {key} is {value:g}, which is out of range ({bound}, at most {high:g})"
             )
+    experts = _number(meta, f"{arch}.expert_count")
+    used = _number(meta, f"{arch}.expert_used_count")
+    if arch in LAYER_TENSORS and "ffn_gate_inp.weight" in LAYER_TENSORS[arch]:
+        for need in ("expert_count", "expert_used_count", "expert_feed_forward_length"):
+            if _number(meta, f"{arch}.{need}") is None:
+                raise InconsistentMetadata(f"its metadata lacks {arch}.{need}, which a {arch} model needs")
+    if experts is not None and used is not None and used > experts:
+        raise InconsistentMetadata(
+            f"its metadata says {used:g} experts per token ({arch}.expert_used_count) of {experts:g} "
+            f"({arch}.expert_count)"
+        )
     heads = _number(meta, f"{arch}.attention.head_count")
     kv = _number(meta, f"{arch}.attention.head_count_kv")
     if heads and kv and heads % kv:
@@ -276,6 +294,8 @@ def _check_shapes(meta: dict[str, Any], arch: str, tensors: dict[str, TensorInfo
     ffn = int(_number(meta, f"{arch}.feed_forward_length") or 0)
     head_dim = int(_number(meta, f"{arch}.attention.key_length") or (hidden // heads if heads else 0))
     value_dim = int(_number(meta, f"{arch}.attention.value_length") or head_dim)
+    experts = int(_number(meta, f"{arch}.expert_count") or 0)
+    expert_ffn = int(_number(meta, f"{arch}.expert_feed_forward_length") or 0)
     want: dict[str, tuple[int, ...]] = {"output_norm.weight": (hidden,)}
     embd = tensors.get("token_embd.weight")
     if embd is not None:
@@ -290,7 +310,12 @@ def _check_shapes(meta: dict[str, Any], arch: str, tensors: dict[str, TensorInfo
             b + "attn_v.weight": (hidden, kv * value_dim),
             b + "attn_output.weight": (heads * value_dim, hidden),
         }
-        if ffn:
+        if experts:
+            want |= {b + "ffn_gate_inp.weight": (hidden, experts),
+                     b + "ffn_gate_exps.weight": (hidden, expert_ffn, experts),
+                     b + "ffn_up_exps.weight": (hidden, expert_ffn, experts),
+                     b + "ffn_down_exps.weight": (expert_ffn, hidden, experts)}  # fmt: skip
+        elif ffn:
             want |= {b + "ffn_gate.weight": (hidden, ffn), b + "ffn_up.weight": (hidden, ffn),
                      b + "ffn_down.weight": (ffn, hidden)}  # fmt: skip
     for name, shape in want.items():

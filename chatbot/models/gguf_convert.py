@@ -77,14 +77,18 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     Raises:
         ModelLoadError: the file is not a GGUF model transformers can read.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from chatbot.models.gguf_model import apply_expert_metadata
 
     check_gguf(gguf)
     try:
         with quiet_transformers(gguf=True), waiting("converting the file to float32 (once)"):
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            apply_expert_metadata(gguf, config)  # the experts' width, which transformers misses
             model = AutoModelForCausalLM.from_pretrained(
-                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+                str(gguf.parent), gguf_file=gguf.name, config=config, dtype=torch.float32
             )
     except Exception as exc:  # transformers raises many kinds for a bad file
         raise ModelLoadError(f"cannot read GGUF file {gguf}: {first_line(exc)}") from exc

@@ -27,9 +27,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from chatbot.engine.backends.native import kernels
 from chatbot.engine.backends.native.architectures import BY_GGUF_ARCH, BY_MODEL_TYPE
 from chatbot.engine.backends.native.gguf_weights import GGUFWeights, read_tensor_table
-from chatbot.engine.backends.native.packed import PackedEmbedding, PackedLinear, ScaledPackedEmbedding
+from chatbot.engine.backends.native.packed import (
+    PackedEmbedding,
+    PackedExperts,
+    PackedLinear,
+    ScaledPackedEmbedding,
+)
 from chatbot.models.load_checks import quiet_transformers
 from chatbot.models.manifest import publish, read_manifest, staging
 from chatbot.progress import waiting
@@ -291,6 +297,25 @@ def apply_rope_scaling(path: Path, config: Any) -> bool:
     return True
 
 
+def apply_expert_metadata(path: Path, config: Any) -> bool:
+    """Set a mixture of experts' sizes in `config` from the file's metadata, where
+    transformers' GGUF reader does not (it leaves ``moe_intermediate_size`` at its default,
+    768, whatever ``<arch>.expert_feed_forward_length`` says). True where the file has experts."""
+    from chatbot.gguf.metadata import read_metadata
+
+    meta = read_metadata(path)
+    arch = meta.get("general.architecture")
+    width = meta.get(f"{arch}.expert_feed_forward_length")
+    if not isinstance(width, int):
+        return False
+    config.moe_intermediate_size = width
+    for key, attr in (("expert_count", "num_experts"), ("expert_used_count", "num_experts_per_tok")):
+        value = meta.get(f"{arch}.{key}")
+        if isinstance(value, int):
+            setattr(config, attr, value)
+    return True
+
+
 def build_packed_model(path: Path, config: Any) -> Any:
     """A transformers causal LM for `config` whose matrices are the blocks of the GGUF file
     `path`, memory-mapped.
@@ -305,6 +330,8 @@ def build_packed_model(path: Path, config: Any) -> Any:
     if arch is None or config.model_type not in BY_MODEL_TYPE:
         raise NotPackable(f"no block-format model for {src.architecture} files")
     apply_rope_scaling(path, config)
+    if arch.experts:
+        apply_expert_metadata(path, config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     inner = model.model
@@ -335,6 +362,36 @@ def build_packed_model(path: Path, config: Any) -> Any:
         w -= arch.norm_offset  # Gemma's files store 1 + w: its RMSNorm multiplies by (1 + w)
         module.weight = nn.Parameter(w, requires_grad=False)
 
+    def stacked(name: str) -> tuple[Any, int]:
+        try:
+            return src.stacked(name)
+        except KeyError:
+            raise NotPackable(f"the file has no {name}") from None
+        except ValueError as exc:
+            raise NotPackable(str(exc)) from None
+
+    def experts(mlp: Any, b: str) -> None:
+        """A mixture's router (float32) and its experts' 3-D tensors as stored (`mlp`:
+        transformers' sparse block, its `gate` the router and `experts` the experts)."""
+        router = kernels.unpack(matrix(b + "ffn_gate_inp.weight"), threads=1)
+        want = tuple(_weight(mlp.gate).shape)
+        if tuple(router.shape) != want:
+            raise NotPackable(f"{b}ffn_gate_inp.weight is {tuple(router.shape)}, the config says {want}")
+        mlp.gate.weight = nn.Parameter(router, requires_grad=False)
+        (gate, n_gate), (up, n_up), (down, n_down) = (
+            stacked(b + f"ffn_{part}_exps.weight") for part in ("gate", "up", "down")
+        )
+        n, width, hidden = config.num_experts, config.moe_intermediate_size, config.hidden_size
+        parts = [("gate", gate, n_gate, (n * width, hidden)), ("up", up, n_up, (n * width, hidden)),
+                 ("down", down, n_down, (n * hidden, width))]  # fmt: skip
+        for name, p, count, shape in parts:
+            if count != n or (p.rows, p.cols) != shape:
+                raise NotPackable(
+                    f"{b}ffn_{name}_exps.weight holds {count} experts of {p.rows // max(count, 1)}x{p.cols}, "
+                    f"the metadata says {n} of {shape[0] // n}x{shape[1]}"
+                )
+        mlp.experts = PackedExperts(gate, up, down, n, mlp.experts.act_fn)
+
     if arch.scaled_embedding:
         scale = getattr(inner.embed_tokens, "scalar_embed_scale", None)
         if not isinstance(scale, float):
@@ -356,9 +413,12 @@ def build_packed_model(path: Path, config: Any) -> Any:
         att.k_proj = linear(att.k_proj, b + "attn_k.weight", kv_heads)
         att.v_proj = linear(att.v_proj, b + "attn_v.weight")
         att.o_proj = linear(att.o_proj, b + "attn_output.weight")
-        mlp.gate_proj = linear(mlp.gate_proj, b + "ffn_gate.weight")
-        mlp.up_proj = linear(mlp.up_proj, b + "ffn_up.weight")
-        mlp.down_proj = linear(mlp.down_proj, b + "ffn_down.weight")
+        if arch.experts:
+            experts(mlp, b)
+        else:
+            mlp.gate_proj = linear(mlp.gate_proj, b + "ffn_gate.weight")
+            mlp.up_proj = linear(mlp.up_proj, b + "ffn_up.weight")
+            mlp.down_proj = linear(mlp.down_proj, b + "ffn_down.weight")
         for _, module, tensor in arch.norms:
             norm(getattr(layer, module), f"{b}{tensor}.weight")
         if arch.qk_norm:

@@ -49,6 +49,10 @@ class NativeArchitecture:
             GGUF reader does not read (``<arch>.rope.scaling.type``/``.factor``).
         rope_dims_in_metadata: its GGUF files give the rotary dimension count.
         sentencepiece: its GGUF files hold a sentencepiece (``llama``) vocabulary, not BPE.
+        experts: its MLP is a mixture of experts (a router ``ffn_gate_inp``, the experts'
+            matrices as 3-D ``ffn_{gate,up,down}_exps`` tensors), not one MLP.
+        norm_topk: the chosen experts' router weights are renormalised to sum to 1
+            (Qwen3-MoE's ``norm_topk_prob``; llama.cpp's ``norm_w``).
     """
 
     model_type: str
@@ -63,6 +67,8 @@ class NativeArchitecture:
     rope_scaling_in_metadata: bool = False
     rope_dims_in_metadata: bool = True
     sentencepiece: bool = False
+    experts: bool = False
+    norm_topk: bool = False
 
 
 _GEMMA2 = NativeArchitecture(
@@ -81,6 +87,7 @@ ARCHITECTURES: tuple[NativeArchitecture, ...] = (
     NativeArchitecture("mistral", None),
     NativeArchitecture("qwen2", "qwen2", qkv_bias=True),
     NativeArchitecture("qwen3", "qwen3", qk_norm=True),
+    NativeArchitecture("qwen3_moe", "qwen3moe", qk_norm=True, experts=True, norm_topk=True),
     _GEMMA2,
     replace(
         _GEMMA2,

@@ -167,6 +167,8 @@ class DecodeInfo:
     own_pool: bool = False  # threads on kernels.c's own pool (built without OpenMP)
     tiled: int = 0  # matrices in 8-row tiles (kernels.tile_rows)
     inputs_why: str = ""  # why the inputs are held so (`Inputs.why`)
+    experts: tuple[int, int, int] = (0, 0, 0)  # a mixture's experts, per token, one expert's width
+    read_bytes: int = 0  # the weights one token reads (a mixture's chosen experts only)
 
     @property
     def bytes_per_weight(self) -> float:
@@ -182,8 +184,13 @@ class DecodeInfo:
         threads = f"up to {self.threads} threads" if self.threads > 1 else "1 thread"
         pool = " (own pool)" if self.own_pool else ""
         why = f" ({self.inputs_why})" if self.inputs_why else ""
+        moe = ""
+        if self.experts[0]:
+            n, used, width = self.experts
+            moe = (f"; {n} experts of {width}, {used} per token: "
+                   f"{self.read_bytes / 2**20:,.0f} MB read per token")  # fmt: skip
         return (f"native kernels (--opt {self.level}): {mats}, {self.weight_bytes / 2**20:.0f} MB, "
-                f"{self.activations} activations{why}, {threads}{pool}")  # fmt: skip
+                f"{self.activations} activations{why}, {threads}{pool}{moe}")  # fmt: skip
 
 
 class FastDecoder:
@@ -241,6 +248,9 @@ class FastDecoder:
         self._cache_key: tuple[int, ...] = ()
         self._scratch = torch.empty(0)
         self._local = threading.local()  # the batched calls' scratch: one per thread (they may run at once)
+        self._serial = threading.RLock()  # `decode`'s struct and scratch: one call at a time
+        self.experts = bool(native.routers)
+        """A mixture of experts: the batched kernel has no experts, so its rows run one by one."""
         # Grown on demand: a 128k-context model need not hold 128k rows of cos/sin.
         self._ensure_rope(min(4096, int(getattr(config, "max_position_embeddings", 2048) or 2048)))
         hold_freed_memory()  # prefill's activations reuse the heap's pages, layer after layer
@@ -318,10 +328,21 @@ class FastDecoder:
         for p in mats:
             formats[p.format_name] = formats.get(p.format_name, 0) + 1
         threads = self.threads or torch.get_num_threads()
+        total = sum(p.nbytes for p in mats)
+        experts, read = (0, 0, 0), total
+        if self.experts:
+            n, used = self.native.routers[0].rows, self.native.experts_used
+            experts = (n, used, self.dims[5])
+            stacked = sum(p.nbytes for layer in (*self.wgu, *self.wdown) for p in layer)
+            routers = sum(r.nbytes for r in self.native.routers)
+            read = total - stacked + stacked * used // n + routers
+        # a token reads one row of the embedding, not the table (where it is not the head too)
+        if self.lm_head is not self.embed:
+            read -= self.embed.nbytes
         return DecodeInfo(
-            self.level, formats, sum(p.nbytes for p in mats), threads, self.inputs.label, self.source,
+            self.level, formats, total, threads, self.inputs.label, self.source,
             sum(p.rows * p.cols for p in mats), not kernels.uses_openmp(self.lib), sum(p.x8 for p in mats),
-            self.inputs.why,
+            self.inputs.why, experts, read,
         )  # fmt: skip
 
     def _threads(self) -> int:
@@ -417,6 +438,10 @@ class FastDecoder:
         Returns:
             float32 logits ``[vocab]``.
         """
+        with self._serial:
+            return self._decode(cache, token, threads)
+
+    def _decode(self, cache: Cache, token: int, threads: int | None) -> torch.Tensor:
         layers, pos = self._decode_layers(cache)
         self._bind_cache(layers, pos + 1)
         self._ensure_rope(pos + 1)
@@ -473,6 +498,10 @@ class FastDecoder:
             raise ValueError(f"decode_batch takes 1 to {self.max_batch} caches, one token each")
         if len(caches) == 1:
             return self.decode(caches[0], int(tokens[0]), threads)[None]
+        if self.experts:
+            with self._serial:
+                steps = [self.decode(c, int(t), threads) for c, t in zip(caches, tokens, strict=True)]
+                return torch.stack(steps)
         rows: list[list[BufferLayer]] = []
         positions = []
         for cache in caches:
@@ -507,6 +536,11 @@ class FastDecoder:
         if any(layer.length != pos for layer in layers):
             raise ValueError("cache layers hold different numbers of tokens; crop it first")
         self._reserve_layers(layers, pos + n)
+        if self.experts:
+            with self._serial:
+                for token in tokens:
+                    logits = self.decode(cache, int(token))
+                return logits
         logits = self._run_rows([layers] * n, list(range(pos, pos + n)), tokens, True, None)
         for layer in layers:
             layer.length = pos + n

@@ -119,6 +119,26 @@ class GGUFWeights:
             order = unpermute_rows(int(tensor.shape[1]), rope_heads)
         return kernels.from_gguf(tensor, order)
 
+    def stacked(self, name: str) -> tuple[kernels.PackedMatrix, int]:
+        """A 3-D tensor (a mixture's experts: ggml shape [cols, rows, n]) as one matrix of
+        n * rows rows in its stored format, expert e's rows from e * rows, on the file's map
+        (no copy, not in tiles); and n.
+
+        Raises:
+            KeyError: no such tensor.
+            ValueError: not 3-D, or a format the kernels do not read.
+        """
+        tensor = self.tensors[name]
+        shape = [int(n) for n in tensor.shape]
+        if len(shape) != 3:
+            raise ValueError(f"{name} is not a 3-D tensor of experts (shape {shape})")
+        kind = tensor.tensor_type.name
+        if kind not in kernels.GGUF_FORMATS:
+            raise ValueError(f"no kernel for {kind} tensors ({name})")
+        cols, rows, n = shape
+        data = torch.from_numpy(tensor.data).view(torch.uint8).reshape(rows * n, -1)
+        return kernels.from_raw(data, kernels.GGUF_FORMATS[kind], rows * n, cols), n
+
 
 def check_finite(path: str | Path) -> None:
     """Refuse NaN or infinity in a GGUF file's small float tensors (norms, biases), and in

@@ -78,6 +78,11 @@ class ModelStruct(ctypes.Structure):
         ("attn_softcap", ctypes.c_float),
         ("final_softcap", ctypes.c_float),
         ("act_fn", ctypes.c_int32),
+        ("n_experts", ctypes.c_int32),
+        ("n_experts_used", ctypes.c_int32),
+        ("norm_topk", ctypes.c_int32),
+        ("moe_pad_", ctypes.c_int32),
+        ("router", ctypes.POINTER(Mat)),
     ]
 
 
@@ -136,6 +141,8 @@ def declare_functions(lib: ctypes.CDLL) -> None:
         ctypes.c_int,
     ]
     lib.chatbot_batch_scratch_floats.restype = ctypes.c_long
+    lib.chatbot_max_experts_used.argtypes = []
+    lib.chatbot_max_experts_used.restype = ctypes.c_long
     lib.chatbot_max_batch.argtypes = []
     lib.chatbot_max_batch.restype = ctypes.c_long
     lib.chatbot_scratch_floats.restype = ctypes.c_long

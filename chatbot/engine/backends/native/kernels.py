@@ -259,6 +259,14 @@ def from_raw(data: torch.Tensor, fmt: int, rows: int, cols: int) -> PackedMatrix
     return PackedMatrix(data, fmt, rows, cols)
 
 
+def rows_of(p: PackedMatrix, start: int, n: int) -> PackedMatrix:
+    """Rows [start, start + n) of `p` as a matrix on the same bytes (no copy): one expert's
+    matrix of a mixture's 3-D tensor. `p` must not be in tiles."""
+    if p.x8 or not 0 <= start <= start + n <= p.rows:
+        raise ValueError(f"rows {start}..{start + n} of a [{p.rows}, {p.cols}] matrix")
+    return PackedMatrix(p.data[start : start + n], p.fmt, n, p.cols)
+
+
 def from_gguf(tensor: Any, row_order: torch.Tensor | None = None) -> PackedMatrix:
     """A 2-D tensor of a `gguf.GGUFReader` in its stored format, on the reader's memory map
     (no copy, unless `row_order` reorders the rows: a new tensor of the same bytes).

@@ -177,6 +177,11 @@ class NativeModel:
     source: str  # "gguf": the file's (or the packed modules') matrices as stored; "model"
     dims: tuple[int, int, int, int, int, int]
     vocab: int
+    # a mixture of experts: per layer the router [n_experts, hidden] (float32), and the experts
+    # per token; then wgu/wdown hold every expert's rows and dims[5] is one expert's width
+    routers: list[kernels.PackedMatrix] = field(default_factory=list)
+    experts_used: int = 0
+    norm_topk: bool = False
     biases: list[tuple[torch.Tensor | None, ...]] = field(default_factory=list)
     norms: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # NORM_SLOTS -> per layer
     final_norm: torch.Tensor = field(default_factory=lambda: torch.empty(0))
@@ -225,21 +230,29 @@ def read_model(
     n_layers = config.num_hidden_layers
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    ffn_dim = config.moe_intermediate_size if arch.experts else config.intermediate_size
+    if arch.experts and not (is_packed(model) and level in FILE_LEVELS and use_gguf):
+        raise FastPathUnavailable(
+            f"a mixture of experts runs natively from its GGUF file as stored (--opt {'/'.join(FILE_LEVELS)})"
+        )
     with torch.no_grad():
         packed, source = _packed_matrices(model, level, gguf, use_gguf, (heads, kv_heads))
         embed, lm_head, wqkv, wo, wgu, wdown = packed
         native = NativeModel(
             embed, lm_head, wqkv, wo, wgu, wdown, source=source,
-            dims=(n_layers, config.hidden_size, heads, kv_heads, head_dim, config.intermediate_size),
+            dims=(n_layers, config.hidden_size, heads, kv_heads, head_dim, ffn_dim),
             vocab=model.get_output_embeddings().weight.shape[0],
         )  # fmt: skip
+        if arch.experts:
+            _read_router(native, inner.layers, config, arch)
         slots = [slot for slot, _, _ in arch.norms] + (["q_norm", "k_norm"] if arch.qk_norm else [])
         native.norms = {slot: [] for slot in slots}
         for layer in inner.layers:
             att, mlp = layer.self_attn, layer.mlp
+            dense = not arch.experts
             native.biases.append((
                 _bias(att.q_proj, att.k_proj, att.v_proj), _bias(att.o_proj),
-                _bias(mlp.gate_proj, mlp.up_proj), _bias(mlp.down_proj),
+                _bias(mlp.gate_proj, mlp.up_proj) if dense else None, _bias(mlp.down_proj) if dense else None,
             ))  # fmt: skip
             for slot, module, _ in arch.norms:
                 native.norms[slot].append(norm_weight(getattr(layer, module), arch.norm_offset))
@@ -262,6 +275,22 @@ def read_model(
     )
     native.act_fn = ACTIVATIONS[activation_name(config)]
     return native
+
+
+def _read_router(native: NativeModel, layers: Any, config: Any, arch: NativeArchitecture) -> None:
+    """A mixture's routers and routing settings, checked as the kernels need them.
+
+    Raises:
+        FastPathUnavailable: more experts per token than the kernels take, or none.
+    """
+    used, most = int(config.num_experts_per_tok), int(kernels.load_library().chatbot_max_experts_used())
+    if not 1 <= used <= min(most, int(config.num_experts)):
+        raise FastPathUnavailable(
+            f"no fast decode for {used} experts per token of {config.num_experts} (1 to {most})"
+        )
+    native.experts_used = used
+    native.norm_topk = bool(getattr(config, "norm_topk_prob", arch.norm_topk))
+    native.routers = [kernels.pack_f32(layer.mlp.gate.weight.detach().float()) for layer in layers]
 
 
 @dataclass
@@ -307,4 +336,10 @@ def native_struct(native: NativeModel, act: int) -> NativeStruct:
         window=windows, rope_sel=selectors, embed_scale=native.embed_scale,
         attn_softcap=native.softcaps[0], final_softcap=native.softcaps[1], act_fn=native.act_fn,
     )  # fmt: skip
-    return NativeStruct(struct, kptrs, vptrs, [mats, embed, head, norms, windows, selectors])
+    routers = None
+    if native.routers:
+        routers = (kernels.Mat * n_layers)(*[r.as_struct() for r in native.routers])
+        struct.router = routers
+        struct.n_experts, struct.n_experts_used = native.routers[0].rows, native.experts_used
+        struct.norm_topk = int(native.norm_topk)
+    return NativeStruct(struct, kptrs, vptrs, [mats, embed, head, norms, windows, selectors, routers])

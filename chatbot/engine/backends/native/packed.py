@@ -334,6 +334,77 @@ class ScaledPackedEmbedding(PackedEmbedding):
         return f"{super().extra_repr()}, embed_scale={self.scalar_embed_scale:g}"
 
 
+class PackedExperts(nn.Module):
+    """A mixture of experts' matrices as transformers' experts module takes them
+    (`Qwen3MoeExperts`: ``forward(hidden, top_k_index, top_k_weights)``), over the 3-D tensors
+    of a GGUF file as stored: `gate` and `up` [n_experts * expert width, hidden], `down`
+    [n_experts * hidden, expert width], expert e's rows from e times their height. The tokens
+    are grouped by the expert they go to, so a forward pass reads each chosen expert's rows
+    once, whatever the number of tokens (prefill), and never an idle expert's.
+
+    Args:
+        gate, up, down: the experts' matrices, not in tiles.
+        n_experts: how many experts they hold.
+        act_fn: the activation of the gate (``silu``'s module).
+    """
+
+    def __init__(
+        self,
+        gate: kernels.PackedMatrix,
+        up: kernels.PackedMatrix,
+        down: kernels.PackedMatrix,
+        n_experts: int,
+        act_fn: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = gate, up, down
+        self.num_experts = n_experts
+        self.hidden_dim, self.intermediate_dim = gate.cols, gate.rows // n_experts
+        self.act_fn = act_fn
+        self.act_gate_up = self.act_down = kernels.ACT_F32
+        """The forms of the inputs (`packed_matmul`), as `PackedLinear.act`."""
+        self._experts: dict[int, tuple[kernels.PackedMatrix, ...]] = {}
+
+    def expert(self, e: int) -> tuple[kernels.PackedMatrix, ...]:
+        """Expert e's gate, up and down matrices: views of its rows."""
+        mats = self._experts.get(e)
+        if mats is None:
+            f, h = self.intermediate_dim, self.hidden_dim
+            mats = self._experts[e] = (
+                kernels.rows_of(self.gate, e * f, f), kernels.rows_of(self.up, e * f, f),
+                kernels.rows_of(self.down, e * h, h),
+            )  # fmt: skip
+        return mats
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        x = hidden_states.to(torch.float32)
+        out = torch.zeros_like(x)
+        k = top_k_index.shape[-1]
+        chosen = top_k_index.reshape(-1)
+        order = torch.argsort(chosen, stable=True)
+        tokens, weights = order // k, top_k_weights.reshape(-1)[order].to(torch.float32)
+        start = 0
+        for e, n in enumerate(torch.bincount(chosen, minlength=self.num_experts).tolist()):
+            if n == 0:
+                continue
+            rows, w = tokens[start : start + n], weights[start : start + n]
+            start += n
+            gate, up, down = self.expert(e)
+            xe = x[rows]
+            h = self.act_fn(packed_matmul(gate, xe, act=self.act_gate_up))
+            h = h * packed_matmul(up, xe, act=self.act_gate_up)
+            out.index_add_(0, rows, packed_matmul(down, h, act=self.act_down) * w[:, None])
+        return out.to(hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_experts} experts of {self.intermediate_dim}, hidden={self.hidden_dim}, "
+            f"format={self.gate.format_name}/{self.down.format_name}"
+        )
+
+
 def with_activations(model: nn.Module, act: int | Callable[[kernels.PackedMatrix], int]) -> nn.Module:
     """`model` with every packed linear taking its inputs in the form `act` (`ACT_F32`,
     `ACT_I16` or `ACT_Q8`; or a function of the linear's matrix, giving one of these), so
@@ -348,6 +419,13 @@ def with_activations(model: nn.Module, act: int | Callable[[kernels.PackedMatrix
         linear = copy.copy(model)
         linear.act = form
         return linear
+    if isinstance(model, PackedExperts):
+        forms = (act(model.gate), act(model.down)) if callable(act) else (act, act)
+        if (model.act_gate_up, model.act_down) == forms:
+            return model
+        experts = copy.copy(model)
+        experts.act_gate_up, experts.act_down = forms
+        return experts
     children = {
         name: with_activations(child, act) for name, child in model._modules.items() if child is not None
     }
@@ -373,6 +451,8 @@ def packed_formats(model: nn.Module) -> dict[str, int]:
     for m in model.modules():
         if isinstance(m, (PackedLinear, PackedEmbedding)):
             seen[id(m.packed)] = m.packed.format_name
+        elif isinstance(m, PackedExperts):
+            seen |= {id(p): p.format_name for p in (m.gate, m.up, m.down)}
     counts: dict[str, int] = {}
     for name in seen.values():
         counts[name] = counts.get(name, 0) + 1
@@ -385,4 +465,6 @@ def packed_parameters(model: nn.Module) -> int:
     for m in model.modules():
         if isinstance(m, (PackedLinear, PackedEmbedding)):
             seen[id(m.packed)] = m.packed.rows * m.packed.cols
+        elif isinstance(m, PackedExperts):
+            seen |= {id(p): p.rows * p.cols for p in (m.gate, m.up, m.down)}
     return sum(seen.values())

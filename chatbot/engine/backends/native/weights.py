@@ -17,7 +17,7 @@ import torch
 from chatbot.config import FILE_LEVELS
 from chatbot.engine.backends.native import kernels
 from chatbot.engine.backends.native.gguf_weights import GGUFWeights
-from chatbot.engine.backends.native.packed import PackedEmbedding, PackedLinear, dense_weight
+from chatbot.engine.backends.native.packed import PackedEmbedding, PackedExperts, PackedLinear, dense_weight
 
 
 def is_packed(model: Any) -> bool:
@@ -29,8 +29,10 @@ def is_packed(model: Any) -> bool:
     mods = [model.get_input_embeddings(), model.get_output_embeddings()]
     for layer in inner.layers:
         att, mlp = layer.self_attn, layer.mlp
-        mods += [att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-    return all(isinstance(m, (PackedLinear, PackedEmbedding)) for m in mods)
+        mods += [att.q_proj, att.k_proj, att.v_proj, att.o_proj]
+        experts = getattr(mlp, "experts", None)
+        mods += [experts] if experts is not None else [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    return all(isinstance(m, (PackedLinear, PackedEmbedding, PackedExperts)) for m in mods)
 
 
 def tied(model: Any) -> bool:
@@ -85,6 +87,11 @@ def from_packed(model: Any) -> tuple[Any, ...] | None:
         att, mlp = layer.self_attn, layer.mlp
         wqkv.append([att.q_proj.packed, att.k_proj.packed, att.v_proj.packed])
         wo.append([att.o_proj.packed])
+        experts = getattr(mlp, "experts", None)
+        if isinstance(experts, PackedExperts):  # every expert's rows, as the file holds them
+            wgu.append([experts.gate, experts.up])
+            wdown.append([experts.down])
+            continue
         wgu.append([mlp.gate_proj.packed, mlp.up_proj.packed])
         wdown.append([mlp.down_proj.packed])
     return embed, lm_head, wqkv, wo, wgu, wdown

@@ -13,7 +13,8 @@ static inline int widest_input(const Model *m) {
 /* Floats of shared scratch, then of each thread's private scratch. */
 static long shared_floats(const Model *m) {
     const long qkv = (long)(m->n_heads + 2 * m->n_kv_heads) * m->head_dim;
-    return qkv + (long)m->n_heads * m->head_dim + 2L * m->dim + 2L * m->ffn_dim + (long)m->n_heads * m->cap;
+    return qkv + (long)m->n_heads * m->head_dim + 2L * m->dim + 2L * m->ffn_dim + (long)m->n_heads * m->cap +
+           m->n_experts;
 }
 
 static long private_floats(const Model *m) {
@@ -28,6 +29,8 @@ static long private_floats(const Model *m) {
 long chatbot_sizeof_mat(void) { return (long)sizeof(Mat); }
 long chatbot_sizeof_group(void) { return (long)sizeof(Group); }
 long chatbot_sizeof_model(void) { return (long)sizeof(Model); }
+/* The most experts per token chatbot_decode takes (Model.n_experts_used). */
+long chatbot_max_experts_used(void) { return MAX_EXPERTS_USED; }
 
 /* Floats of scratch space `chatbot_decode` needs with up to `max_threads` threads. */
 long chatbot_scratch_floats(const Model *m, int max_threads) {
@@ -89,6 +92,70 @@ static void attend_head(const Model *m, int l, int h, const float *qkv, const fl
            m->attn_softcap, scores, out);
 }
 
+/* Rows [e * n, (e + 1) * n) of `all`: expert e's matrix of n rows in a 3-D tensor's rows
+ * (rows in 8-row tiles start at row e * n too where n is whole tiles, as the loader checks). */
+static inline Mat expert_rows(const Mat *all, int e, int n) {
+    Mat sub = *all;
+    sub.data = (const char *)all->data + (size_t)e * n * row_bytes(all);
+    sub.rows = n;
+    return sub;
+}
+
+/* The experts a token goes to: the n_experts_used largest router logits `lg` (the lower
+ * index first among equals), each weighted by its softmax over all the experts, the weights
+ * renormalised to sum to 1 where the model does (norm_topk). */
+static void route(const Model *m, const float *lg, int *ids, float *w) {
+    const int n = m->n_experts, k = m->n_experts_used;
+    float mx = lg[0], sum = 0.0f, picked = 0.0f;
+    for (int e = 1; e < n; e++) mx = lg[e] > mx ? lg[e] : mx;
+    for (int e = 0; e < n; e++) sum += expf(lg[e] - mx);
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int e = 0; e < n; e++) {
+            int taken = 0;
+            for (int t = 0; t < j; t++) taken |= ids[t] == e;
+            if (!taken && (best < 0 || lg[e] > lg[best])) best = e;
+        }
+        ids[j] = best;
+        w[j] = expf(lg[best] - mx) / sum;
+        picked += w[j];
+    }
+    if (m->norm_topk)
+        for (int j = 0; j < k; j++) w[j] /= picked;
+}
+
+/* A mixture of experts' MLP on the normed input xn, added to the residual x: the router's
+ * logits (into the shared lg), then each chosen expert's gate/up, activation and down, its
+ * rows read from the 3-D tensors where they lie; only the chosen experts' rows are read.
+ * Called by every thread of the team, each with its own x, xn, hid and vec. */
+static void moe_mlp(const Model *m, int l, Vec *vec, const float *xn, float *gu, float *hid, float *dn, float *lg,
+                    float *x) {
+    const int E = m->dim, F = m->ffn_dim, k = m->n_experts_used;
+    int ids[MAX_EXPERTS_USED];
+    float w[MAX_EXPERTS_USED];
+    prepare_vec(vec, xn, E, site_act(m, SITE_GU));
+    matvec_par(&m->router[l], vec, lg);
+    route(m, lg, ids, w);
+    const Group *all = &m->wgu[l];
+    for (int j = 0; j < k; j++) {
+        Group g = *all;
+        g.part[0] = expert_rows(&all->part[0], ids[j], F);
+        g.part[1] = expert_rows(&all->part[1], ids[j], F);
+        g.rows = 2 * F;
+        g.bias = NULL;
+        if (j) prepare_vec(vec, xn, E, site_act(m, SITE_GU)); /* the down product took vec */
+        group_matvec_par(&g, vec, gu);
+        if (m->act_fn == ACT_FN_GELU_TANH)
+            gelu_tanh_mul(gu, gu + F, F, hid);
+        else
+            silu_mul(gu, gu + F, F, hid);
+        prepare_vec(vec, hid, F, site_act(m, SITE_DOWN));
+        const Mat down = expert_rows(&m->wdown[l].part[0], ids[j], E);
+        matvec_par(&down, vec, dn);
+        for (int i = 0; i < E; i++) x[i] += w[j] * dn[i];
+    }
+}
+
 typedef struct {
     const Model *m;
     int token, pos;
@@ -108,6 +175,7 @@ static void decode_team(void *arg) {
     float *gu = o + E;
     float *dn = gu + 2 * F;
     float *scores = dn + E;
+    float *router = scores + (size_t)H * m->cap;
     float *priv = m->scratch + shared_floats(m);
     const float *cs = m->rope_cos + (size_t)pos * half;
     const float *sn = m->rope_sin + (size_t)pos * half;
@@ -146,6 +214,10 @@ static void decode_team(void *arg) {
             for (int i = 0; i < E; i++) x[i] += o[i];
         }
         rmsnorm(x, m->ffn_norm[l], E, m->eps, xn);
+        if (m->n_experts) {
+            moe_mlp(m, l, &vec, xn, gu, hid, dn, router, x);
+            continue;
+        }
         prepare_vec(&vec, xn, E, site_act(m, SITE_GU));
         group_matvec_par(&m->wgu[l], &vec, gu);
         if (m->act_fn == ACT_FN_GELU_TANH)
@@ -182,6 +254,9 @@ static void decode_team(void *arg) {
  * wait for another, so a layer has only the five barriers its matrix products need.
  * Scratch must have room for m->n_threads threads (chatbot_scratch_floats). */
 int chatbot_decode(const Model *m, int token, int pos, float *logits) {
+    if (m->n_experts && (m->n_experts_used < 1 || m->n_experts_used > m->n_experts ||
+                         m->n_experts_used > MAX_EXPERTS_USED || !m->router))
+        return -1;
     if (pos < 0 || pos >= m->cap || pos >= m->rope_len || token < 0 || token >= m->embed->rows) return -1;
     DecodeJob job = {m, token, pos, logits};
     team_run(m->n_threads, decode_team, &job);

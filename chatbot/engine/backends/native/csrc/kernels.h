@@ -106,9 +106,19 @@ typedef struct {
     float attn_softcap;  /* scores -> cap * tanh(scores / cap) (0: none) */
     float final_softcap; /* the same on the logits */
     int32_t act_fn;      /* ACT_FN_SILU or ACT_FN_GELU_TANH */
+    /* A mixture of experts (0 experts: a dense MLP). Then wgu's two parts hold every expert's
+     * gate and up rows ([n_experts * ffn_dim, dim] each, expert e's rows from e * ffn_dim) and
+     * wdown's one part every expert's down rows ([n_experts * dim, ffn_dim]), as the file's 3-D
+     * tensors lay them out; ffn_dim is one expert's width. */
+    int32_t n_experts, n_experts_used;
+    int32_t norm_topk; /* the chosen experts' weights renormalised to sum to 1 (qwen3moe) */
+    int32_t moe_pad_;
+    const Mat *router; /* per layer [n_experts, dim]: the router's logits */
 } Model;
 
 enum { ACT_FN_SILU = 0, ACT_FN_GELU_TANH = 1 };
+/* The most experts a token goes to (Model.n_experts_used) */
+#define MAX_EXPERTS_USED 64
 
 /* The five kinds of product of a layer and the head, for Model.act_i16_sites. */
 enum { SITE_QKV = 0, SITE_O = 1, SITE_GU = 2, SITE_DOWN = 3, SITE_HEAD = 4 };
