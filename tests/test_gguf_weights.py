@@ -43,6 +43,20 @@ def test_unpermute_rows_is_transformers_reverse_permutation():
         assert np.array_equal(w[unpermute_rows(64, heads).numpy()], expected)
 
 
+def test_a_q_matrix_is_packed_with_its_rows_in_transformers_order():
+    """The default model's q/k rows, reordered while packing, are the file's rows in the order
+    that undoes llama.cpp's permutation, byte for byte, in a copy of their own."""
+    src = GGUFWeights(default_gguf_path())
+    for name, heads in (("blk.0.attn_q.weight", 9), ("blk.3.attn_k.weight", 3)):
+        tensor = src.tensors[name]
+        stored = np.asarray(tensor.data).view(np.uint8).reshape(int(tensor.shape[1]), -1)
+        packed = src.matrix(name, heads)
+        order = unpermute_rows(stored.shape[0], heads).numpy()
+        assert packed.data.dtype == torch.uint8 and packed.data.is_contiguous()
+        assert np.array_equal(packed.data.numpy(), stored[order])
+        assert not np.shares_memory(packed.data.numpy(), stored)
+
+
 def test_not_a_gguf_file(tmp_path):
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"GGML" + bytes(40))

@@ -69,6 +69,45 @@ def test_a_prompt_answers_on_stdout_as_the_same_line_piped(tiny, env):
     assert logged_messages(env) == ["Hello there!"] * 4  # logged as any chat: --resume goes on
 
 
+PROGRAM = (  # `chatbot` as the console script runs it, with a finalizer and an exit handler of its own
+    "import atexit, sys\n"
+    "class Late:\n"
+    "    write = sys.stderr.write  # kept: the teardown may have emptied `sys` first\n"
+    "    def __del__(self):\n"
+    "        self.write('torn down\\n')\n"
+    "late = Late()\n"
+    "atexit.register(lambda: sys.stderr.write('exit handler\\n'))\n"
+    "from chatbot.cli.app import main\n"
+    "main({})\n"
+)
+
+
+def test_a_one_shot_leaves_without_the_interpreters_teardown(tiny, env):
+    """Answered, `chatbot run` runs the exit handlers, flushes its output and leaves, without
+    the interpreter freeing every module's objects one by one (0.3 s for torch's and
+    transformers'): a finalizer left for that teardown does not run. The answer, the log and
+    the exit status are those of a caller's main(...), which returns to the caller as before."""
+
+    def run(argv: str, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", PROGRAM.format(argv), "run", *args], stdin=subprocess.DEVNULL,
+            capture_output=True, text=True, env=env, timeout=300, check=False,
+        )  # fmt: skip
+
+    program = run("", "--model", tiny, *GREEDY, "Hello there!")
+    called = run("sys.argv[1:]", "--model", tiny, *GREEDY, "Hello there!")
+    assert program.returncode == called.returncode == 0, program.stderr
+    assert program.stdout.strip() and program.stdout == called.stdout
+    assert program.stderr.splitlines()[-1] == "exit handler" and "torn down" not in program.stderr
+    assert called.stderr.splitlines()[-2:] == ["exit handler", "torn down"]
+    assert logged_messages(env) == ["Hello there!"] * 2
+    failed = run("", "--model", str(Path(tiny) / "nope.gguf"), "Hi")
+    assert failed.returncode == 2 and failed.stderr.splitlines() == [
+        f"chatbot: error: no such file or folder: {Path(tiny) / 'nope.gguf'}",
+        "exit handler",
+    ]
+
+
 def test_piped_text_comes_first_then_a_blank_line_then_the_prompt(tiny, env):
     text = "The cat sat.\nOn the mat.\n"
     one = chatbot(
