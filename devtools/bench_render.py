@@ -194,7 +194,7 @@ def print_render(console: Console, result: dict[str, Any]) -> None:
             f"{r['p99_ms']:.2f}",
             f"{r['max_ms']:.1f}",
             f"{100 * r['budget_share']:.1f}%",
-            f"{r['decode_left_tok_s']:.1f} tok/s",
+            f"{r['decode_left_tok_s']:.1f} tok/s" if "decode_left_tok_s" in r else "-",  # older JSON
         )
     console.print(table)
     console.print(result.get("conditions") or conditions(), style="dim", markup=False)
