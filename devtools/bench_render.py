@@ -6,7 +6,7 @@ cut into ~2,000 token-sized pieces and fed to the live answer renderer as a mode
 tokens/s would feed it: a clock advances 1/rate per piece and by the renderer's own time (it
 runs on the decode thread), so the screen refreshes as often as it would (at most 12 times a
 second). Output goes to an in-memory terminal, so only our own work is timed, not the
-emulator's. "decode left" is the decode speed that remains: pieces / (decode time + render
+emulator's. "tok/s left" is the decode speed that remains: pieces / (decode time + render
 time). Beside it, the way answers were shown before (Rich `Live` re-rendering the whole answer).
 """
 
@@ -185,8 +185,8 @@ def print_render(console: Console, result: dict[str, Any]) -> None:
         f"{result['tokens']:,} tokens at {result['rate_tok_s']:g} tok/s, "
         f"{result['width']} columns (budget {result['budget_ms_per_token']:.2f} ms/token)"
     )
-    for col in ("renderer", "ms/token", "p99 ms", "max ms", "share of decode time", "decode left"):
-        table.add_column(col, justify="left" if col == "renderer" else "right")
+    for col in ("renderer", "ms/token", "p99 ms", "max ms", "share of decode time", "tok/s left"):
+        table.add_column(col, justify="left" if col == "renderer" else "right", no_wrap=col == "renderer")
     for r in result["rows"]:
         table.add_row(
             r["renderer"],
@@ -194,7 +194,7 @@ def print_render(console: Console, result: dict[str, Any]) -> None:
             f"{r['p99_ms']:.2f}",
             f"{r['max_ms']:.1f}",
             f"{100 * r['budget_share']:.1f}%",
-            f"{r['decode_left_tok_s']:.1f} tok/s" if "decode_left_tok_s" in r else "-",  # older JSON
+            f"{r['decode_left_tok_s']:.1f}" if "decode_left_tok_s" in r else "-",  # older JSON
         )
     console.print(table)
     console.print(result.get("conditions") or conditions(), style="dim", markup=False)
