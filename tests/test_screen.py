@@ -6,6 +6,7 @@ Each test asserts on the screen and scrollback (screen.py), not on the bytes wri
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -15,9 +16,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from screen import Terminal, missing_words
+
+if TYPE_CHECKING:
+    from rich.segment import Segment
 
 pytest.importorskip("pyte")
 
@@ -387,3 +392,156 @@ def test_system_leaves_no_progress_bar_on_screen(tmp_path, terminals, columns):
     assert [line for line in shown if "re-encoded" in line], shown
     assert "re-encoding" in term.raw  # the bar was drawn...
     assert not [line for line in shown if "re-encoding" in line or "0/?" in line], shown  # ...and is gone
+
+
+def table_answer(rows: int, after: str = "\nThat is all.\n") -> str:
+    """A paragraph, a 5-column table whose columns widen at rows 10 and 29 (the second past the
+    first screen at 80x24), and what follows it."""
+    head = "Here is the comparison:\n\n| name | language | year | speed | notes |\n|---|---|---|---|---|\n"
+    body = "".join(
+        f"| item{i} | Python {i % 4} | {1990 + i} | {3.5 * i:.1f} ms | small {i} |\n" for i in range(rows)
+    )
+    return head + body + after
+
+
+def feed_tokens(
+    text: str, columns: int, lines: int, clock_step: float = 0.03
+) -> tuple[Callable[[], str], Callable[[], None]]:
+    """(what the live answer renderer has written, the end of the answer) for `text` streamed
+    a token-sized piece at a time, at a clock of 1/clock_step tokens/s."""
+    import io
+
+    from rich.console import Console
+
+    from chatbot.terminal.live_answer import MarkdownAnswer
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=columns, height=lines, color_system="truecolor")
+    now = [0.0]
+    answer = MarkdownAnswer(console, clock=lambda: now[0])
+    answer.__enter__()
+    for piece in re.findall(r" ?\w+| ?[^\w\s]+|\s+", text):
+        now[0] += clock_step
+        answer.add(piece)
+    return out.getvalue, lambda: answer.__exit__(None, None, None)
+
+
+def emulate(raw: str, columns: int, lines: int) -> list[str]:
+    import pyte
+
+    screen = pyte.HistoryScreen(columns, lines, history=100_000)
+    pyte.Stream(screen).feed(raw.replace("\n", "\r\n"))
+    rows = [*screen.history.top, *(screen.buffer[y] for y in range(lines))]
+    return ["".join(row[x].data for x in range(columns)).rstrip() for row in rows]
+
+
+def render_whole(text: str, columns: int, lines: int) -> list[str]:
+    """The screen when all of `text` comes in one piece: every block drawn once, whole."""
+    import io
+
+    from rich.console import Console
+
+    from chatbot.terminal.live_answer import MarkdownAnswer
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=columns, height=lines, color_system="truecolor")
+    with MarkdownAnswer(console, clock=lambda: 0.0) as answer:
+        answer.add(text)
+    return emulate(out.getvalue(), columns, lines)
+
+
+@pytest.mark.parametrize(
+    "after",
+    [
+        "\nThat is all.\n",
+        "## Next\n\nText.\n",
+        "- a list item\n",
+        "```\ncode\n```\n",
+        "> a quote\n",
+        "a row without pipes\n\nThat is all.\n",
+        "\n\n    indented code\n",
+        "",
+    ],
+)
+def test_a_streamed_table_taller_than_the_screen_ends_drawn_whole_and_aligned(after):
+    """A table's columns widen as rows come: printed in part while it streamed, its top kept
+    the narrower columns of the first rows (seen at 80 columns: `speed` shifted at row 10)."""
+    text = table_answer(40, after)
+    written, close = feed_tokens(text, 80, 24)
+    close()
+    shown = emulate(written(), 80, 24)
+    rows = [line for line in shown if re.match(r" item\d+ ", line)]
+    assert [line.split()[0] for line in rows] == [f"item{i}" for i in range(40)]
+    assert len({line.index(" small ") for line in rows}) == 1, "\n".join(rows)  # the notes in one column
+    whole = render_whole(text, 80, 24)
+    while shown[-1:] == [""] and whole[-1:] == [""]:  # the screen's empty rows below
+        shown, whole = shown[:-1], whole[:-1]
+    assert shown == whole
+
+
+def test_a_streamed_table_shows_its_header_and_latest_rows_while_it_grows():
+    text = table_answer(40, "")[: table_answer(40, "").index("| item30 |")]
+    written, _ = feed_tokens(text, 80, 24)
+    screen = emulate(written(), 80, 24)[-24:]
+    assert any(line.split()[:2] == ["name", "language"] for line in screen), "\n".join(screen)
+    assert any(line.split()[:1] == ["item29"] for line in screen), "\n".join(screen)
+
+
+def markdown_work(monkeypatch: pytest.MonkeyPatch, text: str) -> int:
+    """Characters of Markdown parsed (for cutting blocks and for drawing them) while `text`
+    streams and ends at 80x24."""
+    from markdown_it import MarkdownIt
+
+    parsed = [0]
+    parse = MarkdownIt.parse
+
+    def counting(self: MarkdownIt, src: str, env: object = None) -> object:
+        parsed[0] += len(src)
+        return parse(self, src, env)
+
+    monkeypatch.setattr(MarkdownIt, "parse", counting)
+    _, close = feed_tokens(text, 80, 24)
+    close()
+    monkeypatch.setattr(MarkdownIt, "parse", parse)
+    return parsed[0]
+
+
+def test_the_work_per_token_of_a_streamed_table_does_not_grow_with_the_table(monkeypatch):
+    """Each refresh re-drew the whole open table, and each new row re-parsed it: the work per
+    token grew with the table, and decoding slowed (33 tok/s became 19 at 80 columns)."""
+    short, long = table_answer(50), table_answer(200)
+    per_char_short = markdown_work(monkeypatch, short) / len(short)
+    per_char_long = markdown_work(monkeypatch, long) / len(long)
+    assert per_char_long < 1.3 * per_char_short, (per_char_short, per_char_long)
+
+
+def test_a_slow_refresh_makes_the_next_one_wait(monkeypatch):
+    """A refresh that took 20 ms (or more) is followed by one at least 0.4 s later, not 1/12 s:
+    at most about 5 % of the decoding time goes to re-drawing the live region."""
+    import io
+
+    from rich.console import Console
+
+    from chatbot.terminal import live_answer
+
+    now = [0.0]
+    refreshes = []
+    refresh, render = live_answer.MarkdownAnswer._refresh, live_answer.MarkdownAnswer._render_lines
+
+    def counted(self: live_answer.MarkdownAnswer) -> None:
+        refreshes.append(now[0])
+        refresh(self)
+
+    def slow(self: live_answer.MarkdownAnswer, *args: Any) -> list[list[Segment]]:
+        now[0] += 0.02  # the time a render takes
+        return render(self, *args)
+
+    monkeypatch.setattr(live_answer.MarkdownAnswer, "_refresh", counted)
+    monkeypatch.setattr(live_answer.MarkdownAnswer, "_render_lines", slow)
+    console = Console(file=io.StringIO(), force_terminal=True, width=80, height=24)
+    with live_answer.MarkdownAnswer(console, clock=lambda: now[0]) as answer:
+        for i in range(300):
+            now[0] += 0.01  # 100 tok/s
+            answer.add(f" word{i}")
+    gaps = [b - a for a, b in itertools.pairwise(refreshes)]
+    assert len(gaps) > 3 and min(gaps) >= 0.4 - 1e-9, gaps

@@ -9,6 +9,13 @@ grows taller than the screen has its top lines printed for good as it grows, so 
 region always fits. Everything is wrapped by words at the width read when it is drawn, so a
 resized terminal gets later blocks at its new width and nothing printed is drawn again.
 
+A table is the exception: its column widths depend on every row, so none of it is printed
+before it ends. While it streams, the live region shows a preview (its header and the last
+rows that fit the screen), and the table is drawn whole once, when it ends; whether a new
+line still belongs to it is decided from the header and that line alone. So the work per
+token stays the same however long the table grows. And a refresh that took long waits
+longer for the next (`_COST_FACTOR`), so re-drawing never takes a large share of decoding.
+
 Thinking parts (`<think>…</think>`) are shown dimmed, line by line; a code fence is plain
 while it is open and highlighted once it closes.
 """
@@ -17,8 +24,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import IO
 
+from markdown_it.rules_block import table as table_rule
+from markdown_it.token import Token
 from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.live import Live
@@ -32,6 +42,16 @@ _ERASE_TO_END = "\x1b[K"  # filled by the terminal with the background colour se
 THINKING_STYLE = "dim italic"
 # The parser Rich's Markdown uses, so that blocks are cut where Rich would see them.
 _PARSER = markdown_parser()
+# The next refresh waits at least this many times as long as the last one took: re-drawing
+# the live region then takes at most about 1/_COST_FACTOR of the decoding time.
+_COST_FACTOR = 20.0
+# markdown-it ends a table once its rows have left out this many cells in all (None: no limit).
+_LEFT_OUT_LIMIT: int | None = getattr(table_rule, "MAX_AUTOCOMPLETED_CELLS", None)
+
+
+def _top_blocks(text: str) -> list[Token]:
+    """The opening tokens of `text`'s top-level Markdown blocks."""
+    return [t for t in _PARSER.parse(text) if t.level == 0 and t.map is not None and t.nesting >= 0]
 
 
 def open_block_start(text: str) -> int:
@@ -41,7 +61,7 @@ def open_block_start(text: str) -> int:
     CommonMark parses line by line, and a block closed by the start of the next one never
     opens again. A closed code fence also counts as finished: it returns len(text) then.
     """
-    tokens = [t for t in _PARSER.parse(text) if t.level == 0 and t.map is not None and t.nesting >= 0]
+    tokens = _top_blocks(text)
     if not tokens:
         return 0
     lines = text.splitlines(keepends=True)
@@ -53,6 +73,46 @@ def open_block_start(text: str) -> int:
         if closing.startswith(last.markup) and not closing.strip(last.markup[0]):
             return len(text)
     return sum(len(line) for line in lines[:start])
+
+
+@dataclass
+class _OpenTable:
+    """The open block is a top-level table: what is known of it."""
+
+    head: str  # its header and delimiter lines, newlines included
+    columns: int
+    checked: int  # the characters of the open block known to be the table's own lines
+    rows: int  # the body rows among them
+    ended: bool = False  # a line that is not one of its rows has come
+
+
+def table_head(text: str) -> tuple[str, int] | None:
+    """(the header and delimiter lines, the column count) when `text` (complete lines) is
+    one top-level table from its first line."""
+    tokens = _PARSER.parse(text)
+    top = [t for t in tokens if t.level == 0 and t.map is not None and t.nesting >= 0]
+    if len(top) != 1 or top[0].type != "table_open" or top[0].map is None or top[0].map[0] != 0:
+        return None
+    first, second, _ = text.split("\n", 2)
+    return f"{first}\n{second}\n", sum(t.type == "th_open" for t in tokens)
+
+
+def table_goes_on(table: _OpenTable, lines: str) -> bool | None:
+    """Whether all of `lines` (complete lines that follow the table's checked ones) are rows
+    of the table: True; False where the table ended among them and no other block started;
+    None where another block started, or where this cannot be told from them alone.
+
+    markdown-it decides a table row from the header and that line alone, apart from a limit on
+    the cells left out in the whole table: as long as the table is too small to reach it, the
+    header and the new lines parse as the whole table would.
+    """
+    count = lines.count("\n")
+    if _LEFT_OUT_LIMIT is not None and (table.rows + count) * table.columns >= _LEFT_OUT_LIMIT:
+        return None
+    top = _top_blocks(table.head + lines)
+    if len(top) != 1 or top[0].type != "table_open" or top[0].map is None or top[0].map[0] != 0:
+        return None
+    return top[0].map[1] == count + 2
 
 
 def _trim(line: list[Segment]) -> list[Segment]:
@@ -163,6 +223,8 @@ class MarkdownAnswer:
         self._tail = _Lines([])
         self._drawn: tuple[int, list[int]] | None = None  # width and line lengths last drawn
         self._fence_continued = False  # the open block is the rest of a code fence printed in part
+        self._table: _OpenTable | None = None  # the open block is a table (see the module doc)
+        self._wait = self._interval  # the least time from one refresh to the next
         self.live = Live(
             console=console,
             auto_refresh=False,
@@ -186,7 +248,7 @@ class MarkdownAnswer:
         if "\n" in text or ">" in text:
             self._settle()
         now = self._clock()
-        if now - self._last_refresh >= self._interval:
+        if now - self._last_refresh >= self._wait:
             self._refresh()
 
     def __exit__(self, *exc: object) -> None:
@@ -223,10 +285,33 @@ class MarkdownAnswer:
                 self._thinking_close = f"</{match.group(1)}>"
                 continue
             complete = self._open[: self._open.rfind("\n") + 1]
-            cut = open_block_start(complete) if complete.strip() else 0
+            cut = self._open_block_start(complete) if complete.strip() else 0
             if cut:
                 self._print_and_drop(cut, thinking=False)
             return
+
+    def _open_block_start(self, complete: str) -> int:
+        """`open_block_start(complete)`, where `complete` is the open block's complete lines;
+        for a table, from the lines not seen before alone."""
+        table = self._table
+        if table is not None and not table.ended:
+            lines = complete[table.checked :]
+            if not lines:
+                return 0
+            goes_on = table_goes_on(table, lines)
+            if goes_on:
+                table.checked, table.rows = len(complete), table.rows + lines.count("\n")
+                return 0
+            table.ended = True  # what follows it is parsed with it from now on
+            if goes_on is not None:
+                return 0
+        cut = open_block_start(complete)
+        if not cut and table is None and self._skip == 0 and "|" in complete.partition("\n")[0]:
+            head = table_head(complete)
+            if head is not None:
+                rows = complete.count("\n") - 2
+                self._table = _OpenTable(head[0], head[1], checked=len(complete), rows=rows)
+        return cut
 
     def _print_and_drop(self, end: int, thinking: bool) -> None:
         """Print `_open[:end]` for good and keep the rest open."""
@@ -249,6 +334,7 @@ class MarkdownAnswer:
         self._skip = 0
         self._lead_blank_done = False
         self._fence_continued = False
+        self._table = None
 
     def _blank_before_open(self) -> bool:
         """The open block's first line is still to be printed, after a blank line."""
@@ -318,6 +404,8 @@ class MarkdownAnswer:
     def _fit(self) -> None:
         """Print the top lines of an open block taller than the screen, so the live region
         always fits (a region taller than the screen repeats itself in the scrollback)."""
+        if self._table is not None:
+            return  # shown in part until it ends (`_table_preview`), never printed in part
         limit = self._max_live_lines()
         width = max(self.console.width, 1)
         # A cheap upper bound first: rendering is only needed for a block that may be tall.
@@ -359,8 +447,10 @@ class MarkdownAnswer:
         self._emit(self._render_lines(head, width), blank=blank)
 
     def _refresh(self) -> None:
+        start = self._clock()
         self._fit()
         self._redraw()
+        self._wait = max(self._interval, _COST_FACTOR * (self._clock() - start))
 
     def _redraw(self) -> None:
         self._last_refresh = self._clock()
@@ -368,6 +458,15 @@ class MarkdownAnswer:
         self.live.refresh()
         tail, width = self._tail, self._tail_key[2] if self._tail_key else self.console.width
         self._drawn = (width, [1] * tail.blank_first + [Segment.get_line_length(x) for x in tail.lines])
+
+    def _table_preview(self) -> str:
+        """The open table's header and its last lines, as many as the live region shows: its
+        column widths are those of these rows only, until the whole table is drawn at its end."""
+        assert self._table is not None
+        head = self._table.head
+        keep = max(1, self._max_live_lines() - 3)  # less the header, its rule and the top edge
+        lines = self._open[len(head) :].rsplit("\n", keep)
+        return head + "\n".join(lines[-keep:])
 
     def _after_resize(self) -> None:
         """After the terminal got narrower, count the rows the live region now takes.
@@ -393,8 +492,12 @@ class MarkdownAnswer:
         width = self.console.width  # read once: a resize may come at any moment
         key = (self._open, self._skip, width, int(self._thinking_close is not None))
         if key != self._tail_key:
-            lines = self._render(self._open, self._thinking_close is not None, final=False, width=width)
-            lines = lines[self._skip :]
+            if self._table is not None:
+                lines = self._render(self._table_preview(), False, final=False, width=width)
+                lines = lines[-self._max_live_lines() :]
+            else:
+                lines = self._render(self._open, self._thinking_close is not None, final=False, width=width)
+                lines = lines[self._skip :]
             self._tail = _Lines(
                 lines, blank_first=bool(lines) and self._printed and self._blank_before_open()
             )

@@ -263,7 +263,8 @@ class AnswerMarkdown(Markdown):
     }
 
     def __init__(self, markup: str, code_theme: str = CODE_THEME) -> None:
-        super().__init__(markup, code_theme=code_theme)
+        super().__init__("", code_theme=code_theme)  # parsed below, once (the live answer's cost)
+        self.markup = markup
         self.parsed = markdown_parser().parse(markup)
 
 
