@@ -532,7 +532,7 @@ def write_synthetic_gguf(
                      (b + "ffn_down_exps.weight", n * shape.hidden, f, "ffn_down", i)]  # fmt: skip
             if shape.shared_ffn:
                 sf = shape.shared_ffn
-                plan += [(b + "ffn_gate_inp_shexp.weight", 0, shape.hidden, "router", i),
+                plan += [(b + "ffn_gate_inp_shexp.weight", 0, shape.hidden, "shexp_gate", i),
                          (b + "ffn_gate_shexp.weight", sf, shape.hidden, "ffn_gate", i),
                          (b + "ffn_up_shexp.weight", sf, shape.hidden, "ffn_up", i),
                          (b + "ffn_down_shexp.weight", shape.hidden, sf, "ffn_down", i)]  # fmt: skip
@@ -581,6 +581,8 @@ def write_synthetic_gguf(
             w.write_tensor_data(random_floats("F32", (rows, cols), rng, scale=1.0))
         elif rows == 0:
             arr = 1.0 + 0.1 * rng.standard_normal(cols) if role == "norm" else 0.1 * rng.standard_normal(cols)
+            if role == "shexp_gate":  # the shared expert's gate: sigmoid(w . x) of about 0.5 +- 0.4
+                arr = rng.standard_normal(cols) / np.sqrt(cols)
             w.write_tensor_data(arr.astype(np.float32))
         elif kind in BLOCKS:
             w.write_tensor_data(random_blocks(kind, rows * cols, rng, scale=0.1).reshape(rows, -1))

@@ -1,4 +1,4 @@
-"""Mixtures of experts (qwen3moe GGUF files) run as stored: the experts' 3-D tensors on the
+"""Mixtures of experts (qwen3moe and qwen2moe GGUF files) run as stored: the experts' 3-D tensors on the
 file's memory map, in the packed model (prefill, `--opt off`) and in the native kernels (decode).
 
 The reference is transformers' own GGUF load of the same file, every tensor dequantized by the
@@ -38,6 +38,8 @@ def files(tmp_path_factory):
     for kind in ("Q4_K_M", "Q8_0"):
         made[kind] = folder / f"qwen3moe-{kind}.gguf"
         write_synthetic_gguf(made[kind], "qwen3moe", SHAPE, kind, seed=5)
+    made["qwen2moe"] = folder / "qwen2moe-Q4_K_M.gguf"
+    write_synthetic_gguf(made["qwen2moe"], "qwen2moe", SHAPES["qwen2moe"]["tiny"], "Q4_K_M", seed=6)
     return made
 
 
@@ -52,7 +54,11 @@ def reference(path: Path):
 
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     reader = GGUFReader(str(path))
-    config.moe_intermediate_size = int(reader.fields["qwen3moe.expert_feed_forward_length"].contents())
+    arch = reader.fields["general.architecture"].contents()
+    config.moe_intermediate_size = int(reader.fields[f"{arch}.expert_feed_forward_length"].contents())
+    if arch == "qwen2moe":
+        key = "qwen2moe.expert_shared_feed_forward_length"
+        config.shared_expert_intermediate_size = int(reader.fields[key].contents())
     model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, config=config, dtype=torch.float32
     )
@@ -78,7 +84,7 @@ def test_file_has_llama_cpps_qwen3moe_layout(files):
     assert sizes == [8, 2, 256]
 
 
-@pytest.mark.parametrize("kind", ["Q4_K_M", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_K_M", "Q8_0", "qwen2moe"])
 def test_packed_model_equals_transformers(files, kind):
     """Loaded as stored (the experts a `PackedExperts` over the file's map, no float copy):
     the logits of a prompt equal transformers' dequantized float32 model's."""
@@ -91,24 +97,30 @@ def test_packed_model_equals_transformers(files, kind):
     # the experts' bytes are the file's pages, not a copy
     mapped = np.memmap(files[kind], dtype=np.uint8, mode="r")
     assert all(e.gate.data.untyped_storage().nbytes() < mapped.nbytes for e in experts)
-    assert sum(p.numel() for p in loaded.model.parameters()) < 0.01 * SHAPE.params()  # norms, routers
+    floats = sum(p.numel() for p in loaded.model.parameters())  # norms, routers, biases
+    assert floats < 0.01 * SHAPE.params()
     ids = loaded.tokenizer(PROMPT)["input_ids"]
     ref = reference(files[kind])
     torch.testing.assert_close(full_logits(loaded.model, ids), full_logits(ref, ids), rtol=0, atol=ATOL)
 
 
-@pytest.mark.parametrize(("level", "atol"), [("exact", 2e-3), ("auto", 0.2), ("fast", 0.2)])
-def test_native_decode_follows_the_reference(files, level, atol):
+@pytest.mark.parametrize(
+    ("file", "level", "atol"),
+    [("Q4_K_M", "exact", 2e-3), ("Q4_K_M", "auto", 0.2), ("Q4_K_M", "fast", 0.2), ("qwen2moe", "exact", 2e-3),
+     ("qwen2moe", "auto", 0.2)],
+)  # fmt: skip
+def test_native_decode_follows_the_reference(files, file, level, atol):
     """The kernels' decode step, token by token from an empty cache, against the reference's
     logits at each position: within int16 rounding at `exact` (the experts' inputs are int16
     per block), within int8 rounding at `auto`/`fast`; the top token the same at each step
-    where the reference's top two are further apart than that rounding."""
+    where the reference's top two are further apart than that rounding. qwen2moe: with its
+    shared expert (wider than the routed ones) and q/k/v biases."""
     from chatbot.engine.backends.native.decoder import FastDecoder
     from chatbot.models.loader import load_model
 
-    loaded = load_model(str(files["Q4_K_M"]))
+    loaded = load_model(str(files[file]))
     ids = loaded.tokenizer(PROMPT)["input_ids"]
-    want = full_logits(reference(files["Q4_K_M"]), ids)
+    want = full_logits(reference(files[file]), ids)
     dec = FastDecoder(loaded.model, level)
     info = dec.info()
     assert info.experts == (8, 2, 256)

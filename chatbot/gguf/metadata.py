@@ -50,6 +50,11 @@ LAYER_TENSORS: dict[str, set[str]] = {
     "gemma2": {f"{n}.weight" for n in _GEMMA},
     "gemma3": {f"{n}.weight" for n in [*_GEMMA, "attn_q_norm", "attn_k_norm"]},
     "qwen3moe": {f"{n}.weight" for n in [*_MOE, "attn_q_norm", "attn_k_norm"]},
+    "qwen2moe": {
+        f"{n}.weight"
+        for n in [*_MOE, "ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"]
+    }
+    | {"attn_q.bias", "attn_k.bias", "attn_v.bias"},
 }
 _GLOBAL_TENSORS = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"}
 
@@ -192,6 +197,7 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "expert_count": (1, 1 << 16, False),
     "expert_used_count": (1, 1 << 16, False),
     "expert_feed_forward_length": (1, 1 << 22, False),
+    "expert_shared_feed_forward_length": (1, 1 << 22, False),
 }
 
 
@@ -296,6 +302,7 @@ def _check_shapes(meta: dict[str, Any], arch: str, tensors: dict[str, TensorInfo
     value_dim = int(_number(meta, f"{arch}.attention.value_length") or head_dim)
     experts = int(_number(meta, f"{arch}.expert_count") or 0)
     expert_ffn = int(_number(meta, f"{arch}.expert_feed_forward_length") or 0)
+    shared_ffn = int(_number(meta, f"{arch}.expert_shared_feed_forward_length") or 0)
     want: dict[str, tuple[int, ...]] = {"output_norm.weight": (hidden,)}
     embd = tensors.get("token_embd.weight")
     if embd is not None:
@@ -315,6 +322,11 @@ def _check_shapes(meta: dict[str, Any], arch: str, tensors: dict[str, TensorInfo
                      b + "ffn_gate_exps.weight": (hidden, expert_ffn, experts),
                      b + "ffn_up_exps.weight": (hidden, expert_ffn, experts),
                      b + "ffn_down_exps.weight": (expert_ffn, hidden, experts)}  # fmt: skip
+            if shared_ffn:
+                want |= {b + "ffn_gate_inp_shexp.weight": (hidden,),
+                         b + "ffn_gate_shexp.weight": (hidden, shared_ffn),
+                         b + "ffn_up_shexp.weight": (hidden, shared_ffn),
+                         b + "ffn_down_shexp.weight": (shared_ffn, hidden)}  # fmt: skip
         elif ffn:
             want |= {b + "ffn_gate.weight": (hidden, ffn), b + "ffn_up.weight": (hidden, ffn),
                      b + "ffn_down.weight": (ffn, hidden)}  # fmt: skip

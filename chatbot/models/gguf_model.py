@@ -309,7 +309,8 @@ def apply_expert_metadata(path: Path, config: Any) -> bool:
     if not isinstance(width, int):
         return False
     config.moe_intermediate_size = width
-    for key, attr in (("expert_count", "num_experts"), ("expert_used_count", "num_experts_per_tok")):
+    for key, attr in (("expert_count", "num_experts"), ("expert_used_count", "num_experts_per_tok"),
+                      ("expert_shared_feed_forward_length", "shared_expert_intermediate_size")):  # fmt: skip
         value = meta.get(f"{arch}.{key}")
         if isinstance(value, int):
             setattr(config, attr, value)
@@ -391,6 +392,17 @@ def build_packed_model(path: Path, config: Any) -> Any:
                     f"the metadata says {n} of {shape[0] // n}x{shape[1]}"
                 )
         mlp.experts = PackedExperts(gate, up, down, n, mlp.experts.act_fn)
+        if arch.shared_expert:  # qwen2moe: one more expert for every token, through a gate
+            shared = mlp.shared_expert
+            shared.gate_proj = linear(shared.gate_proj, b + "ffn_gate_shexp.weight")
+            shared.up_proj = linear(shared.up_proj, b + "ffn_up_shexp.weight")
+            shared.down_proj = linear(shared.down_proj, b + "ffn_down_shexp.weight")
+            w = _vector(src, b + "ffn_gate_inp_shexp.weight")
+            if w.shape != (config.hidden_size,):
+                raise NotPackable(
+                    f"{b}ffn_gate_inp_shexp.weight has {w.numel()} weights, not {config.hidden_size}"
+                )
+            mlp.shared_expert_gate.weight = nn.Parameter(w[None], requires_grad=False)
 
     if arch.scaled_embedding:
         scale = getattr(inner.embed_tokens, "scalar_embed_scale", None)

@@ -53,6 +53,9 @@ class NativeArchitecture:
             matrices as 3-D ``ffn_{gate,up,down}_exps`` tensors), not one MLP.
         norm_topk: the chosen experts' router weights are renormalised to sum to 1
             (Qwen3-MoE's ``norm_topk_prob``; llama.cpp's ``norm_w``).
+        shared_expert: beside the routed experts, one expert every token goes through, scaled
+            by the sigmoid of its own gate (Qwen2-MoE: ``ffn_{gate,up,down}_shexp`` and
+            ``ffn_gate_inp_shexp``).
     """
 
     model_type: str
@@ -69,6 +72,7 @@ class NativeArchitecture:
     sentencepiece: bool = False
     experts: bool = False
     norm_topk: bool = False
+    shared_expert: bool = False
 
 
 _GEMMA2 = NativeArchitecture(
@@ -88,6 +92,7 @@ ARCHITECTURES: tuple[NativeArchitecture, ...] = (
     NativeArchitecture("qwen2", "qwen2", qkv_bias=True),
     NativeArchitecture("qwen3", "qwen3", qk_norm=True),
     NativeArchitecture("qwen3_moe", "qwen3moe", qk_norm=True, experts=True, norm_topk=True),
+    NativeArchitecture("qwen2_moe", "qwen2moe", qkv_bias=True, experts=True, shared_expert=True),
     _GEMMA2,
     replace(
         _GEMMA2,

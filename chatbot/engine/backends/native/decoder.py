@@ -332,7 +332,7 @@ class FastDecoder:
         experts, read = (0, 0, 0), total
         if self.experts:
             n, used = self.native.routers[0].rows, self.native.experts_used
-            experts = (n, used, self.dims[5])
+            experts = (n, used, self.native.expert_dim)
             stacked = sum(p.nbytes for layer in (*self.wgu, *self.wdown) for p in layer)
             routers = sum(r.nbytes for r in self.native.routers)
             read = total - stacked + stacked * used // n + routers

@@ -81,8 +81,11 @@ class ModelStruct(ctypes.Structure):
         ("n_experts", ctypes.c_int32),
         ("n_experts_used", ctypes.c_int32),
         ("norm_topk", ctypes.c_int32),
-        ("moe_pad_", ctypes.c_int32),
+        ("expert_dim", ctypes.c_int32),
         ("router", ctypes.POINTER(Mat)),
+        ("shexp_gu", ctypes.POINTER(Group)),
+        ("shexp_down", ctypes.POINTER(Group)),
+        ("shexp_gate", ctypes.POINTER(ctypes.c_void_p)),
     ]
 
 

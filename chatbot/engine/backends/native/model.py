@@ -182,6 +182,11 @@ class NativeModel:
     routers: list[kernels.PackedMatrix] = field(default_factory=list)
     experts_used: int = 0
     norm_topk: bool = False
+    expert_dim: int = 0
+    # qwen2moe's shared expert, per layer: its gate and up, its down, its gate vector [hidden]
+    shexp_gu: list[list[kernels.PackedMatrix]] = field(default_factory=list)
+    shexp_down: list[list[kernels.PackedMatrix]] = field(default_factory=list)
+    shexp_gate: list[torch.Tensor] = field(default_factory=list)
     biases: list[tuple[torch.Tensor | None, ...]] = field(default_factory=list)
     norms: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # NORM_SLOTS -> per layer
     final_norm: torch.Tensor = field(default_factory=lambda: torch.empty(0))
@@ -196,12 +201,20 @@ class NativeModel:
 
     def layer_matrices(self) -> list[kernels.PackedMatrix]:
         """Every packed row block of the layers."""
-        return [p for groups in (self.wqkv, self.wo, self.wgu, self.wdown) for g in groups for p in g]
+        groups = (self.wqkv, self.wo, self.wgu, self.wdown, self.shexp_gu, self.shexp_down)
+        return [p for site in groups for g in site for p in g]
 
     def sites(self) -> list[list[list[kernels.PackedMatrix]]]:
         """The matrices of each product site (kernels.c SITE_*: q/k/v, o, gate/up, down, the
-        head), each as its groups: a layer's row blocks, the head as one group of one."""
-        return [self.wqkv, self.wo, self.wgu, self.wdown, [[self.lm_head]]]
+        head), each as its groups: a layer's row blocks (with a shared expert's), the head
+        as one group of one."""
+        return [
+            self.wqkv,
+            self.wo,
+            [*self.wgu, *self.shexp_gu],
+            [*self.wdown, *self.shexp_down],
+            [[self.lm_head]],
+        ]
 
 
 def _packed_matrices(
@@ -231,6 +244,8 @@ def read_model(
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     ffn_dim = config.moe_intermediate_size if arch.experts else config.intermediate_size
+    if arch.shared_expert:  # the scratch holds the wider of the two
+        ffn_dim = max(ffn_dim, config.shared_expert_intermediate_size)
     if arch.experts and not (is_packed(model) and level in FILE_LEVELS and use_gguf):
         raise FastPathUnavailable(
             f"a mixture of experts runs natively from its GGUF file as stored (--opt {'/'.join(FILE_LEVELS)})"
@@ -244,7 +259,7 @@ def read_model(
             vocab=model.get_output_embeddings().weight.shape[0],
         )  # fmt: skip
         if arch.experts:
-            _read_router(native, inner.layers, config, arch)
+            _read_experts(native, inner.layers, config, arch)
         slots = [slot for slot, _, _ in arch.norms] + (["q_norm", "k_norm"] if arch.qk_norm else [])
         native.norms = {slot: [] for slot in slots}
         for layer in inner.layers:
@@ -277,8 +292,8 @@ def read_model(
     return native
 
 
-def _read_router(native: NativeModel, layers: Any, config: Any, arch: NativeArchitecture) -> None:
-    """A mixture's routers and routing settings, checked as the kernels need them.
+def _read_experts(native: NativeModel, layers: Any, config: Any, arch: NativeArchitecture) -> None:
+    """A mixture's routers, routing settings and shared expert, checked as the kernels need them.
 
     Raises:
         FastPathUnavailable: more experts per token than the kernels take, or none.
@@ -291,6 +306,15 @@ def _read_router(native: NativeModel, layers: Any, config: Any, arch: NativeArch
     native.experts_used = used
     native.norm_topk = bool(getattr(config, "norm_topk_prob", arch.norm_topk))
     native.routers = [kernels.pack_f32(layer.mlp.gate.weight.detach().float()) for layer in layers]
+    native.expert_dim = int(config.moe_intermediate_size)
+    if arch.shared_expert:
+        for layer in layers:
+            shared = layer.mlp.shared_expert
+            native.shexp_gu.append([shared.gate_proj.packed, shared.up_proj.packed])
+            native.shexp_down.append([shared.down_proj.packed])
+            native.shexp_gate.append(
+                layer.mlp.shared_expert_gate.weight.detach().float().reshape(-1).contiguous()
+            )
 
 
 @dataclass
@@ -341,5 +365,14 @@ def native_struct(native: NativeModel, act: int) -> NativeStruct:
         routers = (kernels.Mat * n_layers)(*[r.as_struct() for r in native.routers])
         struct.router = routers
         struct.n_experts, struct.n_experts_used = native.routers[0].rows, native.experts_used
-        struct.norm_topk = int(native.norm_topk)
-    return NativeStruct(struct, kptrs, vptrs, [mats, embed, head, norms, windows, selectors, routers])
+        struct.norm_topk, struct.expert_dim = int(native.norm_topk), native.expert_dim
+    shared: list[Any] = []
+    if native.shexp_gu:
+        gu = (kernels.Group * n_layers)(*[kernels.group_struct(parts) for parts in native.shexp_gu])
+        down = (kernels.Group * n_layers)(*[kernels.group_struct(parts) for parts in native.shexp_down])
+        gates = ptrs(*[t.data_ptr() for t in native.shexp_gate])
+        struct.shexp_gu, struct.shexp_down, struct.shexp_gate = gu, down, gates
+        shared = [gu, down, gates]
+    return NativeStruct(
+        struct, kptrs, vptrs, [mats, embed, head, norms, windows, selectors, routers, *shared]
+    )

@@ -32,6 +32,8 @@ def is_packed(model: Any) -> bool:
         mods += [att.q_proj, att.k_proj, att.v_proj, att.o_proj]
         experts = getattr(mlp, "experts", None)
         mods += [experts] if experts is not None else [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        shared = getattr(mlp, "shared_expert", None)
+        mods += [shared.gate_proj, shared.up_proj, shared.down_proj] if shared is not None else []
     return all(isinstance(m, (PackedLinear, PackedEmbedding, PackedExperts)) for m in mods)
 
 

@@ -130,7 +130,7 @@ static void route(const Model *m, const float *lg, int *ids, float *w) {
  * Called by every thread of the team, each with its own x, xn, hid and vec. */
 static void moe_mlp(const Model *m, int l, Vec *vec, const float *xn, float *gu, float *hid, float *dn, float *lg,
                     float *x) {
-    const int E = m->dim, F = m->ffn_dim, k = m->n_experts_used;
+    const int E = m->dim, F = m->expert_dim, k = m->n_experts_used;
     int ids[MAX_EXPERTS_USED];
     float w[MAX_EXPERTS_USED];
     prepare_vec(vec, xn, E, site_act(m, SITE_GU));
@@ -153,6 +153,18 @@ static void moe_mlp(const Model *m, int l, Vec *vec, const float *xn, float *gu,
         const Mat down = expert_rows(&m->wdown[l].part[0], ids[j], E);
         matvec_par(&down, vec, dn);
         for (int i = 0; i < E; i++) x[i] += w[j] * dn[i];
+    }
+    if (m->shexp_gu) { /* qwen2moe: the shared expert, times sigmoid(its gate . xn) */
+        const int S = m->shexp_gu[l].rows / 2;
+        float g = 0.0f;
+        for (int i = 0; i < E; i++) g += m->shexp_gate[l][i] * xn[i];
+        const float s = 1.0f / (1.0f + expf(-g));
+        prepare_vec(vec, xn, E, site_act(m, SITE_GU));
+        group_matvec_par(&m->shexp_gu[l], vec, gu);
+        silu_mul(gu, gu + S, S, hid);
+        prepare_vec(vec, hid, S, site_act(m, SITE_DOWN));
+        group_matvec_par(&m->shexp_down[l], vec, dn);
+        for (int i = 0; i < E; i++) x[i] += s * dn[i];
     }
 }
 

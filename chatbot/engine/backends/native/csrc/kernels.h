@@ -107,13 +107,19 @@ typedef struct {
     float final_softcap; /* the same on the logits */
     int32_t act_fn;      /* ACT_FN_SILU or ACT_FN_GELU_TANH */
     /* A mixture of experts (0 experts: a dense MLP). Then wgu's two parts hold every expert's
-     * gate and up rows ([n_experts * ffn_dim, dim] each, expert e's rows from e * ffn_dim) and
-     * wdown's one part every expert's down rows ([n_experts * dim, ffn_dim]), as the file's 3-D
-     * tensors lay them out; ffn_dim is one expert's width. */
+     * gate and up rows ([n_experts * expert_dim, dim] each, expert e's rows from e * expert_dim)
+     * and wdown's one part every expert's down rows ([n_experts * dim, expert_dim]), as the
+     * file's 3-D tensors lay them out; ffn_dim is the widest of expert_dim and the shared
+     * expert's width (scratch). */
     int32_t n_experts, n_experts_used;
     int32_t norm_topk; /* the chosen experts' weights renormalised to sum to 1 (qwen3moe) */
-    int32_t moe_pad_;
+    int32_t expert_dim;
     const Mat *router; /* per layer [n_experts, dim]: the router's logits */
+    /* qwen2moe's shared expert (NULL: none): per layer its gate and up rows, its down rows,
+     * and the vector [dim] whose dot with the input, through a sigmoid, scales its output */
+    const Group *shexp_gu;
+    const Group *shexp_down;
+    const float *const *shexp_gate;
 } Model;
 
 enum { ACT_FN_SILU = 0, ACT_FN_GELU_TANH = 1 };
