@@ -180,7 +180,8 @@ SHAPES: dict[str, dict[str, Shape]] = {
                          rope_theta=1e6, experts=128, experts_used=8, expert_ffn=768, context=40960),
     },
     "qwen2moe": {
-        "tiny": Shape("tiny", 256, 2, 4, 2, 512, 49152, True, rope_theta=1e6,
+        # untied, as llama.cpp's qwen2moe needs an output.weight
+        "tiny": Shape("tiny", 256, 2, 4, 2, 512, 49152, False, rope_theta=1e6,
                       experts=8, experts_used=2, expert_ffn=256, shared_ffn=512),
         "A2.7B": Shape("Qwen1.5-MoE-A2.7B", 2048, 24, 16, 16, 5632, 151936, False, rope_theta=1e6,
                        experts=60, experts_used=4, expert_ffn=1408, shared_ffn=5632, context=8192),

@@ -112,8 +112,8 @@ def test_packed_model_equals_transformers(files, kind):
 def test_native_decode_follows_the_reference(files, file, level, atol):
     """The kernels' decode step, token by token from an empty cache, against the reference's
     logits at each position: within int16 rounding at `exact` (the experts' inputs are int16
-    per block), within int8 rounding at `auto`/`fast`; the top token the same at each step
-    where the reference's top two are further apart than that rounding. qwen2moe: with its
+    per block), within int8 rounding at `auto`/`fast` (so the top token is the same wherever
+    the reference's top two are further apart than twice that). qwen2moe: with its
     shared expert (wider than the routed ones) and q/k/v biases."""
     from chatbot.engine.backends.native.decoder import FastDecoder
     from chatbot.models.loader import load_model
@@ -128,12 +128,6 @@ def test_native_decode_follows_the_reference(files, file, level, atol):
     cache = dec.new_cache()
     got = [dec.prefill_rows(cache, ids[:1])] + [dec.decode(cache, t) for t in ids[1:]]
     torch.testing.assert_close(torch.stack(got), want, rtol=0, atol=atol)
-    top2 = want.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1] > 2 * atol).tolist()
-    assert any(clear)
-    assert [int(g.argmax()) for g, c in zip(got, clear) if c] == [
-        int(w.argmax()) for w, c in zip(want, clear) if c
-    ]
 
 
 def test_batched_calls_equal_one_by_one(files):
@@ -242,3 +236,41 @@ def test_damaged_expert_metadata_is_refused_in_one_line(files, tmp_path, values,
     assert run.returncode == 2 and run.stdout == ""
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], run.stderr
+
+
+@pytest.mark.parametrize("file", ["Q8_0", "qwen2moe"])
+def test_llama_cpp_reads_the_mixture_the_same_way(files, file):
+    """llama.cpp (a bench tool, when installed) runs the same file to about the same logits
+    (its products take 8-bit activations: near, not equal) and the same top tokens: it routes
+    the tokens to the same experts, with the same weights, as we do."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from chatbot.engine.backends.native.decoder import FastDecoder
+    from chatbot.models.loader import load_model
+
+    path = files[file]
+    loaded = load_model(str(path))
+    ids = loaded.tokenizer(PROMPT)["input_ids"]
+    llm = llama_cpp.Llama(str(path), n_ctx=128, n_threads=1, verbose=False, logits_all=True)
+    assert llm.tokenize(PROMPT.encode(), add_bos=False) == ids
+    llm.eval(ids)
+    theirs = torch.tensor(np.array(llm.scores[: len(ids)]), dtype=torch.float32)
+    dec = FastDecoder(loaded.model, "fast")  # int8 inputs, as llama.cpp's
+    cache = dec.new_cache()
+    ours = torch.stack([dec.prefill_rows(cache, ids[:1])] + [dec.decode(cache, t) for t in ids[1:]])
+    assert float((theirs - ours).abs().max()) < 0.1 * float(ours.abs().max())
+    assert float((theirs.argmax(-1) == ours.argmax(-1)).float().mean()) > 0.9
+
+
+def test_a_mixture_chats_in_the_sink_window(files):
+    """`--enable-streaming` on a mixture: a prompt past the window is answered, the stats
+    line showing the sink cache full and tokens evicted, as on a dense model."""
+    prompt = "The quick brown fox jumps over the lazy dog. " * 6
+    run = subprocess.run(
+        [CHATBOT, "run", "--model", str(files["qwen2moe"]), prompt, "--enable-streaming", "--start-size", "4",
+         "--recent-size", "24", "--max-new-tokens", "40", "--greedy"],
+        check=False, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip()
+    stats = run.stdout + run.stderr
+    assert "cache 28/28" in stats and "4 sinks" in stats and "evicted" in stats
