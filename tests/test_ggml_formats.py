@@ -269,3 +269,21 @@ def assert_batched_product(got: np.ndarray, x: np.ndarray, ref: np.ndarray, kind
     assert np.all(got[5] == 0.0)
     # and not the float32 product: the int16 rounding is there
     assert not np.allclose(got, x.astype(np.float64) @ ref.astype(np.float64).T, rtol=0, atol=1e-7)
+
+
+def test_an_mxfp4_tensor_of_a_gguf_file_reads_as_stored(tmp_path):
+    """gpt-oss's expert tensors: an MXFP4 matrix in a GGUF file, on the file's map, reads as
+    gguf-py dequantizes it."""
+    import gguf
+
+    raw = random_blocks("MXFP4", 8 * 64, np.random.default_rng(9), scale=0.1).reshape(8, -1)
+    writer = gguf.GGUFWriter(tmp_path / "m.gguf", "llama")
+    writer.add_tensor("experts", raw, raw_dtype=GGMLQuantizationType.MXFP4)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    packed = kernels.from_gguf(gguf.GGUFReader(tmp_path / "m.gguf").tensors[0])
+    assert (packed.fmt, packed.rows, packed.cols) == (kernels.FMT_MXFP4, 8, 64)
+    ref = dequantize(raw, GGMLQuantizationType.MXFP4).reshape(8, 64)
+    np.testing.assert_array_equal(kernels.unpack(packed).numpy(), ref)
