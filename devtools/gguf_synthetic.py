@@ -20,11 +20,12 @@ import numpy as np
 from chatbot.engine.backends.native.architectures import ARCHITECTURES, BY_GGUF_ARCH
 from chatbot.engine.backends.native.formats import FORMATS
 
-# block (weights, bytes) and where the fp16 scale fields sit, with the largest integer a
-# weight's scale multiplies (so random blocks get weights of about the size asked for)
-BLOCKS: dict[str, tuple[int, int, tuple[int, ...], tuple[int, ...], float]] = {
-    # name: (weights, bytes, offsets of the fp16 scales `d`, offsets of fp16 mins, d's multiplier)
-    f.gguf_name: (f.block_weights, f.block_bytes, f.scale_at, f.min_at, f.scale_top)
+# block (weights, bytes) and where the scale fields sit, with the largest integer a weight's
+# scale multiplies (so random blocks get weights of about the size asked for)
+BLOCKS: dict[str, tuple[int, int, tuple[int, ...], tuple[int, ...], float, tuple[int, ...]]] = {
+    # name: (weights, bytes, offsets of the fp16 scales `d`, offsets of fp16 mins, d's
+    # multiplier, offsets of the E8M0 scales of MXFP4)
+    f.gguf_name: (f.block_weights, f.block_bytes, f.scale_at, f.min_at, f.scale_top, f.e8m0_at)
     for f in FORMATS
     if f.is_block
 }
@@ -34,13 +35,17 @@ FLOAT_TYPES = tuple(f.gguf_name for f in FORMATS if not f.is_block)
 def random_blocks(kind: str, n_weights: int, rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
     """`n_weights` weights of block type `kind` as random valid bytes (uint8 [n_blocks, bytes]):
     every quant and sub-block scale random, the fp16 scales finite and chosen so that weights
-    stay within about ±`scale` (as a trained model's, whose weights are small)."""
-    per_block, nbytes, d_at, m_at, top = BLOCKS[kind]
+    stay within about ±`scale` (as a trained model's, whose weights are small); MXFP4's E8M0
+    scales the power of two 2^(e - 127) at or below that float16 scale would be."""
+    per_block, nbytes, d_at, m_at, top, e8m0_at = BLOCKS[kind]
     if n_weights % per_block:
         raise ValueError(f"{kind} needs a multiple of {per_block} weights, got {n_weights}")
     n = n_weights // per_block
     out = rng.integers(0, 256, size=(n, nbytes), dtype=np.uint8)
-    d = (scale / top * rng.uniform(0.25, 1.0, size=n)).astype(np.float16)
+    d64 = scale / top * rng.uniform(0.25, 1.0, size=n)
+    d = d64.astype(np.float16)
+    for at in e8m0_at:
+        out[:, at] = np.clip(np.floor(np.log2(np.maximum(d64, 2.0**-127))) + 127, 0, 254).astype(np.uint8)
     for at in d_at:
         out[:, at : at + 2] = d.view(np.uint8).reshape(n, 2)
     for at in m_at:

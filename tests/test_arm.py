@@ -77,9 +77,9 @@ def test_neon_kernels_agree_with_x86_under_qemu(tmp_path):
     assert "NEON, with the int8 dot products (sdot)" in out
     assert "NEON, without the int8 dot products" in out
     # the two NEON levels with OpenMP, and the first again on the kernels' own thread pool
-    assert out.count("44 checks: 44 agree, 0 FAILED") == 3, out
+    assert out.count("47 checks: 47 agree, 0 FAILED") == 3, out
     assert "without OpenMP: the kernels' own thread pool" in out
-    for name in ("q4_k_i16", "q6_k_i16", "q5_1_i16", "q8_0_q8", "bf16_f32"):
+    for name in ("q4_k_i16", "q6_k_i16", "q5_1_i16", "q8_0_q8", "bf16_f32", "mxfp4_q8", "mxfp4_i16"):
         assert out.count(f"ok     product {name} ") == 3, name
     assert out.count("ok     decode  decode_smollm2_q4_1_exact") == 3
     assert out.rstrip().endswith("test-arm: all checks agree")
@@ -98,4 +98,4 @@ def test_neon_kernels_agree_with_x86_under_qemu(tmp_path):
     lines = [ln for ln in failed.stdout.splitlines() if ln.startswith("FAILED")]
     assert len(lines) == 2, failed.stdout
     assert "product q4_k_i16" in lines[0] and "decode_llama_mixed_i16" in lines[1]
-    assert "44 checks: 42 agree, 2 FAILED" in failed.stdout
+    assert "47 checks: 45 agree, 2 FAILED" in failed.stdout

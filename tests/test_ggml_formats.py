@@ -51,7 +51,44 @@ def test_dequantization_equals_ggml(kind):
     np.testing.assert_allclose(got, ref, rtol=2e-7, atol=1e-9)
 
 
-INT16_FORMATS = {"Q8_0", "Q4_1", "Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
+@pytest.mark.parametrize("kind", BLOCKS)
+def test_random_blocks_hold_weights_of_about_the_scale(kind):
+    """The synthetic writer's blocks (`scripts/make-synthetic-gguf`) read back by gguf-py as
+    finite weights within about +-scale: MXFP4's E8M0 scale byte set from the scale like the
+    others' float16 ones, not left random (2^-127 .. 2^127)."""
+    for scale in (0.1, 1e-3):
+        raw = random_blocks(kind, 256 * 64, np.random.default_rng(8), scale=scale)
+        w = dequantize(raw, GGMLQuantizationType[kind])
+        assert np.isfinite(w).all()
+        assert 0.5 * scale < np.abs(w).max() <= 1.1 * scale, kind
+
+
+def mxfp4_edge_blocks() -> np.ndarray:
+    """MXFP4 blocks of every E8M0 scale byte, 0 to 255, each with all 16 codes twice (in
+    both nibbles): the subnormal scales (e = 0, 1: 2^-128, 2^-127), 1 (e = 127), and the top
+    ones whose large codes overflow float32 to infinity in ggml's reading (2^127 x 6), with
+    no NaN (code 0 times any scale is 0)."""
+    codes = np.arange(16, dtype=np.uint8)
+    qs = codes | np.roll(codes, 5) << np.uint8(4)
+    blocks = np.zeros((256, 17), dtype=np.uint8)
+    blocks[:, 0] = np.arange(256)
+    blocks[:, 1:] = qs
+    return blocks
+
+
+def test_mxfp4_dequantization_is_ggmls_at_every_scale():
+    """Bit for bit as gguf-py dequantizes it (ggml's doubled codes and halved scale)."""
+    blocks = mxfp4_edge_blocks()
+    with np.errstate(over="ignore"):
+        ref = np.asarray(dequantize(blocks, GGMLQuantizationType.MXFP4), dtype=np.float32).reshape(256, 32)
+    assert not np.isnan(ref).any() and np.isinf(ref).any()
+    assert ref[127].max() == 6.0 and ref[0][ref[0] > 0].min() == 2.0**-128
+    packed = kernels.from_raw(torch.from_numpy(blocks), kernels.FMT_MXFP4, 256, 32)
+    got = kernels.unpack(packed).numpy()
+    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
+INT16_FORMATS = {"Q8_0", "Q4_1", "Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4"}
 
 
 K_QUANTS = {"Q4_K", "Q5_K", "Q6_K"}
@@ -200,7 +237,7 @@ def unit_activations(x: np.ndarray, kind: str) -> np.ndarray:
     return int16_activations(x, 16 if kind == "Q6_K" else 32)
 
 
-BATCHED = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
+BATCHED = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4"}
 
 
 @pytest.mark.parametrize("kind", FORMATS)
@@ -232,3 +269,21 @@ def assert_batched_product(got: np.ndarray, x: np.ndarray, ref: np.ndarray, kind
     assert np.all(got[5] == 0.0)
     # and not the float32 product: the int16 rounding is there
     assert not np.allclose(got, x.astype(np.float64) @ ref.astype(np.float64).T, rtol=0, atol=1e-7)
+
+
+def test_an_mxfp4_tensor_of_a_gguf_file_reads_as_stored(tmp_path):
+    """gpt-oss's expert tensors: an MXFP4 matrix in a GGUF file, on the file's map, reads as
+    gguf-py dequantizes it."""
+    import gguf
+
+    raw = random_blocks("MXFP4", 8 * 64, np.random.default_rng(9), scale=0.1).reshape(8, -1)
+    writer = gguf.GGUFWriter(tmp_path / "m.gguf", "llama")
+    writer.add_tensor("experts", raw, raw_dtype=GGMLQuantizationType.MXFP4)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    packed = kernels.from_gguf(gguf.GGUFReader(tmp_path / "m.gguf").tensors[0])
+    assert (packed.fmt, packed.rows, packed.cols) == (kernels.FMT_MXFP4, 8, 64)
+    ref = dequantize(raw, GGMLQuantizationType.MXFP4).reshape(8, 64)
+    np.testing.assert_array_equal(kernels.unpack(packed).numpy(), ref)

@@ -40,8 +40,8 @@ ROWS, COLS = 40, 512  # two K-quant super-blocks, sixteen 32-blocks per row
 ACTS = {"f32": kernels.ACT_F32, "q8": kernels.ACT_Q8, "i16": kernels.ACT_I16}
 K_QUANTS = {"Q4_K", "Q5_K", "Q6_K"}
 # the formats whose products take the integer activations (csrc/matvec.c, dot_vec)
-Q8_FORMATS = {"Q8_0", "Q4_1"}
-I16_FORMATS = {"Q8_0", "Q4_1", "Q4_0", "Q5_0", "Q5_1", *K_QUANTS}
+Q8_FORMATS = {"Q8_0", "Q4_1", "MXFP4"}
+I16_FORMATS = {"Q8_0", "Q4_1", "Q4_0", "Q5_0", "Q5_1", "MXFP4", *K_QUANTS}
 
 
 def random_matrix(kind: str, rows: int, cols: int, rng: np.random.Generator, scale: float) -> torch.Tensor:
@@ -100,7 +100,7 @@ def write_products(out: Path, lines: list[str]) -> None:
 # the formats of the tiny models' matrices, by layer: [q, k, v], [o], [gate, up], [down]
 MIXED = [
     (["Q4_K", "Q5_K", "Q6_K"], ["Q8_0"], ["Q5_0", "Q5_1"], ["Q4_1"]),
-    (["Q2_K", "Q3_K", "F16"], ["BF16"], ["F32", "Q4_0"], ["Q6_K"]),
+    (["Q2_K", "Q3_K", "F16"], ["BF16"], ["F32", "Q4_0"], ["MXFP4"]),
 ]
 
 

@@ -8,6 +8,9 @@ tests/test_kernel_formats.py checks kernels.c's enum and block sizes against it.
 
 A new format is one row here plus its code in kernels.c (the enum value, `block_len`,
 `block_bytes`, its dequantization and products).
+
+MXFP4 (gpt-oss's experts) is the one format whose scale is not a float16: one E8M0 byte, a
+power of two (`e8m0_at`), over 4-bit E2M1 codes; csrc/formats.c has its layout.
 """
 
 from __future__ import annotations
@@ -34,7 +37,10 @@ class KernelFormat:
         scale_at: byte offsets in a block of its float16 scales ``d``.
         min_at: byte offsets of its float16 mins (``m`` of Q4_1/Q5_1, ``dmin`` of K-quants).
         scale_top: the largest integer a block's ``d`` multiplies (0 for the float formats):
-            random blocks with ``d = scale / scale_top`` hold weights of about ``scale``.
+            random blocks with ``d = scale / scale_top`` hold weights of about ``scale``
+            (MXFP4: the largest E2M1 value, 6, that its scale ``2^(e - 127)`` multiplies).
+        e8m0_at: byte offsets of its E8M0 scales, a biased exponent ``e`` for ``2^(e - 127)``
+            (MXFP4), where the other block formats have float16 ones.
         int16_products: kernels.c has integer products with int16 activations (``ACT_I16``)
             for it on AVX2 and NEON; the others multiply float32 activations.
         tiled: `kernels.tile_rows` lays its rows out in tiles of 8 (kernels.c's "8-row tiles").
@@ -51,6 +57,7 @@ class KernelFormat:
     scale_top: float = 0.0
     int16_products: bool = False
     tiled: bool = False
+    e8m0_at: tuple[int, ...] = ()
 
     @property
     def is_block(self) -> bool:
@@ -77,6 +84,7 @@ FORMATS: tuple[KernelFormat, ...] = (
     KernelFormat("q4_k", "Q4_K", 12, 10, QK_K, 144, (0,), (2,), 63.0 * 15, int16_products=True, tiled=True),
     KernelFormat("q5_k", "Q5_K", 13, 11, QK_K, 176, (0,), (2,), 63.0 * 31, int16_products=True),
     KernelFormat("q6_k", "Q6_K", 14, 12, QK_K, 210, (208,), (), 128.0 * 32, int16_products=True, tiled=True),
+    KernelFormat("mxfp4", "MXFP4", 39, 13, QK, 17, (), (), 6.0, int16_products=True, e8m0_at=(0,)),
 )
 # fmt: on
 

@@ -66,8 +66,8 @@ public names are public too)."""
 FMT_F32, FMT_BF16, FMT_Q8_0, FMT_Q4_1, FMT_F16, FMT_Q4_0, FMT_Q5_0 = (
     BY_GGUF_NAME[n].code for n in ("F32", "BF16", "Q8_0", "Q4_1", "F16", "Q4_0", "Q5_0")
 )
-FMT_Q5_1, FMT_Q2_K, FMT_Q3_K, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K = (
-    BY_GGUF_NAME[n].code for n in ("Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+FMT_Q5_1, FMT_Q2_K, FMT_Q3_K, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K, FMT_MXFP4 = (
+    BY_GGUF_NAME[n].code for n in ("Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 )
 ACT_F32, ACT_Q8, ACT_I16 = 0, 1, 2  # the form of activations in Q8_0/Q4_1 products (kernels.c)
 ACT_FN_SILU, ACT_FN_GELU_TANH = 0, 1  # the MLP's activation (kernels.c)

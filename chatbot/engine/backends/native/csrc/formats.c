@@ -153,8 +153,26 @@ static float dot_q4_1(const block_q4_1 *b, const float *x, const float *xsum, in
  *   Q5_1  32: fp16 d, fp16 m, 32 high bits, 16 bytes        w = d q + m
  *   Q2_K..Q6_K  super-blocks of 256 in sub-blocks of 16 or 32 with their own 4- to 8-bit
  *         scales (and mins); byte layouts in dequant_block below.
+ *   MXFP4 32: one E8M0 byte e, 16 bytes of 4-bit E2M1 codes  w = 2^(e - 128) k
+ *         (gpt-oss's experts; the OCP microscaling format). A code is a sign, a 2-bit
+ *         exponent and a 1-bit mantissa: 0, 0.5, 1, 1.5, 2, 3, 4, 6. ggml keeps them doubled,
+ *         as the integers k of mxfp4_values, and halves the scale 2^(e - 127) to match, so
+ *         the integer products multiply k itself. e = 0 and 1 give the subnormal scales
+ *         2^-128 and 2^-127, e = 255 gives 2^127 (the OCP format's NaN is not one in ggml).
  * Byte j of a 32-block's nibbles holds q[j] (low) and q[j + 16] (high), as for Q4_1.
  */
+
+/* the E2M1 codes' values, doubled (code 8 is -0) */
+static const int8_t mxfp4_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* An MXFP4 block's scale, halved: 2^(e - 128) exactly. From its bits: the exponent field
+ * e - 1 for e >= 2, else the subnormal whose one mantissa bit is 2^-127 (e = 1) or 2^-128. */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e >= 2 ? (uint32_t)(e - 1) << 23 : 0x400000u >> (1 - e);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 
 static inline uint16_t rd16(const uint8_t *p) {
     uint16_t v;
@@ -187,6 +205,7 @@ static int block_bytes(int fmt) {
     case FMT_Q4_K: return 144;
     case FMT_Q5_K: return 176;
     case FMT_Q6_K: return 210;
+    case FMT_MXFP4: return 17;
     default: return 0;
     }
 }
@@ -329,6 +348,14 @@ static void dequant_block(int fmt, const uint8_t *restrict b, float *restrict y)
         }
         break;
     }
+    case FMT_MXFP4: {
+        const float d = e8m0_half(b[0]);
+        for (int i = 0; i < QK / 2; i++) {
+            y[i] = d * (float)mxfp4_values[b[1 + i] & 0x0f];
+            y[i + 16] = d * (float)mxfp4_values[b[1 + i] >> 4];
+        }
+        break;
+    }
     default: break;
     }
 }
@@ -455,6 +482,31 @@ static float dot_q45_0(int fmt, const uint8_t *row, const float *x, const float 
     return hsum256(acc) + ms;
 }
 
+/* 16 bytes of MXFP4 codes as their doubled values: 32 signed bytes, the low nibbles' first */
+static inline __m256i mxfp4_bytes(const uint8_t *qs) {
+    const __m128i table = _mm_loadu_si128((const __m128i *)mxfp4_values), m4 = _mm_set1_epi8(0x0f);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(raw, m4));
+    const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+    return _mm256_set_m128i(hi, lo);
+}
+
+/* MXFP4 . float32 x: per block 2^(e - 128) sum(k x), the codes looked up as bytes (pshufb) */
+static float dot_mxfp4(const uint8_t *row, const float *x, int k) {
+    const int nb = k / QK;
+    __m256 acc = _mm256_setzero_ps();
+    for (int j = 0; j < nb; j++, row += 17, x += QK) {
+        const __m256i w = mxfp4_bytes(row + 1);
+        const __m128i lo = _mm256_castsi256_si128(w), hi = _mm256_extracti128_si256(w, 1);
+        __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), _mm256_loadu_ps(x));
+        p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), _mm256_loadu_ps(x + 8), p);
+        p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), _mm256_loadu_ps(x + 16), p);
+        p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), _mm256_loadu_ps(x + 24), p);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(e8m0_half(row[0])), p, acc);
+    }
+    return hsum256(acc);
+}
+
 /* Q6_K . float32 x: per sub-block of 16, d*sc * sum((q - 32) x). */
 static float dot_q6_k(const uint8_t *row, const float *x, int k) {
     const int nb = k / QK_K;
@@ -544,6 +596,26 @@ static float dot_q45_0(int fmt, const uint8_t *row, const float *x, const float 
         ms += (with_m ? rdh(row + 2) : off * d) * xsum[j];
     }
     return vaddvq_f32(acc) + ms;
+}
+
+/* 16 bytes of MXFP4 codes as their doubled values (lo: the low nibbles', hi: the high ones') */
+static inline void mxfp4_bytes(const uint8_t *qs, int8x16_t *lo, int8x16_t *hi) {
+    const int8x16_t table = vld1q_s8(mxfp4_values);
+    const uint8x16_t raw = vld1q_u8(qs);
+    *lo = vqtbl1q_s8(table, vandq_u8(raw, vdupq_n_u8(0x0f)));
+    *hi = vqtbl1q_s8(table, vshrq_n_u8(raw, 4));
+}
+
+static float dot_mxfp4(const uint8_t *row, const float *x, int k) {
+    const int nb = k / QK;
+    float32x4_t acc = vdupq_n_f32(0.0f);
+    for (int j = 0; j < nb; j++, row += 17, x += QK) {
+        int8x16_t lo, hi;
+        mxfp4_bytes(row + 1, &lo, &hi);
+        const float32x4_t p = fma_s8x16(fma_s8x16(vdupq_n_f32(0.0f), lo, x), hi, x + 16);
+        acc = vfmaq_n_f32(acc, p, e8m0_half(row[0]));
+    }
+    return vaddvq_f32(acc);
 }
 
 static float dot_q6_k(const uint8_t *row, const float *x, int k) {

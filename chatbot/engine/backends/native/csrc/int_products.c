@@ -518,6 +518,72 @@ static float dot_q45_0_i16(int fmt, const uint8_t *row, const Vec *v, int k) {
 }
 #endif
 
+/* MXFP4 . integer activations: per block 2^(e - 128) dx sum(k qx), k the codes' doubled
+ * values (|k| <= 12, mxfp4_values): int8 inputs (ACT_Q8) by byte products, int16 ones
+ * (ACT_I16) by 16-bit ones, the sums exact integers either way. */
+#ifdef CB_AVX2
+/* acc + the block's scale times sum(k qx) (int8 inputs) */
+static inline __m256 mxfp4_q8_block(const uint8_t *b, const Vec *v, int j, __m256 acc) {
+    const __m256i w = mxfp4_bytes(b + 1);
+    const __m256i x = _mm256_loadu_si256((const __m256i *)(v->q + j * QK));
+    /* maddubs wants unsigned x signed: move the sign of w onto x (|k| 12, |qx| 127: no pair
+     * saturates) */
+    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+    return _mm256_fmadd_ps(_mm256_set1_ps(e8m0_half(b[0]) * v->qd[j]), sum_i16_pairs_ps(p), acc);
+}
+
+/* the same with int16 inputs */
+static inline __m256 mxfp4_i16_block(const uint8_t *b, const Vec *v, int j, __m256 acc) {
+    const __m256i w = mxfp4_bytes(b + 1);
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
+    const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
+    const __m256 p = i16_block_sums(w0, w1, v->q16 + j * QK);
+    return _mm256_fmadd_ps(_mm256_set1_ps(e8m0_half(b[0]) * v->qd[j]), p, acc);
+}
+
+/* Two blocks per step into two accumulators, as dot_q8_0_i16 (one chain of dependent FMAs
+ * would wait on their latency). */
+#define CB_MXFP4_DOT(name, block)                                                                  \
+    static float name(const uint8_t *row, const Vec *v, int k) {                                   \
+        const int nb = k / QK;                                                                     \
+        __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                              \
+        int j = 0;                                                                                 \
+        for (; j + 2 <= nb; j += 2, row += 34) {                                                   \
+            _mm_prefetch((const char *)row + PREFETCH, _MM_HINT_T0);                               \
+            acc = block(row, v, j, acc);                                                           \
+            acc1 = block(row + 17, v, j + 1, acc1);                                                \
+        }                                                                                          \
+        if (j < nb) acc = block(row, v, j, acc);                                                   \
+        return hsum256(_mm256_add_ps(acc, acc1));                                                  \
+    }
+CB_MXFP4_DOT(dot_mxfp4_q8, mxfp4_q8_block)
+CB_MXFP4_DOT(dot_mxfp4_i16, mxfp4_i16_block)
+#undef CB_MXFP4_DOT
+#elif defined(CB_NEON)
+static float dot_mxfp4_q8(const uint8_t *row, const Vec *v, int k) {
+    const int nb = k / QK;
+    float s = 0.0f;
+    for (int j = 0; j < nb; j++, row += 17) {
+        int8x16_t lo, hi;
+        mxfp4_bytes(row + 1, &lo, &hi);
+        const int8_t *x = v->q + j * QK;
+        s += e8m0_half(row[0]) * v->qd[j] * (float)dot_i8x32(lo, vld1q_s8(x), hi, vld1q_s8(x + 16));
+    }
+    return s;
+}
+
+static float dot_mxfp4_i16(const uint8_t *row, const Vec *v, int k) {
+    const int nb = k / QK;
+    float s = 0.0f;
+    for (int j = 0; j < nb; j++, row += 17) {
+        int8x16_t lo, hi;
+        mxfp4_bytes(row + 1, &lo, &hi);
+        s += e8m0_half(row[0]) * v->qd[j] * (float)dot_s8_i16x32(lo, hi, v->q16 + j * QK);
+    }
+    return s;
+}
+#endif
+
 /* K-quants . K16 activations (int16 per super-block of 256, prepare_k). Each sub-block's
  * integer scale multiplies its 4-6 bit weights in int16 (|q sc| <= 31 x 63, or 32 x 128 for
  * Q6_K), the products with the activations add up in int32 lanes (vpdpwssd, or madd + add),

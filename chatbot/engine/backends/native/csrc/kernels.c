@@ -6,7 +6,7 @@
  * region, so a decode step costs one Python->C transition instead of ~700 torch ops.
  *
  * Weight formats (rows of a [N, K] matrix) are ggml's, as a GGUF file stores them: F32, F16,
- * BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32) and Q2_K..Q6_K (super-blocks of 256);
+ * BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4 (blocks of 32) and Q2_K..Q6_K (super-blocks of 256);
  * e.g. Q8_0: fp16 scale d, 32 int8 q, w = d q; Q4_1: fp16 d, fp16 m, 16 bytes, w = d q + m,
  * byte j holding q[j] in its low nibble and q[j + 16] in its high nibble (dequant_block has
  * every layout).

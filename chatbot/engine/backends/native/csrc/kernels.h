@@ -42,7 +42,7 @@
 
 enum {
     FMT_F32 = 0, FMT_BF16 = 1, FMT_Q8_0 = 2, FMT_Q4_1 = 3, FMT_F16 = 4, FMT_Q4_0 = 5, FMT_Q5_0 = 6,
-    FMT_Q5_1 = 7, FMT_Q2_K = 8, FMT_Q3_K = 9, FMT_Q4_K = 10, FMT_Q5_K = 11, FMT_Q6_K = 12
+    FMT_Q5_1 = 7, FMT_Q2_K = 8, FMT_Q3_K = 9, FMT_Q4_K = 10, FMT_Q5_K = 11, FMT_Q6_K = 12, FMT_MXFP4 = 13
 };
 enum { ACT_F32 = 0, ACT_Q8 = 1, ACT_I16 = 2 };
 

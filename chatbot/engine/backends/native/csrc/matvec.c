@@ -39,6 +39,12 @@ static inline float dot_vec(const Mat *m, int n, const Vec *v) {
         /* int8 inputs (ACT_Q8) through the int16 products: exact, and no int8 form of these */
         if (v->act == ACT_I16 || v->act == ACT_Q8) return dot_q45_0_i16(m->fmt, (const uint8_t *)row, v, m->cols);
         return dot_q45_0(m->fmt, (const uint8_t *)row, v->x, v->xsum, m->cols);
+    case FMT_MXFP4:
+        switch (v->act) {
+        case ACT_Q8: return dot_mxfp4_q8((const uint8_t *)row, v, m->cols);
+        case ACT_I16: return dot_mxfp4_i16((const uint8_t *)row, v, m->cols);
+        default: return dot_mxfp4((const uint8_t *)row, v->x, m->cols);
+        }
 #endif
     default: return dot_generic(m->fmt, (const uint8_t *)row, v->x, m->cols);
     }

@@ -80,6 +80,7 @@ void chatbot_dequantize(const Mat *m, float *out, int n_threads) {
 static int mm_unit(int fmt) {
     switch (fmt) {
     case FMT_Q8_0: case FMT_Q4_0: case FMT_Q4_1: case FMT_Q5_0: case FMT_Q5_1: case FMT_Q4_K: case FMT_Q5_K:
+    case FMT_MXFP4:
         return 32;
     case FMT_Q6_K: return 16;
     default: return 0;
@@ -118,6 +119,10 @@ static void mm_unpack_block(int fmt, const uint8_t *b, int16_t *q, float *s, flo
         s[0] = rdh(b), o[0] = one ? rdh(b + 2) : 0.0f;
         break;
     }
+    case FMT_MXFP4:
+        store_i16(q, mxfp4_bytes(b + 1), 1);
+        s[0] = e8m0_half(b[0]), o[0] = 0.0f;
+        break;
     case FMT_Q4_K: case FMT_Q5_K: {
         const int five = fmt == FMT_Q5_K;
         const float d = rdh(b), dmin = rdh(b + 2);
