@@ -50,6 +50,7 @@ from chatbot.conversation.cache import ConversationCache
 from chatbot.conversation.chat import Chat, Meter, ModelInfo
 from chatbot.conversation.saved import Turn
 from chatbot.conversation.settings import run_record
+from chatbot.conversation.thinking import ThinkingMeter, opens_thinking
 from chatbot.engine.cache.tracked import TrackedCache
 from chatbot.engine.chunk import GenerationChunk
 from chatbot.engine.generate import Engine, TokenObserver
@@ -207,6 +208,11 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
         stop, view = stop_checks(
             self.tokenizer, self.stops, *((before.text, len(before.ids)) if before is not None else ())
         )
+        # Where the template (or the answer so far) left a thinking tag open, the answer
+        # starts inside it.
+        lead_text = "".join(s.text for s in self.segments[-2 if before is not None else -1 :])
+        self.thinking_opened = opens_thinking(lead_text)
+        meter = ThinkingMeter(self.thinking_opened)
         seen_before = self.n_fed
         chunks = self.engine.generate(
             self.kv,
@@ -236,7 +242,11 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
                     stats = chunk.stats
                 if lead is not None:
                     chunk = lead.chunk(chunk)
-                yield chunk if view is None else view.chunk(chunk)
+                shown_chunk = chunk if view is None else view.chunk(chunk)
+                meter.add(shown_chunk.text, len(chunk.token_ids))
+                if stats is not None:
+                    stats.thinking_tokens, stats.thinking_time_s = meter.tokens, meter.seconds
+                yield shown_chunk
             finished = True
         finally:
             chunks.close()
@@ -258,6 +268,8 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
                     stats = stats_from_arrivals(
                         min(len(fed), len(new_ids)), len(answer_ids), t0, times, self.kv.layout()
                     )
+                    stats.thinking_tokens = min(meter.tokens, len(answer_ids))
+                    stats.thinking_time_s = meter.seconds
                 self._close_turn(
                     user, answer_ids, stats, finished, first_segment, evicted_before, resume, extend
                 )
