@@ -169,3 +169,83 @@ def test_a_one_shot_on_a_model_that_thinks_keeps_the_thinking_off_stdout(env, ti
     assert shown.returncode == 0 and shown.stdout.strip() == ""
     thought = shown.stderr.splitlines()[0]
     assert len(thought) > 12 and "thought 12 tok" in shown.stderr, shown.stderr
+
+
+SWITCH_TEMPLATE = (  # Qwen3-style: enable_thinking (on by default) opens <think>, off closes it at once
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture
+def switch_template(tmp_path) -> str:
+    path = tmp_path / "switch.jinja"
+    path.write_text(SWITCH_TEMPLATE)
+    return str(path)
+
+
+def test_think_off_renders_the_template_with_enable_thinking_false(env, tiny, switch_template):
+    on = local(env, tiny, switch_template, "--max-new-tokens", "6")
+    assert on.returncode == 0 and on.stdout.strip() == "", on.stderr
+    assert "thought 6 tok" in on.stderr
+    off = local(env, tiny, switch_template, "--max-new-tokens", "6", "--think", "off")
+    assert off.returncode == 0 and off.stdout.strip(), off.stderr
+    assert "thought" not in off.stderr
+
+
+def test_think_on_a_template_without_a_switch_says_so_in_one_line(env, tiny, think_template):
+    proc = local(env, tiny, think_template, "--max-new-tokens", "2", "--think", "off")
+    assert proc.returncode == 0, proc.stderr
+    notes = [line for line in proc.stderr.splitlines() if "no thinking switch" in line]
+    assert len(notes) == 1 and notes[0].startswith("think off: "), proc.stderr
+    bad = local(env, tiny, think_template, "--think", "maybe")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "chatbot: error: think must be one of on, off, low, medium, high, got 'maybe'"
+    ], bad.stderr
+
+
+def test_the_template_kwargs_of_each_switch():
+    from chatbot.models.templates import thinking_kwargs, thinking_switch
+
+    assert thinking_switch(SWITCH_TEMPLATE) == "enable_thinking"
+    assert thinking_switch(THINK_TEMPLATE) is None
+    assert thinking_switch("{{ reasoning_effort | default('medium') }}") == "reasoning_effort"
+    assert thinking_kwargs("off", "enable_thinking") == {"enable_thinking": False}
+    assert thinking_kwargs("high", "enable_thinking") == {"enable_thinking": True}
+    assert thinking_kwargs("high", "reasoning_effort") == {"reasoning_effort": "high"}
+    assert thinking_kwargs(None, "enable_thinking") == {}
+
+
+# -- a thinking budget ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", [0, 8])
+def test_a_thinking_budget_closes_the_thinking_and_the_model_answers(env, tiny, think_template, budget):
+    # the random model never closes its thinking itself: without a budget nothing is answered
+    proc = local(env, tiny, think_template, "--max-new-tokens", "60", "--think-budget", str(budget))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() and "<think>" not in proc.stdout and "</think>" not in proc.stdout
+    stats = proc.stderr.splitlines()[-1]
+    thought = int(stats.split("thought ")[1].split(" tok")[0])
+    answered = int(stats.split(" · ")[5].split(" tok")[0])
+    assert thought + answered == 60 and answered > 0, stats
+    # its 8 tokens, then the closing sentence and the tag (about 40 of this tiny vocabulary's
+    # tokens); with 0, only the tag that closes what the template opened
+    assert 8 < thought < 60 if budget else thought <= 8, stats
+
+
+def test_a_thinking_budget_in_the_session(tiny_engine, tmp_path):
+    from chatbot.config import ChatConfig, SamplingConfig
+    from chatbot.conversation.session import ChatSession
+
+    tiny_engine.tokenizer.chat_template = THINK_TEMPLATE
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=80, think_budget=5)
+    session = ChatSession(tiny_engine, ChatConfig(sampling=sampling))
+    text = "".join(c.text for c in session.send("Hi!"))
+    head, sep, tail = text.partition("</think>")
+    assert sep and "time to answer." in head, text
+    assert session.turns[-1].stats.thinking_tokens > 5
+    # the closing text went through the cache as answer tokens: the conversation renders back
+    assert session.decode(session.all_ids) == session.rendered

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 
 OPEN_TAGS = ("<think>", "<thinking>", "<reasoning>")
 _OPEN = re.compile("|".join(re.escape(t) for t in OPEN_TAGS))
@@ -125,3 +126,56 @@ class ThinkingMeter:
         if thinking or was or self.splitter.thinking or any(t for _, t in parts):
             self.tokens += tokens
             self.seconds = now - self.start
+
+
+CLOSING = "\n\nI have thought long enough; time to answer.\n"
+"""What a thinking budget writes before the end-of-thinking tag (Qwen's budget recipe writes
+a sentence so too: the model then answers from what it thought)."""
+
+
+class ThinkingBudget:
+    """Closes a model's thinking after `budget` tokens of it: the answer's next tokens are a
+    closing sentence and the end-of-thinking tag (the engine's `insert` hook, told each
+    answer token). 0: no thinking at all (an open tag is closed at once).
+
+    Args:
+        budget: the most thinking tokens.
+        opened: the tag the prompt left open (`opens_thinking`).
+        encode: text to token ids (special-token text as the control token).
+        decode: a detokenizer's `add` (an id to its new text).
+    """
+
+    def __init__(
+        self,
+        budget: int,
+        opened: str | None,
+        encode: Callable[[str], list[int]],
+        decode: Callable[[int], str],
+    ) -> None:
+        self.budget = budget
+        self.splitter = ThinkingSplitter(opened)
+        self.encode = encode
+        self.decode = decode
+        self.tokens = 0
+        self.done = False
+
+    def _close(self) -> list[int]:
+        self.done = True
+        assert self.splitter.close is not None
+        sentence = CLOSING if self.tokens else "\n"
+        return self.encode(sentence + self.splitter.close + "\n\n")
+
+    def __call__(self, token: int | None) -> list[int]:
+        if self.done:
+            return []
+        if token is None:  # before the first token: a prompt that opened the thinking
+            return self._close() if self.budget == 0 and self.splitter.thinking else []
+        was = self.splitter.thinking
+        self.splitter.feed(self.decode(token))
+        if was or self.splitter.thinking:
+            self.tokens += 1
+        if self.splitter.done:
+            self.done = True  # the model closed it itself
+        elif self.splitter.thinking and self.tokens >= self.budget:
+            return self._close()
+        return []

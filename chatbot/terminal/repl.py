@@ -426,7 +426,7 @@ class Repl(ReplCommands):
     def _thinking_route(self, answer: MarkdownAnswer | PlainAnswer, raw: bool) -> ThinkingRoute:
         """Thinking inline on a terminal (dimmed); in a pipe or a one-shot run, to stderr with
         --show-thinking, else nowhere: stdout carries the answer alone."""
-        inline = self.console.is_terminal and not self.one_shot
+        inline = self.console.is_terminal and not self.one_shot and self.thinking_view != "hide"
         return ThinkingRoute(
             answer,
             self.session.thinking_opened,
