@@ -136,7 +136,7 @@ THINK_TEMPLATE = (  # ChatML whose generation prompt opens <think> (DeepSeek-R1'
 def tiny(tmp_path_factory) -> str:
     from serve_helpers import save_tiny_model
 
-    return str(save_tiny_model(tmp_path_factory.mktemp("tiny")))
+    return str(save_tiny_model(tmp_path_factory.mktemp("tiny")))  # served as "tiny0"
 
 
 @pytest.fixture
@@ -244,8 +244,35 @@ def test_a_thinking_budget_in_the_session(tiny_engine, tmp_path):
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=80, think_budget=5)
     session = ChatSession(tiny_engine, ChatConfig(sampling=sampling))
     text = "".join(c.text for c in session.send("Hi!"))
-    head, sep, tail = text.partition("</think>")
+    head, sep, _ = text.partition("</think>")
     assert sep and "time to answer." in head, text
     assert session.turns[-1].stats.thinking_tokens > 5
     # the closing text went through the cache as answer tokens: the conversation renders back
     assert session.decode(session.all_ids) == session.rendered
+
+
+# -- serve ------------------------------------------------------------------------------------
+
+
+def test_serve_sends_the_thinking_apart_as_reasoning_content(tiny, think_template, tmp_path):
+    from openai import OpenAI
+    from serve_helpers import running_server
+
+    args = ("--model", tiny, "--template", think_template, "--think-budget", "8")
+    with running_server(*args, log=tmp_path / "serve.log") as url:
+        client = OpenAI(base_url=url, api_key="none")
+        messages = [{"role": "user", "content": "Hi!"}]
+        reply = client.chat.completions.create(model="tiny0", messages=messages, max_tokens=60, temperature=0)
+        message = reply.choices[0].message
+        thought = getattr(message, "reasoning_content", None)
+        assert thought and "time to answer." in thought, message
+        assert message.content and "<think>" not in message.content and "</think>" not in message.content
+        stream = client.chat.completions.create(
+            model="tiny0", messages=messages, max_tokens=60, temperature=0, stream=True
+        )
+        parts: dict[str, str] = {"content": "", "reasoning_content": ""}
+        for chunk in stream:
+            for choice in chunk.choices:
+                parts["content"] += choice.delta.content or ""
+                parts["reasoning_content"] += getattr(choice.delta, "reasoning_content", None) or ""
+        assert parts == {"content": message.content, "reasoning_content": thought}
