@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from chatbot.errors import ConfigError
-from chatbot.settings import MAX_TOKENS, Range, default, ranges
+from chatbot.settings import MAX_TOKENS, Choice, Range, default, ranges
 
 __all__ = ["MAX_TOKENS", "Range"]  # also here: older callers import them from config
 
@@ -123,7 +123,7 @@ class SamplingConfig:
     # None: free text; else the answer is held to this format (constrained decoding).
     output_format: OutputFormat | None = None
 
-    RANGES: ClassVar[dict[str, Range]] = ranges("sampling")
+    RANGES: ClassVar[dict[str, Range | Choice]] = ranges("sampling")
 
     @property
     def greedy(self) -> bool:
@@ -176,10 +176,10 @@ class SamplingConfig:
         if key not in self.RANGES:
             raise ConfigError(f"unknown setting {key!r}; settings: {', '.join(self.RANGES)}")
         if key in OPTIONAL and isinstance(raw, str) and raw.lower() in ("none", "random", "default", "auto"):
-            return dataclasses.replace(self, **{key: None}, unset=self.unset - {key})
+            return dataclasses.replace(self, **{key: None}, unset=self.unset - {key})  # type: ignore[arg-type]
         if key in ("seed", "think_budget") and isinstance(raw, str) and raw.lower() == "off":
-            return dataclasses.replace(self, **{key: None}, unset=self.unset - {key})
-        value = self.RANGES[key].check(key, raw)
+            return dataclasses.replace(self, **{key: None}, unset=self.unset - {key})  # type: ignore[arg-type]
+        value: Any = self.RANGES[key].check(key, raw)
         return dataclasses.replace(self, **{key: value}, unset=self.unset - {key})
 
     def as_dict(self) -> dict[str, Any]:
@@ -218,7 +218,7 @@ class EngineConfig:
     max_context: int | None = default("max_context")  # None: the model's max_position_embeddings
 
     # The numeric settings (None, where a field allows it, is not checked against these).
-    RANGES: ClassVar[dict[str, Range]] = ranges("engine")
+    RANGES: ClassVar[dict[str, Range | Choice]] = ranges("engine")
 
     def validated(self) -> EngineConfig:
         """Check each value alone, and the sinks against a given recent window (the model's
