@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from chatbot.errors import ConfigError
-from chatbot.settings import MAX_TOKENS, Range, default, ranges
+from chatbot.settings import MAX_TOKENS, Choice, Range, default, ranges
 
 __all__ = ["MAX_TOKENS", "Range"]  # also here: older callers import them from config
 
@@ -93,6 +93,9 @@ def format_choice(raw: Any) -> str:
     return value
 
 
+OPTIONAL = {"seed": "random", "think": "the model's default", "think_budget": "none"}
+"""The sampling settings that may be None, and how their None is shown."""
+
 UNSET_TEXT = "server's default"
 """How a setting in `SamplingConfig.unset` is shown: only a chat with a server leaves any."""
 
@@ -113,12 +116,14 @@ class SamplingConfig:
     repeat_last_n: int = default("repeat_last_n")  # the penalty's window; 0: off, -1: all
     max_new_tokens: int = default("max_new_tokens")
     seed: int | None = default("seed")
+    think: str | None = default("think")  # None: the model's own default
+    think_budget: int | None = default("think_budget")  # None: no limit
     stream_interval: int = default("stream_interval")
     unset: frozenset[str] = frozenset()
     # None: free text; else the answer is held to this format (constrained decoding).
     output_format: OutputFormat | None = None
 
-    RANGES: ClassVar[dict[str, Range]] = ranges("sampling")
+    RANGES: ClassVar[dict[str, Range | Choice]] = ranges("sampling")
 
     @property
     def greedy(self) -> bool:
@@ -132,7 +137,7 @@ class SamplingConfig:
         """
         for key, rng in self.RANGES.items():
             value = getattr(self, key)
-            if value is None and key == "seed":
+            if value is None and key in OPTIONAL:
                 continue
             setattr(self, key, rng.check(key, value))
         return self
@@ -142,7 +147,7 @@ class SamplingConfig:
         return {
             key: getattr(self, key)
             for key in self.RANGES
-            if key not in self.unset and (key != "seed" or self.seed is not None)
+            if key not in self.unset and (key not in OPTIONAL or getattr(self, key) is not None)
         }
 
     def shown(self, key: str) -> str:
@@ -152,7 +157,9 @@ class SamplingConfig:
         if key in self.unset:
             return UNSET_TEXT
         value = getattr(self, key)
-        return "random" if key == "seed" and value is None else str(value)
+        if value is None:
+            return OPTIONAL.get(key, "none")
+        return str(value)
 
     def with_value(self, key: str, raw: Any) -> SamplingConfig:
         """A copy with one setting changed, parsed from text or a number.
@@ -168,9 +175,11 @@ class SamplingConfig:
             )
         if key not in self.RANGES:
             raise ConfigError(f"unknown setting {key!r}; settings: {', '.join(self.RANGES)}")
-        if key == "seed" and isinstance(raw, str) and raw.lower() in ("none", "off", "random"):
-            return dataclasses.replace(self, seed=None, unset=self.unset - {key})
-        value = self.RANGES[key].check(key, raw)
+        if key in OPTIONAL and isinstance(raw, str) and raw.lower() in ("none", "random", "default", "auto"):
+            return dataclasses.replace(self, **{key: None}, unset=self.unset - {key})  # type: ignore[arg-type]
+        if key in ("seed", "think_budget") and isinstance(raw, str) and raw.lower() == "off":
+            return dataclasses.replace(self, **{key: None}, unset=self.unset - {key})  # type: ignore[arg-type]
+        value: Any = self.RANGES[key].check(key, raw)
         return dataclasses.replace(self, **{key: value}, unset=self.unset - {key})
 
     def as_dict(self) -> dict[str, Any]:
@@ -209,7 +218,7 @@ class EngineConfig:
     max_context: int | None = default("max_context")  # None: the model's max_position_embeddings
 
     # The numeric settings (None, where a field allows it, is not checked against these).
-    RANGES: ClassVar[dict[str, Range]] = ranges("engine")
+    RANGES: ClassVar[dict[str, Range | Choice]] = ranges("engine")
 
     def validated(self) -> EngineConfig:
         """Check each value alone, and the sinks against a given recent window (the model's
@@ -298,6 +307,8 @@ class SamplingChoices:
     repeat_last_n: int | None = None
     max_new_tokens: int | None = None
     seed: int | None = None
+    think: str | None = None
+    think_budget: int | None = None
     stream_interval: int = 1
 
     def given(self) -> dict[str, Any]:

@@ -62,6 +62,23 @@ class Range:
         return f"{name} {lo} and ≤ {_fmt(self.high)}"
 
 
+@dataclass(frozen=True)
+class Choice:
+    """Allowed values of a setting that is one of a few words (`Range`'s interface)."""
+
+    values: tuple[str, ...]
+    kind: type = str
+
+    def check(self, key: str, value: Any) -> str:
+        word = str(value).strip().lower()
+        if word not in self.values:
+            raise ConfigError(f"{key} must be {self.describe()}, got {value!r}")
+        return word
+
+    def describe(self) -> str:
+        return "one of " + ", ".join(self.values)
+
+
 def _fmt(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
@@ -100,7 +117,7 @@ class Setting:
     layer: str
     default: Any
     help: str
-    range: Range | None = None
+    range: Range | Choice | None = None
     inherited: bool = False
     from_model: bool = False
     aliases: tuple[str, ...] = ()
@@ -177,6 +194,22 @@ SETTINGS: tuple[Setting, ...] = (
         inherited=True, preset="sampling.seed", request="seed", brief="seed {}",
     ),
     Setting(
+        "think", str, "sampling", None,
+        "A thinking model's thinking: on, off, or an effort (low, medium, high), passed to its chat "
+        "template (enable_thinking, reasoning_effort); default: the model's own.",
+        Choice(("on", "off", "low", "medium", "high")),
+        inherited=True, preset="sampling.think", brief="think {}",
+    ),
+    Setting(
+        "think_budget", int, "sampling", None,
+        "Most thinking tokens per answer: then the thinking is closed and the model answers; "
+        "0 answers at once (default: no limit).",
+        Range(int, 0, MAX_TOKENS),
+        inherited=True, aliases=("reasoning_budget",), preset="sampling.think_budget",
+        request="think_budget", extra=True, serve="Default thinking budget of a request (tokens).",
+        brief="think budget {}",
+    ),
+    Setting(
         "stream_interval", int, "sampling", 1,
         "Show text every N tokens.",
         Range(int, 1, 1000),
@@ -231,7 +264,7 @@ def default(name: str) -> Any:
     return BY_NAME[name].default
 
 
-def ranges(name: str) -> dict[str, Range]:
+def ranges(name: str) -> dict[str, Range | Choice]:
     """The ranges of a layer's numeric settings, by name."""
     return {s.name: s.range for s in layer(name) if s.range is not None}
 

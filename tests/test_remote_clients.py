@@ -31,6 +31,7 @@ class FakeServer:
     def __init__(self, root: str = "/v1", key: str | None = None) -> None:
         self.root, self.key = root, key
         self.story = STORY  # what every answer says (a test may change it)
+        self.reasoning: str | None = None  # thinking sent before it, as `reasoning_content` deltas
         self.requests: list[dict] = []
         fake = self
 
@@ -81,6 +82,11 @@ class FakeServer:
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()
+                thoughts = fake.reasoning.split(" ") if fake.reasoning else []
+                for piece in [t if i == 0 else " " + t for i, t in enumerate(thoughts)]:
+                    choice = {"index": 0, "delta": {"reasoning_content": piece}, "finish_reason": None}
+                    chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "fake"}
+                    self.wfile.write(f"data: {json.dumps({**chunk, 'choices': [choice]})}\n\n".encode())
                 for i, piece in enumerate(pieces):
                     last = i == len(pieces) - 1
                     choice = {

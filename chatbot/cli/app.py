@@ -44,6 +44,7 @@ from chatbot.cli.options import (
     DeviceOpt,
     DtypeOpt,
     GreedyOpt,
+    HideThinkingOpt,
     HostOpt,
     JsonSchemaOpt,
     LogLevelOpt,
@@ -66,6 +67,7 @@ from chatbot.cli.options import (
     ServePresetOpt,
     ServerKeyEnvOpt,
     ServerOpt,
+    ShowThinkingOpt,
     SystemOpt,
     TemplateOpt,
     ThreadsOpt,
@@ -120,6 +122,8 @@ def run(
     opt: OptOpt = "auto",
     plain: PlainOpt = False,
     no_stats: NoStatsOpt = False,
+    show_thinking: ShowThinkingOpt = False,
+    hide_thinking: HideThinkingOpt = False,
     resume: ResumeOpt = None,
     prompt_option: PromptOpt = None,
     json_schema: JsonSchemaOpt = None,
@@ -134,6 +138,9 @@ def run(
     _DEBUG = debug
     from chatbot.terminal.oneshot import one_shot_message
 
+    if show_thinking and hide_thinking:
+        raise ConfigError("give --show-thinking or --hide-thinking, not both")
+    thinking_view = "show" if show_thinking else "hide" if hide_thinking else "fold"
     message = one_shot_message(prompt, prompt_option, None if sys.stdin.isatty() else sys.stdin.buffer)
     output_format = None if json_schema is None else OutputFormat.from_file(json_schema)
     if server is not None:
@@ -156,6 +163,7 @@ def run(
             no_stats,
             resume,
             message,
+            thinking_view,
         )
         return
     if api_key_env is not None:
@@ -170,7 +178,7 @@ def run(
         except GrammarError as exc:
             raise ConfigError(f"--json-schema {json_schema}: {exc}") from None
     resolved.output_format = output_format
-    _chat_locally(resolved, opt, check_threads(threads), plain, no_stats, resume, message)
+    _chat_locally(resolved, opt, check_threads(threads), plain, no_stats, resume, message, thinking_view)
 
 
 def _chat_locally(
@@ -181,6 +189,7 @@ def _chat_locally(
     no_stats: bool,
     resume: str | None,
     message: str | None,
+    thinking_view: str = "fold",
 ) -> None:
     """`chatbot run` on a model here: the REPL, with the model loading behind the prompt on a
     terminal (before the first line on a pipe); with a `message` (a one-shot prompt), its
@@ -211,9 +220,11 @@ def _chat_locally(
         repl = Repl.loading(
             pending, source.name, out, plain=plain, show_stats=not no_stats, info=info, on_ready=start_log
         )
+        repl.thinking_view = thinking_view
     else:
         chat = _start_chat(settings, opt, threads, banner=False, background=False)
         repl = Repl(chat.session, chat.loaded, out, plain=plain, show_stats=not no_stats, info=info)
+        repl.thinking_view = thinking_view
         for note in chat.notes:
             repl.note(note)
         start_log()

@@ -201,6 +201,18 @@ JsonSchemaOpt = Annotated[
 ]
 PlainOpt = Annotated[bool, typer.Option(help="Print raw text instead of rendered Markdown.")]
 NoStatsOpt = Annotated[bool, typer.Option("--no-stats", help="Hide the stats line after each answer.")]
+ShowThinkingOpt = Annotated[
+    bool,
+    typer.Option(
+        "--show-thinking",
+        help="Keep a thinking model's thinking on screen (not folded to one line); in a pipe "
+        "or a one-shot run, write it to stderr (stdout has the answer alone).",
+    ),
+]
+HideThinkingOpt = Annotated[
+    bool,
+    typer.Option("--hide-thinking", help="Show only one line for a thinking model's thinking, not the text."),
+]
 ResumeOpt = Annotated[
     str | None,
     typer.Option(

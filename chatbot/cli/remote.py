@@ -44,6 +44,7 @@ def run_remote(
     no_stats: bool,
     resume: str | None,
     message: str | None = None,
+    thinking_view: str = "fold",
 ) -> None:
     """`chatbot run --server URL`: the REPL on a RemoteSession (with a one-shot `message`:
     its answer alone)."""
@@ -73,6 +74,7 @@ def run_remote(
     out, info = make_consoles(interactive)
     plain = plain or not sys.stdout.isatty()
     repl = Repl(session, backend, out, plain=plain, show_stats=not no_stats, info=info)
+    repl.thinking_view = thinking_view
     for note in backend.notes:
         repl.note(note)
     if interactive:

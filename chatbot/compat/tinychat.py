@@ -29,7 +29,7 @@ from chatbot.engine.generate import Engine
 from chatbot.engine.stops import StopStrings
 from chatbot.errors import ConfigError
 
-_RANGES = SamplingConfig.RANGES
+_RANGES = {k: v for k, v in SamplingConfig.RANGES.items() if isinstance(v, Range)}  # the numeric ones
 
 # TinyChat models own their KV cache; ours live here, one per model.
 PERSISTENT: weakref.WeakKeyDictionary[Any, Cache] = weakref.WeakKeyDictionary()

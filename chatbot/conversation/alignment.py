@@ -42,12 +42,13 @@ class TextCodec:
         install_template_budget()  # a template that loops for ever is refused, not waited on
         self.tokenizer = tokenizer
         self._specials: tuple[str, ...] | None = None
+        self.template_kwargs: dict[str, Any] = {}  # e.g. enable_thinking (`thinking_kwargs`)
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         if not messages and not add_generation_prompt:
             return ""
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.template_kwargs
         )
 
     def encode(self, text: str, literal: bool = False) -> list[int]:

@@ -103,6 +103,10 @@ class Chat(SavedConversation, LoggedSession, ABC, Generic[ChunkT]):
     notes: list[str]
     """Things to say once (e.g. how /continue works on this server); `take_notes` empties it."""
 
+    thinking_opened: str | None = None
+    """The thinking tag the prompt of the answer being streamed left open (e.g. `<think>`: the
+    template opens it, the answer starts thinking); set by the first chunk."""
+
     prefill_observer: Callable[[int, int], None] | None = None
     """Told (tokens encoded, tokens in all) while a turn's new tokens are encoded, before its
     first chunk (a local model; a server's prompt processing is not seen); None: nobody."""

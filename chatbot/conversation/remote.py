@@ -33,6 +33,7 @@ from chatbot.conversation.chat import (
 )
 from chatbot.conversation.remote_backend import RemoteBackend, RemoteError
 from chatbot.conversation.saved import Turn, saved_dict
+from chatbot.conversation.thinking import ThinkingMeter
 from chatbot.engine.stats import summarize
 from chatbot.limits import without_surrogates
 
@@ -46,6 +47,8 @@ class RemoteChunk:
     text: str
     finish_reason: str | None = None
     stats: RemoteStats | None = None
+    thinking: str = ""
+    """Thinking the server sent apart from the answer (`reasoning_content`)."""
 
 
 def remote_sampling(**overrides: Any) -> SamplingConfig:
@@ -157,6 +160,7 @@ class RemoteSession(Chat[RemoteChunk]):
         finish: str | None = None
         done = False
         final: RemoteStats | None = None
+        meter = ThinkingMeter()
         stream = self.backend.stream(messages, sampling, extra)
         try:
             for chunk in stream:
@@ -164,6 +168,11 @@ class RemoteSession(Chat[RemoteChunk]):
                 if getattr(chunk, "usage", None) is not None:
                     usage = chunk.usage
                 for choice in chunk.choices or ():
+                    thought = _reasoning(choice.delta)
+                    if thought:
+                        arrivals.append(now)
+                        meter.add("", 1, thought)
+                        yield RemoteChunk("", thinking=thought)
                     piece = choice.delta.content if choice.delta is not None else None
                     if piece:
                         # (a lone surrogate from the server would break the pipe, the save
@@ -173,6 +182,7 @@ class RemoteSession(Chat[RemoteChunk]):
                         piece = join.feed(piece) if join is not None else piece
                     if piece:
                         parts.append(piece)
+                        meter.add(piece, 1)
                         yield RemoteChunk(piece)
                     if choice.finish_reason:
                         finish = choice.finish_reason
@@ -185,6 +195,8 @@ class RemoteSession(Chat[RemoteChunk]):
             # Also on Ctrl-C (the stream is closed at once) and on errors: keep what came.
             if done or parts:
                 final = _stats(t0, arrivals, usage, finish if done else "interrupted")
+                final.thinking_tokens = _reasoning_tokens(usage, meter.tokens)
+                final.thinking_time_s = meter.seconds
                 self.last_total_tokens = final.cache_tokens if usage is not None else None
                 turn.answer = before + "".join(parts)
                 turn.stats = merge_remote_stats(turn.stats, final) if extend else final
@@ -298,6 +310,23 @@ def joined(before: str, text: str) -> str:
     if text[:1].isalnum() and before[-1] not in "([{\"'-/\n":
         return " " + text
     return text
+
+
+def _reasoning(delta: Any) -> str:
+    """The thinking in a streamed delta: `reasoning_content` (vLLM, SGLang, DeepSeek's API,
+    llama-server) or `reasoning` (ollama, OpenRouter); a lone surrogate is dropped."""
+    if delta is None:
+        return ""
+    text = getattr(delta, "reasoning_content", None) or getattr(delta, "reasoning", None)
+    return without_surrogates(text) if isinstance(text, str) else ""
+
+
+def _reasoning_tokens(usage: Any, counted: int) -> int:
+    """The answer's thinking tokens: the server's count where its usage has one, else the
+    chunks counted here (about one token each)."""
+    details = getattr(usage, "completion_tokens_details", None) if usage is not None else None
+    reported = getattr(details, "reasoning_tokens", None) if details is not None else None
+    return int(reported) if isinstance(reported, int) and reported > 0 else counted
 
 
 def _stats(t0: float, arrivals: list[float], usage: Any, finish: str | None) -> RemoteStats:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chatbot.config import SamplingConfig
+from chatbot.config import OPTIONAL, SamplingConfig
 from chatbot.engine.stats import TurnStats, stats_from_dict, stats_to_dict
 from chatbot.errors import ChatbotError, ConfigError
 from chatbot.limits import MAX_SAVED_BYTES, expand, file_kind, loads_json, read_text, without_surrogates
@@ -236,7 +236,7 @@ def parse_saved(
     if isinstance(settings, dict):
         for key, value in settings.items():
             if key in SamplingConfig.RANGES:
-                if value is None and key != "seed":
+                if value is None and key not in OPTIONAL:
                     continue
                 try:
                     sampling = sampling.with_value(key, "none" if value is None else value)

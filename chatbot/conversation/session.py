@@ -50,8 +50,10 @@ from chatbot.conversation.cache import ConversationCache
 from chatbot.conversation.chat import Chat, Meter, ModelInfo
 from chatbot.conversation.saved import Turn
 from chatbot.conversation.settings import run_record
+from chatbot.conversation.thinking import ThinkingBudget, ThinkingMeter, opens_thinking
 from chatbot.engine.cache.tracked import TrackedCache
 from chatbot.engine.chunk import GenerationChunk
+from chatbot.engine.detokenize import IncrementalDetokenizer
 from chatbot.engine.generate import Engine, TokenObserver
 from chatbot.engine.sampling import (
     sampling_from_model,  # noqa: F401 - re-exported
@@ -60,7 +62,7 @@ from chatbot.engine.sampling import (
 from chatbot.engine.stats import TurnStats, merge_stats, stats_from_arrivals, summarize
 from chatbot.engine.stop_criteria import stop_checks
 from chatbot.errors import ChatbotError
-from chatbot.models.templates import TemplateInfo, answer_stops
+from chatbot.models.templates import TemplateInfo, answer_stops, thinking_kwargs, thinking_switch
 
 ProgressCallback = Callable[[int, int], None]  # (tokens done, tokens in all)
 
@@ -90,6 +92,7 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
         self.turns: list[Turn] = []
         self.notes: list[str] = []
         self.generator = seeded_generator(engine.device, self.sampling.seed)
+        self._set_thinking(self.sampling.think)
         # Told of each answer token with its logits (the server's logprobs); None: nobody.
         self.token_observer: TokenObserver | None = None
         # What ends an answer: stop ids, and the fallback template's stop strings matched as
@@ -207,6 +210,19 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
         stop, view = stop_checks(
             self.tokenizer, self.stops, *((before.text, len(before.ids)) if before is not None else ())
         )
+        # Where the template (or the answer so far) left a thinking tag open, the answer
+        # starts inside it.
+        lead_text = "".join(s.text for s in self.segments[-2 if before is not None else -1 :])
+        self.thinking_opened = opens_thinking(lead_text)
+        meter = ThinkingMeter(self.thinking_opened)
+        budget = None
+        if sampling.think_budget is not None:
+            budget = ThinkingBudget(
+                sampling.think_budget,
+                self.thinking_opened,
+                self.encode,
+                IncrementalDetokenizer(self.tokenizer).add,
+            )
         seen_before = self.n_fed
         chunks = self.engine.generate(
             self.kv,
@@ -218,6 +234,7 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
             stopping_criteria=stop,
             observer=self.token_observer,
             on_progress=self.prefill_observer,
+            insert=budget,
         )
         shown: list[int] = []
         stats: TurnStats | None = None
@@ -236,7 +253,11 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
                     stats = chunk.stats
                 if lead is not None:
                     chunk = lead.chunk(chunk)
-                yield chunk if view is None else view.chunk(chunk)
+                shown_chunk = chunk if view is None else view.chunk(chunk)
+                meter.add(shown_chunk.text, len(chunk.token_ids))
+                if stats is not None:
+                    stats.thinking_tokens, stats.thinking_time_s = meter.tokens, meter.seconds
+                yield shown_chunk
             finished = True
         finally:
             chunks.close()
@@ -258,6 +279,8 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
                     stats = stats_from_arrivals(
                         min(len(fed), len(new_ids)), len(answer_ids), t0, times, self.kv.layout()
                     )
+                    stats.thinking_tokens = min(meter.tokens, len(answer_ids))
+                    stats.thinking_time_s = meter.seconds
                 self._close_turn(
                     user, answer_ids, stats, finished, first_segment, evicted_before, resume, extend
                 )
@@ -447,9 +470,22 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
 
     def _use_sampling(self, sampling: SamplingConfig) -> None:
         reseed = sampling.seed != self.sampling.seed
+        if sampling.think != self.sampling.think:
+            self._set_thinking(sampling.think)
         self.sampling = sampling
         if reseed:
             self.generator = seeded_generator(self.engine.device, sampling.seed)
+
+    def _set_thinking(self, think: str | None) -> None:
+        """Render the template with `think`'s switch (`thinking_kwargs`); a template with
+        none says so in a note."""
+        switch = thinking_switch(getattr(self.tokenizer, "chat_template", None))
+        self.text.template_kwargs = thinking_kwargs(think, switch)
+        if think is not None and switch is None:
+            self.notes.append(
+                f"think {think}: this model's chat template has no thinking switch "
+                "(enable_thinking, reasoning_effort); it thinks as it always does"
+            )
 
     def _encode_conversation(self, on_progress: ProgressCallback | None, encode: bool = True) -> int:
         """Re-tokenize the whole conversation and (with `encode`) prefill it in chunks."""

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from chatbot.config import EngineConfig, SamplingConfig
+from chatbot.config import OPTIONAL, EngineConfig, SamplingConfig
 from chatbot.errors import ConfigError
 from chatbot.settings import layer
 
@@ -49,7 +49,7 @@ def run_record(config: ChatConfig) -> dict[str, Any]:
 def _check(name: str, value: Any) -> Any:
     """`value` as the setting `name` takes it, or ConfigError."""
     if name in SAMPLING:
-        return value if name == "seed" and value is None else SamplingConfig.RANGES[name].check(name, value)
+        return value if name in OPTIONAL and value is None else SamplingConfig.RANGES[name].check(name, value)
     if name in ("enable_streaming", "keep_system"):
         if isinstance(value, bool) or (value is None and name == "keep_system"):
             return value

@@ -55,6 +55,8 @@ TokenObserver = Callable[[torch.Tensor, int], None]
 ANSWER_ROOM = 1024
 """The most answer tokens a prefill makes room for in the fast path's cache buffers up front
 (a longer answer grows them once more)."""
+TokenInserter = Callable[[int | None], Sequence[int]]
+"""Told of each answer token (None before the first); returns ids to put in the answer next."""
 
 
 def special_ids(tokenizer: Any) -> frozenset[int]:
@@ -256,6 +258,7 @@ class Engine:
         stopping_criteria: StopCallback | None = None,
         observer: TokenObserver | None = None,
         on_progress: Callable[[int, int], None] | None = None,
+        insert: TokenInserter | None = None,
     ) -> Generator[GenerationChunk, None, None]:
         """Prefill `new_ids`, then sample an answer token by token.
 
@@ -276,6 +279,9 @@ class Engine:
             observer: told of each answer token (not of a stop id) with the logits it was
                 chosen from, before any sampling transform (the server's logprobs).
             on_progress: told (tokens done, tokens in all) as `new_ids` are prefilled.
+            insert: told None before the first token, then each answer token; the ids it
+                returns are the answer's next tokens, taken as if sampled (a thinking budget
+                closes the thinking so).
 
         Yields:
             GenerationChunk, every `sampling.stream_interval` tokens; the last one carries
@@ -299,7 +305,7 @@ class Engine:
             constraint = JsonConstraint(self.tokenizer, sampling.output_format)
         context = [*history_ids, *new_ids]
         # a plain turn on a backend that chooses tokens on the device: read one step late
-        plain = constraint is None and logits_processor is None and observer is None
+        plain = constraint is None and logits_processor is None and observer is None and insert is None
         plain = plain and (stopping_criteria is None or isinstance(stopping_criteria, StopOnStrings))
         stats = TurnStats(context_tokens=len(new_ids))
         t0 = time.perf_counter()
@@ -324,7 +330,7 @@ class Engine:
                 sampler = Sampler(
                     sampling, context, processors, generator, self.device, self.model, constraint
                 )
-                tokens = token_steps(lambda token: self._step(kv, token), kv, logits, sampler)
+                tokens = token_steps(lambda token: self._step(kv, token), kv, logits, sampler, insert)
             detok = IncrementalDetokenizer(self.tokenizer)
             finish = lambda: self._cache_stats(kv, stats)
             yield from stream_chunks(tokens, sampler, sampling, detok, stats, t0, set(stop_ids),
@@ -340,17 +346,25 @@ class Engine:
 
 
 def token_steps(
-    step: Callable[[int], torch.Tensor], kv: TrackedCache, logits: torch.Tensor, sampler: Sampler
+    step: Callable[[int], torch.Tensor],
+    kv: TrackedCache,
+    logits: torch.Tensor,
+    sampler: Sampler,
+    insert: TokenInserter | None = None,
 ) -> Generator[tuple[int, torch.Tensor], None, str]:
     """The answer's tokens, sampled one by one from the logits after the prompt on.
 
     Each token is yielded with the logits it was chosen from (``[vocab]``); it is fed into the
     cache (`step`) only when the caller asks for the next one, so the last token of an answer,
     or a stop token, never enters it. Ends (returning "context") when the cache can take no
-    more; the caller ends it otherwise (a stop, the length limit).
+    more; the caller ends it otherwise (a stop, the length limit). The ids `insert` returns
+    are taken next instead of sampled ones.
     """
+    queue = list(insert(None)) if insert is not None else []
     while True:
-        token = sampler(logits)
+        token = queue.pop(0) if queue else sampler(logits)
+        if insert is not None:
+            queue.extend(insert(token))
         yield token, logits
         if kv.is_full():
             return "context"

@@ -25,6 +25,8 @@ class TurnStats:
 
     `context_tokens` are the tokens prefilled this turn (only what the conversation gained);
     `token_latencies_s` holds one entry per generated token after the first.
+    `thinking_tokens` of the `generated_tokens` were the model's thinking (`<think>…</think>`
+    or a server's `reasoning_content`), which took `thinking_time_s` from the first token.
     """
 
     context_tokens: int = 0
@@ -39,6 +41,8 @@ class TurnStats:
     evicted_total: int = 0
     peak_memory_bytes: int = 0
     finish_reason: str = ""
+    thinking_tokens: int = 0
+    thinking_time_s: float = 0.0
 
     @property
     def decode_tps(self) -> float:
@@ -75,6 +79,8 @@ class TurnStats:
             "evicted_total": self.evicted_total,
             "peak_memory_bytes": self.peak_memory_bytes,
             "finish_reason": self.finish_reason,
+            "thinking_tokens": self.thinking_tokens,
+            "thinking_time_s": round(self.thinking_time_s, 4),
         }
 
 
@@ -198,6 +204,8 @@ def merge_stats(first: TurnStats, more: TurnStats) -> TurnStats:
         sinks=more.sinks,
         evicted_total=more.evicted_total,
         peak_memory_bytes=max(first.peak_memory_bytes, more.peak_memory_bytes),
+        thinking_tokens=first.thinking_tokens + more.thinking_tokens,
+        thinking_time_s=first.thinking_time_s + more.thinking_time_s,
         finish_reason=more.finish_reason,
     )
 
@@ -232,6 +240,8 @@ def summarize(stats: list[TurnStats], cache_tokens: int) -> dict[str, Any]:
         "turns": len(stats),
         "context_tokens": sum(s.context_tokens for s in stats),
         "generated_tokens": sum(s.generated_tokens for s in stats),
+        "thinking_tokens": sum(s.thinking_tokens for s in stats),
+        "thinking_time_s": sum(s.thinking_time_s for s in stats),
         "decode_tps": lat / dec if dec else 0.0,
         "cache_tokens": cache_tokens,
     }

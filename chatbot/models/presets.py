@@ -33,7 +33,7 @@ from typing import Any
 from chatbot.config import QUANTIZE_CHOICES, EngineConfig, Range, RunConfig, SamplingConfig
 from chatbot.errors import ConfigError
 from chatbot.models.templates import TEMPLATES
-from chatbot.settings import preset_section
+from chatbot.settings import Choice, preset_section
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
@@ -304,7 +304,7 @@ def parse_preset(data: dict[str, Any], path: Path | None = None) -> Preset:
     return Preset(name, path, description, RunConfig().replaced(out), frozenset(out))
 
 
-def _range_check(where: str, key: str, rng: Range, value: Any) -> Any:
+def _range_check(where: str, key: str, rng: Range | Choice, value: Any) -> Any:
     if isinstance(value, bool):
         raise ConfigError(f"{where}: {key} must be {rng.describe()}, got {value!r}")
     try:

@@ -464,3 +464,25 @@ def answer_stops(
         strings = stop_strings_of(tokenizer)
     ids.update(end_of_turn_ids(tokenizer))
     return sorted(ids), StopStrings(strings)
+
+
+def thinking_switch(jinja: str | None) -> str | None:
+    """How a chat template turns a model's thinking on or off: "enable_thinking" (Qwen3,
+    SmolLM3: a boolean), "reasoning_effort" (gpt-oss's harmony format: low, medium, high),
+    or None (it has no switch)."""
+    if not jinja:
+        return None
+    for name in ("enable_thinking", "reasoning_effort"):
+        if name in jinja:
+            return name
+    return None
+
+
+def thinking_kwargs(think: str | None, switch: str | None) -> dict[str, Any]:
+    """What the template is given for `--think` (on, off, low, medium, high; None: nothing,
+    the model's own default) where it has a `switch` (`thinking_switch`)."""
+    if think is None or switch is None:
+        return {}
+    if switch == "enable_thinking":
+        return {"enable_thinking": think != "off"}
+    return {"reasoning_effort": {"on": "medium", "off": "low"}.get(think, think)}

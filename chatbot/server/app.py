@@ -383,7 +383,7 @@ class OpenAIApi:
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )
-            texts, entries, finishes, event = await _collect(first, events, job, self.closing)
+            texts, entries, finishes, event, thoughts = await _collect(first, events, job, self.closing)
         finally:
             await _stop(watcher)
         if event is None:
@@ -403,6 +403,8 @@ class OpenAIApi:
                 choice["logprobs"] = None if job.logprobs is None else chat_logprobs(entries[i])
             elif chat:
                 choice["message"] = {"role": "assistant", "content": "".join(texts[i])}
+                if "".join(thoughts[i]):
+                    choice["message"]["reasoning_content"] = "".join(thoughts[i])
                 choice["logprobs"] = None if job.logprobs is None else chat_logprobs(entries[i])
             else:
                 choice["text"] = "".join(texts[i])
@@ -467,10 +469,13 @@ class OpenAIApi:
                             finish = "tool_calls"
                     yield chunk({}, finish, index=index)
                 else:
-                    piece, tokens, index = event[1]
+                    piece, tokens, index, thought = event[1]
+                    if thought:
+                        yield chunk({"reasoning_content": thought}, index=index)
                     if calls is not None:
                         piece = calls[index].feed(piece)
-                    yield chunk({"content": piece}, entries=tokens, index=index)
+                    if piece or tokens or not thought:
+                        yield chunk({"content": piece}, entries=tokens, index=index)
                 event = await _next_event(events, job, self.closing)
             if event is None:
                 return
@@ -525,11 +530,14 @@ def _usage(done: dict[str, Any]) -> dict[str, Any]:
 
 async def _collect(
     first: tuple[str, Any], events: asyncio.Queue[tuple[str, Any]], job: Job, closing: threading.Event
-) -> tuple[list[list[str]], list[list[TokenLogprob]], dict[int, str], tuple[str, Any] | None]:
+) -> tuple[
+    list[list[str]], list[list[TokenLogprob]], dict[int, str], tuple[str, Any] | None, list[list[str]]
+]:
     """A job's answers gathered from its events: each answer's pieces of text and logprobs,
     the finish reasons by answer, and the event that ended them ("done", "error", or None
-    when the client went away)."""
+    when the client went away), and each answer's thinking (sent apart)."""
     texts: list[list[str]] = [[] for _ in range(job.n)]
+    thoughts: list[list[str]] = [[] for _ in range(job.n)]
     entries: list[list[TokenLogprob]] = [[] for _ in range(job.n)]
     finishes: dict[int, str] = {}
     event: tuple[str, Any] | None = first
@@ -537,11 +545,12 @@ async def _collect(
         if event[0] == "finish":
             finishes[event[1][0]] = event[1][1]
         else:
-            piece, tokens, index = event[1]
+            piece, tokens, index, thought = event[1]
             texts[index].append(piece)
+            thoughts[index].append(thought)
             entries[index] += tokens
         event = await _next_event(events, job, closing)
-    return texts, entries, finishes, event
+    return texts, entries, finishes, event, thoughts
 
 
 async def _next_event(

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from chatbot.config import SamplingConfig
 from chatbot.conversation.cache import conversation_cache
+from chatbot.conversation.thinking import ThinkingSplitter
 from chatbot.engine.backends.base import BatchedBackend
 from chatbot.engine.backends.choose import serving_backend
 from chatbot.engine.backends.native.kernels import KernelsUnavailable
@@ -72,7 +73,7 @@ class Worker:
     the pool and the tokenizer are only ever used by one at a time. Without them, jobs run one
     after the other.
 
-    Events: ("text", (str, [TokenLogprob], choice)) for each piece of an answer (the
+    Events: ("text", (str, [TokenLogprob], choice, thinking)) for each piece of an answer (the
     logprobs of the tokens it completes when the job asks for them), ("finish", (choice,
     finish reason)) as each of the job's `n` answers ends, then ("done", usage dict with the
     first answer's finish reason), or ("error", APIError) when nothing could be generated.
@@ -277,7 +278,14 @@ class Worker:
                     nonlocal prompt_tokens  # only the prompt is in the cache yet
                     prompt_tokens = len(session.cache_ids) + session.evicted_total
 
-                stats = _stream(job, chunks, tracker, choice, first=measure if not choice else None)
+                stats = _stream(
+                    job,
+                    chunks,
+                    tracker,
+                    choice,
+                    first=measure if not choice else None,
+                    opened=lambda: session.thinking_opened,
+                )
                 if stats is None:  # the client has gone
                     return True
                 if not choice:
@@ -311,17 +319,23 @@ def _stream(
     choice: int,
     view: Any = None,
     first: Callable[[], None] | None = None,
+    opened: Callable[[], str | None] | None = None,
 ) -> Any:
     """Send one answer's chunks as the job's events (through the stop-string `view` where
     there is one); its stats, or None when the client went away (the answer is cut short).
-    `first` is called once the first chunk has come."""
+    `first` is called once the first chunk has come; `opened` says which thinking tag the
+    prompt left open (a chat's thinking is sent apart)."""
     stats = None
+    splitter: ThinkingSplitter | None = None
     try:
         for chunk in chunks:
             if first is not None:
                 first()
                 first = None
-            _emit_text(job, chunk if view is None else view.chunk(chunk), tracker, choice)
+            if splitter is None and job.conversation is not None and job.tools is None:
+                # a chat's thinking goes apart, as reasoning_content (known from the first chunk on)
+                splitter = ThinkingSplitter(opened() if opened is not None else None)
+            _emit_text(job, chunk if view is None else view.chunk(chunk), tracker, choice, splitter)
             stats = chunk.stats or stats
             if job.cancel.is_set():
                 return None
@@ -331,10 +345,23 @@ def _stream(
     return stats
 
 
-def _emit_text(job: Job, chunk: GenerationChunk, tracker: LogprobTracker | None, choice: int) -> None:
-    """The chunk's text, with the logprobs of the tokens it completes."""
+def _emit_text(
+    job: Job,
+    chunk: GenerationChunk,
+    tracker: LogprobTracker | None,
+    choice: int,
+    splitter: ThinkingSplitter | None = None,
+) -> None:
+    """The chunk's text, with the logprobs of the tokens it completes; the thinking in it
+    apart (`splitter`: a chat's)."""
     entries: list[TokenLogprob] = []
+    final = chunk.finish_reason is not None
     if tracker is not None:
-        entries = tracker.take(chunk.text, final=chunk.finish_reason is not None)
-    if chunk.text or entries:
-        job.emit(("text", (chunk.text, entries, choice)))
+        entries = tracker.take(chunk.text, final=final)
+    text, thought = chunk.text, ""
+    if splitter is not None:
+        parts = splitter.feed(chunk.text) + (splitter.flush() if final else [])
+        text = "".join(p for p, thinking in parts if not thinking)
+        thought = "".join(p for p, thinking in parts if thinking)
+    if text or entries or thought:
+        job.emit(("text", (text, entries, choice, thought)))

@@ -54,6 +54,8 @@ def answer_once(repl: Repl, message: str) -> int:
     failed (its error line is printed), 130 stopped by Ctrl-C."""
     failed, turns = repl.failed, len(repl.session.turns)
     repl.one_shot = True
+    for note in repl.session.take_notes():  # e.g. --think on a model that has no switch
+        repl.note(note)
     repl.chat(message)
     if repl.failed > failed:
         return 1

@@ -73,7 +73,8 @@ def _stats_line(stats: TurnStats) -> str:
         f"context {stats.context_tokens:,} tok",
         f"{stats.context_time_s:.2f} s",
         f"first token {stats.ttft_s:.2f} s",
-        f"{stats.generated_tokens:,} tok",
+        *thought_parts(stats),
+        f"{stats.generated_tokens - stats.thinking_tokens:,} tok",
     ]
     if stats.token_latencies_s:
         parts.append(f"{stats.decode_tps:.1f} tok/s")
@@ -98,7 +99,9 @@ def format_remote_stats_line(stats: RemoteStats) -> str:
             f"prompt {stats.prompt_tokens:,} tok" + (f" ({cached:,} cached)" if cached is not None else "")
         ]
     parts.append(f"first token {stats.ttft_s:.2f} s")
-    parts.append(f"{stats.generated_tokens:,} tok" + (" (estimated)" if estimated else ""))
+    parts.extend(thought_parts(stats))
+    answered = stats.generated_tokens - stats.thinking_tokens
+    parts.append(f"{answered:,} tok" + (" (estimated)" if estimated else ""))
     if stats.token_latencies_s:
         parts.append(f"{stats.decode_tps:.1f} tok/s")
         parts.append(f"p50 {stats.ms_per_token_p50:.0f} / p90 {stats.ms_per_token_p90:.0f} ms/tok")
@@ -106,6 +109,14 @@ def format_remote_stats_line(stats: RemoteStats) -> str:
     if stats.finish_reason in ("length", "interrupted"):
         parts.append(finish_word(stats.finish_reason))
     return " · ".join(parts)
+
+
+def thought_parts(stats: TurnStats) -> list[str]:
+    """The stats line's thinking, apart from the answer (`thought 412 tok`, `9.8 s`); none
+    where the model did not think."""
+    if not stats.thinking_tokens:
+        return []
+    return [f"thought {stats.thinking_tokens:,} tok", f"{stats.thinking_time_s:.1f} s"]
 
 
 def stats_table(turns: list[Any], summary: dict[str, Any]) -> Table:
@@ -199,6 +210,11 @@ def stats_renderable(console: Console, turns: list[Any], summary: dict[str, Any]
     under either, what its words mean."""
     table = stats_table(turns, summary)
     key = list(STATS_KEY)
+    if summary.get("thinking_tokens"):
+        thought = [f"{i}: {t.stats.thinking_tokens:,} tok, {t.stats.thinking_time_s:.1f} s"
+                   for i, t in enumerate(turns, 1) if t.stats.thinking_tokens]  # fmt: skip
+        key.insert(0, f"thought {summary['thinking_tokens']:,} of the new tokens in "
+                   f"{summary['thinking_time_s']:.1f} s (turn {'; '.join(thought)})")  # fmt: skip
     if any(isinstance(t.stats, RemoteStats) for t in turns):
         key[-1] += "; ?: not reported by the server"
     width = Measurement.get(console, console.options.update_width(10_000), table).maximum

@@ -56,6 +56,7 @@ from chatbot.terminal.render import (
 )
 from chatbot.terminal.repl_commands import ReplCommands
 from chatbot.terminal.sanitize import safe_line, safe_text
+from chatbot.terminal.thinking_view import ThinkingRoute
 from chatbot.terminal.tty import Terminated, ended_by_signals, interrupt_once, make_consoles, no_echo
 from chatbot.terminal.wrap_input import FoldLongLines, WordWrap
 from chatbot.wording import counted
@@ -123,6 +124,10 @@ class Repl(ReplCommands):
         self._draft = ""  # a message typed but not sent (Ctrl-C while loading or before its answer)
         self._prompting = False  # run_terminal's loop: a message not sent comes back at the prompt
         self.one_shot = False  # `chatbot run "PROMPT"`: no prompt follows, so no command to offer
+        # --show-thinking ("show": kept on screen; in a pipe, to stderr), --hide-thinking
+        # ("hide": one line), else "fold": dimmed while it streams, one line once the answer starts
+        self.thinking_view = "fold"
+        self.last_thinking = ""  # the last answer's thinking (/thinking)
         self.blocks = BlockReader()
         self.handlers: dict[str, Callable[[Command], None]] = {
             "help": self._help,
@@ -382,12 +387,18 @@ class Repl(ReplCommands):
             try:
                 with prompt_bar(self.info, self.session):  # the prefill runs in the first next()
                     first = next(chunks, None)
+                route = self._thinking_route(answer, raw)
                 with answer:
-                    for chunk in itertools.chain(() if first is None else (first,), chunks):
-                        if chunk.text:
-                            with interrupts.deferred():
-                                answer.add(chunk.text if raw else safe_text(chunk.text))
-                        stats = chunk.stats or stats
+                    try:
+                        for chunk in itertools.chain(() if first is None else (first,), chunks):
+                            thought = getattr(chunk, "thinking", "")
+                            if chunk.text or thought:
+                                with interrupts.deferred():
+                                    route.add(chunk.text, thought)
+                            stats = chunk.stats or stats
+                    finally:
+                        route.end()
+                        self.last_thinking = route.thinking
             except KeyboardInterrupt:
                 chunks.close()
                 problem = "interrupted"
@@ -411,6 +422,19 @@ class Repl(ReplCommands):
                 self.info.print()  # see _answer_through_pipe
             self.note(format_stats_line(stats, self.info.width if self.info.is_terminal else None))
         return problem
+
+    def _thinking_route(self, answer: MarkdownAnswer | PlainAnswer, raw: bool) -> ThinkingRoute:
+        """Thinking inline on a terminal (dimmed); in a pipe or a one-shot run, to stderr with
+        --show-thinking, else nowhere: stdout carries the answer alone."""
+        inline = self.console.is_terminal and not self.one_shot and self.thinking_view != "hide"
+        return ThinkingRoute(
+            answer,
+            self.session.thinking_opened,
+            inline=inline,
+            apart=self.info.file if self.thinking_view == "show" and not inline else None,
+            dim=self.info.is_terminal,
+            raw=raw,
+        )
 
     def _interrupted_note(self) -> None:
         """Say what a Ctrl-C left of the last turn: a partial answer, or (stopped while the
