@@ -8,6 +8,7 @@ tiny files are written as llama.cpp's converter writes qwen3moe (`devtools.gguf_
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -274,3 +275,18 @@ def test_a_mixture_chats_in_the_sink_window(files):
     assert run.stdout.strip()
     stats = run.stdout + run.stderr
     assert "cache 28/28" in stats and "4 sinks" in stats and "evicted" in stats
+
+
+def test_doctor_names_the_experts_and_the_bytes_a_token_reads(files):
+    """`chatbot doctor --model F` says the file decodes natively, its experts and how many a
+    token uses, and the megabytes one token reads (less than the whole file's matrices)."""
+    run = subprocess.run(
+        [CHATBOT, "doctor", "--model", str(files["Q4_K_M"])],
+        check=False, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    line = next(x for x in run.stdout.splitlines() if x.startswith("decode:"))
+    assert line.startswith("decode: native") and "8 experts of 256, 2 per token: " in line
+    total = float(re.search(r"matrices[^,]*, ([\d,]+) MB", line)[1].replace(",", ""))
+    read = float(re.search(r"2 per token: ([\d,]+) MB read per token", line)[1].replace(",", ""))
+    assert 0 < read < total
