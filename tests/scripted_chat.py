@@ -10,6 +10,7 @@ With `--prompt TEXT` it answers once and exits, as `chatbot run "TEXT"`. With `-
 the REPL starts as `chatbot run` does, with its model still loading: the load ends when the
 test creates PATH (with `--load-fails`, it ends with an error). `--max-context` makes room
 for a long paste (the tiny tokenizer spends about one token per two characters).
+`--thinking show|hide` is --show-thinking / --hide-thinking (default: folded).
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def main() -> None:
     parser.add_argument("--source", default="test", help="where the model came from (/model shows it)")
     parser.add_argument("--decode", help="how the model decodes, as /model says it")
     parser.add_argument("--max-context", type=int, default=4096, help="the engine's context, in tokens")
+    parser.add_argument("--thinking", default="fold", help="fold, show or hide (--show/--hide-thinking)")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -144,6 +146,7 @@ def main() -> None:
         sys.exit(answer_once(repl, args.prompt))
     if args.load_when is None:
         repl = Repl(session, loaded, out, plain=not sys.stdout.isatty(), info=info)
+        repl.thinking_view = args.thinking
         repl.start_log()
         run_repl(repl, interactive)
         return

@@ -58,13 +58,15 @@ def add(first, second):
 """
 
 
-def start(tmp_path: Path, answers: list[str], columns: int, lines: int = 24, delay: float = 0.0) -> Terminal:
+def start(
+    tmp_path: Path, answers: list[str], columns: int, lines: int = 24, delay: float = 0.0, *flags: str
+) -> Terminal:
     files = []
     for i, text in enumerate(answers):
         path = tmp_path / f"answer{i}.md"
         path.write_text(text, encoding="utf-8")
         files.append(str(path))
-    argv = [sys.executable, str(SCRIPT), *files, "--delay", str(delay)]
+    argv = [sys.executable, str(SCRIPT), *files, "--delay", str(delay), *flags]
     term = Terminal(argv, columns=columns, lines=lines, cwd=str(tmp_path))
     term.wait_prompt(120)
     return term
@@ -127,7 +129,7 @@ def test_a_closed_code_fence_is_highlighted_and_thinking_is_dimmed(tmp_path, ter
         "<think>\nThe user wants code.\n</think>\nHere it is:\n\n"
         "```python\ndef add(a, b):\n    return a + b\n```\n"
     )
-    term = start(tmp_path, [answer], 80)
+    term = start(tmp_path, [answer], 80, 24, 0.0, "--thinking", "show")  # kept, not folded
     terminals.append(term)
     send(term, "code please")
     screen = term.screen

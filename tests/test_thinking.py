@@ -276,3 +276,61 @@ def test_serve_sends_the_thinking_apart_as_reasoning_content(tiny, think_templat
                 parts["content"] += choice.delta.content or ""
                 parts["reasoning_content"] += getattr(choice.delta, "reasoning_content", None) or ""
         assert parts == {"content": message.content, "reasoning_content": thought}
+
+
+def _ask(client, **kwargs) -> tuple[str, str]:
+    """(reasoning_content, content) of a greedy answer to "Hi!"."""
+    reply = client.chat.completions.create(
+        model="tiny0", messages=[{"role": "user", "content": "Hi!"}], temperature=0, **kwargs
+    )
+    message = reply.choices[0].message
+    return getattr(message, "reasoning_content", None) or "", message.content or ""
+
+
+def test_serve_takes_a_requests_budget_and_enable_thinking(tiny, switch_template, tmp_path):
+    from openai import BadRequestError, OpenAI
+    from serve_helpers import running_server
+
+    with running_server("--model", tiny, "--template", switch_template, log=tmp_path / "serve.log") as url:
+        client = OpenAI(base_url=url, api_key="none")
+        # the template thinks by default; the random model never closes it: all 6 tokens thought
+        thought, content = _ask(client, max_tokens=6)
+        assert thought and not content
+        # a budget of this request's own closes it, and the model answers
+        thought, content = _ask(client, max_tokens=60, extra_body={"think_budget": 8})
+        assert "time to answer." in thought and content and "<think>" not in content
+        # enable_thinking false: the template closes the thinking at once, all is answer
+        off = {"chat_template_kwargs": {"enable_thinking": False}}
+        thought, content = _ask(client, max_tokens=6, extra_body=off)
+        assert not thought and content and "think>" not in content
+        # the next request without it thinks again (the kept session follows the request)
+        thought, content = _ask(client, max_tokens=6)
+        assert thought and not content
+        with pytest.raises(BadRequestError) as bad:
+            _ask(client, max_tokens=6, extra_body={"chat_template_kwargs": {"enable_thinking": "no"}})
+        assert "chat_template_kwargs.enable_thinking must be true or false" in str(bad.value)
+
+
+EFFORT_TEMPLATE = (  # harmony-like: reasoning_effort low skips the thinking
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if reasoning_effort is defined and reasoning_effort == 'low' %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}"
+)
+
+
+def test_serve_takes_a_requests_reasoning_effort(tiny, tmp_path):
+    from openai import BadRequestError, OpenAI
+    from serve_helpers import running_server
+
+    template = tmp_path / "effort.jinja"
+    template.write_text(EFFORT_TEMPLATE)
+    with running_server("--model", tiny, "--template", str(template), log=tmp_path / "serve.log") as url:
+        client = OpenAI(base_url=url, api_key="none")
+        thought, content = _ask(client, max_tokens=6, reasoning_effort="high")
+        assert thought and not content
+        thought, content = _ask(client, max_tokens=6, reasoning_effort="low")
+        assert not thought and content
+        with pytest.raises(BadRequestError) as bad:
+            _ask(client, max_tokens=6, extra_body={"reasoning_effort": "extreme"})
+        assert "reasoning_effort must be one of low, medium, high" in str(bad.value)

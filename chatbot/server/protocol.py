@@ -161,6 +161,31 @@ class ChatRequest(_Request):
     cache_salt: Text | None = None
     continue_final_message: bool = False
     add_generation_prompt: bool = True
+    reasoning_effort: Text | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def think(self) -> tuple[str | None, str]:
+        """What the request asks of a thinking model's template (`SamplingConfig.think`: on,
+        off, low, medium, high; None: the server's default) and the field that asks it:
+        `chat_template_kwargs`' `enable_thinking` or `reasoning_effort` (vLLM's, SGLang's)
+        first, else OpenAI's `reasoning_effort`. Other template arguments are not read.
+
+        Raises:
+            APIError: enable_thinking that is not true or false.
+        """
+        kwargs = self.chat_template_kwargs or {}
+        if "enable_thinking" in kwargs:
+            enable = kwargs["enable_thinking"]
+            if not isinstance(enable, bool):
+                raise APIError(
+                    400,
+                    f"chat_template_kwargs.enable_thinking must be true or false, got {enable!r}",
+                    param="chat_template_kwargs",
+                )
+            return ("on" if enable else "off"), "chat_template_kwargs.enable_thinking"
+        if kwargs.get("reasoning_effort") is not None:
+            return str(kwargs["reasoning_effort"]), "chat_template_kwargs.reasoning_effort"
+        return self.reasoning_effort, "reasoning_effort"
 
     def top_logprobs_wanted(self) -> int | None:
         """How many top tokens to list with each token's logprob; None: no logprobs.
@@ -508,6 +533,16 @@ def sampling_of(
             sampling = sampling.with_value(key, value)
         except ConfigError as exc:
             raise APIError(400, str(exc).replace("max_new_tokens", max_param), param=param) from None
+    think, think_param = body.think() if isinstance(body, ChatRequest) else (None, "")
+    if think is not None:
+        try:
+            sampling = sampling.with_value("think", think)
+        except ConfigError:
+            raise APIError(
+                400,
+                f"{think_param} must be one of low, medium, high (or on, off), got {think!r}",
+                param=think_param.partition(".")[0],
+            ) from None
     if max_context is not None and sampling.max_new_tokens >= max_context:
         raise APIError(
             400,

@@ -9,7 +9,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from chatbot.config import SamplingConfig
@@ -238,6 +238,10 @@ class Worker:
             job.emit(("error", _error(exc, job)))
             return
         session = entry.session
+        if session.sampling.think != job.sampling.think:
+            # the request's thinking switch (reasoning_effort, chat_template_kwargs) renders
+            # the template from this answer on; a kept session re-aligns its cache to it
+            session.set_sampling(replace(session.sampling, think=job.sampling.think))
         template_stops = session.stops
         # The request's stop strings join the template's for this answer: the session then
         # ends the answer before one, never shows part of one, and cuts it out of the cache.

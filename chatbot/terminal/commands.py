@@ -55,6 +55,7 @@ COMMANDS: dict[str, CommandSpec] = {
         ),
         CommandSpec("history", "/history", "show the conversation so far"),
         CommandSpec("stats", "/stats", "a table of every turn so far, with totals"),
+        CommandSpec("thinking", "/thinking", "show the last answer's thinking in full (it folds to a line)"),
         CommandSpec(
             "model",
             "/model",

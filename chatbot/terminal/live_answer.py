@@ -17,7 +17,10 @@ token stays the same however long the table grows. And a refresh that took long 
 longer for the next (`_COST_FACTOR`), so re-drawing never takes a large share of decoding.
 
 Thinking parts (`<think>…</think>`) are shown dimmed, line by line; a code fence is plain
-while it is open and highlighted once it closes.
+while it is open and highlighted once it closes. With `fold_thinking`, the thinking stays in
+the live region (its last lines, as many as fit the screen) and nothing of it is printed for
+good: `fold(line)` then replaces it with one line (`thought for 412 tok · 9.8 s`), which
+never has to move the cursor above the live region, however long the thinking was.
 """
 
 from __future__ import annotations
@@ -201,6 +204,8 @@ class MarkdownAnswer:
         console: a terminal console (its width and height are read for each block).
         refresh_per_second: the most re-draws of the live block per second.
         clock: seconds, for the refresh rate (a test or bench may pass its own).
+        fold_thinking: hold a thinking part in the live region until `fold` replaces it with
+            one line (a closing tag that comes through `add` prints it in full instead).
     """
 
     def __init__(
@@ -208,8 +213,10 @@ class MarkdownAnswer:
         console: Console,
         refresh_per_second: float = 12.0,
         clock: Callable[[], float] = time.monotonic,
+        fold_thinking: bool = False,
     ) -> None:
         self.console = console
+        self.fold_thinking = fold_thinking
         self.text = ""
         self._open = ""  # source of the block being written (not yet printed for good)
         self._skip = 0  # rendered lines of the open block already printed for good
@@ -251,6 +258,14 @@ class MarkdownAnswer:
         if now - self._last_refresh >= self._wait:
             self._refresh()
 
+    def fold(self, line: str) -> None:
+        """The thinking ended: drop the thinking part still open (held in the live region,
+        `fold_thinking`) and print `line` for good in its place, dimmed."""
+        if self._thinking_close is not None:
+            self._drop(len(self._open))
+            self._thinking_close = None
+        self._emit(self._render_lines(Text(line, style=THINKING_STYLE)), blank=False)
+
     def __exit__(self, *exc: object) -> None:
         """Print the rest for good (also after Ctrl-C: the partial block stays, rendered)."""
         try:
@@ -272,6 +287,8 @@ class MarkdownAnswer:
                     self._thinking_close = None
                     self._open = self._open.lstrip("\n")
                     continue
+                if self.fold_thinking:
+                    return  # held in the live region until it folds (`fold`)
                 cut = self._open.rfind("\n") + 1  # complete lines of thinking are final
                 if cut:
                     self._print_and_drop(cut, thinking=True)
@@ -406,6 +423,8 @@ class MarkdownAnswer:
         always fits (a region taller than the screen repeats itself in the scrollback)."""
         if self._table is not None:
             return  # shown in part until it ends (`_table_preview`), never printed in part
+        if self.fold_thinking and self._thinking_close is not None:
+            return  # its last lines only are shown (`_thinking_tail`), none printed
         limit = self._max_live_lines()
         width = max(self.console.width, 1)
         # A cheap upper bound first: rendering is only needed for a block that may be tall.
@@ -468,6 +487,15 @@ class MarkdownAnswer:
         lines = self._open[len(head) :].rsplit("\n", keep)
         return head + "\n".join(lines[-keep:])
 
+    def _thinking_tail(self, width: int) -> list[list[Segment]]:
+        """The last lines of a held thinking part that fit the live region, rendered from the
+        end of its text only (a row holds at most `width` characters), so a long thinking
+        costs no more per refresh than a short one."""
+        limit = self._max_live_lines()
+        tail = self._open[-2 * limit * max(width, 10) :]
+        tail = "\n".join(tail.rsplit("\n", limit)[-limit:])
+        return self._render(tail, True, final=False, width=width)[-limit:]
+
     def _after_resize(self) -> None:
         """After the terminal got narrower, count the rows the live region now takes.
 
@@ -495,6 +523,8 @@ class MarkdownAnswer:
             if self._table is not None:
                 lines = self._render(self._table_preview(), False, final=False, width=width)
                 lines = lines[-self._max_live_lines() :]
+            elif self.fold_thinking and self._thinking_close is not None:
+                lines = self._thinking_tail(width)
             else:
                 lines = self._render(self._open, self._thinking_close is not None, final=False, width=width)
                 lines = lines[self._skip :]

@@ -142,6 +142,7 @@ class Repl(ReplCommands):
             "load": self._load,
             "history": self._history,
             "stats": self._stats,
+            "thinking": self._thinking,
             "model": self._model,
             "cache": self._cache,
         }
@@ -376,7 +377,7 @@ class Repl(ReplCommands):
         interrupted answer is kept (/retry, /continue: the turn stays); `continued`: the
         chunks go on from an answer shown before (/continue), so their leading space counts."""
         plain = PlainAnswer(self.console.file, keep_leading=continued) if self.plain else None
-        answer = plain or MarkdownAnswer(self.console)
+        answer = plain or MarkdownAnswer(self.console, fold_thinking=self.thinking_view == "fold")
         # Model text reaches a terminal with its control sequences made visible; piped
         # output (--plain, stdout not a terminal) keeps the model's bytes.
         raw = self.plain and not self.console.is_terminal
@@ -394,7 +395,7 @@ class Repl(ReplCommands):
                             thought = getattr(chunk, "thinking", "")
                             if chunk.text or thought:
                                 with interrupts.deferred():
-                                    route.add(chunk.text, thought)
+                                    route.add(chunk.text, thought, len(getattr(chunk, "token_ids", ())) or 1)
                             stats = chunk.stats or stats
                     finally:
                         route.end()
@@ -425,7 +426,9 @@ class Repl(ReplCommands):
 
     def _thinking_route(self, answer: MarkdownAnswer | PlainAnswer, raw: bool) -> ThinkingRoute:
         """Thinking inline on a terminal (dimmed); in a pipe or a one-shot run, to stderr with
-        --show-thinking, else nowhere: stdout carries the answer alone."""
+        --show-thinking, else nowhere: stdout carries the answer alone. On a terminal it folds
+        to one line once the answer starts (--hide-thinking: that line alone), unless
+        --show-thinking."""
         inline = self.console.is_terminal and not self.one_shot and self.thinking_view != "hide"
         return ThinkingRoute(
             answer,
@@ -434,6 +437,9 @@ class Repl(ReplCommands):
             apart=self.info.file if self.thinking_view == "show" and not inline else None,
             dim=self.info.is_terminal,
             raw=raw,
+            fold=answer.fold
+            if isinstance(answer, MarkdownAnswer) and not self.one_shot and self.thinking_view != "show"
+            else None,
         )
 
     def _interrupted_note(self) -> None:

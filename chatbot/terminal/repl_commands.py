@@ -11,6 +11,7 @@ from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.text import Text
 
 from chatbot.conversation.log import data_dir
 from chatbot.errors import ContextFullError
@@ -30,6 +31,7 @@ from chatbot.terminal.render import (
     sampling_brief,
     stats_renderable,
 )
+from chatbot.terminal.sanitize import safe_text
 from chatbot.terminal.tty import interrupt_once
 from chatbot.wording import counted
 
@@ -59,6 +61,7 @@ class ReplCommands:
     info: Console
     plain: bool
     running: bool
+    last_thinking: str
 
     if TYPE_CHECKING:
 
@@ -186,6 +189,13 @@ class ReplCommands:
             self.note("no turns yet")
             return
         self.info.print(stats_renderable(self.info, self.session.turns, self.session.summary()))
+
+    def _thinking(self, _: Command) -> None:
+        thought = self.last_thinking.strip()
+        if not thought:
+            self.note("the last answer had no thinking")
+            return
+        self.info.print(Text(safe_text(thought), style="dim italic"), crop=False)
 
     def _model(self, _: Command) -> None:
         title, rows = self.session.describe_model(self.loaded)
