@@ -7,8 +7,8 @@ the token ids the cache holds and what makes them valid (the model file's identi
 template, the system prompt, the dtype, the backend, the format version), with a CRC-32 of the
 header and every tensor byte. It is a cache: deleting it only costs a re-encode.
 
-Written after each turn from a copy taken then (the next turn may change the cache at once),
-in a thread, to a temporary file renamed over the old one: a crash leaves the old file or the
+Written after each turn by a thread (the next forward pass waits for it: it may write over
+the positions being copied), to a temporary file renamed over the old one: a crash leaves the old file or the
 new one, never a torn one that loads. A file that does not match (another model, template,
 system prompt, dtype or backend; ids the resumed history does not start with) or that is
 damaged (truncated, a flipped byte) is not used; `load` says why in one line.
@@ -110,23 +110,27 @@ class KVStore:
         self.last_error: str | None = None  # why the last write failed (None: it did not)
 
     def save(self, kv: TrackedCache) -> bool:
-        """Copy the cache now and write it in the background (after any earlier write).
-        Returns False, writing nothing, for a cache that cannot be kept (see `_layers`)."""
+        """Write the cache in the background (after any earlier write): the layers' tensors
+        are taken now as views, copied and written by a thread. The caller runs no forward
+        pass on the cache (which may write over the positions viewed) before `wait`.
+
+        Returns:
+            False, writing nothing, for a cache that cannot be kept (see `_layers`).
+        """
         layers = _layers(kv)
         if layers is None or not kv.ids:
             return False
         n = len(kv.ids)
-        tensors: dict[str, torch.Tensor] = {}
+        views: dict[str, torch.Tensor] = {}
         for i, layer in enumerate(layers):
             if layer.keys is None or layer.values is None or layer.keys.shape[-2] != n:
                 return False
-            tensors[f"k.{i}"] = layer.keys.detach().to("cpu", copy=True).contiguous()
-            tensors[f"v.{i}"] = layer.values.detach().to("cpu", copy=True).contiguous()
+            views[f"k.{i}"], views[f"v.{i}"] = layer.keys.detach(), layer.values.detach()
         header = json.dumps(
-            {**self.identity(), "version": FORMAT_VERSION, "dtype": str(tensors["k.0"].dtype), "ids": kv.ids}
+            {**self.identity(), "version": FORMAT_VERSION, "dtype": str(views["k.0"].dtype), "ids": kv.ids}
         )
         self.wait()
-        self._writer = threading.Thread(target=self._write, args=(header, tensors), name="kv-store")
+        self._writer = threading.Thread(target=self._write, args=(header, views), name="kv-store")
         self._writer.start()  # not a daemon: the process waits for the file before it ends
         return True
 
@@ -141,6 +145,7 @@ class KVStore:
 
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         try:
+            tensors = {name: t.to("cpu", copy=True).contiguous() for name, t in tensors.items()}
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             save_file(tensors, str(tmp), metadata={_HEADER: header, _CHECKSUM: _crc(header, tensors)})
             os.replace(tmp, self.path)
@@ -180,8 +185,7 @@ class KVStore:
             if a != b:
                 break
             n += 1
-        n = min(n, len(ids) - 1)  # the last id is fed again: its logits start the answer
-        if n <= 0:
+        if n == 0:
             return 0, "the disk cache holds another conversation (the log was edited)"
         if len(tensors) != 2 * len(layers) or any(t.shape[-2] != len(held) for t in tensors.values()):
             return 0, "the disk cache does not fit this model's layers"

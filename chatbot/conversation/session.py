@@ -201,6 +201,7 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
         # A Ctrl-C while the window is refilled ends the turn like one in the prefill: the
         # finally below closes it.
         interrupted = False
+        self._before_forward()
         try:
             self._skip_to_window()
         except KeyboardInterrupt:
