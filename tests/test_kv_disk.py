@@ -144,3 +144,55 @@ def test_a_streaming_chat_keeps_no_cache_on_disk(tiny_model, tiny_tokenizer, tmp
     c.lines("Hello there!")
     assert c.session.kv_store is None
     assert not kv_dir().exists() or not any(kv_dir().iterdir())
+
+
+def test_the_default_model_resumes_from_disk_token_for_token(default_model, tmp_path):
+    """On the real model and the native kernels (as `chatbot run` decodes): the resumed chat
+    answers its next message with the same greedy tokens as the chat that never stopped; a
+    truncated file is refused and the chat re-encodes, answering as one that had no file."""
+    import shutil
+
+    from chatbot.config import ChatConfig, SamplingConfig
+    from chatbot.conversation.kvstore import KVStore
+    from chatbot.conversation.session import ChatSession
+    from chatbot.engine.backends.choose import backend_for
+    from chatbot.engine.generate import Engine
+
+    backend, _ = backend_for(default_model.model, "auto")
+    engine = Engine(default_model.model, default_model.tokenizer, backend=backend)
+    config = ChatConfig(sampling=SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=16))
+
+    def answer(session, text):
+        return "".join(chunk.text for chunk in session.send(text))
+
+    def session(file=None):
+        s = ChatSession(engine, config)
+        if file is not None:
+            s.keep_cache_in(KVStore(file, s.kv_identity), resuming=True)
+        return s
+
+    whole = session(tmp_path / "whole.safetensors")
+    whole.keep_cache_in(whole.kv_store)  # writing, not resuming
+    for text in ("What is bread made of?", "And how long does it bake?"):
+        answer(whole, text)
+    whole.kv_store.wait()
+    saved, kept = whole.to_dict("default"), tmp_path / "kept.safetensors"
+    shutil.copy(whole.kv_store.path, kept)
+    if type(engine.backend).__name__ == "NativeBackend":
+        assert type(whole.kv.cache.layers[0]).__name__ == "BufferLayer"
+    going_on = answer(whole, "Thank you!")
+
+    resumed = session(kept)
+    encoded = resumed.restore(saved)  # the closing text of the last answer, at most a few more
+    assert encoded <= 4 and f"from the disk cache, {encoded} encoded" in resumed.encoded_note(encoded, False)
+    assert answer(resumed, "Thank you!") == going_on
+    stats = resumed.turns[-1].stats
+    assert stats.reused_of - stats.reused_tokens == encoded and stats.reused_tokens > 50
+
+    resumed.kv_store.wait()  # (it wrote the file again after its turn)
+    kept.write_bytes(kept.read_bytes()[:-1000])
+    refused, plain = session(kept), session()
+    n = refused.restore(saved)
+    assert n == plain.restore(saved) > 50
+    assert "is damaged" in refused.encoded_note(n, False)
+    assert answer(refused, "Thank you!") == answer(plain, "Thank you!")
