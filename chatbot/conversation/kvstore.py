@@ -90,7 +90,7 @@ def _layers(kv: TrackedCache) -> list[Any] | None:
 def _crc(header: str, tensors: dict[str, torch.Tensor]) -> str:
     crc = zlib.crc32(header.encode())
     for name in sorted(tensors):
-        crc = zlib.crc32(memoryview(tensors[name].contiguous().view(torch.uint8).numpy()), crc)
+        crc = zlib.crc32(tensors[name].contiguous().view(torch.uint8).numpy().data, crc)
     return f"{crc:08x}"
 
 

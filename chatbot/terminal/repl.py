@@ -296,12 +296,13 @@ class Repl(ReplCommands):
 
     def _keep_cache(self, session_id: str, resuming: bool = False) -> None:
         """Keep a local chat's cache on disk beside its log (`chatbot.conversation.kvstore`)."""
-        keep = getattr(self.session, "keep_cache_in", None)  # a model here (not a server's)
-        if keep is not None and not self.session.kv.is_bounded:
+        session: Any = self.session
+        keep = getattr(session, "keep_cache_in", None)  # a model here (not a server's)
+        if keep is not None and not session.kv.is_bounded:
             from chatbot.conversation.kvstore import SUFFIX as KV_SUFFIX
             from chatbot.conversation.kvstore import KVStore, kv_dir
 
-            store = KVStore(kv_dir() / (session_id + KV_SUFFIX), self.session.kv_identity)
+            store = KVStore(kv_dir() / (session_id + KV_SUFFIX), session.kv_identity)
             keep(store, resuming)
 
     def _log_header(self) -> dict[str, Any]:
