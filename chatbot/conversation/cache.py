@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
     from chatbot.config import ChatConfig, EngineConfig
     from chatbot.conversation.alignment import Segment
+    from chatbot.conversation.kvstore import KVStore
     from chatbot.conversation.saved import Turn
     from chatbot.engine.generate import Engine
 
@@ -67,6 +68,7 @@ class ConversationCache:
     segments: list[Segment]
     turns: list[Turn]
     tokenizer: Any
+    kv_store: KVStore | None
     _longest: int | None = None  # `_longest_token`
 
     @property
@@ -175,6 +177,12 @@ class ConversationCache:
         for turn in self.turns:  # a new cache has evicted nothing yet
             turn.evicted_before = 0
 
+    def _before_forward(self) -> None:
+        """Wait for the cache's write to disk (if one is under way) before a forward pass
+        writes into the cache it reads."""
+        if self.kv_store is not None:
+            self.kv_store.wait()
+
     def _skip_to_window(self) -> None:
         """An emptied streaming cache is refilled with what it would hold had it never been
         emptied: the pinned start (sinks, system prompt) and the last `recent_size` ids. The
@@ -223,6 +231,7 @@ class ConversationCache:
         Raises:
             ContextFullError: the pending ids do not fit in a growing cache.
         """
+        self._before_forward()
         self._skip_to_window()
         ids = self.pending_ids
         if not ids:

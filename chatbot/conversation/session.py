@@ -48,6 +48,7 @@ from chatbot.conversation.alignment import (
 )
 from chatbot.conversation.cache import ConversationCache
 from chatbot.conversation.chat import Chat, Meter, ModelInfo
+from chatbot.conversation.kvstore import KVStore, model_identity
 from chatbot.conversation.saved import Turn
 from chatbot.conversation.settings import run_record
 from chatbot.conversation.thinking import ThinkingBudget, ThinkingMeter, opens_thinking
@@ -103,6 +104,14 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
         # server's other conversations with the same start): given the cache and the ids it
         # is about to take in, it fills the cache with a leading part and says how many.
         self.prefix_donor: Callable[[TrackedCache, list[int]], int] | None = None
+        # Where the cache is kept on disk after each turn (a logged chat; `keep_cache_in`),
+        # and what the last restore took from it: (tokens reused, of the history's tokens),
+        # or why it took nothing; the first turn after it shows the reuse.
+        self.kv_store: KVStore | None = None
+        self._model_identity: str | None = None
+        self._reused: tuple[int, int] | None = None
+        self._store_note: str | None = None
+        self._resuming = False
 
     # -- set-up -------------------------------------------------------------------------
 
@@ -192,6 +201,7 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
         # A Ctrl-C while the window is refilled ends the turn like one in the prefill: the
         # finally below closes it.
         interrupted = False
+        self._before_forward()
         try:
             self._skip_to_window()
         except KeyboardInterrupt:
@@ -281,9 +291,14 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
                     )
                     stats.thinking_tokens = min(meter.tokens, len(answer_ids))
                     stats.thinking_time_s = meter.seconds
+                if self._reused is not None:
+                    stats.reused_tokens, stats.reused_of = self._reused
+                    self._reused = None
                 self._close_turn(
                     user, answer_ids, stats, finished, first_segment, evicted_before, resume, extend
                 )
+                if self.kv_store is not None:
+                    self.kv_store.save(self.kv)
 
     def _close_turn(
         self,
@@ -488,9 +503,40 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
             )
 
     def _encode_conversation(self, on_progress: ProgressCallback | None, encode: bool = True) -> int:
-        """Re-tokenize the whole conversation and (with `encode`) prefill it in chunks."""
+        """Re-tokenize the whole conversation and (with `encode`) prefill it in chunks, after
+        what the chat's disk cache holds of it (`kv_store`)."""
         self._rebuild_segments()
+        self._reused, self._store_note = None, None
+        resuming, self._resuming = self._resuming, False
+        if encode and resuming and self.kv_store is not None and not self.kv.ids and self.all_ids:
+            reused, why = self.kv_store.load(self.kv, self.all_ids, self.engine.device)
+            if reused:
+                self._reused = (reused, len(self.all_ids))
+            elif why is not None:
+                self._store_note = why
+                self._forget_cache()
         return self.prefill_pending(on_progress) if encode else 0
+
+    # -- the cache on disk -------------------------------------------------------------------
+
+    def keep_cache_in(self, store: KVStore | None, resuming: bool = False) -> None:
+        """Keep the cache in `store` after each turn; with `resuming`, the next `restore` (the
+        logged chat that `store` was written for) takes what it can from it."""
+        self.kv_store = store
+        self._resuming = resuming
+
+    def kv_identity(self) -> dict[str, str]:
+        """What a cache file must have been made with to be used by this chat."""
+        if self._model_identity is None:
+            self._model_identity = model_identity(self.engine.model)
+        template = getattr(self.tokenizer, "chat_template", None)
+        return {
+            "model": self._model_identity,
+            "template": _digest_of(repr((template, sorted(self.text.template_kwargs.items())))),
+            "system": _digest_of(self.system or ""),
+            "model_dtype": str(getattr(self.engine.model, "dtype", "")),
+            "backend": type(self.engine.backend).__name__,
+        }
 
     # -- reports ----------------------------------------------------------------------------
 
@@ -542,4 +588,16 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
         return Meter("cache", self.cache_count(), self.capacity)
 
     def encoded_note(self, tokens: int, system: bool) -> str:
-        return f"; re-encoded {tokens:,} tokens" if system else f" ({tokens:,} tokens encoded)"
+        if system:
+            return f"; re-encoded {tokens:,} tokens"
+        if self._reused is not None:
+            reused, of = self._reused
+            return f" (reused {reused:,} of {of:,} tokens from the disk cache, {tokens:,} encoded)"
+        why = f"; {self._store_note}, re-encoded" if self._store_note else ""
+        return f" ({tokens:,} tokens encoded{why})"
+
+
+def _digest_of(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()[:16]

@@ -43,6 +43,10 @@ class TurnStats:
     finish_reason: str = ""
     thinking_tokens: int = 0
     thinking_time_s: float = 0.0
+    # The first turn after a resume that took its history from the chat's disk cache: the
+    # tokens taken from it, of the tokens the history holds.
+    reused_tokens: int = 0
+    reused_of: int = 0
 
     @property
     def decode_tps(self) -> float:

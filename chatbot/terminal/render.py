@@ -24,12 +24,13 @@ from chatbot.terminal.sanitize import safe_text
 
 
 def format_cache(stats: TurnStats) -> str:
+    reused = f" · reused {stats.reused_tokens:,} of {stats.reused_of:,} tok" if stats.reused_of else ""
     if stats.sinks or stats.evicted_total:
         return (
             f"cache {stats.cache_tokens:,}/{(stats.cache_capacity or 0):,} · "
-            f"{stats.sinks} sinks · {stats.evicted_total:,} evicted"
+            f"{stats.sinks} sinks · {stats.evicted_total:,} evicted" + reused
         )
-    return f"cache {stats.cache_tokens:,}"
+    return f"cache {stats.cache_tokens:,}" + reused
 
 
 FINISH_WORDS = {"length": "max tokens", "context": "context full", "interrupted": "interrupted"}

@@ -32,6 +32,7 @@ from rich.console import Console
 from chatbot import progress
 from chatbot.conversation.log import (
     FILE_MODE,
+    SUFFIX,
     Event,
     SessionLog,
     data_dir,
@@ -272,6 +273,7 @@ class Repl(ReplCommands):
             self.note(f"resuming session {state['id']} ({counted(len(state['turns']), 'turn')})")
             if state.get("model") and state["model"] != self.loaded.name:
                 self.note(f"that session was with {state['model']}; continuing with {self.loaded.name}")
+            self._keep_cache(resume.name.removesuffix(SUFFIX), resuming=True)
             self._restore(state)
             self.log = SessionLog(resume, self._log_header(), warn=self.note)
             self.log.write(
@@ -287,9 +289,22 @@ class Repl(ReplCommands):
                 self.info.print(history_renderable(last, None, markdown=not self.plain, first=first))
         else:
             self.log = SessionLog.create(self._log_header(), directory, warn=self.note)
+            if self.log.enabled:
+                self._keep_cache(self.log.session_id)
         # From here on the session writes each change of the conversation to the log.
         self.session.log = self.log
         self.session.model_name = self.loaded.name
+
+    def _keep_cache(self, session_id: str, resuming: bool = False) -> None:
+        """Keep a local chat's cache on disk beside its log (`chatbot.conversation.kvstore`)."""
+        session: Any = self.session
+        keep = getattr(session, "keep_cache_in", None)  # a model here (not a server's)
+        if keep is not None and not session.kv.is_bounded:
+            from chatbot.conversation.kvstore import SUFFIX as KV_SUFFIX
+            from chatbot.conversation.kvstore import KVStore, kv_dir
+
+            store = KVStore(kv_dir() / (session_id + KV_SUFFIX), session.kv_identity)
+            keep(store, resuming)
 
     def _log_header(self) -> dict[str, Any]:
         return {

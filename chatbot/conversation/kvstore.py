@@ -1,0 +1,223 @@
+"""A logged chat's KV cache kept on disk, so that `--resume` does not encode the history again.
+
+One safetensors file per session in `$XDG_CACHE_HOME/chatbot/kv/<session id>.safetensors`:
+the keys and values of every layer exactly as the engine holds them (``k.<i>`` / ``v.<i>``,
+``[1, kv_heads, tokens, head_dim]``, the cache's own dtype), and in its metadata a JSON header:
+the token ids the cache holds and what makes them valid (the model file's identity, the chat
+template, the system prompt, the dtype, the backend, the format version), with a CRC-32 of the
+header and every tensor byte. It is a cache: deleting it only costs a re-encode.
+
+Written after each turn by a thread (the next forward pass waits for it: it may write over
+the positions being copied), to a temporary file renamed over the old one: a crash leaves the old file or the
+new one, never a torn one that loads. A file that does not match (another model, template,
+system prompt, dtype or backend; ids the resumed history does not start with) or that is
+damaged (truncated, a flipped byte) is not used; `load` says why in one line.
+
+A bounded (attention-sink) cache is not kept: its eviction state is not saved yet, so a
+streaming chat re-encodes its window on resume as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import threading
+import zlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from chatbot.engine.cache.buffers import BufferLayer
+from chatbot.engine.cache.tracked import TrackedCache
+
+FORMAT_VERSION = 1
+SUFFIX = ".safetensors"
+_HEADER = "chatbot.kv"
+_CHECKSUM = "chatbot.crc32"
+
+
+def kv_dir() -> Path:
+    """`$XDG_CACHE_HOME/chatbot/kv` (default `~/.cache/chatbot/kv`)."""
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base or not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "chatbot" / "kv"
+
+
+def model_identity(model: Any) -> str:
+    """What identifies the weights a cache was computed with, not where they lie: a GGUF
+    file's size and a hash of its header and tensor table; a transformers model's config
+    and its weight files' sizes with a hash of each one's first and last 64 KiB."""
+    gguf = getattr(model, "chatbot_gguf", None)
+    if gguf:
+        from chatbot.models.gguf_model import metadata_key
+
+        return "gguf:" + metadata_key(Path(gguf))
+    h = hashlib.sha256()
+    config = getattr(model, "config", None)
+    h.update((config.to_json_string(use_diff=False) if config is not None else repr(model)).encode())
+    folder = Path(str(getattr(config, "_name_or_path", "") or ""))
+    with contextlib.suppress(OSError):
+        for f in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+            size = f.stat().st_size
+            h.update(f"{f.name}:{size}".encode())
+            with f.open("rb") as fh:
+                h.update(fh.read(1 << 16))
+                fh.seek(max(0, size - (1 << 16)))
+                h.update(fh.read(1 << 16))
+    return "hf:" + h.hexdigest()[:32]
+
+
+def _digest(text: str | None) -> str:
+    return hashlib.sha256((text or "").encode("utf-8", errors="surrogatepass")).hexdigest()[:16]
+
+
+def _layers(kv: TrackedCache) -> list[Any] | None:
+    """The cache's layers where each holds every id as one tensor (a growing cache of plain or
+    buffer layers); None for any other (sliding-window, static, sink)."""
+    layers = list(kv.cache.layers)
+    if kv.is_bounded or kv.evicted_total or not layers:
+        return None
+    if not all(isinstance(layer, BufferLayer) or type(layer).__name__ == "DynamicLayer" for layer in layers):
+        return None
+    return layers
+
+
+def _crc(header: str, tensors: dict[str, torch.Tensor]) -> str:
+    crc = zlib.crc32(header.encode())
+    for name in sorted(tensors):
+        crc = zlib.crc32(tensors[name].contiguous().view(torch.uint8).numpy().data, crc)
+    return f"{crc:08x}"
+
+
+class KVStore:
+    """One chat's cache file.
+
+    Args:
+        path: the file (`kv_dir() / (session_id + SUFFIX)`).
+        identity: what must match for the file to be used (model, template, system prompt,
+            dtype, backend), asked at each write and load; `ChatSession.kv_identity`.
+    """
+
+    def __init__(self, path: Path, identity: Callable[[], dict[str, str]]) -> None:
+        self.path = path
+        self.identity = identity
+        self._writer: threading.Thread | None = None
+        self.last_error: str | None = None  # why the last write failed (None: it did not)
+
+    def save(self, kv: TrackedCache) -> bool:
+        """Write the cache in the background (after any earlier write): the layers' tensors
+        are taken now as views, copied and written by a thread. The caller runs no forward
+        pass on the cache (which may write over the positions viewed) before `wait`.
+
+        Returns:
+            False, writing nothing, for a cache that cannot be kept (see `_layers`).
+        """
+        layers = _layers(kv)
+        if layers is None or not kv.ids:
+            return False
+        n = len(kv.ids)
+        views: dict[str, torch.Tensor] = {}
+        for i, layer in enumerate(layers):
+            if layer.keys is None or layer.values is None or layer.keys.shape[-2] != n:
+                return False
+            views[f"k.{i}"], views[f"v.{i}"] = layer.keys.detach(), layer.values.detach()
+        header = json.dumps(
+            {**self.identity(), "version": FORMAT_VERSION, "dtype": str(views["k.0"].dtype), "ids": kv.ids}
+        )
+        self.wait()
+        self._writer = threading.Thread(target=self._write, args=(header, views), name="kv-store")
+        self._writer.start()  # not a daemon: the process waits for the file before it ends
+        return True
+
+    def wait(self) -> None:
+        """Return once the write under way (if any) is done."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+
+    def _write(self, header: str, tensors: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        try:
+            tensors = {name: t.to("cpu", copy=True).contiguous() for name, t in tensors.items()}
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            save_file(tensors, str(tmp), metadata={_HEADER: header, _CHECKSUM: _crc(header, tensors)})
+            os.replace(tmp, self.path)
+            self.last_error = None
+        except Exception as exc:  # noqa: BLE001 - a cache that cannot be written is only not kept
+            self.last_error = str(exc)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+    def load(
+        self, kv: TrackedCache, ids: Sequence[int], device: torch.device | str
+    ) -> tuple[int, str | None]:
+        """Fill the empty cache `kv` with the longest start of `ids` the file holds.
+
+        Returns:
+            (ids taken in, None) or (0, why the file was not used); a missing file is
+            (0, None) and says nothing.
+        """
+        self.wait()
+        if not self.path.exists():
+            return 0, None
+        layers = _layers(kv) if not kv.ids else None
+        if layers is None:
+            return 0, "the disk cache is kept only for a growing cache"
+        try:
+            header, tensors = self._read()
+        except (OSError, ValueError, RuntimeError, KeyError) as exc:
+            return 0, f"the disk cache {self.path} is damaged ({str(exc).splitlines()[0][:80]})"
+        for key, want in self.identity().items():
+            if header.get(key) != want:
+                return 0, f"the disk cache was made with another {key}"
+        held = header.get("ids")
+        if header.get("version") != FORMAT_VERSION or not isinstance(held, list):
+            return 0, "the disk cache is of another format version"
+        n = 0
+        for a, b in zip(held, ids):
+            if a != b:
+                break
+            n += 1
+        if n == 0:
+            return 0, "the disk cache holds another conversation (the log was edited)"
+        if len(tensors) != 2 * len(layers) or any(t.shape[-2] != len(held) for t in tensors.values()):
+            return 0, "the disk cache does not fit this model's layers"
+        if any(str(t.dtype) != header.get("dtype") for t in tensors.values()):
+            return 0, "the disk cache was made with another dtype"
+        for i, layer in enumerate(layers):
+            k, v = tensors[f"k.{i}"], tensors[f"v.{i}"]
+            layer.update(k[:, :, :n].to(device), v[:, :, :n].to(device))
+        kv.feed(list(ids[:n]))
+        if not kv.settle():
+            return 0, "the disk cache could not be taken in"
+        return n, None
+
+    def _read(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The header and tensors, checked against the checksum.
+
+        Raises:
+            ValueError: the checksum or the header is wrong; safetensors' errors for a
+                truncated or malformed file.
+        """
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(self.path), framework="pt") as f:  # memory-mapped
+                meta = f.metadata() or {}
+                tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - not a dict
+        except SafetensorError as exc:
+            raise ValueError(str(exc)) from None
+        header = meta.get(_HEADER)
+        if header is None or meta.get(_CHECKSUM) != _crc(header, tensors):
+            raise ValueError("checksum mismatch")
+        data = json.loads(header)
+        if not isinstance(data, dict):
+            raise ValueError("no header")  # noqa: TRY004 - a damaged file, as the others
+        return data, tensors

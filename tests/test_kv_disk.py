@@ -1,0 +1,198 @@
+"""A logged chat's KV cache kept on disk (issue 61): `--resume` takes the history from it and
+continues token for token as the chat that never stopped; a file that does not match or is
+damaged is refused with one line, and the chat re-encodes and answers the same."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_repl import Chat
+from test_session import assert_invariant
+
+from chatbot.conversation import log as session_log
+from chatbot.conversation.kvstore import kv_dir
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MESSAGES = ("Hello there!", "How are you today?", "Tell me more.")
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def _first(model, tokenizer, logs):
+    """A chat of two turns, its log, its cache file, and (apart) the same chat going on."""
+    first = Chat(model, tokenizer, logs, system="Be brief.")
+    first.lines(*MESSAGES[:2])
+    first.session.kv_store.wait()
+    path = session_log.find_session("last", logs)
+    return first, path, kv_dir() / (path.name.removesuffix(".jsonl") + ".safetensors")
+
+
+def _resumed(model, tokenizer, path):
+    second = Chat(model, tokenizer, None)
+    second.repl.start_log(resume=path)
+    assert_invariant(second.session)
+    return second
+
+
+def _uninterrupted(model, tokenizer, logs):
+    whole = Chat(model, tokenizer, logs, system="Be brief.")
+    whole.lines(*MESSAGES)
+    return [t.answer for t in whole.session.turns]
+
+
+def test_resume_takes_the_history_from_the_disk_cache(tiny_model, tiny_tokenizer, tmp_path):
+    first, path, kv_file = _first(tiny_model, tiny_tokenizer, tmp_path / "logs")
+    assert kv_file.is_file()
+    held = len(first.session.kv.ids)
+    second = _resumed(tiny_model, tiny_tokenizer, path)
+    note = second.err.getvalue()
+    # only the ids after the file's are encoded (the closing text of the last answer)
+    history = len(second.session.all_ids)
+    assert 0 < history - held <= 3
+    assert f"(reused {held:,} of {history:,} tokens from the disk cache, {history - held:,} encoded)" in note
+    second.lines(MESSAGES[2])
+    stats = second.session.turns[-1].stats
+    assert (stats.reused_tokens, stats.reused_of) == (held, history)
+    assert f"· reused {held:,} of {history:,} tok" in second.out.getvalue() + second.err.getvalue()
+    # the same greedy answers as the chat that never stopped
+    same = _uninterrupted(tiny_model, tiny_tokenizer, tmp_path / "w")
+    assert [t.answer for t in second.session.turns] == same
+
+
+def _damage(kv_file, how):
+    data = bytearray(kv_file.read_bytes())
+    if how == "truncated":
+        kv_file.write_bytes(bytes(data[: len(data) // 2]))
+    elif how == "flipped":
+        data[-7] ^= 0x40  # a byte of the last tensor
+        kv_file.write_bytes(bytes(data))
+    elif how == "another model":
+        n = int.from_bytes(data[:8], "little")
+        head = json.loads(data[8 : 8 + n])
+        inner = json.loads(head["__metadata__"]["chatbot.kv"])
+        inner["model"] = "gguf:0123456789abcdef"
+        head["__metadata__"]["chatbot.kv"] = json.dumps(inner)
+        # the checksum is recomputed, as a cache written by another model's chat would have it
+        import zlib
+
+        crc = zlib.crc32(head["__metadata__"]["chatbot.kv"].encode())
+        new = json.dumps(head).encode()
+        new += b" " * ((8 - len(new) % 8) % 8)
+        body = bytes(data[8 + n :])
+        from safetensors.torch import load
+
+        tensors = load(bytes(len(new).to_bytes(8, "little") + new + body))
+        for name in sorted(tensors):
+            crc = zlib.crc32(tensors[name].contiguous().view(__import__("torch").uint8).numpy(), crc)
+        head["__metadata__"]["chatbot.crc32"] = f"{crc:08x}"
+        new = json.dumps(head).encode()
+        new += b" " * ((8 - len(new) % 8) % 8)
+        kv_file.write_bytes(len(new).to_bytes(8, "little") + new + body)
+
+
+@pytest.mark.parametrize(
+    ("how", "said"),
+    [
+        ("truncated", "is damaged"),
+        ("flipped", "is damaged (checksum mismatch)"),
+        ("another model", "was made with another model"),
+    ],
+)
+def test_a_cache_that_does_not_match_is_refused_and_the_chat_re_encodes(
+    tiny_model, tiny_tokenizer, tmp_path, how, said
+):
+    _, path, kv_file = _first(tiny_model, tiny_tokenizer, tmp_path / "logs")
+    _damage(kv_file, how)
+    second = _resumed(tiny_model, tiny_tokenizer, path)
+    note = second.err.getvalue()
+    assert said in note and "re-encoded" in note and "reused" not in note, note
+    assert "Traceback" not in note
+    second.lines(MESSAGES[2])
+    same = _uninterrupted(tiny_model, tiny_tokenizer, tmp_path / "w")
+    assert [t.answer for t in second.session.turns] == same
+    # the turn wrote a sound file again
+    second.session.kv_store.wait()
+    third = _resumed(tiny_model, tiny_tokenizer, path)
+    assert "tokens from the disk cache" in third.err.getvalue()
+
+
+def test_an_edited_log_is_not_given_the_old_cache(tiny_model, tiny_tokenizer, tmp_path):
+    _, path, _ = _first(tiny_model, tiny_tokenizer, tmp_path / "logs")
+    lines = path.read_text().splitlines()
+    edited = [
+        line.replace('"user": "Hello there!"', '"user": "Goodbye there!"') if '"turn"' in line else line
+        for line in lines
+    ]
+    path.write_text("\n".join(edited) + "\n")
+    second = _resumed(tiny_model, tiny_tokenizer, path)
+    # the system prompt still matches: its tokens are reused, the edited turn on is encoded
+    note = second.err.getvalue()
+    assert "Goodbye there!" in second.session.rendered
+    assert "reused" in note and "tokens from the disk cache" in note, note
+    reused = second.session.kv.ids
+    assert second.session.turns[0].user == "Goodbye there!" and len(reused) == len(second.session.kv.seen)
+
+
+def test_a_streaming_chat_keeps_no_cache_on_disk(tiny_model, tiny_tokenizer, tmp_path):
+    logs = tmp_path / "logs"
+    c = Chat(tiny_model, tiny_tokenizer, logs, enable_streaming=True, start_size=4, recent_size=64)
+    c.lines("Hello there!")
+    assert c.session.kv_store is None
+    assert not kv_dir().exists() or not any(kv_dir().iterdir())
+
+
+def test_the_default_model_resumes_from_disk_token_for_token(default_model, tmp_path):
+    """On the real model and the native kernels (as `chatbot run` decodes): the resumed chat
+    answers its next message with the same greedy tokens as the chat that never stopped; a
+    truncated file is refused and the chat re-encodes, answering as one that had no file."""
+    import shutil
+
+    from chatbot.config import ChatConfig, SamplingConfig
+    from chatbot.conversation.kvstore import KVStore
+    from chatbot.conversation.session import ChatSession
+    from chatbot.engine.backends.choose import backend_for
+    from chatbot.engine.generate import Engine
+
+    backend, _ = backend_for(default_model.model, "auto")
+    engine = Engine(default_model.model, default_model.tokenizer, backend=backend)
+    config = ChatConfig(sampling=SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=16))
+
+    def answer(session, text):
+        return "".join(chunk.text for chunk in session.send(text))
+
+    def session(file=None):
+        s = ChatSession(engine, config)
+        if file is not None:
+            s.keep_cache_in(KVStore(file, s.kv_identity), resuming=True)
+        return s
+
+    whole = session(tmp_path / "whole.safetensors")
+    whole.keep_cache_in(whole.kv_store)  # writing, not resuming
+    for text in ("What is bread made of?", "And how long does it bake?"):
+        answer(whole, text)
+    whole.kv_store.wait()
+    saved, kept = whole.to_dict("default"), tmp_path / "kept.safetensors"
+    shutil.copy(whole.kv_store.path, kept)
+    if type(engine.backend).__name__ == "NativeBackend":
+        assert type(whole.kv.cache.layers[0]).__name__ == "BufferLayer"
+    going_on = answer(whole, "Thank you!")
+
+    resumed = session(kept)
+    encoded = resumed.restore(saved)  # the closing text of the last answer, at most a few more
+    assert encoded <= 4 and f"from the disk cache, {encoded} encoded" in resumed.encoded_note(encoded, False)
+    assert answer(resumed, "Thank you!") == going_on
+    stats = resumed.turns[-1].stats
+    assert stats.reused_of - stats.reused_tokens == encoded and stats.reused_tokens > 50
+
+    resumed.kv_store.wait()  # (it wrote the file again after its turn)
+    kept.write_bytes(kept.read_bytes()[:-1000])
+    refused, plain = session(kept), session()
+    n = refused.restore(saved)
+    assert n == plain.restore(saved) > 50
+    assert "is damaged" in refused.encoded_note(n, False)
+    assert answer(refused, "Thank you!") == answer(plain, "Thank you!")
