@@ -196,3 +196,33 @@ def test_the_default_model_resumes_from_disk_token_for_token(default_model, tmp_
     assert n == plain.restore(saved) > 50
     assert "is damaged" in refused.encoded_note(n, False)
     assert answer(refused, "Thank you!") == answer(plain, "Thank you!")
+
+
+def test_the_store_keeps_under_its_cap_dropping_the_oldest(tmp_path, monkeypatch):
+    """Past the cap, the files written longest ago go first, never the one just written; a
+    temporary file a killed write left an hour ago goes too; other files stay."""
+    import os
+    import time
+
+    from chatbot.conversation.kvstore import prune
+
+    folder = tmp_path / "kv"
+    folder.mkdir()
+    now = time.time()
+    paths = []
+    for i in range(4):
+        p = folder / f"chat{i}.safetensors"
+        p.write_bytes(b"x" * 1000)
+        os.utime(p, (now - 100 + i, now - 100 + i))  # chat0 oldest
+        paths.append(p)
+    stale, fresh = folder / "chat9.safetensors.1.tmp", folder / "chat8.safetensors.2.tmp"
+    stale.write_bytes(b"t")
+    os.utime(stale, (now - 7200, now - 7200))
+    fresh.write_bytes(b"t")
+    other = folder / "notes.txt"
+    other.write_bytes(b"y" * 5000)
+    removed = prune(folder, keep=paths[0], cap=2500)
+    assert set(removed) == {paths[1], paths[2], stale}
+    assert paths[0].exists() and paths[3].exists() and fresh.exists() and other.exists()
+    monkeypatch.setenv("CHATBOT_KV_CACHE_BYTES", "0")
+    assert set(prune(folder, keep=paths[3])) == {paths[0]}

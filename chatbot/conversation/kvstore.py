@@ -36,6 +36,10 @@ from chatbot.engine.cache.tracked import TrackedCache
 
 FORMAT_VERSION = 1
 SUFFIX = ".safetensors"
+DEFAULT_CAP = 4 << 30
+"""The most bytes the store keeps (`CHATBOT_KV_CACHE_BYTES` sets another): past it, the
+files written longest ago are removed after each write, never the one just written."""
+_STALE_TMP_S = 3600.0  # a temporary file this old was left by a killed write
 _HEADER = "chatbot.kv"
 _CHECKSUM = "chatbot.crc32"
 
@@ -46,6 +50,51 @@ def kv_dir() -> Path:
     if not base or not os.path.isabs(base):
         base = os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "chatbot" / "kv"
+
+
+def store_cap() -> int:
+    """The store's size cap in bytes: `CHATBOT_KV_CACHE_BYTES` where it is a whole number of
+    bytes (0: keep nothing but the file just written), else `DEFAULT_CAP`."""
+    raw = os.environ.get("CHATBOT_KV_CACHE_BYTES", "")
+    return int(raw) if raw.isdigit() else DEFAULT_CAP
+
+
+def prune(folder: Path, keep: Path | None = None, cap: int | None = None) -> list[Path]:
+    """Remove the files of `folder` written longest ago until the store holds at most `cap`
+    bytes (default `store_cap()`), never `keep`; and temporary files a killed write left
+    (older than an hour). Returns what was removed; a file that cannot be removed is passed."""
+    import time
+
+    cap = store_cap() if cap is None else cap
+    removed: list[Path] = []
+    files: list[tuple[float, int, Path]] = []
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return removed
+    now = time.time()
+    for path in entries:
+        try:
+            st = path.lstat()
+        except OSError:
+            continue
+        if path.name.endswith(".tmp") and now - st.st_mtime > _STALE_TMP_S:
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed.append(path)
+        elif path.suffix == SUFFIX and path.is_file() and not path.is_symlink():
+            files.append((st.st_mtime, st.st_size, path))
+    total = sum(size for _, size, _ in files)
+    for _, size, path in sorted(files):
+        if total <= cap:
+            break
+        if keep is not None and path == keep:
+            continue
+        with contextlib.suppress(OSError):
+            path.unlink()
+            removed.append(path)
+            total -= size
+    return removed
 
 
 def model_identity(model: Any) -> str:
@@ -150,6 +199,7 @@ class KVStore:
             save_file(tensors, str(tmp), metadata={_HEADER: header, _CHECKSUM: _crc(header, tensors)})
             os.replace(tmp, self.path)
             self.last_error = None
+            prune(self.path.parent, keep=self.path)
         except Exception as exc:  # noqa: BLE001 - a cache that cannot be written is only not kept
             self.last_error = str(exc)
             with contextlib.suppress(OSError):
