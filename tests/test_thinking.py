@@ -276,6 +276,8 @@ def test_serve_sends_the_thinking_apart_as_reasoning_content(tiny, think_templat
                 parts["content"] += choice.delta.content or ""
                 parts["reasoning_content"] += getattr(choice.delta, "reasoning_content", None) or ""
         assert parts == {"content": message.content, "reasoning_content": thought}
+        card = client.models.retrieve("tiny0").model_extra
+        assert card["thinking"] == {"switch": None, "think_budget": 8}
 
 
 def _ask(client, **kwargs) -> tuple[str, str]:
@@ -293,6 +295,8 @@ def test_serve_takes_a_requests_budget_and_enable_thinking(tiny, switch_template
 
     with running_server("--model", tiny, "--template", switch_template, log=tmp_path / "serve.log") as url:
         client = OpenAI(base_url=url, api_key="none")
+        card = client.models.list().data[0].model_extra
+        assert card["thinking"] == {"switch": "enable_thinking", "think_budget": None}
         # the template thinks by default; the random model never closes it: all 6 tokens thought
         thought, content = _ask(client, max_tokens=6)
         assert thought and not content

@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chatbot.engine.stats import peak_rss_bytes
+from chatbot.models.templates import thinking_switch
 from chatbot.server.body_limit import BodyLimit
 from chatbot.server.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from chatbot.server.pool import PrefixCachePool
@@ -228,6 +229,12 @@ class OpenAIApi:
             "created": created,
             "owned_by": "chatbot",
             "max_model_len": None if streaming_cache else self.max_context,
+            # how a request steers the model's thinking (this server's own field): the template's
+            # switch (enable_thinking, reasoning_effort or none) and the default budget
+            "thinking": {
+                "switch": thinking_switch(getattr(pool.engine.tokenizer, "chat_template", None)),
+                "think_budget": pool.sampling.think_budget,
+            },
         }
 
     def routes(self) -> dict[str, tuple[str, Callable[..., Awaitable[Any]]]]:
