@@ -85,7 +85,15 @@ def test_run_and_config_show_declare_their_shared_options_alike():
 
 # Options `serve` shares with `run` by name but not by meaning (a server's defaults for its
 # requests, the key it requires): the same flags, their own help.
-SERVE_OWN_HELP = {"model", "preset", "temperature", "max_new_tokens", "enable_streaming", "api_key_env"}
+SERVE_OWN_HELP = {
+    "model",
+    "preset",
+    "temperature",
+    "max_new_tokens",
+    "enable_streaming",
+    "api_key_env",
+    "think_budget",
+}
 
 
 def test_run_serve_and_config_show_share_one_declaration_of_each_option():

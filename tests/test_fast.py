@@ -211,7 +211,7 @@ def test_auto_takes_int8_inputs_where_faster_and_int16_into_the_head(tiny_tokeni
     elsewhere every site takes int16, as `exact`. The per-site form is real in the kernels:
     `fast` with every site's bit set decodes bit for bit as `exact`, and with auto's bits as
     `auto`; auto's logits sit between exact's and fast's distance from a float32 recompute."""
-    from chatbot.engine.backends.native.decoder import SITES
+    from chatbot.engine.backends.native.inputs import SITES
 
     model = _q4_1_grid_model(len(tiny_tokenizer))
     ids = list(range(5, 29))

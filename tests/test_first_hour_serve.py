@@ -189,5 +189,7 @@ def test_set_on_a_terminal_shows_the_servers_defaults(fake, tmp_path, terminals,
     term.wait_prompt()
     lines = term.lines()
     listed = "\n".join(lines[max(i for i, line in enumerate(lines) if line.startswith("> /set")) :])
-    assert listed.count("server's default") == 6, listed  # all but max_new_tokens (40), stream_interval
+    # temperature, top_p, top_k, repetition_penalty, repeat_last_n, seed, think, think_budget:
+    # all but max_new_tokens (40), stream_interval and format
+    assert listed.count("server's default") == 8, listed
     assert "40" in listed and not any(v in listed for v in ("0.7", "0.9", "512", "1.1")), listed

@@ -132,11 +132,15 @@ THINK_TEMPLATE = (  # ChatML whose generation prompt opens <think> (DeepSeek-R1'
 )
 
 
+MODEL = "thinking-tiny"
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
     from serve_helpers import save_tiny_model
 
-    return str(save_tiny_model(tmp_path_factory.mktemp("tiny")))  # served as "tiny0"
+    # served by the folder's name: one of its own, not a counter shared with other modules
+    return str(save_tiny_model(tmp_path_factory.mktemp(MODEL, numbered=False)))
 
 
 @pytest.fixture
@@ -236,11 +240,12 @@ def test_a_thinking_budget_closes_the_thinking_and_the_model_answers(env, tiny, 
     assert 8 < thought < 60 if budget else thought <= 8, stats
 
 
-def test_a_thinking_budget_in_the_session(tiny_engine, tmp_path):
+def test_a_thinking_budget_in_the_session(tiny_engine, tmp_path, monkeypatch):
     from chatbot.config import ChatConfig, SamplingConfig
     from chatbot.conversation.session import ChatSession
 
-    tiny_engine.tokenizer.chat_template = THINK_TEMPLATE
+    # the tokenizer is the session's (a fixture shared by every test): set back after this one
+    monkeypatch.setattr(tiny_engine.tokenizer, "chat_template", THINK_TEMPLATE)
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=80, think_budget=5)
     session = ChatSession(tiny_engine, ChatConfig(sampling=sampling))
     text = "".join(c.text for c in session.send("Hi!"))
@@ -262,13 +267,13 @@ def test_serve_sends_the_thinking_apart_as_reasoning_content(tiny, think_templat
     with running_server(*args, log=tmp_path / "serve.log") as url:
         client = OpenAI(base_url=url, api_key="none")
         messages = [{"role": "user", "content": "Hi!"}]
-        reply = client.chat.completions.create(model="tiny0", messages=messages, max_tokens=60, temperature=0)
+        reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0)
         message = reply.choices[0].message
         thought = getattr(message, "reasoning_content", None)
         assert thought and "time to answer." in thought, message
         assert message.content and "<think>" not in message.content and "</think>" not in message.content
         stream = client.chat.completions.create(
-            model="tiny0", messages=messages, max_tokens=60, temperature=0, stream=True
+            model=MODEL, messages=messages, max_tokens=60, temperature=0, stream=True
         )
         parts: dict[str, str] = {"content": "", "reasoning_content": ""}
         for chunk in stream:
@@ -276,14 +281,14 @@ def test_serve_sends_the_thinking_apart_as_reasoning_content(tiny, think_templat
                 parts["content"] += choice.delta.content or ""
                 parts["reasoning_content"] += getattr(choice.delta, "reasoning_content", None) or ""
         assert parts == {"content": message.content, "reasoning_content": thought}
-        card = client.models.retrieve("tiny0").model_extra
+        card = client.models.retrieve(MODEL).model_extra
         assert card["thinking"] == {"switch": None, "think_budget": 8}
 
 
 def _ask(client, **kwargs) -> tuple[str, str]:
     """(reasoning_content, content) of a greedy answer to "Hi!"."""
     reply = client.chat.completions.create(
-        model="tiny0", messages=[{"role": "user", "content": "Hi!"}], temperature=0, **kwargs
+        model=MODEL, messages=[{"role": "user", "content": "Hi!"}], temperature=0, **kwargs
     )
     message = reply.choices[0].message
     return getattr(message, "reasoning_content", None) or "", message.content or ""

@@ -525,12 +525,18 @@ def leave_without_teardown(code: int) -> None:
     """End the process with `code` as the interpreter would, less its teardown: the exit
     handlers run and the standard streams are flushed, but the ~600k objects of torch's and
     transformers' modules are not freed one by one (0.26-0.32 s after a one-shot answer on the
-    default model). Where a thread that is not a daemon is still running, or a stream cannot
-    be flushed (a closed pipe), it leaves the interpreter's way, which waits for the thread or
+    default model). A thread that is not a daemon (the KV cache's write to disk) is waited for
+    first, as the interpreter would; one still running after a minute, or a stream that cannot
+    be flushed (a closed pipe), leaves the interpreter's way, which waits for the thread or
     reports the stream as it always did."""
     import atexit
     import threading
+    import time
 
+    deadline = time.monotonic() + 60.0
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join(max(0.0, deadline - time.monotonic()))
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         sys.exit(code)
     atexit._run_exitfuncs()

@@ -69,6 +69,9 @@ class ConversationCache:
     turns: list[Turn]
     tokenizer: Any
     kv_store: KVStore | None
+    text: Any  # the session's TextCodec
+    _model_identity: str | None
+    _resuming: bool
     _longest: int | None = None  # `_longest_token`
 
     @property
@@ -251,3 +254,40 @@ class ConversationCache:
         tail = self.cache_ids[layout.pinned : layout.pinned + 24]
         oldest = self.tokenizer.decode(tail, skip_special_tokens=True).strip() if tail else ""
         return dataclasses.replace(layout, oldest_text=oldest)
+
+    # -- the cache on disk -------------------------------------------------------------------
+
+    def keep_cache_for(self, session_id: str, resuming: bool = False) -> None:
+        """`Chat.keep_cache_for`: a file of `chatbot.conversation.kvstore` beside the log; a
+        bounded (sink) cache keeps none."""
+        if not self.kv.is_bounded:
+            from chatbot.conversation.kvstore import SUFFIX, KVStore, kv_dir
+
+            self.keep_cache_in(KVStore(kv_dir() / (session_id + SUFFIX), self.kv_identity), resuming)
+
+    def keep_cache_in(self, store: KVStore | None, resuming: bool = False) -> None:
+        """Keep the cache in `store` after each turn; with `resuming`, the next `restore` (the
+        logged chat that `store` was written for) takes what it can from it."""
+        self.kv_store = store
+        self._resuming = resuming
+
+    def kv_identity(self) -> dict[str, str]:
+        """What a cache file must have been made with to be used by this chat."""
+        if self._model_identity is None:
+            from chatbot.conversation.kvstore import model_identity
+
+            self._model_identity = model_identity(self.engine.model)
+        template = getattr(self.tokenizer, "chat_template", None)
+        return {
+            "model": self._model_identity,
+            "template": _digest_of(repr((template, sorted(self.text.template_kwargs.items())))),
+            "system": _digest_of(self.system or ""),
+            "model_dtype": str(getattr(self.engine.model, "dtype", "")),
+            "backend": type(self.engine.backend).__name__,
+        }
+
+
+def _digest_of(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()[:16]

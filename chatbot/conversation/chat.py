@@ -186,6 +186,11 @@ class Chat(SavedConversation, LoggedSession, ABC, Generic[ChunkT]):
         self._clear()
         self._log(Event.RESET)
 
+    def keep_cache_for(self, session_id: str, resuming: bool = False) -> None:
+        """Keep the chat's KV cache on disk for the logged session `session_id` (with
+        `resuming`: the next restore takes what it can from it). A chat without a cache of its
+        own (a server's) keeps nothing."""
+
     def template_system(self) -> str | None:
         """The system prompt the chat template writes when `system` is None (e.g. SmolLM's
         "You are a helpful AI assistant named SmolLM..."); None when it writes none or nobody

@@ -48,7 +48,7 @@ from chatbot.conversation.alignment import (
 )
 from chatbot.conversation.cache import ConversationCache
 from chatbot.conversation.chat import Chat, Meter, ModelInfo
-from chatbot.conversation.kvstore import KVStore, model_identity
+from chatbot.conversation.kvstore import KVStore
 from chatbot.conversation.saved import Turn
 from chatbot.conversation.settings import run_record
 from chatbot.conversation.thinking import ThinkingBudget, ThinkingMeter, opens_thinking
@@ -220,32 +220,11 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
         stop, view = stop_checks(
             self.tokenizer, self.stops, *((before.text, len(before.ids)) if before is not None else ())
         )
-        # Where the template (or the answer so far) left a thinking tag open, the answer
-        # starts inside it.
-        lead_text = "".join(s.text for s in self.segments[-2 if before is not None else -1 :])
-        self.thinking_opened = opens_thinking(lead_text)
-        meter = ThinkingMeter(self.thinking_opened)
-        budget = None
-        if sampling.think_budget is not None:
-            budget = ThinkingBudget(
-                sampling.think_budget,
-                self.thinking_opened,
-                self.encode,
-                IncrementalDetokenizer(self.tokenizer).add,
-            )
-        seen_before = self.n_fed
-        chunks = self.engine.generate(
-            self.kv,
-            new_ids,
-            sampling,
-            stop_ids=self.stop_ids,
-            prefill_chunk=self.config.engine.prefill_chunk,
-            generator=self.generator,
-            stopping_criteria=stop,
-            observer=self.token_observer,
-            on_progress=self.prefill_observer,
-            insert=budget,
+        meter, budget = self._thinking(
+            "".join(s.text for s in self.segments[-2 if before else -1 :]), sampling
         )
+        seen_before = self.n_fed
+        chunks = self._generate(new_ids, sampling, stop, budget)
         shown: list[int] = []
         stats: TurnStats | None = None
         finished = False
@@ -289,16 +268,51 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
                     stats = stats_from_arrivals(
                         min(len(fed), len(new_ids)), len(answer_ids), t0, times, self.kv.layout()
                     )
-                    stats.thinking_tokens = min(meter.tokens, len(answer_ids))
-                    stats.thinking_time_s = meter.seconds
-                if self._reused is not None:
-                    stats.reused_tokens, stats.reused_of = self._reused
-                    self._reused = None
+                    stats.thinking_tokens, stats.thinking_time_s = (
+                        min(meter.tokens, len(answer_ids)),
+                        meter.seconds,
+                    )
+                self._note_reused(stats)
                 self._close_turn(
                     user, answer_ids, stats, finished, first_segment, evicted_before, resume, extend
                 )
                 if self.kv_store is not None:
                     self.kv_store.save(self.kv)
+
+    def _generate(
+        self, new_ids: list[int], sampling: SamplingConfig, stop: Any, budget: ThinkingBudget | None
+    ) -> Generator[GenerationChunk, None, None]:
+        """The engine's answer after `new_ids`, on the chat's cache, stops and observers."""
+        return self.engine.generate(
+            self.kv,
+            new_ids,
+            sampling,
+            stop_ids=self.stop_ids,
+            prefill_chunk=self.config.engine.prefill_chunk,
+            generator=self.generator,
+            stopping_criteria=stop,
+            observer=self.token_observer,
+            on_progress=self.prefill_observer,
+            insert=budget,
+        )
+
+    def _thinking(
+        self, lead_text: str, sampling: SamplingConfig
+    ) -> tuple[ThinkingMeter, ThinkingBudget | None]:
+        """Where the template (or the answer so far, `lead_text`) left a thinking tag open, the
+        answer starts inside it: the meter of its thinking, and the budget that closes it."""
+        self.thinking_opened = opens_thinking(lead_text)
+        budget = None
+        if sampling.think_budget is not None:
+            detok = IncrementalDetokenizer(self.tokenizer).add
+            budget = ThinkingBudget(sampling.think_budget, self.thinking_opened, self.encode, detok)
+        return ThinkingMeter(self.thinking_opened), budget
+
+    def _note_reused(self, stats: TurnStats) -> None:
+        """The first turn after a resume says how much of the history came from the disk cache."""
+        if self._reused is not None:
+            stats.reused_tokens, stats.reused_of = self._reused
+            self._reused = None
 
     def _close_turn(
         self,
@@ -517,27 +531,6 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
                 self._forget_cache()
         return self.prefill_pending(on_progress) if encode else 0
 
-    # -- the cache on disk -------------------------------------------------------------------
-
-    def keep_cache_in(self, store: KVStore | None, resuming: bool = False) -> None:
-        """Keep the cache in `store` after each turn; with `resuming`, the next `restore` (the
-        logged chat that `store` was written for) takes what it can from it."""
-        self.kv_store = store
-        self._resuming = resuming
-
-    def kv_identity(self) -> dict[str, str]:
-        """What a cache file must have been made with to be used by this chat."""
-        if self._model_identity is None:
-            self._model_identity = model_identity(self.engine.model)
-        template = getattr(self.tokenizer, "chat_template", None)
-        return {
-            "model": self._model_identity,
-            "template": _digest_of(repr((template, sorted(self.text.template_kwargs.items())))),
-            "system": _digest_of(self.system or ""),
-            "model_dtype": str(getattr(self.engine.model, "dtype", "")),
-            "backend": type(self.engine.backend).__name__,
-        }
-
     # -- reports ----------------------------------------------------------------------------
 
     def summary(self) -> dict[str, Any]:
@@ -595,9 +588,3 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
             return f" (reused {reused:,} of {of:,} tokens from the disk cache, {tokens:,} encoded)"
         why = f"; {self._store_note}, re-encoded" if self._store_note else ""
         return f" ({tokens:,} tokens encoded{why})"
-
-
-def _digest_of(text: str) -> str:
-    import hashlib
-
-    return hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()[:16]

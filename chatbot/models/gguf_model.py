@@ -363,47 +363,6 @@ def build_packed_model(path: Path, config: Any) -> Any:
         w -= arch.norm_offset  # Gemma's files store 1 + w: its RMSNorm multiplies by (1 + w)
         module.weight = nn.Parameter(w, requires_grad=False)
 
-    def stacked(name: str) -> tuple[Any, int]:
-        try:
-            return src.stacked(name)
-        except KeyError:
-            raise NotPackable(f"the file has no {name}") from None
-        except ValueError as exc:
-            raise NotPackable(str(exc)) from None
-
-    def experts(mlp: Any, b: str) -> None:
-        """A mixture's router (float32) and its experts' 3-D tensors as stored (`mlp`:
-        transformers' sparse block, its `gate` the router and `experts` the experts)."""
-        router = kernels.unpack(matrix(b + "ffn_gate_inp.weight"), threads=1)
-        want = tuple(_weight(mlp.gate).shape)
-        if tuple(router.shape) != want:
-            raise NotPackable(f"{b}ffn_gate_inp.weight is {tuple(router.shape)}, the config says {want}")
-        mlp.gate.weight = nn.Parameter(router, requires_grad=False)
-        (gate, n_gate), (up, n_up), (down, n_down) = (
-            stacked(b + f"ffn_{part}_exps.weight") for part in ("gate", "up", "down")
-        )
-        n, width, hidden = config.num_experts, config.moe_intermediate_size, config.hidden_size
-        parts = [("gate", gate, n_gate, (n * width, hidden)), ("up", up, n_up, (n * width, hidden)),
-                 ("down", down, n_down, (n * hidden, width))]  # fmt: skip
-        for name, p, count, shape in parts:
-            if count != n or (p.rows, p.cols) != shape:
-                raise NotPackable(
-                    f"{b}ffn_{name}_exps.weight holds {count} experts of {p.rows // max(count, 1)}x{p.cols}, "
-                    f"the metadata says {n} of {shape[0] // n}x{shape[1]}"
-                )
-        mlp.experts = PackedExperts(gate, up, down, n, mlp.experts.act_fn)
-        if arch.shared_expert:  # qwen2moe: one more expert for every token, through a gate
-            shared = mlp.shared_expert
-            shared.gate_proj = linear(shared.gate_proj, b + "ffn_gate_shexp.weight")
-            shared.up_proj = linear(shared.up_proj, b + "ffn_up_shexp.weight")
-            shared.down_proj = linear(shared.down_proj, b + "ffn_down_shexp.weight")
-            w = _vector(src, b + "ffn_gate_inp_shexp.weight")
-            if w.shape != (config.hidden_size,):
-                raise NotPackable(
-                    f"{b}ffn_gate_inp_shexp.weight has {w.numel()} weights, not {config.hidden_size}"
-                )
-            mlp.shared_expert_gate.weight = nn.Parameter(w[None], requires_grad=False)
-
     if arch.scaled_embedding:
         scale = getattr(inner.embed_tokens, "scalar_embed_scale", None)
         if not isinstance(scale, float):
@@ -426,7 +385,7 @@ def build_packed_model(path: Path, config: Any) -> Any:
         att.v_proj = linear(att.v_proj, b + "attn_v.weight")
         att.o_proj = linear(att.o_proj, b + "attn_output.weight")
         if arch.experts:
-            experts(mlp, b)
+            _load_experts(src, config, arch.shared_expert, mlp, b, matrix, linear)
         else:
             mlp.gate_proj = linear(mlp.gate_proj, b + "ffn_gate.weight")
             mlp.up_proj = linear(mlp.up_proj, b + "ffn_up.weight")
@@ -447,6 +406,54 @@ def build_packed_model(path: Path, config: Any) -> Any:
     model.chatbot_gguf = str(path)
     model.chatbot_file_stamp = src.stamp  # the file as mapped: a chat checks it before each turn
     return model.eval()
+
+
+def _load_experts(
+    src: GGUFWeights, config: Any, shared_expert: bool, mlp: Any, b: str, matrix: Any, linear: Any
+) -> None:
+    """A mixture's router (float32) and its experts' 3-D tensors as stored, into `mlp`
+    (transformers' sparse block: its `gate` the router, `experts` the experts); qwen2moe's
+    shared expert too. `matrix` / `linear`: `build_packed_model`'s readers of 2-D tensors.
+
+    Raises:
+        NotPackable: a tensor missing, or of a shape the metadata does not give.
+    """
+
+    def stacked(name: str) -> tuple[Any, int]:
+        try:
+            return src.stacked(name)
+        except KeyError:
+            raise NotPackable(f"the file has no {name}") from None
+        except ValueError as exc:
+            raise NotPackable(str(exc)) from None
+
+    router = kernels.unpack(matrix(b + "ffn_gate_inp.weight"), threads=1)
+    want = tuple(_weight(mlp.gate).shape)
+    if tuple(router.shape) != want:
+        raise NotPackable(f"{b}ffn_gate_inp.weight is {tuple(router.shape)}, the config says {want}")
+    mlp.gate.weight = nn.Parameter(router, requires_grad=False)
+    (gate, n_gate), (up, n_up), (down, n_down) = (
+        stacked(b + f"ffn_{part}_exps.weight") for part in ("gate", "up", "down")
+    )
+    n, width, hidden = config.num_experts, config.moe_intermediate_size, config.hidden_size
+    parts = [("gate", gate, n_gate, (n * width, hidden)), ("up", up, n_up, (n * width, hidden)),
+             ("down", down, n_down, (n * hidden, width))]  # fmt: skip
+    for name, p, count, shape in parts:
+        if count != n or (p.rows, p.cols) != shape:
+            raise NotPackable(
+                f"{b}ffn_{name}_exps.weight holds {count} experts of {p.rows // max(count, 1)}x{p.cols}, "
+                f"the metadata says {n} of {shape[0] // n}x{shape[1]}"
+            )
+    mlp.experts = PackedExperts(gate, up, down, n, mlp.experts.act_fn)
+    if shared_expert:  # qwen2moe: one more expert for every token, through a gate
+        shared = mlp.shared_expert
+        shared.gate_proj = linear(shared.gate_proj, b + "ffn_gate_shexp.weight")
+        shared.up_proj = linear(shared.up_proj, b + "ffn_up_shexp.weight")
+        shared.down_proj = linear(shared.down_proj, b + "ffn_down_shexp.weight")
+        w = _vector(src, b + "ffn_gate_inp_shexp.weight")
+        if w.shape != (hidden,):
+            raise NotPackable(f"{b}ffn_gate_inp_shexp.weight has {w.numel()} weights, not {hidden}")
+        mlp.shared_expert_gate.weight = nn.Parameter(w[None], requires_grad=False)
 
 
 def _weight(module: nn.Module) -> torch.Tensor:

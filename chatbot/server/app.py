@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import os
 import secrets
 import socket
 import threading
@@ -35,9 +34,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from chatbot.engine.stats import peak_rss_bytes
+from chatbot.engine.stats import rss_bytes
 from chatbot.models.templates import thinking_switch
-from chatbot.server.body_limit import BodyLimit
+from chatbot.server.body_limit import BodyLimit, default_max_body  # also re-exported
 from chatbot.server.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from chatbot.server.pool import PrefixCachePool
 from chatbot.server.protocol import (
@@ -60,29 +59,7 @@ POLL_S = 0.25
 # and then for the engine's threads to finish their step.
 SHUTDOWN_WAIT_S = 5
 
-# The default cap on a request body: 128 bytes per token of context, at least 1 MiB. A prompt
-# that fills the context is about 4 bytes a token of English, up to 6x that JSON-escaped
-# (`\u4e2d` for a 3-byte character), and no token stands for more than ~100 bytes (SmolLM2's
-# longest, a run of spaces, is 81): an 8k context gets 1 MiB, a 128k one 16 MiB.
-BODY_BYTES_PER_TOKEN = 128
-MIN_BODY_BYTES = 1 << 20
-
-
-def default_max_body(max_context: int) -> int:
-    """The body cap `chatbot serve` uses unless --max-body says otherwise."""
-    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_context)
-
-
 # -- the app --------------------------------------------------------------------------------------
-
-
-def rss_bytes() -> int:
-    """The server's resident set now (Linux), else its peak."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return peak_rss_bytes()
 
 
 def create_app(

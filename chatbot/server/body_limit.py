@@ -7,6 +7,18 @@ from typing import Any
 
 from chatbot.server.protocol import APIError
 
+# The default cap on a request body: 128 bytes per token of context, at least 1 MiB. A prompt
+# that fills the context is about 4 bytes a token of English, up to 6x that JSON-escaped
+# (`\u4e2d` for a 3-byte character), and no token stands for more than ~100 bytes (SmolLM2's
+# longest, a run of spaces, is 81): an 8k context gets 1 MiB, a 128k one 16 MiB.
+BODY_BYTES_PER_TOKEN = 128
+MIN_BODY_BYTES = 1 << 20
+
+
+def default_max_body(max_context: int) -> int:
+    """The body cap `chatbot serve` uses unless --max-body says otherwise."""
+    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_context)
+
 
 class BodyLimit:
     """ASGI middleware: a request body is read whole, up to `max_bytes`, before the app sees

@@ -431,3 +431,36 @@ class KeyValueTable:
 def key_value_table(title: str, rows: dict[str, str]) -> KeyValueTable:
     """Keys and values for /model and /cache (see `KeyValueTable`)."""
     return KeyValueTable(title, rows)
+
+
+def toolbar_line(session: Any, model_name: str, loading_name: str, width: int) -> Any:
+    """The line under the prompt, as prompt_toolkit's (style, text) pairs: while the model
+    loads (`session` None), what the load waits for; then the model, the cache meter and the
+    sampling in brief. On a narrow terminal the less useful parts go first, so that it is
+    never cut (the meter stays). Names come from files and servers: their control characters
+    are shown, not sent (`safe_line`), as everywhere else."""
+    from chatbot import progress
+    from chatbot.terminal.sanitize import safe_line
+
+    if session is None:
+        what, name = safe_line(progress.current() or ""), safe_line(loading_name)
+        lines = [f" loading {name}: {what}… · /help", f" loading: {what}… · /help"]
+        line = next((t for t in lines if len(t) < width), lines[-1]) if what else f" loading {name}… · /help"
+        return [("", line if len(line) < width else line[: width - 2] + "…")]
+    gauge = session.meter()
+    model = safe_line(f"{model_name} {gauge.where}".strip())
+    used, cap = gauge.used, gauge.capacity
+    if used is None:
+        meter = ("", f"{gauge.label} ? tok")
+    elif not cap:
+        meter = ("", f"{gauge.label} {used:,} tok")
+    else:
+        colour = {"green": "ansigreen", "yellow": "ansiyellow", "red": "ansired"}[meter_style(used, cap)]
+        meter = (f"bold {colour}", f"{gauge.label} {used:,}/{cap:,}")
+    parts: list[tuple[str, str]] = []
+    for name, tail in ((model, sampling_brief(session.sampling)), (model, ""), ("", "")):
+        parts = [("", f" {name} · " if name else " "), meter]
+        parts.append(("", f" · {tail} · /help" if tail else " · /help"))
+        if sum(len(part[1]) for part in parts) < width:
+            break
+    return parts

@@ -49,12 +49,7 @@ from chatbot.terminal.commands import (
 )
 from chatbot.terminal.input import BlockReader, KeptHistory, SlashCompleter, clean_message, read_lines
 from chatbot.terminal.live_answer import MarkdownAnswer, PlainAnswer
-from chatbot.terminal.render import (
-    format_stats_line,
-    history_renderable,
-    meter_style,
-    sampling_brief,
-)
+from chatbot.terminal.render import format_stats_line, history_renderable, toolbar_line
 from chatbot.terminal.repl_commands import ReplCommands
 from chatbot.terminal.sanitize import safe_line, safe_text
 from chatbot.terminal.thinking_view import ThinkingRoute
@@ -273,7 +268,7 @@ class Repl(ReplCommands):
             self.note(f"resuming session {state['id']} ({counted(len(state['turns']), 'turn')})")
             if state.get("model") and state["model"] != self.loaded.name:
                 self.note(f"that session was with {state['model']}; continuing with {self.loaded.name}")
-            self._keep_cache(resume.name.removesuffix(SUFFIX), resuming=True)
+            self.session.keep_cache_for(resume.name.removesuffix(SUFFIX), resuming=True)
             self._restore(state)
             self.log = SessionLog(resume, self._log_header(), warn=self.note)
             self.log.write(
@@ -290,21 +285,10 @@ class Repl(ReplCommands):
         else:
             self.log = SessionLog.create(self._log_header(), directory, warn=self.note)
             if self.log.enabled:
-                self._keep_cache(self.log.session_id)
+                self.session.keep_cache_for(self.log.session_id)
         # From here on the session writes each change of the conversation to the log.
         self.session.log = self.log
         self.session.model_name = self.loaded.name
-
-    def _keep_cache(self, session_id: str, resuming: bool = False) -> None:
-        """Keep a local chat's cache on disk beside its log (`chatbot.conversation.kvstore`)."""
-        session: Any = self.session
-        keep = getattr(session, "keep_cache_in", None)  # a model here (not a server's)
-        if keep is not None and not session.kv.is_bounded:
-            from chatbot.conversation.kvstore import SUFFIX as KV_SUFFIX
-            from chatbot.conversation.kvstore import KVStore, kv_dir
-
-            store = KVStore(kv_dir() / (session_id + KV_SUFFIX), session.kv_identity)
-            keep(store, resuming)
 
     def _log_header(self) -> dict[str, Any]:
         return {
@@ -499,38 +483,15 @@ class Repl(ReplCommands):
             self.handle(self.blocks.close())
 
     def toolbar(self, width: int | None = None) -> StyleAndTextTuples:
-        """The line under the prompt; on a narrow terminal the less useful parts go first,
-        so that it is never cut (the cache meter stays). Names come from files and servers:
-        their control characters are shown, not sent (`safe_line`), as everywhere else."""
+        """The line under the prompt (`toolbar_line`), at the terminal's width by default."""
         if width is None:
             from prompt_toolkit.application import get_app_or_none
 
             app = get_app_or_none()
             width = app.output.get_size().columns if app is not None else 80
-        if self.pending is not None or self.session is None:
-            what, name = safe_line(progress.current() or ""), safe_line(self.loading_name)
-            lines = [f" loading {name}: {what}… · /help", f" loading: {what}… · /help"]
-            line = (
-                next((t for t in lines if len(t) < width), lines[-1]) if what else f" loading {name}… · /help"
-            )
-            return [("", line if len(line) < width else line[: width - 2] + "…")]
-        s = self.session
-        gauge = s.meter()
-        model = safe_line(f"{self.loaded.name} {gauge.where}".strip())
-        used, cap = gauge.used, gauge.capacity
-        if used is None:
-            meter = ("", f"{gauge.label} ? tok")
-        elif not cap:
-            meter = ("", f"{gauge.label} {used:,} tok")
-        else:
-            colour = {"green": "ansigreen", "yellow": "ansiyellow", "red": "ansired"}[meter_style(used, cap)]
-            meter = (f"bold {colour}", f"{gauge.label} {used:,}/{cap:,}")
-        for name, tail in ((model, sampling_brief(s.sampling)), (model, ""), ("", "")):
-            parts: StyleAndTextTuples = [("", f" {name} · " if name else " "), meter]
-            parts.append(("", f" · {tail} · /help" if tail else " · /help"))
-            if sum(len(part[1]) for part in parts) < width:
-                break
-        return parts
+        loading = self.pending is not None or self.session is None
+        return toolbar_line(None if loading else self.session, self.loaded.name if not loading else "",
+                            self.loading_name, width)  # fmt: skip
 
     def make_prompt(self, input: Any = None, output: Any = None) -> PromptSession[str]:
         """The prompt_toolkit session: history, completion, keys, toolbar."""
