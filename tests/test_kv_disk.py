@@ -226,3 +226,20 @@ def test_the_store_keeps_under_its_cap_dropping_the_oldest(tmp_path, monkeypatch
     assert paths[0].exists() and paths[3].exists() and fresh.exists() and other.exists()
     monkeypatch.setenv("CHATBOT_KV_CACHE_BYTES", "0")
     assert set(prune(folder, keep=paths[3])) == {paths[0]}
+
+
+def test_a_cache_path_that_is_no_regular_file_is_refused_without_reading_it(tmp_path, tiny_engine):
+    """A FIFO (whose read would block), a link and a directory where the cache file should be
+    are refused with their line, at once; nothing is taken into the cache."""
+    import os
+
+    from chatbot.conversation.kvstore import KVStore
+
+    target = tmp_path / "elsewhere.safetensors"
+    target.write_bytes(b"x" * 100)
+    for name, make in (("fifo", os.mkfifo), ("link", lambda p: os.symlink(target, p)), ("dir", os.mkdir)):
+        path = tmp_path / f"{name}.safetensors"
+        make(path)
+        kv = tiny_engine.new_cache()
+        assert KVStore(path, dict).load(kv, [1, 2, 3], "cpu") == (0, f"the disk cache {path} is not a regular file")
+        assert not kv.ids

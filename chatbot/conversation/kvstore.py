@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
 import threading
 import zlib
 from collections.abc import Callable, Sequence
@@ -215,8 +216,15 @@ class KVStore:
             (0, None) and says nothing.
         """
         self.wait()
-        if not self.path.exists():
+        try:
+            st = self.path.lstat()
+        except OSError:
             return 0, None
+        # a FIFO would block the read, a link lead elsewhere, a huge file fill memory
+        if not stat.S_ISREG(st.st_mode):
+            return 0, f"the disk cache {self.path} is not a regular file"
+        if st.st_size > store_cap():
+            return 0, f"the disk cache {self.path} is larger than the store's cap ({st.st_size:,} bytes)"
         layers = _layers(kv) if not kv.ids else None
         if layers is None:
             return 0, "the disk cache is kept only for a growing cache"
