@@ -241,5 +241,6 @@ def test_a_cache_path_that_is_no_regular_file_is_refused_without_reading_it(tmp_
         path = tmp_path / f"{name}.safetensors"
         make(path)
         kv = tiny_engine.new_cache()
-        assert KVStore(path, dict).load(kv, [1, 2, 3], "cpu") == (0, f"the disk cache {path} is not a regular file")
+        why = f"the disk cache {path} is not a regular file"
+        assert KVStore(path, dict).load(kv, [1, 2, 3], "cpu") == (0, why)
         assert not kv.ids
