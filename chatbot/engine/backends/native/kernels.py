@@ -261,11 +261,12 @@ def from_raw(data: torch.Tensor, fmt: int, rows: int, cols: int) -> PackedMatrix
 
 def rows_of(p: PackedMatrix, start: int, n: int) -> PackedMatrix:
     """Rows [start, start + n) of `p` as a matrix on the same bytes (no copy): one expert's
-    matrix of a mixture's 3-D tensor. In tiles, `start` and `n` must be whole tiles of 8
-    (tile g holds rows 8g..8g+7 at the bytes of those rows)."""
-    if not 0 <= start <= start + n <= p.rows or (p.x8 and (start % 8 or n % 8)):
-        raise ValueError(f"rows {start}..{start + n} of a [{p.rows}, {p.cols}] matrix")
-    return PackedMatrix(p.data[start : start + n], p.fmt, n, p.cols, p.x8)
+    matrix of a mixture's 3-D tensor, which the loader keeps as stored (not in tiles)."""
+    if p.x8 or not 0 <= start <= start + n <= p.rows:
+        raise ValueError(
+            f"rows {start}..{start + n} of a [{p.rows}, {p.cols}]{' tiled' if p.x8 else ''} matrix"
+        )
+    return PackedMatrix(p.data[start : start + n], p.fmt, n, p.cols)
 
 
 def from_gguf(tensor: Any, row_order: torch.Tensor | None = None) -> PackedMatrix:

@@ -92,8 +92,8 @@ static void attend_head(const Model *m, int l, int h, const float *qkv, const fl
            m->attn_softcap, scores, out);
 }
 
-/* Rows [e * n, (e + 1) * n) of `all`: expert e's matrix of n rows in a 3-D tensor's rows
- * (rows in 8-row tiles start at row e * n too where n is whole tiles, as the loader checks). */
+/* Rows [e * n, (e + 1) * n) of `all`: expert e's matrix of n rows in a 3-D tensor's rows, as
+ * the file stores them (the loader does not lay experts out in tiles). */
 static inline Mat expert_rows(const Mat *all, int e, int n) {
     Mat sub = *all;
     sub.data = (const char *)all->data + (size_t)e * n * row_bytes(all);
