@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -23,7 +24,7 @@ PIDS: dict[str, int] = {}  # base URL -> the server's process id, while it runs
 PROCS: dict[str, subprocess.Popen] = {}  # base URL -> the server's process, while it runs
 
 
-def save_tiny_model(folder: Path, max_position_embeddings: int = 4096) -> Path:
+def printable_tiny_model(max_position_embeddings: int = 4096) -> tuple[Any, Any]:
     """The test tokenizer and a tiny random Llama that writes printable ASCII only and never
     ends by itself (answers run to max_tokens).
 
@@ -47,6 +48,12 @@ def save_tiny_model(folder: Path, max_position_embeddings: int = 4096) -> Path:
         model.model.embed_tokens.weight[:, 0] = 0.5
         model.lm_head.weight[:, 0] = 0.0
         model.lm_head.weight[bad, 0] = -200
+    return model, tok
+
+
+def save_tiny_model(folder: Path, max_position_embeddings: int = 4096) -> Path:
+    """`printable_tiny_model` saved in `folder` (weights and tokenizer)."""
+    model, tok = printable_tiny_model(max_position_embeddings)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder

@@ -173,3 +173,64 @@ def test_prefill_rows_and_decode_batch_at_once_in_two_threads(tiny_model):
         t.join(60)
     assert all(torch.equal(a, b) for a, b in zip(alone[0], together["batch"]))
     assert all(torch.equal(a, b) for a, b in zip(alone[1], together["prefill"]))
+
+
+@needs_kernels
+def test_a_continue_right_after_a_client_left_takes_its_conversation():
+    """A client stops reading mid-answer and at once asks to continue that answer. The new
+    request waits for the left generation to end (its next batched step) and takes its
+    conversation from the pool: the prompt is not prefilled again. Before, it could take the
+    engine between two of that generation's steps, find the pool empty and prefill it all."""
+    import threading
+    import time
+
+    from serve_helpers import printable_tiny_model
+
+    from chatbot.config import EngineConfig, SamplingConfig
+    from chatbot.server.pool import Conversation, PrefixCachePool
+    from chatbot.server.worker import Job, Worker
+
+    model, tok = printable_tiny_model()  # text in every step (a newline-only answer waits)
+    sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=40)
+    decoder = FastDecoder(model, "f32", threads=1)
+    pool = PrefixCachePool(Engine(model, tok, decoder=decoder), EngineConfig(), sampling)
+    worker = Worker(pool, slots=2)
+    assert worker.batched is not None and worker.batched.batcher is not None
+    batcher = worker.batched.batcher
+    got: list[str] = []
+    done: list[dict] = []
+    finished = threading.Event()
+
+    def put_second(event):
+        if event[0] in ("done", "error"):
+            done.append(event[1])
+            finished.set()
+
+    def put_first(event):
+        if event[0] != "text":
+            return
+        got.append(event[1][0])
+        if len(got) == 3:  # the client's next request comes (it stops reading just after)
+            partial = "".join(got)  # as the protocol reads a continue_final_message request
+            turns = [("Hello there!", partial)]
+            conv = Conversation("Be brief.", turns, "Hello there!", partial_answer=partial)
+            worker.submit(Job(conv, sampling, put_second))
+            time.sleep(0.5)  # its thread is now waiting for the engine
+
+    step = batcher.step
+
+    def step_after_the_client_left(cache, token):
+        # The client's disconnect is seen between two steps: after the generation last
+        # looked for it, before the next request takes the engine (the server's race).
+        if len(got) >= 3:
+            first.cancel.set()
+        return step(cache, token)
+
+    batcher.step = step_after_the_client_left  # type: ignore[method-assign]
+    first = Job(Conversation("Be brief.", [], "Hello there!"), sampling, put_first)
+    worker.submit(first)
+    assert finished.wait(60)
+    worker.stop(10)
+    assert isinstance(done[0], dict), done
+    assert done[0]["cached_tokens"] > 0 and done[0]["cached_tokens"] >= done[0]["prompt_tokens"] - 2
+    assert pool.stats.hits == 1 and pool.stats.misses == 1

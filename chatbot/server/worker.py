@@ -31,6 +31,9 @@ from chatbot.server.protocol import APIError
 
 DEFAULT_SLOTS = 8
 """Requests that generate at once (continuous batching), where the native kernels run."""
+SETTLE_S = 5.0
+"""The longest a request waits for generations whose clients have gone to give their
+conversations back to the pool (`Worker._settle`)."""
 
 if TYPE_CHECKING:
     from chatbot.engine.chunk import GenerationChunk
@@ -101,6 +104,7 @@ class Worker:
         self.slots = slots
         self.active = 0
         self.served = 0
+        self.running: list[Job] = []  # the jobs in the engine now (changed with `lock` held)
         self.threads = [
             threading.Thread(target=self._loop, name=f"chatbot-engine-{i}", daemon=True) for i in range(slots)
         ]
@@ -151,6 +155,7 @@ class Worker:
                 if job.cancel.is_set():  # the client left while it waited
                     continue
                 self.active += 1
+                self.running.append(job)
                 try:
                     self._run(job)
                 except Exception as exc:  # noqa: BLE001 - one request must not take the worker down
@@ -163,6 +168,24 @@ class Worker:
                 finally:
                     self.active -= 1
                     self.served += 1
+                    self.running.remove(job)
+                    if isinstance(self.lock, threading.Condition):
+                        self.lock.notify_all()  # wakes a request waiting in `_settle`
+
+    def _settle(self, job: Job) -> None:
+        """Before `job` takes a conversation from the pool: wait (up to SETTLE_S) for the
+        generations whose clients have gone to end. Their conversations then go back to the
+        pool, so a request that carries one on (a client's /continue or /retry right after it
+        stopped reading) takes it over instead of prefilling it again. A batched generation
+        sees its cancel at its next step, which runs while this waits (`lock` let go)."""
+        if not isinstance(self.lock, threading.Condition):
+            return  # one job at a time: none other is running
+        deadline = time.monotonic() + SETTLE_S
+        while any(j is not job and j.cancel.is_set() for j in self.running):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self.lock.wait(min(left, 0.05))
 
     def _tracker(self, job: Job) -> LogprobTracker | None:
         """A fresh logprob tracker for one answer of the job (None: it asks for none)."""
@@ -232,6 +255,7 @@ class Worker:
         if conv is None:
             self._complete(job)
             return
+        self._settle(job)
         try:
             entry = self.pool.checkout(conv)
         except ChatbotError as exc:
