@@ -256,6 +256,70 @@ def test_a_thinking_budget_in_the_session(tiny_engine, tmp_path, monkeypatch):
     assert session.decode(session.all_ids) == session.rendered
 
 
+DROPPING_TEMPLATES = {
+    # Qwen3's way: the thinking of answers before the last user message is left out
+    "qwen3": (
+        "{%- set ns = namespace(last=-1) -%}{%- for m in messages -%}{%- if m['role'] == 'user' -%}"
+        "{%- set ns.last = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+        "{%- for m in messages -%}{%- set c = m['content'] -%}"
+        "{%- if m['role'] == 'assistant' and loop.index0 < ns.last and '</think>' in c -%}"
+        "{%- set c = c.split('</think>')[-1].lstrip('\n') -%}{%- endif -%}"
+        "<|im_start|>{{ m['role'] }}\n{{ c }}<|im_end|>\n{%- endfor -%}"
+        "{%- if add_generation_prompt -%}<|im_start|>assistant\n<think>\n{%- endif -%}"
+    ),
+    # DeepSeek-R1's distills: every answer in the history without its thinking
+    "r1": (
+        "{%- for m in messages -%}{%- set c = m['content'] -%}"
+        "{%- if m['role'] == 'assistant' and '</think>' in c -%}"
+        "{%- set c = c.split('</think>')[-1].lstrip('\n') -%}{%- endif -%}"
+        "<|im_start|>{{ m['role'] }}\n{{ c }}<|im_end|>\n{%- endfor -%}"
+        "{%- if add_generation_prompt -%}<|im_start|>assistant\n<think>\n{%- endif -%}"
+    ),
+}
+
+
+@pytest.mark.parametrize("style", sorted(DROPPING_TEMPLATES))
+def test_a_template_that_drops_earlier_thinking_re_encodes_only_what_changed(
+    tiny_engine, tiny_model, monkeypatch, style
+):
+    """The next turn's rendering leaves the last answer's thinking out: the cache is cut
+    where the rendered history changes and only the rest is encoded again (before, the
+    whole conversation was); the next answer is the one a full recompute gives."""
+    from helpers import assert_ids_match_text, greedy_by_recompute
+
+    from chatbot.config import ChatConfig, SamplingConfig
+    from chatbot.conversation.session import ChatSession
+
+    monkeypatch.setattr(tiny_engine.tokenizer, "chat_template", DROPPING_TEMPLATES[style])
+    thinking = SamplingConfig(temperature=0.0, max_new_tokens=60, think_budget=4)
+    session = ChatSession(tiny_engine, ChatConfig(sampling=thinking))
+    first = "Hello there! How are you today? " * 3
+    assert "</think>" in "".join(c.text for c in session.send(first))
+    before = session.all_ids
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=6)
+    generate, fed = tiny_engine.generate, []
+
+    def seen_generate(kv, new_ids, *args, **kwargs):
+        fed.append((list(kv.seen), list(new_ids)))  # what the cache holds, what is fed
+        return generate(kv, new_ids, *args, **kwargs)
+
+    monkeypatch.setattr(tiny_engine, "generate", seen_generate)
+    answer = [i for c in session.send("And the quick brown fox?", sampling) for i in c.token_ids]
+    assert "</think>" not in session.render(session.messages(), False).split("And the quick")[0]
+    # the prompt reads as the template renders the conversation now
+    ((kept, new),) = fed
+    prompt = kept + new
+    assert session.decode(prompt) == session.render(session.messages()[:-1], True)
+    # the first message stayed in the cache; only what follows the change is encoded again
+    assert kept == before[: len(kept)] and len(kept) > len(session.encode(first))
+    assert session.turns[-1].stats.context_tokens == len(new) < len(prompt) // 2
+    assert answer == greedy_by_recompute(tiny_model, prompt, len(answer))
+    assert_ids_match_text(session)
+    # undo and retry still cut the cache back to the new turn
+    session.undo()
+    assert_ids_match_text(session)
+
+
 # -- serve ------------------------------------------------------------------------------------
 
 

@@ -6,8 +6,10 @@ the cache's `TrackedCache`; this is the session's policy on top."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import TYPE_CHECKING, Any
 
+from chatbot.conversation.alignment import Segment
 from chatbot.engine.cache.sinks import streaming_window
 from chatbot.engine.cache.tracked import CacheLayout, TrackedCache
 from chatbot.errors import ChatbotError
@@ -16,7 +18,6 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from chatbot.config import ChatConfig, EngineConfig
-    from chatbot.conversation.alignment import Segment
     from chatbot.conversation.kvstore import KVStore
     from chatbot.conversation.saved import Turn
     from chatbot.engine.generate import Engine
@@ -91,6 +92,11 @@ class ConversationCache:
         raise NotImplementedError  # ChatSession's
 
     def _rebuild_segments(self) -> None:
+        raise NotImplementedError  # ChatSession's
+
+    def _segment(
+        self, kind: str, text: str, before: list[Segment] | None = None, content: str | None = None
+    ) -> Segment:
         raise NotImplementedError  # ChatSession's
 
     @property
@@ -208,6 +214,41 @@ class ConversationCache:
             return
         for turn in self.turns:
             turn.evicted_before = 0
+
+    def _realign(self, full: str, content: str) -> Segment:
+        """The new turn's prompt segment when the template renders the past otherwise than
+        the segments hold it (many templates drop the thinking of earlier answers), `full`
+        being the whole conversation as it renders now and `content` the new message.
+
+        The segments wholly before the first character that changed are kept; the prompt is
+        the rest of `full`. The cache keeps the ids it shares with that (cut at the first
+        that differs, so the part of a segment before the change stays, as a prompt segment
+        of its own): only what follows the change is encoded again. A bounded cache is
+        emptied instead, and its window refilled.
+        """
+        common = len(os.path.commonprefix(["".join(s.text for s in self.segments), full]))
+        n = at = 0
+        while n < len(self.segments) and at + len(self.segments[n].text) <= common:
+            at += len(self.segments[n].text)
+            n += 1
+        self.segments = self.segments[:n]
+        for turn in self.turns:
+            if turn.first_segment >= n:
+                turn.first_segment = -1  # found again (`_turn_start`) when undo asks
+        head = self.all_ids
+        prompt = self._segment("prompt", full[at:], content=content)
+        # the prompt's last id stays to be fed: its logits start the answer
+        shared = min(self.kv.common_prefix([*head, *prompt.ids]), len(head) + len(prompt.ids) - 1)
+        split = 0 if self.kv.is_bounded else max(0, shared - len(head))
+        while split:
+            text = self.text.decode_after(head, prompt.ids[:split])
+            if prompt.text.startswith(text):
+                self.segments.append(Segment("prompt", text, prompt.ids[:split]))
+                prompt = Segment("prompt", prompt.text[len(text) :], prompt.ids[split:])
+                break
+            split -= 1
+        self._keep_common_prefix()
+        return prompt
 
     def _truncate(self, n_segments: int, keep: int, evicted_before: int) -> None:
         """Keep `segments[:n_segments]` and at most `keep` ids of them in the cache.

@@ -172,16 +172,10 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
             self._ensure_consistent()
         msgs = [*self.messages(), {"role": "user", "content": text}]
         full = self.render(msgs, add_generation_prompt=True)
-        prefix = self.rendered
-        if not full.startswith(prefix):
-            # The template re-renders the past differently (e.g. it drops old reasoning):
-            # start over from a fresh tokenization of the whole conversation.
-            self._forget_cache()
-            self.segments = []
-            for t in self.turns:
-                t.first_segment = -1
-            prefix = ""
-        prompt = self._segment("prompt", full[len(prefix) :], content=text)
+        if full.startswith(self.rendered):
+            prompt = self._segment("prompt", full[len(self.rendered) :], content=text)
+        else:  # the template renders the past otherwise now (it drops earlier thinking)
+            prompt = self._realign(full, text)
         yield from self._answer(text, prompt, sampling)
 
     def _answer(
