@@ -75,6 +75,10 @@ def test_the_thinking_streams_dimmed_then_folds_to_one_line(tmp_path, terminals)
     after = term.lines()[max(i for i, line in enumerate(term.lines()) if line.startswith("> and now?")) :]
     assert not folded_lines(after) and not thought_lines(after)
     assert any("the last answer had no thinking" in line for line in after), "\n".join(after)
+    send(term, "/undo")  # the answer before is the last again: /thinking shows its thinking
+    send(term, "/thinking")
+    last = term.lines()[max(i for i, line in enumerate(term.lines()) if line.startswith("> /thinking")) :]
+    assert missing_words(THOUGHT, last) == [], "\n".join(last)
 
 
 def test_a_thinking_taller_than_the_screen_folds_and_the_screen_stays_whole(tmp_path, terminals):

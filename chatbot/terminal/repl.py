@@ -120,10 +120,9 @@ class Repl(ReplCommands):
         self._draft = ""  # a message typed but not sent (Ctrl-C while loading or before its answer)
         self._prompting = False  # run_terminal's loop: a message not sent comes back at the prompt
         self.one_shot = False  # `chatbot run "PROMPT"`: no prompt follows, so no command to offer
-        # --show-thinking ("show": kept on screen; in a pipe, to stderr), --hide-thinking
-        # ("hide": one line), else "fold": dimmed while it streams, one line once the answer starts
-        self.thinking_view = "fold"
-        self.last_thinking = ""  # the last answer's thinking (/thinking)
+        # --show-thinking: "show" (kept on screen; in a pipe, to stderr); --hide-thinking: "hide"
+        self.thinking_view = "fold"  # dimmed while it streams, one line once the answer starts
+        self.last_thinking, self.thoughts = "", {}  # the answer just streamed's; each turn's
         self.blocks = BlockReader()
         self.handlers: dict[str, Callable[[Command], None]] = {
             "help": self._help,
@@ -411,6 +410,7 @@ class Repl(ReplCommands):
             except (RuntimeError, ValueError) as exc:  # the model or sampling failed: keep the chat
                 chunks.close()
                 problem = f"generation failed: {type(exc).__name__}: {exc}"
+        self.keep_thinking(continued)  # the turn is closed now (by chunks.close() above)
         if problem == "interrupted":
             if keep_note:
                 self._interrupted_note()

@@ -61,7 +61,8 @@ class ReplCommands:
     info: Console
     plain: bool
     running: bool
-    last_thinking: str
+    last_thinking: str  # the thinking of the answer streamed last
+    thoughts: dict[int, tuple[Any, str]]  # id of a turn -> (the turn, its thinking)
 
     if TYPE_CHECKING:
 
@@ -190,8 +191,21 @@ class ReplCommands:
             return
         self.info.print(stats_renderable(self.info, self.session.turns, self.session.summary()))
 
+    def keep_thinking(self, continued: bool) -> None:
+        """The answer just streamed closed the last turn: its thinking (`last_thinking`) is
+        that turn's, after what it had where the answer was `continued`, instead of it on a
+        /retry. Turns no longer in the chat (/undo, /reset, /load) are let go."""
+        turns, thought, self.last_thinking = self.session.turns, self.last_thinking, ""
+        live = {id(t) for t in turns}
+        self.thoughts = {k: v for k, v in self.thoughts.items() if k in live}
+        if turns:
+            before = self.thoughts.get(id(turns[-1]), (None, ""))[1] if continued else ""
+            self.thoughts[id(turns[-1])] = (turns[-1], before + thought)
+
     def _thinking(self, _: Command) -> None:
-        thought = self.last_thinking.strip()
+        turns = self.session.turns
+        turn, thought = self.thoughts.get(id(turns[-1]), (None, "")) if turns else (None, "")
+        thought = thought.strip() if turn is turns[-1] else ""
         if not thought:
             self.note("the last answer had no thinking")
             return
