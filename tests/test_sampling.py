@@ -3,6 +3,7 @@ the engine's logits processors."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers.generation.logits_process import LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
 
@@ -74,3 +75,20 @@ def test_repeat_last_n_is_a_setting_of_set_presets_and_requests(tmp_path):
     assert sampling_of(body, SamplingConfig(), None).repeat_last_n == 32
     sent = request_fields(SamplingConfig().with_value("repeat_last_n", 16))
     assert sent["extra_body"]["repeat_last_n"] == 16 and "repeat_last_n" not in sent
+
+
+@pytest.mark.parametrize(
+    ("effort", "think"), [("none", "off"), ("minimal", "low"), ("low", "low"), ("high", "high"), (None, None)]
+)
+def test_openais_reasoning_efforts_are_taken(effort, think):
+    """OpenAI's `reasoning_effort` values `none` and `minimal` (which its client sends) are
+    taken as off and low; a value no template knows is a 400 that names the field."""
+    from chatbot.config import SamplingConfig
+    from chatbot.server.protocol import APIError, ChatRequest, sampling_of
+
+    body = ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}], reasoning_effort=effort)
+    assert sampling_of(body, SamplingConfig(), None).think == think
+    with pytest.raises(APIError, match="reasoning_effort must be one of none, minimal"):
+        sampling_of(
+            ChatRequest(model="m", messages=body.messages, reasoning_effort="huge"), SamplingConfig(), None
+        )

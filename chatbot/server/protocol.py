@@ -144,6 +144,10 @@ class _Request(BaseModel):
         return tuple(s for s in stops if s)
 
 
+OPENAI_EFFORTS = {"none": "off", "minimal": "low"}
+"""OpenAI's `reasoning_effort` values past low, medium and high, as `--think` says them."""
+
+
 class ChatRequest(_Request):
     """The fields of OpenAI's chat completion request; `top_k`, `repetition_penalty`,
     `cache_salt`, `continue_final_message` and `add_generation_prompt` as vLLM has them."""
@@ -185,7 +189,8 @@ class ChatRequest(_Request):
             return ("on" if enable else "off"), "chat_template_kwargs.enable_thinking"
         if kwargs.get("reasoning_effort") is not None:
             return str(kwargs["reasoning_effort"]), "chat_template_kwargs.reasoning_effort"
-        return self.reasoning_effort, "reasoning_effort"
+        effort = self.reasoning_effort
+        return OPENAI_EFFORTS.get(effort, effort) if effort else effort, "reasoning_effort"
 
     def top_logprobs_wanted(self) -> int | None:
         """How many top tokens to list with each token's logprob; None: no logprobs.
@@ -540,7 +545,7 @@ def sampling_of(
         except ConfigError:
             raise APIError(
                 400,
-                f"{think_param} must be one of low, medium, high (or on, off), got {think!r}",
+                f"{think_param} must be one of none, minimal, low, medium, high (or on, off), got {think!r}",
                 param=think_param.partition(".")[0],
             ) from None
     if max_context is not None and sampling.max_new_tokens >= max_context:
