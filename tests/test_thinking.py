@@ -404,6 +404,8 @@ def test_serve_takes_a_requests_reasoning_effort(tiny, tmp_path):
         assert thought and not content
         thought, content = _ask(client, max_tokens=6, reasoning_effort="low")
         assert not thought and content
+        thought, content = _ask(client, max_tokens=6, reasoning_effort="minimal")  # OpenAI's: low
+        assert not thought and content
         with pytest.raises(BadRequestError) as bad:
             _ask(client, max_tokens=6, extra_body={"reasoning_effort": "extreme"})
-        assert "reasoning_effort must be one of low, medium, high" in str(bad.value)
+        assert "reasoning_effort must be one of none, minimal, low, medium, high" in str(bad.value)
