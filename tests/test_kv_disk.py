@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from test_repl import Chat
 from test_session import assert_invariant
 
@@ -138,12 +139,62 @@ def test_an_edited_log_is_not_given_the_old_cache(tiny_model, tiny_tokenizer, tm
     assert second.session.turns[0].user == "Goodbye there!" and len(reused) == len(second.session.kv.seen)
 
 
-def test_a_streaming_chat_keeps_no_cache_on_disk(tiny_model, tiny_tokenizer, tmp_path):
+STREAMING = {"enable_streaming": True, "start_size": 4, "recent_size": 24}
+
+
+@pytest.fixture
+def _evicting(monkeypatch):
+    """The chats' checks after each line, less the logits against a recompute of the ids
+    held: a window that evicted was encoded with the text it no longer holds."""
+    import test_repl
+
+    monkeypatch.setattr(test_repl, "assert_invariant", lambda s: assert_invariant(s, check_logits=False))
+
+
+@pytest.mark.usefixtures("_evicting")
+def test_a_streaming_chat_resumes_its_window_after_evictions(tiny_model, tiny_tokenizer, tmp_path):
+    """Under --enable-streaming the file keeps the window as it stands after evictions: the
+    resumed chat encodes only what the file lacks, holds the same window (keys and values
+    bit for bit), and answers the same greedy text as the chat that never stopped."""
     logs = tmp_path / "logs"
-    c = Chat(tiny_model, tiny_tokenizer, logs, enable_streaming=True, start_size=4, recent_size=64)
-    c.lines("Hello there!")
-    assert c.session.kv_store is None
-    assert not kv_dir().exists() or not any(kv_dir().iterdir())
+    first = Chat(tiny_model, tiny_tokenizer, logs, system="Be brief.", **STREAMING)
+    first.lines(*MESSAGES[:2])
+    first.session.kv_store.wait()
+    kv = first.session.kv
+    assert kv.evicted_total > 0  # the window has moved
+    path = session_log.find_session("last", logs)
+    second = Chat(tiny_model, tiny_tokenizer, None, **STREAMING)
+    second.repl.start_log(resume=path)
+    assert_invariant(second.session, check_logits=False)
+    resumed = second.session.kv
+    assert "from the disk cache" in second.err.getvalue(), second.err.getvalue()
+    # the window the chat left, evictions and all; the closing text after it goes with the
+    # next message, in one pass, as in the chat that never stopped
+    assert (resumed.seen, resumed.ids, resumed.pinned) == (kv.seen, kv.ids, kv.pinned)
+    assert resumed.evicted_total == kv.evicted_total
+    for mine, theirs in zip(resumed.layers, kv.layers):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+    pending = len(second.session.all_ids) - len(kv.seen)
+    assert f"from the disk cache, {pending} with the next message)" in second.err.getvalue()
+    second.lines(MESSAGES[2])
+    whole = Chat(tiny_model, tiny_tokenizer, tmp_path / "w", system="Be brief.", **STREAMING)
+    whole.lines(*MESSAGES)
+    assert [t.answer for t in second.session.turns] == [t.answer for t in whole.session.turns]
+    assert second.session.kv.ids == whole.session.kv.ids
+
+
+@pytest.mark.usefixtures("_evicting")
+def test_a_file_of_another_window_is_refused(tiny_model, tiny_tokenizer, tmp_path):
+    logs = tmp_path / "logs"
+    first = Chat(tiny_model, tiny_tokenizer, logs, system="Be brief.", **STREAMING)
+    first.lines(*MESSAGES[:2])
+    first.session.kv_store.wait()
+    path = session_log.find_session("last", logs)
+    second = Chat(tiny_model, tiny_tokenizer, None, **{**STREAMING, "recent_size": 28})
+    second.repl.start_log(resume=path)
+    assert "the disk cache was made with another window" in second.err.getvalue()
+    second.lines(MESSAGES[2])  # re-encoded, and the chat goes on
+    assert len(second.session.turns) == 3
 
 
 def test_the_default_model_resumes_from_disk_token_for_token(default_model, tmp_path):
@@ -196,6 +247,45 @@ def test_the_default_model_resumes_from_disk_token_for_token(default_model, tmp_
     assert n == plain.restore(saved) > 50
     assert "is damaged" in refused.encoded_note(n, False)
     assert answer(refused, "Thank you!") == answer(plain, "Thank you!")
+
+
+def test_the_default_model_resumes_a_streaming_window_token_for_token(default_model, tmp_path):
+    """--enable-streaming on the real model and the native kernels (buffer layers that evict
+    in place): the window a chat left after evictions, resumed from its file, answers the
+    next message with the same greedy tokens as the chat that never stopped."""
+    import shutil
+
+    from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
+    from chatbot.conversation.kvstore import KVStore
+    from chatbot.conversation.session import ChatSession
+    from chatbot.engine.backends.choose import backend_for
+    from chatbot.engine.generate import Engine
+
+    backend, _ = backend_for(default_model.model, "auto")
+    engine = Engine(default_model.model, default_model.tokenizer, backend=backend)
+    config = ChatConfig(
+        sampling=SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=24),
+        engine=EngineConfig(enable_streaming=True, start_size=4, recent_size=48),
+    )
+
+    def answer(session, text):
+        return "".join(chunk.text for chunk in session.send(text))
+
+    whole = ChatSession(engine, config)
+    whole.keep_cache_in(KVStore(tmp_path / "whole.safetensors", whole.kv_identity))
+    for text in ("What is bread made of?", "And how long does it bake?"):
+        answer(whole, text)
+    assert whole.kv.evicted_total > 0
+    whole.kv_store.wait()
+    saved, kept = whole.to_dict("default"), tmp_path / "kept.safetensors"
+    shutil.copy(whole.kv_store.path, kept)
+    going_on = answer(whole, "Thank you!")
+
+    resumed = ChatSession(engine, config)
+    resumed.keep_cache_in(KVStore(kept, resumed.kv_identity), resuming=True)
+    assert resumed.restore(saved) == 0  # nothing encoded: the closing text goes with the message
+    assert "with the next message" in resumed.encoded_note(0, False)
+    assert answer(resumed, "Thank you!") == going_on
 
 
 def test_the_store_keeps_under_its_cap_dropping_the_oldest(tmp_path, monkeypatch):

@@ -299,12 +299,10 @@ class ConversationCache:
     # -- the cache on disk -------------------------------------------------------------------
 
     def keep_cache_for(self, session_id: str, resuming: bool = False) -> None:
-        """`Chat.keep_cache_for`: a file of `chatbot.conversation.kvstore` beside the log; a
-        bounded (sink) cache keeps none."""
-        if not self.kv.is_bounded:
-            from chatbot.conversation.kvstore import SUFFIX, KVStore, kv_dir
+        """`Chat.keep_cache_for`: a file of `chatbot.conversation.kvstore` beside the log."""
+        from chatbot.conversation.kvstore import SUFFIX, KVStore, kv_dir
 
-            self.keep_cache_in(KVStore(kv_dir() / (session_id + SUFFIX), self.kv_identity), resuming)
+        self.keep_cache_in(KVStore(kv_dir() / (session_id + SUFFIX), self.kv_identity), resuming)
 
     def keep_cache_in(self, store: KVStore | None, resuming: bool = False) -> None:
         """Keep the cache in `store` after each turn; with `resuming`, the next `restore` (the
@@ -325,6 +323,7 @@ class ConversationCache:
             "system": _digest_of(self.system or ""),
             "model_dtype": str(getattr(self.engine.model, "dtype", "")),
             "backend": type(self.engine.backend).__name__,
+            "window": f"{self.kv.start_size} sinks + {self.kv.recent_size}" if self.kv.is_bounded else "none",
         }
 
 

@@ -13,8 +13,11 @@ new one, never a torn one that loads. A file that does not match (another model,
 system prompt, dtype or backend; ids the resumed history does not start with) or that is
 damaged (truncated, a flipped byte) is not used; `load` says why in one line.
 
-A bounded (attention-sink) cache is not kept: its eviction state is not saved yet, so a
-streaming chat re-encodes its window on resume as before.
+A bounded (attention-sink) cache is kept as it stands: the keys and values of its window
+(re-rotated as the engine holds them), the ids it holds and every id it took in (evicted ones
+too) and its pin, so a resumed `--enable-streaming` chat goes on from the same window, with
+the same evictions to come, as the chat that never stopped. Its window (sinks and recent
+size) is part of what must match.
 """
 
 from __future__ import annotations
@@ -32,10 +35,11 @@ from typing import Any
 
 import torch
 
-from chatbot.engine.cache.buffers import BufferLayer
+from chatbot.engine.cache.sinks import SinkLayer
 from chatbot.engine.cache.tracked import TrackedCache
+from chatbot.errors import ChatbotError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the ids taken in and those held apart, the pin (bounded caches)
 SUFFIX = ".safetensors"
 DEFAULT_CAP = 4 << 30
 """The most bytes the store keeps (`CHATBOT_KV_CACHE_BYTES` sets another): past it, the
@@ -127,12 +131,12 @@ def _digest(text: str | None) -> str:
 
 
 def _layers(kv: TrackedCache) -> list[Any] | None:
-    """The cache's layers where each holds every id as one tensor (a growing cache of plain or
-    buffer layers); None for any other (sliding-window, static, sink)."""
+    """The cache's layers where each holds every id it holds as one tensor (plain, buffer or
+    sink layers); None for any other (sliding-window, static)."""
     layers = list(kv.cache.layers)
-    if kv.is_bounded or kv.evicted_total or not layers:
+    if not layers:
         return None
-    if not all(isinstance(layer, BufferLayer) or type(layer).__name__ == "DynamicLayer" for layer in layers):
+    if not all(isinstance(layer, SinkLayer) or type(layer).__name__ == "DynamicLayer" for layer in layers):
         return None
     return layers
 
@@ -177,7 +181,14 @@ class KVStore:
                 return False
             views[f"k.{i}"], views[f"v.{i}"] = layer.keys.detach(), layer.values.detach()
         header = json.dumps(
-            {**self.identity(), "version": FORMAT_VERSION, "dtype": str(views["k.0"].dtype), "ids": kv.ids}
+            {
+                **self.identity(),
+                "version": FORMAT_VERSION,
+                "dtype": str(views["k.0"].dtype),
+                "ids": kv.seen,  # what the cache took in, evicted ids too
+                "held": kv.ids,
+                "pinned": kv.pinned,
+            }
         )
         self.wait()
         self._writer = threading.Thread(target=self._write, args=(header, views), name="kv-store")
@@ -225,9 +236,9 @@ class KVStore:
             return 0, f"the disk cache {self.path} is not a regular file"
         if st.st_size > store_cap():
             return 0, f"the disk cache {self.path} is larger than the store's cap ({st.st_size:,} bytes)"
-        layers = _layers(kv) if not kv.ids else None
+        layers = _layers(kv) if not kv.seen else None
         if layers is None:
-            return 0, "the disk cache is kept only for a growing cache"
+            return 0, "the disk cache is kept only for a cache of whole layers"
         try:
             header, tensors = self._read()
         except (OSError, ValueError, RuntimeError, KeyError) as exc:
@@ -235,11 +246,11 @@ class KVStore:
         for key, want in self.identity().items():
             if header.get(key) != want:
                 return 0, f"the disk cache was made with another {key}"
-        held = header.get("ids")
-        if header.get("version") != FORMAT_VERSION or not isinstance(held, list):
+        seen, held = header.get("ids"), header.get("held")
+        if header.get("version") != FORMAT_VERSION or not (isinstance(seen, list) and isinstance(held, list)):
             return 0, "the disk cache is of another format version"
         n = 0
-        for a, b in zip(held, ids):
+        for a, b in zip(seen, ids):
             if a != b:
                 break
             n += 1
@@ -249,12 +260,20 @@ class KVStore:
             return 0, "the disk cache does not fit this model's layers"
         if any(str(t.dtype) != header.get("dtype") for t in tensors.values()):
             return 0, "the disk cache was made with another dtype"
+        # a growing cache takes only the ids the conversation shares; a bounded one takes its
+        # window whole, then is cut back (where that cuts into evicted text, it is not used)
+        take = n if len(held) == len(seen) else len(held)
         for i, layer in enumerate(layers):
             k, v = tensors[f"k.{i}"], tensors[f"v.{i}"]
-            layer.update(k[:, :, :n].to(device), v[:, :, :n].to(device))
-        kv.feed(list(ids[:n]))
-        if not kv.settle():
+            layer.update(k[:, :, :take].to(device), v[:, :, :take].to(device))
+        try:
+            kv.take_in(held[:take], seen[: take + len(seen) - len(held)], int(header.get("pinned", 0)))
+        except (ValueError, AssertionError, ChatbotError):
+            kv.reset()
             return 0, "the disk cache could not be taken in"
+        if not kv.settle() or not kv.crop_to(n):
+            kv.reset()
+            return 0, "the disk cache's window cannot be cut back to where the conversation parts from it"
         return n, None
 
     def _read(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

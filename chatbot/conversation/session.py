@@ -520,6 +520,8 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
             reused, why = self.kv_store.load(self.kv, self.all_ids, self.engine.device)
             if reused:
                 self._reused = (reused, len(self.all_ids))
+                if self.kv.is_bounded:  # the rest goes with the next message, in one pass as in
+                    return 0  # the chat that never stopped: its evictions are the same
             elif why is not None:
                 self._store_note = why
                 self._forget_cache()
@@ -579,6 +581,8 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
             return f"; re-encoded {tokens:,} tokens"
         if self._reused is not None:
             reused, of = self._reused
-            return f" (reused {reused:,} of {of:,} tokens from the disk cache, {tokens:,} encoded)"
+            later = f"{of - reused:,} with the next message"
+            rest = f"{tokens:,} encoded" if tokens or of == reused else later
+            return f" (reused {reused:,} of {of:,} tokens from the disk cache, {rest})"
         why = f"; {self._store_note}, re-encoded" if self._store_note else ""
         return f" ({tokens:,} tokens encoded{why})"

@@ -193,6 +193,24 @@ class TrackedCache:
         self.seen.extend(ids)
         self._check()
 
+    def take_in(self, held: Sequence[int], seen: Sequence[int], pinned: int) -> None:
+        """Record that the layers were filled (from a file) with the keys and values of
+        `held`, the cache having taken in `seen` (the ids between its pinned head and `held`'s
+        tail evicted) and pinned its first `pinned` ids. The cache had taken in nothing.
+
+        Raises:
+            ValueError: `held` is longer than `seen`, or `pinned` is negative.
+            StreamingUnsupportedError: see `SinkCache.pin`.
+        """
+        if len(held) > len(seen):
+            raise ValueError(f"{len(held)} ids held of {len(seen)} taken in")
+        self.ids, self.seen = list(held), list(seen)
+        self._evicted = len(seen) - len(held)
+        if self._sink is not None:
+            self._sink.pin(pinned)
+            self._sink.evicted_total = self._evicted
+        self._check()
+
     def skip(self, ids: Sequence[int]) -> None:
         """Count `ids` as taken in and evicted at once, without encoding them: an emptied
         bounded cache refilled with only its window (see `ChatSession`)."""
