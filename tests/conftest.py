@@ -90,6 +90,8 @@ def _isolated_dirs(tmp_path_factory, monkeypatch):
     """Keep session logs and history out of the real home; share the model cache."""
     data = tmp_path_factory.mktemp("data")
     monkeypatch.setenv("XDG_DATA_HOME", str(data))
+    # the chats' KV caches too (they are written after every logged turn); subprocesses inherit it
+    monkeypatch.setenv("CHATBOT_KV_DIR", str(data / "kv"))
     if "CHATBOT_TEST_CACHE" in os.environ:
         monkeypatch.setenv("XDG_CACHE_HOME", os.environ["CHATBOT_TEST_CACHE"])
 

@@ -21,6 +21,7 @@ MESSAGES = ("Hello there!", "How are you today?", "Tell me more.")
 
 @pytest.fixture(autouse=True)
 def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv("CHATBOT_KV_DIR", raising=False)  # the store where a user's is
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
@@ -63,6 +64,25 @@ def test_resume_takes_the_history_from_the_disk_cache(tiny_model, tiny_tokenizer
     # the same greedy answers as the chat that never stopped
     same = _uninterrupted(tiny_model, tiny_tokenizer, tmp_path / "w")
     assert [t.answer for t in second.session.turns] == same
+
+
+def test_sessions_says_what_the_store_holds_and_prune_empties_it(
+    tiny_model, tiny_tokenizer, tmp_path, capsys
+):
+    from helpers import cli
+
+    _, path, kv_file = _first(tiny_model, tiny_tokenizer, tmp_path / "logs")
+    size = kv_file.stat().st_size
+    code, out, _ = cli(capsys, "sessions")
+    assert code in (0, None)
+    assert f"disk cache: 1 chat, {size / 1e6:,.1f} MB in {kv_dir()}" in out.replace("\n", " "), out
+    code, out, _ = cli(capsys, "sessions", "--prune")
+    assert code in (0, None) and f"removed 1 cache file ({size / 1e6:,.1f} MB)" in out, out
+    assert not kv_file.exists() and path.exists()  # the log stays
+    code, out, _ = cli(capsys, "doctor", "--no-load")
+    assert "kv cache: 0 chats, 0.0 MB" in out, out
+    second = _resumed(tiny_model, tiny_tokenizer, path)  # re-encodes, with no line about a file
+    assert "disk cache" not in second.err.getvalue()
 
 
 def _damage(kv_file, how):

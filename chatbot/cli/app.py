@@ -352,10 +352,20 @@ def serve(
 @app.command()
 def sessions(
     limit: Annotated[int, typer.Option(help="Show at most this many, newest first.", min=1)] = 20,
+    prune: Annotated[
+        bool,
+        typer.Option(
+            "--prune", help="Remove every chat's KV cache on disk (the logs stay; --resume then re-encodes)."
+        ),
+    ] = False,
 ) -> None:
-    """List the logged chat sessions (resume one with: chatbot run --resume ID)."""
-    from chatbot.terminal.sessions_view import print_sessions
+    """List the logged chat sessions (resume one with: chatbot run --resume ID) and what
+    their KV caches on disk hold."""
+    from chatbot.terminal.sessions_view import print_sessions, prune_store
 
+    if prune:
+        prune_store(Console(highlight=False))
+        return
     print_sessions(Console(highlight=False), limit)
 
 
@@ -427,6 +437,9 @@ def doctor(
     folder, library = facts.kernels_cache(cc)
     built = "built" if library is not None and library.is_file() else "not built yet"
     line("kernels", f"{library if library is not None else folder} ({built})")
+    from chatbot.terminal.sessions_view import store_line
+
+    line("kv cache", store_line().removeprefix("disk cache: "))
     threads = facts.kernel_threads(cc)
     if threads == "own pool":
         line("threads", "own pool (pthreads, no OpenMP)")

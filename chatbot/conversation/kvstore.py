@@ -50,7 +50,11 @@ _CHECKSUM = "chatbot.crc32"
 
 
 def kv_dir() -> Path:
-    """`$XDG_CACHE_HOME/chatbot/kv` (default `~/.cache/chatbot/kv`)."""
+    """`$XDG_CACHE_HOME/chatbot/kv` (default `~/.cache/chatbot/kv`); `CHATBOT_KV_DIR` (an
+    absolute path) puts the store elsewhere."""
+    own = os.environ.get("CHATBOT_KV_DIR")
+    if own and os.path.isabs(own):
+        return Path(own)
     base = os.environ.get("XDG_CACHE_HOME")
     if not base or not os.path.isabs(base):
         base = os.path.join(os.path.expanduser("~"), ".cache")
@@ -62,6 +66,21 @@ def store_cap() -> int:
     bytes (0: keep nothing but the file just written), else `DEFAULT_CAP`."""
     raw = os.environ.get("CHATBOT_KV_CACHE_BYTES", "")
     return int(raw) if raw.isdigit() else DEFAULT_CAP
+
+
+def store_usage(folder: Path | None = None) -> tuple[int, int]:
+    """How many cache files the store (default `kv_dir()`) holds, and their bytes."""
+    files = total = 0
+    try:
+        entries = list((folder or kv_dir()).iterdir())
+    except OSError:
+        return 0, 0
+    for path in entries:
+        with contextlib.suppress(OSError):
+            st = path.lstat()
+            if path.suffix == SUFFIX and stat.S_ISREG(st.st_mode):
+                files, total = files + 1, total + st.st_size
+    return files, total
 
 
 def prune(folder: Path, keep: Path | None = None, cap: int | None = None) -> list[Path]:

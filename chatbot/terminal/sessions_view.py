@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.padding import Padding
 from rich.text import Text
 
+from chatbot.conversation.kvstore import SUFFIX, kv_dir, prune, store_cap, store_usage
 from chatbot.conversation.log import SessionInfo, list_sessions, sessions_dir
 from chatbot.terminal.sanitize import safe_text
 from chatbot.wording import counted
@@ -60,6 +61,7 @@ def print_sessions(console: Console, limit: int = 20, directory: Path | None = N
     where = short_path(directory)
     if not infos:
         console.print(safe_text(f"no logged sessions in {where}"), markup=False)
+        console.print(safe_text(store_line()), markup=False, style="dim", soft_wrap=not console.is_terminal)
         return
     shown = infos[:limit]
     if not console.is_terminal:
@@ -70,6 +72,30 @@ def print_sessions(console: Console, limit: int = 20, directory: Path | None = N
         console.print(f"… and {len(infos) - limit} older (--limit)", markup=False, style="dim")
     footer = f"in {where}; resume one with: chatbot run --resume ID (or --resume for the last)"
     console.print(safe_text(footer), markup=False, style="dim", soft_wrap=not console.is_terminal)
+    console.print(safe_text(store_line()), markup=False, style="dim", soft_wrap=not console.is_terminal)
+
+
+def store_line() -> str:
+    """What the chats' KV caches on disk hold, where, under which cap, and how to clear them."""
+    files, size = store_usage()
+    return (
+        f"disk cache: {counted(files, 'chat')}, {size / 1e6:,.1f} MB in {short_path(kv_dir())} "
+        f"(cap {store_cap() / 2**30:g} GiB; chatbot sessions --prune empties it, the logs stay)"
+    )
+
+
+def prune_store(console: Console) -> None:
+    """`chatbot sessions --prune`: every chat's KV cache file removed (the logs stay: a
+    resumed chat re-encodes its history)."""
+    _, size = store_usage()
+    removed = prune(kv_dir(), cap=0)
+    gone = sum(1 for path in removed if path.suffix == SUFFIX)
+    left, _ = store_usage()
+    where = short_path(kv_dir())
+    line = f"removed {counted(gone, 'cache file')} ({size / 1e6:,.1f} MB) from {where}; the logs stay"
+    console.print(safe_text(line), markup=False, soft_wrap=True)
+    if left:
+        console.print(safe_text(f"{counted(left, 'file')} could not be removed"), markup=False)
 
 
 def _print_table(console: Console, shown: list[SessionInfo], width: int | None) -> bool:
