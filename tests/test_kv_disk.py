@@ -354,3 +354,33 @@ def test_a_cache_path_that_is_no_regular_file_is_refused_without_reading_it(tmp_
         why = f"the disk cache {path} is not a regular file"
         assert KVStore(path, dict).load(kv, [1, 2, 3], "cpu") == (0, why)
         assert not kv.ids
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["growing", "streaming"])
+def test_bench_resume_times_the_disk_cache_against_re_encoding(
+    tmp_path, capsys, tiny_model, tiny_tokenizer, streaming
+):
+    """`chatbot bench resume`: a chat played to the asked length, restored from its file (a few
+    tokens encoded) and re-encoded (all of them), both timed; the file's size per token."""
+    from helpers import CORPUS, cli, make_model
+
+    folder = tmp_path / "tiny"
+    make_model(len(tiny_tokenizer), max_position_embeddings=4096).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    text = tmp_path / "long.txt"
+    text.write_text("\n\n".join(CORPUS * 30))
+    out = tmp_path / "resume.json"
+    flags = ["--enable-streaming", "--recent-size", "64"] if streaming else []
+    args = ["--model", str(folder), "--text", str(text), "--history-tokens", "1500", "--repeats", "2"]
+    code, stdout, err = cli(capsys, "bench", "resume", *args, *flags, "--json", str(out))
+    assert code == 0, err
+    result = json.loads(out.read_text())
+    history = result["history_tokens"]
+    assert history >= 1500 and result["streaming"] is streaming
+    disk, again = result["disk"], result["reencode"]
+    # the history and the next message (streaming: the window, refilled)
+    assert again["encoded_tokens"] > (64 if streaming else history)
+    assert 0 < disk["encoded_tokens"] < 40  # the next message (and a closing text)
+    assert len(disk["runs_s"]) == len(again["runs_s"]) == 2
+    assert result["bytes_per_1k_tokens"] * history // 1000 <= result["file_bytes"]
+    assert f"--resume of a chat of {history:,} tokens" in stdout and "sooner from the disk cache" in stdout

@@ -221,6 +221,49 @@ def bench_load(
         raise Exit(1)
 
 
+@bench_app.command("resume", short_help="--resume from a chat's disk cache against re-encoding its history.")
+def bench_resume(
+    history_tokens: Annotated[
+        int, typer.Option(help="Play a chat of at least this many tokens first (greedy).", min=16)
+    ] = 4000,
+    repeats: Annotated[int, typer.Option(help="Restores of each kind, taken in turns; medians.", min=1)] = 3,
+    enable_streaming: Annotated[
+        bool, typer.Option(help="Attention sinks + recent window (--recent-size), as chatbot run has it.")
+    ] = False,
+    recent_size: Annotated[
+        int | None, typer.Option(help="The recent window with --enable-streaming.", min=1)
+    ] = None,
+    opt: Annotated[
+        str, typer.Option("--opt", help="Decode path, as for chatbot run.", callback=check_opt)
+    ] = "auto",
+    text: TextOpt = None,
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    threads: ThreadsOpt = None,
+    json_out: JsonOpt = None,
+) -> None:
+    """A chat resumed from its KV cache on disk against re-encoding its history: the time to
+    the next answer's first token, and the file's size."""
+    from chatbot.config import EngineConfig
+    from chatbot.measure.bench_resume import run_resume_bench
+    from chatbot.measure.bench_streaming import default_text_path
+    from chatbot.measure.report import print_resume, read_text, write_json
+
+    body = read_text(text or default_text_path())
+    loaded = loaded_model(model, device, dtype, threads)
+    backend, note = make_backend(loaded.model, opt)
+    if note:
+        progress_to_stderr()(note)
+    engine = EngineConfig(enable_streaming=enable_streaming, recent_size=recent_size)
+    with workers_progress(Console(stderr=True)) as say:
+        result = run_resume_bench(
+            loaded, body, backend, history_tokens, repeats, engine, lambda line: say(line, 0, 0)
+        )
+    print_resume(Console(), result)
+    write_json(json_out, result)
+
+
 @bench_app.command("streaming")
 def bench_streaming(
     text: TextOpt = None,

@@ -112,6 +112,31 @@ def print_turns(console: Console, result: dict[str, Any]) -> None:
     )
 
 
+def print_resume(console: Console, result: dict[str, Any]) -> None:
+    """`chatbot bench resume`: a chat resumed from its disk cache against re-encoding it."""
+    rows = [
+        [label, f"{result[mode]['encoded_tokens']:,}", f"{result[mode]['first_token_s']:.3f}"]
+        for label, mode in (("from the disk cache", "disk"), ("re-encoded", "reencode"))
+    ]
+    window = " (--enable-streaming)" if result.get("streaming") else ""
+    title = (
+        f"--resume of a chat of {result['history_tokens']:,} tokens{window}, {result['model']}, "
+        f"medians of {result['repeats']}"
+    )
+    console.print(table(title, ["history", "tokens encoded", "to first token s"], rows, left=1))
+    ratio = result.get("ratio")
+    console.print(
+        (f"{ratio:.1f}x sooner from the disk cache; " if ratio else "")
+        + f"the file: {result['file_bytes'] / 1e6:,.1f} MB, {result['bytes_per_1k_tokens'] / 1e6:,.2f} MB "
+        "per 1,000 tokens"
+    )
+    print_note(
+        console,
+        f"{result.get('conditions') or conditions()}; to first token: from the start of the restore "
+        "to the next answer's first token (the model's load not counted)",
+    )
+
+
 def parse_counts(text: str, option: str, example: str, most: int | None = None, what: str = "") -> list[int]:
     """Counts from "8" or "1,4" (each at least 1 and at most `most`; in the order given, without
     repeats), for the command-line option `option`.
