@@ -157,3 +157,10 @@ def environment() -> dict[str, str]:
         except PackageNotFoundError:
             out[name] = "not installed"
     return out
+
+
+def kv_store() -> str:
+    """What the chats' KV caches on disk hold, where, and the store's cap."""
+    from chatbot.conversation.kvstore import describe_store
+
+    return describe_store()

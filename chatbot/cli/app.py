@@ -59,6 +59,7 @@ from chatbot.cli.options import (
     PresetOpt,
     PromptArg,
     PromptOpt,
+    PruneOpt,
     QuantizeOpt,
     ResumeOpt,
     RevisionOpt,
@@ -67,6 +68,7 @@ from chatbot.cli.options import (
     ServePresetOpt,
     ServerKeyEnvOpt,
     ServerOpt,
+    SessionsLimitOpt,
     ShowThinkingOpt,
     SystemOpt,
     TemplateOpt,
@@ -350,23 +352,13 @@ def serve(
 
 
 @app.command()
-def sessions(
-    limit: Annotated[int, typer.Option(help="Show at most this many, newest first.", min=1)] = 20,
-    prune: Annotated[
-        bool,
-        typer.Option(
-            "--prune", help="Remove every chat's KV cache on disk (the logs stay; --resume then re-encodes)."
-        ),
-    ] = False,
-) -> None:
+def sessions(limit: SessionsLimitOpt = 20, prune: PruneOpt = False) -> None:
     """List the logged chat sessions (resume one with: chatbot run --resume ID) and what
     their KV caches on disk hold."""
     from chatbot.terminal.sessions_view import print_sessions, prune_store
 
-    if prune:
-        prune_store(Console(highlight=False))
-        return
-    print_sessions(Console(highlight=False), limit)
+    console = Console(highlight=False)
+    prune_store(console) if prune else print_sessions(console, limit)
 
 
 app.command("eval-ppl")(eval_ppl)
@@ -437,9 +429,7 @@ def doctor(
     folder, library = facts.kernels_cache(cc)
     built = "built" if library is not None and library.is_file() else "not built yet"
     line("kernels", f"{library if library is not None else folder} ({built})")
-    from chatbot.terminal.sessions_view import store_line
-
-    line("kv cache", store_line().removeprefix("disk cache: "))
+    line("kv cache", facts.kv_store())
     threads = facts.kernel_threads(cc)
     if threads == "own pool":
         line("threads", "own pool (pthreads, no OpenMP)")

@@ -256,6 +256,15 @@ PrefixCacheOpt = Annotated[
         "(a request extending one prefills only its new tokens)."
     ),
 ]
+SessionsLimitOpt = Annotated[
+    int, typer.Option("--limit", help="Show at most this many, newest first.", min=1)
+]
+PruneOpt = Annotated[
+    bool,
+    typer.Option(
+        "--prune", help="Remove every chat's KV cache on disk (the logs stay; --resume then re-encodes)."
+    ),
+]
 CacheConversationsOpt = Annotated[
     int, typer.Option(help="Conversation caches kept, least recently used evicted.", min=1)
 ]

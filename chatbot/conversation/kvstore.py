@@ -83,6 +83,15 @@ def store_usage(folder: Path | None = None) -> tuple[int, int]:
     return files, total
 
 
+def describe_store() -> str:
+    """What the store holds, where, under which cap, and how to empty it."""
+    files, size = store_usage()
+    return (
+        f"{files} chat{'' if files == 1 else 's'}, {size / 1e6:,.1f} MB in {kv_dir()} "
+        f"(cap {store_cap() / 2**30:g} GiB; chatbot sessions --prune empties it, the logs stay)"
+    )
+
+
 def prune(folder: Path, keep: Path | None = None, cap: int | None = None) -> list[Path]:
     """Remove the files of `folder` written longest ago until the store holds at most `cap`
     bytes (default `store_cap()`), never `keep`; and temporary files a killed write left
