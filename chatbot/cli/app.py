@@ -36,6 +36,8 @@ from chatbot.cli.load import (
 )
 from chatbot.cli.options import (
     CacheConversationsOpt,
+    CacheDirOpt,
+    CacheDiskOpt,
     CacheMemoryOpt,
     ClientKeyEnvOpt,
     ConfigOpt,
@@ -309,6 +311,8 @@ def serve(
     prefix_cache: PrefixCacheOpt = True,
     cache_conversations: CacheConversationsOpt = 8,
     cache_memory: CacheMemoryOpt = "2GiB",
+    cache_dir: CacheDirOpt = None,
+    cache_disk: CacheDiskOpt = "4GiB",
     preset: ServePresetOpt = None,
     config: ConfigOpt = None,
     device: DeviceOpt = "auto",
@@ -334,17 +338,8 @@ def serve(
 
     key = resolve_api_key(api_key_env)
     memory = parse_size(cache_memory)
-    listen = Listen(
-        host,
-        port,
-        key,
-        served_model_name,
-        prefix_cache,
-        cache_conversations,
-        memory,
-        body_cap(max_body),
-        log_level,
-    )
+    caches = (prefix_cache, cache_conversations, memory, cache_dir, parse_size(cache_disk))
+    listen = Listen(host, port, key, served_model_name, *caches, body_cap(max_body), log_level)
     load = LoadConfig(model, device, dtype, template=template, trust_remote_code=trust_remote_code)
     engine = EngineConfig(**{row.name: settings[row.name] for row in layer("engine") if row.name in settings})
     overrides = {row.name: settings[row.name] for row in layer("sampling") if row.name in settings}

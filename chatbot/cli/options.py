@@ -268,6 +268,14 @@ PruneOpt = Annotated[
 CacheConversationsOpt = Annotated[
     int, typer.Option(help="Conversation caches kept, least recently used evicted.", min=1)
 ]
+CacheDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="Also keep each conversation's KV cache in this folder (after each answer): a "
+        "restarted server goes on with a conversation it had, prefilling only what is new."
+    ),
+]
+CacheDiskOpt = Annotated[str, typer.Option(help="Cap on --cache-dir's files, e.g. 4GiB (oldest first).")]
 CacheMemoryOpt = Annotated[
     str, typer.Option(help="Cap on the KV cache memory kept between requests, e.g. 2GiB.")
 ]

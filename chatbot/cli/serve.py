@@ -35,8 +35,26 @@ class Listen:
     prefix_cache: bool
     cache_conversations: int
     cache_bytes: int
+    cache_dir: Path | None  # where conversations' caches are also kept (`PrefixCachePool`)
+    cache_disk: int  # that folder's cap in bytes
     max_body: int | None  # None: from the model's context
     log_level: str
+
+
+def cache_folder(path: Path) -> Path:
+    """`--cache-dir`, made absolute and created (readable by the user alone) if need be.
+
+    Raises:
+        ConfigError: it is not a folder, or cannot be made.
+    """
+    folder = path.expanduser().absolute()
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"--cache-dir {folder} is not a folder")
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--cache-dir {folder} cannot be made: {exc.strerror}") from None
+    return folder
 
 
 def parse_size(text: str) -> int:
@@ -114,6 +132,8 @@ def serve_model(
     if any(v is not None for v in overrides.values()):
         defaults_from += ", then the serve flags"
     engine_config.validated()
+    if listen.cache_dir is not None:
+        listen = dataclasses.replace(listen, cache_dir=cache_folder(listen.cache_dir))
     # The port is taken now, before torch and the (slow) load: one in use is said at once, and
     # no other process can take it meanwhile. Connections wait in its backlog until the app runs.
     sockets = listen_sockets(listen.host, listen.port)
@@ -153,6 +173,8 @@ def _load_and_serve(
         max_entries=kept,
         max_bytes=listen.cache_bytes,
         template=loaded.template,
+        cache_dir=listen.cache_dir,
+        disk_bytes=listen.cache_disk,
     )
     name = listen.served_model_name or loaded.name
     application = create_app(
@@ -229,6 +251,7 @@ def _announce(name: str, listen: Listen, notes: list[str], concurrency: str) -> 
         f"serving {name} on http://{shown}:{listen.port}/v1 "
         "(OpenAI API: /v1/chat/completions, /v1/completions, /v1/models; /health) · "
         f"{concurrency} · prefix cache {'on' if listen.prefix_cache else 'off'}"
+        + (f", kept in {listen.cache_dir}" if listen.prefix_cache and listen.cache_dir else "")
         + (" · API key required" if listen.api_key else ""),
         markup=False,
     )

@@ -185,9 +185,10 @@ class KVStore:
             dtype, backend), asked at each write and load; `ChatSession.kv_identity`.
     """
 
-    def __init__(self, path: Path, identity: Callable[[], dict[str, str]]) -> None:
+    def __init__(self, path: Path, identity: Callable[[], dict[str, str]], cap: int | None = None) -> None:
         self.path = path
         self.identity = identity
+        self.cap = cap  # the folder's size cap after each write (None: `store_cap()`)
         self._writer: threading.Thread | None = None
         self.last_error: str | None = None  # why the last write failed (None: it did not)
 
@@ -239,7 +240,7 @@ class KVStore:
             save_file(tensors, str(tmp), metadata={_HEADER: header, _CHECKSUM: _crc(header, tensors)})
             os.replace(tmp, self.path)
             self.last_error = None
-            prune(self.path.parent, keep=self.path)
+            prune(self.path.parent, keep=self.path, cap=self.cap)
         except Exception as exc:  # noqa: BLE001 - a cache that cannot be written is only not kept
             self.last_error = str(exc)
             with contextlib.suppress(OSError):
@@ -303,6 +304,20 @@ class KVStore:
             kv.reset()
             return 0, "the disk cache's window cannot be cut back to where the conversation parts from it"
         return n, None
+
+    def held_ids(self) -> list[int]:
+        """The ids the file's cache took in, from its header alone (no tensor is read); []
+        where it cannot be read."""
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            if not stat.S_ISREG(self.path.lstat().st_mode):
+                return []
+            with safe_open(str(self.path), framework="pt") as f:
+                ids = json.loads((f.metadata() or {}).get(_HEADER, "{}")).get("ids")
+        except (OSError, ValueError, SafetensorError, AttributeError):
+            return []
+        return ids if isinstance(ids, list) and all(isinstance(i, int) for i in ids) else []
 
     def _read(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """The header and tensors, checked against the checksum.

@@ -15,12 +15,16 @@ Not thread-safe: one worker thread owns the pool and the engine.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from chatbot.config import ChatConfig, EngineConfig, SamplingConfig
+from chatbot.conversation.kvstore import SUFFIX, KVStore
 from chatbot.conversation.saved import Turn
 from chatbot.conversation.session import ChatSession, sampling_from_model
 from chatbot.engine.cache.buffers import BufferLayer
@@ -59,6 +63,8 @@ class PoolStats:
     shared: int = 0  # new conversations that took a kept one's start (`share_prefix`)
     shared_tokens: int = 0
     evictions: int = 0
+    disk: int = 0  # new conversations that took their start from a file of `cache_dir`
+    disk_tokens: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -96,6 +102,10 @@ class PrefixCachePool:
         sampling: the default settings of new sessions.
         max_entries: conversations kept between requests; 0 turns the prefix cache off.
         max_bytes: cap on the KV bytes kept (estimated from the tokens each cache holds).
+        cache_dir: a folder where every conversation's cache is also written (after each
+            answer, as a chat's disk cache): a new conversation, after a restart too, takes
+            the longest start of it a file there holds (`share_prefix`). None: memory only.
+        disk_bytes: the folder's size cap (the files written longest ago go first).
     """
 
     def __init__(
@@ -106,8 +116,13 @@ class PrefixCachePool:
         max_entries: int = 8,
         max_bytes: int = 2 << 30,
         template: TemplateInfo | None = None,
+        cache_dir: Path | None = None,
+        disk_bytes: int | None = None,
     ) -> None:
         self.engine = engine
+        self.cache_dir = cache_dir
+        self.disk_bytes = disk_bytes
+        self._files: dict[Path, list[int]] | None = None  # cache_dir's files -> their ids (read once)
         self.template = template
         self.engine_config = engine_config
         self.sampling = sampling
@@ -145,6 +160,15 @@ class PrefixCachePool:
             "shared_starts": self.stats.shared,
             "shared_start_tokens": self.stats.shared_tokens,
             "evictions": self.stats.evictions,
+            "disk": None
+            if self.cache_dir is None
+            else {
+                "folder": str(self.cache_dir),
+                "files": len(self._disk_files()),
+                "max_bytes": self.disk_bytes,
+                "starts_taken": self.stats.disk,
+                "tokens_taken": self.stats.disk_tokens,
+            },
         }
 
     # -- check out and in -----------------------------------------------------------------
@@ -183,6 +207,9 @@ class PrefixCachePool:
         if self.max_entries <= 0:
             return
         entry.fresh = False
+        store = entry.session.kv_store
+        if store is not None:  # its file holds (or will, once written) what the cache took in
+            self._disk_files()[store.path] = list(entry.session.kv.seen)
         self.entries[entry.key] = entry
         self.entries.move_to_end(entry.key)
         while len(self.entries) > self.max_entries or (
@@ -214,13 +241,24 @@ class PrefixCachePool:
             _restore(session, conv)
         if self.max_entries > 0:
             salt = conv.salt
-            session.prefix_donor = lambda kv, ids: self.share_prefix(kv, ids, salt)
+            if self.cache_dir is not None:
+                session.keep_cache_in(
+                    KVStore(
+                        self.cache_dir / f"{uuid.uuid4().hex}{SUFFIX}",
+                        _identity(session, salt),
+                        self.disk_bytes,
+                    )
+                )
+            session.prefix_donor = lambda kv, ids: self.share_prefix(kv, ids, salt, session)
         return Entry(next(self._keys), session, conv.salt)
 
-    def share_prefix(self, kv: TrackedCache, ids: list[int], salt: str | None) -> int:
+    def share_prefix(
+        self, kv: TrackedCache, ids: list[int], salt: str | None, session: ChatSession | None = None
+    ) -> int:
         """Fill the empty cache `kv` with the keys and values of the longest start of `ids`
-        a kept conversation (made with the same salt) holds, copied; returns how many ids
-        that is (0: none shares `MIN_SHARED` ids, or the caches cannot be copied)."""
+        a kept conversation (made with the same salt) holds, copied, or a file of `cache_dir`
+        (made by `session`'s model, template, system prompt and salt), read; returns how many
+        ids that is (0: none shares `MIN_SHARED` ids, or the caches cannot be copied)."""
         best: Entry | None = None
         most = MIN_SHARED - 1
         for entry in self.entries.values():
@@ -230,11 +268,44 @@ class PrefixCachePool:
             n = common_prefix(held.ids, ids)
             if n > most:
                 best, most = entry, n
+        if session is not None and self.cache_dir is not None:
+            taken = self._from_disk(kv, ids, most, _identity(session, salt))
+            if taken:
+                return taken
         if best is None or not self.engine.copy_prefix(best.session.kv, kv, most):
             return 0
         self.stats.shared += 1
         self.stats.shared_tokens += most
         return most
+
+    def _disk_files(self) -> dict[Path, list[int]]:
+        """`cache_dir`'s cache files and the ids each holds (their headers, read at first use;
+        then kept up to date as conversations are checked in)."""
+        if self._files is None:
+            self._files = {}
+            if self.cache_dir is not None and self.cache_dir.is_dir():
+                for path in sorted(self.cache_dir.glob("*" + SUFFIX)):
+                    ids = KVStore(path, dict).held_ids()
+                    if ids:
+                        self._files[path] = ids
+        return self._files
+
+    def _from_disk(self, kv: TrackedCache, ids: list[int], more_than: int, identity: Any) -> int:
+        """Fill `kv` from the file of `cache_dir` that holds the longest start of `ids`, if
+        longer than `more_than`; how many ids it took (0: none, or none could be read)."""
+        files = self._disk_files()
+        ranked = sorted(((common_prefix(held, ids), str(path)) for path, held in files.items()), reverse=True)
+        for n, name in ranked[:4]:  # a file of another model or salt is refused: try the next
+            if n <= more_than:
+                break
+            taken, _ = KVStore(Path(name), identity).load(kv, ids, self.engine.device)
+            if taken:
+                self.stats.disk += 1
+                self.stats.disk_tokens += taken
+                return taken
+            if not Path(name).is_file():
+                files.pop(Path(name), None)  # removed under the folder's cap
+        return 0
 
     def _position(self, session: ChatSession, conv: Conversation, shared: int) -> None:
         """Make the session hold the request's finished turns, keeping what its cache shares.
@@ -265,6 +336,13 @@ def _shared_turns(turns: list[Turn], conv: Conversation) -> int:
             break
         n += 1
     return n
+
+
+def _identity(session: ChatSession, salt: str | None) -> Any:
+    """What a conversation's file of `cache_dir` is made with: the chat's identity (model,
+    template, system prompt, dtype, backend, window) and the request's `cache_salt`."""
+    digest = hashlib.sha256((salt or "").encode("utf-8", errors="surrogatepass")).hexdigest()[:16]
+    return lambda: {**session.kv_identity(), "salt": digest}
 
 
 def _restore(session: ChatSession, conv: Conversation) -> None:
