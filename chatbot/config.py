@@ -118,6 +118,8 @@ class SamplingConfig:
     seed: int | None = default("seed")
     think: str | None = default("think")  # None: the model's own default
     think_budget: int | None = default("think_budget")  # None: no limit
+    draft: str = default("draft")  # "ngram": speculative decoding by n-gram lookup
+    draft_tokens: int = default("draft_tokens")
     stream_interval: int = default("stream_interval")
     unset: frozenset[str] = frozenset()
     # None: free text; else the answer is held to this format (constrained decoding).
