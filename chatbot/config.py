@@ -311,6 +311,8 @@ class SamplingChoices:
     seed: int | None = None
     think: str | None = None
     think_budget: int | None = None
+    draft: str | None = None
+    draft_tokens: int | None = None
     stream_interval: int = 1
 
     def given(self) -> dict[str, Any]:

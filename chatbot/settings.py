@@ -213,7 +213,7 @@ SETTINGS: tuple[Setting, ...] = (
         "draft", str, "sampling", "off",
         "Speculative decoding: ngram drafts the next tokens from the conversation (prompt lookup, "
         "no second model) and checks them in one pass; the same answer, faster where it repeats "
-        "its input (default: {default}).",
+        "its input.",
         Choice(("ngram", "off")),
         aliases=("speculative",), preset="sampling.draft", request="draft", extra=True,
         serve="Speculative decoding for requests that do not choose (ngram or off).",
@@ -222,7 +222,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "draft_tokens", int, "sampling", 8,
         "Most tokens one n-gram draft proposes (with --draft ngram; fewer while they are "
-        "rejected; default: {default}).",
+        "rejected).",
         Range(int, 1, 15),
         preset="sampling.draft_tokens", request="draft_tokens", extra=True,
     ),
