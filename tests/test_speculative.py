@@ -116,7 +116,7 @@ def test_stops_and_the_length_limit_inside_a_kept_draft(varied_engine):
     prompt = LOOPING[0]
     plain, _, _ = _run(tiny_engine, prompt, GREEDY)
     drafting = dataclasses.replace(GREEDY, draft="ngram")
-    full, stats, _ = _run(tiny_engine, prompt, drafting)
+    _, stats, _ = _run(tiny_engine, prompt, drafting)
     assert stats.draft_accepted >= 8
     for n in (1, 2, 7, 13):
         limit = dataclasses.replace(GREEDY, max_new_tokens=n)
