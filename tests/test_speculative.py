@@ -262,3 +262,19 @@ def test_default_model_repeats_a_text_with_most_drafts_kept(default_model):
     tokens, stats, _ = _run(engine, list(prompt), dataclasses.replace(sampling, draft="ngram"))
     assert tokens == plain
     assert stats.draft_accepted > 0.5 * stats.draft_tokens > 0
+
+
+def test_the_setting_and_the_stats_line():
+    from chatbot.engine.stats import TurnStats
+    from chatbot.errors import ConfigError
+    from chatbot.terminal.render import format_stats_line
+
+    assert SamplingConfig().draft == "off"
+    assert SamplingConfig().with_value("draft", "NGRAM").draft == "ngram"
+    with pytest.raises(ConfigError, match="draft must be one of ngram, off"):
+        SamplingConfig().with_value("draft", "model")
+    with pytest.raises(ConfigError, match="draft_tokens"):
+        SamplingConfig().with_value("draft_tokens", 16)
+    stats = TurnStats(generated_tokens=20, draft_tokens=10, draft_accepted=7, token_latencies_s=[0.01] * 19)
+    assert "draft 70%" in format_stats_line(stats)
+    assert "draft" not in format_stats_line(TurnStats(generated_tokens=20, token_latencies_s=[0.01] * 19))
