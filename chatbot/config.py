@@ -118,6 +118,8 @@ class SamplingConfig:
     seed: int | None = default("seed")
     think: str | None = default("think")  # None: the model's own default
     think_budget: int | None = default("think_budget")  # None: no limit
+    draft: str = default("draft")  # "ngram": speculative decoding by n-gram lookup
+    draft_tokens: int = default("draft_tokens")
     stream_interval: int = default("stream_interval")
     unset: frozenset[str] = frozenset()
     # None: free text; else the answer is held to this format (constrained decoding).
@@ -309,6 +311,8 @@ class SamplingChoices:
     seed: int | None = None
     think: str | None = None
     think_budget: int | None = None
+    draft: str | None = None
+    draft_tokens: int | None = None
     stream_interval: int = 1
 
     def given(self) -> dict[str, Any]:

@@ -210,6 +210,23 @@ SETTINGS: tuple[Setting, ...] = (
         brief="think budget {}",
     ),
     Setting(
+        "draft", str, "sampling", "off",
+        "Speculative decoding: ngram drafts the next tokens from the conversation (prompt lookup, "
+        "no second model) and checks them in one pass; the same answer, faster where it repeats "
+        "its input.",
+        Choice(("ngram", "off")),
+        aliases=("speculative",), preset="sampling.draft", request="draft", extra=True,
+        serve="Speculative decoding for requests that do not choose (ngram or off).",
+        brief="draft {}", brief_off="off",
+    ),
+    Setting(
+        "draft_tokens", int, "sampling", 8,
+        "Most tokens one n-gram draft proposes (with --draft ngram; fewer while they are "
+        "rejected).",
+        Range(int, 1, 15),
+        preset="sampling.draft_tokens", request="draft_tokens", extra=True,
+    ),
+    Setting(
         "stream_interval", int, "sampling", 1,
         "Show text every N tokens.",
         Range(int, 1, 1000),

@@ -365,7 +365,8 @@ def bench_decode(
             help="Comma-separated set-ups (default: transformers-generate, "
             "chatbot-off/f32/auto/fast/int8/int4, and llama.cpp when llama-cpp-python is installed; "
             "chatbot-compile runs the compiled step; a -json suffix, as chatbot-auto-json, decodes "
-            "under a JSON-object grammar, as response_format asks)."
+            "under a JSON-object grammar, as response_format asks; a -ngram suffix, as chatbot-auto-ngram, "
+            "decodes with --draft ngram)."
         ),
     ] = None,
     rounds: Annotated[
@@ -392,6 +393,14 @@ def bench_decode(
     prefill: Annotated[
         str, typer.Option(help="Comma-separated prompt lengths prefill is timed at.")
     ] = "50,500,2000",
+    task: Annotated[
+        str,
+        typer.Option(
+            help="What our set-ups decode: text (a 50-token cut of the text, continued), repeat (a chat "
+            "message asking to repeat ~300 words of chatbot/data/long_text.txt: grounded in its input) "
+            "or write (free writing)."
+        ),
+    ] = "text",
     also: Annotated[
         str | None,
         typer.Option(
@@ -411,6 +420,8 @@ def bench_decode(
     from chatbot.measure.report import parse_counts, read_text, write_json
 
     chosen = names(setups) or None
+    if task not in ("text", "repeat", "write"):
+        raise ConfigError(f"--task must be one of text, repeat, write, got {task!r}")
     extra = names(also)
     unknown = sorted(set(extra) - {"turns", "streaming"})
     if unknown:
@@ -433,6 +444,7 @@ def bench_decode(
             gguf=gguf,
             prefill_sizes=prefill_sizes,
             progress=workers,
+            task=task,
         )
     print_decode(Console(), result)
     if extra:

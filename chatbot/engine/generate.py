@@ -34,6 +34,7 @@ from chatbot.engine.cache.tracked import TrackedCache
 from chatbot.engine.chunk import GenerationChunk
 from chatbot.engine.detokenize import IncrementalDetokenizer
 from chatbot.engine.sampling import Sampler, build_logits_processor
+from chatbot.engine.speculative import NgramDrafter, draft_token_steps
 from chatbot.engine.stats import TurnStats, peak_memory_bytes, synchronize
 from chatbot.engine.stop_criteria import StopOnStrings
 
@@ -330,11 +331,40 @@ class Engine:
                 sampler = Sampler(
                     sampling, context, processors, generator, self.device, self.model, constraint
                 )
-                tokens = token_steps(lambda token: self._step(kv, token), kv, logits, sampler, insert)
+                tokens = self._host_token_steps(kv, logits, sampler, sampling, context, insert, stats)
             detok = IncrementalDetokenizer(self.tokenizer)
             finish = lambda: self._cache_stats(kv, stats)
             yield from stream_chunks(tokens, sampler, sampling, detok, stats, t0, set(stop_ids),
                                      stopping_criteria, observer, finish)  # fmt: skip
+
+    def _host_token_steps(
+        self,
+        kv: TrackedCache,
+        logits: torch.Tensor,
+        sampler: Sampler,
+        sampling: SamplingConfig,
+        context: Sequence[int],
+        insert: TokenInserter | None,
+        stats: TurnStats,
+    ) -> Generator[tuple[int, torch.Tensor], None, str]:
+        """The answer's tokens chosen on the host: n-gram drafts verified a pass at a time
+        with `sampling.draft` (not under a grammar, whose state a rejected draft would have
+        to undo, nor with an inserter), else one step per token."""
+        step = lambda token: self._step(kv, token)
+        if sampling.draft != "ngram" or sampler.constraint is not None or insert is not None:
+            return token_steps(step, kv, logits, sampler, insert)
+        drafter = NgramDrafter(context, sampling.draft_tokens)
+        verify = lambda ids: self._feed_every(kv, ids)
+        return draft_token_steps(verify, step, kv, logits, sampler, drafter, stats,
+                                 sampling.max_new_tokens)  # fmt: skip
+
+    def _feed_every(self, kv: TrackedCache, ids: Sequence[int]) -> torch.Tensor:
+        """Feed `ids` in one pass (the cache has room: nothing is evicted); the logits after
+        each (``[len(ids), vocab]``)."""
+        assert not kv.would_evict(len(ids)), "a draft's pass must not evict"
+        logits = self.backend.prefill_every(kv.cache, ids)
+        kv.feed(ids)
+        return logits
 
     def _cache_stats(self, kv: TrackedCache, stats: TurnStats) -> None:
         """The cache's figures at the end of a turn, into its stats."""

@@ -231,6 +231,28 @@ class Sampler:
             return checked_token(logits, scores.argmax(-1), self.model)
         return sampled_token(logits, scores, self.generator, self.model)
 
+    def verify(self, logits: torch.Tensor, draft: int) -> int:
+        """The next token after `logits` (``[vocab]``) where a draft proposes `draft`: drawn
+        from the same distribution as `__call__`'s (greedy: the same token). Sampling keeps
+        `draft` with its probability p(draft) under the processed scores, else draws from
+        them without it (renormalised): P(y) = p(y) for every y, the standard speculative
+        rule for a draft that proposes one token with certainty.
+
+        Raises:
+            NonFiniteOutputError: as `__call__`.
+        """
+        if self.greedy or self.constraint is not None:
+            return self(logits)
+        context = cast(torch.LongTensor, self.context)
+        scores = self.scores = self.processors(context, logits[None]) if self.processors else logits[None]
+        p = torch.softmax(scores[0], dim=-1)[draft]
+        draw = torch.rand((), generator=self.generator, device=scores.device)
+        if bool(draw < p):
+            return checked_token(logits, torch.tensor(draft, device=logits.device), self.model)
+        rest = scores.clone()
+        rest[0, draft] = -float("inf")
+        return sampled_token(logits, rest, self.generator, self.model)
+
     def accept(self, token: int) -> None:
         """`token` joins the answer (the repetition penalty's context, the constraint's state)."""
         self.seen[0, self.n_seen] = token

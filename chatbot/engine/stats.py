@@ -48,6 +48,14 @@ class TurnStats:
     # tokens taken from it, of the tokens the history holds.
     reused_tokens: int = 0
     reused_of: int = 0
+    # With `--draft ngram`: the draft tokens proposed and those kept, this turn.
+    draft_tokens: int = 0
+    draft_accepted: int = 0
+
+    @property
+    def draft_acceptance(self) -> float | None:
+        """The share of proposed draft tokens kept (None: nothing was proposed)."""
+        return self.draft_accepted / self.draft_tokens if self.draft_tokens else None
 
     @property
     def decode_tps(self) -> float:
@@ -86,6 +94,8 @@ class TurnStats:
             "finish_reason": self.finish_reason,
             "thinking_tokens": self.thinking_tokens,
             "thinking_time_s": round(self.thinking_time_s, 4),
+            "draft_tokens": self.draft_tokens,
+            "draft_accepted": self.draft_accepted,
         }
 
 
@@ -220,6 +230,8 @@ def merge_stats(first: TurnStats, more: TurnStats) -> TurnStats:
         peak_memory_bytes=max(first.peak_memory_bytes, more.peak_memory_bytes),
         thinking_tokens=first.thinking_tokens + more.thinking_tokens,
         thinking_time_s=first.thinking_time_s + more.thinking_time_s,
+        draft_tokens=first.draft_tokens + more.draft_tokens,
+        draft_accepted=first.draft_accepted + more.draft_accepted,
         finish_reason=more.finish_reason,
     )
 

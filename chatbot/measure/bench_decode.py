@@ -71,6 +71,28 @@ def why_not_measured(name: str, other_model: bool) -> str | None:
     return None
 
 
+TASKS = {
+    "text": None,  # the bench's text, 50 tokens of it, continued
+    "repeat": "Repeat this text word for word:\n\n{text}",  # grounded in its input
+    "write": "Write a long story about a lighthouse keeper who finds a message in a bottle.",
+}
+"""What `--task` decodes: a chat message (`{text}`: ~300 words of chatbot/data/long_text.txt),
+or None: a cut of the bench's text. Speculative decoding pays on the grounded one."""
+
+
+def task_prompt(tokenizer: Any, task: str) -> list[int] | None:
+    """The ids of `task`'s chat prompt (None for "text": the caller's cut of the text)."""
+    message = TASKS[task]
+    if message is None:
+        return None
+    text = resources.files("chatbot").joinpath("data/long_text.txt").read_text(encoding="utf-8")
+    words = " ".join(text.split()[:300])
+    content = message.format(text=words)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                             add_generation_prompt=True)  # fmt: skip
+    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+
 def answer_end(tokens: list[int], end_ids: set[int]) -> int | None:
     """Where the answer in `tokens` ends: the index of its first end-of-text token (None: none)."""
     return next((i for i, t in enumerate(tokens) if t in end_ids), None)
@@ -146,6 +168,10 @@ def _engine_worker(
     # `response_format` costs a step: its token mask)
     json_format = OutputFormat.json_object() if level.endswith("-json") else None
     level = level.removesuffix("-json")
+    # `LEVEL-ngram`: the level's backend with speculative decoding by n-gram lookup
+    draft = "ngram" if level.endswith("-ngram") else "off"
+    level = level.removesuffix("-ngram")
+    task = task_prompt(loaded.tokenizer, spec.get("task") or "text")
     # `auto-model`: `auto` packed from the float32 model rather than the GGUF file's own
     # matrices (a K-quant matrix then decodes as float32), for before/after figures
     backend, reason = backend_for(
@@ -159,9 +185,8 @@ def _engine_worker(
     engine = Engine(loaded.model, loaded.tokenizer, backend=backend)
 
     def run(prompt: list[int], n_new: int) -> tuple[Any, list[int]]:
-        sampling = SamplingConfig(
-            temperature=0.0, repetition_penalty=1.0, max_new_tokens=n_new, output_format=json_format
-        )
+        sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=n_new,
+                                  output_format=json_format, draft=draft)  # fmt: skip
         stats: Any = None
         tokens: list[int] = []
         kv = engine.new_cache()  # a conversation of its own, freed after it as a chat frees it
@@ -177,13 +202,17 @@ def _engine_worker(
     def decode(prompt: list[int], n: int) -> tuple[list[float], list[int]]:
         if engine.compiled:  # compile every capacity the measured run meets, apart from it
             run(prompt, n)
-        stats, tokens = run(prompt, n)
+        stats, tokens = run(task or prompt, n)
+        drafts.update(draft_tokens=stats.draft_tokens, draft_accepted=stats.draft_accepted)
         return stats.token_latencies_s, tokens
+
+    drafts: dict[str, int] = {}
 
     out = {
         **_timed(prefill, decode, ids, sizes, spec["decode_tokens"]),
         "setup_s": setup_s,
         "ready_at": ready,
+        **(drafts if draft != "off" else {}),
     }
     if engine.decoder is not None:
         info = engine.decoder.info()
@@ -425,6 +454,7 @@ def run_decode_bench(
     gguf: Path | None = None,
     prefill_sizes: tuple[int, ...] | None = None,
     progress: Progress | None = None,
+    task: str = "text",
 ) -> dict[str, Any]:
     """Run every set-up `rounds` times, interleaved; return medians per set-up.
 
@@ -441,6 +471,8 @@ def run_decode_bench(
         prefill_sizes: prompt lengths prefill is timed at (default 50, 500, 2000; 50 is
             always one: decoding starts after a 50-token prompt).
         progress: told of each worker as it starts (`Progress`).
+        task: what our set-ups decode (`TASKS`): a cut of the text, or a chat message
+            repeating ~300 words of it ("repeat") or writing freely ("write").
 
     Returns:
         ``{"results": [...], "machine": {...}, "settings": {...}}``; each result has
@@ -479,7 +511,8 @@ def run_decode_bench(
                 return {"results": [made], "machine": machine_info(), "settings": {"ppl_tokens": ppl_tokens}}
         common = {"model": model, "threads": threads, "decode_tokens": decode_tokens,
                   "ppl_tokens": ppl_tokens, "text": str(text) if text else None,
-                  "gguf": str(gguf) if gguf else None, "prefill_sizes": list(sizes)}  # fmt: skip
+                  "gguf": str(gguf) if gguf else None, "prefill_sizes": list(sizes),
+                  "task": task}  # fmt: skip
         _run_rounds(runs, rounds, progress, other_model, reference, common, finished=1 if reference else 0)
     results = [_median_result(runs[name]) for name in setups]
     reference = next((r.get("tokens") for r in results if r["name"] == BASELINE), None)
@@ -501,6 +534,7 @@ def run_decode_bench(
             "rounds": rounds,
             "decode_tokens": decode_tokens,
             "decode_prompt_tokens": DECODE_PROMPT,
+            "task": task,
             "prefill_sizes": list(sizes),
             "ppl_tokens": ppl_tokens,
             "text": str(text) if text else "shipped conversation, repeated",

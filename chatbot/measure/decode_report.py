@@ -76,8 +76,10 @@ def print_decode(console: Any, result: dict[str, Any]) -> None:
     decode_rows, prefill_rows = [], []
     for r in measured:
         load_avg = f"{r['loadavg']:.2f}" if r.get("loadavg") is not None else ""
+        drafts = r.get("draft_tokens")  # a -ngram set-up: the share of drafts kept
+        kept = f" (draft {100 * r['draft_accepted'] / drafts:.0f}%)" if drafts else ""
         decode_rows.append([
-            r["name"],
+            r["name"] + kept,
             f"{r['decode_tps']:.1f}",
             f"{r['ms_per_token_p50']:.1f}",
             f"{r['ms_per_token_p90']:.1f}",

@@ -124,6 +124,8 @@ class _Request(BaseModel):
     top_k: int | None = None
     repetition_penalty: float | None = None
     repeat_last_n: int | None = None  # llama-server's
+    draft: str | None = None  # ours: "ngram" or "off" (speculative decoding)
+    draft_tokens: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None

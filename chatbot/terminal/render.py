@@ -80,6 +80,8 @@ def _stats_line(stats: TurnStats) -> str:
     if stats.token_latencies_s:
         parts.append(f"{stats.decode_tps:.1f} tok/s")
         parts.append(f"{stats.ms_per_token_mean:.1f} ms/tok (p90 {stats.ms_per_token_p90:.0f})")
+    if stats.draft_acceptance is not None:
+        parts.append(format_draft(stats))
     parts.append(format_cache(stats))
     if stats.finish_reason in FINISH_WORDS:
         parts.append(finish_word(stats.finish_reason))
@@ -112,6 +114,13 @@ def format_remote_stats_line(stats: RemoteStats) -> str:
     return " · ".join(parts)
 
 
+def format_draft(stats: TurnStats) -> str:
+    """The share of speculative draft tokens kept (`--draft ngram`), e.g. `draft 71%`;
+    "" where nothing was drafted."""
+    share = stats.draft_acceptance
+    return "" if share is None else f"draft {100 * share:.0f}%"
+
+
 def thought_parts(stats: TurnStats) -> list[str]:
     """The stats line's thinking, apart from the answer (`thought 412 tok`, `9.8 s`); none
     where the model did not think."""
@@ -130,12 +139,14 @@ def stats_table(turns: list[Any], summary: dict[str, Any]) -> Table:
         show_footer=False,
     )
     # Two-line headers and unwrapped cells: the table fits an 80-column terminal whole.
+    drafted = any(t.stats.draft_tokens for t in turns)  # a column only where drafts ran
     for col in ("#", "fed\ntok", "fed\ns", "TTFT\ns", "new\ntok", "tok/s", "p50\nms",
-                "p90\nms", "cache", "end"):  # fmt: skip
+                "p90\nms", *(("draft",) if drafted else ()), "cache", "end"):  # fmt: skip
         # the reason ("max tokens") may take two lines, broken between its words
         table.add_column(col, justify="right", no_wrap=col != "end")
     for i, t in enumerate(turns, 1):
         s = t.stats
+        draft = (format_draft(s).removeprefix("draft ") or "-",) if drafted else ()
         table.add_row(
             str(i),
             _count(s, s.context_tokens),
@@ -145,22 +156,15 @@ def stats_table(turns: list[Any], summary: dict[str, Any]) -> Table:
             f"{s.decode_tps:.1f}",
             f"{s.ms_per_token_p50:.1f}",
             f"{s.ms_per_token_p90:.1f}",
+            *draft,
             _count(s, s.cache_tokens),
             safe_text(finish_word(s.finish_reason)),
         )
     table.add_row(
-        "all",
-        _total(summary["context_tokens"]),
-        "",
-        "",
-        f"{summary['generated_tokens']:,}",
-        f"{summary['decode_tps']:.1f}",
-        "",
-        "",
-        _total(summary["cache_tokens"]),
-        "",
-        style="bold",
-    )
+        "all", _total(summary["context_tokens"]), "", "", f"{summary['generated_tokens']:,}",
+        f"{summary['decode_tps']:.1f}", "", "", *(("",) if drafted else ()),
+        _total(summary["cache_tokens"]), "", style="bold",
+    )  # fmt: skip
     return table
 
 
@@ -173,7 +177,8 @@ def stats_lines(turns: list[Any], summary: dict[str, Any]) -> Text:
         text.append(
             f" · fed {_count(s, s.context_tokens)} tok · {_prefill_time(s)} s · TTFT {s.ttft_s:.2f} s · "
             f"{s.generated_tokens:,} new · {s.decode_tps:.1f} tok/s · p50 {s.ms_per_token_p50:.1f} ms · "
-            f"p90 {s.ms_per_token_p90:.1f} ms · cache {_count(s, s.cache_tokens)} · "
+            f"p90 {s.ms_per_token_p90:.1f} ms · {format_draft(s) + ' · ' if s.draft_tokens else ''}"
+            f"cache {_count(s, s.cache_tokens)} · "
             f"{finish_word(s.finish_reason)}\n"
         )
     text.append("all", style="bold")

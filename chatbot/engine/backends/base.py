@@ -68,6 +68,11 @@ class Backend(Protocol):
         """`prefill`, safe to run beside `step_batch` in another thread (on another cache)."""
         ...
 
+    def prefill_every(self, cache: Cache, ids: Sequence[int]) -> torch.Tensor:
+        """`prefill`, returning the logits after each id (``[len(ids), vocab]``): one pass
+        that verifies a speculative draft (`chatbot.engine.speculative`)."""
+        ...
+
     def step(self, cache: Cache, token: int) -> torch.Tensor:
         """Feed one answer token at the end of `cache`; the logits after it."""
         ...
@@ -148,6 +153,13 @@ class HFBackend:
     def prefill_concurrent(self, cache: Cache, ids: Sequence[int]) -> torch.Tensor:
         return self.prefill(cache, ids)
 
+    def prefill_every(self, cache: Cache, ids: Sequence[int]) -> torch.Tensor:
+        tensor = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        out = call_with_room(
+            self.forward_model, input_ids=tensor, cache=cache, use_cache=True, logits_to_keep=0
+        )
+        return out.logits[0].float()
+
     def step(self, cache: Cache, token: int) -> torch.Tensor:
         return self.prefill(cache, (token,))
 
@@ -212,6 +224,11 @@ class NativeBackend(HFBackend):
             return self.decoder.prefill_rows(cache, [int(i) for i in ids])
         return super().prefill(cache, ids)
 
+    def prefill_every(self, cache: Cache, ids: Sequence[int]) -> torch.Tensor:
+        if len(ids) <= self.max_batch:  # the decode kernels' rows: bit for bit their steps
+            return self.decoder.prefill_rows(cache, [int(i) for i in ids], every=True)
+        return super().prefill_every(cache, ids)
+
     def step(self, cache: Cache, token: int) -> torch.Tensor:
         return self.decoder.decode(cache, int(token))
 
@@ -268,6 +285,10 @@ class BatchedBackend:
 
     def prefill_concurrent(self, cache: Cache, ids: Sequence[int]) -> torch.Tensor:
         return self.inner.prefill_concurrent(cache, ids)
+
+    def prefill_every(self, cache: Cache, ids: Sequence[int]) -> torch.Tensor:
+        # (held with `cond`, between two batched steps: the others wait for it)
+        return self.inner.prefill_every(cache, ids)
 
     def step(self, cache: Cache, token: int) -> torch.Tensor:
         return self.batcher.step(cache, int(token))

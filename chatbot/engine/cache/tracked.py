@@ -157,6 +157,13 @@ class TrackedCache:
         if used + n_new + 1 > self.max_context:
             raise ContextFullError(f"context full ({used} + {n_new} new tokens > {self.max_context})")
 
+    def room(self) -> int:
+        """Tokens the cache takes before a bounded one must evict or a growing one is full
+        (`is_full`): what a speculative draft's pass may feed without either."""
+        if self._sink is not None:
+            return max(0, self._sink.capacity - self._sink.get_seq_length())
+        return max(0, self.max_context - 1 - len(self.ids))
+
     def is_full(self) -> bool:
         """True when a growing cache has room for no more token."""
         return not self.is_bounded and len(self.ids) + 1 >= self.max_context

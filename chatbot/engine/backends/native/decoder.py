@@ -454,10 +454,11 @@ class FastDecoder:
         return logits
 
     @torch.inference_mode()
-    def prefill_rows(self, cache: Cache, tokens: Sequence[int]) -> torch.Tensor:
+    def prefill_rows(self, cache: Cache, tokens: Sequence[int], every: bool = False) -> torch.Tensor:
         """Feed a few tokens (up to `max_batch`) at the end of `cache` in one pass over the
         weights, as rows of one batch that share the cache; return the logits after the last
-        (``[vocab]``). The cache and the logits are those of decoding the tokens one by one,
+        (``[vocab]``), or with `every` after each token (``[n, vocab]``: a speculative draft's
+        verification). The cache and the logits are those of decoding the tokens one by one,
         bit for bit, at about the cost of one batched step (a short prompt, a chat turn's
         new message: the batched prefill product is made for longer inputs).
 
@@ -476,13 +477,12 @@ class FastDecoder:
         self._reserve_layers(layers, pos + n)
         if self.experts:
             with self._serial:
-                for token in tokens:
-                    logits = self.decode(cache, int(token))
-                return logits
-        logits = self._run_rows([layers] * n, list(range(pos, pos + n)), tokens, True, None)
+                rows = [self.decode(cache, int(token)) for token in tokens]
+                return torch.stack(rows) if every else rows[-1]
+        logits = self._run_rows([layers] * n, list(range(pos, pos + n)), tokens, not every, None)
         for layer in layers:
             layer.length = pos + n
-        return logits[0]
+        return logits if every else logits[0]
 
     def _run_rows(
         self,
