@@ -410,3 +410,29 @@ def test_a_new_chat_takes_its_system_prompt_from_the_chat_before(tiny_model, tin
     other.lines("How are you today?")
     assert other.session.turns[0].stats.context_tokens >= len(other.session.encode("Be brief."))
     assert start.is_file() and len(list(kv_dir().glob("prefix-*"))) == 2  # its own start
+
+
+def test_load_of_a_saved_chat_takes_its_history_from_the_cache_save_kept(
+    tiny_model, tiny_tokenizer, tmp_path
+):
+    """/save keeps the chat's cache under the saved conversation's name; /load of that file
+    (in another chat) takes the history from it and answers as the chat that never stopped;
+    a file edited since is not given the old cache."""
+    saved = tmp_path / "chat.json"
+    first = Chat(tiny_model, tiny_tokenizer, tmp_path / "a", system="Be brief.")
+    first.lines(*MESSAGES[:2], f"/save {saved}")
+    first.session._before_forward()  # the saved cache written
+    held = len(first.session.kv.seen)
+    other = Chat(tiny_model, tiny_tokenizer, tmp_path / "b")
+    other.lines("Something else entirely.", f"/load {saved}")
+    note = other.err.getvalue()
+    assert f"(reused {held:,} of " in note and "from the disk cache" in note, note
+    other.lines(MESSAGES[2])
+    first.lines(MESSAGES[2])
+    assert other.session.turns[-1].answer == first.session.turns[-1].answer
+    edited = json.loads(saved.read_text())
+    edited["messages"][1]["content"] = "Hello there, edited!"
+    saved.write_text(json.dumps(edited))
+    third = Chat(tiny_model, tiny_tokenizer, tmp_path / "c")
+    third.lines(f"/load {saved}")
+    assert "from the disk cache" not in third.err.getvalue()

@@ -88,7 +88,8 @@ def test_system_load_and_resume_on_a_real_terminal(tiny_dir, tmp_path):
         child.expect("saved 1 turn to ")  # not "1 turns"
         child.expect(">")
         child.sendline(f"/load {saved}")
-        child.expect(r"loaded 1 turn \(\d+ tokens encoded\)")
+        # the history from the cache /save kept (only the closing text encoded)
+        child.expect(r"loaded 1 turn \(reused [\d,]+ of [\d,]+ tokens from the disk cache, \d+ encoded\)")
         child.expect(">")
         child.sendline("How are you?")
         child.expect(r"context \d+ tok")

@@ -78,6 +78,8 @@ class ConversationCache:
     prefix_donor: Callable[[TrackedCache, list[int]], int] | None
     _keeps_start = False  # `keep_start`
     _start_store: KVStore | None = None  # its file, as last used
+    _saved_store: KVStore | None = None  # the cache of the last /save, being written
+    _resume_from: KVStore | None = None  # the next restore's file where not `kv_store` (/load)
     _start_taken = 0  # ids the cache took from it
 
     @property
@@ -194,7 +196,7 @@ class ConversationCache:
     def _before_forward(self) -> None:
         """Wait for the cache's write to disk (if one is under way) before a forward pass
         writes into the cache it reads."""
-        for store in (self.kv_store, self._start_store):
+        for store in (self.kv_store, self._start_store, self._saved_store):
             if store is not None:
                 store.wait()
 
@@ -349,6 +351,17 @@ class ConversationCache:
         n = common_prefix(self.kv.seen, self.encode(text[:at]))
         if n >= 8 and n > self._start_taken:
             self._start_file().save(self.kv, upto=n)
+
+    def keep_saved_cache(self, data: dict[str, Any]) -> None:
+        from chatbot.conversation.kvstore import KVStore, saved_path
+
+        self._saved_store = KVStore(saved_path(data), self.kv_identity)
+        self._saved_store.save(self.kv)
+
+    def take_saved_cache(self, data: dict[str, Any]) -> None:
+        from chatbot.conversation.kvstore import KVStore, saved_path
+
+        self._resume_from, self._resuming = KVStore(saved_path(data), self.kv_identity), True
 
     def keep_cache_in(self, store: KVStore | None, resuming: bool = False) -> None:
         """Keep the cache in `store` after each turn; with `resuming`, the next `restore` (the

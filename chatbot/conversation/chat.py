@@ -191,6 +191,15 @@ class Chat(SavedConversation, LoggedSession, ABC, Generic[ChunkT]):
         `resuming`: the next restore takes what it can from it). A chat without a cache of its
         own (a server's) keeps nothing."""
 
+    def keep_saved_cache(self, data: dict[str, Any]) -> None:
+        """After `data` was saved (/save): keep the chat's KV cache on disk for it, so that a
+        /load of it takes the history from there. A chat without a cache of its own keeps
+        nothing."""
+
+    def take_saved_cache(self, data: dict[str, Any]) -> None:
+        """Before `data` is restored (/load): its history comes from the cache a /save of it
+        kept, where there is one. A chat without a cache of its own takes nothing."""
+
     def template_system(self) -> str | None:
         """The system prompt the chat template writes when `system` is None (e.g. SmolLM's
         "You are a helpful AI assistant named SmolLM..."); None when it writes none or nobody

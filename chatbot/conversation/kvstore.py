@@ -99,6 +99,15 @@ def prefix_path(identity: dict[str, str]) -> Path:
     return kv_dir() / f"prefix-{digest}{SUFFIX}"
 
 
+def saved_path(data: dict[str, Any]) -> Path:
+    """The file of a saved chat's cache (/save, /load), named by its conversation: the
+    system prompt and the messages."""
+    conversation = {"system": data.get("system"), "messages": data.get("messages")}
+    text = json.dumps(conversation, sort_keys=True, ensure_ascii=False, default=str)
+    digest = hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()[:20]
+    return kv_dir() / f"saved-{digest}{SUFFIX}"
+
+
 def prune(folder: Path, keep: Path | None = None, cap: int | None = None) -> list[Path]:
     """Remove the files of `folder` written longest ago until the store holds at most `cap`
     bytes (default `store_cap()`), never `keep`; and temporary files a killed write left

@@ -518,8 +518,11 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
         self._rebuild_segments()
         self._reused, self._store_note = None, None
         resuming, self._resuming = self._resuming, False
-        if encode and resuming and self.kv_store is not None and not self.kv.ids and self.all_ids:
-            reused, why = self.kv_store.load(self.kv, self.all_ids, self.engine.device)
+        store, self._resume_from = self._resume_from or self.kv_store, None
+        if encode and resuming and store is not None and self.kv.ids and store.path.exists():
+            self._forget_cache()  # (a /load into a chat) the file's cache replaces it
+        if encode and resuming and store is not None and not self.kv.ids and self.all_ids:
+            reused, why = store.load(self.kv, self.all_ids, self.engine.device)
             if reused:
                 self._reused = (reused, len(self.all_ids))
                 if self.kv.is_bounded:  # the rest goes with the next message, in one pass as in

@@ -148,12 +148,14 @@ class ReplCommands:
         )
         # the default folder is made; a folder the user names must exist (a typo is refused)
         written = self.session.save(path, model=self.loaded.name, make_folder=not command.arg)
+        self.session.keep_saved_cache(self.session.to_dict(self.loaded.name))
         self.note(f"saved {counted(len(self.session.turns), 'turn')} to {written}")
 
     def _load(self, command: Command) -> None:
         from chatbot.conversation.saved import read_saved
 
         data = read_saved(command.arg)
+        self.session.take_saved_cache(data)
         self._restore(data)
         model = data.get("model")
         if isinstance(model, str) and model and model != self.loaded.name:
