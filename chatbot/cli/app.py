@@ -72,6 +72,7 @@ from chatbot.cli.options import (
     ServerOpt,
     SessionsLimitOpt,
     ShowThinkingOpt,
+    SlotSavePathOpt,
     SystemOpt,
     TemplateOpt,
     ThreadsOpt,
@@ -313,6 +314,7 @@ def serve(
     cache_memory: CacheMemoryOpt = "2GiB",
     cache_dir: CacheDirOpt = None,
     cache_disk: CacheDiskOpt = "4GiB",
+    slot_save_path: SlotSavePathOpt = None,
     preset: ServePresetOpt = None,
     config: ConfigOpt = None,
     device: DeviceOpt = "auto",
@@ -338,7 +340,7 @@ def serve(
 
     key = resolve_api_key(api_key_env)
     memory = parse_size(cache_memory)
-    caches = (prefix_cache, cache_conversations, memory, cache_dir, parse_size(cache_disk))
+    caches = (prefix_cache, cache_conversations, memory, cache_dir, parse_size(cache_disk), slot_save_path)
     listen = Listen(host, port, key, served_model_name, *caches, body_cap(max_body), log_level)
     load = LoadConfig(model, device, dtype, template=template, trust_remote_code=trust_remote_code)
     engine = EngineConfig(**{row.name: settings[row.name] for row in layer("engine") if row.name in settings})

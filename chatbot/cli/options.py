@@ -275,6 +275,13 @@ CacheDirOpt = Annotated[
         "restarted server goes on with a conversation it had, prefilling only what is new."
     ),
 ]
+SlotSavePathOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="Where POST /slots/ID?action=save|restore writes and reads conversations' KV caches "
+        "(llama-server's slot save and restore)."
+    ),
+]
 CacheDiskOpt = Annotated[str, typer.Option(help="Cap on --cache-dir's files, e.g. 4GiB (oldest first).")]
 CacheMemoryOpt = Annotated[
     str, typer.Option(help="Cap on the KV cache memory kept between requests, e.g. 2GiB.")

@@ -37,23 +37,25 @@ class Listen:
     cache_bytes: int
     cache_dir: Path | None  # where conversations' caches are also kept (`PrefixCachePool`)
     cache_disk: int  # that folder's cap in bytes
+    slot_save_path: Path | None  # /slots' save and restore folder
     max_body: int | None  # None: from the model's context
     log_level: str
 
 
-def cache_folder(path: Path) -> Path:
-    """`--cache-dir`, made absolute and created (readable by the user alone) if need be.
+def cache_folder(path: Path, flag: str) -> Path:
+    """The folder of `flag` (`--cache-dir`), made absolute and created (readable by the user
+    alone) if need be.
 
     Raises:
         ConfigError: it is not a folder, or cannot be made.
     """
     folder = path.expanduser().absolute()
     if folder.exists() and not folder.is_dir():
-        raise ConfigError(f"--cache-dir {folder} is not a folder")
+        raise ConfigError(f"{flag} {folder} is not a folder")
     try:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
-        raise ConfigError(f"--cache-dir {folder} cannot be made: {exc.strerror}") from None
+        raise ConfigError(f"{flag} {folder} cannot be made: {exc.strerror}") from None
     return folder
 
 
@@ -133,7 +135,11 @@ def serve_model(
         defaults_from += ", then the serve flags"
     engine_config.validated()
     if listen.cache_dir is not None:
-        listen = dataclasses.replace(listen, cache_dir=cache_folder(listen.cache_dir))
+        listen = dataclasses.replace(listen, cache_dir=cache_folder(listen.cache_dir, "--cache-dir"))
+    if listen.slot_save_path is not None:
+        listen = dataclasses.replace(
+            listen, slot_save_path=cache_folder(listen.slot_save_path, "--slot-save-path")
+        )
     # The port is taken now, before torch and the (slow) load: one in use is said at once, and
     # no other process can take it meanwhile. Connections wait in its backlog until the app runs.
     sockets = listen_sockets(listen.host, listen.port)
@@ -184,6 +190,7 @@ def _load_and_serve(
         streaming_cache=engine_config.enable_streaming,
         max_body=listen.max_body,
         defaults_from=defaults_from,
+        slot_folder=listen.slot_save_path,
     )
     notes = [backend_note, context_note(loaded, engine_config), streaming_note(engine, engine_config)]
     _announce(name, listen, [*loaded.notes, *filter(None, notes)], application.state.worker.describe())

@@ -27,6 +27,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -49,6 +50,7 @@ from chatbot.server.protocol import (
     conversation_of,
     sampling_of,
 )
+from chatbot.server.slots import Slots
 from chatbot.server.tools import CallStream, ToolError, Tools, parse_calls, tool_prompt
 from chatbot.server.worker import Job, Worker
 from chatbot.settings import layer
@@ -70,6 +72,7 @@ def create_app(
     created: int | None = None,
     max_body: int | None = None,
     defaults_from: str | None = None,
+    slot_folder: Path | None = None,
 ) -> FastAPI:
     """The ASGI app serving `pool`'s engine as `model_name`: the routes of `OpenAIApi.routes`,
     the error handlers of `EXCEPTION_HANDLERS`, the body cap and the key check.
@@ -81,10 +84,11 @@ def create_app(
         streaming_cache: conversations run on sink caches (no context limit).
         max_body: cap on a request body in bytes (default: `default_max_body`).
         defaults_from: where the pool's sampling defaults come from, for /health.
+        slot_folder: `--slot-save-path`, where /slots saves and restores (`Slots`).
     """
     created = created or int(time.time())
     max_body = max_body or default_max_body(pool.engine.max_context)
-    api = OpenAIApi(pool, model_name, api_key, streaming_cache, created, max_body, defaults_from)
+    api = OpenAIApi(pool, model_name, api_key, streaming_cache, created, max_body, defaults_from, slot_folder)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -190,12 +194,14 @@ class OpenAIApi:
         created: int,
         max_body: int,
         defaults_from: str | None,
+        slot_folder: Path | None = None,
     ) -> None:
         self.pool, self.model_name, self.api_key = pool, model_name, api_key
         self.streaming_cache, self.max_body, self.defaults_from = streaming_cache, max_body, defaults_from
         self.max_context = pool.engine.max_context
         self.bound = PromptBound.of(pool.engine.tokenizer, None if streaming_cache else self.max_context)
         self.worker = Worker(pool)
+        self.slots = Slots(pool, self.worker, slot_folder)
         # Set as the server begins to shut down (a signal): answers under way end with an error
         # event, queued ones with a 503, so no response is left for uvicorn to cancel.
         self.closing = threading.Event()
@@ -222,12 +228,14 @@ class OpenAIApi:
             "/v1/models/{model_id:path}": ("GET", self.model),
             "/v1/chat/completions": ("POST", self.chat),
             "/v1/completions": ("POST", self.complete),
+            "/slots": ("GET", self.slots.listing),
+            "/slots/{slot_id}": ("POST", self.slots.action),
         }
 
     async def check_key(self, request: Request, call_next: Any) -> Any:
         """HTTP middleware: with an API key set, a /v1 request without it is a 401."""
         api_key = self.api_key
-        if api_key and request.url.path.startswith("/v1"):
+        if api_key and request.url.path.startswith(("/v1", "/slots")):
             given = request.headers.get("authorization", "")
             scheme, _, token = given.partition(" ")
             if scheme.lower() != "bearer" or not secrets.compare_digest(

@@ -223,6 +223,15 @@ class PrefixCachePool:
             old.session.reset()
             self.stats.evictions += 1
 
+    def add_start(self, path: Path, ids: list[int]) -> None:
+        """Make the cache file `path` (holding `ids`) a start new conversations may take."""
+        self._disk_files()[path] = list(ids)
+
+    def drop(self, entry: Entry) -> None:
+        """Forget a kept conversation (its cache emptied)."""
+        self.entries.pop(entry.key, None)
+        entry.session.reset()
+
     def discard(self, entry: Entry) -> None:
         """Drop an entry whose state is in doubt (an unexpected error)."""
         entry.session.reset()
@@ -245,7 +254,7 @@ class PrefixCachePool:
                 session.keep_cache_in(
                     KVStore(
                         self.cache_dir / f"{uuid.uuid4().hex}{SUFFIX}",
-                        _identity(session, salt),
+                        conversation_identity(session, salt),
                         self.disk_bytes,
                     )
                 )
@@ -268,8 +277,8 @@ class PrefixCachePool:
             n = common_prefix(held.ids, ids)
             if n > most:
                 best, most = entry, n
-        if session is not None and self.cache_dir is not None:
-            taken = self._from_disk(kv, ids, most, _identity(session, salt))
+        if session is not None and self._disk_files():
+            taken = self._from_disk(kv, ids, most, conversation_identity(session, salt))
             if taken:
                 return taken
         if best is None or not self.engine.copy_prefix(best.session.kv, kv, most):
@@ -338,7 +347,7 @@ def _shared_turns(turns: list[Turn], conv: Conversation) -> int:
     return n
 
 
-def _identity(session: ChatSession, salt: str | None) -> Any:
+def conversation_identity(session: ChatSession, salt: str | None) -> Any:
     """What a conversation's file of `cache_dir` is made with: the chat's identity (model,
     template, system prompt, dtype, backend, window) and the request's `cache_salt`."""
     digest = hashlib.sha256((salt or "").encode("utf-8", errors="surrogatepass")).hexdigest()[:16]
