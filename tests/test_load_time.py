@@ -124,11 +124,11 @@ def _ids(tok, text):
     return tok(text, add_special_tokens=True)["input_ids"]
 
 
-@pytest.mark.parametrize(("arch", "fast"), [("qwen2", True), ("llama", False)])
-def test_cached_tokenizer_is_the_first_loads_and_its_classs(tmp_path, monkeypatch, arch, fast):
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_cached_tokenizer_is_the_first_loads_and_its_classs(tmp_path, monkeypatch, arch):
     """The first load (from the file) and the next (from the cache, read straight from
-    tokenizer.json for Qwen2Tokenizer) tokenize alike, as transformers' own class loads the
-    cached files."""
+    tokenizer.json: for Qwen2Tokenizer, and for the plain backend class without AutoTokenizer
+    and its AutoConfig) tokenize alike, as transformers' own class loads the cached files."""
     from transformers import AutoTokenizer, TokenizersBackend
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -137,12 +137,12 @@ def test_cached_tokenizer_is_the_first_loads_and_its_classs(tmp_path, monkeypatc
     first = load_model(str(path), device="cpu").tokenizer
     (folder,) = (cache_root() / "gguf-meta").iterdir()
     manifest = json.loads((folder / "chatbot-manifest.json").read_text())
-    assert manifest["fast_tokenizer"] is fast
+    assert manifest["fast_tokenizer"] is True
     again = load_model(str(path), device="cpu")
     second = again.tokenizer
     assert again.notes == []
     assert type(second) is TokenizersBackend
-    assert (type(first) is TokenizersBackend) is not fast
+    assert (type(first) is TokenizersBackend) is (arch == "llama")
     own = AutoTokenizer.from_pretrained(str(folder))  # transformers' class, from the cache
     assert type(own).__name__ == ("Qwen2Tokenizer" if arch == "qwen2" else "TokenizersBackend")
     for text in TEXTS:
@@ -156,6 +156,30 @@ def test_cached_tokenizer_is_the_first_loads_and_its_classs(tmp_path, monkeypatc
     assert second.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == rendered
     assert second.eos_token == own.eos_token and second.all_special_ids == own.all_special_ids
     assert len(second) == len(own)
+
+
+def test_a_cache_of_the_plain_backend_class_is_marked_to_be_read_straight(tmp_path, monkeypatch):
+    """A cache written before the plain backend class was marked `fast_tokenizer` loads once
+    through AutoTokenizer, and is marked then (the next loads skip AutoTokenizer's AutoConfig)."""
+    from transformers import TokenizersBackend
+
+    from chatbot.models.manifest import publish, read_manifest, staging
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = tmp_path / "llama.gguf"
+    write_synthetic_gguf(path, "llama", SHAPES["llama"]["tiny"], "Q8_0", seed=1)
+    first = load_model(str(path), device="cpu").tokenizer
+    (folder,) = (cache_root() / "gguf-meta").iterdir()
+    manifest = read_manifest(folder)
+    assert manifest is not None
+    with staging(folder) as tmp:  # the cache as an earlier version wrote it
+        for name in manifest["files"]:
+            (tmp / name).write_bytes((folder / name).read_bytes())
+        publish(tmp, folder, gguf=manifest["gguf"], fast_tokenizer=False, added_tokens=True)
+    again = load_model(str(path), device="cpu")
+    assert again.notes == [] and type(again.tokenizer) is TokenizersBackend
+    assert read_manifest(folder)["fast_tokenizer"] is True
+    assert again.tokenizer.backend_tokenizer.to_str() == first.backend_tokenizer.to_str()
 
 
 def test_entry_point_pause_lasts_until_ready():

@@ -318,3 +318,43 @@ def test_warnings_of_a_background_load_become_notes_above_the_prompt(monkeypatch
         warnings.simplefilter("always")
         start = cli._start_chat(None, "auto", None, banner=True, background=True)
     assert start.notes == ["warning: a deprecated option", "banner"]
+
+
+# `chatbot run` as its console script starts it, writing the names of the modules loaded by
+# its end into the file named by its first argument (the CLI leaves after its exit handlers).
+MODULES_AT_EXIT = (
+    "import atexit, json, sys\n"
+    "out = sys.argv[1]\n"
+    "def dump():\n"
+    "    with open(out, 'w', encoding='utf-8') as f:\n"
+    "        json.dump(sorted(sys.modules), f)\n"
+    "atexit.register(dump)\n"
+    "from chatbot.cli.app import main\n"
+    "sys.argv = ['chatbot', *sys.argv[2:]]\n"
+    "sys.exit(main())\n"
+)
+MODEL_STACK = ("transformers.models", "transformers.modeling_utils", "transformers.masking_utils",
+               "torch._dynamo", "torch.distributed.tensor", "accelerate")  # fmt: skip
+"""transformers' config and model classes and what they import (1.4-2.0 s of a one-shot on
+an idle core: docs/benchmarks.md, "Start-up: a one-shot answer")."""
+
+
+@pytest.mark.slow
+def test_a_one_shot_on_the_default_model_imports_no_transformers_model_classes(tmp_path):
+    """The default model runs on the native kernels from its GGUF blocks, as our own model
+    (`chatbot.engine.backends.native.skeleton`) from its cached config and tokenizer: nothing
+    of it imports transformers' model or config classes. (transformers itself stays: its
+    caches, `PreTrainedConfig`, the tokenizer class, the logits processors.)"""
+    modules = tmp_path / "modules.json"
+    one_shot = ["run", "Hi", "--greedy", "--max-new-tokens", "1"]
+    for _ in range(2):  # the first load of the file writes its config and tokenizer cache
+        proc = subprocess.run(
+            [sys.executable, "-c", MODULES_AT_EXIT, str(modules), *one_shot],
+            capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300, check=False,
+            env={**os.environ, "XDG_DATA_HOME": str(tmp_path / "data")},
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()  # the answer
+    loaded = json.loads(modules.read_text(encoding="utf-8"))
+    assert "chatbot.engine.backends.native.decoder" in loaded  # the native path ran
+    assert [m for m in loaded if m in MODEL_STACK] == []

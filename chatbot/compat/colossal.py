@@ -221,6 +221,22 @@ def stream_generate(
         kv.settle()
 
 
+def generation_methods(model: Any) -> Any:
+    """`model`, where it has transformers' `GenerationMixin` builders; else (our own model of
+    a llama GGUF file, `chatbot.engine.backends.native.skeleton`) an object that has them, over
+    its config, generation config and device."""
+    if hasattr(model, "_prepare_generation_config"):
+        return model
+    from transformers.generation import GenerationMixin
+
+    class Generation(GenerationMixin):
+        def __init__(self) -> None:
+            self.config, self.generation_config = model.config, model.generation_config
+            self.device = model.device
+
+    return Generation()
+
+
 def _generation_config(
     model: Any, generation_config: Any, kwargs: dict[str, Any], prompt_len: int
 ) -> tuple[Any, int]:
@@ -233,7 +249,7 @@ def _generation_config(
     """
     # transformers' private builders (pinned to 5.24) give the exact config, processors and
     # criteria that `generate` would use.
-    config, unused = model._prepare_generation_config(generation_config, **kwargs)
+    config, unused = generation_methods(model)._prepare_generation_config(generation_config, **kwargs)
     unused = {k: v for k, v in unused.items() if k not in ("output_attentions", "output_hidden_states")}
     if unused:
         raise TypeError(f"stream_generate() got unexpected keyword arguments: {', '.join(sorted(unused))}")
@@ -259,6 +275,7 @@ def _processors_and_criteria(
     Raises:
         ValueError: stop strings without a tokenizer.
     """
+    model = generation_methods(model)
     model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device=engine.device, batch_size=1)
     processors = model._get_logits_processor(
         generation_config=config,

@@ -86,7 +86,7 @@ def _fast_tokenizer_ok(folder: Path, tokenizer: Any) -> bool:
     from transformers import TokenizersBackend
 
     if type(tokenizer) is TokenizersBackend:
-        return False  # AutoTokenizer already reads tokenizer.json straight away
+        return True  # what AutoTokenizer loads too, after its AutoConfig (transformers.models)
     if not _builds_backend_only(type(tokenizer)):
         return False
     try:
@@ -103,11 +103,29 @@ def _fast_tokenizer_ok(folder: Path, tokenizer: Any) -> bool:
 
 
 def _load_cached_tokenizer(folder: Path, manifest: dict[str, Any]) -> Any:
-    from transformers import AutoTokenizer, TokenizersBackend
+    if manifest.get("fast_tokenizer"):  # (AutoTokenizer would import transformers.models)
+        from transformers import TokenizersBackend
 
-    if manifest.get("fast_tokenizer"):
         return TokenizersBackend.from_pretrained(str(folder))
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(folder))
+
+
+def _load_cached_config(folder: Path) -> Any:
+    """The saved config: as a plain `PreTrainedConfig` (its attributes those of config.json)
+    where the model is built as our own (`skeleton.own_model_for`), so that neither the
+    config class nor the model class of transformers is imported; else through AutoConfig."""
+    from transformers.configuration_utils import PreTrainedConfig
+
+    from chatbot.engine.backends.native.skeleton import own_model_for
+
+    plain = PreTrainedConfig.from_json_file(str(folder / "config.json"))
+    if own_model_for(plain):
+        return plain
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(folder))
 
 
 def load_config_and_tokenizer(path: Path, cache: Path, notes: list[str]) -> tuple[Any, Any]:
@@ -122,23 +140,20 @@ def load_config_and_tokenizer(path: Path, cache: Path, notes: list[str]) -> tupl
     Raises:
         Exception: whatever transformers raises for a file it cannot read.
     """
-    from transformers import AutoConfig, AutoTokenizer
-
     manifest = read_manifest(cache)
     if manifest is not None:
         try:
-            config, tokenizer = (
-                AutoConfig.from_pretrained(str(cache)),
-                _load_cached_tokenizer(cache, manifest),
-            )
+            config, tokenizer = _load_cached_config(cache), _load_cached_tokenizer(cache, manifest)
         except Exception:  # noqa: BLE001 - a damaged file the size check missed: rebuilt below
             notes.append(f"the cached tokenizer of {path.name} in {cache} did not load; rebuilt it")
         else:
-            if not manifest.get("added_tokens"):
+            if not manifest.get("added_tokens") or _loads_plain(manifest, tokenizer):
                 _record_in_place(cache, manifest, tokenizer)
             return config, tokenizer
     elif cache.exists():
         notes.append(f"the cached tokenizer of {path.name} in {cache} was incomplete or changed; rebuilt it")
+    from transformers import AutoConfig, AutoTokenizer
+
     with quiet_transformers(gguf=True), waiting("reading the file's tokenizer (once)"):
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
         _, table = read_tensor_table(path)
@@ -208,12 +223,23 @@ def record_added_tokens(folder: Path, tokenizer: Any) -> None:
     config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+def _loads_plain(manifest: dict[str, Any], tokenizer: Any) -> bool:
+    """Whether a cache not marked `fast_tokenizer` gave AutoTokenizer's plain backend class
+    (a cache written when that class was not marked): it can be loaded as such."""
+    from transformers import TokenizersBackend
+
+    return not manifest.get("fast_tokenizer") and type(tokenizer) is TokenizersBackend
+
+
 def _record_in_place(cache: Path, manifest: dict[str, Any], tokenizer: Any) -> None:
     """Give a cache written before `record_added_tokens` existed its list of added tokens,
-    republished whole; a cache that cannot be written stays as it is (it loads, slower)."""
+    and one whose tokenizer is the plain backend class its `fast_tokenizer` mark, republished
+    whole; a cache that cannot be written stays as it is (it loads, slower)."""
     import shutil
 
-    fields = {k: v for k, v in manifest.items() if k != "files"}
+    fields = {k: v for k, v in manifest.items() if k not in ("files", "added_tokens")}
+    if _loads_plain(manifest, tokenizer):
+        fields["fast_tokenizer"] = True
     try:
         with staging(cache) as tmp:
             for name in manifest["files"]:
@@ -324,8 +350,6 @@ def build_packed_model(path: Path, config: Any) -> Any:
     Raises:
         NotPackable: an architecture, tensor or tensor type this cannot build from blocks.
     """
-    from transformers import AutoModelForCausalLM
-
     src = GGUFWeights(path)
     arch = BY_GGUF_ARCH.get(src.architecture)
     if arch is None or config.model_type not in BY_MODEL_TYPE:
@@ -334,7 +358,7 @@ def build_packed_model(path: Path, config: Any) -> Any:
     if arch.experts:
         apply_expert_metadata(path, config)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = _skeleton(config)
     inner = model.model
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
 
@@ -406,6 +430,18 @@ def build_packed_model(path: Path, config: Any) -> Any:
     model.chatbot_gguf = str(path)
     model.chatbot_file_stamp = src.stamp  # the file as mapped: a chat checks it before each turn
     return model.eval()
+
+
+def _skeleton(config: Any) -> Any:
+    """The model's modules for `config`, to be filled with the file's weights: our own
+    (`skeleton.CausalLM`) where its architecture allows, else transformers' class."""
+    from chatbot.engine.backends.native.skeleton import CausalLM, own_model_for
+
+    if own_model_for(config):
+        return CausalLM(config)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def _load_experts(

@@ -205,7 +205,10 @@ def use_decode_attention() -> None:
     """Make `decode_attention` transformers' "sdpa" (process-wide, as transformers registers
     attention): outside a compiled step it is sdpa itself, so every model's eager forward pass is
     unchanged, and a model's own checks for "sdpa" still hold."""
+    from chatbot.engine.backends.native import skeleton
+
     AttentionInterface.register("sdpa", decode_attention)
+    skeleton.attention_function = decode_attention  # our own model's layers (a llama GGUF file)
 
 
 def adopt_static(cache: Cache, pool: BufferPool, slot: torch.Tensor) -> bool:

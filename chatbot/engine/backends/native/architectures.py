@@ -56,6 +56,9 @@ class NativeArchitecture:
         shared_expert: beside the routed experts, one expert every token goes through, scaled
             by the sigmoid of its own gate (Qwen2-MoE: ``ffn_{gate,up,down}_shexp`` and
             ``ffn_gate_inp_shexp``).
+        own_model: a GGUF file of it is built as our own `skeleton.CausalLM` (transformers'
+            modules, forward pass and config, without importing its model classes), where its
+            config asks for nothing more (`skeleton.own_model_for`).
     """
 
     model_type: str
@@ -73,6 +76,7 @@ class NativeArchitecture:
     experts: bool = False
     norm_topk: bool = False
     shared_expert: bool = False
+    own_model: bool = False
 
 
 _GEMMA2 = NativeArchitecture(
@@ -87,7 +91,7 @@ _GEMMA2 = NativeArchitecture(
 )
 
 ARCHITECTURES: tuple[NativeArchitecture, ...] = (
-    NativeArchitecture("llama", "llama", permuted_qk=True),
+    NativeArchitecture("llama", "llama", permuted_qk=True, own_model=True),
     NativeArchitecture("mistral", None),
     NativeArchitecture("qwen2", "qwen2", qkv_bias=True),
     NativeArchitecture("qwen3", "qwen3", qk_norm=True),
