@@ -108,6 +108,22 @@ def test_other_architectures_keep_transformers_classes(cache_home):
     assert type(load_model(str(path)).model).__name__ == "Qwen3ForCausalLM"
 
 
+@needs_kernels
+def test_bench_decodes_baseline_gets_transformers_class_with_generate(cache_home, monkeypatch):
+    """`chatbot bench decode`'s baseline is transformers' own generate(): its worker loads a
+    llama file on transformers' class (CHATBOT_OWN_MODEL=0), which has it; ours has not."""
+    from chatbot.models.loader import load_model
+
+    path = cache_home / "llama.gguf"
+    write_synthetic_gguf(path, "llama", SHAPES["llama"]["tiny"], "Q8_0", seed=1)
+    assert not hasattr(load_model(str(path)).model, "generate")
+    monkeypatch.setenv("CHATBOT_OWN_MODEL", "0")
+    model = load_model(str(path)).model
+    assert type(model).__name__ == "LlamaForCausalLM"
+    out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 6)
+
+
 @pytest.mark.slow
 def test_the_default_model_answers_and_tokenizes_as_through_transformers(monkeypatch):
     """The default model, loaded from its cache without transformers' config, tokenizer and

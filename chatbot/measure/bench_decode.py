@@ -10,6 +10,7 @@ load changes from minute to minute, and interleaving spreads it evenly over the 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -337,6 +338,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
                 spec.get("model"), device="cuda", dtype="bfloat16", quantize=CUDA_SETUPS[name]
             )
         else:
+            if name == BASELINE:  # transformers' own class, whose generate() this is
+                os.environ["CHATBOT_OWN_MODEL"] = "0"
             loaded = load_model(spec.get("model"), device="cpu", dtype="float32")
         ids = list(loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
         need = max(*sizes, spec.get("ppl_tokens") or 0)

@@ -21,6 +21,7 @@ class instead (`own_model_for`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +42,8 @@ outside a compiled step)."""
 def own_model_for(config: Any) -> bool:
     """Whether `config` is built as `CausalLM` (its architecture's row says `own_model`, and
     it asks for nothing this class does not compute)."""
+    if os.environ.get("CHATBOT_OWN_MODEL") == "0":  # transformers' class (bench decode's baseline)
+        return False
     arch = BY_MODEL_TYPE.get(getattr(config, "model_type", ""))
     rope = getattr(config, "rope_parameters", None) or {}
     return bool(
