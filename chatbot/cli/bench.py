@@ -224,7 +224,7 @@ def bench_load(
 @bench_app.command("resume", short_help="--resume from a chat's disk cache against re-encoding its history.")
 def bench_resume(
     history_tokens: Annotated[
-        int, typer.Option(help="Play a chat of at least this many tokens first (greedy).", min=16)
+        int, typer.Option(help="The chat restored holds at least this many tokens.", min=16)
     ] = 4000,
     repeats: Annotated[int, typer.Option(help="Restores of each kind, taken in turns; medians.", min=1)] = 3,
     enable_streaming: Annotated[

@@ -1,8 +1,9 @@
 """`chatbot bench resume`: a logged chat resumed from its KV cache on disk against re-encoding
 its history, in one run.
 
-A chat of about `history_tokens` tokens is played once (greedy; each message a passage of the
-packaged long text to summarize) with its cache written to a file as `chatbot run` writes it.
+A chat of about `history_tokens` tokens (each message a passage of the packaged long text to
+summarize, each answer its first sentence) is encoded once, its cache written to a file as
+`chatbot run` writes it.
 Then, `repeats` times each and taking turns, a new session restores the conversation from the
 file (`--resume` with the disk cache) or re-encodes it (no file), and the time from the start
 of the restore to the first token of the next message is measured: what a user waits after
@@ -42,6 +43,20 @@ def passages(text: str, chars: int = PASSAGE_CHARS) -> list[str]:
     return out
 
 
+def conversation(session: ChatSession, text: str, tokens: int) -> list[dict[str, str]]:
+    """Messages of at least `tokens` tokens in `session`'s template: passages of `text` to
+    summarize, each answered by its first sentence (answers a model of random weights could
+    not write back as the same tokens)."""
+    messages: list[dict[str, str]] = []
+    for passage in passages(text):
+        body = passage.split(": ", 1)[-1]
+        answer = body.split(". ", 1)[0][:300].rstrip(".") + "."
+        messages += [{"role": "user", "content": passage}, {"role": "assistant", "content": answer}]
+        if len(session.encode(session.render(messages, False))) >= tokens:
+            break
+    return messages
+
+
 def run_resume_bench(
     loaded: LoadedModel,
     text: str,
@@ -57,7 +72,7 @@ def run_resume_bench(
         loaded: the model.
         text: the long text the messages are cut from.
         backend: the decode path (`make_backend`); None: the engine's default.
-        history_tokens: play messages until the chat holds at least this many tokens.
+        history_tokens: the chat holds at least this many tokens.
         repeats: restores of each kind, taken in turns.
         engine_config: the cache (e.g. `--enable-streaming`), as `chatbot run` has it.
         progress: told what is being done.
@@ -70,13 +85,10 @@ def run_resume_bench(
         played = Path(tmp) / "played.safetensors"
         first = ChatSession(engine, config, loaded.template)
         first.keep_cache_in(KVStore(played, first.kv_identity))
-        for message in passages(text):
-            if len(first.all_ids) >= history_tokens:
-                break
-            say(f"playing the chat: {len(first.all_ids):,} of {history_tokens:,} tokens")
-            for _ in first.send(message):
-                pass
+        say(f"encoding a chat of {history_tokens:,} tokens")
+        first.restore({"messages": conversation(first, text, history_tokens)})
         assert first.kv_store is not None
+        first.kv_store.save(first.kv)
         first.kv_store.wait()
         saved, history, size = first.to_dict(loaded.name), len(first.all_ids), played.stat().st_size
         runs: dict[str, list[dict[str, float]]] = {"disk": [], "reencode": []}
