@@ -300,6 +300,67 @@ static void dot_q4_k_x8_i8(const uint8_t *tile, const Vec *v, int k, float *out)
     _mm256_storeu_ps(out, _mm256_sub_ps(acc, accm));
 }
 
+/* dot_q4_k_x8_i8 for B inputs at once (rows 8 g.. of the tile . v[t] into out[8 t..]): the
+ * weights' nibbles and the tile's scales unpacked once for all, each input's sums made in
+ * dot_q4_k_x8_i8's order (so each equals its result bit for bit). B a constant up to 4, so
+ * the sums stay in registers; dot_q4_k_x8_i8_multi takes any B in groups of 4. */
+static inline __attribute__((always_inline)) void dot_q4_k_x8_i8_b(const uint8_t *tile, const Vec *v, const int B, int k,
+                                                                   float *out) {
+    const int nb = k / QK_K;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256 acc[4], accm[4];
+    for (int t = 0; t < B; t++) acc[t] = accm[t] = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++, tile += 1152) {
+        TILE_PREFETCH(tile, 1152);
+        const K4Scales s = k4_tile_scales(tile);
+        const uint8_t *q = tile + 128;
+        __m256 sf[4];
+        for (int t = 0; t < B; t++) sf[t] = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            __m256i hA[4], hB[4];
+            for (int t = 0; t < B; t++) hA[t] = hB[t] = _mm256_setzero_si256();
+            for (int g = 0; g < 8; g++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(q + 32 * (8 * j + g)));
+                const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+                for (int t = 0; t < B; t++) {
+                    const int8_t *x = v[t].kc + (size_t)i * QK_K;
+                    const __m256i xa = bcast4(x + 4 * (16 * j + g)), xb = bcast4(x + 4 * (16 * j + g + 8));
+#ifdef X8_DPB256
+                    hA[t] = DPB256(hA[t], lo, xa);
+                    hB[t] = DPB256(hB[t], hi, xb);
+#else
+                    hA[t] = _mm256_add_epi16(hA[t], _mm256_maddubs_epi16(lo, xa));
+                    hB[t] = _mm256_add_epi16(hB[t], _mm256_maddubs_epi16(hi, xb));
+#endif
+                }
+            }
+            const __m256i a = k4_lane_byte(s.sc03, s.sc47, 2 * j), b = k4_lane_byte(s.sc03, s.sc47, 2 * j + 1);
+            for (int t = 0; t < B; t++) {
+#ifdef X8_DPB256
+                const __m256i S = _mm256_add_epi32(_mm256_mullo_epi32(hA[t], a), _mm256_mullo_epi32(hB[t], b));
+#else
+                const __m256i pa = _mm256_or_si256(a, _mm256_slli_epi32(a, 16)), pb = _mm256_or_si256(b, _mm256_slli_epi32(b, 16));
+                const __m256i S = _mm256_add_epi32(_mm256_madd_epi16(hA[t], pa), _mm256_madd_epi16(hB[t], pb));
+#endif
+                sf[t] = _mm256_add_ps(sf[t], _mm256_cvtepi32_ps(S));
+            }
+        }
+        for (int t = 0; t < B; t++) k4_tile_close(tile, v[t].kd[i], sf[t], &s, v[t].kbs + 8 * i, &acc[t], &accm[t]);
+    }
+    for (int t = 0; t < B; t++) _mm256_storeu_ps(out + 8 * t, _mm256_sub_ps(acc[t], accm[t]));
+}
+
+static void dot_q4_k_x8_i8_multi(const uint8_t *tile, const Vec *v, int B, int k, float *out) {
+    for (; B > 0; B -= 4, v += 4, out += 32) {
+        switch (B) {
+        case 1: dot_q4_k_x8_i8(tile, v, k, out); return;
+        case 2: dot_q4_k_x8_i8_b(tile, v, 2, k, out); return;
+        case 3: dot_q4_k_x8_i8_b(tile, v, 3, k, out); return;
+        default: dot_q4_k_x8_i8_b(tile, v, 4, k, out);
+        }
+    }
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 /* One 512-bit register holds 2 u32 of the tile (u, u + 1: 8 rows each), the inputs' expanded
  * bytes 64 at a time match them. Sums of 32 values per lane pair stay below 2^31:
