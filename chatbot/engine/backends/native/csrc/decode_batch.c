@@ -398,8 +398,11 @@ static void decode_batch_team(void *arg) {
 #ifdef CB_AVX2
     if (tiled(m->lm_head, &vec[lo])) {
         const Span tiles = team_share(V / X8);
-        for (int g = tiles.lo; g < tiles.hi; g++)
-            for (int t = 0; t < NL; t++) dot_tile(m->lm_head, g, &vec[lo + t], logits + (size_t)t * V + (size_t)g * X8);
+        for (int g = tiles.lo; g < tiles.hi; g++) {
+            float out[MAX_BATCH * X8];
+            dot_tile_multi(m->lm_head, g, &vec[lo], NL, out);
+            for (int t = 0; t < NL; t++) memcpy(logits + (size_t)t * V + (size_t)g * X8, out + t * X8, sizeof(float) * X8);
+        }
     } else
 #endif
     {

@@ -101,11 +101,7 @@ static void group_rows(const Group *g, int n, int unit, const Vec *v, int B, flo
     const Mat *m = &g->part[p];
 #ifdef CB_AVX2
     if (unit == X8 && tiled(m, v)) {
-        if (B > 1 && m->fmt == FMT_Q4_K && v[0].act == ACT_Q8) { /* the tile unpacked once for the B inputs */
-            dot_q4_k_x8_i8_multi((const uint8_t *)m->data + (size_t)(r / X8) * X8 * row_bytes(m), v, B, m->cols, s);
-            return;
-        }
-        for (int t = 0; t < B; t++) dot_tile(m, r / X8, &v[t], s + t * X8);
+        dot_tile_multi(m, r / X8, v, B, s);
         return;
     }
 #endif
