@@ -73,6 +73,34 @@ def test_decode_batch_equals_decode_alone_default_model(default_model):
     _check(default_model.model, "auto", steps=4)
 
 
+def rows_equal_steps(model, level: str, sizes=(2, 3, 5, 8, 9, 16)) -> None:
+    """`prefill_rows(every=True)` of k tokens (a speculative draft's verification) gives the
+    logits and cache of decoding them one by one, bit for bit, for each k in `sizes`, at 1
+    and 2 threads: the batched products for every batch size (grouped ones included)."""
+    decoder = FastDecoder(model, level)
+    ids = [(i * 7919) % 3000 + 10 for i in range(40)]
+    for threads in (1, 2):
+        decoder.threads = threads
+        for k in sizes:
+            rows, steps = decoder.new_cache(), decoder.new_cache()
+            for cache in (rows, steps):
+                decoder.prefill_rows(cache, ids[:16])
+                decoder.prefill_rows(cache, ids[16:20])
+            got = decoder.prefill_rows(rows, ids[20 : 20 + k], every=True)
+            want = torch.stack([decoder.decode(steps, t) for t in ids[20 : 20 + k]])
+            assert torch.equal(got, want), (threads, k)
+            after = decoder.decode(rows, 7), decoder.decode(steps, 7)
+            assert torch.equal(*after), (threads, k)
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_rows_of_every_size_equal_steps_default_model(default_model):
+    """The default model at `--opt auto`: Q4_1 layers with int8 inputs (the multi-input
+    product for 2..16 rows), the Q8_0 head with int16 ones."""
+    rows_equal_steps(default_model.model, "auto")
+
+
 @needs_kernels
 def test_worker_batches_concurrent_requests_with_the_answers_they_get_alone(tiny_model, tiny_tokenizer):
     """Requests sent at once generate together (batched steps) and get, token for token, the

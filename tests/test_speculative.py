@@ -22,6 +22,18 @@ from chatbot.engine.sampling import build_logits_processor
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+
+@pytest.fixture(autouse=True)
+def cheap_passes(monkeypatch):
+    """Passes priced by a fixed table (cheap: a draft always pays), not by this machine's
+    timings, so the drafts these tests check run whatever the load (the policy itself:
+    tests/test_draft_policy.py)."""
+    monkeypatch.setattr(speculative, "PRIOR_FIXED", 0.5)
+    monkeypatch.setattr(speculative, "PRIOR_ROW", 0.1)
+    monkeypatch.setattr(speculative.DraftPolicy, "step_took", lambda self, seconds: None)
+    monkeypatch.setattr(speculative.DraftPolicy, "pass_took", lambda self, rows, seconds: None)
+
+
 GREEDY = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=48)
 # Prompts whose greedy answers repeat them (the tiny model falls into loops the n-gram
 # lookup then predicts), and random ones where drafts are mostly rejected.

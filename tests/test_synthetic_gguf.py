@@ -335,6 +335,17 @@ def test_a_tiled_file_decodes_in_batches_as_alone_and_as_untiled(files, monkeypa
 
 
 @needs_kernels
+def test_a_tiled_files_rows_of_every_size_equal_steps(files):
+    """Q4_K tiles with int8 inputs (`--opt auto`): a verification pass of 2..16 rows (the
+    tile unpacked once for up to 4 inputs) gives each row's logits as decoding alone."""
+    from test_decode_batch import rows_equal_steps
+
+    from chatbot.models.loader import load_model
+
+    rows_equal_steps(load_model(str(files["qwen2"])).model, "auto")
+
+
+@needs_kernels
 def test_fast_decodes_the_files_own_blocks_with_int8_inputs(files):
     """`--opt fast`: the same matrices as `exact` and `auto` (the file's blocks, not
     repacked), inputs rounded to int8 (the products themselves are checked exactly in

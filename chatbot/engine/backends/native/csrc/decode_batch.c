@@ -145,6 +145,49 @@ CB_MULTI_FUNCS(q8_0_i16, block_q8_0, Q80_UNPACK)
 #undef CB_DECLARE
 #endif
 
+#ifdef CB_AVX2
+/* s[t] = row . v[t] for Q4_1 weights and int8 inputs (ACT_Q8, what --opt auto feeds the
+ * layers): dot_q4_1_q8's arithmetic for each input in its order, so each result equals it
+ * exactly; a block's weights are unpacked and its scales converted once for the B inputs, and
+ * the B chains of FMAs overlap (one row alone waits on each FMA's latency). Made for each B
+ * with B a constant (dot_q4_1_q8_multi), so the sums stay in registers. */
+static inline __attribute__((always_inline)) void dot_q4_1_q8_multi_(const block_q4_1 *b, const Vec *v, const int B,
+                                                                     int k, float *s) {
+    const int nb = k / QK;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256 acc[MAX_BATCH];
+    float ms[MAX_BATCH];
+    for (int t = 0; t < B; t++) acc[t] = _mm256_setzero_ps(), ms[t] = 0.0f;
+    for (int j = 0; j < nb; j++) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)b[j].qs);
+        const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4);
+        const float d = fp16_to_f32(b[j].d), mn = fp16_to_f32(b[j].m);
+        for (int t = 0; t < B; t++) {
+            const __m256i p = _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)(v[t].q + j * QK)));
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * v[t].qd[j]), sum_i16_pairs_ps(p), acc[t]);
+            ms[t] += mn * v[t].qs[j];
+        }
+    }
+    for (int t = 0; t < B; t++) s[t] = hsum256(acc[t]) + ms[t];
+}
+
+static void dot_q4_1_q8_multi(const block_q4_1 *b, const Vec *v, int B, int k, float *s) {
+    switch (B) {
+    case 1: s[0] = dot_q4_1_q8(b, v, k); return;
+    case 2: dot_q4_1_q8_multi_(b, v, 2, k, s); return;
+    case 3: dot_q4_1_q8_multi_(b, v, 3, k, s); return;
+    case 4: dot_q4_1_q8_multi_(b, v, 4, k, s); return;
+    case 5: dot_q4_1_q8_multi_(b, v, 5, k, s); return;
+    case 6: dot_q4_1_q8_multi_(b, v, 6, k, s); return;
+    case 7: dot_q4_1_q8_multi_(b, v, 7, k, s); return;
+    case 8: dot_q4_1_q8_multi_(b, v, 8, k, s); return;
+    default: /* 9..16: two halves, each with its sums in registers */
+        dot_q4_1_q8_multi_(b, v, 8, k, s);
+        dot_q4_1_q8_multi(b, v + 8, B - 8, k, s + 8);
+    }
+}
+#endif
+
 /* Whether dot_vec_multi takes m's rows in one pass for the B inputs v (then it needs
  * transpose_scales' numbers) */
 static inline int multi_pass(const Mat *m, const Vec *v) {
@@ -169,6 +212,10 @@ static void ready_multi(Vec *v, int B, const Mat *m, float *tq) {
 
 /* s[t] = row n of m . v[t] for the B inputs (all of one length and form); tq from ready_multi */
 static inline void dot_vec_multi(const Mat *m, int n, const Vec *v, int B, const float *tq, float *s) {
+    if (B == 1) { /* one input: the one-row product (what chatbot_decode runs) */
+        s[0] = dot_vec(m, n, v);
+        return;
+    }
 #if defined(__AVX512BW__) && defined(CB_AVX2)
     if (multi_pass(m, v)) {
         const char *row = (const char *)m->data + (size_t)n * row_bytes(m);
@@ -180,6 +227,12 @@ static inline void dot_vec_multi(const Mat *m, int n, const Vec *v, int B, const
     }
 #else
     (void)tq;
+#endif
+#ifdef CB_AVX2
+    if (B > 1 && m->fmt == FMT_Q4_1 && v[0].act == ACT_Q8 && !m->x8) {
+        dot_q4_1_q8_multi((const block_q4_1 *)((const char *)m->data + (size_t)n * row_bytes(m)), v, B, m->cols, s);
+        return;
+    }
 #endif
     for (int t = 0; t < B; t++) s[t] = dot_vec(m, n, &v[t]);
 }
@@ -345,8 +398,11 @@ static void decode_batch_team(void *arg) {
 #ifdef CB_AVX2
     if (tiled(m->lm_head, &vec[lo])) {
         const Span tiles = team_share(V / X8);
-        for (int g = tiles.lo; g < tiles.hi; g++)
-            for (int t = 0; t < NL; t++) dot_tile(m->lm_head, g, &vec[lo + t], logits + (size_t)t * V + (size_t)g * X8);
+        for (int g = tiles.lo; g < tiles.hi; g++) {
+            float out[MAX_BATCH * X8];
+            dot_tile_multi(m->lm_head, g, &vec[lo], NL, out);
+            for (int t = 0; t < NL; t++) memcpy(logits + (size_t)t * V + (size_t)g * X8, out + t * X8, sizeof(float) * X8);
+        }
     } else
 #endif
     {

@@ -101,7 +101,7 @@ static void group_rows(const Group *g, int n, int unit, const Vec *v, int B, flo
     const Mat *m = &g->part[p];
 #ifdef CB_AVX2
     if (unit == X8 && tiled(m, v)) {
-        for (int t = 0; t < B; t++) dot_tile(m, r / X8, &v[t], s + t * X8);
+        dot_tile_multi(m, r / X8, v, B, s);
         return;
     }
 #endif

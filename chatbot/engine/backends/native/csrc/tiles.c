@@ -300,6 +300,57 @@ static void dot_q4_k_x8_i8(const uint8_t *tile, const Vec *v, int k, float *out)
     _mm256_storeu_ps(out, _mm256_sub_ps(acc, accm));
 }
 
+/* dot_q4_k_x8_i8 for B inputs at once (rows 8 g.. of the tile . v[t] into out[8 t..]): the
+ * weights' nibbles and the tile's scales unpacked once for all, each input's sums made in
+ * dot_q4_k_x8_i8's order (so each equals its result bit for bit). B a constant up to 4, so
+ * the sums stay in registers; dot_tile_multi takes any B in groups of 4. */
+static inline __attribute__((always_inline)) void dot_q4_k_x8_i8_b(const uint8_t *tile, const Vec *v, const int B, int k,
+                                                                   float *out) {
+    const int nb = k / QK_K;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256 acc[4], accm[4];
+    for (int t = 0; t < B; t++) acc[t] = accm[t] = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++, tile += 1152) {
+        TILE_PREFETCH(tile, 1152);
+        const K4Scales s = k4_tile_scales(tile);
+        const uint8_t *q = tile + 128;
+        __m256 sf[4];
+        for (int t = 0; t < B; t++) sf[t] = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            __m256i hA[4], hB[4];
+            for (int t = 0; t < B; t++) hA[t] = hB[t] = _mm256_setzero_si256();
+            for (int g = 0; g < 8; g++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(q + 32 * (8 * j + g)));
+                const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+                for (int t = 0; t < B; t++) {
+                    const int8_t *x = v[t].kc + (size_t)i * QK_K;
+                    const __m256i xa = bcast4(x + 4 * (16 * j + g)), xb = bcast4(x + 4 * (16 * j + g + 8));
+#ifdef X8_DPB256
+                    hA[t] = DPB256(hA[t], lo, xa);
+                    hB[t] = DPB256(hB[t], hi, xb);
+#else
+                    hA[t] = _mm256_add_epi16(hA[t], _mm256_maddubs_epi16(lo, xa));
+                    hB[t] = _mm256_add_epi16(hB[t], _mm256_maddubs_epi16(hi, xb));
+#endif
+                }
+            }
+            const __m256i a = k4_lane_byte(s.sc03, s.sc47, 2 * j), b = k4_lane_byte(s.sc03, s.sc47, 2 * j + 1);
+            for (int t = 0; t < B; t++) {
+#ifdef X8_DPB256
+                const __m256i S = _mm256_add_epi32(_mm256_mullo_epi32(hA[t], a), _mm256_mullo_epi32(hB[t], b));
+#else
+                const __m256i pa = _mm256_or_si256(a, _mm256_slli_epi32(a, 16)), pb = _mm256_or_si256(b, _mm256_slli_epi32(b, 16));
+                const __m256i S = _mm256_add_epi32(_mm256_madd_epi16(hA[t], pa), _mm256_madd_epi16(hB[t], pb));
+#endif
+                sf[t] = _mm256_add_ps(sf[t], _mm256_cvtepi32_ps(S));
+            }
+        }
+        for (int t = 0; t < B; t++) k4_tile_close(tile, v[t].kd[i], sf[t], &s, v[t].kbs + 8 * i, &acc[t], &accm[t]);
+    }
+    for (int t = 0; t < B; t++) _mm256_storeu_ps(out + 8 * t, _mm256_sub_ps(acc[t], accm[t]));
+}
+
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 /* One 512-bit register holds 2 u32 of the tile (u, u + 1: 8 rows each), the inputs' expanded
  * bytes 64 at a time match them. Sums of 32 values per lane pair stay below 2^31:
@@ -401,6 +452,48 @@ static inline __attribute__((always_inline)) void dot_q6_k_x8_(const int i8, con
     _mm256_storeu_ps(out, acc);
 }
 
+/* dot_q6_k_x8_i8 for B inputs at once (out[8 t..]): the tile's 6-bit quants unpacked once
+ * for all, each input's sums in dot_q6_k_x8_'s order (bit for bit its result); B a constant
+ * up to 4, so the sums stay in registers. */
+static inline __attribute__((always_inline)) void dot_q6_k_x8_i8_b(const uint8_t *tile, const Vec *v, const int B, int k,
+                                                                   float *out) {
+    const int nb = k / QK_K;
+    const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m256 acc[4];
+    for (int t = 0; t < B; t++) acc[t] = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++, tile += 1680) {
+        TILE_PREFETCH(tile, 1680);
+        __m256 sf[4];
+        for (int t = 0; t < B; t++) sf[t] = _mm256_setzero_ps();
+        for (int n = 0; n < 2; n++)
+            for (int h = 0; h < 2; h++) {
+                __m512i th[4][4];
+                for (int t = 0; t < B; t++)
+                    for (int s = 0; s < 4; s++) th[t][s] = _mm512_setzero_si512();
+                for (int g = 4 * h; g < 4 * h + 4; g += 2) {
+                    __m512i q[4];
+                    k6_tile_quants(tile, n, g, q);
+                    for (int t = 0; t < B; t++) {
+                        const int8_t *xc = v[t].kc + (size_t)i * QK_K;
+                        for (int s = 0; s < 4; s++)
+                            th[t][s] = dpbt(th[t][s], q[s], x8_halves(xc + 4 * (32 * n + 8 * s + g), halves));
+                    }
+                }
+                for (int t = 0; t < B; t++)
+                    for (int s = 0; s < 4; s++) {
+                        const int b = 8 * n + 2 * s + h;
+                        const __m256i T = _mm256_sub_epi32(fold8(th[t][s]), _mm256_set1_epi32(32 * v[t].ks16[16 * i + b]));
+                        sf[t] = _mm256_fmadd_ps(k6_tile_scale(tile, b), _mm256_cvtepi32_ps(T), sf[t]);
+                    }
+            }
+        for (int t = 0; t < B; t++)
+            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tile)), _mm256_set1_ps(v[t].kd[i])),
+                                     sf[t], acc[t]);
+    }
+    for (int t = 0; t < B; t++) _mm256_storeu_ps(out + 8 * t, acc[t]);
+}
+#define CB_Q6_MULTI 1
+
 #else
 /* The 6-bit quants (0..63) of a Q6_K tile's values 128 n + 32 s + 16 h + (0..15) in q[s], one
  * u32 of 8 rows at u32 g (h = g / 4), for the tile products below */
@@ -485,6 +578,40 @@ static inline void dot_tile(const Mat *m, int g, const Vec *v, float *out) {
         (i8 ? dot_q6_k_x8_i8 : dot_q6_k_x8)(tile, v, m->cols, out);
 }
 #endif
+
+/* rows 8 g .. 8 g + 7 of m (in tiles) . v[t] into out[8 t ..] for B inputs of one form: the
+ * int8 products of Q4_K (and Q6_K with AVX-512 VNNI) with the tile unpacked once for up to 4
+ * inputs, each result dot_tile's bit for bit */
+static void dot_tile_multi(const Mat *m, int g, const Vec *v, int B, float *out) {
+    const uint8_t *tile = (const uint8_t *)m->data + (size_t)g * X8 * row_bytes(m);
+    const int q6 = m->fmt == FMT_Q6_K;
+    int shared = B > 1 && v[0].act == ACT_Q8;
+#ifndef CB_Q6_MULTI
+    shared = shared && !q6;
+#endif
+    if (shared) {
+        for (; B > 0; B -= 4, v += 4, out += 32) {
+            const int n = B < 4 ? B : 4;
+            if (n == 1) {
+                dot_tile(m, g, v, out);
+                return;
+            }
+#ifdef CB_Q6_MULTI
+            if (q6) {
+                if (n == 2) dot_q6_k_x8_i8_b(tile, v, 2, m->cols, out);
+                else if (n == 3) dot_q6_k_x8_i8_b(tile, v, 3, m->cols, out);
+                else dot_q6_k_x8_i8_b(tile, v, 4, m->cols, out);
+                continue;
+            }
+#endif
+            if (n == 2) dot_q4_k_x8_i8_b(tile, v, 2, m->cols, out);
+            else if (n == 3) dot_q4_k_x8_i8_b(tile, v, 3, m->cols, out);
+            else dot_q4_k_x8_i8_b(tile, v, 4, m->cols, out);
+        }
+        return;
+    }
+    for (int t = 0; t < B; t++) dot_tile(m, g, &v[t], out + 8 * t);
+}
 
 /* 1 where this build's product of `fmt` (its 8-row tiles with `x8`) takes int8 inputs
  * (ACT_Q8) in fewer instructions than int16 ones: the AVX2 products of Q4_1 and the tile
