@@ -93,6 +93,7 @@ SERVE_OWN_HELP = {
     "enable_streaming",
     "api_key_env",
     "think_budget",
+    "draft",
 }
 
 

@@ -71,14 +71,13 @@ def test_sessions_says_what_the_store_holds_and_prune_empties_it(
 ):
     from helpers import cli
 
-    first, path, kv_file = _first(tiny_model, tiny_tokenizer, tmp_path / "logs")
-    first.session._before_forward()  # the shared start's file written too
-    size = sum(f.stat().st_size for f in kv_dir().iterdir())  # the chat's and the start's
+    _, path, kv_file = _first(tiny_model, tiny_tokenizer, tmp_path / "logs")
+    size = kv_file.stat().st_size
     code, out, _ = cli(capsys, "sessions")
     assert code in (0, None)
-    assert f"disk cache: 2 files, {size / 1e6:,.1f} MB in {kv_dir()}" in out.replace("\n", " "), out
+    assert f"disk cache: 1 file, {size / 1e6:,.1f} MB in {kv_dir()}" in out.replace("\n", " "), out
     code, out, _ = cli(capsys, "sessions", "--prune")
-    assert code in (0, None) and f"removed 2 cache files ({size / 1e6:,.1f} MB)" in out, out
+    assert code in (0, None) and f"removed 1 cache file ({size / 1e6:,.1f} MB)" in out, out
     assert not kv_file.exists() and path.exists()  # the log stays
     code, out, _ = cli(capsys, "doctor", "--no-load")
     assert "kv cache: 0 files, 0.0 MB" in out, out
@@ -385,31 +384,6 @@ def test_bench_resume_times_the_disk_cache_against_re_encoding(
     assert len(disk["runs_s"]) == len(again["runs_s"]) == 2
     assert result["bytes_per_1k_tokens"] * history // 1000 <= result["file_bytes"]
     assert f"--resume of a chat of {history:,} tokens" in stdout and "sooner from the disk cache" in stdout
-
-
-def test_a_new_chat_takes_its_system_prompt_from_the_chat_before(tiny_model, tiny_tokenizer, tmp_path):
-    """The start new chats of a model, template and system prompt share is kept once: the
-    next chat's first answer prefills only its message (the cache checked against a full
-    recompute after each line), and answers as a chat that encoded it all; a chat with another
-    system prompt takes nothing from it."""
-    system = "You are a careful assistant. Answer in one short sentence. " * 8
-    first = Chat(tiny_model, tiny_tokenizer, tmp_path / "a", system=system)
-    first.lines("Hello there!")
-    first.session.kv_store.wait()
-    first.session._before_forward()  # the start's file written
-    (start,) = kv_dir().glob("prefix-*" + ".safetensors")
-    second = Chat(tiny_model, tiny_tokenizer, tmp_path / "b", system=system)
-    second.lines("How are you today?")
-    turn = second.session.turns[0]
-    alone = Chat(tiny_model, tiny_tokenizer, None, system=system)  # no log: no file
-    alone.lines("How are you today?")
-    whole = alone.session.turns[0].stats.context_tokens  # the whole prompt
-    assert turn.stats.context_tokens < whole - len(second.session.encode(system))
-    assert alone.session.turns[0].answer == turn.answer
-    other = Chat(tiny_model, tiny_tokenizer, tmp_path / "c", system="Be brief.")
-    other.lines("How are you today?")
-    assert other.session.turns[0].stats.context_tokens >= len(other.session.encode("Be brief."))
-    assert start.is_file() and len(list(kv_dir().glob("prefix-*"))) == 2  # its own start
 
 
 def test_load_of_a_saved_chat_takes_its_history_from_the_cache_save_kept(

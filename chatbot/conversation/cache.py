@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 from chatbot.conversation.alignment import Segment
 from chatbot.engine.cache.sinks import streaming_window
 from chatbot.engine.cache.tracked import CacheLayout, TrackedCache
-from chatbot.engine.seq import common_prefix
 from chatbot.errors import ChatbotError
 
 if TYPE_CHECKING:
@@ -75,12 +74,8 @@ class ConversationCache:
     _model_identity: str | None
     _resuming: bool
     _longest: int | None = None  # `_longest_token`
-    prefix_donor: Callable[[TrackedCache, list[int]], int] | None
-    _keeps_start = False  # `keep_start`
-    _start_store: KVStore | None = None  # its file, as last used
     _saved_store: KVStore | None = None  # the cache of the last /save, being written
     _resume_from: KVStore | None = None  # the next restore's file where not `kv_store` (/load)
-    _start_taken = 0  # ids the cache took from it
 
     @property
     def all_ids(self) -> list[int]:
@@ -196,7 +191,7 @@ class ConversationCache:
     def _before_forward(self) -> None:
         """Wait for the cache's write to disk (if one is under way) before a forward pass
         writes into the cache it reads."""
-        for store in (self.kv_store, self._start_store, self._saved_store):
+        for store in (self.kv_store, self._saved_store):
             if store is not None:
                 store.wait()
 
@@ -307,50 +302,10 @@ class ConversationCache:
     # -- the cache on disk -------------------------------------------------------------------
 
     def keep_cache_for(self, session_id: str, resuming: bool = False) -> None:
-        """`Chat.keep_cache_for`: a file of `chatbot.conversation.kvstore` beside the log, and
-        the start new chats of this model, template and system prompt share (`keep_start`)."""
+        """`Chat.keep_cache_for`: a file of `chatbot.conversation.kvstore` beside the log."""
         from chatbot.conversation.kvstore import SUFFIX, KVStore, kv_dir
 
         self.keep_cache_in(KVStore(kv_dir() / (session_id + SUFFIX), self.kv_identity), resuming)
-        self.keep_start()
-
-    def keep_start(self) -> None:
-        """An empty growing cache takes the keys and values of its first ids from the file of
-        the start that chats of this model, template and system prompt share (the template's
-        opening and the system prompt), where an earlier chat wrote it, so the first answer
-        skips their prefill; the first turn that finds none (or a shorter one) writes it."""
-        if self.kv.is_bounded or self.prefix_donor is not None:
-            return
-
-        def donor(kv: TrackedCache, ids: list[int]) -> int:
-            self._start_taken, _ = self._start_file().load(kv, ids, self.engine.device)
-            return self._start_taken
-
-        self.prefix_donor = donor
-        self._keeps_start = True
-
-    def _start_file(self) -> KVStore:
-        """The shared start's file for the chat as it is now (its system prompt may change)."""
-        from chatbot.conversation.kvstore import KVStore, prefix_path
-
-        if self._start_store is not None:
-            self._start_store.wait()
-        self._start_store = KVStore(prefix_path(self.kv_identity()), self.kv_identity)
-        return self._start_store
-
-    def _keep_start_after(self, turn_index: int) -> None:
-        """After a chat's first turn: write its start to the shared file where the cache did
-        not take it whole from there (the ids before the first message's text)."""
-        if not self._keeps_start or turn_index != 0 or self.kv.is_bounded or self.kv.evicted_total:
-            return
-        first = self.turns[0]
-        text = "".join(s.text for s in self.segments)
-        at = text.find(first.user) if first.user else -1
-        if at <= 0:
-            return
-        n = common_prefix(self.kv.seen, self.encode(text[:at]))
-        if n >= 8 and n > self._start_taken:
-            self._start_file().save(self.kv, upto=n)
 
     def keep_saved_cache(self, data: dict[str, Any]) -> None:
         from chatbot.conversation.kvstore import KVStore, saved_path

@@ -92,13 +92,6 @@ def describe_store() -> str:
     )
 
 
-def prefix_path(identity: dict[str, str]) -> Path:
-    """The file of the start that new chats made with `identity` share (the template's
-    opening and the system prompt), in the store."""
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
-    return kv_dir() / f"prefix-{digest}{SUFFIX}"
-
-
 def saved_path(data: dict[str, Any]) -> Path:
     """The file of a saved chat's cache (/save, /load), named by its conversation: the
     system prompt and the messages."""
@@ -208,17 +201,16 @@ class KVStore:
         self._writer: threading.Thread | None = None
         self.last_error: str | None = None  # why the last write failed (None: it did not)
 
-    def save(self, kv: TrackedCache, upto: int | None = None) -> bool:
+    def save(self, kv: TrackedCache) -> bool:
         """Write the cache in the background (after any earlier write): the layers' tensors
         are taken now as views, copied and written by a thread. The caller runs no forward
-        pass on the cache (which may write over the positions viewed) before `wait`. With
-        `upto`, only the first `upto` ids (of a cache that evicted nothing).
+        pass on the cache (which may write over the positions viewed) before `wait`.
 
         Returns:
             False, writing nothing, for a cache that cannot be kept (see `_layers`).
         """
         layers = _layers(kv)
-        if layers is None or not kv.ids or (upto is not None and kv.evicted_total):
+        if layers is None or not kv.ids:
             return False
         n = len(kv.ids)
         views: dict[str, torch.Tensor] = {}
@@ -226,16 +218,13 @@ class KVStore:
             if layer.keys is None or layer.values is None or layer.keys.shape[-2] != n:
                 return False
             views[f"k.{i}"], views[f"v.{i}"] = layer.keys.detach(), layer.values.detach()
-        if upto is not None and upto < n:
-            n = max(1, upto)
-            views = {name: t[:, :, :n] for name, t in views.items()}
         header = json.dumps(
             {
                 **self.identity(),
                 "version": FORMAT_VERSION,
                 "dtype": str(views["k.0"].dtype),
-                "ids": kv.seen[:n] if upto is not None else kv.seen,  # what it took in, evicted ids too
-                "held": kv.ids[:n],
+                "ids": kv.seen,  # what the cache took in, evicted ids too
+                "held": kv.ids,
                 "pinned": kv.pinned,
             }
         )

@@ -272,8 +272,6 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
                 )
                 if self.kv_store is not None:
                     self.kv_store.save(self.kv)
-                if resume is None:
-                    self._keep_start_after(len(self.turns) - 1)
 
     def _generate(
         self, new_ids: list[int], sampling: SamplingConfig, stop: Any, budget: ThinkingBudget | None

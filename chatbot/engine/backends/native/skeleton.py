@@ -197,7 +197,7 @@ def causal_mask(cache: Cache | None, q_length: int, device: torch.device) -> tor
         return None
     q_offset = cache.get_query_offset(0)
     kv_length, kv_offset = cache.get_mask_sizes(q_length, 0)
-    skip = not (getattr(cache, "is_compileable", False) and q_length == 1)
+    skip = not (cache.is_compileable and q_length == 1)
     if skip and (q_length == 1 or kv_length == q_length):
         return None
     q_arange = torch.arange(q_length, device=device) + q_offset
