@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.padding import Padding
 from rich.text import Text
 
-from chatbot.conversation.kvstore import SUFFIX, describe_store, kv_dir, prune, store_usage
+from chatbot.conversation.kvstore import SUFFIX, kv_dir, prune, store_cap, store_usage
 from chatbot.conversation.log import SessionInfo, list_sessions, sessions_dir
 from chatbot.terminal.sanitize import safe_text
 from chatbot.wording import counted
@@ -76,8 +76,13 @@ def print_sessions(console: Console, limit: int = 20, directory: Path | None = N
 
 
 def store_line() -> str:
-    """What the chats' KV caches on disk hold, where, under which cap, and how to clear them."""
-    return "disk cache: " + describe_store().replace(str(kv_dir()), short_path(kv_dir()), 1)
+    """What the chats' KV caches on disk hold, under which cap, and how to clear them (its
+    folder, a path no narrow screen can keep whole, is `chatbot doctor`'s to say)."""
+    files, size = store_usage()
+    return (
+        f"disk cache: {counted(files, 'file')}, {size / 1e6:,.1f} MB (cap {store_cap() / 2**30:g} GiB; "
+        "chatbot sessions --prune empties it, the logs stay; chatbot doctor says where)"
+    )
 
 
 def prune_store(console: Console) -> None:
