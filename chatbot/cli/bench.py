@@ -18,6 +18,7 @@ from chatbot.cli.options import (
     DtypeOpt,
     JsonOpt,
     ModelOpt,
+    OptOpt,
     TextOpt,
     ThreadsOpt,
     check_opt,
@@ -233,9 +234,7 @@ def bench_resume(
     recent_size: Annotated[
         int | None, typer.Option(help="The recent window with --enable-streaming.", min=1)
     ] = None,
-    opt: Annotated[
-        str, typer.Option("--opt", help="Decode path, as for chatbot run.", callback=check_opt)
-    ] = "auto",
+    opt: OptOpt = "auto",
     text: TextOpt = None,
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
