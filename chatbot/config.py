@@ -118,7 +118,7 @@ class SamplingConfig:
     seed: int | None = default("seed")
     think: str | None = default("think")  # None: the model's own default
     think_budget: int | None = default("think_budget")  # None: no limit
-    draft: str = default("draft")  # "ngram": speculative decoding by n-gram lookup
+    draft: str = default("draft")  # "ngram" (n-gram lookup), "model" (the draft model): speculation
     draft_tokens: int = default("draft_tokens")
     stream_interval: int = default("stream_interval")
     unset: frozenset[str] = frozenset()
@@ -289,10 +289,12 @@ class LoadConfig:
     revision: str | None = None
     trust_remote_code: bool = False
     template: str | None = "auto"
+    draft_model: str | None = None  # `--draft FILE`: a small model that guesses (speculation)
 
     def options(self) -> dict[str, Any]:
         """The keyword arguments of `load_model` besides the source."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "model"}
+        mine = ("model", "draft_model")
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in mine}
 
 
 @dataclass

@@ -212,11 +212,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "draft", str, "sampling", "off",
         "Speculative decoding: ngram drafts the next tokens from the conversation (prompt lookup, "
-        "no second model) and checks them in one pass; the same answer, faster where it repeats "
-        "its input.",
-        Choice(("ngram", "off")),
+        "no second model), FILE or a hub id loads a small model of the same vocabulary that "
+        "guesses them (then: model); the guesses are checked in one pass: the same answer, "
+        "faster where they are right.",
+        Choice(("ngram", "model", "off")),
         aliases=("speculative",), preset="sampling.draft", request="draft", extra=True,
-        serve="Speculative decoding for requests that do not choose (ngram or off).",
+        serve="Speculative decoding for requests that do not choose (ngram, off, or a draft model's "
+        "FILE or hub id: then model).",
         brief="draft {}", brief_off="off",
     ),
     Setting(

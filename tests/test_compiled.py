@@ -131,7 +131,7 @@ def test_logits_equal_eager_over_220_steps_with_evictions(model_and_tok):
         gen = torch.Generator().manual_seed(0)
         for _ in range(220):
             token = int(torch.multinomial(torch.softmax(le, -1), 1, generator=gen))
-            le, lc = eager._step(kv_e, token), compiled._step(kv_c, token)
+            le, lc = eager.step(kv_e, token), compiled.step(kv_c, token)
             worst = max(worst, (le - lc).abs().max().item())
     assert kv_c.evicted_total == kv_e.evicted_total > 100
     assert kv_c.ids == kv_e.ids

@@ -283,8 +283,9 @@ def test_the_setting_and_the_stats_line():
 
     assert SamplingConfig().draft == "off"
     assert SamplingConfig().with_value("draft", "NGRAM").draft == "ngram"
-    with pytest.raises(ConfigError, match="draft must be one of ngram, off"):
-        SamplingConfig().with_value("draft", "model")
+    assert SamplingConfig().with_value("draft", "model").draft == "model"  # --draft FILE's
+    with pytest.raises(ConfigError, match="draft must be one of ngram, model, off"):
+        SamplingConfig().with_value("draft", "a.gguf")
     with pytest.raises(ConfigError, match="draft_tokens"):
         SamplingConfig().with_value("draft_tokens", 16)
     stats = TurnStats(generated_tokens=20, draft_tokens=10, draft_accepted=7, token_latencies_s=[0.01] * 19)

@@ -20,9 +20,11 @@ from chatbot.cli.bench import bench_app, eval_ppl
 from chatbot.cli.help import HelpGroup
 from chatbot.cli.hub import models, pull, rm
 from chatbot.cli.load import (
+    attach_draft,
     banner_line,
     check_threads,
     context_note,
+    draft_sampling,
     exit_if_failed,
     fetch_hub_gguf,
     in_background,
@@ -284,11 +286,14 @@ def _make_chat(settings: Any, opt: str, threads: int | None, banner: bool, quiet
 
     loaded = load_with_status(settings.load.model, quiet=quiet, **settings.load.options())
     check_template(loaded.tokenizer, settings.system, loaded.name)
-    sampling = sampling_from_model(loaded.model, **settings.sampling.given())
     backend, backend_note = make_backend(loaded.model, opt)
     engine = make_engine(loaded, settings.engine, backend)
+    draft_note = attach_draft(engine, settings.load, opt, quiet)
+    sampling = sampling_from_model(loaded.model, **settings.sampling.given())
+    sampling, no_draft = draft_sampling(engine, sampling)
     session = ChatSession(engine, settings.chat_config(sampling), loaded.template)
     notes = [backend_note, context_note(loaded, settings.engine), streaming_note(engine, settings.engine)]
+    notes += [draft_note, no_draft]
     shown = [*loaded.notes, *filter(None, notes)]
     if banner:
         shown.append(banner_line(loaded, engine, opt))

@@ -101,6 +101,11 @@ def resolve_cli_settings(ctx: typer.Context, preset: str | None, config: Path | 
         flags["temperature"] = 0.0
         given.add("temperature")
         typed.add("temperature")
+    flags["draft"], draft_model = split_draft(flags.get("draft"))
+    if draft_model is not None:
+        check_draft(draft_model)
+        flags["draft_model"] = draft_model
+        given.add("draft_model")
     settings = resolve_settings(chosen, flags, given)
     if ctx.params.get("resume") is not None and ctx.params.get("server") is None:
         settings = _resumed(settings, ctx.params["resume"], typed)
@@ -243,3 +248,70 @@ def fetch_hub_gguf(config: RunConfig) -> RunConfig:
         return config
     path = resolve(ref, config.load.revision)
     return replace(config, load=replace(config.load, model=str(path), revision=None))
+
+
+DRAFT_WORDS = ("ngram", "model", "off")
+
+
+def split_draft(value: Any) -> tuple[Any, str | None]:
+    """--draft's value as (the setting's word, the draft model to load): anything but one of
+    `DRAFT_WORDS` names a draft model (a file, a folder, a hub id), and the word is then
+    "model"."""
+    if value is None or str(value).strip().lower() in DRAFT_WORDS:
+        return value, None
+    return "model", str(value)
+
+
+def check_draft(ref: str) -> None:
+    """A draft model's file or folder checked before any load, as `--model`'s is.
+
+    Raises:
+        ConfigError: one line naming --draft and what is wrong.
+    """
+    from chatbot.errors import ModelLoadError
+    from chatbot.models.source import check_source
+
+    try:
+        check_source(ref, tables=False)
+    except ModelLoadError as e:
+        raise ConfigError(f"--draft {ref}: {e}") from e
+
+
+def attach_draft(engine: Engine, load: Any, opt: str, quiet: bool = False) -> str | None:
+    """Load `load.draft_model` (`--draft FILE`) on a backend of its own, check that it has
+    the model's vocabulary, and give it to `engine`; the line that says so (None: none given).
+
+    Raises:
+        ConfigError: its tokenizer is another vocabulary (one line, naming the difference).
+        ModelLoadError: it does not load (as `--model` would say).
+    """
+    if not load.draft_model:
+        return None
+    from chatbot.engine.draft_model import DraftModel, VocabularyMismatch, check_vocabulary
+    from chatbot.engine.generate import Engine
+    from chatbot.models.hub import parse_ref, resolve
+
+    ref = load.draft_model
+    hub = parse_ref(ref)
+    if hub is not None and not Path(ref).exists():
+        ref = str(resolve(hub, None))  # a hub GGUF, downloaded as --model's is
+    draft = load_with_status(ref, load.device, load.dtype, quiet=quiet, template="auto")
+    try:
+        check_vocabulary(engine.tokenizer, draft.tokenizer)
+    except VocabularyMismatch as e:
+        raise ConfigError(f"--draft {load.draft_model}: {e}; a draft needs the model's tokenizer") from e
+    backend, _ = make_backend(draft.model, opt)
+    draft_engine = Engine(draft.model, draft.tokenizer, max_context=engine.max_context, backend=backend)
+    engine.draft_model = DraftModel(draft_engine, draft.name)
+    return f"draft model: {draft.name} ({draft.describe()['parameters']}), guesses checked in one pass"
+
+
+def draft_sampling(engine: Engine, sampling: Any) -> tuple[Any, str | None]:
+    """`sampling` with `draft model` turned off where no draft model is loaded (a preset or a
+    resumed chat asked for one), and the note that says so."""
+    if sampling.draft != "model" or engine.draft_model is not None:
+        return sampling, None
+    from dataclasses import replace
+
+    note = "note: draft model: none is loaded (--draft FILE or hub id), so drafting is off"
+    return replace(sampling, draft="off"), note

@@ -13,11 +13,15 @@ from typing import Any
 from rich.console import Console
 
 from chatbot.cli.load import (
+    attach_draft,
+    check_draft,
     context_note,
+    draft_sampling,
     load_with_status,
     make_backend,
     make_engine,
     set_threads,
+    split_draft,
     streaming_note,
 )
 from chatbot.config import EngineConfig, LoadConfig, SamplingConfig
@@ -118,6 +122,10 @@ def serve_model(
     Raises:
         ConfigError: a bad flag or preset.
     """
+    overrides["draft"], draft_model = split_draft(overrides.get("draft"))
+    if draft_model is not None:
+        check_draft(draft_model)
+        load = dataclasses.replace(load, draft_model=draft_model)
     SamplingConfig(**{k: v for k, v in overrides.items() if v is not None}).validated()
     from chatbot.models.presets import select_preset
 
@@ -168,9 +176,10 @@ def _load_and_serve(
     loaded = load_with_status(
         load.model, load.device, load.dtype, template=load.template, trust_remote_code=load.trust_remote_code
     )
-    sampling = server_sampling(loaded.model, preset_sampling, **overrides)
     backend, backend_note = make_backend(loaded.model, opt)
     engine = make_engine(loaded, engine_config, backend)
+    draft_note = attach_draft(engine, load, opt)
+    sampling, no_draft = draft_sampling(engine, server_sampling(loaded.model, preset_sampling, **overrides))
     kept = listen.cache_conversations if listen.prefix_cache else 0
     pool = PrefixCachePool(
         engine,
@@ -193,6 +202,7 @@ def _load_and_serve(
         slot_folder=listen.slot_save_path,
     )
     notes = [backend_note, context_note(loaded, engine_config), streaming_note(engine, engine_config)]
+    notes += [draft_note, no_draft]
     _announce(name, listen, [*loaded.notes, *filter(None, notes)], application.state.worker.describe())
     run_server(application, sockets, log_level=listen.log_level)
 

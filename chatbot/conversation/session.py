@@ -62,7 +62,7 @@ from chatbot.engine.sampling import (
 )
 from chatbot.engine.stats import TurnStats, merge_stats, stats_from_arrivals, summarize
 from chatbot.engine.stop_criteria import stop_checks
-from chatbot.errors import ChatbotError
+from chatbot.errors import ChatbotError, ConfigError
 from chatbot.models.templates import TemplateInfo, answer_stops, thinking_kwargs, thinking_switch
 
 ProgressCallback = Callable[[int, int], None]  # (tokens done, tokens in all)
@@ -485,6 +485,8 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
         yield from self._answer(turn.user, None, sampling, resume=turn, extend=True)
 
     def _check_sampling(self, sampling: SamplingConfig) -> None:
+        if sampling.draft == "model" and self.engine.draft_model is None:
+            raise ConfigError("draft model: none is loaded (start with --draft FILE or hub id)")
         fmt = sampling.output_format
         if fmt is not None and fmt != self.sampling.output_format:
             from chatbot.engine.grammar import compiled  # imported only when a format is asked for

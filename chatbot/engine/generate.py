@@ -33,8 +33,9 @@ from chatbot.engine.cache.sinks import SinkCache
 from chatbot.engine.cache.tracked import TrackedCache
 from chatbot.engine.chunk import GenerationChunk
 from chatbot.engine.detokenize import IncrementalDetokenizer
+from chatbot.engine.draft_model import DraftModel, ModelDrafter
 from chatbot.engine.sampling import Sampler, build_logits_processor
-from chatbot.engine.speculative import NgramDrafter, draft_token_steps
+from chatbot.engine.speculative import Drafter, NgramDrafter, draft_token_steps
 from chatbot.engine.stats import TurnStats, peak_memory_bytes, synchronize
 from chatbot.engine.stop_criteria import StopOnStrings
 
@@ -98,11 +99,14 @@ class Engine:
         trained = getattr(model.config, "max_position_embeddings", None) or 2048
         self.max_context = max_context or trained
         self.special_ids = special_ids(tokenizer)
+        self.draft_model: DraftModel | None = None  # `--draft MODEL`: guesses checked in a pass
 
     def with_backend(self, backend: Backend) -> Engine:
         """This engine's model, tokenizer and context on another backend (e.g. a server's
         batched one); this engine is unchanged."""
-        return Engine(self.model, self.tokenizer, self.max_context, backend=backend)
+        engine = Engine(self.model, self.tokenizer, self.max_context, backend=backend)
+        engine.draft_model = self.draft_model
+        return engine
 
     @property
     def compiled(self) -> bool:
@@ -168,7 +172,7 @@ class Engine:
         pinned = kv.pinned
         with torch.inference_mode():
             logits = self.prefill(kv, [int(token)])
-            self._step(kv, int(token))
+            self.step(kv, int(token))
             if sampling is not None:
                 with self.backend.device_sampling() as sampler:
                     if sampler is not None:
@@ -188,7 +192,7 @@ class Engine:
         kv.feed(ids)
         return logits
 
-    def _step(self, kv: TrackedCache, token: int) -> torch.Tensor:
+    def step(self, kv: TrackedCache, token: int) -> torch.Tensor:
         """Feed one answer token after making room for it; the logits after it."""
         kv.evict_for(1)
         logits = self.backend.step(kv.cache, token)
@@ -347,13 +351,19 @@ class Engine:
         insert: TokenInserter | None,
         stats: TurnStats,
     ) -> Generator[tuple[int, torch.Tensor], None, str]:
-        """The answer's tokens chosen on the host: n-gram drafts verified a pass at a time
-        with `sampling.draft` (not under a grammar, whose state a rejected draft would have
-        to undo, nor with an inserter), else one step per token."""
-        step = lambda token: self._step(kv, token)
-        if sampling.draft != "ngram" or sampler.constraint is not None or insert is not None:
+        """The answer's tokens chosen on the host: n-gram or draft-model guesses verified a
+        pass at a time with `sampling.draft` (not under a grammar, whose state a rejected
+        draft would have to undo, nor with an inserter), else one step per token."""
+        step = lambda token: self.step(kv, token)
+        drafter: Drafter | None = None
+        if sampler.constraint is None and insert is None:
+            if sampling.draft == "ngram":
+                drafter = NgramDrafter(context, sampling.draft_tokens)
+            elif sampling.draft == "model" and self.draft_model is not None:
+                width = logits.shape[-1]
+                drafter = ModelDrafter(self.draft_model, kv, context, sampling.draft_tokens, width)
+        if drafter is None:
             return token_steps(step, kv, logits, sampler, insert)
-        drafter = NgramDrafter(context, sampling.draft_tokens)
         verify = lambda ids: self._feed_every(kv, ids)
         return draft_token_steps(verify, step, kv, logits, sampler, drafter, stats,
                                  sampling.max_new_tokens)  # fmt: skip

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Sequence
+from typing import Protocol
 
 import torch
 
@@ -110,6 +111,10 @@ class DraftPolicy:
             slope = sum((k - mean_k) * (c - mean_c) for k, c in ratios.items()) / spread
         return max(mean_c + max(slope, 0.05) * (rows - mean_k), 1e-3)
 
+    def drafting(self, tokens: int) -> float:
+        """What guessing `tokens` tokens costs, in plain steps (a lookup: nothing)."""
+        return 0.0
+
     def length(self, limit: int) -> int:
         """The draft length with the most tokens per unit of time, up to `limit`; 0 when no
         length beats plain decoding by `MIN_GAIN`."""
@@ -118,7 +123,7 @@ class DraftPolicy:
         for d in range(1, limit + 1):
             power *= a
             tokens += power
-            gain = tokens / max(self.cost(d + 1), 1e-9)
+            gain = tokens / max(self.cost(d + 1) + self.drafting(d), 1e-9)
             if gain > best_gain:
                 best, best_gain = d, gain
         return best
@@ -212,6 +217,16 @@ class NgramDrafter:
         self.policy.observe(proposed, kept)
 
 
+class Drafter(Protocol):
+    """What proposes drafts: `NgramDrafter`, `chatbot.engine.draft_model.ModelDrafter`."""
+
+    @property
+    def policy(self) -> DraftPolicy: ...
+    def propose(self, limit: int) -> list[int]: ...
+    def extend(self, ids: Sequence[int]) -> None: ...
+    def rejected(self, proposed: int, kept: int) -> None: ...
+
+
 Verify = Callable[[Sequence[int]], torch.Tensor]
 """Feed ids into the cache in one pass (it has room); the logits after each ``[n, vocab]``."""
 
@@ -222,7 +237,7 @@ def draft_token_steps(
     kv: TrackedCache,
     logits: torch.Tensor,
     sampler: Sampler,
-    drafter: NgramDrafter,
+    drafter: Drafter,
     stats: TurnStats,
     max_new_tokens: int,
 ) -> Generator[tuple[int, torch.Tensor], None, str]:

@@ -38,9 +38,9 @@ from chatbot.settings import Choice, preset_section
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
-# Every setting a preset or a flag can give (the prefill chunk is a flag of `run` only); the
-# built-in defaults are those of RunConfig's dataclasses.
-PRESET_SETTINGS = tuple(name for name in RunConfig.setting_names() if name != "prefill_chunk")
+# Every setting a preset or a flag can give (the prefill chunk is a flag of `run` only, the
+# draft model the value of its --draft); the built-in defaults are those of RunConfig's dataclasses.
+PRESET_SETTINGS = tuple(n for n in RunConfig.setting_names() if n not in ("prefill_chunk", "draft_model"))
 SAMPLING_KEYS = tuple(preset_section("sampling"))
 _TOP_KEYS = (
     "description",
