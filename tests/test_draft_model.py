@@ -224,3 +224,30 @@ def test_bad_draft_models_are_refused_in_one_line(tmp_path):
     chat = _cli("--max-new-tokens", "4", stdin="/set draft model\nHi\n")
     assert chat.returncode == 0, chat.stderr
     assert "draft model: none is loaded" in chat.stderr and chat.stdout.strip()  # the chat went on
+
+
+def test_serve_with_a_draft_model_answers_as_without_one(tmp_path):
+    """`chatbot serve --draft FOLDER` (the model guessing for itself): requests answered with
+    the draft model, by default and when they ask for it, give the plain server's answers, and
+    one that turns drafting off too; the official `openai` client."""
+    from openai import OpenAI
+    from serve_helpers import running_server, save_tiny_model
+
+    folder = str(save_tiny_model(tmp_path / "tiny"))
+    messages = [{"role": "user", "content": "Say hello and count: one two three one two three"}]
+
+    def ask(url: str, **extra: object) -> str:
+        client = OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=24, temperature=0, extra_body=extra or None
+        )
+        return reply.choices[0].message.content or ""
+
+    serve = ("--model", folder, "--served-model-name", "tiny")
+    with running_server(*serve, log=tmp_path / "plain.log") as url:
+        plain = ask(url)
+    log = tmp_path / "draft.log"
+    with running_server(*serve, "--draft", folder, log=log) as url:
+        answers = [ask(url), ask(url, draft="model"), ask(url, draft="off"), ask(url, draft="ngram")]
+    assert answers == [plain] * 4 and plain
+    assert "draft model: tiny" in log.read_text()
