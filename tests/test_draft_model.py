@@ -251,3 +251,22 @@ def test_serve_with_a_draft_model_answers_as_without_one(tmp_path):
         answers = [ask(url), ask(url, draft="model"), ask(url, draft="off"), ask(url, draft="ngram")]
     assert answers == [plain] * 4 and plain
     assert "draft model: tiny" in log.read_text()
+
+
+def test_bench_decode_runs_a_draft_set_up_beside_the_plain_one(tmp_path):
+    """`chatbot bench decode --setups chatbot-off,chatbot-off-draft --draft FOLDER`: the draft
+    set-up decodes the same tokens and reports its drafts; without --draft it says what it
+    needs."""
+    from serve_helpers import save_tiny_model
+
+    from chatbot.measure.bench_decode import run_decode_bench
+
+    folder = str(save_tiny_model(tmp_path / "tiny"))
+    common = {"model": folder, "threads": 1, "rounds": 1, "decode_tokens": 12, "prefill_sizes": (50,)}
+    out = run_decode_bench(["chatbot-off", "chatbot-off-draft"], draft_model=folder, task="repeat", **common)
+    plain, drafted = out["results"]
+    assert "error" not in drafted and "error" not in plain, (plain, drafted)
+    assert drafted["name"] == "chatbot-off-draft" and "draft_tokens" in drafted
+    assert out["settings"]["draft_model"] == folder
+    alone = run_decode_bench(["chatbot-off-draft"], **common)["results"][0]
+    assert alone["error"] == "a -draft set-up needs a draft model: --draft FILE"

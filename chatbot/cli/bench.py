@@ -365,7 +365,7 @@ def bench_decode(
             "chatbot-off/f32/auto/fast/int8/int4, and llama.cpp when llama-cpp-python is installed; "
             "chatbot-compile runs the compiled step; a -json suffix, as chatbot-auto-json, decodes "
             "under a JSON-object grammar, as response_format asks; a -ngram suffix, as chatbot-auto-ngram, "
-            "decodes with --draft ngram)."
+            "decodes with --draft ngram, a -draft suffix with the draft model of --draft)."
         ),
     ] = None,
     rounds: Annotated[
@@ -400,6 +400,10 @@ def bench_decode(
             "or write (free writing)."
         ),
     ] = "text",
+    draft: Annotated[
+        str | None,
+        typer.Option(help="The draft model of the -draft set-ups (a GGUF, a folder or a hub id)."),
+    ] = None,
     also: Annotated[
         str | None,
         typer.Option(
@@ -444,6 +448,7 @@ def bench_decode(
             prefill_sizes=prefill_sizes,
             progress=workers,
             task=task,
+            draft_model=draft,
         )
     print_decode(Console(), result)
     if extra:

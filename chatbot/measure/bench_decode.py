@@ -162,6 +162,7 @@ def _engine_worker(
 ) -> dict[str, Any]:
     from chatbot.config import OutputFormat, SamplingConfig
     from chatbot.engine.backends.choose import backend_for
+    from chatbot.engine.draft_model import check_vocabulary
     from chatbot.engine.generate import Engine
 
     t0 = time.perf_counter()
@@ -169,9 +170,10 @@ def _engine_worker(
     # `response_format` costs a step: its token mask)
     json_format = OutputFormat.json_object() if level.endswith("-json") else None
     level = level.removesuffix("-json")
-    # `LEVEL-ngram`: the level's backend with speculative decoding by n-gram lookup
-    draft = "ngram" if level.endswith("-ngram") else "off"
-    level = level.removesuffix("-ngram")
+    # `LEVEL-ngram`: the level's backend with speculative decoding by n-gram lookup;
+    # `LEVEL-draft`: with the draft model of `--draft FILE`, on the level's backend too
+    draft = "ngram" if level.endswith("-ngram") else "model" if level.endswith("-draft") else "off"
+    level = level.removesuffix("-ngram").removesuffix("-draft")
     task = task_prompt(loaded.tokenizer, spec.get("task") or "text")
     # `auto-model`: `auto` packed from the float32 model rather than the GGUF file's own
     # matrices (a K-quant matrix then decodes as float32), for before/after figures
@@ -184,6 +186,11 @@ def _engine_worker(
     if reason:
         return {"error": reason}
     engine = Engine(loaded.model, loaded.tokenizer, backend=backend)
+    if draft == "model":
+        if not spec.get("draft_model"):
+            return {"error": "a -draft set-up needs a draft model: --draft FILE"}
+        engine.draft_model = _draft_model(spec["draft_model"], level, spec["threads"])
+        check_vocabulary(loaded.tokenizer, engine.draft_model.engine.tokenizer)
 
     def run(prompt: list[int], n_new: int) -> tuple[Any, list[int]]:
         sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=n_new,
@@ -226,6 +233,18 @@ def _engine_worker(
     if spec.get("reference"):
         out.update(judge_decoder(loaded.model, engine.decoder, spec["reference"]))
     return out
+
+
+def _draft_model(ref: str, level: str, threads: int) -> Any:
+    """The draft model of a `-draft` set-up, on the set-up's backend level."""
+    from chatbot.engine.backends.choose import backend_for
+    from chatbot.engine.draft_model import DraftModel
+    from chatbot.engine.generate import Engine
+    from chatbot.models.loader import load_model
+
+    loaded = load_model(ref, device="cpu", dtype="auto")
+    backend, _ = backend_for(loaded.model, level, threads)
+    return DraftModel(Engine(loaded.model, loaded.tokenizer, backend=backend), loaded.name)
 
 
 def _generate_worker(
@@ -458,6 +477,7 @@ def run_decode_bench(
     prefill_sizes: tuple[int, ...] | None = None,
     progress: Progress | None = None,
     task: str = "text",
+    draft_model: str | None = None,
 ) -> dict[str, Any]:
     """Run every set-up `rounds` times, interleaved; return medians per set-up.
 
@@ -476,6 +496,7 @@ def run_decode_bench(
         progress: told of each worker as it starts (`Progress`).
         task: what our set-ups decode (`TASKS`): a cut of the text, or a chat message
             repeating ~300 words of it ("repeat") or writing freely ("write").
+        draft_model: the draft model of the `-draft` set-ups (a file, a folder, a hub id).
 
     Returns:
         ``{"results": [...], "machine": {...}, "settings": {...}}``; each result has
@@ -515,7 +536,7 @@ def run_decode_bench(
         common = {"model": model, "threads": threads, "decode_tokens": decode_tokens,
                   "ppl_tokens": ppl_tokens, "text": str(text) if text else None,
                   "gguf": str(gguf) if gguf else None, "prefill_sizes": list(sizes),
-                  "task": task}  # fmt: skip
+                  "task": task, "draft_model": draft_model}  # fmt: skip
         _run_rounds(runs, rounds, progress, other_model, reference, common, finished=1 if reference else 0)
     results = [_median_result(runs[name]) for name in setups]
     reference = next((r.get("tokens") for r in results if r["name"] == BASELINE), None)
@@ -538,6 +559,7 @@ def run_decode_bench(
             "decode_tokens": decode_tokens,
             "decode_prompt_tokens": DECODE_PROMPT,
             "task": task,
+            **({"draft_model": draft_model} if draft_model else {}),
             "prefill_sizes": list(sizes),
             "ppl_tokens": ppl_tokens,
             "text": str(text) if text else "shipped conversation, repeated",
