@@ -132,13 +132,19 @@ def test_a_draft_model_that_does_not_pay_is_hardly_run(target, tiny_tokenizer, m
     monkeypatch.setattr(draft_model.ModelDraftPolicy, "drafting", lambda self, tokens: 1.0 * tokens)
     engine = _engine(target, tiny_tokenizer, make_model(len(tiny_tokenizer), sharp=False, seed=7))
     guesses: list[int] = []
-    original = DraftModel.guess
+    fed: list[int] = []
+    original, prefill = DraftModel.guess, engine.draft_model.engine.prefill
 
-    def counting(self, kv, context, n, vocab):
+    def counting(self, kv, context, n, vocab, tail=None):
         guesses.append(n)
-        return original(self, kv, context, n, vocab)
+        return original(self, kv, context, n, vocab, tail)
+
+    def feeding(kv, ids, *args, **kwargs):
+        fed.append(len(ids))
+        return prefill(kv, ids, *args, **kwargs)
 
     monkeypatch.setattr(DraftModel, "guess", counting)
+    engine.draft_model.engine.prefill = feeding
     sampling = dataclasses.replace(GREEDY, draft="model", max_new_tokens=300)
     plain, _, _ = _run(
         _engine(target, tiny_tokenizer), PROMPTS[1], dataclasses.replace(sampling, draft="off")
@@ -147,6 +153,8 @@ def test_a_draft_model_that_does_not_pay_is_hardly_run(target, tiny_tokenizer, m
     assert tokens == plain
     assert stats.draft_tokens == 0  # no pass ran
     assert set(guesses) == {1} and len(guesses) <= 300 // draft_model.PROBE_FIRST
+    # each probe fed the draft model at most its last PROBE_TAIL tokens, not all it had missed
+    assert fed and max(fed) <= draft_model.PROBE_TAIL
 
 
 def test_probes_resume_drafting_when_the_guesses_come_right(target, tiny_tokenizer):

@@ -11,7 +11,7 @@ Its cost is counted: a draft of d tokens costs d steps of the draft model beside
 pass (`ModelDraftPolicy`), timed in the turn, so a draft model too slow or too often wrong
 stops drafting. While it does not draft it is not run at all, except for a one-token probe now
 and then (its interval doubling after each miss), which keeps the acceptance up to date at a
-small cost: the answer's tokens since the last probe in one pass, then one step.
+small cost: at most the last `PROBE_TAIL` tokens in one pass, then one step.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ class Engine(Protocol):
 PROBE_FIRST, PROBE_MOST = 16, 256
 """Tokens decoded plainly between two probes of a draft model that does not pay: the first
 interval, doubled after each probe whose guess was wrong, up to the most."""
+PROBE_TAIL = 64
+"""A probe's guess is made from at most this many of the last ids the draft's cache lacks
+(the rest are not fed), so that probing costs a bounded share of the plain steps between."""
 PRIOR_DRAFT = 0.2
 """A draft model's step in target steps until one is timed (a model ~5x smaller)."""
 
@@ -89,13 +92,20 @@ class DraftModel:
             self._logits = None
         return kv
 
-    def sync(self, target: TrackedCache, context: Sequence[int], ahead: int = 1) -> torch.Tensor | None:
+    def sync(
+        self, target: TrackedCache, context: Sequence[int], ahead: int = 1, tail: int | None = None
+    ) -> torch.Tensor | None:
         """Bring the draft's cache to have taken in `context`; the logits after it, or None
-        where the draft model has no room for it and `ahead` more tokens."""
+        where the draft model has no room for it and `ahead` more tokens. With `tail`, where
+        the cache lacks more than that many of its ids, it takes only the last `tail` (a
+        probe's guess needs no more, and its cost stays bounded however long it waited)."""
         kv = self._cache_like(target)
+        common = kv.common_prefix(context)
+        if tail is not None and len(context) - common > tail:
+            kv.reset()
+            context, common, self._logits = context[-tail:], 0, None
         if not kv.is_bounded and len(context) + ahead >= kv.max_context:
             return None
-        common = kv.common_prefix(context)
         if common == len(context) == len(kv.seen) and self._logits is not None:
             return self._logits
         if not kv.crop_to(min(common, len(context) - 1)):
@@ -104,10 +114,13 @@ class DraftModel:
         return self._logits
 
     @torch.inference_mode()
-    def guess(self, target: TrackedCache, context: Sequence[int], n: int, vocab: int) -> list[int]:
+    def guess(
+        self, target: TrackedCache, context: Sequence[int], n: int, vocab: int, tail: int | None = None
+    ) -> list[int]:
         """The draft model's greedy next `n` tokens after `context` (ids below `vocab`, the
-        target's logits' width); [] where it has no room."""
-        logits = self.sync(target, context, n)
+        target's logits' width), from its last `tail` ids where the cache lacks more (see
+        `sync`); [] where it has no room."""
+        logits = self.sync(target, context, n, tail)
         if logits is None:
             return []
         kv, out = self.kv, []
@@ -183,6 +196,9 @@ class ModelDrafter:
         self.policy.drafted(len(found), time.perf_counter() - start)
         return found
 
+    def _probe(self) -> list[int]:
+        return self.draft.guess(self.kv, self.context, 1, self.vocab, tail=PROBE_TAIL)
+
     def propose(self, limit: int) -> list[int]:
         """Up to `limit` guessed tokens, as many as pay; [] when none does (then, now and
         then, one guess is made and checked against the plain token, for the acceptance)."""
@@ -195,7 +211,7 @@ class ModelDrafter:
             return self._guess(length)
         if self._since_probe >= self._interval:
             self._since_probe = 0
-            self.shadow = self._guess(1)
+            self.shadow = self._probe()
         return []
 
     def rejected(self, proposed: int, kept: int) -> None:
