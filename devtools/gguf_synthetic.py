@@ -92,6 +92,7 @@ class Shape:
     sliding_window: int = 0  # gemma: the window of the sliding-attention layers
     context: int = 32768
     linear_rope: float = 0.0  # Gemma-3 4B+: the global layers' positions divided by this
+    yarn: tuple[float, int] | None = None  # YaRN rope scaling: (factor, original context)
     # mixtures of experts: `experts` experts of width `expert_ffn`, `experts_used` per token
     # (then `ffn` is unused); qwen2moe also a shared expert of width `shared_ffn`
     experts: int = 0
@@ -190,6 +191,16 @@ SHAPES: dict[str, dict[str, Shape]] = {
                       experts=8, experts_used=2, expert_ffn=256, shared_ffn=512),
         "A2.7B": Shape("Qwen1.5-MoE-A2.7B", 2048, 24, 16, 16, 5632, 151936, False, rope_theta=1e6,
                        experts=60, experts_used=4, expert_ffn=1408, shared_ffn=5632, context=8192),
+    },
+    # gpt-oss: MXFP4 experts with biases, attention sinks, a window on every other layer
+    # (the tiny file's small, so tests cross it), YaRN rope; `ffn` is the experts' width too
+    "gpt-oss": {
+        "tiny": Shape("tiny", 256, 2, 4, 2, 256, 49152, False, head_dim=64, rope_theta=150000.0,
+                      sliding_window=16, context=2048, experts=8, experts_used=2, expert_ffn=256,
+                      yarn=(8.0, 256)),
+        "20b": Shape("gpt-oss-20b", 2880, 24, 64, 8, 2880, 201088, False, head_dim=64, rope_theta=150000.0,
+                     sliding_window=128, context=131072, experts=32, experts_used=4, expert_ffn=2880,
+                     yarn=(32.0, 4096)),
     },
     # Gemma: heads of 256 (transformers scales the scores by 1/16, the query_pre_attn_scalar
     # it does not read from the file, as llama.cpp does by the head size: so the tiny files
@@ -490,6 +501,10 @@ def write_synthetic_gguf(
     if shape.linear_rope:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(shape.linear_rope)
+    if shape.yarn:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(shape.yarn[0])
+        w.add_rope_scaling_orig_ctx_len(shape.yarn[1])
     if shape.experts:
         w.add_expert_count(shape.experts)
         w.add_expert_used_count(shape.experts_used)
@@ -525,9 +540,19 @@ def write_synthetic_gguf(
                 (b + "attn_k_norm.weight", 0, head_dim, "norm", i),
             ]
         plan += [(b + "attn_output.weight", shape.hidden, q_rows, "attn_output", i)]
+        if row.gpt_oss:  # the output's bias, each head's sink logit
+            plan += [(b + "attn_output.bias", 0, shape.hidden, "bias", i),
+                     (b + "attn_sinks.weight", 0, shape.heads, "sink", i)]  # fmt: skip
         if "post_attention_norm" in norm_names:  # gemma: a norm after attention and the MLP too
             plan += [(b + "post_attention_norm.weight", 0, shape.hidden, "norm", i)]
-        plan += [(b + "ffn_norm.weight", 0, shape.hidden, "norm", i)]
+        if "ffn_norm" in norm_names:  # (gpt-oss: post_attention_norm is its norm before the MLP)
+            plan += [(b + "ffn_norm.weight", 0, shape.hidden, "norm", i)]
+        if row.gpt_oss:  # biases of the router and of each expert's gate, up and down
+            n, f = shape.experts, shape.expert_ffn
+            plan += [(b + "ffn_gate_inp.bias", 0, n, "bias", i),
+                     (b + "ffn_gate_exps.bias", n, f, "exp_bias", i),
+                     (b + "ffn_up_exps.bias", n, f, "exp_bias", i),
+                     (b + "ffn_down_exps.bias", n, shape.hidden, "exp_bias", i)]  # fmt: skip
         if shape.experts:
             # the router in float32 (llama.cpp's quantizer leaves it), then the experts'
             # matrices as 3-D tensors: `rows` counts the rows of all experts together
@@ -560,11 +585,13 @@ def write_synthetic_gguf(
         if rows == 0:
             kind = "F32"
             w.add_tensor_info(name, (cols,), np.dtype(np.float32), cols * 4)
-        elif role == "router":
+        elif role in ("router", "exp_bias"):
             kind = "F32"
             w.add_tensor_info(name, (rows, cols), np.dtype(np.float32), rows * cols * 4)
         else:
             kind = tensor_type(file_type, role, layer, shape.layers, cols)
+            if row.gpt_oss and name.endswith("_exps.weight"):
+                kind = "MXFP4"  # gpt-oss's experts, as published and as llama.cpp keeps them
             per_block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
             nbytes = rows * cols // per_block * block_bytes
             # the writer takes quantized shapes in bytes per row; experts' tensors are 3-D
@@ -585,6 +612,10 @@ def write_synthetic_gguf(
             w.write_tensor_data(llama3_rope_factors(head_dim, shape.rope_theta, *shape.llama3_rope))
         elif role == "router":
             w.write_tensor_data(random_floats("F32", (rows, cols), rng, scale=1.0))
+        elif role == "exp_bias":
+            w.write_tensor_data((0.1 * rng.standard_normal((rows, cols))).astype(np.float32))
+        elif role == "sink":  # about the size of a head's scores, so the sink takes a real share
+            w.write_tensor_data(rng.standard_normal(cols).astype(np.float32))
         elif rows == 0:
             arr = 1.0 + 0.1 * rng.standard_normal(cols) if role == "norm" else 0.1 * rng.standard_normal(cols)
             if role == "shexp_gate":  # the shared expert's gate: sigmoid(w . x) of about 0.5 +- 0.4

@@ -43,6 +43,7 @@ _GEMMA = [*_LAYER, "post_attention_norm", "post_ffw_norm"]
 # A mixture of experts' layer: attention as its dense family's, then a router and the experts
 _MOE = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate_inp", "ffn_gate_exps",
         "ffn_up_exps", "ffn_down_exps"]  # fmt: skip
+_EXPS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 LAYER_TENSORS: dict[str, set[str]] = {
     "llama": {f"{n}.weight" for n in _LAYER},
     "qwen2": {f"{n}.weight" for n in _LAYER} | {"attn_q.bias", "attn_k.bias", "attn_v.bias"},
@@ -55,6 +56,10 @@ LAYER_TENSORS: dict[str, set[str]] = {
         for n in [*_MOE, "ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"]
     }
     | {"attn_q.bias", "attn_k.bias", "attn_v.bias"},
+    # gpt-oss: llama.cpp's post_attention_norm is its norm before the MLP; biases everywhere
+    "gpt-oss": {f"{n}.weight" for n in _MOE if n != "ffn_norm"}
+    | {"post_attention_norm.weight", "attn_sinks.weight"}
+    | {f"{n}.bias" for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", *_EXPS)},
 }
 _GLOBAL_TENSORS = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"}
 
@@ -322,6 +327,11 @@ def _check_shapes(meta: dict[str, Any], arch: str, tensors: dict[str, TensorInfo
                      b + "ffn_gate_exps.weight": (hidden, expert_ffn, experts),
                      b + "ffn_up_exps.weight": (hidden, expert_ffn, experts),
                      b + "ffn_down_exps.weight": (expert_ffn, hidden, experts)}  # fmt: skip
+            if arch == "gpt-oss":
+                want |= {b + "attn_sinks.weight": (heads,), b + "ffn_gate_inp.bias": (experts,),
+                         b + "ffn_gate_exps.bias": (expert_ffn, experts),
+                         b + "ffn_up_exps.bias": (expert_ffn, experts),
+                         b + "ffn_down_exps.bias": (hidden, experts)}  # fmt: skip
             if shared_ffn:
                 want |= {b + "ffn_gate_inp_shexp.weight": (hidden,),
                          b + "ffn_gate_shexp.weight": (hidden, shared_ffn),

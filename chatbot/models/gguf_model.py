@@ -154,8 +154,12 @@ def load_config_and_tokenizer(path: Path, cache: Path, notes: list[str]) -> tupl
         notes.append(f"the cached tokenizer of {path.name} in {cache} was incomplete or changed; rebuilt it")
     from transformers import AutoConfig, AutoTokenizer
 
-    with quiet_transformers(gguf=True), waiting("reading the file's tokenizer (once)"):
+    from chatbot.gguf.gpt_oss import apply_gpt_oss_metadata, reading_gpt_oss
+
+    with quiet_transformers(gguf=True), waiting("reading the file's tokenizer (once)"), reading_gpt_oss():
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        if config.model_type == "gpt_oss":
+            apply_gpt_oss_metadata(path, config)
         _, table = read_tensor_table(path)
         if any(t.file for t in table):  # transformers sees the first part's tensors only
             config.tie_word_embeddings = all(t.name != "output.weight" for t in table)
@@ -357,6 +361,10 @@ def build_packed_model(path: Path, config: Any) -> Any:
     apply_rope_scaling(path, config)
     if arch.experts:
         apply_expert_metadata(path, config)
+    if arch.gpt_oss:
+        from chatbot.gguf.gpt_oss import apply_gpt_oss_metadata
+
+        apply_gpt_oss_metadata(path, config)
     with torch.device("meta"):
         model = _skeleton(config)
     inner = model.model
@@ -408,7 +416,9 @@ def build_packed_model(path: Path, config: Any) -> Any:
         att.k_proj = linear(att.k_proj, b + "attn_k.weight", kv_heads)
         att.v_proj = linear(att.v_proj, b + "attn_v.weight")
         att.o_proj = linear(att.o_proj, b + "attn_output.weight")
-        if arch.experts:
+        if arch.gpt_oss:
+            _load_gpt_oss(src, layer, b, config, matrix)
+        elif arch.experts:
             _load_experts(src, config, arch.shared_expert, mlp, b, matrix, linear)
         else:
             mlp.gate_proj = linear(mlp.gate_proj, b + "ffn_gate.weight")
@@ -490,6 +500,25 @@ def _load_experts(
         if w.shape != (hidden,):
             raise NotPackable(f"{b}ffn_gate_inp_shexp.weight has {w.numel()} weights, not {hidden}")
         mlp.shared_expert_gate.weight = nn.Parameter(w[None], requires_grad=False)
+
+
+def _load_gpt_oss(src: GGUFWeights, layer: Any, b: str, config: Any, matrix: Any) -> None:
+    """A gpt-oss layer's sinks, router and experts (`chatbot.gguf.gpt_oss.load_layer`).
+
+    Raises:
+        NotPackable: a tensor missing, or of a shape the metadata does not give.
+    """
+    from chatbot.gguf.gpt_oss import load_layer
+
+    def stacked(name: str) -> tuple[Any, int]:
+        if name not in src:
+            raise NotPackable(f"the file has no {name}")
+        return src.stacked(name)
+
+    try:
+        load_layer(layer, b, config, lambda name: _vector(src, name), matrix, stacked)
+    except ValueError as exc:
+        raise NotPackable(str(exc)) from None
 
 
 def _weight(module: nn.Module) -> torch.Tensor:

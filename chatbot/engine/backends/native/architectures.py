@@ -56,6 +56,10 @@ class NativeArchitecture:
         shared_expert: beside the routed experts, one expert every token goes through, scaled
             by the sigmoid of its own gate (Qwen2-MoE: ``ffn_{gate,up,down}_shexp`` and
             ``ffn_gate_inp_shexp``).
+        gpt_oss: gpt-oss's layer (``gpt-oss`` files): a learned sink logit per head in each
+            attention softmax (``attn_sinks``), biases on q/k/v/o, on the router and on every
+            expert (``ffn_*_exps.bias``), the experts' clamped SwiGLU (``swiglu_oai``: alpha
+            1.702, limit 7, (up + 1) form), routed by the softmax of the chosen logits.
         own_model: a GGUF file of it is built as our own `skeleton.CausalLM` (transformers'
             modules, forward pass and config, without importing its model classes), where its
             config asks for nothing more (`skeleton.own_model_for`).
@@ -76,8 +80,15 @@ class NativeArchitecture:
     experts: bool = False
     norm_topk: bool = False
     shared_expert: bool = False
+    gpt_oss: bool = False
     own_model: bool = False
 
+
+GPT_OSS_NORMS: tuple[tuple[str, str, str], ...] = (
+    ("attn_norm", "input_layernorm", "attn_norm"),
+    ("ffn_norm", "post_attention_layernorm", "post_attention_norm"),
+)
+"""gpt-oss's two norms: llama.cpp names the one before the MLP ``post_attention_norm``."""
 
 _GEMMA2 = NativeArchitecture(
     "gemma2",
@@ -97,6 +108,9 @@ ARCHITECTURES: tuple[NativeArchitecture, ...] = (
     NativeArchitecture("qwen3", "qwen3", qk_norm=True),
     NativeArchitecture("qwen3_moe", "qwen3moe", qk_norm=True, experts=True, norm_topk=True),
     NativeArchitecture("qwen2_moe", "qwen2moe", qkv_bias=True, experts=True, shared_expert=True),
+    NativeArchitecture(
+        "gpt_oss", "gpt-oss", GPT_OSS_NORMS, qkv_bias=True, experts=True, norm_topk=True, gpt_oss=True
+    ),
     _GEMMA2,
     replace(
         _GEMMA2,

@@ -86,6 +86,10 @@ class ModelStruct(ctypes.Structure):
         ("shexp_gu", ctypes.POINTER(Group)),
         ("shexp_down", ctypes.POINTER(Group)),
         ("shexp_gate", ctypes.POINTER(ctypes.c_void_p)),
+        ("sinks", ctypes.POINTER(ctypes.c_void_p)),
+        ("router_bias", ctypes.POINTER(ctypes.c_void_p)),
+        ("exp_gu_bias", ctypes.POINTER(ctypes.c_void_p)),
+        ("exp_down_bias", ctypes.POINTER(ctypes.c_void_p)),
     ]
 
 

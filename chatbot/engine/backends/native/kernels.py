@@ -70,7 +70,8 @@ FMT_Q5_1, FMT_Q2_K, FMT_Q3_K, FMT_Q4_K, FMT_Q5_K, FMT_Q6_K, FMT_MXFP4 = (
     BY_GGUF_NAME[n].code for n in ("Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 )
 ACT_F32, ACT_Q8, ACT_I16 = 0, 1, 2  # the form of activations in Q8_0/Q4_1 products (kernels.c)
-ACT_FN_SILU, ACT_FN_GELU_TANH = 0, 1  # the MLP's activation (kernels.c)
+# the MLP's activation (kernels.c); SWIGLU_OAI: gpt-oss's clamped SwiGLU, (up + 1) form
+ACT_FN_SILU, ACT_FN_GELU_TANH, ACT_FN_SWIGLU_OAI = 0, 1, 2
 # Views of `chatbot.engine.backends.native.formats.FORMATS` by enum value, for the callers that hold one.
 FORMAT_NAMES = {f.code: f.name for f in FORMATS}
 INT16_PRODUCTS = {f.code for f in FORMATS if f.int16_products}

@@ -187,6 +187,12 @@ class NativeModel:
     shexp_gu: list[list[kernels.PackedMatrix]] = field(default_factory=list)
     shexp_down: list[list[kernels.PackedMatrix]] = field(default_factory=list)
     shexp_gate: list[torch.Tensor] = field(default_factory=list)
+    # gpt-oss, per layer: the heads' sink logits, the router's bias, the experts' gate/up
+    # biases [n_experts, 2 * width] (each expert's gate's then up's) and down biases
+    sinks: list[torch.Tensor] = field(default_factory=list)
+    router_bias: list[torch.Tensor] = field(default_factory=list)
+    exp_gu_bias: list[torch.Tensor] = field(default_factory=list)
+    exp_down_bias: list[torch.Tensor] = field(default_factory=list)
     biases: list[tuple[torch.Tensor | None, ...]] = field(default_factory=list)
     norms: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # NORM_SLOTS -> per layer
     final_norm: torch.Tensor = field(default_factory=lambda: torch.empty(0))
@@ -288,7 +294,7 @@ def read_model(
         float(getattr(config, "attn_logit_softcapping", None) or 0.0),
         float(getattr(config, "final_logit_softcapping", None) or 0.0),
     )
-    native.act_fn = ACTIVATIONS[activation_name(config)]
+    native.act_fn = kernels.ACT_FN_SWIGLU_OAI if arch.gpt_oss else ACTIVATIONS[activation_name(config)]
     return native
 
 
@@ -305,8 +311,17 @@ def _read_experts(native: NativeModel, layers: Any, config: Any, arch: NativeArc
         )
     native.experts_used = used
     native.norm_topk = bool(getattr(config, "norm_topk_prob", arch.norm_topk))
-    native.routers = [kernels.pack_f32(layer.mlp.gate.weight.detach().float()) for layer in layers]
+    routers = [getattr(layer.mlp, "router", None) or layer.mlp.gate for layer in layers]  # gpt-oss: router
+    native.routers = [kernels.pack_f32(r.weight.detach().float()) for r in routers]
     native.expert_dim = int(config.moe_intermediate_size)
+    if arch.gpt_oss:
+        for layer, router in zip(layers, routers, strict=True):
+            experts = layer.mlp.experts
+            native.sinks.append(layer.self_attn.sinks.detach().float().contiguous())
+            native.router_bias.append(router.bias.detach().float().contiguous())
+            gate_up = torch.cat((experts.gate_bias, experts.up_bias), dim=1)
+            native.exp_gu_bias.append(gate_up.float().contiguous())
+            native.exp_down_bias.append(experts.down_bias.detach().float().contiguous())
     if arch.shared_expert:
         for layer in layers:
             shared = layer.mlp.shared_expert
@@ -373,6 +388,11 @@ def native_struct(native: NativeModel, act: int) -> NativeStruct:
         gates = ptrs(*[t.data_ptr() for t in native.shexp_gate])
         struct.shexp_gu, struct.shexp_down, struct.shexp_gate = gu, down, gates
         shared = [gu, down, gates]
+    if native.sinks:  # gpt-oss
+        vectors = [ptrs(*[t.data_ptr() for t in v]) for v in
+                   (native.sinks, native.router_bias, native.exp_gu_bias, native.exp_down_bias)]  # fmt: skip
+        struct.sinks, struct.router_bias, struct.exp_gu_bias, struct.exp_down_bias = vectors
+        shared += vectors
     return NativeStruct(
         struct, kptrs, vptrs, [mats, embed, head, norms, windows, selectors, routers, *shared]
     )

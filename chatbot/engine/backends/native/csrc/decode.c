@@ -37,6 +37,9 @@ long chatbot_scratch_floats(const Model *m, int max_threads) {
     return shared_floats(m) + (long)max_threads * private_floats(m) + 16;
 }
 
+/* Head h's sink logit in layer l (gpt-oss), or -INFINITY: none. */
+static inline float head_sink(const Model *m, int l, int h) { return m->sinks ? m->sinks[l][h] : -INFINITY; }
+
 /* Write kv head g's rotated key and its value for position p of layer l's cache (as
  * attend_head does), so that rows of one batch sharing a cache see each other's. */
 static void store_kv_head(const Model *m, int l, int g, const float *qkv, const float *lcs, const float *lsn,
@@ -61,7 +64,7 @@ static void attend_stored(const Model *m, int l, int h, const float *qkv, const 
     if (m->q_norm) rmsnorm(qr, m->q_norm[l], D, m->eps, qr);
     rope(qr, lcs, lsn, D);
     attend(qr, kc + off + (size_t)first * D, vc + off + (size_t)first * D, kc + off + (size_t)p * D,
-           vc + off + (size_t)p * D, p - first, D, m->attn_scale, m->attn_softcap, scores, out);
+           vc + off + (size_t)p * D, p - first, D, m->attn_scale, m->attn_softcap, head_sink(m, l, h), scores, out);
 }
 
 /* Head h of layer l at position p, by one thread: its query and the group's key from `qkv`
@@ -89,7 +92,7 @@ static void attend_head(const Model *m, int l, int h, const float *qkv, const fl
         memcpy(vc + off + (size_t)p * D, v, (size_t)D * 4);
     }
     attend(qr, kc + off + (size_t)first * D, vc + off + (size_t)first * D, kr, v, p - first, D, m->attn_scale,
-           m->attn_softcap, scores, out);
+           m->attn_softcap, head_sink(m, l, h), scores, out);
 }
 
 /* Rows [e * n, (e + 1) * n) of `all`: expert e's matrix of n rows in a 3-D tensor's rows, as
@@ -101,23 +104,27 @@ static inline Mat expert_rows(const Mat *all, int e, int n) {
     return sub;
 }
 
+/* Expert e's router logit, plus its bias where the router has one (gpt-oss). */
+static inline float logit(const float *lg, const float *bias, int e) { return bias ? lg[e] + bias[e] : lg[e]; }
+
 /* The experts a token goes to: the n_experts_used largest router logits `lg` (the lower
  * index first among equals), each weighted by its softmax over all the experts, the weights
- * renormalised to sum to 1 where the model does (norm_topk). */
-static void route(const Model *m, const float *lg, int *ids, float *w) {
+ * renormalised to sum to 1 where the model does (norm_topk: then they are the softmax of the
+ * chosen logits alone, gpt-oss's routing). */
+static void route(const Model *m, const float *lg, const float *bias, int *ids, float *w) {
     const int n = m->n_experts, k = m->n_experts_used;
-    float mx = lg[0], sum = 0.0f, picked = 0.0f;
-    for (int e = 1; e < n; e++) mx = lg[e] > mx ? lg[e] : mx;
-    for (int e = 0; e < n; e++) sum += expf(lg[e] - mx);
+    float mx = logit(lg, bias, 0), sum = 0.0f, picked = 0.0f;
+    for (int e = 1; e < n; e++) mx = logit(lg, bias, e) > mx ? logit(lg, bias, e) : mx;
+    for (int e = 0; e < n; e++) sum += expf(logit(lg, bias, e) - mx);
     for (int j = 0; j < k; j++) {
         int best = -1;
         for (int e = 0; e < n; e++) {
             int taken = 0;
             for (int t = 0; t < j; t++) taken |= ids[t] == e;
-            if (!taken && (best < 0 || lg[e] > lg[best])) best = e;
+            if (!taken && (best < 0 || logit(lg, bias, e) > logit(lg, bias, best))) best = e;
         }
         ids[j] = best;
-        w[j] = expf(lg[best] - mx) / sum;
+        w[j] = expf(logit(lg, bias, best) - mx) / sum;
         picked += w[j];
     }
     if (m->norm_topk)
@@ -135,24 +142,31 @@ static void moe_mlp(const Model *m, int l, Vec *vec, const float *xn, float *gu,
     float w[MAX_EXPERTS_USED];
     prepare_vec(vec, xn, E, site_act(m, SITE_GU));
     matvec_par(&m->router[l], vec, lg);
-    route(m, lg, ids, w);
+    route(m, lg, m->router_bias ? m->router_bias[l] : NULL, ids, w);
     const Group *all = &m->wgu[l];
     for (int j = 0; j < k; j++) {
         Group g = *all;
         g.part[0] = expert_rows(&all->part[0], ids[j], F);
         g.part[1] = expert_rows(&all->part[1], ids[j], F);
         g.rows = 2 * F;
-        g.bias = NULL;
+        g.bias = m->exp_gu_bias ? m->exp_gu_bias[l] + (size_t)ids[j] * 2 * F : NULL;
         if (j) prepare_vec(vec, xn, E, site_act(m, SITE_GU)); /* the down product took vec */
         group_matvec_par(&g, vec, gu);
-        if (m->act_fn == ACT_FN_GELU_TANH)
+        if (m->act_fn == ACT_FN_SWIGLU_OAI)
+            swiglu_oai_mul(gu, gu + F, F, hid);
+        else if (m->act_fn == ACT_FN_GELU_TANH)
             gelu_tanh_mul(gu, gu + F, F, hid);
         else
             silu_mul(gu, gu + F, F, hid);
         prepare_vec(vec, hid, F, site_act(m, SITE_DOWN));
         const Mat down = expert_rows(&m->wdown[l].part[0], ids[j], E);
         matvec_par(&down, vec, dn);
-        for (int i = 0; i < E; i++) x[i] += w[j] * dn[i];
+        if (m->exp_down_bias) {
+            const float *db = m->exp_down_bias[l] + (size_t)ids[j] * E;
+            for (int i = 0; i < E; i++) x[i] += w[j] * (dn[i] + db[i]);
+        } else {
+            for (int i = 0; i < E; i++) x[i] += w[j] * dn[i];
+        }
     }
     if (m->shexp_gu) { /* qwen2moe: the shared expert, times sigmoid(its gate . xn) */
         const int S = m->shexp_gu[l].rows / 2;

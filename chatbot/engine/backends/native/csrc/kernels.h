@@ -120,9 +120,18 @@ typedef struct {
     const Group *shexp_gu;
     const Group *shexp_down;
     const float *const *shexp_gate;
+    /* gpt-oss (NULL for the others), per layer: each head's learned sink logit [n_heads] (a
+     * term exp(sink) in the head's softmax denominator), the router's bias [n_experts], the
+     * experts' gate/up biases [n_experts, 2 * expert_dim] (expert e's gate's, then its up's)
+     * and their down biases [n_experts, dim] */
+    const float *const *sinks;
+    const float *const *router_bias;
+    const float *const *exp_gu_bias;
+    const float *const *exp_down_bias;
 } Model;
 
-enum { ACT_FN_SILU = 0, ACT_FN_GELU_TANH = 1 };
+/* ACT_FN_SWIGLU_OAI: gpt-oss's clamped SwiGLU (swiglu_oai_mul) */
+enum { ACT_FN_SILU = 0, ACT_FN_GELU_TANH = 1, ACT_FN_SWIGLU_OAI = 2 };
 /* The most experts a token goes to (Model.n_experts_used) */
 #define MAX_EXPERTS_USED 64
 

@@ -48,15 +48,17 @@ static void softcap(float *x, int n, float cap) {
 
 /* One head of attention over the cached positions [0, n) and the new one:
  * softmax(q.K^T * scale) V, with the new key and value in `k_new`, `v_new`; `cap` > 0
- * soft-caps the scores first. */
+ * soft-caps the scores first; `sink` (gpt-oss; -INFINITY: none) is one more logit in the
+ * softmax's denominator, with no value. */
 static void attend(const float *q, const float *kc, const float *vc, const float *k_new, const float *v_new,
-                   int n, int d, float scale, float cap, float *sc, float *out) {
+                   int n, int d, float scale, float cap, float sink, float *sc, float *out) {
     for (int t = 0; t < n; t++) sc[t] = dot_f32(kc + (size_t)t * d, q, d) * scale;
     sc[n] = dot_f32(k_new, q, d) * scale;
     const int total = n + 1;
     if (cap > 0.0f) softcap(sc, total, cap);
     float mx = -INFINITY;
     for (int t = 0; t < total; t++) mx = sc[t] > mx ? sc[t] : mx;
+    mx = sink > mx ? sink : mx;
     float sum = 0.0f;
     int t = 0;
 #ifdef CB_AVX2
@@ -81,6 +83,7 @@ static void attend(const float *q, const float *kc, const float *vc, const float
         sc[t] = expf(sc[t] - mx);
         sum += sc[t];
     }
+    sum += expf(sink - mx); /* gpt-oss's sink (-INFINITY for none: adds 0) */
     const float inv = 1.0f / sum;
     for (int i = 0; i < d; i++) out[i] = 0.0f;
     for (t = 0; t < total; t++) {
@@ -118,6 +121,16 @@ static void silu_mul(const float *g, const float *u, int n, float *out) {
     }
 #endif
     for (; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+/* gpt-oss's clamped SwiGLU over n floats: with x = min(g, 7) and y = clamp(u, -7, 7),
+ * out = x sigmoid(1.702 x) (y + 1) (transformers' GptOssExperts, llama.cpp's swiglu_oai). */
+static void swiglu_oai_mul(const float *g, const float *u, int n, float *out) {
+    for (int i = 0; i < n; i++) {
+        const float x = g[i] < 7.0f ? g[i] : 7.0f;
+        const float y = u[i] < -7.0f ? -7.0f : (u[i] > 7.0f ? 7.0f : u[i]);
+        out[i] = x / (1.0f + expf(-1.702f * x)) * (y + 1.0f);
+    }
 }
 
 /* out = gelu_tanh(g) * u over n floats: transformers' gelu_pytorch_tanh,
