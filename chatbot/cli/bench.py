@@ -354,6 +354,19 @@ def eval_ppl(
     print(f"plot: {png}")
 
 
+DraftFileOpt = Annotated[
+    str | None, typer.Option(help="The draft model of the -draft set-ups (a GGUF, a folder or a hub id).")
+]
+AlsoOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Also run these benches on the same model, into the same JSON: turns (persistent cache "
+        "vs re-encoding), streaming (sink cache vs recomputation; reads --text or the packaged "
+        "Python FAQ text)."
+    ),
+]
+
+
 @bench_app.command(
     "decode", short_help="Decode and prefill speed, time to first token and peak memory, side by side."
 )
@@ -400,18 +413,8 @@ def bench_decode(
             "or write (free writing)."
         ),
     ] = "text",
-    draft: Annotated[
-        str | None,
-        typer.Option(help="The draft model of the -draft set-ups (a GGUF, a folder or a hub id)."),
-    ] = None,
-    also: Annotated[
-        str | None,
-        typer.Option(
-            help="Also run these benches on the same model, into the same JSON: turns (persistent cache "
-            "vs re-encoding), streaming (sink cache vs recomputation; reads --text or the packaged "
-            "Python FAQ text)."
-        ),
-    ] = None,
+    draft: DraftFileOpt = None,
+    also: AlsoOpt = None,
     model: ModelOpt = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = None,

@@ -464,6 +464,21 @@ def _run_rounds(
             done.append(_run_worker(spec))
 
 
+def _compared(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`results` with each set-up's greedy tokens compared with the baseline's (and dropped)."""
+    reference = next((r.get("tokens") for r in results if r["name"] == BASELINE), None)
+    for r in results:
+        decoded = r.pop("tokens", None)
+        if reference and decoded is not None:
+            same = common_prefix(decoded, reference)
+            r["same_tokens_as_baseline"] = same
+            r["compared_tokens"] = min(len(decoded), len(reference))
+            # generate() is held to decode_tokens (min_new_tokens), so it never ends the
+            # answer: a set-up that does, and goes on, parts from it there
+            r["parts_at_answer_end"] = r["name"] != BASELINE and same == r.get("answer_end")
+    return results
+
+
 def run_decode_bench(
     setups: list[str] | None = None,
     *,
@@ -496,7 +511,7 @@ def run_decode_bench(
         progress: told of each worker as it starts (`Progress`).
         task: what our set-ups decode (`TASKS`): a cut of the text, or a chat message
             repeating ~300 words of it ("repeat") or writing freely ("write").
-        draft_model: the draft model of the `-draft` set-ups (a file, a folder, a hub id).
+        draft_model: the draft model of the `-draft` set-ups.
 
     Returns:
         ``{"results": [...], "machine": {...}, "settings": {...}}``; each result has
@@ -538,17 +553,7 @@ def run_decode_bench(
                   "gguf": str(gguf) if gguf else None, "prefill_sizes": list(sizes),
                   "task": task, "draft_model": draft_model}  # fmt: skip
         _run_rounds(runs, rounds, progress, other_model, reference, common, finished=1 if reference else 0)
-    results = [_median_result(runs[name]) for name in setups]
-    reference = next((r.get("tokens") for r in results if r["name"] == BASELINE), None)
-    for r in results:
-        decoded = r.pop("tokens", None)
-        if reference and decoded is not None:
-            same = common_prefix(decoded, reference)
-            r["same_tokens_as_baseline"] = same
-            r["compared_tokens"] = min(len(decoded), len(reference))
-            # generate() is held to decode_tokens (min_new_tokens), so it never ends the
-            # answer: a set-up that does, and goes on, parts from it there
-            r["parts_at_answer_end"] = r["name"] != BASELINE and same == r.get("answer_end")
+    results = _compared([_median_result(runs[name]) for name in setups])
     machine = {**machine_info(), "torch_threads": threads, "loadavg_start": list(load_before)}
     return {
         "results": results,
@@ -559,9 +564,9 @@ def run_decode_bench(
             "decode_tokens": decode_tokens,
             "decode_prompt_tokens": DECODE_PROMPT,
             "task": task,
-            **({"draft_model": draft_model} if draft_model else {}),
             "prefill_sizes": list(sizes),
             "ppl_tokens": ppl_tokens,
+            **({"draft_model": draft_model} if draft_model else {}),
             "text": str(text) if text else "shipped conversation, repeated",
             "wall_s": round(time.perf_counter() - started, 1),
         },
