@@ -110,3 +110,19 @@ def test_prefill_follows_the_reference(files, kind, level, atol):  # noqa: F811
     got = full_logits(dec.prefill_model, ids)
     want = full_logits(reference(files[kind]), ids)
     torch.testing.assert_close(got, want, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K_M", "qwen2moe"])
+def test_decode_on_two_threads_equals_one(files, kind):  # noqa: F811
+    """The decode step's experts shared out whole over two threads (one barrier a layer) give
+    the one-thread step's logits bit for bit."""
+    from chatbot.engine.backends.native.decoder import FastDecoder
+
+    loaded, _ = _experts(files[kind])
+    ids = loaded.tokenizer(PROMPT)["input_ids"][:12]
+    runs = []
+    for threads in (1, 2):
+        dec = FastDecoder(loaded.model, "auto", threads=threads)
+        cache = dec.new_cache()
+        runs.append(torch.stack([dec.prefill_rows(cache, ids[:1])] + [dec.decode(cache, t) for t in ids[1:]]))
+    assert torch.equal(runs[0], runs[1])
