@@ -3,9 +3,10 @@
  * with tokens is one unit of work, handed to the next thread free (a dynamic schedule: no
  * barrier between products, as a product of its own per expert and matrix would take), and
  * each of its three matrices is read once for all its tokens:
- *   - from EX_MM_MIN tokens on, through the batched int16 product (prefill.c: the rows unpacked
- *     once, 32 at a time, then multiplied with 8 inputs a tile);
- *   - below, row by row, each row multiplied with every token's input while it is in L1, by
+ *   - int8 inputs into Q4_K / Q6_K (AVX-512 VNNI): a multi-input int8 product (below);
+ *   - int16 inputs from EX_MM_MIN tokens on: the batched int16 product (prefill.c: the rows
+ *     unpacked once, 32 at a time, then multiplied with 8 inputs a tile);
+ *   - else row by row, each row multiplied with every token's input while it is in L1, by
  *     the decode step's own row product (dot_vec: a token's result is its decode result).
  * Each slot's output goes to a row of its own; the slots of a token are then summed in order,
  * weighted, so which thread ran which expert never changes a bit of the result.
@@ -289,7 +290,7 @@ static void ex_product(const Mat *m, int act, int nt, const float *const *xrow, 
     }
 #endif
 #if defined(CB_AVX2)
-    if (nt >= EX_MM_MIN && act != ACT_F32 && !m->x8 && mm_unit(m->fmt) && m->cols % block_len(m->fmt) == 0) {
+    if (nt >= EX_MM_MIN && act == ACT_I16 && !m->x8 && mm_unit(m->fmt) && m->cols % block_len(m->fmt) == 0) {
         ex_matmul(m, nt, xrow, yrow, b);
         return;
     }
