@@ -204,10 +204,22 @@ class FastDecoder:
         have integer products, int8 (llama.cpp's Q8_K) where the step takes int8 and `p` is
         in 8-row tiles (the batched int8 tile product), int16 elsewhere (the batched int16
         product: at an int8 site, finer than the step's inputs, as no batched int8 product
-        of `p`'s format exists); float32 otherwise."""
+        of `p`'s format exists); float32 otherwise. A mixture's Q4_K/Q6_K experts take int8
+        wherever the step takes int8 anywhere (`kernels.experts`' multi-input int8 product,
+        llama.cpp's inputs: faster than the int16 one), int16 at ``exact``."""
         if not (is_packed(self.model) and self.level in FILE_LEVELS and self._has_int16_products()):
             return kernels.ACT_F32
-        return kernels.ACT_Q8 if p.x8 and id(p) in self._int8_ids else kernels.ACT_I16
+        if p.x8 and id(p) in self._int8_ids or p.data.data_ptr() in self._expert_ptrs:
+            return kernels.ACT_Q8
+        return kernels.ACT_I16
+
+    @functools.cached_property
+    def _expert_ptrs(self) -> frozenset[int]:
+        """A mixture's expert matrices (their bytes' addresses) where their prefill takes int8."""
+        if not self.experts or self.inputs.act != kernels.ACT_Q8:
+            return frozenset()
+        mats = [p for site in (self.native.wgu, self.native.wdown) for g in site for p in g]
+        return frozenset(p.data.data_ptr() for p in mats if p.fmt in (kernels.FMT_Q4_K, kernels.FMT_Q6_K))
 
     @functools.cached_property
     def _int8_ids(self) -> frozenset[int]:

@@ -171,6 +171,19 @@ def declare_functions(lib: ctypes.CDLL) -> None:
     ]
     lib.chatbot_matmul.restype = ctypes.c_int
     lib.chatbot_matmul_x8.argtypes = lib.chatbot_matmul.argtypes
+    lib.chatbot_experts.argtypes = [
+        *([ctypes.POINTER(Mat)] * 3),
+        ctypes.c_int,  # n_experts
+        ctypes.c_void_p,  # x [n, hidden]
+        ctypes.c_int,  # n
+        ctypes.c_void_p,  # ids [n, k] int32
+        ctypes.c_void_p,  # weights [n, k]
+        ctypes.c_int,  # k
+        *([ctypes.c_int] * 3),  # act_gu, act_down, act_fn
+        ctypes.c_void_p,  # out [n, hidden]
+        ctypes.c_int,  # threads
+    ]
+    lib.chatbot_experts.restype = ctypes.c_int
     lib.chatbot_matmul_x8.restype = ctypes.c_int
     lib.chatbot_matvec_scratch.argtypes = [ctypes.c_int]
     lib.chatbot_matvec_scratch.restype = ctypes.c_long

@@ -426,3 +426,32 @@ def pack_lossless(*parts: torch.Tensor, rtol: float = 2e-6) -> PackedMatrix:
     if all(torch.equal(w.to(torch.bfloat16).to(torch.float32), w) for w in ws):
         return stack([pack_bf16(w) for w in ws])
     return stack([pack_f32(w) for w in ws])
+
+
+def experts(
+    mats: tuple[PackedMatrix, PackedMatrix, PackedMatrix],
+    n_experts: int,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    acts: tuple[int, int, int],
+    threads: int,
+) -> torch.Tensor | None:
+    """A mixture's routed experts for n tokens (kernels.c `chatbot_experts`, llama.cpp's
+    mul_mat_id): ``out[t] = sum_j weights[t, j] * down_e(act(gate_e x[t]) * up_e x[t])`` for
+    e = ids[t, j], `mats` every expert's gate, up and down rows (not in tiles), each expert's
+    rows read once for all its tokens. `acts`: the inputs' forms of gate/up and of down
+    (`ACT_*`), and the activation (`ACT_FN_*`). None where the kernels refuse (an id out of
+    range, matrices of other shapes, memory)."""
+    lib = load_library()
+    x = x.detach().to(torch.float32).contiguous()
+    n, k = ids.shape
+    ids32 = ids.to(torch.int32).contiguous()
+    w = weights.detach().to(torch.float32).contiguous()
+    out = torch.empty(n, mats[0].cols, dtype=torch.float32)
+    gate, up, down = (m.as_struct() for m in mats)
+    status = lib.chatbot_experts(
+        ctypes.byref(gate), ctypes.byref(up), ctypes.byref(down), n_experts, x.data_ptr(), n,
+        ids32.data_ptr(), w.data_ptr(), k, *acts, out.data_ptr(), threads,
+    )  # fmt: skip
+    return out if status == 0 else None

@@ -334,6 +334,14 @@ class ScaledPackedEmbedding(PackedEmbedding):
         return f"{super().extra_repr()}, embed_scale={self.scalar_embed_scale:g}"
 
 
+_ACT_FN_CODES = {
+    "SiLUActivation": kernels.ACT_FN_SILU,
+    "SiLU": kernels.ACT_FN_SILU,
+    "GELUTanh": kernels.ACT_FN_GELU_TANH,
+}
+"""The activations of transformers' experts modules (by class) that the kernels' experts take."""
+
+
 class PackedExperts(nn.Module):
     """A mixture of experts' matrices as transformers' experts module takes them
     (`Qwen3MoeExperts`: ``forward(hidden, top_k_index, top_k_weights)``), over the 3-D tensors
@@ -380,6 +388,18 @@ class PackedExperts(nn.Module):
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         x = hidden_states.to(torch.float32)
+        fn = _ACT_FN_CODES.get(type(self.act_fn).__name__)
+        if self.act_gate_up != kernels.ACT_F32 and fn is not None and x.shape[0] > 1:
+            # the kernels' mul_mat_id: tokens grouped by expert, the experts shared out over
+            # the threads (no barrier per product), each expert's rows read once
+            acts = (self.act_gate_up, self.act_down, fn)
+            threads = cap_threads(torch.get_num_threads())
+            n = x.shape[0]
+            mats = (self.gate, self.up, self.down)
+            ids, weights = top_k_index.reshape(n, -1), top_k_weights.reshape(n, -1)
+            y = kernels.experts(mats, self.num_experts, x, ids, weights, acts, threads)
+            if y is not None:
+                return y.to(hidden_states.dtype)
         out = torch.zeros_like(x)
         k = top_k_index.shape[-1]
         chosen = top_k_index.reshape(-1)

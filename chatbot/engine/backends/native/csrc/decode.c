@@ -14,12 +14,14 @@ static inline int widest_input(const Model *m) {
 static long shared_floats(const Model *m) {
     const long qkv = (long)(m->n_heads + 2 * m->n_kv_heads) * m->head_dim;
     return qkv + (long)m->n_heads * m->head_dim + 2L * m->dim + 2L * m->ffn_dim + (long)m->n_heads * m->cap +
-           m->n_experts;
+           m->n_experts + (m->n_experts ? (long)m->n_experts_used * m->dim : 0);
 }
 
 static long private_floats(const Model *m) {
-    /* x, xn, hid, roped q, roped k, then a Vec; rounded up to whole cache lines */
-    const long n = 2L * m->dim + m->ffn_dim + 2L * m->head_dim + vec_floats(widest_input(m));
+    /* x, xn, hid, roped q, roped k, then a Vec, and a mixture's gate/up (moe_split); rounded
+     * up to whole cache lines */
+    const long n = 2L * m->dim + m->ffn_dim + 2L * m->head_dim + vec_floats(widest_input(m)) +
+                   (m->n_experts ? 2L * m->ffn_dim : 0);
     return (n + 15) / 16 * 16;
 }
 
@@ -131,12 +133,43 @@ static void route(const Model *m, const float *lg, const float *bias, int *ids, 
         for (int j = 0; j < k; j++) w[j] /= picked;
 }
 
+/* moe_mlp's chosen experts shared out whole over a team of several threads (expert j to
+ * thread j mod size), each in its own thread's gu/hid, its rows by the one-row products that
+ * moe_mlp's matvec_par runs on them (dot_vec: the same bits), its output to row j of the
+ * shared res; after one barrier every thread adds the rows to its x in moe_mlp's order. One
+ * barrier where moe_mlp has two per expert (on a busy machine a descheduled thread stalls
+ * the others at each). */
+static void moe_split(const Model *m, int l, Vec *vec, const float *xn, const int *ids, const float *w, float *gu,
+                      float *hid, float *res, float *x) {
+    const int E = m->dim, F = m->expert_dim, k = m->n_experts_used;
+    for (int j = team_id(); j < k; j += team_size()) {
+        const Mat gate = expert_rows(&m->wgu[l].part[0], ids[j], F), up = expert_rows(&m->wgu[l].part[1], ids[j], F);
+        const Mat down = expert_rows(&m->wdown[l].part[0], ids[j], E);
+        prepare_vec(vec, xn, E, site_act(m, SITE_GU));
+        ready_for(vec, &gate);
+        ready_for(vec, &up);
+        for (int r = 0; r < F; r++) gu[r] = dot_vec(&gate, r, vec);
+        for (int r = 0; r < F; r++) gu[F + r] = dot_vec(&up, r, vec);
+        if (m->act_fn == ACT_FN_GELU_TANH)
+            gelu_tanh_mul(gu, gu + F, F, hid);
+        else
+            silu_mul(gu, gu + F, F, hid);
+        prepare_vec(vec, hid, F, site_act(m, SITE_DOWN));
+        ready_for(vec, &down);
+        float *out = res + (size_t)j * E;
+        for (int r = 0; r < E; r++) out[r] = dot_vec(&down, r, vec);
+    }
+    team_barrier();
+    for (int j = 0; j < k; j++)
+        for (int i = 0; i < E; i++) x[i] += w[j] * res[(size_t)j * E + i];
+}
+
 /* A mixture of experts' MLP on the normed input xn, added to the residual x: the router's
  * logits (into the shared lg), then each chosen expert's gate/up, activation and down, its
  * rows read from the 3-D tensors where they lie; only the chosen experts' rows are read.
  * Called by every thread of the team, each with its own x, xn, hid and vec. */
 static void moe_mlp(const Model *m, int l, Vec *vec, const float *xn, float *gu, float *hid, float *dn, float *lg,
-                    float *x) {
+                    float *x, float *own_gu) {
     const int E = m->dim, F = m->expert_dim, k = m->n_experts_used;
     int ids[MAX_EXPERTS_USED];
     float w[MAX_EXPERTS_USED];
@@ -144,7 +177,10 @@ static void moe_mlp(const Model *m, int l, Vec *vec, const float *xn, float *gu,
     matvec_par(&m->router[l], vec, lg);
     route(m, lg, m->router_bias ? m->router_bias[l] : NULL, ids, w);
     const Group *all = &m->wgu[l];
-    for (int j = 0; j < k; j++) {
+    const int split = team_size() > 1 && k >= team_size() && !all->part[0].x8 && !all->part[1].x8 &&
+                      !m->wdown[l].part[0].x8;
+    if (split) moe_split(m, l, vec, xn, ids, w, own_gu, hid, lg + m->n_experts, x);
+    for (int j = 0; j < k && !split; j++) {
         Group g = *all;
         g.part[0] = expert_rows(&all->part[0], ids[j], F);
         g.part[1] = expert_rows(&all->part[1], ids[j], F);
@@ -241,7 +277,7 @@ static void decode_team(void *arg) {
         }
         rmsnorm(x, m->ffn_norm[l], E, m->eps, xn);
         if (m->n_experts) {
-            moe_mlp(m, l, &vec, xn, gu, hid, dn, router, x);
+            moe_mlp(m, l, &vec, xn, gu, hid, dn, router, x, kr + D + vec_floats(widest_input(m)));
             continue;
         }
         prepare_vec(&vec, xn, E, site_act(m, SITE_GU));

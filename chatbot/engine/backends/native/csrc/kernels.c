@@ -49,4 +49,5 @@
 #include "decode_batch.c"   /* one token for each of B conversations (chatbot_decode_batch) */
 #include "prefill.c"        /* one matrix's product and rows; the batched int16 product (chatbot_matmul) */
 #include "prefill_x8.c"     /* the batched int8 product on 8-row tiles (chatbot_matmul_x8) */
+#include "experts.c"        /* a mixture's routed experts for a batch of tokens (chatbot_experts) */
 #include "quantize.c"       /* float32 packed into Q8_0 / Q4_1 (chatbot_quantize) */
