@@ -432,7 +432,8 @@ def _forward(engine, kv, ids, queries=None):
 
 
 @pytest.mark.slow
-def test_a_stored_start_continues_the_whole_prompts_pass_bit_for_bit(default_model):
+@pytest.mark.parametrize("opt", ["auto", "exact", "f32", "off"])
+def test_a_stored_start_continues_the_whole_prompts_pass_bit_for_bit(default_model, opt):
     """--opt auto on the default model: a prompt that takes its start's keys, values and
     queries from another prompt's first pass and encodes the rest after them gets the logits
     of encoding it whole, bit for bit, wherever `exact_rows` lets it take the start. Encoding
@@ -444,8 +445,9 @@ def test_a_stored_start_continues_the_whole_prompts_pass_bit_for_bit(default_mod
     from chatbot.engine.generate import Engine
 
     tok = default_model.tokenizer
-    backend, _ = backend_for(default_model.model, "auto")
+    backend, _ = backend_for(default_model.model, opt)
     engine = Engine(default_model.model, tok, backend=backend)
+    assert engine.backend.keeps_queries
     prompts = []
     for q in QUESTIONS:
         text = tok.apply_chat_template(
