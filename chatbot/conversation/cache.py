@@ -83,6 +83,7 @@ class ConversationCache:
     _keeps_start = False  # `keep_start`
     _start_store: KVStore | None = None  # its file, as last used
     _start_taken = 0  # ids the cache took from it
+    _start_refused = False  # its file was there but not used (damaged)
     _pass_queries: PassQueries | None = None  # the first turn's, kept or taken (`keep_start`)
     _reused: tuple[int, int] | None
     _saved_store: KVStore | None = None  # the cache of the last /save, being written
@@ -334,6 +335,8 @@ class ConversationCache:
         `REST_ROWS` to encode."""
         if self.kv.is_bounded or self.prefix_donor is not None or not self.engine.backend.keeps_queries:
             return
+        if getattr(self.engine.device, "type", "cpu") != "cpu":  # `exact_rows` describes the CPU kernel
+            return
 
         def donor(kv: TrackedCache, ids: list[int]) -> int:
             whole = len(ids) + 1  # the last id is fed too
@@ -346,7 +349,8 @@ class ConversationCache:
                 return take if take >= _MIN_START else 0
 
             store = self._start_file()
-            self._start_taken, _ = store.load(kv, ids, self.engine.device, limit=limit)
+            self._start_taken, why = store.load(kv, ids, self.engine.device, limit=limit)
+            self._start_refused = why is not None  # (a damaged file: the next first turn rewrites it)
             if self._start_taken:
                 self._pass_queries = PassQueries(self._start_taken, store.queries, continuing=True)
                 self._reused = (self._start_taken, whole)
@@ -403,13 +407,13 @@ class ConversationCache:
 
     def _keep_start_after(self, fed: int) -> None:
         """After a chat's first turn (`fed` ids in its prompt): write the start its pass kept to
-        the shared file, where that holds fewer ids."""
+        the shared file, where that holds fewer ids or was refused (damaged)."""
         kept, self._pass_queries = self._pass_queries, None
         layers = len(self.kv.layers)
         if kept is None or kept.continuing or not kept.complete(layers) or self.kv.evicted_total:
             return
         store = self._start_file()
-        if len(store.held_ids()) < kept.rows:
+        if self._start_refused or len(store.held_ids()) < kept.rows:
             store.save(self.kv, start=kept, pass_length=fed)
 
     def keep_saved_cache(self, data: dict[str, Any]) -> None:
