@@ -410,3 +410,145 @@ def test_load_of_a_saved_chat_takes_its_history_from_the_cache_save_kept(
     third = Chat(tiny_model, tiny_tokenizer, tmp_path / "c")
     third.lines(f"/load {saved}")
     assert "from the disk cache" not in third.err.getvalue()
+
+
+QUESTIONS = (
+    "What is the capital of France?",
+    "Tell me a long story about a dragon who lived in a cave near the sea and ate fish.",
+    "Explain quicksort in detail please, with an example of sorting eight numbers step by step.",
+    "Summarize the plot of Hamlet in three sentences.",
+    "Hi",
+)
+
+
+def _forward(engine, kv, ids, queries=None):
+    """One forward pass of `ids` (never the batched rows), the last position's logits."""
+    from chatbot.engine.backends.base import HFBackend
+
+    engine.backend.reserve(kv.cache, kv.length + len(ids))
+    logits = HFBackend.prefill(engine.backend, kv.cache, ids, queries)
+    kv.feed(ids)
+    return logits
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("opt", ["auto", "exact", "f32", "off"])
+def test_a_stored_start_continues_the_whole_prompts_pass_bit_for_bit(default_model, opt):
+    """--opt auto on the default model: a prompt that takes its start's keys, values and
+    queries from another prompt's first pass and encodes the rest after them gets the logits
+    of encoding it whole, bit for bit, wherever `exact_rows` lets it take the start. Encoding
+    the rest alone (no queries) does not: how sdpa cuts a pass into blocks of queries decides
+    the last bits (and the rows of a short rest took int8 inputs where the whole prompt's
+    pass takes int16 ones: the L'Etoile answer of the first attempt)."""
+    from chatbot.engine.backends.choose import backend_for
+    from chatbot.engine.cache.queries import REST_ROWS, PassQueries, exact_rows
+    from chatbot.engine.generate import Engine
+
+    tok = default_model.tokenizer
+    backend, _ = backend_for(default_model.model, opt)
+    engine = Engine(default_model.model, tok, backend=backend)
+    assert engine.backend.keeps_queries
+    prompts = []
+    for q in QUESTIONS:
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
+        prompts.append(tok(text, add_special_tokens=False)["input_ids"])
+    start = next(i for i in range(min(map(len, prompts))) if len({p[i] for p in prompts}) > 1)
+    with torch.inference_mode():
+        whole, kept = [], []
+        for p in prompts:
+            kv = engine.new_cache()
+            queries = PassQueries(start)
+            whole.append(_forward(engine, kv, p, queries))
+            kept.append((kv, queries))
+        checked = 0
+        for (kv, queries), written in zip(kept, prompts):
+            for p, want in zip(prompts, whole):
+                take = min(exact_rows(start, len(written), len(p)), len(p) - REST_ROWS)
+                if take <= 0:
+                    continue
+                other = engine.new_cache()
+                _forward(engine, other, p[:take])
+                for layer, source in zip(other.cache.layers, kv.cache.layers):
+                    layer.keys.copy_(source.keys[..., :take, :])
+                    layer.values.copy_(source.values[..., :take, :])
+                given = PassQueries(take, [q[:, :, :take] for q in queries.layers], continuing=True)
+                assert torch.equal(_forward(engine, other, p[take:], given), want), (len(written), len(p))
+                checked += 1
+        assert checked >= 9
+        # the rest encoded alone after the same start: other bits
+        kv = engine.new_cache()
+        engine.prefill(kv, prompts[0][:start])
+        assert not torch.equal(engine.prefill(kv, prompts[0][start:]), whole[0])
+
+
+@pytest.mark.slow
+def test_a_new_chat_takes_its_system_prompt_from_the_chat_before(default_model, tmp_path):
+    """The start new chats of a model, template, system prompt and --opt share is kept once:
+    the next chat's first answer prefills only its message and answers as a chat that encoded
+    it all (greedy, --opt auto, the native kernels); a short prompt takes nothing (its whole
+    pass would cut the start's block of queries otherwise); a damaged file is refused and
+    another system prompt has a file of its own."""
+    from chatbot.config import ChatConfig, SamplingConfig
+    from chatbot.conversation.session import ChatSession
+    from chatbot.engine.backends.choose import backend_for
+    from chatbot.engine.generate import Engine
+
+    backend, _ = backend_for(default_model.model, "auto")
+    engine = Engine(default_model.model, default_model.tokenizer, backend=backend)
+    config = ChatConfig(sampling=SamplingConfig(temperature=0.0, repetition_penalty=1.0, max_new_tokens=12))
+
+    def chat(text, keep=True, system=None):
+        session = ChatSession(engine, ChatConfig(system=system, sampling=config.sampling))
+        if keep:
+            session.keep_start()
+        answer = "".join(chunk.text for chunk in session.send(text))
+        session._before_forward()  # the start's file written
+        return session, answer
+
+    plain = {q: chat(q, keep=False)[1] for q in QUESTIONS[:2]}
+    first, answer = chat(QUESTIONS[0])
+    (start,) = kv_dir().glob("prefix-*.safetensors")
+    assert answer == plain[QUESTIONS[0]] and first.turns[0].stats.reused_of == 0
+    second, answer = chat(QUESTIONS[1])
+    stats = second.turns[0].stats
+    assert answer == plain[QUESTIONS[1]]
+    assert stats.reused_tokens >= 16 and stats.context_tokens == stats.reused_of - stats.reused_tokens
+    assert "tokens of the start chats share" in second.describe_cache()[1]["from the disk cache"]
+    again, answer = chat(QUESTIONS[0])
+    assert answer == plain[QUESTIONS[0]] and again.turns[0].stats.reused_tokens > 0
+    short, _ = chat("Hi")
+    assert short.turns[0].stats.reused_tokens == 0  # 31 tokens: the start's block is not whole
+    start.write_bytes(start.read_bytes()[:-100])
+    damaged, answer = chat(QUESTIONS[1])
+    assert answer == plain[QUESTIONS[1]] and damaged.turns[0].stats.reused_tokens == 0
+    mended, answer = chat(QUESTIONS[0])  # the refused file was written again
+    assert answer == plain[QUESTIONS[0]] and mended.turns[0].stats.reused_tokens > 0
+    chat(QUESTIONS[1], system="Answer in French.")
+    assert len(list(kv_dir().glob("prefix-*"))) == 2  # its own start
+
+
+@pytest.mark.slow
+def test_run_answers_the_same_twice_with_the_start_from_the_store(tmp_path):
+    """`chatbot run --greedy` (the default model, --opt auto) answers the same text the first
+    time (which writes the start's file) and the next (which takes it), and says so."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path / "data"), "CHATBOT_KV_DIR": str(tmp_path / "kv")}
+
+    def run():
+        args = ("run", "--greedy", "What is the capital of France?")
+        proc = subprocess.run(
+            [sys.executable, "-m", "chatbot.cli", *args], stdin=subprocess.DEVNULL, capture_output=True,
+            text=True, env=env, timeout=300, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout, proc.stderr
+
+    (out1, err1), (out2, err2) = run(), run()
+    assert "Paris" in out1 and out1 == out2
+    assert "reused" not in err1 and "· reused 24 of 37 tok" in err2, err2
+    assert len(list((tmp_path / "kv").glob("prefix-*.safetensors"))) == 1

@@ -10,9 +10,14 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from chatbot.conversation.alignment import Segment
+from chatbot.engine.cache.queries import REST_ROWS, PassQueries, exact_rows
 from chatbot.engine.cache.sinks import streaming_window
 from chatbot.engine.cache.tracked import CacheLayout, TrackedCache
+from chatbot.engine.seq import common_prefix
 from chatbot.errors import ChatbotError
+
+_MIN_START = 8
+"""The fewest ids of a shared start worth a file (a template's opening alone is a few)."""
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -74,6 +79,13 @@ class ConversationCache:
     _model_identity: str | None
     _resuming: bool
     _longest: int | None = None  # `_longest_token`
+    prefix_donor: Callable[[TrackedCache, list[int]], int] | None
+    _keeps_start = False  # `keep_start`
+    _start_store: KVStore | None = None  # its file, as last used
+    _start_taken = 0  # ids the cache took from it
+    _start_refused = False  # its file was there but not used (damaged)
+    _pass_queries: PassQueries | None = None  # the first turn's, kept or taken (`keep_start`)
+    _reused: tuple[int, int] | None
     _saved_store: KVStore | None = None  # the cache of the last /save, being written
     _resume_from: KVStore | None = None  # the next restore's file where not `kv_store` (/load)
 
@@ -191,7 +203,7 @@ class ConversationCache:
     def _before_forward(self) -> None:
         """Wait for the cache's write to disk (if one is under way) before a forward pass
         writes into the cache it reads."""
-        for store in (self.kv_store, self._saved_store):
+        for store in (self.kv_store, self._start_store, self._saved_store):
             if store is not None:
                 store.wait()
 
@@ -302,10 +314,107 @@ class ConversationCache:
     # -- the cache on disk -------------------------------------------------------------------
 
     def keep_cache_for(self, session_id: str, resuming: bool = False) -> None:
-        """`Chat.keep_cache_for`: a file of `chatbot.conversation.kvstore` beside the log."""
+        """`Chat.keep_cache_for`: a file of `chatbot.conversation.kvstore` beside the log, and
+        the start new chats of this model, template and system prompt share (`keep_start`)."""
         from chatbot.conversation.kvstore import SUFFIX, KVStore, kv_dir
 
         self.keep_cache_in(KVStore(kv_dir() / (session_id + SUFFIX), self.kv_identity), resuming)
+        self.keep_start()
+
+    def keep_start(self) -> None:
+        """An empty growing cache takes the keys and values of its first ids from the file of
+        the start that chats of this model, template, system prompt, dtype, backend and --opt
+        share (the template's opening and the system prompt), where an earlier chat wrote it,
+        so the first answer skips their prefill; the first turn that finds none writes it.
+
+        Only where the answer stays the one the whole prompt gets (`chatbot.engine.cache.queries`):
+        the forward pass of our own model keeps the start's queries with it, and the rest
+        of a prompt continues that pass in one call; taken by a prompt that the whole-prompt
+        pass would encode in one forward pass (over the backend's `max_batch`, one chunk),
+        as many of the start's positions as `exact_rows` allows, leaving at least
+        `REST_ROWS` to encode."""
+        if self.kv.is_bounded or self.prefix_donor is not None or not self.engine.backend.keeps_queries:
+            return
+        if getattr(self.engine.device, "type", "cpu") != "cpu":  # `exact_rows` describes the CPU kernel
+            return
+
+        def donor(kv: TrackedCache, ids: list[int]) -> int:
+            whole = len(ids) + 1  # the last id is fed too
+
+            def limit(n: int, header: dict[str, Any]) -> int:
+                written = header.get("pass")
+                if not (isinstance(written, int) and self._one_pass(whole)):
+                    return 0
+                take = min(exact_rows(n, written, whole), whole - REST_ROWS)
+                return take if take >= _MIN_START else 0
+
+            store = self._start_file()
+            self._start_taken, why = store.load(kv, ids, self.engine.device, limit=limit)
+            self._start_refused = why is not None  # (a damaged file: the next first turn rewrites it)
+            if self._start_taken:
+                self._pass_queries = PassQueries(self._start_taken, store.queries, continuing=True)
+                self._reused = (self._start_taken, whole)
+            return self._start_taken
+
+        self.prefix_donor = donor
+        self._keeps_start = True
+
+    def _one_pass(self, n: int) -> bool:
+        """Whether a prompt of `n` ids from an empty cache is one forward pass (not the
+        batched rows of a short one, not several chunks)."""
+        return self.engine.backend.max_batch < n <= self.kv.chunk_size(self.config.engine.prefill_chunk)
+
+    def _start_file(self) -> KVStore:
+        """The shared start's file for the chat as it is now (its system prompt may change)."""
+        import torch
+
+        from chatbot.conversation.kvstore import KVStore, prefix_path
+
+        identity = {
+            **self.kv_identity(),
+            "opt": str(getattr(self.engine.decoder, "level", "none")),
+            "torch": torch.__version__,  # `exact_rows` describes its attention kernel
+        }
+        if self._start_store is not None:
+            self._start_store.wait()
+        self._start_store = KVStore(prefix_path(identity), lambda: identity)
+        return self._start_store
+
+    def _queries_to_keep(self, new_ids: list[int], user: str) -> PassQueries | None:
+        """Before a chat's first turn that took no start from the store: the queries its pass
+        keeps for the shared start's file (those of the ids before the message's text)."""
+        if (
+            not self._keeps_start
+            or self._start_taken
+            or self.n_fed
+            or not user
+            or not self._one_pass(len(new_ids))
+        ):
+            return None
+        text = "".join(s.text for s in self.segments)
+        at = text.find(user)
+        if at <= 0:
+            return None
+        rows = exact_rows(common_prefix(new_ids, self.encode(text[:at])), len(new_ids))
+        return PassQueries(rows) if rows >= _MIN_START else None
+
+    def _start_note(self) -> str:
+        """What the cache took from the shared start's file (/cache), or "-"."""
+        n = self._start_taken
+        if not n or self.kv.seen[:n] != self.all_ids[:n]:
+            return "-"
+        return f"{n:,} tokens of the start chats share (template and system prompt)"
+
+    def _keep_start_after(self, fed: int) -> None:
+        """After a chat's first turn (`fed` ids in its prompt): write the start its pass kept to
+        the shared file, where that holds fewer ids or was refused (damaged)."""
+        kept, self._pass_queries = self._pass_queries, None
+        layers = len(self.kv.layers)
+        if kept is None or kept.continuing or not kept.complete(layers) or self.kv.evicted_total:
+            return
+        store = self._start_file()
+        if self._start_refused or len(store.held_ids()) < kept.rows:
+            store.save(self.kv, start=kept, pass_length=fed)
 
     def keep_saved_cache(self, data: dict[str, Any]) -> None:
         from chatbot.conversation.kvstore import KVStore, saved_path

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from chatbot.engine.cache.queries import PassQueries
 from chatbot.engine.cache.sinks import SinkLayer
 from chatbot.engine.cache.tracked import TrackedCache
 from chatbot.errors import ChatbotError
@@ -90,6 +91,13 @@ def describe_store() -> str:
         f"{files} file{'' if files == 1 else 's'}, {size / 1e6:,.1f} MB in {kv_dir()} "
         f"(cap {store_cap() / 2**30:g} GiB; chatbot sessions --prune empties it, the logs stay)"
     )
+
+
+def prefix_path(identity: dict[str, str]) -> Path:
+    """The file of the start that new chats made with `identity` share (the template's
+    opening and the system prompt), in the store."""
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
+    return kv_dir() / f"prefix-{digest}{SUFFIX}"
 
 
 def saved_path(data: dict[str, Any]) -> Path:
@@ -200,17 +208,24 @@ class KVStore:
         self.cap = cap  # the folder's size cap after each write (None: `store_cap()`)
         self._writer: threading.Thread | None = None
         self.last_error: str | None = None  # why the last write failed (None: it did not)
+        self.queries: list[torch.Tensor] = []  # a shared start's, as the last `load` took them
 
-    def save(self, kv: TrackedCache) -> bool:
+    def save(self, kv: TrackedCache, start: PassQueries | None = None, pass_length: int = 0) -> bool:
         """Write the cache in the background (after any earlier write): the layers' tensors
         are taken now as views, copied and written by a thread. The caller runs no forward
-        pass on the cache (which may write over the positions viewed) before `wait`.
+        pass on the cache (which may write over the positions viewed) before `wait`. With
+        `start`, only its first `start.rows` ids (of a cache that evicted nothing) and their
+        queries (``q.<i>``), kept by a first pass of `pass_length` positions (a shared start).
 
         Returns:
             False, writing nothing, for a cache that cannot be kept (see `_layers`).
         """
         layers = _layers(kv)
-        if layers is None or not kv.ids:
+        if (
+            layers is None
+            or not kv.ids
+            or (start is not None and (kv.evicted_total or start.rows > len(kv.ids)))
+        ):
             return False
         n = len(kv.ids)
         views: dict[str, torch.Tensor] = {}
@@ -218,14 +233,21 @@ class KVStore:
             if layer.keys is None or layer.values is None or layer.keys.shape[-2] != n:
                 return False
             views[f"k.{i}"], views[f"v.{i}"] = layer.keys.detach(), layer.values.detach()
+        extra: dict[str, Any] = {}
+        if start is not None:
+            n = start.rows
+            views = {name: t[:, :, :n] for name, t in views.items()}
+            views.update({f"q.{i}": q.detach() for i, q in enumerate(start.layers)})
+            extra["pass"] = pass_length
         header = json.dumps(
             {
                 **self.identity(),
                 "version": FORMAT_VERSION,
                 "dtype": str(views["k.0"].dtype),
-                "ids": kv.seen,  # what the cache took in, evicted ids too
-                "held": kv.ids,
-                "pinned": kv.pinned,
+                "ids": kv.seen if start is None else kv.seen[:n],  # what it took in, evicted ids too
+                "held": kv.ids[:n],
+                "pinned": kv.pinned if start is None else min(kv.pinned, n),
+                **extra,
             }
         )
         self.wait()
@@ -256,9 +278,15 @@ class KVStore:
                 tmp.unlink()
 
     def load(
-        self, kv: TrackedCache, ids: Sequence[int], device: torch.device | str
+        self,
+        kv: TrackedCache,
+        ids: Sequence[int],
+        device: torch.device | str,
+        limit: Callable[[int, dict[str, Any]], int] | None = None,
     ) -> tuple[int, str | None]:
-        """Fill the empty cache `kv` with the longest start of `ids` the file holds.
+        """Fill the empty cache `kv` with the longest start of `ids` the file holds (with
+        `limit`, at most what it says of that length and the file's header; a shared start's
+        queries are then in `queries`, cut to what was taken).
 
         Returns:
             (ids taken in, None) or (0, why the file was not used); a missing file is
@@ -294,8 +322,13 @@ class KVStore:
             n += 1
         if n == 0:
             return 0, "the disk cache holds another conversation (the log was edited)"
+        queries = [tensors.pop(f"q.{i}") for i in range(len(layers)) if f"q.{i}" in tensors]
         if len(tensors) != 2 * len(layers) or any(t.shape[-2] != len(held) for t in tensors.values()):
             return 0, "the disk cache does not fit this model's layers"
+        if limit is not None:
+            n = limit(n, header)
+            if n <= 0 or queries and (len(queries) != len(layers) or queries[0].shape[-2] != len(held)):
+                return 0, None
         if any(str(t.dtype) != header.get("dtype") for t in tensors.values()):
             return 0, "the disk cache was made with another dtype"
         # a growing cache takes only the ids the conversation shares; a bounded one takes its
@@ -312,6 +345,7 @@ class KVStore:
         if not kv.settle() or not kv.crop_to(n):
             kv.reset()
             return 0, "the disk cache's window cannot be cut back to where the conversation parts from it"
+        self.queries = [q[:, :, :n].to(device) for q in queries]
         return n, None
 
     def held_ids(self) -> list[int]:

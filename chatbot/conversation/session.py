@@ -208,6 +208,8 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
         if self.prefix_donor is not None and self.n_fed == 0 and len(new_ids) > 1 and not interrupted:
             # the last id is fed here: its logits start the answer
             new_ids = new_ids[self.prefix_donor(self.kv, new_ids[:-1]) :]
+        if self.n_fed == 0 and not interrupted and self._pass_queries is None:
+            self._pass_queries = self._queries_to_keep(new_ids, user)
         last = self.segments[-1] if self.segments else None
         before = last if extend and last is not None and last.kind == "answer" else None
         lead = LeadingText(self.text, self.all_ids) if before is not None else None
@@ -272,6 +274,9 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
                 )
                 if self.kv_store is not None:
                     self.kv_store.save(self.kv)
+                if resume is None and len(self.turns) == 1:
+                    self._keep_start_after(len(new_ids))
+            self._pass_queries = None
 
     def _generate(
         self, new_ids: list[int], sampling: SamplingConfig, stop: Any, budget: ThinkingBudget | None
@@ -288,6 +293,7 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
             observer=self.token_observer,
             on_progress=self.prefill_observer,
             insert=budget,
+            queries=self._pass_queries,
         )
 
     def _thinking(
@@ -562,6 +568,7 @@ class ChatSession(ConversationCache, Chat[GenerationChunk]):
             "pinned (sinks, system)": f"{lay.pinned:,}",
             "recent": f"{lay.recent:,}",
             "evicted so far": f"{lay.evicted_total:,}",
+            "from the disk cache": self._start_note(),
             "oldest text in window": " ".join(lay.oldest_text.split())[:80] or "-",
         }
 

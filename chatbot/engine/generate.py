@@ -29,6 +29,7 @@ from chatbot.engine.backends.base import Backend, full_cache
 from chatbot.engine.backends.choose import choose_backend
 from chatbot.engine.backends.device_sampling import DeviceBackend, DeviceSampler, device_token_steps
 from chatbot.engine.cache.buffers import BufferLayer
+from chatbot.engine.cache.queries import PassQueries
 from chatbot.engine.cache.sinks import SinkCache
 from chatbot.engine.cache.tracked import TrackedCache
 from chatbot.engine.chunk import GenerationChunk
@@ -184,11 +185,13 @@ class Engine:
 
     # -- forward passes -----------------------------------------------------------------
 
-    def _feed(self, kv: TrackedCache, ids: Sequence[int]) -> torch.Tensor:
+    def _feed(self, kv: TrackedCache, ids: Sequence[int], queries: PassQueries | None = None) -> torch.Tensor:
         """Prefill `ids` after making room for them in the cache; the last position's logits
         (``[vocab]``)."""
         kv.evict_for(len(ids))
-        logits = self.backend.prefill(kv.cache, ids)
+        logits = (
+            self.backend.prefill(kv.cache, ids, queries) if queries else self.backend.prefill(kv.cache, ids)
+        )
         kv.feed(ids)
         return logits
 
@@ -207,6 +210,7 @@ class Engine:
         prefill_chunk: int = 512,
         on_progress: Callable[[int, int], None] | None = None,
         answer: int = 0,
+        queries: PassQueries | None = None,
     ) -> torch.Tensor:
         """Feed `ids` into the cache in chunks; return the logits after the last one.
 
@@ -219,16 +223,20 @@ class Engine:
         cache holds the chunks that were fed (`TrackedCache.settle` evens out a torn one).
         The backend first gives the cache room for the ids and `answer` tokens after them (at
         most its capacity), so that its buffers are not regrown between the pass's activations.
+        `queries` go with the first chunk (`chatbot.engine.cache.queries`): the rest of a prompt
+        after a stored start continues its pass in one chunk, whatever its length.
         """
         if not ids:
             raise ValueError("prefill needs at least one token")
+        if queries is not None and queries.continuing and len(ids) > kv.chunk_size(prefill_chunk):
+            raise ValueError("the rest of a pass after a stored start is one chunk")
         self.backend.reserve(kv.cache, min(kv.capacity, kv.length + len(ids) + answer), limit=kv.capacity)
         step = kv.chunk_size(prefill_chunk)
         logits = None
         if on_progress is not None:
             on_progress(0, len(ids))
         for start in range(0, len(ids), step):
-            logits = self._feed(kv, ids[start : start + step])
+            logits = self._feed(kv, ids[start : start + step], queries if start == 0 else None)
             if on_progress is not None:
                 on_progress(min(start + step, len(ids)), len(ids))
         assert logits is not None
@@ -264,6 +272,7 @@ class Engine:
         observer: TokenObserver | None = None,
         on_progress: Callable[[int, int], None] | None = None,
         insert: TokenInserter | None = None,
+        queries: PassQueries | None = None,
     ) -> Generator[GenerationChunk, None, None]:
         """Prefill `new_ids`, then sample an answer token by token.
 
@@ -287,6 +296,8 @@ class Engine:
             insert: told None before the first token, then each answer token; the ids it
                 returns are the answer's next tokens, taken as if sampled (a thinking budget
                 closes the thinking so).
+            queries: the queries the prefill's first pass keeps, or continues from (a stored
+                start: `chatbot.engine.cache.queries`).
 
         Yields:
             GenerationChunk, every `sampling.stream_interval` tokens; the last one carries
@@ -321,6 +332,7 @@ class Engine:
                 prefill_chunk,
                 on_progress=on_progress,
                 answer=min(sampling.max_new_tokens, ANSWER_ROOM),
+                queries=queries,
             )
         synchronize(self.device)
         stats.context_time_s = time.perf_counter() - t0

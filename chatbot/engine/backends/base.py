@@ -24,6 +24,7 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 
 from chatbot.engine.backends.native.pystack import call_with_room
 from chatbot.engine.batch import DecodeBatcher
+from chatbot.engine.cache.queries import PassQueries
 
 
 @runtime_checkable
@@ -48,6 +49,11 @@ class Backend(Protocol):
         """The native kernels' decoder its steps run on (None: transformers' forward pass)."""
         ...
 
+    @property
+    def keeps_queries(self) -> bool:
+        """Whether `prefill` keeps and continues a pass's queries (see there)."""
+        ...
+
     def new_cache(self) -> Cache:
         """An empty growing cache of the layers this backend writes."""
         ...
@@ -60,8 +66,11 @@ class Backend(Protocol):
         """Give `cache` room for `needed` positions before a prefill (at most `limit`)."""
         ...
 
-    def prefill(self, cache: Cache, ids: Sequence[int]) -> torch.Tensor:
-        """Feed `ids` (one or more) at the end of `cache`; the logits after the last."""
+    def prefill(self, cache: Cache, ids: Sequence[int], queries: PassQueries | None = None) -> torch.Tensor:
+        """Feed `ids` (one or more) at the end of `cache`; the logits after the last. With
+        `queries` (`chatbot.engine.cache.queries`), a prompt's first pass keeps its first
+        queries, or the rest of one continues from them; a backend whose forward pass cannot
+        (`keeps_queries` False) leaves them untouched."""
         ...
 
     def prefill_concurrent(self, cache: Cache, ids: Sequence[int]) -> torch.Tensor:
@@ -132,6 +141,12 @@ class HFBackend:
         self.forward_model = model  # what runs a prefill through transformers
         self.device = model.get_input_embeddings().weight.device
 
+    @property
+    def keeps_queries(self) -> bool:
+        """Whether the forward pass keeps and continues a pass's queries (our own model's,
+        `chatbot.engine.backends.native.skeleton`; not transformers' classes)."""
+        return bool(getattr(type(self.forward_model), "keeps_pass_queries", False))
+
     def new_cache(self) -> Cache:
         return full_cache(self.model.config)
 
@@ -141,12 +156,13 @@ class HFBackend:
     def reserve(self, cache: Cache, needed: int, limit: int | None = None) -> None:
         return None
 
-    def prefill(self, cache: Cache, ids: Sequence[int]) -> torch.Tensor:
+    def prefill(self, cache: Cache, ids: Sequence[int], queries: PassQueries | None = None) -> torch.Tensor:
         tensor = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        extra = {"pass_queries": queries} if queries is not None and self.keeps_queries else {}
         # the forward pass's hundreds of Python frames on a fresh chunk of CPython's frame stack
         # (`chatbot.engine.backends.native.pystack`), whatever the caller's depth
         out = call_with_room(
-            self.forward_model, input_ids=tensor, cache=cache, use_cache=True, logits_to_keep=1
+            self.forward_model, input_ids=tensor, cache=cache, use_cache=True, logits_to_keep=1, **extra
         )
         return out.logits[0, -1].float()
 
@@ -213,7 +229,10 @@ class NativeBackend(HFBackend):
     def reserve(self, cache: Cache, needed: int, limit: int | None = None) -> None:
         self.decoder.reserve(cache, needed, limit=limit)
 
-    def prefill(self, cache: Cache, ids: Sequence[int]) -> torch.Tensor:
+    def prefill(self, cache: Cache, ids: Sequence[int], queries: PassQueries | None = None) -> torch.Tensor:
+        if queries is not None and (queries.continuing or len(ids) > self.max_batch):
+            # the forward pass, as the whole prompt takes it (never the rows of a short one)
+            return super().prefill(cache, ids, queries)
         if len(ids) == 1:
             return self.decoder.decode(cache, int(ids[0]))
         return self.prefill_concurrent(cache, ids)
@@ -279,7 +298,13 @@ class BatchedBackend:
     def reserve(self, cache: Cache, needed: int, limit: int | None = None) -> None:
         self.inner.reserve(cache, needed, limit)
 
-    def prefill(self, cache: Cache, ids: Sequence[int]) -> torch.Tensor:
+    @property
+    def keeps_queries(self) -> bool:
+        return self.inner.keeps_queries
+
+    def prefill(self, cache: Cache, ids: Sequence[int], queries: PassQueries | None = None) -> torch.Tensor:
+        if queries is not None:
+            return self.inner.prefill(cache, ids, queries)
         # runs beside the other threads' steps (see `prefilling`)
         return self.inner.prefill_concurrent(cache, ids)
 

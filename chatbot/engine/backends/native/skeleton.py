@@ -32,6 +32,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from chatbot.engine.backends.native.architectures import BY_MODEL_TYPE
+from chatbot.engine.cache.queries import PassQueries
 
 attention_function: Callable[..., tuple[torch.Tensor, Any]] = sdpa_attention_forward
 """The attention every layer runs: transformers' "sdpa", and, as transformers' registry has
@@ -153,9 +154,16 @@ class Attention(nn.Module):
         key = (key * cos) + (rotate_half(key) * sin)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+        lead: PassQueries | None = kwargs.get("pass_queries")
+        if lead is not None and lead.continuing:  # the call the whole prompt's pass made
+            query = torch.cat((lead.layers[self.layer_idx], query), dim=2)
+        elif lead is not None:
+            lead.layers.append(query[:, :, : lead.rows].clone())
         out, _ = attention_function(
             self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
         )
+        if lead is not None and lead.continuing:
+            out = out[:, lead.rows :]  # [B, S, H, D]: this pass's positions
         return self.o_proj(out.reshape(*input_shape, -1).contiguous())
 
 
@@ -236,7 +244,13 @@ class Model(nn.Module):
             position_ids = (
                 torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past
             ).unsqueeze(0)
-        mask = causal_mask(cache, inputs_embeds.shape[1], inputs_embeds.device)
+        lead: PassQueries | None = kwargs.get("pass_queries")
+        if lead is not None and lead.continuing:
+            # the rest of a prompt's first pass, after its first `lead.rows` positions: sdpa's
+            # `is_causal` over all of them, as for the whole prompt
+            mask = None
+        else:
+            mask = causal_mask(cache, inputs_embeds.shape[1], inputs_embeds.device)
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         for layer in self.layers:
@@ -250,7 +264,12 @@ class Model(nn.Module):
 class CausalLM(nn.Module):
     """transformers' `LlamaForCausalLM` as a GGUF model runs it: the same modules by the same
     names (`model.layers[i].self_attn.q_proj`...), `config`, `generation_config`, and the
-    forward pass's arguments and output (`logits`, the cache)."""
+    forward pass's arguments and output (`logits`, the cache). A prefill may also be given
+    `pass_queries` (`chatbot.engine.cache.queries.PassQueries`): a prompt's first pass keeps
+    its first queries there, the rest of that prompt after a stored start continues from them.
+    """
+
+    keeps_pass_queries = True
 
     def __init__(self, config: Any) -> None:
         from transformers.generation.configuration_utils import GenerationConfig
