@@ -61,9 +61,8 @@ def default_setups() -> list[str]:
 
 
 LLAMA_CPP_NGRAM = f"{LLAMA_CPP}-ngram"
-"""llama-cpp-python's own prompt lookup (`LlamaPromptLookupDecoding`, its defaults: 2-grams,
-10 tokens a draft) in its `generate` loop, greedy: the peer of `chatbot-auto-ngram`. Only
-where named (not among `default_setups`)."""
+"""llama-cpp-python's prompt lookup (`LlamaPromptLookupDecoding`, its defaults) in its `generate`
+loop, greedy: the peer of `chatbot-auto-ngram`; only where named."""
 
 
 def why_not_measured(name: str, other_model: bool) -> str | None:
