@@ -163,3 +163,21 @@ def test_bench_decode_progress_is_a_bar_on_a_terminal_and_lines_in_a_pipe(monkey
         progress("round 2/2: transformers-generate", 2, 4)
     assert "round 2/2: transformers-generate" in screen.getvalue()
     assert "2/4" in screen.getvalue() and "━" in screen.getvalue()
+
+
+def test_bench_decode_llama_cpp_ngram_says_why_it_is_missing(monkeypatch, capsys):
+    """`llama.cpp-ngram` (llama-cpp-python's prompt lookup) is a set-up only where named, and
+    without llama-cpp-python it gets a line saying why, beside the rows measured."""
+    monkeypatch.setattr(bench_decode, "_run_worker", _fake_decode_worker)
+    monkeypatch.setattr(bench_decode, "llama_cpp_available", lambda: False)
+    assert "llama.cpp-ngram" not in bench_decode.default_setups()
+    code, stdout, _ = cli(
+        capsys, "bench", "decode", "--setups", "chatbot-auto,llama.cpp-ngram", "--rounds", "1"
+    )
+    assert code == 0
+    words = " ".join(stdout.split())
+    assert (
+        "llama.cpp-ngram: not measured (llama-cpp-python is not installed: pip install llama-cpp-python)"
+        in words
+    )
+    assert any(line.startswith("│ chatbot-auto ") for line in stdout.splitlines())

@@ -378,7 +378,8 @@ def bench_decode(
             "chatbot-off/f32/auto/fast/int8/int4, and llama.cpp when llama-cpp-python is installed; "
             "chatbot-compile runs the compiled step; a -json suffix, as chatbot-auto-json, decodes "
             "under a JSON-object grammar, as response_format asks; a -ngram suffix, as chatbot-auto-ngram, "
-            "decodes with --draft ngram, a -draft suffix with the draft model of --draft)."
+            "decodes with --draft ngram, a -draft suffix with the draft model of --draft; llama.cpp-ngram: "
+            "llama-cpp-python's own prompt lookup)."
         ),
     ] = None,
     rounds: Annotated[
