@@ -21,16 +21,16 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from chatbot.engine.seq import common_prefix, quantile
-from chatbot.measure.decode_report import BASELINE, LLAMA_CPP
-from chatbot.measure.quality import judge_decoder, judge_llama_cpp, write_reference
+from chatbot.engine.seq import common_prefix
+from chatbot.measure.bench_timing import DECODE_PROMPT, TASKS, rss_mb, timed
+from chatbot.measure.decode_report import BASELINE, LLAMA_CPP, LLAMA_CPP_NGRAM
+from chatbot.measure.llama_worker import llama_cpp_worker
+from chatbot.measure.quality import judge_decoder, write_reference
 from chatbot.measure.report import loadavg
 from chatbot.models.gc_pause import pause_until_ready
 from chatbot.models.gc_pause import ready as gc_ready
 
 PREFILL_SIZES = (50, 500, 2000)
-PREFILL_REPEATS = {50: 5, 500: 3, 2000: 2}  # per worker; the median is kept
-DECODE_PROMPT = 50  # tokens before the decoded ones: a short chat message
 LEVEL_SETUPS = (
     "chatbot-off",
     "chatbot-f32",
@@ -60,7 +60,6 @@ def default_setups() -> list[str]:
     return [BASELINE, *LEVEL_SETUPS, LLAMA_CPP]
 
 
-LLAMA_CPP_NGRAM = f"{LLAMA_CPP}-ngram"
 """llama-cpp-python's prompt lookup (`LlamaPromptLookupDecoding`, its defaults) in its `generate`
 loop, greedy: the peer of `chatbot-auto-ngram`; only where named."""
 
@@ -75,15 +74,6 @@ def why_not_measured(name: str, other_model: bool) -> str | None:
     if other_model:
         return "llama.cpp reads GGUF files: give --gguf FILE (the same model)"
     return None
-
-
-TASKS = {
-    "text": None,  # the bench's text, 50 tokens of it, continued
-    "repeat": "Repeat this text word for word:\n\n{text}",  # grounded in its input
-    "write": "Write a long story about a lighthouse keeper who finds a message in a bottle.",
-}
-"""What `--task` decodes: a chat message (`{text}`: ~300 words of chatbot/data/long_text.txt),
-or None: a cut of the bench's text. Speculative decoding pays on the grounded one."""
 
 
 def task_prompt(tokenizer: Any, task: str) -> list[int] | None:
@@ -115,14 +105,6 @@ def bench_text(path: Path | None) -> str:
 # --- in the worker process --------------------------------------------------------------------
 
 
-def _rss_mb() -> float | None:
-    """The resident set now (Linux), in MB; None elsewhere."""
-    from chatbot.engine.stats import proc_status_kb
-
-    kb = proc_status_kb("VmRSS")
-    return None if kb is None else kb / 1024
-
-
 def _runtime_mb() -> float | None:
     """The resident set of the runtime alone, before any model: after importing what every
     load imports (torch, transformers' model and cache classes, tokenizers). Those imports
@@ -132,34 +114,7 @@ def _runtime_mb() -> float | None:
     import transformers.cache_utils
     import transformers.modeling_utils  # noqa: F401
 
-    return _rss_mb()
-
-
-Prefill = Callable[[list[int]], tuple[float, float]]
-"""prefill(prompt) -> (seconds prefilling it, seconds to its first new token)."""
-Decode = Callable[[list[int], int], tuple[list[float], list[int] | None]]
-"""decode(prompt, n) -> (seconds of each decoded token, the tokens; None: not comparable)."""
-
-
-def _timed(
-    prefill: Prefill, decode: Decode, ids: list[int], sizes: tuple[int, ...], n: int
-) -> dict[str, Any]:
-    """The figures every set-up reports, from its own two timings: a warm-up (first-call
-    allocations, thread pools), prefill at each of `sizes` (the median of a few runs), then
-    `n` tokens decoded after a `DECODE_PROMPT`-token prompt."""
-    decode(ids[:16], 4)
-    runs = {str(size): [prefill(ids[:size]) for _ in range(PREFILL_REPEATS.get(size, 1))] for size in sizes}
-    ttft = {size: statistics.median(t for _, t in r) for size, r in runs.items()}
-    latencies, tokens = decode(ids[:DECODE_PROMPT], n)
-    return {
-        "decode_tps": len(latencies) / sum(latencies) if latencies else 0.0,
-        "ms_per_token_p50": 1000 * quantile(latencies, 0.5),
-        "ms_per_token_p90": 1000 * quantile(latencies, 0.9),
-        "prefill_tps": {size: int(size) / statistics.median(p for p, _ in r) for size, r in runs.items()},
-        "ttft_s": ttft[str(DECODE_PROMPT)],
-        "ttft_s_by_prompt": ttft,
-        **({} if tokens is None else {"tokens": tokens}),
-    }
+    return rss_mb()
 
 
 def _engine_worker(
@@ -222,7 +177,7 @@ def _engine_worker(
     drafts: dict[str, int] = {}
 
     out = {
-        **_timed(prefill, decode, ids, sizes, spec["decode_tokens"]),
+        **timed(prefill, decode, ids, sizes, spec["decode_tokens"]),
         "setup_s": setup_s,
         "ready_at": ready,
         **(drafts if draft != "off" else {}),
@@ -294,95 +249,9 @@ def _generate_worker(
         return [b - a for a, b in zip(clock.times[1:], clock.times[2:])], clock.tokens
 
     gc_ready()
-    out = {"ready_at": time.time(), **_timed(prefill, decode, ids, sizes, spec["decode_tokens"])}
+    out = {"ready_at": time.time(), **timed(prefill, decode, ids, sizes, spec["decode_tokens"])}
     if spec.get("reference"):
         out.update(judge_decoder(model, None, spec["reference"]))
-    return out
-
-
-def _llama_task_prompt(llm: Any, task: str) -> list[int] | None:
-    """`task_prompt` for llama.cpp: the same chat message through the GGUF file's own chat
-    template and tokenizer (None for "text")."""
-    message = TASKS[task]
-    if message is None:
-        return None
-    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-    text = resources.files("chatbot").joinpath("data/long_text.txt").read_text(encoding="utf-8")
-    content = message.format(text=" ".join(text.split()[:300]))
-    meta = llm.metadata
-    vocab = llm._model  # the template's special tokens, as llama-cpp-python's own chat handler
-    formatter = Jinja2ChatFormatter(
-        template=meta["tokenizer.chat_template"],
-        eos_token=vocab.token_get_text(vocab.token_eos()),
-        bos_token=vocab.token_get_text(vocab.token_bos()),
-    )
-    rendered = formatter(messages=[{"role": "user", "content": content}]).prompt
-    return list(llm.tokenize(rendered.encode("utf-8"), add_bos=False, special=True))
-
-
-def _llama_generate_decode(llm: Any, prompt: list[int], n: int) -> list[float]:
-    """Greedy tokens through llama-cpp-python's `generate` loop (its drafts verified there,
-    where it has a draft model): the time between tokens, the prompt's pass left out."""
-    latencies: list[float] = []
-    start = time.perf_counter()
-    for _ in llm.generate(prompt, temp=0.0, repeat_penalty=1.0, reset=True):
-        now = time.perf_counter()
-        latencies.append(now - start)
-        start = now
-        if len(latencies) > n:
-            break
-    return latencies[1:]
-
-
-def _llama_cpp_worker(text: str, sizes: tuple[int, ...], spec: dict[str, Any]) -> dict[str, Any]:
-    """llama.cpp through llama-cpp-python (an optional peer), on the GGUF file itself; as
-    `llama.cpp-ngram`, with its prompt lookup decoding in its own generate loop."""
-    import numpy as np
-    from llama_cpp import Llama
-    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-    runtime = _rss_mb()  # Python, numpy and the llama.cpp library, before the model
-    t0 = time.perf_counter()
-    threads = spec["threads"]
-    lookup = spec["name"] == LLAMA_CPP_NGRAM
-    # A draft model needs every position's logits (n_ctx x vocab floats): logits_all, which
-    # llama-cpp-python 0.3 turns on itself but sizes its array without (n_batch rows only).
-    llm = Llama(model_path=spec["gguf"], n_ctx=4096, n_batch=512, n_threads=threads, n_threads_batch=threads,
-                verbose=False, logits_all=lookup,
-                draft_model=LlamaPromptLookupDecoding() if lookup else None)  # fmt: skip
-    setup_s = time.perf_counter() - t0
-    gc_ready()
-    ready = time.time()
-    ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
-    vocab = llm.n_vocab()
-    task = _llama_task_prompt(llm, spec.get("task") or "text")
-
-    def prefill(prompt: list[int]) -> tuple[float, float]:
-        llm.reset()
-        start = time.perf_counter()
-        llm.eval(prompt)
-        return (time.perf_counter() - start,) * 2
-
-    def decode(prompt: list[int], n: int) -> tuple[list[float], None]:
-        if task is not None or lookup:  # the chat message, or drafts: its generate loop
-            return _llama_generate_decode(llm, task or prompt, n), None
-        prefill(prompt)
-        latencies = []
-        for _ in range(n):
-            start = time.perf_counter()
-            # Without logits_all, llama-cpp-python keeps no scores; the context has the last row.
-            llm.eval([int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))))])
-            latencies.append(time.perf_counter() - start)
-        return latencies[1:], None  # its own tokenizer's ids: not comparable with transformers'
-
-    out = _timed(prefill, decode, ids, sizes, spec["decode_tokens"])
-    out.update(setup_s=setup_s, ready_at=ready, runtime_mb=runtime)
-    if spec.get("reference"):
-        from chatbot.engine.stats import peak_rss_bytes
-
-        out["peak_mem_mb"] = peak_rss_bytes() / 2**20  # before the judge's arrays
-        out.update(judge_llama_cpp(llm, spec["reference"]))
     return out
 
 
@@ -393,7 +262,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     text = bench_text(Path(spec["text"]) if spec.get("text") else None)
     if name in (LLAMA_CPP, LLAMA_CPP_NGRAM):
         # llama.cpp's process imports neither torch nor transformers: its load time is its own
-        out = _llama_cpp_worker(text, sizes, spec)
+        out = llama_cpp_worker(text, sizes, spec)
     else:
         import torch
 

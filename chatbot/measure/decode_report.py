@@ -9,6 +9,7 @@ from typing import Any
 from chatbot.wording import counted
 
 LLAMA_CPP = "llama.cpp"
+LLAMA_CPP_NGRAM = f"{LLAMA_CPP}-ngram"  # llama-cpp-python's prompt lookup decoding
 """The set-up name of llama.cpp in `chatbot bench decode`."""
 BASELINE = "transformers-generate"
 """The set-up whose greedy tokens the others are compared with."""
