@@ -106,7 +106,7 @@ def ours(model: Any, compiled: bool, n: int) -> dict[str, Any]:
                 steps = device_token_steps(backend, kv, logits, sampler)  # type: ignore[arg-type]
             else:
                 host = Sampler(sampling, prompt, LogitsProcessorList(), None, engine.device)
-                steps = token_steps(lambda token: engine._step(kv, token), kv, logits, host)
+                steps = token_steps(lambda token: engine.step(kv, token), kv, logits, host)
             sync(engine.device)
             times = [time.perf_counter()]
             for i, _ in enumerate(steps):  # each token is read back before it is yielded

@@ -7,6 +7,7 @@ references) is in helpers.py."""
 from __future__ import annotations
 
 import os
+import signal
 
 # Every TrackedCache checks its invariant after each change (also in REPL subprocesses).
 os.environ.setdefault("CHATBOT_DEBUG_CACHE", "1")
@@ -20,6 +21,12 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "needs_kernels: calls the native C kernels; skipped where they cannot be built"
     )
+    # A suite started in the background inherits signals ignored (SIGHUP under nohup, SIGINT
+    # where a shell without job control runs `cmd &`), and so would every chat it starts: the
+    # Ctrl-C and hang-up tests would test the runner's shell. They get their defaults back.
+    for signum, handler in ((signal.SIGINT, signal.default_int_handler), (signal.SIGHUP, signal.SIG_DFL)):
+        if signal.getsignal(signum) is signal.SIG_IGN:
+            signal.signal(signum, handler)
 
 
 @pytest.fixture(scope="session")
