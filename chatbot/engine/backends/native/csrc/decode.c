@@ -177,8 +177,10 @@ static void moe_mlp(const Model *m, int l, Vec *vec, const float *xn, float *gu,
     matvec_par(&m->router[l], vec, lg);
     route(m, lg, m->router_bias ? m->router_bias[l] : NULL, ids, w);
     const Group *all = &m->wgu[l];
+    /* (moe_split has no expert biases nor the clamped SwiGLU: gpt-oss takes the loop below) */
     const int split = team_size() > 1 && k >= team_size() && !all->part[0].x8 && !all->part[1].x8 &&
-                      !m->wdown[l].part[0].x8;
+                      !m->wdown[l].part[0].x8 && !m->exp_gu_bias && !m->exp_down_bias &&
+                      m->act_fn != ACT_FN_SWIGLU_OAI;
     if (split) moe_split(m, l, vec, xn, ids, w, own_gu, hid, lg + m->n_experts, x);
     for (int j = 0; j < k && !split; j++) {
         Group g = *all;
