@@ -409,9 +409,9 @@ def bench_decode(
     task: Annotated[
         str,
         typer.Option(
-            help="What our set-ups decode: text (a 50-token cut of the text, continued), repeat (a chat "
-            "message asking to repeat ~300 words of chatbot/data/long_text.txt: grounded in its input) "
-            "or write (free writing)."
+            help="What our set-ups decode: text (a 50-token cut of the text, continued), repeat or edit (a "
+            "chat message asking to repeat or to proofread ~300 words of prose from "
+            "chatbot/data/long_text.txt: grounded in its input) or write (free writing)."
         ),
     ] = "text",
     draft: DraftFileOpt = None,
@@ -423,12 +423,13 @@ def bench_decode(
     """Decode and prefill speed, time to first token and peak memory: transformers generate(),
     our engine at each --opt level, and llama.cpp, side by side (one process per set-up)."""
     from chatbot.measure.bench_decode import run_decode_bench
+    from chatbot.measure.bench_timing import TASKS
     from chatbot.measure.decode_report import print_decode
     from chatbot.measure.report import parse_counts, read_text, write_json
 
     chosen = names(setups) or None
-    if task not in ("text", "repeat", "write"):
-        raise ConfigError(f"--task must be one of text, repeat, write, got {task!r}")
+    if task not in TASKS:
+        raise ConfigError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
     extra = names(also)
     unknown = sorted(set(extra) - {"turns", "streaming"})
     if unknown:

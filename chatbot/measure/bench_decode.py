@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from chatbot.engine.seq import common_prefix
-from chatbot.measure.bench_timing import DECODE_PROMPT, TASKS, rss_mb, timed
+from chatbot.measure.bench_timing import DECODE_PROMPT, rss_mb, task_message, timed
 from chatbot.measure.decode_report import BASELINE, LLAMA_CPP, LLAMA_CPP_NGRAM
 from chatbot.measure.llama_worker import llama_cpp_worker
 from chatbot.measure.quality import judge_decoder, write_reference
@@ -78,12 +78,9 @@ def why_not_measured(name: str, other_model: bool) -> str | None:
 
 def task_prompt(tokenizer: Any, task: str) -> list[int] | None:
     """The ids of `task`'s chat prompt (None for "text": the caller's cut of the text)."""
-    message = TASKS[task]
-    if message is None:
+    content = task_message(task)
+    if content is None:
         return None
-    text = resources.files("chatbot").joinpath("data/long_text.txt").read_text(encoding="utf-8")
-    words = " ".join(text.split()[:300])
-    content = message.format(text=words)
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                              add_generation_prompt=True)  # fmt: skip
     return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
@@ -428,7 +425,8 @@ def run_decode_bench(
             always one: decoding starts after a 50-token prompt).
         progress: told of each worker as it starts (`Progress`).
         task: what our set-ups decode (`TASKS`): a cut of the text, or a chat message
-            repeating ~300 words of it ("repeat") or writing freely ("write").
+            repeating or proofreading ~300 words of prose ("repeat", "edit") or writing freely
+            ("write").
         draft_model: the draft model of the `-draft` set-ups.
 
     Returns:

@@ -4,8 +4,10 @@ the tasks it decodes, its resident memory, and its figures from its own prefill 
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections.abc import Callable
+from importlib import resources
 from typing import Any
 
 from chatbot.engine.seq import quantile
@@ -16,10 +18,33 @@ DECODE_PROMPT = 50  # tokens before the decoded ones: a short chat message
 TASKS = {
     "text": None,  # the bench's text, 50 tokens of it, continued
     "repeat": "Repeat this text word for word:\n\n{text}",  # grounded in its input
+    "edit": "Please proofread and correct this text, returning the full corrected text:\n\n{text}",
     "write": "Write a long story about a lighthouse keeper who finds a message in a bottle.",
 }
-"""What `--task` decodes: a chat message (`{text}`: ~300 words of chatbot/data/long_text.txt),
-or None: a cut of the bench's text. Speculative decoding pays on the grounded one."""
+"""What `--task` decodes: a chat message (`{text}`: ~300 words of prose from
+chatbot/data/long_text.txt), or None: a cut of the bench's text. Speculative decoding pays on
+the grounded ones; "edit" is grounded to its end (the default model answers it with the whole
+text, 383 tokens, where it paraphrases "repeat" after a sentence or two and ends it at 90)."""
+TASK_WORDS = 300
+
+
+def task_message(task: str) -> str | None:
+    """The chat message of `task` (None for "text"): its words are the first `TASK_WORDS` of
+    the shipped text's prose paragraphs (its headings, directives and code left out)."""
+    message = TASKS[task]
+    if message is None:
+        return None
+    text = resources.files("chatbot").joinpath("data/long_text.txt").read_text(encoding="utf-8")
+    prose = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text) if _is_prose(p)]
+    return message.format(text=" ".join(" ".join(prose).split()[:TASK_WORDS]))
+
+
+def _is_prose(paragraph: str) -> bool:
+    """A paragraph of sentences: not indented (code, directives), not a heading's underline,
+    not a directive (`.. x::`), and long enough to be more than a title."""
+    first = paragraph.lstrip("\n")
+    return bool(first) and not first[0].isspace() and not first.startswith((".", ":", "=", "-")) \
+        and len(paragraph.split()) >= 25  # fmt: skip
 
 
 def rss_mb() -> float | None:

@@ -4,10 +4,9 @@ llama-cpp-python, an optional peer that is never a dependency; run in a worker p
 from __future__ import annotations
 
 import time
-from importlib import resources
 from typing import Any
 
-from chatbot.measure.bench_timing import TASKS, rss_mb, timed
+from chatbot.measure.bench_timing import rss_mb, task_message, timed
 from chatbot.measure.decode_report import LLAMA_CPP_NGRAM
 from chatbot.measure.quality import judge_llama_cpp
 from chatbot.models.gc_pause import ready as gc_ready
@@ -16,13 +15,11 @@ from chatbot.models.gc_pause import ready as gc_ready
 def _llama_task_prompt(llm: Any, task: str) -> list[int] | None:
     """`task_prompt` for llama.cpp: the same chat message through the GGUF file's own chat
     template and tokenizer (None for "text")."""
-    message = TASKS[task]
-    if message is None:
+    content = task_message(task)
+    if content is None:
         return None
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    text = resources.files("chatbot").joinpath("data/long_text.txt").read_text(encoding="utf-8")
-    content = message.format(text=" ".join(text.split()[:300]))
     meta = llm.metadata
     vocab = llm._model  # the template's special tokens, as llama-cpp-python's own chat handler
     formatter = Jinja2ChatFormatter(

@@ -147,29 +147,68 @@ CB_MULTI_FUNCS(q8_0_i16, block_q8_0, Q80_UNPACK)
 #endif
 
 #ifdef CB_AVX2
-/* s[t] = row . v[t] for Q4_1 weights and int8 inputs (ACT_Q8, what --opt auto feeds the
- * layers): dot_q4_1_q8's arithmetic for each input in its order, so each result equals it
- * exactly; a block's weights are unpacked and its scales converted once for the B inputs, and
- * the B chains of FMAs overlap (one row alone waits on each FMA's latency). Made for each B
- * with B a constant (dot_q4_1_q8_multi), so the sums stay in registers. */
-static inline __attribute__((always_inline)) void dot_q4_1_q8_multi_(const block_q4_1 *b, const Vec *v, const int B,
-                                                                     int k, float *s) {
+/* s[t] = row . v[t] for N <= 8 of the inputs (t = off..off + N - 1 of the B whose numbers
+ * transpose_scales put in tq, `stride` = B) with Q4_1 weights and int8 inputs (ACT_Q8, what
+ * --opt auto feeds the layers): dot_q4_1_q8's arithmetic for each input in its order, so each
+ * result equals it exactly. A block's weights are unpacked once for the N inputs, the scale
+ * products d x qd of the row's blocks are made ahead (each FMA takes its scale from memory), and
+ * the min terms m x qs of the N inputs are one vector chain of the same products and sums: an
+ * input costs a block four vector operations (vpmaddubsw, vpmaddwd, a conversion, an FMA), where
+ * one row alone also spends a scalar product, a broadcast and the scalar min term. Made for each
+ * N with N a constant (dot_q4_1_q8_multi), so the sums stay in registers. */
+static inline __attribute__((always_inline)) void dot_q4_1_q8_multi_(const block_q4_1 *b, const Vec *v, const int N,
+                                                                     int k, const float *tq, int stride, int off,
+                                                                     float *s) {
     const int nb = k / QK;
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    __m256 acc[MAX_BATCH];
-    float ms[MAX_BATCH];
-    for (int t = 0; t < B; t++) acc[t] = _mm256_setzero_ps(), ms[t] = 0.0f;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(N), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    float scall[nb * N + 1], ms[8];
     for (int j = 0; j < nb; j++) {
+        const float d = fp16_to_f32(b[j].d);
+        for (int t = 0; t < N; t++) scall[j * N + t] = d * tq[(size_t)j * stride + off + t];
+    }
+    __m256 acc[8], msv = _mm256_setzero_ps();
+    for (int t = 0; t < N; t++) acc[t] = _mm256_setzero_ps();
+    for (int j = 0; j < nb; j++) {
+        _mm_prefetch((const char *)(b + j) + PREFETCH, _MM_HINT_T0);
         const __m128i raw = _mm_loadu_si128((const __m128i *)b[j].qs);
         const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4);
-        const float d = fp16_to_f32(b[j].d), mn = fp16_to_f32(b[j].m);
-        for (int t = 0; t < B; t++) {
-            const __m256i p = _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)(v[t].q + j * QK)));
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * v[t].qd[j]), sum_i16_pairs_ps(p), acc[t]);
-            ms[t] += mn * v[t].qs[j];
+        const float *sc = scall + j * N;
+        for (int t = 0; t < N; t++) {
+            const __m256i p = _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)(v[off + t].q + j * QK)));
+            acc[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + t), _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), acc[t]);
         }
+        const __m256 qs = _mm256_maskload_ps(tq + (size_t)(nb + j) * stride + off, lanes);
+        msv = _mm256_add_ps(msv, _mm256_mul_ps(_mm256_set1_ps(fp16_to_f32(b[j].m)), qs));
     }
-    for (int t = 0; t < B; t++) s[t] = hsum256(acc[t]) + ms[t];
+    _mm256_storeu_ps(ms, msv);
+    for (int t = 0; t < N; t++) s[off + t] = hsum256(acc[t]) + ms[t];
+}
+
+/* Q8_0 weights . int16 inputs for N <= 4 of the B inputs (as dot_q4_1_q8_multi_): dot_q8_0_i16's
+ * arithmetic for each input in its order (even blocks in one sum, odd ones in another), the
+ * weights widened to int16 once for the N inputs, the scale products made ahead. Four at most:
+ * each input holds two sums, and the widened weights two registers more. */
+static inline __attribute__((always_inline)) void dot_q8_0_i16_multi_(const block_q8_0 *b, const Vec *v, const int N,
+                                                                      int k, const float *tq, int stride, int off,
+                                                                      float *s) {
+    const int nb = k / QK;
+    float scall[nb * N + 1];
+    for (int j = 0; j < nb; j++) {
+        const float d = fp16_to_f32(b[j].d);
+        for (int t = 0; t < N; t++) scall[j * N + t] = d * tq[(size_t)j * stride + off + t];
+    }
+    __m256 acc[2][4];
+    for (int t = 0; t < N; t++) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
+    for (int j = 0; j < nb; j++) {
+        _mm_prefetch((const char *)(b + j) + PREFETCH, _MM_HINT_T0);
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b[j].qs));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b[j].qs + 16)));
+        const float *sc = scall + j * N;
+        for (int t = 0; t < N; t++)
+            acc[j & 1][t] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + t), i16_block_sums(w0, w1, v[off + t].q16 + j * QK), acc[j & 1][t]);
+    }
+    for (int t = 0; t < N; t++) s[off + t] = hsum256(_mm256_add_ps(acc[0][t], acc[1][t]));
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -221,38 +260,49 @@ static void dot_q4_1_q8_vnni(const block_q4_1 *b, const Vec *v, int B, int k, co
 }
 #endif
 
-static void dot_q4_1_q8_multi(const block_q4_1 *b, const Vec *v, int B, int k, float *s) {
-    switch (B) {
-    case 1: s[0] = dot_q4_1_q8(b, v, k); return;
-    case 2: dot_q4_1_q8_multi_(b, v, 2, k, s); return;
-    case 3: dot_q4_1_q8_multi_(b, v, 3, k, s); return;
-    case 4: dot_q4_1_q8_multi_(b, v, 4, k, s); return;
-    case 5: dot_q4_1_q8_multi_(b, v, 5, k, s); return;
-    case 6: dot_q4_1_q8_multi_(b, v, 6, k, s); return;
-    case 7: dot_q4_1_q8_multi_(b, v, 7, k, s); return;
-    case 8: dot_q4_1_q8_multi_(b, v, 8, k, s); return;
-    default: /* 9..16: two halves, each with its sums in registers */
-        dot_q4_1_q8_multi_(b, v, 8, k, s);
-        dot_q4_1_q8_multi(b, v + 8, B - 8, k, s + 8);
+/* s[t] = row . v[t], t < B (2..MAX_BATCH), for Q4_1 and int8 inputs: eight inputs a pass */
+static void dot_q4_1_q8_multi(const block_q4_1 *b, const Vec *v, int B, int k, const float *tq, float *s) {
+    for (int off = 0; off < B; off += 8) {
+        switch (B - off < 8 ? B - off : 8) {
+#define Q41_CASE(N) \
+    case N: dot_q4_1_q8_multi_(b, v, N, k, tq, B, off, s); break;
+            Q41_CASE(1) Q41_CASE(2) Q41_CASE(3) Q41_CASE(4) Q41_CASE(5) Q41_CASE(6) Q41_CASE(7) Q41_CASE(8)
+#undef Q41_CASE
+        }
+    }
+}
+
+/* The same for Q8_0 and int16 inputs (what --opt auto feeds the output layer): four a pass */
+static void dot_q8_0_i16_multi4(const block_q8_0 *b, const Vec *v, int B, int k, const float *tq, float *s) {
+    for (int off = 0; off < B; off += 4) {
+        switch (B - off < 4 ? B - off : 4) {
+        case 1: dot_q8_0_i16_multi_(b, v, 1, k, tq, B, off, s); break;
+        case 2: dot_q8_0_i16_multi_(b, v, 2, k, tq, B, off, s); break;
+        case 3: dot_q8_0_i16_multi_(b, v, 3, k, tq, B, off, s); break;
+        case 4: dot_q8_0_i16_multi_(b, v, 4, k, tq, B, off, s); break;
+        }
     }
 }
 #endif
 
-/* Whether dot_vec_multi takes m's rows in one pass for the B inputs v (then it needs
- * transpose_scales' numbers) */
+/* Whether dot_vec_multi takes m's rows in one pass for the B inputs v with int16 inputs (then
+ * it needs transpose_scales' numbers): Q4_1 and Q8_0 with AVX-512, Q8_0 with AVX2 */
 static inline int multi_pass(const Mat *m, const Vec *v) {
 #if defined(__AVX512BW__) && defined(CB_AVX2)
     return v[0].act == ACT_I16 && (m->fmt == FMT_Q4_1 || m->fmt == FMT_Q8_0);
+#elif defined(CB_AVX2)
+    return v[0].act == ACT_I16 && m->fmt == FMT_Q8_0;
 #else
     (void)m, (void)v;
     return 0;
 #endif
 }
 
-/* Whether dot_vec_multi takes m's rows for B inputs with dot_q4_1_q8_vnni (which needs them too) */
+/* Whether dot_vec_multi takes m's rows for B int8 inputs in one pass (dot_q4_1_q8_vnni, or
+ * dot_q4_1_q8_multi: they need them too) */
 static inline int int8_pass(const Mat *m, const Vec *v, int B) {
-#ifdef Q41_VNNI
-    return B >= Q41_VNNI_MIN && v[0].act == ACT_Q8 && m->fmt == FMT_Q4_1 && !m->x8;
+#ifdef CB_AVX2
+    return B >= 2 && v[0].act == ACT_Q8 && m->fmt == FMT_Q4_1 && !m->x8;
 #else
     (void)m, (void)v, (void)B;
     return 0;
@@ -281,18 +331,24 @@ static inline void dot_vec_multi(const Mat *m, int n, const Vec *v, int B, const
             dot_q8_0_i16_multi((const block_q8_0 *)row, v, B, m->cols, tq, s);
         return;
     }
+#elif defined(CB_AVX2)
+    if (multi_pass(m, v)) {
+        dot_q8_0_i16_multi4((const block_q8_0 *)((const char *)m->data + (size_t)n * row_bytes(m)), v, B, m->cols, tq, s);
+        return;
+    }
 #else
     (void)tq;
 #endif
-#ifdef Q41_VNNI
-    if (int8_pass(m, v, B)) {
-        dot_q4_1_q8_vnni((const block_q4_1 *)((const char *)m->data + (size_t)n * row_bytes(m)), v, B, m->cols, tq, s);
-        return;
-    }
-#endif
 #ifdef CB_AVX2
-    if (B > 1 && m->fmt == FMT_Q4_1 && v[0].act == ACT_Q8 && !m->x8) {
-        dot_q4_1_q8_multi((const block_q4_1 *)((const char *)m->data + (size_t)n * row_bytes(m)), v, B, m->cols, s);
+    if (int8_pass(m, v, B)) {
+        const block_q4_1 *row = (const block_q4_1 *)((const char *)m->data + (size_t)n * row_bytes(m));
+#ifdef Q41_VNNI
+        if (B >= Q41_VNNI_MIN) {
+            dot_q4_1_q8_vnni(row, v, B, m->cols, tq, s);
+            return;
+        }
+#endif
+        dot_q4_1_q8_multi(row, v, B, m->cols, tq, s);
         return;
     }
 #endif
