@@ -237,8 +237,9 @@ def test_bad_draft_models_are_refused_in_one_line(tmp_path):
 def test_serve_with_a_draft_model_answers_as_without_one(tmp_path):
     """`chatbot serve --draft FOLDER` (the model guessing for itself): requests answered with
     the draft model, by default and when they ask for it, give the plain server's answers, and
-    one that turns drafting off too; the official `openai` client."""
-    from openai import OpenAI
+    one that turns drafting off too; the official `openai` client. A server with no draft
+    model refuses a request for one (400 naming the field), not answering it plainly."""
+    from openai import BadRequestError, OpenAI
     from serve_helpers import running_server, save_tiny_model
 
     folder = str(save_tiny_model(tmp_path / "tiny"))
@@ -254,6 +255,9 @@ def test_serve_with_a_draft_model_answers_as_without_one(tmp_path):
     serve = ("--model", folder, "--served-model-name", "tiny")
     with running_server(*serve, log=tmp_path / "plain.log") as url:
         plain = ask(url)
+        with pytest.raises(BadRequestError, match="no draft model") as refused:
+            ask(url, draft="model")
+        assert refused.value.status_code == 400 and "--draft FILE" in str(refused.value)
     log = tmp_path / "draft.log"
     with running_server(*serve, "--draft", folder, log=log) as url:
         answers = [ask(url), ask(url, draft="model"), ask(url, draft="off"), ask(url, draft="ngram")]

@@ -35,6 +35,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from chatbot.config import SamplingConfig
 from chatbot.engine.stats import rss_bytes
 from chatbot.models.templates import thinking_switch
 from chatbot.server.body_limit import BodyLimit, default_max_body  # also re-exported
@@ -284,6 +285,10 @@ class OpenAIApi:
         self.check_model(model_id, None)
         return self.model_card
 
+    def sampling_of(self, body: ChatRequest | CompletionRequest) -> SamplingConfig:
+        limit, drafts = None if self.streaming_cache else self.max_context, self.pool.engine.draft_model
+        return sampling_of(body, self.pool.sampling, limit, draft_model=drafts is not None)
+
     async def chat(self, body: ChatRequest, request: Request) -> Any:
         self.check_model(body.model)
         if (
@@ -293,7 +298,7 @@ class OpenAIApi:
         ):
             return await self.chat_with_tools(body, request)
         conv = conversation_of(body)
-        sampling = sampling_of(body, self.pool.sampling, None if self.streaming_cache else self.max_context)
+        sampling = self.sampling_of(body)
         job = Job(
             conv, sampling, _nowhere, stops=body.stop_strings(), logprobs=body.top_logprobs_wanted(), n=body.n
         )
@@ -311,7 +316,7 @@ class OpenAIApi:
             prompt = tool_prompt(tokenizer, list(body.messages), tools)
         except ToolError as exc:
             raise APIError(400, str(exc), param=exc.param) from None
-        sampling = sampling_of(body, self.pool.sampling, None if self.streaming_cache else self.max_context)
+        sampling = self.sampling_of(body)
         if tools is not None and tools.forced:
             if sampling.output_format is not None:
                 raise APIError(
@@ -330,7 +335,7 @@ class OpenAIApi:
     async def complete(self, body: CompletionRequest, request: Request) -> Any:
         self.check_model(body.model)
         prompt = body.text()
-        sampling = sampling_of(body, self.pool.sampling, None if self.streaming_cache else self.max_context)
+        sampling = self.sampling_of(body)
         job = Job(
             None,
             sampling,

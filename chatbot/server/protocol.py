@@ -503,7 +503,10 @@ OPENAI_SAMPLING: dict[str, Any] = {s.name: s.openai_default for s in SETTINGS if
 
 
 def sampling_of(
-    body: ChatRequest | CompletionRequest, base: SamplingConfig, max_context: int | None
+    body: ChatRequest | CompletionRequest,
+    base: SamplingConfig,
+    max_context: int | None,
+    draft_model: bool = False,
 ) -> SamplingConfig:
     """The request's sampling settings over the server's defaults (the model's preset and
     generation config, `server_sampling`).
@@ -511,6 +514,7 @@ def sampling_of(
     A request that sets neither temperature nor top_p gets the defaults whole; one that sets
     either gets OpenAI's sampling: what it leaves out at OpenAI's defaults, not the preset's,
     unless it sends vLLM's `top_k` / `repetition_penalty`. max_tokens and seed apply alone.
+    `draft_model`: whether the server has a draft model (`serve --draft FILE`) for `draft: "model"`.
 
     Raises:
         APIError: a value out of range, or a field we do not support.
@@ -540,6 +544,8 @@ def sampling_of(
             sampling = sampling.with_value(key, value)
         except ConfigError as exc:
             raise APIError(400, str(exc).replace("max_new_tokens", max_param), param=param) from None
+    if sampling.draft == "model" and not draft_model and getattr(body, "draft", None) == "model":
+        raise APIError(400, "draft: this server has no draft model (serve --draft FILE)", param="draft")
     think, think_param = body.think() if isinstance(body, ChatRequest) else (None, "")
     if think is not None:
         try:
