@@ -181,3 +181,26 @@ def test_bench_decode_llama_cpp_ngram_says_why_it_is_missing(monkeypatch, capsys
         in words
     )
     assert any(line.startswith("│ chatbot-auto ") for line in stdout.splitlines())
+
+
+def test_bench_decode_tasks_are_chat_messages_of_prose_and_a_wrong_one_is_refused(capsys):
+    """The grounded tasks ask about ~300 words of the shipped text's prose, in its order, with
+    its headings and directives left out (the default model answers `edit` with the whole text);
+    an unknown `--task` is one line naming the choices."""
+    import re
+    from importlib import resources
+
+    from chatbot.measure.bench_timing import TASK_WORDS, task_message
+
+    shipped = " ".join(resources.files("chatbot").joinpath("data/long_text.txt").read_text().split())
+    for task in ("repeat", "edit"):
+        message = task_message(task)
+        assert message is not None
+        instruction, _, text = message.partition("\n\n")
+        assert instruction.endswith(":") and len(text.split()) == TASK_WORDS
+        assert text.startswith("Python is an interpreted, interactive, object-oriented programming language.")
+        assert not re.search(r"^[=\-.]|::|={3}", text, re.MULTILINE)
+        for sentence in re.split(r"(?<=\.) ", text)[:-1]:  # each whole sentence is the text's own
+            assert sentence in shipped, sentence
+    assert task_message("text") is None and "lighthouse" in (task_message("write") or "")
+    assert_one_line_error(capsys, "bench", "decode", "--task", "summary", match="text, repeat, edit, write")
