@@ -6,11 +6,11 @@ Why: importing `transformers.models.<arch>.modeling_<arch>` and its config class
 transformers' model loading (`torch.distributed.tensor`), its masks (`torch._dynamo`),
 accelerate and PIL: 1.7-2.0 s of a one-shot's ~4 s on an idle core, for a model whose
 matrices are the GGUF file's blocks (`packed`) and whose decode steps run in the kernels.
-What stays from transformers: its `GenerationConfig` and its `DynamicCache` where a pass
-is given no cache. The output class and the attention are our own: `sdpa_attention` makes the
-call of torch's `scaled_dot_product_attention` that transformers' "sdpa" attention makes on
-the CPU (the same arguments, so the products are the very same; tests/test_native_skeleton.py
-compares them), without importing transformers.
+What stays from transformers: its `DynamicCache` where a pass asks for a cache and is given
+none (the engine always gives one). The generation config is our own `GenerationDefaults`;
+so are the output class and the attention: `sdpa_attention` makes the call of torch's
+`scaled_dot_product_attention` that transformers' "sdpa" attention makes on the CPU (the same
+arguments, so the products are the very same; tests/test_own_model.py compares them).
 
 The forward pass follows transformers' `LlamaForCausalLM` (5.x): RMSNorm in float32, the
 default rotary embedding, and the mask `create_causal_mask` makes for sdpa: none where
@@ -96,6 +96,40 @@ class CausalLMOutput:
     @property
     def past_key_values(self) -> Any:
         return self.cache
+
+
+@dataclasses.dataclass
+class GenerationDefaults:
+    """Our own model's `generation_config`: what transformers' `GenerationConfig.from_model_config`
+    makes of a GGUF file's config, which holds no generation settings: its token ids, and
+    every sampling setting unset (None, as on `GenerationConfig()`: the settings' own
+    defaults apply, `chatbot.engine.sampling.sampling_from_model`). The chat template's stop
+    ids join `eos_token_id` (`chatbot.models.templates`). `to_transformers` gives transformers'
+    (for callers of its `generate` builders, `chatbot.compat.colossal`)."""
+
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    do_sample: bool | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+
+    @classmethod
+    def from_model_config(cls, config: Any) -> GenerationDefaults:
+        ids = {k: getattr(config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        return cls(**ids)
+
+    def to_transformers(self, config: Any) -> Any:
+        """transformers' `GenerationConfig.from_model_config(config)`, with what is set here."""
+        from transformers.generation.configuration_utils import GenerationConfig
+
+        generation = GenerationConfig.from_model_config(config)
+        for key, value in dataclasses.asdict(self).items():
+            if value is not None:
+                setattr(generation, key, value)
+        return generation
 
 
 attention_function: Callable[..., tuple[torch.Tensor, Any]] = sdpa_attention
@@ -338,14 +372,12 @@ class CausalLM(nn.Module):
     keeps_pass_queries = True
 
     def __init__(self, config: Any) -> None:
-        from transformers.generation.configuration_utils import GenerationConfig
-
         super().__init__()
         self.config = config
         self.model = Model(config)
         self.vocab_size = config.vocab_size
         self.lm_head: nn.Module = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.generation_config = GenerationConfig.from_model_config(config)
+        self.generation_config = GenerationDefaults.from_model_config(config)
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.embed_tokens
