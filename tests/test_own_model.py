@@ -127,8 +127,9 @@ def test_bench_decodes_baseline_gets_transformers_class_with_generate(cache_home
 @pytest.mark.slow
 def test_the_default_model_answers_and_tokenizes_as_through_transformers(monkeypatch):
     """The default model, loaded from its cache without transformers' config, tokenizer and
-    model classes: the same greedy tokens, ids, decoded text and rendered chat template as
-    transformers' classes give (AutoTokenizer, LlamaForCausalLM)."""
+    model classes (its tokenizer is ours, `chatbot.gguf.tokenizer`): the same greedy tokens,
+    ids, decoded text and rendered chat template as transformers' classes give (AutoTokenizer,
+    LlamaForCausalLM)."""
     from transformers import AutoTokenizer
 
     from chatbot.config import SamplingConfig
@@ -143,7 +144,7 @@ def test_the_default_model_answers_and_tokenizes_as_through_transformers(monkeyp
     cache = cache_root() / "gguf-meta" / f"{path.stem}-{gguf_model.metadata_key(path)}"
     auto = AutoTokenizer.from_pretrained(str(cache))
     mine = loaded.tokenizer
-    assert type(mine).__name__ == type(auto).__name__ == "TokenizersBackend"
+    assert type(mine).__name__ == "Tokenizer" and type(auto).__name__ == "TokenizersBackend"
     assert mine.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
     assert mine.special_tokens_map == auto.special_tokens_map and mine.chat_template == auto.chat_template
     texts = [

@@ -162,7 +162,9 @@ class Tokenizer:
             and (not conversation or isinstance(conversation[0], dict))
         )  # fmt: skip
         if not own:
-            return self.transformers().apply_chat_template(
+            theirs = self.transformers()
+            theirs.chat_template = self.chat_template  # (a fallback template may have been set here)
+            return theirs.apply_chat_template(
                 conversation,
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
