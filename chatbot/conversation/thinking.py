@@ -14,6 +14,9 @@ import re
 import time
 from collections.abc import Callable
 
+from chatbot.conversation.harmony import OPENED as HARMONY_OPENED
+from chatbot.conversation.harmony import HarmonySplitter
+
 OPEN_TAGS = ("<think>", "<thinking>", "<reasoning>")
 _OPEN = re.compile("|".join(re.escape(t) for t in OPEN_TAGS))
 
@@ -24,7 +27,10 @@ def close_tag(open_tag: str) -> str:
 
 def opens_thinking(text: str) -> str | None:
     """The thinking tag left open at the end of `text` (a generation prompt that opens
-    `<think>`), or None."""
+    `<think>`), or None. A harmony generation prompt (gpt-oss's, ending with
+    ``<|start|>assistant``) gives that end: the answer is read by channels (`splitter_for`)."""
+    if text.endswith(HARMONY_OPENED):
+        return HARMONY_OPENED
     matches = list(_OPEN.finditer(text))
     if not matches:
         return None
@@ -105,12 +111,18 @@ class ThinkingSplitter:
         return [(held, self.close is not None)] if held else []
 
 
+def splitter_for(opened: str | None) -> ThinkingSplitter | HarmonySplitter:
+    """The splitter of an answer after a prompt that left `opened` open (`opens_thinking`):
+    harmony's channels, or tags."""
+    return HarmonySplitter() if opened == HARMONY_OPENED else ThinkingSplitter(opened)
+
+
 class ThinkingMeter:
     """Counts a streamed answer's thinking: its tokens and the time from the first token to
     the end of the thinking (`tokens`, `seconds`)."""
 
     def __init__(self, opened: str | None = None) -> None:
-        self.splitter = ThinkingSplitter(opened)
+        self.splitter = splitter_for(opened)
         self.tokens = 0
         self.seconds = 0.0
         self.start: float | None = None
@@ -153,7 +165,7 @@ class ThinkingBudget:
         decode: Callable[[int], str],
     ) -> None:
         self.budget = budget
-        self.splitter = ThinkingSplitter(opened)
+        self.splitter = splitter_for(opened)
         self.encode = encode
         self.decode = decode
         self.tokens = 0
@@ -163,7 +175,8 @@ class ThinkingBudget:
         self.done = True
         assert self.splitter.close is not None
         sentence = CLOSING if self.tokens else "\n"
-        return self.encode(sentence + self.splitter.close + "\n\n")
+        after = "" if isinstance(self.splitter, HarmonySplitter) else "\n\n"  # a header ends it
+        return self.encode(sentence + self.splitter.close + after)
 
     def __call__(self, token: int | None) -> list[int]:
         if self.done:
