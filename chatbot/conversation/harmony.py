@@ -21,8 +21,9 @@ OPENED = START + "assistant"
 _BODY_ENDS = (END, RETURN, CALL, START)
 
 
-def _held_tail(text: str, marks: tuple[str, ...]) -> int:
-    """How many characters at the end of `text` may be the start of one of `marks`."""
+def held_tail(text: str, marks: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` may be the start of one of `marks` (a tag
+    or control token cut between two pieces of a stream)."""
     for n in range(min(len(text), max(len(m) for m in marks) - 1), 0, -1):
         if any(m.startswith(text[-n:]) for m in marks):
             return n
@@ -94,7 +95,7 @@ class HarmonySplitter:
                 self._end_message(mark)
                 text = text[at + len(mark) :]
                 continue
-            keep = _held_tail(text, _BODY_ENDS)
+            keep = held_tail(text, _BODY_ENDS)
             out.append((text[: len(text) - keep], self.thinking))
             self.held = text[len(text) - keep :]
             break

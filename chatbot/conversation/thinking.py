@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from chatbot.conversation.harmony import OPENED as HARMONY_OPENED
-from chatbot.conversation.harmony import HarmonySplitter
+from chatbot.conversation.harmony import HarmonySplitter, held_tail
 
 OPEN_TAGS = ("<think>", "<thinking>", "<reasoning>")
 _OPEN = re.compile("|".join(re.escape(t) for t in OPEN_TAGS))
@@ -36,15 +36,6 @@ def opens_thinking(text: str) -> str | None:
         return None
     last = matches[-1]
     return None if close_tag(last.group()) in text[last.end() :] else last.group()
-
-
-def _held_tail(text: str, tags: tuple[str, ...]) -> int:
-    """How many characters at the end of `text` may be the start of one of `tags`."""
-    for n in range(min(len(text), max(len(t) for t in tags) - 1), 0, -1):
-        tail = text[-n:]
-        if any(t.startswith(tail) for t in tags):
-            return n
-    return 0
 
 
 class ThinkingSplitter:
@@ -83,7 +74,7 @@ class ThinkingSplitter:
                     self.close = None
                     self.done = True
                     continue
-                keep = _held_tail(text, (self.close,))
+                keep = held_tail(text, (self.close,))
                 out.append((text[: len(text) - keep], True))
                 self.held = text[len(text) - keep :]
                 break
