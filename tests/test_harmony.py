@@ -270,3 +270,22 @@ def test_a_thinking_budget_ends_the_analysis_and_opens_the_final_message():
     closing = tok.decode(inserted)
     assert closing == CLOSING + "<|end|><|start|>assistant<|channel|>final<|message|>"
     assert split_harmony(STREAM[: STREAM.index(THOUGHT) + 5] + closing + ANSWER)[1] == ANSWER
+
+
+def test_a_continued_answer_is_read_from_the_channel_it_stopped_in(harmony_session):
+    """/continue after the token limit cut the analysis: the rest of the thinking is still
+    thinking and the final message the answer (the splitter starts where the answer was)."""
+    from chatbot.config import SamplingConfig
+
+    session, tok, _ = harmony_session
+    head = "<|channel|>analysis<|message|>The user"
+    cut = len(tok.encode(head, add_special_tokens=False))
+    first = "".join(c.text for c in session.send("Hi!", SamplingConfig(temperature=0.0, max_new_tokens=cut)))
+    assert first == head
+    rest = list(session.continue_answer(SamplingConfig(temperature=0.0, max_new_tokens=80)))
+    assert first + "".join(c.text for c in rest) == STREAM
+    splitter = splitter_for(session.thinking_opened)
+    parts = [p for c in rest for p in splitter.feed(c.text)] + splitter.flush()
+    assert "".join(p for p, t in parts if t) == THOUGHT[len("The user") :]
+    assert "".join(p for p, t in parts if not t) == ANSWER
+    assert_ids_match_text(session)

@@ -14,8 +14,8 @@ import re
 import time
 from collections.abc import Callable
 
+from chatbot.conversation.harmony import CALL, RETURN, START, HarmonySplitter, held_tail
 from chatbot.conversation.harmony import OPENED as HARMONY_OPENED
-from chatbot.conversation.harmony import HarmonySplitter, held_tail
 
 OPEN_TAGS = ("<think>", "<thinking>", "<reasoning>")
 _OPEN = re.compile("|".join(re.escape(t) for t in OPEN_TAGS))
@@ -27,10 +27,12 @@ def close_tag(open_tag: str) -> str:
 
 def opens_thinking(text: str) -> str | None:
     """The thinking tag left open at the end of `text` (a generation prompt that opens
-    `<think>`), or None. A harmony generation prompt (gpt-oss's, ending with
-    ``<|start|>assistant``) gives that end: the answer is read by channels (`splitter_for`)."""
-    if text.endswith(HARMONY_OPENED):
-        return HARMONY_OPENED
+    `<think>`), or None. Where `text` ends in a harmony answer (gpt-oss's: a generation prompt
+    ending with ``<|start|>assistant``, or an answer being continued), the text from that
+    ``<|start|>assistant`` on: the answer is read by channels, from there (`splitter_for`)."""
+    at = text.rfind(HARMONY_OPENED)
+    if at >= 0 and not any(t in text[at + len(HARMONY_OPENED) :] for t in (START, RETURN, CALL)):
+        return text[at:]
     matches = list(_OPEN.finditer(text))
     if not matches:
         return None
@@ -104,8 +106,12 @@ class ThinkingSplitter:
 
 def splitter_for(opened: str | None) -> ThinkingSplitter | HarmonySplitter:
     """The splitter of an answer after a prompt that left `opened` open (`opens_thinking`):
-    harmony's channels, or tags."""
-    return HarmonySplitter() if opened == HARMONY_OPENED else ThinkingSplitter(opened)
+    harmony's channels (in the state the answer so far left them), or tags."""
+    if opened is None or not opened.startswith(HARMONY_OPENED):
+        return ThinkingSplitter(opened)
+    splitter = HarmonySplitter()
+    splitter.feed(opened[len(HARMONY_OPENED) :])
+    return splitter
 
 
 class ThinkingMeter:
