@@ -427,8 +427,10 @@ def _add_bpe_tokenizer(
     if harmony:
         first = min(199998, vocab - room)
         for i, special in enumerate(HARMONY_SPECIALS):
+            if special in tokens[:first]:  # the base vocabulary's <|endoftext|>: no token twice
+                special = f"<|reserved_{first + i}|>"
             tokens[first + i], types[first + i] = special, int(gguf.TokenType.CONTROL)
-        tok.update(eos_token_id=first + HARMONY_SPECIALS.index("<|return|>"), padding_token_id=first + 1)
+        tok["eos_token_id"] = first + HARMONY_SPECIALS.index("<|return|>")
         tok["chat_template"] = GPT_OSS_TEMPLATE.read_text(encoding="utf-8")
     w.add_tokenizer_model(str(tok["model"]))
     if "pre" in tok:
