@@ -193,9 +193,10 @@ SHAPES: dict[str, dict[str, Shape]] = {
                        experts=60, experts_used=4, expert_ffn=1408, shared_ffn=5632, context=8192),
     },
     # gpt-oss: MXFP4 experts with biases, attention sinks, a window on every other layer
-    # (the tiny file's small, so tests cross it), YaRN rope; `ffn` is the experts' width too
+    # (the tiny file's small, so tests cross it), YaRN rope; `ffn` is the experts' width too;
+    # the vocabulary has room for harmony's control tokens (`HARMONY_SPECIALS`)
     "gpt-oss": {
-        "tiny": Shape("tiny", 256, 2, 4, 2, 256, 49152, False, head_dim=64, rope_theta=150000.0,
+        "tiny": Shape("tiny", 256, 2, 4, 2, 256, 49280, False, head_dim=64, rope_theta=150000.0,
                       sliding_window=16, context=2048, experts=8, experts_used=2, expert_ffn=256,
                       yarn=(8.0, 256)),
         "20b": Shape("gpt-oss-20b", 2880, 24, 64, 8, 2880, 201088, False, head_dim=64, rope_theta=150000.0,
@@ -398,17 +399,39 @@ def sentencepiece_vocab(vocab: int, source: Path) -> dict[str, Any]:
     return {"tokens": tokens, "scores": scores, "token_type": types}
 
 
-def _add_bpe_tokenizer(w: Any, vocab: int, source: Path, chat_template: bool = True) -> None:
-    """The tokenizer of `source` (a byte-level BPE), padded with unused tokens to `vocab`."""
+HARMONY_SPECIALS = ("<|startoftext|>", "<|endoftext|>", "<|reserved_200000|>", "<|reserved_200001|>",
+                    "<|return|>", "<|constrain|>", "<|reserved_200004|>", "<|channel|>", "<|start|>",
+                    "<|end|>", "<|message|>", "<|reserved_200009|>", "<|reserved_200010|>",
+                    "<|reserved_200011|>", "<|call|>")  # fmt: skip
+"""gpt-oss's control tokens, from id 199998 on in its vocabulary (o200k_harmony)."""
+GPT_OSS_TEMPLATE = Path(__file__).parent / "data" / "gpt-oss-chat-template.jinja"
+"""gpt-oss's chat template as OpenAI publishes it (openai/gpt-oss-20b, Apache-2.0)."""
+
+
+def _add_bpe_tokenizer(
+    w: Any, vocab: int, source: Path, chat_template: bool = True, harmony: bool = False
+) -> None:
+    """The tokenizer of `source` (a byte-level BPE), padded with unused tokens to `vocab`;
+    with `harmony`, gpt-oss's control tokens in the padding (at their own ids where the
+    vocabulary is gpt-oss's size, else at its end), its EOS and its chat template."""
     import gguf
 
     tok = _tokenizer_fields(source)
     tokens = list(tok["tokens"])
-    if len(tokens) > vocab:
+    room = len(HARMONY_SPECIALS) if harmony else 0
+    if len(tokens) + room > vocab:
         raise ValueError(f"the tokenizer has {len(tokens)} tokens, more than the vocabulary {vocab}")
     types = list(tok["token_type"])
     tokens += [f"<|unused_{i}|>" for i in range(vocab - len(tokens))]
     types += [int(gguf.TokenType.UNUSED)] * (vocab - len(types))
+    if harmony:
+        first = min(199998, vocab - room)
+        for i, special in enumerate(HARMONY_SPECIALS):
+            if special in tokens[:first]:  # the base vocabulary's <|endoftext|>: no token twice
+                special = f"<|reserved_{first + i}|>"
+            tokens[first + i], types[first + i] = special, int(gguf.TokenType.CONTROL)
+        tok["eos_token_id"] = first + HARMONY_SPECIALS.index("<|return|>")
+        tok["chat_template"] = GPT_OSS_TEMPLATE.read_text(encoding="utf-8")
     w.add_tokenizer_model(str(tok["model"]))
     if "pre" in tok:
         w.add_tokenizer_pre(str(tok["pre"]))
@@ -517,7 +540,9 @@ def write_synthetic_gguf(
             w, arch, shape.vocab, tokenizer_from or default_gguf_path(), chat_template
         )
     else:
-        _add_bpe_tokenizer(w, shape.vocab, tokenizer_from or default_gguf_path(), chat_template)
+        _add_bpe_tokenizer(
+            w, shape.vocab, tokenizer_from or default_gguf_path(), chat_template, harmony=arch == "gpt-oss"
+        )
 
     # (name, rows, cols, role, layer); 1-D tensors have rows == 0
     plan: list[tuple[str, int, int, str, int]] = [

@@ -152,6 +152,28 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
+HARMONY_TOKENS = [
+    "<|start|>",
+    "<|channel|>",
+    "<|message|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|constrain|>",
+]
+GPT_OSS_TEMPLATE = Path(__file__).resolve().parents[1] / "devtools" / "data" / "gpt-oss-chat-template.jinja"
+
+
+def make_harmony_tokenizer() -> PreTrainedTokenizerFast:
+    """`make_tokenizer`'s, with gpt-oss's control tokens and its real chat template (OpenAI's
+    harmony format); eos is <|return|>, as in gpt-oss's tokenizer."""
+    fast = make_tokenizer()
+    fast.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
+    fast.eos_token = "<|return|>"
+    fast.chat_template = GPT_OSS_TEMPLATE.read_text(encoding="utf-8")
+    return fast
+
+
 # The transformers classes of each architecture the tests build.
 ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),

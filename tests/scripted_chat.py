@@ -10,7 +10,9 @@ With `--prompt TEXT` it answers once and exits, as `chatbot run "TEXT"`. With `-
 the REPL starts as `chatbot run` does, with its model still loading: the load ends when the
 test creates PATH (with `--load-fails`, it ends with an error). `--max-context` makes room
 for a long paste (the tiny tokenizer spends about one token per two characters).
-`--thinking show|hide` is --show-thinking / --hide-thinking (default: folded).
+`--thinking show|hide` is --show-thinking / --hide-thinking (default: folded). `--harmony` chats
+in gpt-oss's format: its control tokens and its real chat template (answers are written in
+channels, `<|channel|>analysis<|message|>...`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import make_model, make_tokenizer
+from helpers import make_harmony_tokenizer, make_model, make_tokenizer
 
 
 class ScriptedModel:
@@ -104,6 +106,9 @@ def main() -> None:
     parser.add_argument("--decode", help="how the model decodes, as /model says it")
     parser.add_argument("--max-context", type=int, default=4096, help="the engine's context, in tokens")
     parser.add_argument("--thinking", default="fold", help="fold, show or hide (--show/--hide-thinking)")
+    parser.add_argument(
+        "--harmony", action="store_true", help="gpt-oss's control tokens and chat template (harmony)"
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -116,14 +121,14 @@ def main() -> None:
     from chatbot.terminal.repl import run as run_repl
     from chatbot.terminal.tty import make_consoles
 
-    tokenizer = make_tokenizer()
+    tokenizer = make_harmony_tokenizer() if args.harmony else make_tokenizer()
     answers = [
         tokenizer.encode(p.read_text(encoding="utf-8"), add_special_tokens=False) for p in args.answers
     ]
     model = ScriptedModel(
         make_model(len(tokenizer)),
         answers,
-        tokenizer.eos_token_id,
+        tokenizer.convert_tokens_to_ids("<|return|>") if args.harmony else tokenizer.eos_token_id,
         args.delay,
         args.prefill_delay,
         args.chunk_delay,

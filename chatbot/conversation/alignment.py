@@ -15,8 +15,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from chatbot.conversation.harmony import harmony_messages
 from chatbot.engine.chunk import GenerationChunk
 from chatbot.models.template_budget import install as install_template_budget
+from chatbot.models.templates import is_harmony
 
 # Ids of left context for decoding an answer as it reads in the conversation.
 _DECODE_CONTEXT = 8
@@ -47,6 +49,8 @@ class TextCodec:
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         if not messages and not add_generation_prompt:
             return ""
+        if is_harmony(getattr(self.tokenizer, "chat_template", None)):
+            messages = harmony_messages(messages)  # an answer's analysis apart, as `thinking`
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.template_kwargs
         )

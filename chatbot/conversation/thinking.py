@@ -14,6 +14,9 @@ import re
 import time
 from collections.abc import Callable
 
+from chatbot.conversation.harmony import CALL, RETURN, START, HarmonySplitter, held_tail
+from chatbot.conversation.harmony import OPENED as HARMONY_OPENED
+
 OPEN_TAGS = ("<think>", "<thinking>", "<reasoning>")
 _OPEN = re.compile("|".join(re.escape(t) for t in OPEN_TAGS))
 
@@ -24,21 +27,17 @@ def close_tag(open_tag: str) -> str:
 
 def opens_thinking(text: str) -> str | None:
     """The thinking tag left open at the end of `text` (a generation prompt that opens
-    `<think>`), or None."""
+    `<think>`), or None. Where `text` ends in a harmony answer (gpt-oss's: a generation prompt
+    ending with ``<|start|>assistant``, or an answer being continued), the text from that
+    ``<|start|>assistant`` on: the answer is read by channels, from there (`splitter_for`)."""
+    at = text.rfind(HARMONY_OPENED)
+    if at >= 0 and not any(t in text[at + len(HARMONY_OPENED) :] for t in (START, RETURN, CALL)):
+        return text[at:]
     matches = list(_OPEN.finditer(text))
     if not matches:
         return None
     last = matches[-1]
     return None if close_tag(last.group()) in text[last.end() :] else last.group()
-
-
-def _held_tail(text: str, tags: tuple[str, ...]) -> int:
-    """How many characters at the end of `text` may be the start of one of `tags`."""
-    for n in range(min(len(text), max(len(t) for t in tags) - 1), 0, -1):
-        tail = text[-n:]
-        if any(t.startswith(tail) for t in tags):
-            return n
-    return 0
 
 
 class ThinkingSplitter:
@@ -77,7 +76,7 @@ class ThinkingSplitter:
                     self.close = None
                     self.done = True
                     continue
-                keep = _held_tail(text, (self.close,))
+                keep = held_tail(text, (self.close,))
                 out.append((text[: len(text) - keep], True))
                 self.held = text[len(text) - keep :]
                 break
@@ -105,12 +104,22 @@ class ThinkingSplitter:
         return [(held, self.close is not None)] if held else []
 
 
+def splitter_for(opened: str | None) -> ThinkingSplitter | HarmonySplitter:
+    """The splitter of an answer after a prompt that left `opened` open (`opens_thinking`):
+    harmony's channels (in the state the answer so far left them), or tags."""
+    if opened is None or not opened.startswith(HARMONY_OPENED):
+        return ThinkingSplitter(opened)
+    splitter = HarmonySplitter()
+    splitter.feed(opened[len(HARMONY_OPENED) :])
+    return splitter
+
+
 class ThinkingMeter:
     """Counts a streamed answer's thinking: its tokens and the time from the first token to
     the end of the thinking (`tokens`, `seconds`)."""
 
     def __init__(self, opened: str | None = None) -> None:
-        self.splitter = ThinkingSplitter(opened)
+        self.splitter = splitter_for(opened)
         self.tokens = 0
         self.seconds = 0.0
         self.start: float | None = None
@@ -153,7 +162,7 @@ class ThinkingBudget:
         decode: Callable[[int], str],
     ) -> None:
         self.budget = budget
-        self.splitter = ThinkingSplitter(opened)
+        self.splitter = splitter_for(opened)
         self.encode = encode
         self.decode = decode
         self.tokens = 0
@@ -163,7 +172,8 @@ class ThinkingBudget:
         self.done = True
         assert self.splitter.close is not None
         sentence = CLOSING if self.tokens else "\n"
-        return self.encode(sentence + self.splitter.close + "\n\n")
+        after = "" if isinstance(self.splitter, HarmonySplitter) else "\n\n"  # a header ends it
+        return self.encode(sentence + self.splitter.close + after)
 
     def __call__(self, token: int | None) -> list[int]:
         if self.done:

@@ -463,7 +463,23 @@ def answer_stops(
     else:
         strings = stop_strings_of(tokenizer)
     ids.update(end_of_turn_ids(tokenizer))
+    if is_harmony(getattr(tokenizer, "chat_template", None)):
+        # gpt-oss: <|return|> and <|call|> end an answer; <|end|> ends only one of its
+        # messages (the analysis), after which the final one follows
+        ids.update(i for t in HARMONY_STOPS if (i := _single_token_id(tokenizer, t)) is not None)
+        end = _single_token_id(tokenizer, "<|end|>")
+        if end is not None:
+            ids.discard(end)
     return sorted(ids), StopStrings(strings)
+
+
+HARMONY_STOPS = ("<|return|>", "<|call|>")
+
+
+def is_harmony(jinja: str | None) -> bool:
+    """Whether a chat template writes gpt-oss's harmony format: channels in its assistant
+    turns, a generation prompt that stops at ``<|start|>assistant``."""
+    return isinstance(jinja, str) and "<|channel|>" in jinja and "<|start|>assistant" in jinja
 
 
 def thinking_switch(jinja: str | None) -> str | None:

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from chatbot.config import SamplingConfig
 from chatbot.conversation.cache import conversation_cache
-from chatbot.conversation.thinking import ThinkingSplitter
+from chatbot.conversation.harmony import HarmonySplitter
+from chatbot.conversation.thinking import ThinkingSplitter, splitter_for
 from chatbot.engine.backends.base import BatchedBackend
 from chatbot.engine.backends.choose import serving_backend
 from chatbot.engine.backends.native.kernels import KernelsUnavailable
@@ -354,7 +355,7 @@ def _stream(
     `first` is called once the first chunk has come; `opened` says which thinking tag the
     prompt left open (a chat's thinking is sent apart)."""
     stats = None
-    splitter: ThinkingSplitter | None = None
+    splitter: ThinkingSplitter | HarmonySplitter | None = None
     try:
         for chunk in chunks:
             if first is not None:
@@ -362,7 +363,7 @@ def _stream(
                 first = None
             if splitter is None and job.conversation is not None and job.tools is None:
                 # a chat's thinking goes apart, as reasoning_content (known from the first chunk on)
-                splitter = ThinkingSplitter(opened() if opened is not None else None)
+                splitter = splitter_for(opened() if opened is not None else None)
             _emit_text(job, chunk if view is None else view.chunk(chunk), tracker, choice, splitter)
             stats = chunk.stats or stats
             if job.cancel.is_set():
@@ -378,7 +379,7 @@ def _emit_text(
     chunk: GenerationChunk,
     tracker: LogprobTracker | None,
     choice: int,
-    splitter: ThinkingSplitter | None = None,
+    splitter: ThinkingSplitter | HarmonySplitter | None = None,
 ) -> None:
     """The chunk's text, with the logprobs of the tokens it completes; the thinking in it
     apart (`splitter`: a chat's)."""

@@ -7,7 +7,8 @@ On a terminal the thinking streams dimmed above the answer (the answer view dims
 run, stdout carries the answer alone: the thinking goes to stderr with `--show-thinking`,
 else nowhere. Thinking comes as tags in the text
 (`chatbot.conversation.thinking.ThinkingSplitter` cuts it out) or apart, from a server's
-`reasoning_content` (a chunk's `thinking`).
+`reasoning_content` (a chunk's `thinking`); gpt-oss's comes on its analysis channel
+(`chatbot.conversation.harmony`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import IO, Protocol
 
-from chatbot.conversation.thinking import ThinkingMeter, ThinkingSplitter
+from chatbot.conversation.thinking import ThinkingMeter, splitter_for
 from chatbot.terminal.sanitize import safe_text
 
 
@@ -49,7 +50,7 @@ class ThinkingRoute:
         fold: Callable[[str], None] | None = None,
     ) -> None:
         self.answer = answer
-        self.splitter = ThinkingSplitter(opened)
+        self.splitter = splitter_for(opened)
         self.inline = inline
         self.apart = apart
         self.dim = dim
