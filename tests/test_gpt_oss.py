@@ -116,6 +116,86 @@ def test_native_decode_follows_the_reference(files, references, kind, level, ato
     assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
 
 
+def _one_by_one(ex, x, ids, w, act):
+    """gpt-oss's experts token by token through the one-input products (the decode step's),
+    with their biases and the clamped SwiGLU, as the step's loop adds them."""
+    from chatbot.engine.backends.native import kernels
+    from chatbot.gguf.gpt_oss import SWIGLU_ALPHA, SWIGLU_LIMIT
+
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up, down = ex.expert(e)
+            g = (kernels.matvec(gate, x[t], act=act) + ex.gate_bias[e]).clamp(max=SWIGLU_LIMIT)
+            u = (kernels.matvec(up, x[t], act=act) + ex.up_bias[e]).clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
+            h = g * torch.sigmoid(SWIGLU_ALPHA * g) * (u + 1)
+            out[t] += w[t, j] * (kernels.matvec(down, h, act=act) + ex.down_bias[e])
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_experts_in_one_call_equal_the_one_input_products(files, threads):
+    """The MXFP4 experts of a batch in one native call (`kernels.experts`, with the experts'
+    biases and the clamped SwiGLU): each token's output that of its experts' one-input
+    products with int16 and int8 inputs, up to float32 rounding (int16 from 6 tokens an
+    expert: the batched product's rounding per 32 values, as the step's)."""
+    from chatbot.engine.backends.native import kernels
+    from chatbot.gguf.gpt_oss import PackedOaiExperts
+    from chatbot.models.loader import load_model
+
+    loaded = load_model(str(files["Q8_0"]))
+    experts = [m for m in loaded.model.modules() if isinstance(m, PackedOaiExperts)]
+    assert experts
+    for layer, ex in enumerate(experts):
+        g = torch.Generator().manual_seed(layer)
+        n, k = 6 * ex.num_experts // 2 + 3, 2  # ~6 tokens an expert, some more, some fewer
+        ids = torch.stack([torch.randperm(ex.num_experts, generator=g)[:k] for _ in range(n)])
+        w = torch.rand(n, k, generator=g)
+        x = 2 * torch.randn(n, ex.hidden_dim, generator=g)  # the clamps are reached
+        for act in (kernels.ACT_I16, kernels.ACT_Q8):
+            got = kernels.experts(
+                (ex.gate, ex.up, ex.down), ex.num_experts, x, ids, w, (act, act, kernels.ACT_FN_SWIGLU_OAI),
+                threads, (ex.gate_up_bias, ex.down_bias),
+            )  # fmt: skip
+            assert got is not None
+            want = _one_by_one(ex, x, ids, w, act)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
+            acts = (act, act, kernels.ACT_FN_SWIGLU_OAI)
+            no_bias = kernels.experts((ex.gate, ex.up, ex.down), ex.num_experts, x, ids, w, acts, threads)
+            assert no_bias is not None and float((no_bias - got).abs().max()) > 1e-2
+
+
+@pytest.mark.parametrize(("kind", "level", "atol"), [("Q8_0", "exact", 2e-3), ("Q4_K_M", "auto", 0.2)])
+def test_prefill_follows_the_reference(files, references, kind, level, atol):
+    """A prompt's logits through the decoder's prefill model (the experts in one native call a
+    layer, int16 inputs) within the decode step's distance of the float32 reference."""
+    from chatbot.engine.backends.native.decoder import FastDecoder
+    from chatbot.models.loader import load_model
+
+    loaded = load_model(str(files[kind]))
+    ids = loaded.tokenizer(PROMPT)["input_ids"]
+    dec = FastDecoder(loaded.model, level)
+    got = full_logits(dec.prefill_model, ids)
+    torch.testing.assert_close(got, references[kind].logits(ids), rtol=0, atol=atol)
+
+
+def test_decode_on_two_threads_equals_one(files):
+    """The decode step's experts shared out whole over two threads (their biases and the
+    clamped SwiGLU in each thread's share) give the one-thread step's logits bit for bit."""
+    from chatbot.engine.backends.native.decoder import FastDecoder
+    from chatbot.models.loader import load_model
+
+    loaded = load_model(str(files["Q8_0"]))
+    ids = loaded.tokenizer(PROMPT)["input_ids"][:12]
+    runs = []
+    for threads in (1, 2):
+        dec = FastDecoder(loaded.model, "auto", threads=threads)
+        cache = dec.new_cache()
+        runs.append(torch.stack([dec.prefill_rows(cache, ids[:1])] + [dec.decode(cache, t) for t in ids[1:]]))
+    assert torch.equal(runs[0], runs[1])
+
+
 def test_sinks_and_window_matter(files, references, tmp_path):
     """The test would see a missing sink or window: with the sinks at -1e4 (no share) the
     reference's logits move, and our decode follows them there too."""
@@ -136,14 +216,16 @@ def test_sinks_and_window_matter(files, references, tmp_path):
     torch.testing.assert_close(got, want, rtol=0, atol=2e-3)
 
 
-def test_greedy_text_exact_equals_off(files):
-    """`chatbot run` on the file: the kernels' greedy answer (`--opt exact`) is the float32
-    packed model's (`--opt off`), word for word."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_greedy_text_exact_equals_off(files, threads):
+    """`chatbot run` on the file: the kernels' greedy answer (`--opt exact`: the prompt's experts
+    in one native call, the decode step's split over the threads at 2) is the float32 packed
+    model's (`--opt off`), word for word."""
     out = {}
     for level in ("off", "exact"):
         run = subprocess.run(
             [CHATBOT, "run", "--model", str(files["Q8_0"]), PROMPT, "--greedy", "--max-new-tokens", "24",
-             "--opt", level, "--no-stats"],
+             "--opt", level, "--no-stats", "--threads", str(threads)],
             check=False, capture_output=True, text=True, timeout=600,
         )  # fmt: skip
         assert run.returncode == 0, run.stderr

@@ -103,11 +103,17 @@ class PackedOaiExperts(PackedExperts):
     ) -> None:
         super().__init__(gate, up, down, n_experts, nn.SiLU())
         self.gate_bias, self.up_bias, self.down_bias = biases
+        self.gate_up_bias = torch.cat([self.gate_bias, self.up_bias], dim=1).contiguous()
+        """[n_experts, 2 width]: each expert's gate bias, then its up bias (`in_one_call`)."""
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         x = hidden_states.to(torch.float32)
+        biases = (self.gate_up_bias, self.down_bias)
+        y = self.in_one_call(x, top_k_index, top_k_weights, kernels.ACT_FN_SWIGLU_OAI, biases)
+        if y is not None:
+            return y.to(hidden_states.dtype)
         out = torch.zeros_like(x)
         k = top_k_index.shape[-1]
         chosen = top_k_index.reshape(-1)

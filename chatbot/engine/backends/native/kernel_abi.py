@@ -180,6 +180,8 @@ def declare_functions(lib: ctypes.CDLL) -> None:
         ctypes.c_void_p,  # weights [n, k]
         ctypes.c_int,  # k
         *([ctypes.c_int] * 3),  # act_gu, act_down, act_fn
+        ctypes.c_void_p,  # gate/up biases [n_experts, 2 width] or NULL
+        ctypes.c_void_p,  # down biases [n_experts, hidden] or NULL
         ctypes.c_void_p,  # out [n, hidden]
         ctypes.c_int,  # threads
     ]

@@ -436,13 +436,16 @@ def experts(
     weights: torch.Tensor,
     acts: tuple[int, int, int],
     threads: int,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """A mixture's routed experts for n tokens (kernels.c `chatbot_experts`, llama.cpp's
     mul_mat_id): ``out[t] = sum_j weights[t, j] * down_e(act(gate_e x[t]) * up_e x[t])`` for
     e = ids[t, j], `mats` every expert's gate, up and down rows (not in tiles), each expert's
     rows read once for all its tokens. `acts`: the inputs' forms of gate/up and of down
-    (`ACT_*`), and the activation (`ACT_FN_*`). None where the kernels refuse (an id out of
-    range, matrices of other shapes, memory)."""
+    (`ACT_*`), and the activation (`ACT_FN_*`). `biases` (gpt-oss): the experts' gate/up
+    biases [n_experts, 2 width] (each expert's gate bias, then its up bias) and their down
+    biases [n_experts, hidden], added to each product's output. None where the kernels
+    refuse (an id out of range, matrices of other shapes, memory)."""
     lib = load_library()
     x = x.detach().to(torch.float32).contiguous()
     n, k = ids.shape
@@ -450,8 +453,14 @@ def experts(
     w = weights.detach().to(torch.float32).contiguous()
     out = torch.empty(n, mats[0].cols, dtype=torch.float32)
     gate, up, down = (m.as_struct() for m in mats)
+    bias_ptrs: tuple[int | None, int | None] = (None, None)
+    if biases is not None:
+        gu_bias, down_bias = (b.detach().to(torch.float32).contiguous() for b in biases)
+        if (gu_bias.numel(), down_bias.numel()) != (2 * mats[0].rows, mats[2].rows):
+            return None
+        bias_ptrs = (gu_bias.data_ptr(), down_bias.data_ptr())
     status = lib.chatbot_experts(
         ctypes.byref(gate), ctypes.byref(up), ctypes.byref(down), n_experts, x.data_ptr(), n,
-        ids32.data_ptr(), w.data_ptr(), k, *acts, out.data_ptr(), threads,
+        ids32.data_ptr(), w.data_ptr(), k, *acts, *bias_ptrs, out.data_ptr(), threads,
     )  # fmt: skip
     return out if status == 0 else None

@@ -384,22 +384,37 @@ class PackedExperts(nn.Module):
             )  # fmt: skip
         return mats
 
+    def in_one_call(
+        self,
+        x: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        act_fn: int,
+        biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | None:
+        """The experts of several tokens `x` (float32) in one native call (`kernels.experts`,
+        llama.cpp's mul_mat_id: tokens grouped by expert, the experts shared out over the
+        threads with no barrier per product, each expert's rows read once), with the
+        activation `act_fn` (`ACT_FN_*`) and the experts' `biases` where they have some (gate
+        and up [n_experts, 2 width], down [n_experts, hidden]). None where it is not taken:
+        float32 inputs (the packed products' own path), one token, or the kernels refuse."""
+        if self.act_gate_up == kernels.ACT_F32 or x.shape[0] < 2:
+            return None
+        acts = (self.act_gate_up, self.act_down, act_fn)
+        threads = cap_threads(torch.get_num_threads())
+        n = x.shape[0]
+        ids, weights = top_k_index.reshape(n, -1), top_k_weights.reshape(n, -1)
+        mats = (self.gate, self.up, self.down)
+        return kernels.experts(mats, self.num_experts, x, ids, weights, acts, threads, biases)
+
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         x = hidden_states.to(torch.float32)
         fn = _ACT_FN_CODES.get(type(self.act_fn).__name__)
-        if self.act_gate_up != kernels.ACT_F32 and fn is not None and x.shape[0] > 1:
-            # the kernels' mul_mat_id: tokens grouped by expert, the experts shared out over
-            # the threads (no barrier per product), each expert's rows read once
-            acts = (self.act_gate_up, self.act_down, fn)
-            threads = cap_threads(torch.get_num_threads())
-            n = x.shape[0]
-            mats = (self.gate, self.up, self.down)
-            ids, weights = top_k_index.reshape(n, -1), top_k_weights.reshape(n, -1)
-            y = kernels.experts(mats, self.num_experts, x, ids, weights, acts, threads)
-            if y is not None:
-                return y.to(hidden_states.dtype)
+        y = None if fn is None else self.in_one_call(x, top_k_index, top_k_weights, fn)
+        if y is not None:
+            return y.to(hidden_states.dtype)
         out = torch.zeros_like(x)
         k = top_k_index.shape[-1]
         chosen = top_k_index.reshape(-1)

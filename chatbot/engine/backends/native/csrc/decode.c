@@ -135,8 +135,9 @@ static void route(const Model *m, const float *lg, const float *bias, int *ids, 
 
 /* moe_mlp's chosen experts shared out whole over a team of several threads (expert j to
  * thread j mod size), each in its own thread's gu/hid, its rows by the one-row products that
- * moe_mlp's matvec_par runs on them (dot_vec: the same bits), its output to row j of the
- * shared res; after one barrier every thread adds the rows to its x in moe_mlp's order. One
+ * moe_mlp's matvec_par runs on them (dot_vec: the same bits), plus the experts' biases
+ * (gpt-oss) as moe_mlp adds them, its output (plus its down bias) to row j of the shared
+ * res; after one barrier every thread adds the rows to its x in moe_mlp's order. One
  * barrier where moe_mlp has two per expert (on a busy machine a descheduled thread stalls
  * the others at each). */
 static void moe_split(const Model *m, int l, Vec *vec, const float *xn, const int *ids, const float *w, float *gu,
@@ -145,12 +146,18 @@ static void moe_split(const Model *m, int l, Vec *vec, const float *xn, const in
     for (int j = team_id(); j < k; j += team_size()) {
         const Mat gate = expert_rows(&m->wgu[l].part[0], ids[j], F), up = expert_rows(&m->wgu[l].part[1], ids[j], F);
         const Mat down = expert_rows(&m->wdown[l].part[0], ids[j], E);
+        const float *gb = m->exp_gu_bias ? m->exp_gu_bias[l] + (size_t)ids[j] * 2 * F : NULL;
+        const float *db = m->exp_down_bias ? m->exp_down_bias[l] + (size_t)ids[j] * E : NULL;
         prepare_vec(vec, xn, E, site_act(m, SITE_GU));
         ready_for(vec, &gate);
         ready_for(vec, &up);
         for (int r = 0; r < F; r++) gu[r] = dot_vec(&gate, r, vec);
         for (int r = 0; r < F; r++) gu[F + r] = dot_vec(&up, r, vec);
-        if (m->act_fn == ACT_FN_GELU_TANH)
+        if (gb)
+            for (int r = 0; r < 2 * F; r++) gu[r] += gb[r];
+        if (m->act_fn == ACT_FN_SWIGLU_OAI)
+            swiglu_oai_mul(gu, gu + F, F, hid);
+        else if (m->act_fn == ACT_FN_GELU_TANH)
             gelu_tanh_mul(gu, gu + F, F, hid);
         else
             silu_mul(gu, gu + F, F, hid);
@@ -158,6 +165,8 @@ static void moe_split(const Model *m, int l, Vec *vec, const float *xn, const in
         ready_for(vec, &down);
         float *out = res + (size_t)j * E;
         for (int r = 0; r < E; r++) out[r] = dot_vec(&down, r, vec);
+        if (db)
+            for (int r = 0; r < E; r++) out[r] += db[r];
     }
     team_barrier();
     for (int j = 0; j < k; j++)
@@ -177,10 +186,8 @@ static void moe_mlp(const Model *m, int l, Vec *vec, const float *xn, float *gu,
     matvec_par(&m->router[l], vec, lg);
     route(m, lg, m->router_bias ? m->router_bias[l] : NULL, ids, w);
     const Group *all = &m->wgu[l];
-    /* (moe_split has no expert biases nor the clamped SwiGLU: gpt-oss takes the loop below) */
     const int split = team_size() > 1 && k >= team_size() && !all->part[0].x8 && !all->part[1].x8 &&
-                      !m->wdown[l].part[0].x8 && !m->exp_gu_bias && !m->exp_down_bias &&
-                      m->act_fn != ACT_FN_SWIGLU_OAI;
+                      !m->wdown[l].part[0].x8;
     if (split) moe_split(m, l, vec, xn, ids, w, own_gu, hid, lg + m->n_experts, x);
     for (int j = 0; j < k && !split; j++) {
         Group g = *all;

@@ -3,7 +3,7 @@
  * with tokens is one unit of work, handed to the next thread free (a dynamic schedule: no
  * barrier between products, as a product of its own per expert and matrix would take), and
  * each of its three matrices is read once for all its tokens:
- *   - int8 inputs into Q4_K / Q6_K (AVX-512 VNNI): a multi-input int8 product (below);
+ *   - int8 inputs into Q4_K / Q6_K (AVX-512 VNNI, or AVX2): a multi-input int8 product (below);
  *   - int16 inputs from EX_MM_MIN tokens on: the batched int16 product (prefill.c: the rows
  *     unpacked once, 32 at a time, then multiplied with 8 inputs a tile);
  *   - else row by row, each row multiplied with every token's input while it is in L1, by
@@ -24,6 +24,8 @@ typedef struct {
     int F, E, n, k, act_gu, act_down, act_fn;
     const float *x;      /* [n, E] */
     const float *w;      /* [n, k] the slots' weights */
+    const float *gu_bias;   /* NULL, or [n_experts, 2 F]: expert e's gate bias, then its up bias */
+    const float *down_bias; /* NULL, or [n_experts, E] */
     float *out;          /* [n, E] */
     const int32_t *slot; /* the slots t k + j, grouped by expert */
     const int32_t *first; /* expert e's slots: slot[first[e]] .. slot[first[e + 1] - 1] */
@@ -223,22 +225,126 @@ static void ex_quantize(int fmt, const float *x, int k, int8_t *q, float *dx, fl
     }
 }
 
-/* whether ex_product_q8 takes m */
-static inline int ex_q8_takes(const Mat *m) {
-    return (m->fmt == FMT_Q4_K || m->fmt == FMT_Q6_K) && !m->x8 && m->cols % QK_K == 0;
-}
-
 /* acc + super-block u . one input of ex_quantize (q: its 256 bytes, dx its scale, sums its 16
  * sums): byte products in pairs (vpmaddubsw: |2 x 63 x 127| < 2^15, no saturation), times
  * the pairs' sub-block scales into int32 lanes (vpdpwssd: at most 4 x 2 x 16002 x 128 < 2^31),
  * one conversion a super-block */
-static inline __attribute__((always_inline)) __m512 ex_dot_super(const ExSuper *u, const int8_t *q, float dx, const float *sums, __m512 acc) {
+static inline __attribute__((always_inline)) __m512 ex_dot_super(const int fmt, const ExSuper *u, const int8_t *q, float dx, const float *sums, __m512 acc) {
+    (void)fmt;
     __m512i s = dpwt(_mm512_setzero_si512(), _mm512_maddubs_epi16(u->w[0], _mm512_loadu_si512(q)), u->s[0]);
     s = dpwt(s, _mm512_maddubs_epi16(u->w[1], _mm512_loadu_si512(q + 64)), u->s[1]);
     s = dpwt(s, _mm512_maddubs_epi16(u->w[2], _mm512_loadu_si512(q + 128)), u->s[2]);
     s = dpwt(s, _mm512_maddubs_epi16(u->w[3], _mm512_loadu_si512(q + 192)), u->s[3]);
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(u->d * dx), acc);
     return _mm512_fmadd_ps(u->m, _mm512_loadu_ps(sums), acc);
+}
+
+typedef __m512 ExAcc;
+static inline __m512 ex_acc_zero(void) { return _mm512_setzero_ps(); }
+static inline float ex_acc_sum(__m512 acc) { return _mm512_reduce_add_ps(acc); }
+#elif defined(CB_AVX2)
+#define EX_Q8 1
+/* The same with AVX2 (vpmaddubsw, then vpmaddwd with the sub-block scales): a 32-byte load of
+ * a Q4_K super-block is one 64-value chunk whose low nibbles are block 2j and high ones block
+ * 2j + 1, so every vector holds one block of 32 in order, and the inputs stay in order. */
+typedef struct {
+    __m256i w[8]; /* values 32 b .. 32 b + 31 as unsigned bytes (Q6_K: q + 32) */
+    __m256i s[8]; /* their sub-block scales as int16, one per pair of bytes */
+    __m256 m[2];  /* per 16 values (Q4_K: per 32, then zeros) the offset to multiply with the input's sum */
+    float d;
+} ExSuper;
+
+static inline __attribute__((always_inline)) void ex_unpack(const int fmt, const uint8_t *b, ExSuper *u) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
+    if (fmt == FMT_Q4_K) {
+        uint8_t sc[8], mn[8];
+        k4_scales(b + 4, sc, mn);
+        for (int j = 0; j < 4; j++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * j));
+            u->w[2 * j] = _mm256_and_si256(w, m4);
+            u->w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+            u->s[2 * j] = _mm256_set1_epi16((short)sc[2 * j]);
+            u->s[2 * j + 1] = _mm256_set1_epi16((short)sc[2 * j + 1]);
+        }
+        u->m[0] = _mm256_mul_ps(_mm256_set1_ps(-rdh(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn))));
+        u->m[1] = _mm256_setzero_ps();
+        u->d = rdh(b);
+    } else { /* Q6_K: values 0..63 (q + 32) in order */
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = rdh(b + 208);
+        for (int n = 0; n < 2; n++) {
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(b + 64 * n));
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(b + 64 * n + 32));
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
+            u->w[4 * n] = _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+            u->w[4 * n + 1] = _mm256_or_si256(_mm256_and_si256(c, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+            u->w[4 * n + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), _mm256_and_si256(h, m30));
+            u->w[4 * n + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4),
+                                              _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+        }
+        for (int r = 0; r < 8; r++) /* int16 lanes 0-7: values 0-15 of the 32, scale 2r; 8-15: 2r + 1 */
+            u->s[r] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * r + 1]), _mm_set1_epi16(sc[2 * r]));
+        for (int h = 0; h < 2; h++)
+            u->m[h] = _mm256_mul_ps(_mm256_set1_ps(-32.0f * d),
+                                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8 * h)))));
+        u->d = d;
+    }
+}
+
+/* x (k values) as int8 per super-block of 256 (dx[i] = amax / 127, rounded to nearest even:
+ * prepare_k's ACT_Q8 values) into q in order, and the sums times dx: Q4_K per block of 32
+ * (then 8 zeros), Q6_K per 16. */
+static void ex_quantize(int fmt, const float *x, int k, int8_t *q, float *dx, float *sums) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int i = 0; i < k / QK_K; i++) {
+        const float *b = x + (size_t)i * QK_K;
+        __m256 mx = _mm256_setzero_ps();
+        for (int t = 0; t < QK_K; t += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(b + t)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        const __m256 vid = _mm256_set1_ps(id);
+        dx[i] = d;
+        int bs[16];
+        for (int g = 0; g < 16; g++) {
+            const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(b + 16 * g), vid));
+            const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(b + 16 * g + 8), vid));
+            const __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(q0), _mm256_extracti128_si256(q0, 1));
+            const __m128i p16b = _mm_packs_epi32(_mm256_castsi256_si128(q1), _mm256_extracti128_si256(q1, 1));
+            _mm_storeu_si128((__m128i *)(q + (size_t)i * QK_K + 16 * g), _mm_packs_epi16(p16, p16b));
+            __m256i s = _mm256_add_epi32(q0, q1);
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+            bs[g] = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1)));
+        }
+        for (int j = 0; j < 16; j++)
+            sums[16 * i + j] = fmt == FMT_Q4_K ? (j < 8 ? d * (float)(bs[2 * j] + bs[2 * j + 1]) : 0.0f) : d * (float)bs[j];
+    }
+}
+
+/* acc + super-block u . one input of ex_quantize: byte products in pairs (vpmaddubsw:
+ * |2 x 63 x 127| < 2^15), times the pairs' sub-block scales into int32 lanes (vpmaddwd: at
+ * most 8 x 2 x 16002 x 128 < 2^31 a lane), one conversion a super-block */
+static inline __attribute__((always_inline)) __m256 ex_dot_super(const int fmt, const ExSuper *u, const int8_t *q, float dx,
+                                                                 const float *sums, __m256 acc) {
+    __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(u->w[0], _mm256_loadu_si256((const __m256i *)q)), u->s[0]);
+    for (int b = 1; b < 8; b++)
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u->w[b], _mm256_loadu_si256((const __m256i *)(q + 32 * b))), u->s[b]));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(u->d * dx), acc);
+    acc = _mm256_fmadd_ps(u->m[0], _mm256_loadu_ps(sums), acc);
+    return fmt == FMT_Q6_K ? _mm256_fmadd_ps(u->m[1], _mm256_loadu_ps(sums + 8), acc) : acc;
+}
+
+typedef __m256 ExAcc;
+static inline __m256 ex_acc_zero(void) { return _mm256_setzero_ps(); }
+static inline float ex_acc_sum(__m256 acc) { return hsum256(acc); }
+#endif
+
+#ifdef EX_Q8
+/* whether ex_product_q8 takes m */
+static inline int ex_q8_takes(const Mat *m) {
+    return (m->fmt == FMT_Q4_K || m->fmt == FMT_Q6_K) && !m->x8 && m->cols % QK_K == 0;
 }
 
 /* Inputs whose sums one pass over a row keeps */
@@ -250,18 +356,18 @@ static inline __attribute__((always_inline)) void ex_rows_q8(const int fmt, cons
     for (int r = 0; r < m->rows; r++) {
         const uint8_t *row = (const uint8_t *)m->data + (size_t)r * rb;
         for (size_t c = 0; c < rb; c += 64) _mm_prefetch((const char *)row + PREFETCH + c, _MM_HINT_T0);
-        __m512 acc[EX_Q8_TOK];
-        for (int t = 0; t < nb; t++) acc[t] = _mm512_setzero_ps();
+        ExAcc acc[EX_Q8_TOK];
+        for (int t = 0; t < nb; t++) acc[t] = ex_acc_zero();
         for (int i = 0; i < nsb; i++) {
             ExSuper u;
             ex_unpack(fmt, row + (size_t)i * bb, &u);
             for (int t = 0; t < nb; t++) {
                 const int at = t0 + t;
-                acc[t] = ex_dot_super(&u, b->q8 + (size_t)at * k + (size_t)i * QK_K, b->q8d[(size_t)at * nsb + i],
+                acc[t] = ex_dot_super(fmt, &u, b->q8 + (size_t)at * k + (size_t)i * QK_K, b->q8d[(size_t)at * nsb + i],
                                       b->q8s + ((size_t)at * nsb + i) * 16, acc[t]);
             }
         }
-        for (int t = 0; t < nb; t++) yrow[t0 + t][r] = _mm512_reduce_add_ps(acc[t]);
+        for (int t = 0; t < nb; t++) yrow[t0 + t][r] = ex_acc_sum(acc[t]);
     }
 }
 
@@ -306,12 +412,15 @@ static void ex_product(const Mat *m, int act, int nt, const float *const *xrow, 
     }
 }
 
-/* Expert e's tokens through its gate/up, the activation and its down, into their slots' rows. */
+/* Expert e's tokens through its gate/up (plus their biases), the activation and its down
+ * (plus its bias), into their slots' rows: as the decode step's loop (moe_mlp) adds them. */
 static void ex_expert(ExpertsJob *job, int e, ExBuffers *b) {
     const int F = job->F, E = job->E, nt = job->first[e + 1] - job->first[e];
     const int32_t *sl = job->slot + job->first[e];
     const Mat gate = expert_rows(job->gate, e, F), up = expert_rows(job->up, e, F);
     const Mat down = expert_rows(job->down, e, E);
+    const float *gb = job->gu_bias ? job->gu_bias + (size_t)e * 2 * F : NULL;
+    const float *db = job->down_bias ? job->down_bias + (size_t)e * E : NULL;
     for (int t = 0; t < nt; t++) {
         b->xrow[t] = job->x + (size_t)(sl[t] / job->k) * E;
         b->yrow[t] = b->gu + (size_t)t * 2 * F;
@@ -320,8 +429,12 @@ static void ex_expert(ExpertsJob *job, int e, ExBuffers *b) {
     for (int t = 0; t < nt; t++) b->yrow[t] += F;
     ex_product(&up, job->act_gu, nt, b->xrow, b->yrow, b);
     for (int t = 0; t < nt; t++) {
-        const float *g = b->gu + (size_t)t * 2 * F;
-        if (job->act_fn == ACT_FN_GELU_TANH)
+        float *g = b->gu + (size_t)t * 2 * F;
+        if (gb)
+            for (int i = 0; i < 2 * F; i++) g[i] += gb[i];
+        if (job->act_fn == ACT_FN_SWIGLU_OAI)
+            swiglu_oai_mul(g, g + F, F, b->hid + (size_t)t * F);
+        else if (job->act_fn == ACT_FN_GELU_TANH)
             gelu_tanh_mul(g, g + F, F, b->hid + (size_t)t * F);
         else
             silu_mul(g, g + F, F, b->hid + (size_t)t * F);
@@ -329,6 +442,9 @@ static void ex_expert(ExpertsJob *job, int e, ExBuffers *b) {
         b->yrow[t] = job->res + (size_t)sl[t] * E;
     }
     ex_product(&down, job->act_down, nt, b->xrow, b->yrow, b);
+    if (db)
+        for (int t = 0; t < nt; t++)
+            for (int i = 0; i < E; i++) b->yrow[t][i] += db[i];
 }
 
 static void experts_team(void *arg) {
@@ -357,11 +473,12 @@ static void experts_team(void *arg) {
 /* out [n, E] = for each token t the sum over j < k of w[t k + j] times expert ids[t k + j]'s
  * MLP of x[t]: down(act(gate x) * up x), its matrices the rows of expert e in gate/up
  * ([n_experts F, E]) and down ([n_experts E, F]), not in tiles; the inputs of gate/up in the
- * form act_gu, of down in act_down. Returns 0, or -1 (out not written) for an expert id out of
+ * form act_gu, of down in act_down; act_fn an ACT_FN_*; gu_bias (NULL: none) [n_experts, 2 F] each
+ * expert's gate bias then its up bias, down_bias (NULL: none) [n_experts, E] (gpt-oss). Returns 0, or -1 (out not written) for an expert id out of
  * range, matrices of other shapes or memory refused. */
 int chatbot_experts(const Mat *gate, const Mat *up, const Mat *down, int n_experts, const float *x, int n,
-                    const int32_t *ids, const float *w, int k, int act_gu, int act_down, int act_fn, float *out,
-                    int n_threads) {
+                    const int32_t *ids, const float *w, int k, int act_gu, int act_down, int act_fn,
+                    const float *gu_bias, const float *down_bias, float *out, int n_threads) {
     if (n < 1 || k < 1 || n_experts < 1 || gate->x8 || up->x8 || down->x8 || gate->rows % n_experts ||
         up->rows != gate->rows || down->rows % n_experts || gate->cols != up->cols)
         return -1;
@@ -390,8 +507,8 @@ int chatbot_experts(const Mat *gate, const Mat *up, const Mat *down, int n_exper
     for (int c = most; c > 0; c--)
         for (int e = 0; e < n_experts; e++)
             if (first[e + 1] - first[e] == c) queue[n_queue++] = e;
-    ExpertsJob job = {gate, up, down, F, E, n, k, act_gu, act_down, act_fn, x, w, out, slot, first, queue,
-                      n_queue, most, res, 0, 0};
+    ExpertsJob job = {gate, up, down, F, E, n, k, act_gu, act_down, act_fn, x, w, gu_bias, down_bias, out,
+                      slot, first, queue, n_queue, most, res, 0, 0};
     team_run(n_threads, experts_team, &job);
     status = atomic_load(&job.failed) ? -1 : 0;
 done:
