@@ -231,8 +231,7 @@ def generation_methods(model: Any) -> Any:
 
     class Generation(GenerationMixin):
         def __init__(self) -> None:
-            self.config = model.config
-            self.generation_config = model.generation_config.to_transformers(model.config)
+            self.config, self.generation_config = model.config, model.generation_config
             self.device = model.device
 
     return Generation()
