@@ -477,10 +477,13 @@ def test_a_stored_start_continues_the_whole_prompts_pass_bit_for_bit(default_mod
                 assert torch.equal(_forward(engine, other, p[take:], given), want), (len(written), len(p))
                 checked += 1
         assert checked >= 9
-        # the rest encoded alone after the same start: other bits
-        kv = engine.new_cache()
-        engine.prefill(kv, prompts[0][:start])
-        assert not torch.equal(engine.prefill(kv, prompts[0][start:]), whole[0])
+        # the rest encoded alone after the same start: other bits where the native kernels run
+        # (their attention); torch's own (`off`) gave other bits on an AVX-512 Zen 5 and the
+        # same on an AVX2 Zen 3: its blocking of a pass depends on the CPU, so not asserted there
+        if opt != "off":
+            kv = engine.new_cache()
+            engine.prefill(kv, prompts[0][:start])
+            assert not torch.equal(engine.prefill(kv, prompts[0][start:]), whole[0])
 
 
 @pytest.mark.slow
