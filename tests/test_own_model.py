@@ -127,8 +127,9 @@ def test_bench_decodes_baseline_gets_transformers_class_with_generate(cache_home
 @pytest.mark.slow
 def test_the_default_model_answers_and_tokenizes_as_through_transformers(monkeypatch):
     """The default model, loaded from its cache without transformers' config, tokenizer and
-    model classes: the same greedy tokens, ids, decoded text and rendered chat template as
-    transformers' classes give (AutoTokenizer, LlamaForCausalLM)."""
+    model classes (its tokenizer is ours, `chatbot.gguf.tokenizer`): the same greedy tokens,
+    ids, decoded text and rendered chat template as transformers' classes give (AutoTokenizer,
+    LlamaForCausalLM)."""
     from transformers import AutoTokenizer
 
     from chatbot.config import SamplingConfig
@@ -143,7 +144,7 @@ def test_the_default_model_answers_and_tokenizes_as_through_transformers(monkeyp
     cache = cache_root() / "gguf-meta" / f"{path.stem}-{gguf_model.metadata_key(path)}"
     auto = AutoTokenizer.from_pretrained(str(cache))
     mine = loaded.tokenizer
-    assert type(mine).__name__ == type(auto).__name__ == "TokenizersBackend"
+    assert type(mine).__name__ == "Tokenizer" and type(auto).__name__ == "TokenizersBackend"
     assert mine.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
     assert mine.special_tokens_map == auto.special_tokens_map and mine.chat_template == auto.chat_template
     texts = [
@@ -180,3 +181,33 @@ def test_colossal_stream_generate_runs_on_our_model_as_on_transformers(cache_hom
     kw = {"max_new_tokens": 8, "do_sample": False, "repetition_penalty": 1.3, "min_new_tokens": 4}
     outs = [list(stream_generate(model, prompt, **kw))[-1] for model in (loaded.model, twin)]
     assert outs[0].shape[1] > prompt.shape[1] and torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_our_attention_is_transformers_sdpa_bit_for_bit(groups):
+    """`skeleton.sdpa_attention` against transformers' `sdpa_attention_forward` (the attention
+    transformers' Llama runs on the CPU), on random tensors: one query or several, with no
+    mask, a boolean mask as the chunked prefill makes, or one per head; grouped heads or not."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from chatbot.engine.backends.native.skeleton import sdpa_attention
+
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = groups, True
+    g = torch.Generator().manual_seed(groups)
+    for q_len, kv_len, mask_kind in [(1, 9, None), (7, 7, None), (4, 11, "bool"), (1, 9, "bool"),
+                                     (5, 5, "heads"), (1, 6, "heads"), (6, 6, "float")]:  # fmt: skip
+        query = torch.randn(1, 2 * groups, q_len, 16, generator=g)
+        key, value = (torch.randn(1, 2, kv_len, 16, generator=g) for _ in range(2))
+        mask = None
+        if mask_kind is not None:
+            offset = kv_len - q_len
+            mask = torch.arange(kv_len)[None, :] <= torch.arange(q_len)[:, None] + offset  # [q, kv]
+            heads = 2 * groups if mask_kind == "heads" else 1
+            mask = mask[None, None].expand(1, heads, q_len, kv_len).contiguous()
+            if mask_kind == "float":
+                mask = torch.where(mask, 0.0, -1e9) + 0.1 * torch.randn(1, 1, q_len, kv_len, generator=g)
+        ours, _ = sdpa_attention(module, query, key, value, mask, scaling=0.25)
+        theirs, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
+        assert ours.shape == theirs.shape == (1, q_len, 2 * groups, 16)
+        assert torch.equal(ours, theirs), (q_len, kv_len, mask_kind)

@@ -1,14 +1,67 @@
-"""Sampling: the fused top-k/top-p filter against transformers' two warpers in a row, and
-the engine's logits processors."""
+"""Sampling: our logits processors (each, and the chain the engine builds) against
+transformers' processors of the same role, the fused top-k/top-p filter against transformers'
+two warpers in a row."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers.generation import logits_process as hf
 from transformers.generation.logits_process import LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
 
 from chatbot.config import SamplingConfig
+from chatbot.engine import sampling as ours
 from chatbot.engine.sampling import TopKTopPLogitsWarper, build_logits_processor
+
+
+def _random_scores(trial):
+    g = torch.Generator().manual_seed(1000 + trial)
+    scores = torch.randn(2, 3000, generator=g) * (0.3 + 10 * float(torch.rand(1, generator=g)))
+    if trial % 5 == 0:
+        scores[:, :200] = scores[:, :1]  # ties
+    ids = torch.randint(0, 3000, (2, 40), generator=g)
+    return g, scores, ids
+
+
+def test_each_processor_computes_what_transformers_processor_computes():
+    for trial in range(40):
+        g, scores, ids = _random_scores(trial)
+        t = 0.05 + 3 * float(torch.rand(1, generator=g))
+        k = int(torch.randint(1, 3500, (1,), generator=g))  # past the vocabulary too
+        p = float(torch.rand(1, generator=g))
+        pairs = [
+            (ours.TemperatureLogitsWarper(t), hf.TemperatureLogitsWarper(t)),
+            (ours.TopKLogitsWarper(k), hf.TopKLogitsWarper(k)),
+            (ours.TopPLogitsWarper(p), hf.TopPLogitsWarper(p)),
+            (ours.TopPLogitsWarper(p, min_tokens_to_keep=5), hf.TopPLogitsWarper(p, min_tokens_to_keep=5)),
+        ]
+        for mine, theirs in pairs:
+            assert torch.equal(mine(ids, scores), theirs(ids, scores)), (type(mine).__name__, t, k, p)
+
+
+def test_the_built_chain_computes_what_transformers_chain_computes():
+    """Penalty over the whole context, temperature, top-k, top-p: the chain `build_logits_processor`
+    makes against transformers' processors in the same order (top-k with top-p fused on our
+    side, equal to the last bit where no cumulative probability sits at the threshold)."""
+    for trial in range(40):
+        g, scores, ids = _random_scores(trial)
+        penalty = 1.0 + float(torch.rand(1, generator=g))
+        t = 0.1 + 2 * float(torch.rand(1, generator=g))
+        k = int(torch.randint(0, 500, (1,), generator=g))
+        p = 0.05 + float(torch.rand(1, generator=g))  # >= 1 in some trials: no top-p
+        sampling = SamplingConfig(
+            temperature=t, top_k=k, top_p=min(p, 1.0), repetition_penalty=penalty, repeat_last_n=-1
+        )
+        theirs = hf.LogitsProcessorList(
+            [hf.RepetitionPenaltyLogitsProcessor(penalty), hf.TemperatureLogitsWarper(t)]
+        )
+        if k > 0:
+            theirs.append(hf.TopKLogitsWarper(k))
+        if p < 1.0:
+            theirs.append(hf.TopPLogitsWarper(p))
+        got, want = build_logits_processor(sampling)(ids, scores), theirs(ids, scores)
+        assert torch.equal(torch.isinf(got), torch.isinf(want)), trial
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_fused_top_k_top_p_keeps_what_transformers_keeps():

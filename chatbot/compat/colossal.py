@@ -231,7 +231,8 @@ def generation_methods(model: Any) -> Any:
 
     class Generation(GenerationMixin):
         def __init__(self) -> None:
-            self.config, self.generation_config = model.config, model.generation_config
+            self.config = model.config
+            self.generation_config = model.generation_config.to_transformers(model.config)
             self.device = model.device
 
     return Generation()

@@ -22,7 +22,6 @@ from typing import Any, cast
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
-from transformers.generation.logits_process import LogitsProcessorList
 
 from chatbot.config import SamplingConfig
 from chatbot.engine.backends.base import Backend, full_cache
@@ -35,7 +34,7 @@ from chatbot.engine.cache.tracked import TrackedCache
 from chatbot.engine.chunk import GenerationChunk
 from chatbot.engine.detokenize import IncrementalDetokenizer
 from chatbot.engine.draft_model import DraftModel, ModelDrafter
-from chatbot.engine.sampling import Sampler, build_logits_processor
+from chatbot.engine.sampling import LogitsProcessor, Sampler, build_logits_processor
 from chatbot.engine.speculative import Drafter, NgramDrafter, draft_token_steps
 from chatbot.engine.stats import TurnStats, peak_memory_bytes, synchronize
 from chatbot.engine.stop_criteria import StopOnStrings
@@ -267,7 +266,7 @@ class Engine:
         stop_ids: Sequence[int] = (),
         prefill_chunk: int = 512,
         generator: torch.Generator | None = None,
-        logits_processor: LogitsProcessorList | None = None,
+        logits_processor: LogitsProcessor | None = None,
         stopping_criteria: StopCallback | None = None,
         observer: TokenObserver | None = None,
         on_progress: Callable[[int, int], None] | None = None,
@@ -310,10 +309,11 @@ class Engine:
         kv.check_room(len(new_ids))
         if history_ids is None:
             history_ids = list(kv.ids)
-        if logits_processor is None:
-            processors = build_logits_processor(sampling, self.special_ids)
-        else:
-            processors = logits_processor
+        processors: LogitsProcessor = (
+            build_logits_processor(sampling, self.special_ids)
+            if logits_processor is None
+            else logits_processor
+        )
         constraint = None
         if sampling.output_format is not None:  # the grammar engine is imported only here
             from chatbot.engine.grammar import JsonConstraint

@@ -1,9 +1,12 @@
 """Choosing answer tokens: the `Sampler`, its processors, and the sampling defaults a model
 ships (`sampling_from_model`).
 
-Top-k then top-p sorts only the k candidates left after top-k, where transformers'
-`TopPLogitsWarper` sorts the whole vocabulary at every step (49,152 entries for SmolLM2;
-docs/benchmarks.md has figures).
+The processors are our own, each computing what transformers' processor of the same role
+computes (tests/test_sampling.py compares them on random logits), so that a turn on the
+native backend never imports transformers (`import transformers` alone is ~1 s of a one-shot;
+docs/benchmarks.md). Top-k then top-p sorts only the k candidates left after top-k, where
+transformers' `TopPLogitsWarper` sorts the whole vocabulary at every step (49,152 entries for
+SmolLM2; docs/benchmarks.md has figures).
 """
 
 from __future__ import annotations
@@ -13,20 +16,77 @@ from collections.abc import Collection, Sequence
 from typing import Any, Protocol, cast
 
 import torch
-from transformers.generation.logits_process import (
-    LogitsProcessor,
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from chatbot.config import SamplingConfig
 from chatbot.engine.finite import checked_token, sampled_token
 from chatbot.settings import layer
 
 
-class TopKTopPLogitsWarper(LogitsProcessor):
+class LogitsProcessor(Protocol):
+    """What changes the scores before a token is chosen (transformers' processors are such
+    too): ``[B, vocab]`` scores and the ids so far ``[B, n]`` to new scores."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor: ...
+
+
+class LogitsProcessorList(list[LogitsProcessor]):
+    """Processors applied in order (as transformers' `LogitsProcessorList`, which a caller of
+    `Engine.generate` may pass instead)."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        for processor in self:
+            scores = processor(input_ids, scores)
+        return scores
+
+
+class TemperatureLogitsWarper:
+    """Scores divided by `temperature` (> 0), as transformers' processor of that name."""
+
+    def __init__(self, temperature: float) -> None:
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.temperature = float(temperature)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        return scores / self.temperature
+
+
+class TopKLogitsWarper:
+    """Every score below the k-th highest set to -inf (ties at the k-th kept), as
+    transformers' processor of that name."""
+
+    def __init__(self, top_k: int, min_tokens_to_keep: int = 1) -> None:
+        if not isinstance(top_k, int) or top_k <= 0:
+            raise ValueError(f"top_k must be a positive integer, got {top_k}")
+        self.top_k = max(top_k, min_tokens_to_keep)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        k = min(self.top_k, scores.size(-1))
+        kth = torch.topk(scores, k).values[..., -1:]  # [B, 1]
+        return scores.masked_fill(scores < kth, -float("inf"))
+
+
+class TopPLogitsWarper:
+    """Only the smallest set of highest scores whose probability reaches `top_p` kept (the
+    others -inf; at least `min_tokens_to_keep`), as transformers' processor of that name."""
+
+    def __init__(self, top_p: float, min_tokens_to_keep: int = 1) -> None:
+        if not 0.0 <= float(top_p) <= 1.0:
+            raise ValueError(f"top_p must be in [0, 1], got {top_p}")
+        self.top_p = float(top_p)
+        self.min_tokens_to_keep = min_tokens_to_keep
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        ascending, order = torch.sort(scores, descending=False)
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+        # the tail whose whole probability is at most 1 - p goes; the highest are always kept
+        drop_sorted = cumulative <= (1 - self.top_p)
+        drop_sorted[..., -self.min_tokens_to_keep :] = False
+        drop = drop_sorted.scatter(1, order, drop_sorted)
+        return scores.masked_fill(drop, -float("inf"))
+
+
+class TopKTopPLogitsWarper:
     """transformers' `TopKLogitsWarper(k)` followed by `TopPLogitsWarper(p)`, in one step that
     sorts only the top-k candidates.
 
@@ -98,7 +158,7 @@ def penalised_ids(context: Sequence[int], last_n: int, special: Collection[int] 
     return set(window).difference(special)
 
 
-class WindowedRepetitionPenalty(LogitsProcessor):
+class WindowedRepetitionPenalty:
     """transformers' `RepetitionPenaltyLogitsProcessor` over the last `last_n` ids only (as
     llama.cpp's `repeat_last_n`), never over `special` ids: a penalty over the whole chat
     would hold back the end-of-turn token and every common word of a long conversation.
@@ -129,7 +189,7 @@ class WindowedRepetitionPenalty(LogitsProcessor):
 
 
 def build_logits_processor(sampling: SamplingConfig, special: Collection[int] = ()) -> LogitsProcessorList:
-    """transformers' processors for the settings (top-k with top-p fused into one that sorts
+    """The processors for the settings (top-k with top-p fused into one that sorts
     only the k candidates; the repetition penalty over a window, never on `special` ids):
     built once per turn."""
     processors = LogitsProcessorList()
@@ -183,7 +243,7 @@ class Sampler:
     Args:
         sampling: the settings (greedy or not, the most answer tokens).
         context: the ids before the answer (the repetition penalty's context).
-        processors: transformers' logits processors, applied in order.
+        processors: the logits processors (ours or transformers'), applied in order.
         generator: the random generator (seeded by the caller).
         device: where the context buffer lives (the logits' device).
         model: the model, only to name its file when its logits are not finite.
@@ -195,7 +255,7 @@ class Sampler:
         self,
         sampling: SamplingConfig,
         context: Sequence[int],
-        processors: LogitsProcessorList,
+        processors: LogitsProcessor,
         generator: torch.Generator | None,
         device: torch.device,
         model: Any = None,

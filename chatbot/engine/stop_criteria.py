@@ -1,5 +1,7 @@
-"""`StopOnStrings`: stop strings (`chatbot.engine.stops.StopStrings`) as a transformers
-stopping criterion, for `Engine.generate` and `generate()`."""
+"""`StopOnStrings`: stop strings (`chatbot.engine.stops.StopStrings`) as a stopping
+criterion, for `Engine.generate` and, in a transformers `StoppingCriteriaList`, `generate()`
+(which only calls it: no base class of transformers' is needed, and the native path does
+not import transformers)."""
 
 from __future__ import annotations
 
@@ -7,12 +9,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from transformers.generation.stopping_criteria import StoppingCriteria
 
 from chatbot.engine.stops import StopStrings, StopView
 
 
-class StopOnStrings(StoppingCriteria):
+class StopOnStrings:
     """A stopping criterion: true once the answer's text contains a stop string.
 
     Make one per answer: it counts the answer tokens it is asked about, so a stop string

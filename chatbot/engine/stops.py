@@ -4,7 +4,7 @@ and the server.
 
 - `StopStrings` finds the first stop string in a text and how much of a growing text must
   be held back because it may still become one (a stream never shows half a stop string).
-- `StopOnStrings` (`chatbot.engine.stop_criteria`, apart: it needs torch and transformers,
+- `StopOnStrings` (`chatbot.engine.stop_criteria`, apart: it needs torch,
   which the terminal's start-up does not import) is the stopping criterion for
   `Engine.generate` (and transformers): true once the answer's text contains a stop string.
 - `StopView` is what a streamed answer may show now.

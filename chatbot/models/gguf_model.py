@@ -103,7 +103,14 @@ def _fast_tokenizer_ok(folder: Path, tokenizer: Any) -> bool:
 
 
 def _load_cached_tokenizer(folder: Path, manifest: dict[str, Any]) -> Any:
+    """The saved tokenizer: our own (`chatbot.gguf.tokenizer`, no transformers) where it is
+    the plain backend class with settings ours keeps, else transformers' class."""
     if manifest.get("fast_tokenizer"):  # (AutoTokenizer would import transformers.models)
+        from chatbot.gguf.tokenizer import Tokenizer
+
+        own = Tokenizer.from_folder(folder)
+        if own is not None:
+            return own
         from transformers import TokenizersBackend
 
         return TokenizersBackend.from_pretrained(str(folder))
@@ -113,14 +120,13 @@ def _load_cached_tokenizer(folder: Path, manifest: dict[str, Any]) -> Any:
 
 
 def _load_cached_config(folder: Path) -> Any:
-    """The saved config: as a plain `PreTrainedConfig` (its attributes those of config.json)
-    where the model is built as our own (`skeleton.own_model_for`), so that neither the
-    config class nor the model class of transformers is imported; else through AutoConfig."""
-    from transformers.configuration_utils import PreTrainedConfig
-
+    """The saved config: as our `ModelConfig` (its attributes those of config.json) where the
+    model is built as our own (`skeleton.own_model_for`), so that transformers is not
+    imported for it; else through AutoConfig."""
     from chatbot.engine.backends.native.skeleton import own_model_for
+    from chatbot.gguf.config import ModelConfig
 
-    plain = PreTrainedConfig.from_json_file(str(folder / "config.json"))
+    plain = ModelConfig.from_json_file(folder / "config.json")
     if own_model_for(plain):
         return plain
     from transformers import AutoConfig
@@ -230,9 +236,11 @@ def record_added_tokens(folder: Path, tokenizer: Any) -> None:
 def _loads_plain(manifest: dict[str, Any], tokenizer: Any) -> bool:
     """Whether a cache not marked `fast_tokenizer` gave AutoTokenizer's plain backend class
     (a cache written when that class was not marked): it can be loaded as such."""
+    if manifest.get("fast_tokenizer"):
+        return False
     from transformers import TokenizersBackend
 
-    return not manifest.get("fast_tokenizer") and type(tokenizer) is TokenizersBackend
+    return type(tokenizer) is TokenizersBackend
 
 
 def _record_in_place(cache: Path, manifest: dict[str, Any], tokenizer: Any) -> None:

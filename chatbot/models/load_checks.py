@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -65,7 +67,13 @@ def quiet_transformers(gguf: bool = False):
     """Silence progress bars and info logs of a load; errors still raise. `gguf`: the load
     reads a GGUF file through transformers, whose reader has a bare tqdm bar of its own
     (which would fight the CLI's spinner); importing that reader takes ~0.2 s, so only loads
-    that use it ask for it (a GGUF file run as it is reads its own tensor table)."""
+    that use it ask for it (a GGUF file run as it is reads its own tensor table). Where
+    transformers is not imported yet (a GGUF file run as our own model need not import it:
+    ~1 s), its verbosity is asked of its import instead (`_quiet_if_imported`)."""
+    if not gguf and "transformers" not in sys.modules:
+        with _quiet_if_imported():
+            yield
+        return
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
@@ -91,6 +99,32 @@ def quiet_transformers(gguf: bool = False):
         acc.setLevel(acc_level)
         if gguf_utils is not None:
             gguf_utils.tqdm = gguf_tqdm
+
+
+@contextmanager
+def _quiet_if_imported():
+    """`quiet_transformers` for a block that may import transformers: its logging reads
+    TRANSFORMERS_VERBOSITY when it is imported; and if the block imported it, the verbosity
+    and progress bars are set back after it as `quiet_transformers` sets them."""
+    saved = os.environ.get("TRANSFORMERS_VERBOSITY")
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    acc = logging.getLogger("accelerate")
+    acc_level = acc.level
+    acc.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        if saved is None:
+            os.environ.pop("TRANSFORMERS_VERBOSITY", None)
+        else:
+            os.environ["TRANSFORMERS_VERBOSITY"] = saved
+        acc.setLevel(acc_level)
+        hf_logging = sys.modules.get("transformers.utils.logging")
+        if hf_logging is not None:
+            hf_logging.set_verbosity(hf_logging._get_default_logging_level())
+            hf_logging.enable_progress_bar()
 
 
 def check_safetensors(folder: Path) -> None:

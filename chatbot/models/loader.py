@@ -471,6 +471,7 @@ def load_model(
         where = str(checked.path)
     from chatbot.models.templates import apply_template
 
+    install_template_budget()  # (a no-op where the load did not import transformers)
     info = apply_template(tokenizer, model, template)
     if info.warning:
         notes.append(info.warning)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -374,7 +375,12 @@ def budget(compiled: Any) -> Any:
 
 def install() -> bool:
     """Make transformers' `apply_chat_template` compile every template under the budget
-    (idempotent); False where this transformers has no such compiler to wrap."""
+    (idempotent); False where this transformers has no such compiler to wrap, or where
+    transformers is not imported: then no tokenizer of its exists to render with (ours,
+    `chatbot.gguf.tokenizer`, renders under the budget itself), and the loader and the chat
+    call this again once their tokenizer is made."""
+    if "transformers" not in sys.modules:
+        return False
     try:
         from transformers.utils import chat_template_utils as templates
     except ImportError:
@@ -395,3 +401,129 @@ def install() -> bool:
     compile_under_budget.chatbot_budget = True  # type: ignore[attr-defined]
     templates._compile_jinja_template = compile_under_budget
     return True
+
+
+def sandbox() -> Any:
+    """A Jinja sandbox as transformers' (5.x) `apply_chat_template` builds one, without
+    importing transformers: immutable, blocks trimmed, loop controls, the `generation` tag
+    (rendered as its body: no assistant mask is asked for here), `tojson` without HTML
+    escaping, `raise_exception`, `strftime_now`, a `dict` that is only a constructor and a
+    `namespace` that refuses underscore names; then budgeted (`_budgeted_environment`)."""
+    import datetime
+    import json
+
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(jinja2.ext.Extension):
+        tags = {"generation"}  # noqa: RUF012 - Jinja's own attribute
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return str(caller())
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+               sort_keys: bool = False) -> str:  # fmt: skip
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def strftime_now(form: str) -> str:
+        return datetime.datetime.now().strftime(form)
+
+    class TemplateDict:  # `dict(...)` in a template, without the type's attributes
+        def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+            return dict.fromkeys(*args, **kwargs)
+
+    def check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"a chat template cannot store {name!r} on a namespace")
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        def __init__(*args: Any, **kwargs: Any) -> None:  # (Jinja's signature: `self` may be a key)
+            self, rest = args[0], args[1:]
+            attrs = dict(*rest, **kwargs)
+            for name in attrs:
+                check_name(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            check_name(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+    env.globals.update(dict=TemplateDict(), namespace=TemplateNamespace)
+    return _budgeted_environment(env)
+
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def plain_data(value: Any) -> Any:
+    """`value` rebuilt from plain JSON types (str, int, float, bool, None, dict, list, tuple),
+    anything else as a placeholder naming its type, as transformers gives a template its
+    data: the sandbox does not know which methods of other objects are unsafe."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    for kind in (str, int, float):
+        if isinstance(value, kind):
+            return kind(value)  # a subclass's extra methods dropped
+    if isinstance(value, dict):
+        return {plain_data(k): plain_data(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain_data(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(plain_data(v) for v in value)
+    return f"<{type(value).__name__}>"
+
+
+@functools.lru_cache(maxsize=64)
+def compiled_template(chat_template: str) -> Any:
+    """`chat_template` compiled in `sandbox()`, rendering under the budget."""
+    return budget(sandbox().from_string(chat_template))
+
+
+def render_chat(
+    chat_template: str,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = False,
+    **kwargs: Any,
+) -> str:
+    """The text `chat_template` makes of `messages` (dicts), as transformers'
+    `apply_chat_template(..., tokenize=False)` renders one conversation: the data made
+    plain, a message's reasoning also under the other names templates read it by, the
+    tools and `kwargs` (the special tokens, `enable_thinking`...) given to the template.
+
+    Raises:
+        TypeError: a message that is not a dict.
+        jinja2.TemplateError: the template fails (or raises).
+        TemplateBudgetExceeded: it runs past the budget.
+    """
+    chat = plain_data(messages)
+    aliased = []
+    for message in chat:
+        if not isinstance(message, dict):
+            raise TypeError(f"chat messages must be dicts, got {message!r}")
+        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        aliased.append(message)
+    template = compiled_template(chat_template)
+    data = {"tools": plain_data(tools), "documents": None, "add_generation_prompt": add_generation_prompt}
+    return str(template.render(messages=aliased, **data, **plain_data(kwargs)))

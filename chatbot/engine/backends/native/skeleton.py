@@ -6,9 +6,11 @@ Why: importing `transformers.models.<arch>.modeling_<arch>` and its config class
 transformers' model loading (`torch.distributed.tensor`), its masks (`torch._dynamo`),
 accelerate and PIL: 1.7-2.0 s of a one-shot's ~4 s on an idle core, for a model whose
 matrices are the GGUF file's blocks (`packed`) and whose decode steps run in the kernels.
-What stays from transformers is cheap: its caches, `PreTrainedConfig`, `GenerationConfig`,
-the output class and `sdpa_attention_forward` (the attention transformers runs on the CPU,
-called as it calls it, so the products are the very same).
+What stays from transformers: its `DynamicCache` where a pass asks for a cache and is given
+none (the engine always gives one). The generation config is our own `GenerationDefaults`;
+so are the output class and the attention: `sdpa_attention` makes the call of torch's
+`scaled_dot_product_attention` that transformers' "sdpa" attention makes on the CPU (the same
+arguments, so the products are the very same; tests/test_own_model.py compares them).
 
 The forward pass follows transformers' `LlamaForCausalLM` (5.x): RMSNorm in float32, the
 default rotary embedding, and the mask `create_causal_mask` makes for sdpa: none where
@@ -21,23 +23,119 @@ class instead (`own_model_for`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, DynamicCache
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from chatbot.engine.backends.native.architectures import BY_MODEL_TYPE
 from chatbot.engine.cache.queries import PassQueries
 
-attention_function: Callable[..., tuple[torch.Tensor, Any]] = sdpa_attention_forward
-"""The attention every layer runs: transformers' "sdpa", and, as transformers' registry has
-it after `compiled.use_decode_attention`, that backend's `decode_attention` (sdpa itself
-outside a compiled step)."""
+Cache = Any  # a transformers-style cache: update(k, v, layer), get_seq_length(), mask sizes
+
+
+def repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
+    """Each key/value head repeated for the `groups` query heads that share it:
+    [B, KV, S, D] -> [B, KV * groups, S, D]."""
+    if groups == 1:
+        return states
+    batch, kv_heads, length, dim = states.shape
+    return states[:, :, None].expand(batch, kv_heads, groups, length, dim).reshape(batch, -1, length, dim)
+
+
+def sdpa_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention of `query` [B, H, q, D] over `key`/`value` [B, KV, kv, D]: the output
+    [B, q, H, D], by the call of `scaled_dot_product_attention` that transformers' "sdpa"
+    attention (5.x, on the CPU) makes. Grouped heads: torch's `enable_gqa` without a mask;
+    with one, a single query's heads as the rows of its key/value heads; else the key/value
+    heads repeated. `is_causal` where there are several queries and no mask."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    q_length = query.shape[2]
+    extra: dict[str, Any] = {}
+    if groups > 1:
+        if attention_mask is None and key.shape[-1] == value.shape[-1] <= 256:
+            extra["enable_gqa"] = True
+        elif q_length == 1 and not torch.compiler.is_compiling():
+            batch, heads, _, dim = query.shape
+            query = query.reshape(batch, heads // groups, groups, dim)  # [B, KV, groups, D]
+            if attention_mask is not None and attention_mask.shape[1] != 1:
+                attention_mask = attention_mask.reshape(attention_mask.shape[0], heads // groups, groups, -1)
+        else:
+            key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    is_causal = q_length > 1 and attention_mask is None and getattr(module, "is_causal", True)
+    if is_causal and key.shape[2] > q_length:  # (as transformers: the first q keys)
+        key, value = key[:, :, :q_length], value[:, :, :q_length]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal,
+        **extra,
+    )  # fmt: skip
+    out = out.reshape(out.shape[0], -1, q_length, value.shape[-1])  # [B, H, q, D]
+    return out.transpose(1, 2).contiguous(), None
+
+
+@dataclasses.dataclass
+class CausalLMOutput:
+    """What `CausalLM.forward` returns, read as transformers' output is: `logits`, the cache
+    (also as `past_key_values`)."""
+
+    logits: torch.Tensor
+    cache: Any = None
+
+    @property
+    def past_key_values(self) -> Any:
+        return self.cache
+
+
+@dataclasses.dataclass
+class GenerationDefaults:
+    """Our own model's `generation_config`: what transformers' `GenerationConfig.from_model_config`
+    makes of a GGUF file's config, which holds no generation settings: its token ids, and
+    every sampling setting unset (None, as on `GenerationConfig()`: the settings' own
+    defaults apply, `chatbot.engine.sampling.sampling_from_model`). The chat template's stop
+    ids join `eos_token_id` (`chatbot.models.templates`). `to_transformers` gives transformers'
+    (for callers of its `generate` builders, `chatbot.compat.colossal`)."""
+
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    do_sample: bool | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+
+    @classmethod
+    def from_model_config(cls, config: Any) -> GenerationDefaults:
+        ids = {k: getattr(config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        return cls(**ids)
+
+    def to_transformers(self, config: Any) -> Any:
+        """transformers' `GenerationConfig.from_model_config(config)`, with what is set here."""
+        from transformers.generation.configuration_utils import GenerationConfig
+
+        generation = GenerationConfig.from_model_config(config)
+        for key, value in dataclasses.asdict(self).items():
+            if value is not None:
+                setattr(generation, key, value)
+        return generation
+
+
+attention_function: Callable[..., tuple[torch.Tensor, Any]] = sdpa_attention
+"""The attention every layer runs: `sdpa_attention`, and, after
+`compiled.use_decode_attention`, that backend's `decode_attention` (sdpa outside a compiled
+step)."""
 
 
 def own_model_for(config: Any) -> bool:
@@ -238,6 +336,8 @@ class Model(nn.Module):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
+            from transformers.cache_utils import DynamicCache  # (no caller of ours comes here)
+
             cache = DynamicCache(config=self.config)
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
@@ -272,14 +372,12 @@ class CausalLM(nn.Module):
     keeps_pass_queries = True
 
     def __init__(self, config: Any) -> None:
-        from transformers.generation.configuration_utils import GenerationConfig
-
         super().__init__()
         self.config = config
         self.model = Model(config)
         self.vocab_size = config.vocab_size
         self.lm_head: nn.Module = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.generation_config = GenerationConfig.from_model_config(config)
+        self.generation_config = GenerationDefaults.from_model_config(config)
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.embed_tokens
@@ -306,7 +404,7 @@ class CausalLM(nn.Module):
         logits_to_keep: int = 0,
         past_key_values: Cache | None = None,
         **kwargs: Any,
-    ) -> CausalLMOutputWithPast:
+    ) -> CausalLMOutput:
         """Logits of the last `logits_to_keep` positions (0: all), the cache updated in place.
 
         Raises:
@@ -319,4 +417,4 @@ class CausalLM(nn.Module):
         hidden_states, cache = self.model(input_ids, inputs_embeds, position_ids, cache, use_cache, **kwargs)
         if logits_to_keep:
             hidden_states = hidden_states[:, -logits_to_keep:, :]
-        return CausalLMOutputWithPast(logits=self.lm_head(hidden_states), cache=cache)
+        return CausalLMOutput(logits=self.lm_head(hidden_states), cache=cache)
