@@ -28,7 +28,9 @@ def test_a_sampling_setting_is_named_in_few_files():
         check=True,
     ).stdout.split()
     files = sorted(str(Path(p).relative_to(PACKAGE)) for p in out)
-    files = [f for f in files if not f.startswith(("compat/", "measure/"))]
+    # gguf/config.py holds transformers' own list of the generation keys a config.json may
+    # carry (checked against theirs in test_without_transformers), not a setting of ours.
+    files = [f for f in files if not f.startswith(("compat/", "measure/")) and f != "gguf/config.py"]
     assert len(files) <= 5, files
 
 

@@ -83,6 +83,12 @@ class ModelConfig:
         reads a config's layer kinds from)."""
         return [self] * int(getattr(self, "num_hidden_layers", 0))
 
+    def _get_generation_parameters(self) -> dict[str, Any]:
+        """The generation settings this config holds: none, since they are dropped at load
+        (what transformers' `generate` checks a model's config for before it builds its
+        generation config: `chatbot.compat.colossal`)."""
+        return {}
+
     def to_dict(self) -> dict[str, Any]:
         """Every attribute, copied (what transformers' `to_dict` gives a plain config, less
         its private ones)."""

@@ -94,20 +94,42 @@ class Tokenizer:
     ) -> list[int]:
         """The ids of `text` (with the post-processor's tokens where `add_special_tokens`; a
         special token's text as plain text where `split_special_tokens`)."""
+        return list(self._encoding(text, add_special_tokens, split_special_tokens).ids)
+
+    def _encoding(self, text: str, add_special_tokens: bool, split_special_tokens: bool) -> Any:
         backend = self.backend_tokenizer
         with self._lock:
             backend.encode_special_tokens = split_special_tokens
             try:
-                return list(backend.encode(text, add_special_tokens=add_special_tokens).ids)
+                return backend.encode(text, add_special_tokens=add_special_tokens)
             finally:
                 backend.encode_special_tokens = False
 
     def __call__(
-        self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False
-    ) -> dict[str, list[int]]:
-        """`{"input_ids": ..., "attention_mask": ...}` of one text, as transformers' call."""
-        ids = self.encode(text, add_special_tokens, split_special_tokens)
-        return {"input_ids": ids, "attention_mask": [1] * len(ids)}
+        self,
+        text: str,
+        add_special_tokens: bool = True,
+        split_special_tokens: bool = False,
+        return_offsets_mapping: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        """`{"input_ids": ..., "attention_mask": ...}` of one text, as transformers' call, with
+        each token's `(start, end)` characters as `offset_mapping` where asked; anything more
+        (tensors, a batch, padding...) by transformers' class."""
+        if kwargs or not isinstance(text, str):
+            return self.transformers()(
+                text,
+                add_special_tokens=add_special_tokens,
+                split_special_tokens=split_special_tokens,
+                return_offsets_mapping=return_offsets_mapping,
+                **kwargs,
+            )
+        encoding = self._encoding(text, add_special_tokens, split_special_tokens)
+        ids = list(encoding.ids)
+        out: dict[str, Any] = {"input_ids": ids, "attention_mask": [1] * len(ids)}
+        if return_offsets_mapping:
+            out["offset_mapping"] = [tuple(pair) for pair in encoding.offsets]
+        return out
 
     def decode(
         self,

@@ -101,20 +101,15 @@ class CausalLMOutput:
 @dataclasses.dataclass
 class GenerationDefaults:
     """Our own model's `generation_config`: what transformers' `GenerationConfig.from_model_config`
-    makes of a GGUF file's config, which holds no generation settings: its token ids, and
-    every sampling setting unset (None, as on `GenerationConfig()`: the settings' own
-    defaults apply, `chatbot.engine.sampling.sampling_from_model`). The chat template's stop
+    makes of a GGUF file's config, which holds no generation settings: its token ids only
+    (no sampling setting, so the settings' own defaults apply:
+    `chatbot.engine.sampling.sampling_from_model` reads those it finds). The chat template's stop
     ids join `eos_token_id` (`chatbot.models.templates`). `to_transformers` gives transformers'
     (for callers of its `generate` builders, `chatbot.compat.colossal`)."""
 
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
-    do_sample: bool | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    repetition_penalty: float | None = None
 
     @classmethod
     def from_model_config(cls, config: Any) -> GenerationDefaults:
