@@ -179,7 +179,9 @@ def test_our_tokenizer_encodes_and_decodes_as_transformers(default_tokenizer_fol
                 assert ours(text, **kw)["input_ids"] == theirs(text, **kw)["input_ids"], (text, kw)
             kw = {"add_special_tokens": special, "return_offsets_mapping": True}
             mine, other = ours(text, **kw), theirs(text, **kw)
-            assert mine["offset_mapping"] == other["offset_mapping"] and (mine["offset_mapping"] or not text), text
+            assert mine["offset_mapping"] == other["offset_mapping"] and (
+                mine["offset_mapping"] or not text
+            ), text
             ids = theirs(text, add_special_tokens=special)["input_ids"]
             assert ours.convert_ids_to_tokens(ids) == theirs.convert_ids_to_tokens(ids)
             for skip in (False, True):

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache
 
 from chatbot.compat.records import track
 from chatbot.config import Range, SamplingConfig
+from chatbot.engine.cache.layers import AnyCache
 from chatbot.engine.cache.tracked import TrackedCache
 from chatbot.engine.generate import Engine
 from chatbot.errors import ConfigError
@@ -119,7 +119,7 @@ class NoText:
         return ""
 
 
-def sync_cache(engine: Engine, cache: Cache, ids: Sequence[int]) -> tuple[TrackedCache, int]:
+def sync_cache(engine: Engine, cache: AnyCache, ids: Sequence[int]) -> tuple[TrackedCache, int]:
     """Make `cache` hold a prefix of `ids`, reusing as much as it can.
 
     A cache with a record (`TrackedCache`) is compared with `ids` token by token and cut

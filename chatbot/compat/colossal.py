@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
@@ -26,6 +25,7 @@ from chatbot.compat._common import (
 )
 from chatbot.compat.records import lookup
 from chatbot.config import SamplingConfig
+from chatbot.engine.cache.layers import AnyCache, is_cache
 from chatbot.engine.detokenize import IncrementalDetokenizer
 from chatbot.engine.generate import Engine
 from chatbot.engine.stop_criteria import StopOnStrings
@@ -42,7 +42,7 @@ class _ChatRecord:
     ids: list[int] = field(default_factory=list)
 
 
-CHATS: weakref.WeakKeyDictionary[Cache, _ChatRecord] = weakref.WeakKeyDictionary()
+CHATS: weakref.WeakKeyDictionary[AnyCache, _ChatRecord] = weakref.WeakKeyDictionary()
 
 # --- ColossalAI: stream_chat_patch ----------------------------------------------------------
 
@@ -180,9 +180,9 @@ def stream_generate(
     engine = Engine(model, tokenizer if tokenizer is not None else NoText())
     if cache is None:
         cache = engine.new_cache().cache
-    elif not isinstance(cache, Cache):
+    elif not is_cache(cache):
         raise TypeError(
-            "past_key_values must be a transformers Cache (DynamicCache, or the SinkCache of "
+            "past_key_values must be a KV cache (transformers' DynamicCache, or the SinkCache of "
             f"enable_streaming_llm); got {type(cache).__name__} (tuples are gone in transformers v5)"
         )
     out_device = input_ids.device if isinstance(input_ids, torch.Tensor) else engine.device
@@ -308,7 +308,7 @@ def streaming_chat(
     input_query: str,
     history: Sequence[Mapping[str, Any]] | None = None,
     roles: Sequence[str] = DEFAULT_ROLES,
-    past_key_values: Cache | None = None,
+    past_key_values: AnyCache | None = None,
     temperature: float = 0.8,
     top_p: float = 0.95,
     top_k: int = 50,
@@ -419,7 +419,7 @@ def _chat_sampling(temperature: float, top_p: float, top_k: int, max_new_tokens:
     return given
 
 
-def _chat_ids(tokenizer: Any, cache: Cache, prompt: str) -> list[int]:
+def _chat_ids(tokenizer: Any, cache: AnyCache, prompt: str) -> list[int]:
     """`prompt`'s token ids: those `streaming_chat` left in `cache` and the rest of the text
     encoded after them when the cache still holds that chat and `prompt` goes on from its
     text; else the whole prompt encoded."""

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from transformers.cache_utils import Cache
-
+from chatbot.engine.cache.layers import AnyCache
 from chatbot.engine.cache.sinks import SinkCache
 from chatbot.engine.cache.tracked import UNKNOWN, TrackedCache
 
@@ -18,11 +17,11 @@ from chatbot.engine.cache.tracked import UNKNOWN, TrackedCache
 _ATTR = "_chatbot_tracked"
 
 
-def _register(cache: Cache, tracked: TrackedCache) -> None:
+def _register(cache: AnyCache, tracked: TrackedCache) -> None:
     object.__setattr__(cache, _ATTR, tracked)
 
 
-def lookup(cache: Cache) -> TrackedCache | None:
+def lookup(cache: AnyCache) -> TrackedCache | None:
     """The record of `cache`, if it has one that still matches it (not changed elsewhere)."""
     tracked: TrackedCache | None = vars(cache).get(_ATTR)
     if tracked is None:
@@ -33,7 +32,7 @@ def lookup(cache: Cache) -> TrackedCache | None:
     return tracked
 
 
-def track(cache: Cache, max_context: int, assume: Sequence[int] | None = None) -> TrackedCache:
+def track(cache: AnyCache, max_context: int, assume: Sequence[int] | None = None) -> TrackedCache:
     """The `TrackedCache` of a cache that callers pass around as a transformers object.
 
     A cache seen before keeps its record, unless it was changed elsewhere since (its length
@@ -67,6 +66,6 @@ def track(cache: Cache, max_context: int, assume: Sequence[int] | None = None) -
     return tracked
 
 
-def forget(cache: Cache) -> None:
+def forget(cache: AnyCache) -> None:
     """Drop the record of `cache` (it will be taken as new by `track`)."""
-    vars(cache).pop(_ATTR, None)
+    cache.__dict__.pop(_ATTR, None)

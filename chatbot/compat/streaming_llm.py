@@ -21,6 +21,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from chatbot.compat._common import CompatArgumentError, check_model, check_range
 from chatbot.compat.tinychat import PERSISTENT
 from chatbot.config import MAX_TOKENS, Range
+from chatbot.engine.cache.layers import is_cache
 from chatbot.engine.cache.sinks import SinkCache
 from chatbot.engine.generate import Engine
 
@@ -199,7 +200,7 @@ class StreamingSinkCache(SinkCache):
         if past_key_values is None:
             self.reset()
             return self
-        if isinstance(past_key_values, Cache):
+        if is_cache(past_key_values):
             if any(getattr(layer, "evicted", 0) for layer in past_key_values.layers):
                 # StartRecentKVCache's keys sit at their old positions, with a gap: taking
                 # them as positions 0..n-1 would silently misplace them.
@@ -369,7 +370,7 @@ class StartRecentKVCache:
         """`past_key_values` as our cache: ours as it is, else its tensors moved into one."""
         if isinstance(past_key_values, _StartRecentCache):
             return past_key_values
-        if isinstance(past_key_values, Cache):
+        if is_cache(past_key_values):
             pairs = [
                 (getattr(layer, "keys", None), getattr(layer, "values", None))
                 for layer in past_key_values.layers

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache
 
 from chatbot.compat._common import (
     CompatArgumentError,
@@ -23,6 +22,7 @@ from chatbot.compat._common import (
 )
 from chatbot.compat.records import track
 from chatbot.config import MAX_TOKENS, Range, SamplingConfig
+from chatbot.engine.cache.layers import AnyCache
 from chatbot.engine.cache.tracked import TrackedCache
 from chatbot.engine.detokenize import IncrementalDetokenizer
 from chatbot.engine.generate import Engine
@@ -32,7 +32,7 @@ from chatbot.errors import ConfigError
 _RANGES = {k: v for k, v in SamplingConfig.RANGES.items() if isinstance(v, Range)}  # the numeric ones
 
 # TinyChat models own their KV cache; ours live here, one per model.
-PERSISTENT: weakref.WeakKeyDictionary[Any, Cache] = weakref.WeakKeyDictionary()
+PERSISTENT: weakref.WeakKeyDictionary[Any, AnyCache] = weakref.WeakKeyDictionary()
 
 
 # --- TinyChat: StreamGenerator -------------------------------------------------------------
@@ -91,7 +91,7 @@ class _GenParams:
             raise CompatArgumentError(f"StreamGenerator: gen_params {exc}") from None
 
 
-def persistent_cache(model: Any) -> Cache:
+def persistent_cache(model: Any) -> AnyCache:
     """The cache `StreamGenerator` keeps for `model` (a new `DynamicCache` the first time;
     the `SinkCache` after `enable_streaming_llm`)."""
     cache = PERSISTENT.get(model)

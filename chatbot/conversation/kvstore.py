@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from chatbot.engine.cache.layers import is_plain_layer
 from chatbot.engine.cache.queries import PassQueries
 from chatbot.engine.cache.sinks import SinkLayer
 from chatbot.engine.cache.tracked import TrackedCache
@@ -181,7 +182,7 @@ def _layers(kv: TrackedCache) -> list[Any] | None:
     layers = list(kv.cache.layers)
     if not layers:
         return None
-    if not all(isinstance(layer, SinkLayer) or type(layer).__name__ == "DynamicLayer" for layer in layers):
+    if not all(isinstance(layer, SinkLayer) or is_plain_layer(layer) for layer in layers):
         return None
     return layers
 

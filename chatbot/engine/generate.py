@@ -21,13 +21,13 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any, cast
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
 
 from chatbot.config import SamplingConfig
 from chatbot.engine.backends.base import Backend, full_cache
 from chatbot.engine.backends.choose import choose_backend
 from chatbot.engine.backends.device_sampling import DeviceBackend, DeviceSampler, device_token_steps
 from chatbot.engine.cache.buffers import BufferLayer
+from chatbot.engine.cache.layers import KVCache, KVLayer, is_plain_layer
 from chatbot.engine.cache.queries import PassQueries
 from chatbot.engine.cache.sinks import SinkCache
 from chatbot.engine.cache.tracked import TrackedCache
@@ -129,7 +129,7 @@ class Engine:
             StreamingUnsupportedError: the model cannot take an attention-sink cache.
         """
         if recent_size is not None:
-            cache: Cache = SinkCache.for_model(
+            cache: KVCache = SinkCache.for_model(
                 self.model, 4 if start_size is None else start_size, recent_size
             )
         else:
@@ -146,13 +146,11 @@ class Engine:
         if dst.length or dst.is_bounded or src.is_bounded or src.evicted_total or not 0 < n <= src.length:
             return False
         self.backend.adopt(dst.cache)
-        plain = (DynamicLayer, BufferLayer)  # or a buffer layer of the compiled step's kind
         layers = (*src.cache.layers, *dst.cache.layers)
-        if any(type(layer) not in plain and not isinstance(layer, BufferLayer) for layer in layers):
+        # a buffer layer of any kind (the compiled step's too), or a plain growing one
+        if any(not (is_plain_layer(layer) or isinstance(layer, BufferLayer)) for layer in layers):
             return False  # a sliding-window layer keeps only its window: not a prefix
-        for have, take in zip(
-            cast(list[DynamicLayer], src.cache.layers), cast(list[DynamicLayer], dst.cache.layers)
-        ):
+        for have, take in zip(cast(list[KVLayer], src.cache.layers), cast(list[KVLayer], dst.cache.layers)):
             assert have.keys is not None and have.values is not None
             take.update(have.keys[:, :, :n].clone(), have.values[:, :, :n].clone())
         dst.feed(src.ids[:n])

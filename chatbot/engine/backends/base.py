@@ -19,11 +19,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from chatbot.engine.backends.native.pystack import call_with_room
 from chatbot.engine.batch import DecodeBatcher
+from chatbot.engine.cache.layers import KVCache
 from chatbot.engine.cache.queries import PassQueries
 
 
@@ -54,40 +53,40 @@ class Backend(Protocol):
         """Whether `prefill` keeps and continues a pass's queries (see there)."""
         ...
 
-    def new_cache(self) -> Cache:
+    def new_cache(self) -> KVCache:
         """An empty growing cache of the layers this backend writes."""
         ...
 
-    def adopt(self, cache: Cache) -> None:
+    def adopt(self, cache: KVCache) -> None:
         """Make `cache` (any of ours, possibly made elsewhere) one this backend can write."""
         ...
 
-    def reserve(self, cache: Cache, needed: int, limit: int | None = None) -> None:
+    def reserve(self, cache: KVCache, needed: int, limit: int | None = None) -> None:
         """Give `cache` room for `needed` positions before a prefill (at most `limit`)."""
         ...
 
-    def prefill(self, cache: Cache, ids: Sequence[int], queries: PassQueries | None = None) -> torch.Tensor:
+    def prefill(self, cache: KVCache, ids: Sequence[int], queries: PassQueries | None = None) -> torch.Tensor:
         """Feed `ids` (one or more) at the end of `cache`; the logits after the last. With
         `queries` (`chatbot.engine.cache.queries`), a prompt's first pass keeps its first
         queries, or the rest of one continues from them; a backend whose forward pass cannot
         (`keeps_queries` False) leaves them untouched."""
         ...
 
-    def prefill_concurrent(self, cache: Cache, ids: Sequence[int]) -> torch.Tensor:
+    def prefill_concurrent(self, cache: KVCache, ids: Sequence[int]) -> torch.Tensor:
         """`prefill`, safe to run beside `step_batch` in another thread (on another cache)."""
         ...
 
-    def prefill_every(self, cache: Cache, ids: Sequence[int]) -> torch.Tensor:
+    def prefill_every(self, cache: KVCache, ids: Sequence[int]) -> torch.Tensor:
         """`prefill`, returning the logits after each id (``[len(ids), vocab]``): one pass
         that verifies a speculative draft (`chatbot.engine.speculative`)."""
         ...
 
-    def step(self, cache: Cache, token: int) -> torch.Tensor:
+    def step(self, cache: KVCache, token: int) -> torch.Tensor:
         """Feed one answer token at the end of `cache`; the logits after it."""
         ...
 
     def step_batch(
-        self, caches: Sequence[Cache], tokens: Sequence[int], threads: int | None = None
+        self, caches: Sequence[KVCache], tokens: Sequence[int], threads: int | None = None
     ) -> torch.Tensor:
         """One token into each cache in one call; the logits after each (``[B, vocab]``)."""
         ...
@@ -111,12 +110,16 @@ class Backend(Protocol):
         ...
 
 
-def full_cache(config: Any) -> DynamicCache:
+def full_cache(config: Any) -> Any:
     """transformers' cache for `config`, with full layers where it would make sliding-window
     ones (gemma, mistral): those drop what falls out of the window, and a chat crops its cache
     back (a stop string, /undo, /retry), which they refuse once past the window. A full layer
     keeps every token; the window is still applied, by the attention masks (as llama.cpp keeps
-    a full cache by default too)."""
+    a full cache by default too). transformers' own cache, since this backend runs its model
+    classes, whose configs may ask for layer kinds (linear attention, shared layers) that
+    `chatbot.engine.cache.layers` does not have."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
     cache = DynamicCache(config=config)
     cache.layers = [
         DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer for layer in cache.layers
@@ -147,16 +150,16 @@ class HFBackend:
         `chatbot.engine.backends.native.skeleton`; not transformers' classes)."""
         return bool(getattr(type(self.forward_model), "keeps_pass_queries", False))
 
-    def new_cache(self) -> Cache:
+    def new_cache(self) -> KVCache:
         return full_cache(self.model.config)
 
-    def adopt(self, cache: Cache) -> None:
+    def adopt(self, cache: KVCache) -> None:
         return None
 
-    def reserve(self, cache: Cache, needed: int, limit: int | None = None) -> None:
+    def reserve(self, cache: KVCache, needed: int, limit: int | None = None) -> None:
         return None
 
-    def prefill(self, cache: Cache, ids: Sequence[int], queries: PassQueries | None = None) -> torch.Tensor:
+    def prefill(self, cache: KVCache, ids: Sequence[int], queries: PassQueries | None = None) -> torch.Tensor:
         tensor = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         extra = {"pass_queries": queries} if queries is not None and self.keeps_queries else {}
         # the forward pass's hundreds of Python frames on a fresh chunk of CPython's frame stack
@@ -166,21 +169,21 @@ class HFBackend:
         )
         return out.logits[0, -1].float()
 
-    def prefill_concurrent(self, cache: Cache, ids: Sequence[int]) -> torch.Tensor:
+    def prefill_concurrent(self, cache: KVCache, ids: Sequence[int]) -> torch.Tensor:
         return self.prefill(cache, ids)
 
-    def prefill_every(self, cache: Cache, ids: Sequence[int]) -> torch.Tensor:
+    def prefill_every(self, cache: KVCache, ids: Sequence[int]) -> torch.Tensor:
         tensor = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         out = call_with_room(
             self.forward_model, input_ids=tensor, cache=cache, use_cache=True, logits_to_keep=0
         )
         return out.logits[0].float()
 
-    def step(self, cache: Cache, token: int) -> torch.Tensor:
+    def step(self, cache: KVCache, token: int) -> torch.Tensor:
         return self.prefill(cache, (token,))
 
     def step_batch(
-        self, caches: Sequence[Cache], tokens: Sequence[int], threads: int | None = None
+        self, caches: Sequence[KVCache], tokens: Sequence[int], threads: int | None = None
     ) -> torch.Tensor:
         if len(caches) != 1 or len(tokens) != 1:
             raise ValueError("transformers' backend steps one cache at a time")
@@ -220,16 +223,16 @@ class NativeBackend(HFBackend):
         self.forward_model = decoder.prefill_model
         self.max_batch = int(decoder.max_batch)
 
-    def new_cache(self) -> Cache:
+    def new_cache(self) -> KVCache:
         return self.decoder.new_cache()
 
-    def adopt(self, cache: Cache) -> None:
+    def adopt(self, cache: KVCache) -> None:
         self.decoder.prepare(cache)
 
-    def reserve(self, cache: Cache, needed: int, limit: int | None = None) -> None:
+    def reserve(self, cache: KVCache, needed: int, limit: int | None = None) -> None:
         self.decoder.reserve(cache, needed, limit=limit)
 
-    def prefill(self, cache: Cache, ids: Sequence[int], queries: PassQueries | None = None) -> torch.Tensor:
+    def prefill(self, cache: KVCache, ids: Sequence[int], queries: PassQueries | None = None) -> torch.Tensor:
         if queries is not None and (queries.continuing or len(ids) > self.max_batch):
             # the forward pass, as the whole prompt takes it (never the rows of a short one)
             return super().prefill(cache, ids, queries)
@@ -237,22 +240,22 @@ class NativeBackend(HFBackend):
             return self.decoder.decode(cache, int(ids[0]))
         return self.prefill_concurrent(cache, ids)
 
-    def prefill_concurrent(self, cache: Cache, ids: Sequence[int]) -> torch.Tensor:
+    def prefill_concurrent(self, cache: KVCache, ids: Sequence[int]) -> torch.Tensor:
         # `decode` keeps one set of scratch buffers: even one id takes the batched form here
         if len(ids) <= self.max_batch:
             return self.decoder.prefill_rows(cache, [int(i) for i in ids])
         return super().prefill(cache, ids)
 
-    def prefill_every(self, cache: Cache, ids: Sequence[int]) -> torch.Tensor:
+    def prefill_every(self, cache: KVCache, ids: Sequence[int]) -> torch.Tensor:
         if len(ids) <= self.max_batch:  # the decode kernels' rows: bit for bit their steps
             return self.decoder.prefill_rows(cache, [int(i) for i in ids], every=True)
         return super().prefill_every(cache, ids)
 
-    def step(self, cache: Cache, token: int) -> torch.Tensor:
+    def step(self, cache: KVCache, token: int) -> torch.Tensor:
         return self.decoder.decode(cache, int(token))
 
     def step_batch(
-        self, caches: Sequence[Cache], tokens: Sequence[int], threads: int | None = None
+        self, caches: Sequence[KVCache], tokens: Sequence[int], threads: int | None = None
     ) -> torch.Tensor:
         return self.decoder.decode_batch(caches, tokens, threads=threads)
 
@@ -289,37 +292,37 @@ class BatchedBackend:
         self.cond = self.batcher.cond
         self.max_batch = self.batcher.max_batch
 
-    def new_cache(self) -> Cache:
+    def new_cache(self) -> KVCache:
         return self.inner.new_cache()
 
-    def adopt(self, cache: Cache) -> None:
+    def adopt(self, cache: KVCache) -> None:
         self.inner.adopt(cache)
 
-    def reserve(self, cache: Cache, needed: int, limit: int | None = None) -> None:
+    def reserve(self, cache: KVCache, needed: int, limit: int | None = None) -> None:
         self.inner.reserve(cache, needed, limit)
 
     @property
     def keeps_queries(self) -> bool:
         return self.inner.keeps_queries
 
-    def prefill(self, cache: Cache, ids: Sequence[int], queries: PassQueries | None = None) -> torch.Tensor:
+    def prefill(self, cache: KVCache, ids: Sequence[int], queries: PassQueries | None = None) -> torch.Tensor:
         if queries is not None:
             return self.inner.prefill(cache, ids, queries)
         # runs beside the other threads' steps (see `prefilling`)
         return self.inner.prefill_concurrent(cache, ids)
 
-    def prefill_concurrent(self, cache: Cache, ids: Sequence[int]) -> torch.Tensor:
+    def prefill_concurrent(self, cache: KVCache, ids: Sequence[int]) -> torch.Tensor:
         return self.inner.prefill_concurrent(cache, ids)
 
-    def prefill_every(self, cache: Cache, ids: Sequence[int]) -> torch.Tensor:
+    def prefill_every(self, cache: KVCache, ids: Sequence[int]) -> torch.Tensor:
         # (held with `cond`, between two batched steps: the others wait for it)
         return self.inner.prefill_every(cache, ids)
 
-    def step(self, cache: Cache, token: int) -> torch.Tensor:
+    def step(self, cache: KVCache, token: int) -> torch.Tensor:
         return self.batcher.step(cache, int(token))
 
     def step_batch(
-        self, caches: Sequence[Cache], tokens: Sequence[int], threads: int | None = None
+        self, caches: Sequence[KVCache], tokens: Sequence[int], threads: int | None = None
     ) -> torch.Tensor:
         return self.inner.step_batch(caches, tokens, threads)
 

@@ -43,7 +43,6 @@ from typing import Any
 
 import torch
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from chatbot.engine.backends.base import HFBackend, full_cache
@@ -52,6 +51,7 @@ from chatbot.engine.backends.native import packed
 from chatbot.engine.backends.native.pystack import call_with_room
 from chatbot.engine.backends.native.threads import ThreadTuner, cap_threads
 from chatbot.engine.cache.buffers import BufferLayer, adopt_layers
+from chatbot.engine.cache.layers import KVCache
 from chatbot.engine.cache.sinks import SinkCache
 
 SMALLEST_BUCKET = 256
@@ -211,7 +211,7 @@ def use_decode_attention() -> None:
     skeleton.attention_function = decode_attention  # our own model's layers (a llama GGUF file)
 
 
-def adopt_static(cache: Cache, pool: BufferPool, slot: torch.Tensor) -> bool:
+def adopt_static(cache: KVCache, pool: BufferPool, slot: torch.Tensor) -> bool:
     """Swap every layer of `cache` for a `StaticLayer` holding the same keys and values
     (see `chatbot.engine.cache.buffers.adopt_layers`); False where a layer cannot be taken over."""
     return adopt_layers(cache, lambda: StaticLayer(pool, slot), StaticLayer)
@@ -282,18 +282,18 @@ class CompiledBackend(HFBackend):
             choose_token, fullgraph=True, dynamic=False, mode=self.mode, backend=compiler
         )
 
-    def _forward_one(self, ids: torch.Tensor, slot: torch.Tensor, cache: Cache) -> torch.Tensor:
+    def _forward_one(self, ids: torch.Tensor, slot: torch.Tensor, cache: KVCache) -> torch.Tensor:
         out = self.model(input_ids=ids, position_ids=slot.view(1, 1), cache=cache, use_cache=True)
         return out.logits
 
     # -- caches ---------------------------------------------------------------------------
 
-    def new_cache(self) -> Cache:
+    def new_cache(self) -> KVCache:
         cache = full_cache(self.model.config)
         self.adopt(cache)
         return cache
 
-    def adopt(self, cache: Cache) -> None:
+    def adopt(self, cache: KVCache) -> None:
         adopt_static(cache, self.pool, self.slot)
 
     def _like(self) -> torch.Tensor:
@@ -305,7 +305,7 @@ class CompiledBackend(HFBackend):
             dtype = torch.get_default_dtype()
         return torch.empty(1, heads, 0, head_dim, dtype=dtype, device=self.device)
 
-    def reserve(self, cache: Cache, needed: int, limit: int | None = None) -> None:
+    def reserve(self, cache: KVCache, needed: int, limit: int | None = None) -> None:
         """Room for an attention-sink cache's whole window at once. A growing cache is left to
         grow with what it holds (the bucket of its length, as a prefill or a step needs it):
         room for an answer taken up front would change its capacity, and so compile a step,
@@ -327,18 +327,18 @@ class CompiledBackend(HFBackend):
 
     # -- steps ----------------------------------------------------------------------------
 
-    def step(self, cache: Cache, token: int) -> torch.Tensor:
+    def step(self, cache: KVCache, token: int) -> torch.Tensor:
         with self._lock:
             self.ids.fill_(int(token))
             return self._run(cache, self.ids)
 
-    def launch(self, cache: Cache, ids: torch.Tensor) -> torch.Tensor:
+    def launch(self, cache: KVCache, ids: torch.Tensor) -> torch.Tensor:
         """`step` on the token already in `ids` (``[1, 1]`` on the device, written there by
         `choose`): nothing is read back."""
         with self._lock:
             return self._run(cache, ids)
 
-    def _run(self, cache: Cache, ids: torch.Tensor) -> torch.Tensor:
+    def _run(self, cache: KVCache, ids: torch.Tensor) -> torch.Tensor:
         self.adopt(cache)
         layers: Sequence[Any] = cache.layers
         if self.failure is not None or not all(isinstance(layer, StaticLayer) for layer in layers):

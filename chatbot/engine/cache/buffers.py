@@ -1,9 +1,9 @@
 """The preallocated cache layer of the fast decode path, written in place.
 
-Every layer of a transformers cache (`DynamicCache` or our `SinkCache`) is replaced by a
+Every layer of a cache (a `KVCache` or our `SinkCache`) is replaced by a
 `BufferLayer` (`adopt_layers`), which keeps keys and values in a preallocated buffer
 ``[1, kv_heads, capacity, head_dim]`` and writes new tokens in place, gpt-fast style. It is
-still a transformers cache layer (prefill, `crop`, `reset` work as on a `DynamicLayer`), and it implements
+still a cache layer (prefill, `crop`, `reset` work as on a `KVLayer`), and it implements
 the sink cache's `drop` in place, so `--enable-streaming` (eviction and re-rotation) keeps
 working on the fast path (`chatbot.engine.backends.native.decoder`).
 """
@@ -15,8 +15,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
+from chatbot.engine.cache.layers import (
+    KVCache,
+    is_empty_window_layer,
+    is_plain_layer,
+    lend_to_transformers,
+)
 from chatbot.engine.cache.sinks import SinkLayer, rotate_keys
 
 _versions = itertools.count(1)
@@ -26,7 +31,7 @@ class BufferLayer(SinkLayer):
     """A cache layer whose keys and values live in a preallocated buffer, written in place.
 
     `keys` / `values` are views of the first `length` positions, so code written for
-    `DynamicLayer` reads them unchanged. The buffer grows by doubling when full (a copy,
+    `KVLayer` reads them unchanged. The buffer grows by doubling when full (a copy,
     amortized); `version` changes whenever it is reallocated, so holders of raw pointers
     know to refresh them.
     """
@@ -160,7 +165,7 @@ class BufferLayer(SinkLayer):
 
 
 def adopt_layers(
-    cache: Cache, make: Callable[[], BufferLayer] = BufferLayer, kind: type[BufferLayer] = BufferLayer
+    cache: KVCache | Any, make: Callable[[], BufferLayer] = BufferLayer, kind: type[BufferLayer] = BufferLayer
 ) -> bool:
     """Swap every layer of `cache` for a buffer layer (`make()`, of type `kind`) holding the
     same keys and values.
@@ -169,6 +174,8 @@ def adopt_layers(
         True if the cache now holds only layers of type `kind` (False: a layer kind we cannot
         take over, e.g. a sliding-window layer holding tokens; the cache is left unchanged).
     """
+    if not isinstance(cache, KVCache):
+        lend_to_transformers()  # transformers' own cache, which our layers are to fill
     layers: list[Any] = cache.layers
     if all(type(layer) is kind for layer in layers):
         return True
@@ -179,9 +186,11 @@ def adopt_layers(
     # token, and the window is applied by the attention mask (transformers' for prefill,
     # the kernels' for decode) instead of by dropping old tokens.
     def adoptable(layer: Any) -> bool:
-        if type(layer) is DynamicSlidingWindowLayer:
-            return not layer.is_initialized
-        return type(layer) in (DynamicLayer, SinkLayer, BufferLayer, kind)
+        return (
+            is_empty_window_layer(layer)
+            or is_plain_layer(layer)
+            or type(layer) in (SinkLayer, BufferLayer, kind)
+        )
 
     if not all(adoptable(layer) for layer in layers):
         return False

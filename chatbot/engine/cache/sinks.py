@@ -1,4 +1,4 @@
-"""StreamingLLM attention sinks as a transformers v5 cache.
+"""StreamingLLM attention sinks as a KV cache (`chatbot.engine.cache.layers`).
 
 The cache keeps a pinned head (the attention sinks, or the whole system prompt) and a
 window of recent tokens. When a forward pass would overflow it, `evict_for_space` drops a
@@ -25,9 +25,8 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
-from transformers import Cache
-from transformers.cache_utils import DynamicLayer
 
+from chatbot.engine.cache.layers import KVCache, KVLayer
 from chatbot.engine.streaming_support import (
     check_streaming_support,
     layer_inv_freqs,
@@ -79,11 +78,11 @@ def rotate_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return (k32 * cos + _rotate_half(k32) * sin).to(keys.dtype)
 
 
-class SinkLayer(DynamicLayer):
-    """One decoder layer of a `SinkCache`: a `DynamicLayer` that can cut out a block.
+class SinkLayer(KVLayer):
+    """One decoder layer of a `SinkCache`: a `KVLayer` that can cut out a block.
 
     Tensors are ``[batch, kv_heads, seq, head_dim]`` on the device of the layer's first
-    update (lazy initialisation, as `DynamicLayer`).
+    update (lazy initialisation, as `KVLayer`).
     """
 
     def drop(self, start: int, end: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -110,7 +109,7 @@ class SinkLayer(DynamicLayer):
         return keys.numel() * keys.element_size() + values.numel() * values.element_size()
 
 
-class SinkCache(Cache):
+class SinkCache(KVCache):
     """Attention-sink (StreamingLLM) cache: pinned head + recent window, re-rotated on eviction.
 
     Call `evict_for_space(n)` before every forward pass of ``n`` tokens; it returns the
@@ -212,7 +211,7 @@ class SinkCache(Cache):
     @property
     def sink_layers(self) -> list[SinkLayer]:
         """The layers, as what they are: `SinkLayer`s (the fast path swaps in `BufferLayer`s,
-        a subclass); transformers types `layers` as any kind of layer."""
+        a subclass)."""
         return cast(list[SinkLayer], self.layers)
 
     @property
@@ -303,7 +302,7 @@ class SinkCache(Cache):
     # --- Cache overrides --------------------------------------------------------------
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove tokens from the tail (negative count, as `DynamicLayer.crop`)."""
+        """Remove tokens from the tail (negative count, as `KVLayer.crop`)."""
         super().crop(tokens_to_remove)
         # A pin that reaches past the new end would pin whatever comes next.
         self._pinned = min(self._pinned, max(self.start_size, self.get_seq_length()))

@@ -1,10 +1,11 @@
 """One object that knows what a KV cache holds.
 
-A `TrackedCache` is a transformers cache (a `DynamicCache`, the fast path's buffer cache,
-or our attention-sink `SinkCache`) together with the token ids it holds, every id it has
-taken in since it was last emptied (evicted ones too), its pinned prefix, how many ids it
-has evicted, and its capacity. The engine, the session, the compat adapters and the
-benches read and change a cache only through it, so no other module asks what kind of
+A `TrackedCache` is a KV cache (our `KVCache`, the fast path's buffer cache, our
+attention-sink `SinkCache`, or a transformers `DynamicCache` given to `chatbot.compat`)
+together with the token ids it holds, every id it has taken in since it was last emptied
+(evicted ones too), its pinned prefix, how many ids it has evicted, and its capacity. The
+engine, the session, the compat adapters and the benches read and change a cache only
+through it, so no other module asks what kind of
 cache it has, and the bookkeeping lives in one place.
 
 The invariant, after every method returns (checked by `check` when `DEBUG` is on, as the
@@ -26,10 +27,9 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
-from transformers.cache_utils import Cache
-
+from chatbot.engine.cache.layers import KVCache
 from chatbot.engine.cache.sinks import SinkCache
 from chatbot.engine.seq import common_prefix
 from chatbot.errors import ContextFullError
@@ -61,7 +61,7 @@ class CacheLayout:
 
 
 class TrackedCache:
-    """A transformers cache and the ids it holds.
+    """A KV cache and the ids it holds.
 
     Args:
         cache: the cache the model writes into (its layers may be swapped by the fast
@@ -69,7 +69,7 @@ class TrackedCache:
         max_context: the most tokens a growing cache may hold (the model's context).
     """
 
-    def __init__(self, cache: Cache, max_context: int) -> None:
+    def __init__(self, cache: KVCache | Any, max_context: int) -> None:
         self.cache = cache
         self.max_context = max_context
         self.ids: list[int] = []  # what the cache holds now, in order
@@ -82,7 +82,7 @@ class TrackedCache:
 
     @property
     def layers(self) -> list[_Layer]:
-        """The cache's layers (transformers types them as any kind of layer)."""
+        """The cache's layers."""
         return cast(list[_Layer], self.cache.layers)
 
     @property

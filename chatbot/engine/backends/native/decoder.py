@@ -52,7 +52,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache
 
 from chatbot.config import FILE_LEVELS, OPT_LEVELS
 from chatbot.engine.backends.native import kernels
@@ -69,6 +68,7 @@ from chatbot.engine.backends.native.packed import with_activations
 from chatbot.engine.backends.native.threads import ThreadTuner, cap_threads
 from chatbot.engine.backends.native.weights import is_packed
 from chatbot.engine.cache.buffers import BufferLayer, adopt_layers  # also re-exported (tests)
+from chatbot.engine.cache.layers import KVCache, new_cache
 
 __all__ = [
     "LEVELS",
@@ -305,13 +305,13 @@ class FastDecoder:
 
     # -- caches ---------------------------------------------------------------------------
 
-    def new_cache(self) -> Cache:
+    def new_cache(self) -> KVCache:
         """An empty growing cache made of `BufferLayer`s."""
-        cache = DynamicCache(config=self.model.config)
+        cache = new_cache(self.model.config)
         adopt_layers(cache)
         return cache
 
-    def prepare(self, cache: Cache) -> None:
+    def prepare(self, cache: KVCache) -> None:
         """Take over `cache`'s layers (a no-op once done).
 
         Raises:
@@ -320,7 +320,7 @@ class FastDecoder:
         if not adopt_layers(cache):
             raise FastPathUnavailable("the fast decode path cannot take over this cache's layers")
 
-    def reserve(self, cache: Cache, needed: int, limit: int | None = None) -> None:
+    def reserve(self, cache: KVCache, needed: int, limit: int | None = None) -> None:
         """Give every layer of `cache` room for `needed` positions now, before a forward
         pass, in buffers of one capacity: a multiple of 64 positions, and when the cache
         holds tokens already, at least 1.5x what it had (but no more than `limit`, the most
@@ -374,7 +374,7 @@ class FastDecoder:
     # -- decoding -------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def decode(self, cache: Cache, token: int, threads: int | None = None) -> torch.Tensor:
+    def decode(self, cache: KVCache, token: int, threads: int | None = None) -> torch.Tensor:
         """Feed one token at the end of `cache`; return the logits after it. Not for two
         threads at once (the decoder's own cache pointers and scratch serve every call):
         `prefill_rows` and `decode_batch` of more than one cache are.
@@ -391,7 +391,7 @@ class FastDecoder:
         with self._serial:
             return self._decode(cache, token, threads)
 
-    def _decode(self, cache: Cache, token: int, threads: int | None) -> torch.Tensor:
+    def _decode(self, cache: KVCache, token: int, threads: int | None) -> torch.Tensor:
         layers, pos = self._decode_layers(cache)
         self._bind_cache(layers, pos + 1)
         self._ensure_rope(pos + 1)
@@ -414,7 +414,7 @@ class FastDecoder:
         return int(self.lib.chatbot_max_batch())
 
     @torch.inference_mode()
-    def _decode_layers(self, cache: Cache) -> tuple[list[BufferLayer], int]:
+    def _decode_layers(self, cache: KVCache) -> tuple[list[BufferLayer], int]:
         """The layers of a prefilled cache, made ours, and the position its next token takes.
 
         Raises:
@@ -431,7 +431,7 @@ class FastDecoder:
         return layers, pos
 
     def decode_batch(
-        self, caches: Sequence[Cache], tokens: Sequence[int], threads: int | None = None
+        self, caches: Sequence[KVCache], tokens: Sequence[int], threads: int | None = None
     ) -> torch.Tensor:
         """Feed one token at the end of each cache in one pass over the weights; return the
         logits after each (``[B, vocab]``), equal to what `decode` gives for each alone.
@@ -466,7 +466,7 @@ class FastDecoder:
         return logits
 
     @torch.inference_mode()
-    def prefill_rows(self, cache: Cache, tokens: Sequence[int], every: bool = False) -> torch.Tensor:
+    def prefill_rows(self, cache: KVCache, tokens: Sequence[int], every: bool = False) -> torch.Tensor:
         """Feed a few tokens (up to `max_batch`) at the end of `cache` in one pass over the
         weights, as rows of one batch that share the cache; return the logits after the last
         (``[vocab]``), or with `every` after each token (``[n, vocab]``: a speculative draft's

@@ -6,8 +6,8 @@ Why: importing `transformers.models.<arch>.modeling_<arch>` and its config class
 transformers' model loading (`torch.distributed.tensor`), its masks (`torch._dynamo`),
 accelerate and PIL: 1.7-2.0 s of a one-shot's ~4 s on an idle core, for a model whose
 matrices are the GGUF file's blocks (`packed`) and whose decode steps run in the kernels.
-What stays from transformers: its `DynamicCache` where a pass asks for a cache and is given
-none (the engine always gives one). The generation config is our own `GenerationDefaults`;
+A pass that asks for a cache and is given none gets our `KVCache` (the engine always gives
+one). The generation config is our own `GenerationDefaults`;
 so are the output class and the attention: `sdpa_attention` makes the call of torch's
 `scaled_dot_product_attention` that transformers' "sdpa" attention makes on the CPU (the same
 arguments, so the products are the very same; tests/test_own_model.py compares them).
@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from chatbot.engine.backends.native.architectures import BY_MODEL_TYPE
+from chatbot.engine.cache.layers import new_cache
 from chatbot.engine.cache.queries import PassQueries
 
 Cache = Any  # a transformers-style cache: update(k, v, layer), get_seq_length(), mask sizes
@@ -331,9 +332,7 @@ class Model(nn.Module):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
-            from transformers.cache_utils import DynamicCache  # (no caller of ours comes here)
-
-            cache = DynamicCache(config=self.config)
+            cache = new_cache(self.config)  # (no caller of ours comes here: the engine gives one)
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = (
