@@ -330,3 +330,32 @@ def test_the_tiny_gpt_oss_file_makes_a_forced_call_and_reads_it_back(gpt_oss_fil
         again = client.chat.completions.create(**{**kw, "messages": back, "max_tokens": 4})
         assert again.choices[0].finish_reason in ("stop", "length")
         assert again.usage.prompt_tokens > r.usage.prompt_tokens
+
+
+def test_parallel_calls_go_to_the_template_one_call_each_its_result_after_it():
+    """gpt-oss's template renders an assistant message's first call alone: two calls are two
+    messages, each followed by its result (matched by `tool_call_id`, whatever their order)."""
+    from chatbot.server.protocol import ChatMessage
+    from chatbot.server.tools import Tools, tool_prompt
+
+    def call(i: int, city: str) -> dict:
+        arguments = json.dumps({"city": city, "unit": "C"})
+        return {
+            "id": f"call_{i}",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": arguments},
+        }
+
+    messages = [
+        ChatMessage(**ASK[0]),
+        ChatMessage(role="assistant", tool_calls=[call(1, "Paris"), call(2, "Oslo")]),
+        ChatMessage(role="tool", tool_call_id="call_2", content="2 C"),
+        ChatMessage(role="tool", tool_call_id="call_1", content="18 C"),
+    ]
+    prompt = tool_prompt(make_harmony_tokenizer(), messages, Tools.of(TOOLS, None))
+    head = "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+    result = '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"{}"<|end|>'
+    assert prompt.endswith(
+        f'{head}{{"city": "Paris", "unit": "C"}}<|call|>{result.format("18 C")}'
+        f'{head}{{"city": "Oslo", "unit": "C"}}<|call|>{result.format("2 C")}<|start|>assistant'
+    ), prompt[-500:]

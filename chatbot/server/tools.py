@@ -179,6 +179,38 @@ def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
+def one_call_each(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with one call to an assistant message, each call's result after it (by
+    `tool_call_id`, else in order): gpt-oss's template renders an assistant message's first
+    call alone, and a result as addressed from the last call."""
+    out: list[dict[str, Any]] = []
+    i = 0
+    while i < len(records):
+        record, i = records[i], i + 1
+        calls = record.get("tool_calls") or []
+        if record["role"] != "assistant" or len(calls) < 2:
+            out.append(record)
+            continue
+        results = []
+        while i < len(records) and records[i]["role"] == "tool":
+            results.append(records[i])
+            i += 1
+        call_ids = {call.get("id") for call in calls}
+        for k, call in enumerate(calls):
+            out.append(
+                {**record, "tool_calls": [call]} if k == 0 else {"role": "assistant", "tool_calls": [call]}
+            )
+            ids = [r.get("tool_call_id") for r in results]
+            if call.get("id") in ids:
+                out.append(results.pop(ids.index(call.get("id"))))
+            else:  # the next result that names none of the calls
+                at = next((j for j, r in enumerate(results) if r.get("tool_call_id") not in call_ids), None)
+                if at is not None:
+                    out.append(results.pop(at))
+        out += results  # results of no call here stay after the last, in order
+    return out
+
+
 def _template_call(call: Any) -> dict[str, Any]:
     fn = dict(call.get("function") or {}) if isinstance(call, dict) else {}
     arguments = fn.get("arguments")
@@ -368,9 +400,10 @@ def tool_prompt(tokenizer: Any, messages: list[Any], tools: Tools | None) -> str
             else:
                 records.insert(0, {"role": "system", "content": tools.described()})
     extra = {"tools": tools.template_tools()} if takes and tools is not None else {}
-    if extra and is_harmony(getattr(tokenizer, "chat_template", None)):
-        # gpt-oss's template writes each function's description as a comment, and fails on none
-        extra["tools"] = [{**t, "function": {"description": "", **t["function"]}} for t in extra["tools"]]
+    if is_harmony(getattr(tokenizer, "chat_template", None)):
+        records = one_call_each(records)
+        if extra:  # gpt-oss's template writes each description as a comment, and fails on none
+            extra["tools"] = [{**t, "function": {"description": "", **t["function"]}} for t in extra["tools"]]
     try:
         return str(
             tokenizer.apply_chat_template(records, tokenize=False, add_generation_prompt=True, **extra)
