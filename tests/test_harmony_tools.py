@@ -237,6 +237,12 @@ def test_a_streamed_call_comes_as_a_tool_calls_delta(one_thread):
                 text += choice.delta.content or ""
                 thought += (choice.delta.model_extra or {}).get("reasoning_content") or ""
                 finish = choice.finish_reason or finish
+        # the SDK's stream helper puts the call together (the script's answer again)
+        with client.chat.completions.stream(model="gpt-oss-scripted", messages=ASK, tools=TOOLS) as events:
+            done = [e for e in events if e.type == "tool_calls.function.arguments.done"]
+            final = events.get_final_completion().choices[0]
+    assert [(e.name, e.arguments) for e in done] == [("get_weather", ARGS)]
+    assert final.finish_reason == "tool_calls" and final.message.tool_calls[0].function.arguments == ARGS
     assert (text, thought, finish) == ("", THOUGHT, "tool_calls")
     (delta,) = deltas
     assert delta.index == 0 and delta.id.startswith("call_") and delta.type == "function"
