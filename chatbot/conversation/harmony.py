@@ -5,7 +5,9 @@ The template's generation prompt ends with ``<|start|>assistant``; the model wri
 goes on with ``<|start|>assistant<|channel|>final<|message|>`` and the answer, which
 ``<|return|>`` ends (a tool call, on the commentary channel, ends with ``<|call|>``): so
 ``<|end|>`` is no stop, ``<|return|>`` and ``<|call|>`` are. The analysis channel is the
-model's thinking, every other channel's message is answer text (`HarmonySplitter`).
+model's thinking, every other channel's message is answer text (`HarmonySplitter`), but for a
+message addressed to a tool (a header with ``to=functions.NAME``), which a splitter told to
+can keep apart as a call (`HarmonySplitter.calls`).
 
 The template renders an earlier answer's final message alone (its analysis dropped), and
 refuses channel tokens in a message's content: an answer is given to it as its final text in
@@ -14,11 +16,15 @@ refuses channel tokens in a message's content: an answer is given to it as its f
 
 from __future__ import annotations
 
+import re
+
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 RETURN, CALL = "<|return|>", "<|call|>"
 OPENED = START + "assistant"
 """The end of a harmony generation prompt (`opens_thinking` gives it as the tag left open)."""
 _BODY_ENDS = (END, RETURN, CALL, START)
+_TO = "to="
+_RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 
 
 def held_tail(text: str, marks: tuple[str, ...]) -> int:
@@ -41,15 +47,23 @@ class HarmonySplitter:
     (a thinking message is open), `done` (a thinking part ended), `thought`, `close` (what
     a thinking budget writes to end the thinking: the analysis's end and the final
     message's header).
+
+    Args:
+        calls_apart: a message with a recipient (``to=functions.get_weather``) is no answer
+            text: it goes to `calls`, as (recipient, message), the message as written (a
+            call's arguments, JSON text).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, calls_apart: bool = False) -> None:
         self.mode = "start"  # start, header, body, between (after <|end|>), plain
         self.header = ""
         self.channel = ""
+        self.recipient = ""
         self.held = ""
         self.done = False
         self.thought = False
+        self.calls_apart = calls_apart
+        self.calls: list[tuple[str, str]] = []
 
     @property
     def thinking(self) -> bool:
@@ -70,10 +84,10 @@ class HarmonySplitter:
                 break
             if self.mode == "start":
                 lead = text.lstrip()
-                if lead.startswith(CHANNEL):
+                if lead.startswith((CHANNEL, _TO)):  # the header: its channel or its recipient first
                     self.mode, text = "header", lead
                     continue
-                if not lead or CHANNEL.startswith(lead):
+                if not lead or CHANNEL.startswith(lead) or _TO.startswith(lead):
                     self.held = text
                     break
                 self.mode = "plain"
@@ -91,12 +105,12 @@ class HarmonySplitter:
             ends = [(text.find(m), m) for m in _BODY_ENDS if m in text]
             if ends:
                 at, mark = min(ends)
-                out.append((text[:at], self.thinking))
+                self._body(text[:at], out)
                 self._end_message(mark)
                 text = text[at + len(mark) :]
                 continue
             keep = held_tail(text, _BODY_ENDS)
-            out.append((text[: len(text) - keep], self.thinking))
+            self._body(text[: len(text) - keep], out)
             self.held = text[len(text) - keep :]
             break
         return [(p, t) for p, t in out if p]
@@ -105,21 +119,34 @@ class HarmonySplitter:
         """A message begins after `header` (``<|start|>assistant<|channel|>final``)."""
         channel = header.split(CHANNEL, 1)[1] if CHANNEL in header else ""
         self.channel = channel.split()[0] if channel.split() else ""
+        to = _RECIPIENT.search(header)
+        self.recipient = to.group(1) if to and self.calls_apart else ""
+        if self.recipient:
+            self.calls.append((self.recipient, ""))
         self.mode = "body"
         if self.channel == "analysis":
             self.thought = True
 
+    def _body(self, piece: str, out: list[tuple[str, bool]]) -> None:
+        """A piece of the open message's body: a part, or the call's message."""
+        if self.recipient:
+            self.calls[-1] = (self.recipient, self.calls[-1][1] + piece)
+        else:
+            out.append((piece, self.thinking))
+
     def _end_message(self, mark: str) -> None:
         if self.channel == "analysis":
             self.done = True
-        self.mode = "between"
+        self.mode, self.recipient = "between", ""
         self.header = START if mark == START else ""
 
     def flush(self) -> list[tuple[str, bool]]:
         """What was held back, at the answer's end (an unfinished header is dropped)."""
         held, self.held = self.held, ""
         if self.mode == "body" and held:
-            return [(held, self.thinking)]
+            out: list[tuple[str, bool]] = []
+            self._body(held, out)
+            return out
         if self.mode in ("start", "plain") and held.strip():
             return [(held, False)]
         return []

@@ -104,12 +104,13 @@ class ThinkingSplitter:
         return [(held, self.close is not None)] if held else []
 
 
-def splitter_for(opened: str | None) -> ThinkingSplitter | HarmonySplitter:
+def splitter_for(opened: str | None, calls_apart: bool = False) -> ThinkingSplitter | HarmonySplitter:
     """The splitter of an answer after a prompt that left `opened` open (`opens_thinking`):
-    harmony's channels (in the state the answer so far left them), or tags."""
+    harmony's channels (in the state the answer so far left them; `calls_apart`: its messages
+    to a tool kept apart as calls), or tags."""
     if opened is None or not opened.startswith(HARMONY_OPENED):
         return ThinkingSplitter(opened)
-    splitter = HarmonySplitter()
+    splitter = HarmonySplitter(calls_apart)
     splitter.feed(opened[len(HARMONY_OPENED) :])
     return splitter
 

@@ -52,7 +52,7 @@ from chatbot.server.protocol import (
     sampling_of,
 )
 from chatbot.server.slots import Slots
-from chatbot.server.tools import CallStream, ToolError, Tools, parse_calls, tool_prompt
+from chatbot.server.tools import CallStream, ToolError, Tools, chat_message, tool_prompt
 from chatbot.server.worker import Job, Worker
 from chatbot.settings import layer
 
@@ -322,7 +322,8 @@ class OpenAIApi:
                 raise APIError(
                     400, "tool_choice: a forced call takes no response_format", param="tool_choice"
                 )
-            sampling = dataclasses.replace(sampling, output_format=tools.call_format())
+            prompt, call_format = tools.forced_call(prompt)
+            sampling = dataclasses.replace(sampling, output_format=call_format)
         if sampling.output_format is not None:
             param = "tools" if tools is not None and tools.forced else "response_format"
             await asyncio.to_thread(check_format, tokenizer, sampling.output_format, param)
@@ -391,17 +392,11 @@ class OpenAIApi:
         choices = []
         for i in range(job.n):
             choice: dict[str, Any] = {"index": i, "finish_reason": finishes.get(i, done["finish_reason"])}
-            if chat and job.tools is not None:
-                content, calls = parse_calls("".join(texts[i]))
-                choice["message"] = {"role": "assistant", "content": content}
-                if calls:
-                    choice["message"]["tool_calls"] = [call.api() for call in calls]
+            if chat:
+                text, thought = "".join(texts[i]), "".join(thoughts[i])
+                choice["message"], called = chat_message(text, thought, job.tools, job.calls.get(i))
+                if called:
                     choice["finish_reason"] = "tool_calls"
-                choice["logprobs"] = None if job.logprobs is None else chat_logprobs(entries[i])
-            elif chat:
-                choice["message"] = {"role": "assistant", "content": "".join(texts[i])}
-                if "".join(thoughts[i]):
-                    choice["message"]["reasoning_content"] = "".join(thoughts[i])
                 choice["logprobs"] = None if job.logprobs is None else chat_logprobs(entries[i])
             else:
                 choice["text"] = "".join(texts[i])
@@ -458,7 +453,7 @@ class OpenAIApi:
                 if event[0] == "finish":
                     index, finish = event[1]
                     if calls is not None:  # the text held back: shown now, or read as calls
-                        rest, made = calls[index].finish()
+                        rest, made = calls[index].finish(job.calls.get(index))
                         if rest:
                             yield chunk({"content": rest}, index=index)
                         if made:

@@ -50,6 +50,7 @@ class ChatMessage(BaseModel):
     content: Text | list[ContentPart] | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, sent back
     tool_call_id: Text | None = None  # a tool result's call
+    reasoning_content: Text | None = None  # an assistant's thinking, sent back
     name: Text | None = None
 
     def text(self) -> str:

@@ -9,9 +9,12 @@ read back out of the answer, and a call forced by the grammar engine.
 - *Parsing* (`parse_calls`): Hermes / Qwen `<tool_call>{...}</tool_call>`, Mistral
   `[TOOL_CALLS] [{...}]`, Llama 3.1 (optionally after `<|python_tag|>`) a bare JSON object
   `{"name", "parameters" | "arguments"}`, and the forced call's own form, the same object.
-- *Forcing* (`call_format`): "required" or a named function holds the answer to one JSON
+  gpt-oss's harmony calls are no text: they are messages addressed to `functions.NAME` on the
+  commentary channel, which the worker's `HarmonySplitter` keeps apart (`harmony_calls`).
+- *Forcing* (`forced_call`): "required" or a named function holds the answer to one JSON
   object `{"name": ..., "arguments": {...}}` whose arguments satisfy that function's
-  `parameters`, whatever the template's own format.
+  `parameters`, whatever the template's own format; but gpt-oss, held to one function, is
+  given its call's header and writes the arguments as it was trained to.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chatbot.config import OutputFormat
+from chatbot.conversation.harmony import CHANNEL, MESSAGE, OPENED
+from chatbot.models.templates import is_harmony
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{")
@@ -116,6 +121,17 @@ class Tools:
         schema = options[0] if len(options) == 1 else {"anyOf": options}
         return OutputFormat(json.dumps(schema), "tool_call")
 
+    def forced_call(self, prompt: str) -> tuple[str, OutputFormat]:
+        """The prompt and the format of a forced call. A harmony prompt (gpt-oss's, which ends
+        in ``<|start|>assistant``) held to one function goes on with that call's header, and
+        the answer is its arguments, held to its `parameters`; any other, `call_format`."""
+        allowed = [fn for fn in self.functions if self.choice in ("required", fn["name"])]
+        if len(allowed) != 1 or not prompt.endswith(OPENED):
+            return prompt, self.call_format()
+        fn = allowed[0]
+        header = f"{CHANNEL}commentary to=functions.{fn['name']} <|constrain|>json{MESSAGE}"
+        return prompt + header, OutputFormat(json.dumps(fn.get("parameters") or _ANY), "tool_call")
+
     def described(self) -> str:
         """The tools in words, for a template that cannot render them (a forced call only)."""
         lines = [
@@ -152,11 +168,46 @@ def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
         calls = getattr(m, "tool_calls", None)
         if calls:
             record["tool_calls"] = [_template_call(call) for call in calls]
+            thought = getattr(m, "reasoning_content", None)
+            if thought and not record["content"]:  # the thinking that led to the calls (gpt-oss's
+                record["thinking"] = thought  # template renders it until a final answer follows)
         if getattr(m, "tool_call_id", None):
             record["tool_call_id"] = m.tool_call_id
         if getattr(m, "name", None):
             record["name"] = m.name
         out.append(record)
+    return out
+
+
+def one_call_each(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with one call to an assistant message, each call's result after it (by
+    `tool_call_id`, else in order): gpt-oss's template renders an assistant message's first
+    call alone, and a result as addressed from the last call."""
+    out: list[dict[str, Any]] = []
+    i = 0
+    while i < len(records):
+        record, i = records[i], i + 1
+        calls = record.get("tool_calls") or []
+        if record["role"] != "assistant" or len(calls) < 2:
+            out.append(record)
+            continue
+        results = []
+        while i < len(records) and records[i]["role"] == "tool":
+            results.append(records[i])
+            i += 1
+        call_ids = {call.get("id") for call in calls}
+        for k, call in enumerate(calls):
+            out.append(
+                {**record, "tool_calls": [call]} if k == 0 else {"role": "assistant", "tool_calls": [call]}
+            )
+            ids = [r.get("tool_call_id") for r in results]
+            if call.get("id") in ids:
+                out.append(results.pop(ids.index(call.get("id"))))
+            else:  # the next result that names none of the calls
+                at = next((j for j, r in enumerate(results) if r.get("tool_call_id") not in call_ids), None)
+                if at is not None:
+                    out.append(results.pop(at))
+        out += results  # results of no call here stay after the last, in order
     return out
 
 
@@ -184,6 +235,37 @@ class ToolCall:
             "function": {"name": self.name, "arguments": self.arguments},
         }
         return call if index is None else {"index": index, **call}
+
+
+def harmony_calls(messages: list[tuple[str, str]]) -> list[ToolCall]:
+    """The calls among a harmony answer's messages addressed to a recipient (recipient,
+    message): those to `functions.NAME`, their message the arguments (a builtin tool's,
+    `python` or `browser.search`, is none of the request's functions)."""
+    return [
+        ToolCall(to.removeprefix("functions."), message.strip() or "{}")
+        for to, message in messages
+        if to.startswith("functions.") and len(to) > len("functions.")
+    ]
+
+
+def chat_message(
+    text: str, thought: str, tools: Tools | None, made: list[ToolCall] | None = None
+) -> tuple[dict[str, Any], bool]:
+    """A chat answer as OpenAI's `message`, and whether it calls: its text, read for calls where
+    the request has tools (`made`: the calls already read, harmony's), its thinking as
+    `reasoning_content`."""
+    content: str | None = text
+    calls = list(made or [])
+    if tools is not None and not calls:
+        content, calls = parse_calls(text)
+    elif calls:
+        content = text.strip() or None
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if thought:
+        message["reasoning_content"] = thought
+    if calls:
+        message["tool_calls"] = [call.api() for call in calls]
+    return message, bool(calls)
 
 
 def _call(obj: Any) -> ToolCall | None:
@@ -256,8 +338,12 @@ class CallStream:
         self.sent += out
         return out
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """At the end: (text still to show, the calls)."""
+    def finish(self, made: list[ToolCall] | None = None) -> tuple[str, list[ToolCall]]:
+        """At the end: (text still to show, the calls), or the calls `made` already (harmony's)
+        with the text held back."""
+        if made:
+            rest, self.held = self.held, ""
+            return rest, list(made)
         content, calls = parse_calls(self.sent + self.held)
         if not calls:
             rest, self.held = self.held, ""
@@ -314,6 +400,10 @@ def tool_prompt(tokenizer: Any, messages: list[Any], tools: Tools | None) -> str
             else:
                 records.insert(0, {"role": "system", "content": tools.described()})
     extra = {"tools": tools.template_tools()} if takes and tools is not None else {}
+    if is_harmony(getattr(tokenizer, "chat_template", None)):
+        records = one_call_each(records)
+        if extra:  # gpt-oss's template writes each description as a comment, and fails on none
+            extra["tools"] = [{**t, "function": {"description": "", **t["function"]}} for t in extra["tools"]]
     try:
         return str(
             tokenizer.apply_chat_template(records, tokenize=False, add_generation_prompt=True, **extra)

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from chatbot.config import SamplingConfig
 from chatbot.conversation.cache import conversation_cache
-from chatbot.conversation.harmony import HarmonySplitter
-from chatbot.conversation.thinking import ThinkingSplitter, splitter_for
+from chatbot.conversation.harmony import OPENED, HarmonySplitter
+from chatbot.conversation.thinking import ThinkingSplitter, opens_thinking, splitter_for
 from chatbot.engine.backends.base import BatchedBackend
 from chatbot.engine.backends.choose import serving_backend
 from chatbot.engine.backends.native.kernels import KernelsUnavailable
@@ -29,6 +29,7 @@ from chatbot.models.templates import answer_stops
 from chatbot.server.logprobs import LogprobTracker, TokenLogprob, TokenTexts
 from chatbot.server.pool import Conversation, PrefixCachePool
 from chatbot.server.protocol import APIError
+from chatbot.server.tools import ToolCall, harmony_calls
 
 DEFAULT_SLOTS = 8
 """Requests that generate at once (continuous batching), where the native kernels run."""
@@ -66,6 +67,7 @@ class Job:
     n: int = 1  # answers (choices) to the one prompt, one after another from its cache
     templated: bool = False  # `prompt` is a rendered chat: no special tokens added, the template's stops
     tools: Any = None  # the request's `tools.Tools` (its answers are read for calls)
+    calls: dict[int, list[ToolCall]] = field(default_factory=dict)  # harmony's, by choice
 
 
 class Worker:
@@ -211,6 +213,10 @@ class Worker:
             stop_ids, template_stops = answer_stops(engine.tokenizer, engine.model, self.pool.template)
             stops = StopStrings((*template_stops.strings, *job.stops))
         generator = seeded_generator(engine.device, job.sampling.seed)
+        # a chat in harmony (gpt-oss) is read by its channels: the analysis as thinking, a call
+        # apart; other templates' answers go out as written (their calls are read from the text)
+        harmony = opens_thinking(job.prompt) if job.templated else None
+        opened = (lambda: harmony) if harmony is not None and harmony.startswith(OPENED) else None
         tokens, finishes = 0, []
         for choice in range(job.n):
             new_ids = ids
@@ -230,7 +236,7 @@ class Worker:
                 observer=tracker,
             )
             try:
-                stats = _stream(job, chunks, tracker, choice, view)
+                stats = _stream(job, chunks, tracker, choice, view, opened=opened)
             except ContextFullError as exc:
                 message = f"{exc}".split(":")[0] + ": the prompt does not fit the context"
                 job.emit(("error", APIError(400, message, param="prompt", code="context_length_exceeded")))
@@ -353,7 +359,8 @@ def _stream(
     """Send one answer's chunks as the job's events (through the stop-string `view` where
     there is one); its stats, or None when the client went away (the answer is cut short).
     `first` is called once the first chunk has come; `opened` says which thinking tag the
-    prompt left open (a chat's thinking is sent apart)."""
+    prompt left open (a chat's thinking is sent apart; None: no splitting). A harmony answer
+    to a request with tools keeps its calls apart: they go to `job.calls` when it stops."""
     stats = None
     splitter: ThinkingSplitter | HarmonySplitter | None = None
     try:
@@ -361,9 +368,9 @@ def _stream(
             if first is not None:
                 first()
                 first = None
-            if splitter is None and job.conversation is not None and job.tools is None:
+            if splitter is None and opened is not None:
                 # a chat's thinking goes apart, as reasoning_content (known from the first chunk on)
-                splitter = splitter_for(opened() if opened is not None else None)
+                splitter = splitter_for(opened(), calls_apart=job.tools is not None)
             _emit_text(job, chunk if view is None else view.chunk(chunk), tracker, choice, splitter)
             stats = chunk.stats or stats
             if job.cancel.is_set():
@@ -371,6 +378,8 @@ def _stream(
     finally:
         chunks.close()  # an answer cut short is kept in the session
     assert stats is not None
+    if isinstance(splitter, HarmonySplitter) and splitter.calls and stats.finish_reason == "stop":
+        job.calls[choice] = harmony_calls(splitter.calls)  # a call cut short is none
     return stats
 
 
