@@ -22,6 +22,7 @@ from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES
 from gguf_edit import rewrite_gguf
 from gpt_oss_reference import GptOssReference
 from helpers import full_logits, needs_kernels
+from moe_helpers import decode_logits, one_by_one, routes
 
 from devtools.gguf_synthetic import SHAPES, write_synthetic_gguf
 
@@ -122,16 +123,14 @@ def _one_by_one(ex, x, ids, w, act):
     from chatbot.engine.backends.native import kernels
     from chatbot.gguf.gpt_oss import SWIGLU_ALPHA, SWIGLU_LIMIT
 
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            gate, up, down = ex.expert(e)
-            g = (kernels.matvec(gate, x[t], act=act) + ex.gate_bias[e]).clamp(max=SWIGLU_LIMIT)
-            u = (kernels.matvec(up, x[t], act=act) + ex.up_bias[e]).clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
-            h = g * torch.sigmoid(SWIGLU_ALPHA * g) * (u + 1)
-            out[t] += w[t, j] * (kernels.matvec(down, h, act=act) + ex.down_bias[e])
-    return out
+    def expert_out(e, xt):
+        gate, up, down = ex.expert(e)
+        g = (kernels.matvec(gate, xt, act=act) + ex.gate_bias[e]).clamp(max=SWIGLU_LIMIT)
+        u = (kernels.matvec(up, xt, act=act) + ex.up_bias[e]).clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
+        h = g * torch.sigmoid(SWIGLU_ALPHA * g) * (u + 1)
+        return kernels.matvec(down, h, act=act) + ex.down_bias[e]
+
+    return one_by_one(x, ids, w, expert_out)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -150,8 +149,7 @@ def test_experts_in_one_call_equal_the_one_input_products(files, threads):
     for layer, ex in enumerate(experts):
         g = torch.Generator().manual_seed(layer)
         n, k = 6 * ex.num_experts // 2 + 3, 2  # ~6 tokens an expert, some more, some fewer
-        ids = torch.stack([torch.randperm(ex.num_experts, generator=g)[:k] for _ in range(n)])
-        w = torch.rand(n, k, generator=g)
+        ids, w = routes(ex.num_experts, k, n, g)
         x = 2 * torch.randn(n, ex.hidden_dim, generator=g)  # the clamps are reached
         for act in (kernels.ACT_I16, kernels.ACT_Q8):
             got = kernels.experts(
@@ -183,17 +181,11 @@ def test_prefill_follows_the_reference(files, references, kind, level, atol):
 def test_decode_on_two_threads_equals_one(files):
     """The decode step's experts shared out whole over two threads (their biases and the
     clamped SwiGLU in each thread's share) give the one-thread step's logits bit for bit."""
-    from chatbot.engine.backends.native.decoder import FastDecoder
     from chatbot.models.loader import load_model
 
     loaded = load_model(str(files["Q8_0"]))
     ids = loaded.tokenizer(PROMPT)["input_ids"][:12]
-    runs = []
-    for threads in (1, 2):
-        dec = FastDecoder(loaded.model, "auto", threads=threads)
-        cache = dec.new_cache()
-        runs.append(torch.stack([dec.prefill_rows(cache, ids[:1])] + [dec.decode(cache, t) for t in ids[1:]]))
-    assert torch.equal(runs[0], runs[1])
+    assert torch.equal(decode_logits(loaded.model, ids, 1), decode_logits(loaded.model, ids, 2))
 
 
 def test_sinks_and_window_matter(files, references, tmp_path):

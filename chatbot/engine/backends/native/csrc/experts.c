@@ -47,8 +47,6 @@ typedef struct {
     float *q8d, *q8s; /* [most, K / 256] their scales, [most, K / 16] their sums times the scale */
 } ExBuffers;
 
-static size_t ex_up64(size_t n) { return (n + 63) / 64 * 64; }
-
 static int ex_alloc(ExBuffers *b, int most, int E, int F) {
     const int K = E > F ? E : F, np = (most + 7) / 8 * 8 + 8;
     const long vf = vec_floats(K);
@@ -57,14 +55,14 @@ static int ex_alloc(ExBuffers *b, int most, int E, int F) {
     b->yrow = malloc(sizeof(float *) * (size_t)most);
     b->gu = malloc(sizeof(float) * (size_t)most * 2 * F);
     b->hid = malloc(sizeof(float) * (size_t)most * F);
-    b->vbuf = aligned_alloc(64, ex_up64(sizeof(float) * (size_t)vf * EX_VECS));
-    b->xq = aligned_alloc(64, ex_up64((size_t)np * K * 2));
-    b->xd = aligned_alloc(64, ex_up64((size_t)np * (K / 16) * 4));
-    b->xs = aligned_alloc(64, ex_up64((size_t)np * (K / 16) * 4));
-    b->w = aligned_alloc(64, ex_up64((size_t)32 * K * 2));
-    b->ws = aligned_alloc(64, ex_up64((size_t)(K / 16) * 32 * 4));
-    b->wo = aligned_alloc(64, ex_up64((size_t)(K / 16) * 32 * 4));
-    b->q8 = aligned_alloc(64, ex_up64((size_t)most * K));
+    b->vbuf = aligned_alloc(64, up64(sizeof(float) * (size_t)vf * EX_VECS));
+    b->xq = aligned_alloc(64, up64((size_t)np * K * 2));
+    b->xd = aligned_alloc(64, up64((size_t)np * (K / 16) * 4));
+    b->xs = aligned_alloc(64, up64((size_t)np * (K / 16) * 4));
+    b->w = aligned_alloc(64, up64((size_t)32 * K * 2));
+    b->ws = aligned_alloc(64, up64((size_t)(K / 16) * 32 * 4));
+    b->wo = aligned_alloc(64, up64((size_t)(K / 16) * 32 * 4));
+    b->q8 = aligned_alloc(64, up64((size_t)most * K));
     b->q8d = malloc(sizeof(float) * ((size_t)most * (K / QK_K) + 1));
     b->q8s = malloc(sizeof(float) * ((size_t)most * (K / 16) + 16));
     if (!b->xrow || !b->yrow || !b->gu || !b->hid || !b->vbuf || !b->xq || !b->xd || !b->xs || !b->w || !b->ws ||
@@ -94,17 +92,7 @@ static void ex_matmul(const Mat *m, int nt, const float *const *xrow, float *con
                 b->xd[t * nu + u] = b->xs[t * nu + u] = 0.0f;
                 continue;
             }
-            const float *x = xrow[t] + u * unit;
-            float amax = 0.0f;
-            for (int i = 0; i < unit; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-            const float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-            int sum = 0;
-            for (int i = 0; i < unit; i++) {
-                q[i] = (int16_t)nearbyintf(x[i] * id);
-                sum += q[i];
-            }
-            b->xd[t * nu + u] = d;
-            b->xs[t * nu + u] = d * (float)sum;
+            mm_quantize(xrow[t] + u * unit, unit, q, b->xd + t * nu + u, b->xs + t * nu + u);
         }
     }
     int16_t stage[MM_ROWS * QK_K] __attribute__((aligned(64)));
@@ -291,33 +279,13 @@ static inline __attribute__((always_inline)) void ex_unpack(const int fmt, const
     }
 }
 
-/* x (k values) as int8 per super-block of 256 (dx[i] = amax / 127, rounded to nearest even:
- * prepare_k's ACT_Q8 values) into q in order, and the sums times dx: Q4_K per block of 32
+/* x (k values) as int8 per super-block of 256 (q8_super: prepare_k's ACT_Q8 values, as
+ * x8_quantize) into q in order, dx[i] the scale, and the sums times dx: Q4_K per block of 32
  * (then 8 zeros), Q6_K per 16. */
 static void ex_quantize(int fmt, const float *x, int k, int8_t *q, float *dx, float *sums) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int i = 0; i < k / QK_K; i++) {
-        const float *b = x + (size_t)i * QK_K;
-        __m256 mx = _mm256_setzero_ps();
-        for (int t = 0; t < QK_K; t += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(b + t)));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        const __m256 vid = _mm256_set1_ps(id);
-        dx[i] = d;
-        int bs[16];
-        for (int g = 0; g < 16; g++) {
-            const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(b + 16 * g), vid));
-            const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(b + 16 * g + 8), vid));
-            const __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(q0), _mm256_extracti128_si256(q0, 1));
-            const __m128i p16b = _mm_packs_epi32(_mm256_castsi256_si128(q1), _mm256_extracti128_si256(q1, 1));
-            _mm_storeu_si128((__m128i *)(q + (size_t)i * QK_K + 16 * g), _mm_packs_epi16(p16, p16b));
-            __m256i s = _mm256_add_epi32(q0, q1);
-            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-            bs[g] = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1)));
-        }
+        int16_t bs[16];
+        const float d = dx[i] = q8_super(x + (size_t)i * QK_K, q + (size_t)i * QK_K, bs);
         for (int j = 0; j < 16; j++)
             sums[16 * i + j] = fmt == FMT_Q4_K ? (j < 8 ? d * (float)(bs[2 * j] + bs[2 * j + 1]) : 0.0f) : d * (float)bs[j];
     }
