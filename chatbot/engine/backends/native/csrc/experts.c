@@ -7,7 +7,9 @@
  *   - int16 inputs from EX_MM_MIN tokens on: the batched int16 product (prefill.c: the rows
  *     unpacked once, 32 at a time, then multiplied with 8 inputs a tile);
  *   - else row by row, each row multiplied with every token's input while it is in L1, by
- *     the decode step's own row product (dot_vec: a token's result is its decode result).
+ *     the decode step's own row product (dot_vec: a token's result is its decode result);
+ *     MXFP4 rows (AVX2) by a multi-input form of it, each block's codes looked up once for
+ *     up to 4 tokens, each token's result dot_vec's bit for bit (ex_rows_mxfp4).
  * Each slot's output goes to a row of its own; the slots of a token are then summed in order,
  * weighted, so which thread ran which expert never changes a bit of the result.
  *
@@ -355,6 +357,76 @@ static void ex_product_q8(const Mat *m, int nt, const float *const *xrow, float 
 }
 #endif
 
+#if defined(CB_AVX2)
+/* ---- MXFP4 rows x several int16 or int8 inputs (gpt-oss's experts of fewer than EX_MM_MIN
+ * tokens, or int8 inputs): a block's codes looked up once (mxfp4_bytes) for up to EX_FP4_TOK
+ * inputs, where the one-input product looks them up per input. Each input's products, scales
+ * and sums are dot_mxfp4_i16's / dot_mxfp4_q8's, in their order (blocks alternately into two
+ * accumulators, added at the end), so its result is theirs bit for bit. */
+#define EX_FP4_TOK 4
+
+static inline __attribute__((always_inline)) float ex_fp4_sum(__m256 acc0, __m256 acc1) {
+    return hsum256(_mm256_add_ps(acc0, acc1));
+}
+
+/* row . v[t] into y[t] for n (a constant, 1..EX_FP4_TOK) inputs of the form i8 ? ACT_Q8 : ACT_I16 */
+static inline __attribute__((always_inline)) void ex_row_mxfp4(const int n, const int i8, const uint8_t *row, int k, const Vec *v, float *y) {
+    const int nb = k / QK;
+    __m256 acc[EX_FP4_TOK][2];
+    for (int t = 0; t < n; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int j = 0; j < nb; j++, row += 17) {
+        if (!(j & 1)) _mm_prefetch((const char *)row + PREFETCH, _MM_HINT_T0);
+        const __m256i w = mxfp4_bytes(row + 1);
+        const float e = e8m0_half(row[0]);
+        if (i8) {
+            const __m256i aw = _mm256_sign_epi8(w, w);
+            for (int t = 0; t < n; t++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(v[t].q + j * QK));
+                const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w));
+                acc[t][j & 1] = _mm256_fmadd_ps(_mm256_set1_ps(e * v[t].qd[j]), sum_i16_pairs_ps(p), acc[t][j & 1]);
+            }
+        } else {
+            const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
+            const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
+            for (int t = 0; t < n; t++)
+                acc[t][j & 1] = _mm256_fmadd_ps(_mm256_set1_ps(e * v[t].qd[j]), i16_block_sums(w0, w1, v[t].q16 + j * QK), acc[t][j & 1]);
+        }
+    }
+    for (int t = 0; t < n; t++) y[t] = ex_fp4_sum(acc[t][0], acc[t][1]);
+}
+
+#define EX_FP4_CASES(i8)                                                    \
+    switch (n) {                                                            \
+    case 1: ex_row_mxfp4(1, i8, row, k, v, y); break;                      \
+    case 2: ex_row_mxfp4(2, i8, row, k, v, y); break;                      \
+    case 3: ex_row_mxfp4(3, i8, row, k, v, y); break;                      \
+    default: ex_row_mxfp4(EX_FP4_TOK, i8, row, k, v, y); break;            \
+    }
+
+/* yrow[t][r] = row r of m (MXFP4) . v[t] for nt (<= EX_VECS) inputs made ready, all of one
+ * form (ACT_I16 or ACT_Q8): each row read once, for all of them in groups of up to EX_FP4_TOK */
+static void ex_rows_mxfp4(const Mat *m, const Vec *v, int nt, float *const *yrow) {
+    const int k = m->cols, i8 = v[0].act == ACT_Q8, groups = (nt + EX_FP4_TOK - 1) / EX_FP4_TOK;
+    const size_t rb = row_bytes(m);
+    for (int r = 0; r < m->rows; r++) {
+        const uint8_t *row = (const uint8_t *)m->data + (size_t)r * rb;
+        for (int g = 0, t0 = 0; g < groups; g++) {
+            const int n = (nt - t0) / (groups - g); /* the inputs shared out evenly: 5 as 2 + 3 */
+            float y[EX_FP4_TOK];
+            if (i8) {
+                EX_FP4_CASES(1)
+            } else {
+                EX_FP4_CASES(0)
+            }
+            for (int t = 0; t < n; t++) yrow[t0 + t][r] = y[t];
+            v += n, t0 += n;
+        }
+        v -= nt;
+    }
+}
+#undef EX_FP4_CASES
+#endif
+
 /* yrow[t][r] = row r of m . xrow[t] for nt inputs in the form `act`, every row read once. */
 static void ex_product(const Mat *m, int act, int nt, const float *const *xrow, float *const *yrow, ExBuffers *b) {
 #ifdef EX_Q8
@@ -375,6 +447,12 @@ static void ex_product(const Mat *m, int act, int nt, const float *const *xrow, 
             prepare_vec(&b->v[t], xrow[t0 + t], m->cols, act);
             ready_for(&b->v[t], m);
         }
+#if defined(CB_AVX2)
+        if (m->fmt == FMT_MXFP4 && (b->v[0].act == ACT_I16 || b->v[0].act == ACT_Q8)) {
+            ex_rows_mxfp4(m, b->v, nb, yrow + t0);
+            continue;
+        }
+#endif
         for (int r = 0; r < m->rows; r++)
             for (int t = 0; t < nb; t++) yrow[t0 + t][r] = dot_vec(m, r, &b->v[t]);
     }
