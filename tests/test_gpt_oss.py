@@ -137,8 +137,9 @@ def _one_by_one(ex, x, ids, w, act):
 def test_experts_in_one_call_equal_the_one_input_products(files, threads):
     """The MXFP4 experts of a batch in one native call (`kernels.experts`, with the experts'
     biases and the clamped SwiGLU): each token's output that of its experts' one-input
-    products with int16 and int8 inputs, up to float32 rounding (int16 from 6 tokens an
-    expert: the batched product's rounding per 32 values, as the step's)."""
+    products with int16 and int8 inputs, up to float32 rounding (int16 from 16 tokens an
+    expert: the batched product's rounding per 32 values, as the step's; below, the
+    multi-input MXFP4 product, the step's bits)."""
     from chatbot.engine.backends.native import kernels
     from chatbot.gguf.gpt_oss import PackedOaiExperts
     from chatbot.models.loader import load_model
@@ -148,19 +149,27 @@ def test_experts_in_one_call_equal_the_one_input_products(files, threads):
     assert experts
     for layer, ex in enumerate(experts):
         g = torch.Generator().manual_seed(layer)
-        n, k = 6 * ex.num_experts // 2 + 3, 2  # ~6 tokens an expert, some more, some fewer
+        n, k = 16 * ex.num_experts // 2 + 3, 2  # ~16 tokens an expert, some more, some fewer
         ids, w = routes(ex.num_experts, k, n, g)
         x = 2 * torch.randn(n, ex.hidden_dim, generator=g)  # the clamps are reached
+        mats, biases = (ex.gate, ex.up, ex.down), (ex.gate_up_bias, ex.down_bias)
+        counts = torch.bincount(ids.reshape(-1), minlength=ex.num_experts)
+        few = [t for t in range(n) if bool((counts[ids[t]] < 16).all())]  # all its experts under 16
+        assert few
         for act in (kernels.ACT_I16, kernels.ACT_Q8):
-            got = kernels.experts(
-                (ex.gate, ex.up, ex.down), ex.num_experts, x, ids, w, (act, act, kernels.ACT_FN_SWIGLU_OAI),
-                threads, (ex.gate_up_bias, ex.down_bias),
-            )  # fmt: skip
+            acts = (act, act, kernels.ACT_FN_SWIGLU_OAI)
+            got = kernels.experts(mats, ex.num_experts, x, ids, w, acts, threads, biases)
             assert got is not None
             want = _one_by_one(ex, x, ids, w, act)
             torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
-            acts = (act, act, kernels.ACT_FN_SWIGLU_OAI)
-            no_bias = kernels.experts((ex.gate, ex.up, ex.down), ex.num_experts, x, ids, w, acts, threads)
+            one = [
+                kernels.experts(
+                    mats, ex.num_experts, x[t : t + 1], ids[t : t + 1], w[t : t + 1], acts, 1, biases
+                )
+                for t in few
+            ]  # the multi-input MXFP4 product: the step's bits, whatever else is in the batch
+            assert torch.equal(torch.cat(one), got[few])
+            no_bias = kernels.experts(mats, ex.num_experts, x, ids, w, acts, threads)
             assert no_bias is not None and float((no_bias - got).abs().max()) > 1e-2
 
 

@@ -4,8 +4,9 @@
  * barrier between products, as a product of its own per expert and matrix would take), and
  * each of its three matrices is read once for all its tokens:
  *   - int8 inputs into Q4_K / Q6_K (AVX-512 VNNI, or AVX2): a multi-input int8 product (below);
- *   - int16 inputs from EX_MM_MIN tokens on: the batched int16 product (prefill.c: the rows
- *     unpacked once, 32 at a time, then multiplied with 8 inputs a tile);
+ *   - int16 inputs from EX_MM_MIN tokens on (MXFP4: EX_MM_MIN_MXFP4): the batched int16
+ *     product (prefill.c: the rows unpacked once, 32 at a time, then multiplied with 8 inputs
+ *     a tile);
  *   - else row by row, each row multiplied with every token's input while it is in L1, by
  *     the decode step's own row product (dot_vec: a token's result is its decode result);
  *     MXFP4 rows (AVX2) by a multi-input form of it, each block's codes looked up once for
@@ -16,8 +17,11 @@
  * Part of the kernels' one translation unit: kernels.c includes it after the parts before it, whose
  * definitions it uses; it is not compiled alone. */
 
-/* Fewest tokens of an expert that take the batched product (below: row by row). */
+/* Fewest tokens of an expert that take the batched product (below: row by row). MXFP4 rows
+ * by the multi-input product (ex_rows_mxfp4) cost less than the batched product's unpacking
+ * below about 16 tokens an expert (gpt-oss-20b's shapes; docs/benchmarks.md). */
 #define EX_MM_MIN 6
+#define EX_MM_MIN_MXFP4 16
 /* Inputs the row-by-row product keeps ready at a time */
 #define EX_VECS 8
 
@@ -358,8 +362,8 @@ static void ex_product_q8(const Mat *m, int nt, const float *const *xrow, float 
 #endif
 
 #if defined(CB_AVX2)
-/* ---- MXFP4 rows x several int16 or int8 inputs (gpt-oss's experts of fewer than EX_MM_MIN
- * tokens, or int8 inputs): a block's codes looked up once (mxfp4_bytes) for up to EX_FP4_TOK
+/* ---- MXFP4 rows x several int16 or int8 inputs (gpt-oss's experts of fewer than
+ * EX_MM_MIN_MXFP4 tokens, or int8 inputs): a block's codes looked up once (mxfp4_bytes) for up to EX_FP4_TOK
  * inputs, where the one-input product looks them up per input. Each input's products, scales
  * and sums are dot_mxfp4_i16's / dot_mxfp4_q8's, in their order (blocks alternately into two
  * accumulators, added at the end), so its result is theirs bit for bit. */
@@ -436,7 +440,7 @@ static void ex_product(const Mat *m, int act, int nt, const float *const *xrow, 
     }
 #endif
 #if defined(CB_AVX2)
-    if (nt >= EX_MM_MIN && act == ACT_I16 && !m->x8 && mm_unit(m->fmt) && m->cols % block_len(m->fmt) == 0) {
+    if (nt >= (m->fmt == FMT_MXFP4 ? EX_MM_MIN_MXFP4 : EX_MM_MIN) && act == ACT_I16 && !m->x8 && mm_unit(m->fmt) && m->cols % block_len(m->fmt) == 0) {
         ex_matmul(m, nt, xrow, yrow, b);
         return;
     }
