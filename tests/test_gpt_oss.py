@@ -22,6 +22,7 @@ from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES
 from gguf_edit import rewrite_gguf
 from gpt_oss_reference import GptOssReference
 from helpers import full_logits, needs_kernels
+from moe_helpers import decode_logits, one_by_one, routes
 
 from devtools.gguf_synthetic import SHAPES, write_synthetic_gguf
 
@@ -122,24 +123,23 @@ def _one_by_one(ex, x, ids, w, act):
     from chatbot.engine.backends.native import kernels
     from chatbot.gguf.gpt_oss import SWIGLU_ALPHA, SWIGLU_LIMIT
 
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            gate, up, down = ex.expert(e)
-            g = (kernels.matvec(gate, x[t], act=act) + ex.gate_bias[e]).clamp(max=SWIGLU_LIMIT)
-            u = (kernels.matvec(up, x[t], act=act) + ex.up_bias[e]).clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
-            h = g * torch.sigmoid(SWIGLU_ALPHA * g) * (u + 1)
-            out[t] += w[t, j] * (kernels.matvec(down, h, act=act) + ex.down_bias[e])
-    return out
+    def expert_out(e, xt):
+        gate, up, down = ex.expert(e)
+        g = (kernels.matvec(gate, xt, act=act) + ex.gate_bias[e]).clamp(max=SWIGLU_LIMIT)
+        u = (kernels.matvec(up, xt, act=act) + ex.up_bias[e]).clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
+        h = g * torch.sigmoid(SWIGLU_ALPHA * g) * (u + 1)
+        return kernels.matvec(down, h, act=act) + ex.down_bias[e]
+
+    return one_by_one(x, ids, w, expert_out)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_experts_in_one_call_equal_the_one_input_products(files, threads):
     """The MXFP4 experts of a batch in one native call (`kernels.experts`, with the experts'
     biases and the clamped SwiGLU): each token's output that of its experts' one-input
-    products with int16 and int8 inputs, up to float32 rounding (int16 from 6 tokens an
-    expert: the batched product's rounding per 32 values, as the step's)."""
+    products with int16 and int8 inputs, up to float32 rounding (int16 from 16 tokens an
+    expert: the batched product's rounding per 32 values, as the step's; below, the
+    multi-input MXFP4 product, the step's bits)."""
     from chatbot.engine.backends.native import kernels
     from chatbot.gguf.gpt_oss import PackedOaiExperts
     from chatbot.models.loader import load_model
@@ -149,20 +149,27 @@ def test_experts_in_one_call_equal_the_one_input_products(files, threads):
     assert experts
     for layer, ex in enumerate(experts):
         g = torch.Generator().manual_seed(layer)
-        n, k = 6 * ex.num_experts // 2 + 3, 2  # ~6 tokens an expert, some more, some fewer
-        ids = torch.stack([torch.randperm(ex.num_experts, generator=g)[:k] for _ in range(n)])
-        w = torch.rand(n, k, generator=g)
+        n, k = 16 * ex.num_experts // 2 + 3, 2  # ~16 tokens an expert, some more, some fewer
+        ids, w = routes(ex.num_experts, k, n, g)
         x = 2 * torch.randn(n, ex.hidden_dim, generator=g)  # the clamps are reached
+        mats, biases = (ex.gate, ex.up, ex.down), (ex.gate_up_bias, ex.down_bias)
+        counts = torch.bincount(ids.reshape(-1), minlength=ex.num_experts)
+        few = [t for t in range(n) if bool((counts[ids[t]] < 16).all())]  # all its experts under 16
+        assert few
         for act in (kernels.ACT_I16, kernels.ACT_Q8):
-            got = kernels.experts(
-                (ex.gate, ex.up, ex.down), ex.num_experts, x, ids, w, (act, act, kernels.ACT_FN_SWIGLU_OAI),
-                threads, (ex.gate_up_bias, ex.down_bias),
-            )  # fmt: skip
+            acts = (act, act, kernels.ACT_FN_SWIGLU_OAI)
+            got = kernels.experts(mats, ex.num_experts, x, ids, w, acts, threads, biases)
             assert got is not None
             want = _one_by_one(ex, x, ids, w, act)
             torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
-            acts = (act, act, kernels.ACT_FN_SWIGLU_OAI)
-            no_bias = kernels.experts((ex.gate, ex.up, ex.down), ex.num_experts, x, ids, w, acts, threads)
+            one = [
+                kernels.experts(
+                    mats, ex.num_experts, x[t : t + 1], ids[t : t + 1], w[t : t + 1], acts, 1, biases
+                )
+                for t in few
+            ]  # the multi-input MXFP4 product: the step's bits, whatever else is in the batch
+            assert torch.equal(torch.cat(one), got[few])
+            no_bias = kernels.experts(mats, ex.num_experts, x, ids, w, acts, threads)
             assert no_bias is not None and float((no_bias - got).abs().max()) > 1e-2
 
 
@@ -183,17 +190,11 @@ def test_prefill_follows_the_reference(files, references, kind, level, atol):
 def test_decode_on_two_threads_equals_one(files):
     """The decode step's experts shared out whole over two threads (their biases and the
     clamped SwiGLU in each thread's share) give the one-thread step's logits bit for bit."""
-    from chatbot.engine.backends.native.decoder import FastDecoder
     from chatbot.models.loader import load_model
 
     loaded = load_model(str(files["Q8_0"]))
     ids = loaded.tokenizer(PROMPT)["input_ids"][:12]
-    runs = []
-    for threads in (1, 2):
-        dec = FastDecoder(loaded.model, "auto", threads=threads)
-        cache = dec.new_cache()
-        runs.append(torch.stack([dec.prefill_rows(cache, ids[:1])] + [dec.decode(cache, t) for t in ids[1:]]))
-    assert torch.equal(runs[0], runs[1])
+    assert torch.equal(decode_logits(loaded.model, ids, 1), decode_logits(loaded.model, ids, 2))
 
 
 def test_sinks_and_window_matter(files, references, tmp_path):

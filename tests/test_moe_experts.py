@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import full_logits, needs_kernels
+from moe_helpers import decode_logits, one_by_one, routes
 from test_moe import PROMPT, files, reference  # noqa: F401  (files: the module's fixture)
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), needs_kernels]
@@ -30,21 +31,16 @@ def _one_by_one(ex, x, ids, w, act):
     """The experts token by token through the one-input product (the decode step's)."""
     from chatbot.engine.backends.native import kernels
 
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            gate, up, down = ex.expert(int(ids[t, j]))
-            h = torch.nn.functional.silu(kernels.matvec(gate, x[t], act=act)) * kernels.matvec(
-                up, x[t], act=act
-            )
-            out[t] += w[t, j] * kernels.matvec(down, h, act=act)
-    return out
+    def expert_out(e, xt):
+        gate, up, down = ex.expert(e)
+        h = torch.nn.functional.silu(kernels.matvec(gate, xt, act=act)) * kernels.matvec(up, xt, act=act)
+        return kernels.matvec(down, h, act=act)
+
+    return one_by_one(x, ids, w, expert_out)
 
 
 def _batch(n_experts, k, n, seed):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(n_experts, generator=g)[:k] for _ in range(n)])
-    return ids, torch.rand(n, k, generator=g)
+    return routes(n_experts, k, n, torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("kind", ["Q4_K_M", "Q8_0", "qwen2moe"])
@@ -114,13 +110,6 @@ def test_prefill_follows_the_reference(files, kind, level, atol):  # noqa: F811
 def test_decode_on_two_threads_equals_one(files, kind):  # noqa: F811
     """The decode step's experts shared out whole over two threads (one barrier a layer) give
     the one-thread step's logits bit for bit."""
-    from chatbot.engine.backends.native.decoder import FastDecoder
-
     loaded, _ = _experts(files[kind])
     ids = loaded.tokenizer(PROMPT)["input_ids"][:12]
-    runs = []
-    for threads in (1, 2):
-        dec = FastDecoder(loaded.model, "auto", threads=threads)
-        cache = dec.new_cache()
-        runs.append(torch.stack([dec.prefill_rows(cache, ids[:1])] + [dec.decode(cache, t) for t in ids[1:]]))
-    assert torch.equal(runs[0], runs[1])
+    assert torch.equal(decode_logits(loaded.model, ids, 1), decode_logits(loaded.model, ids, 2))

@@ -4,18 +4,24 @@
  * barrier between products, as a product of its own per expert and matrix would take), and
  * each of its three matrices is read once for all its tokens:
  *   - int8 inputs into Q4_K / Q6_K (AVX-512 VNNI, or AVX2): a multi-input int8 product (below);
- *   - int16 inputs from EX_MM_MIN tokens on: the batched int16 product (prefill.c: the rows
- *     unpacked once, 32 at a time, then multiplied with 8 inputs a tile);
+ *   - int16 inputs from EX_MM_MIN tokens on (MXFP4: EX_MM_MIN_MXFP4): the batched int16
+ *     product (prefill.c: the rows unpacked once, 32 at a time, then multiplied with 8 inputs
+ *     a tile);
  *   - else row by row, each row multiplied with every token's input while it is in L1, by
- *     the decode step's own row product (dot_vec: a token's result is its decode result).
+ *     the decode step's own row product (dot_vec: a token's result is its decode result);
+ *     MXFP4 rows (AVX2) by a multi-input form of it, each block's codes looked up once for
+ *     up to 4 tokens, each token's result dot_vec's bit for bit (ex_rows_mxfp4).
  * Each slot's output goes to a row of its own; the slots of a token are then summed in order,
  * weighted, so which thread ran which expert never changes a bit of the result.
  *
  * Part of the kernels' one translation unit: kernels.c includes it after the parts before it, whose
  * definitions it uses; it is not compiled alone. */
 
-/* Fewest tokens of an expert that take the batched product (below: row by row). */
+/* Fewest tokens of an expert that take the batched product (below: row by row). MXFP4 rows
+ * by the multi-input product (ex_rows_mxfp4) cost less than the batched product's unpacking
+ * below about 16 tokens an expert (gpt-oss-20b's shapes; docs/benchmarks.md). */
 #define EX_MM_MIN 6
+#define EX_MM_MIN_MXFP4 16
 /* Inputs the row-by-row product keeps ready at a time */
 #define EX_VECS 8
 
@@ -47,8 +53,6 @@ typedef struct {
     float *q8d, *q8s; /* [most, K / 256] their scales, [most, K / 16] their sums times the scale */
 } ExBuffers;
 
-static size_t ex_up64(size_t n) { return (n + 63) / 64 * 64; }
-
 static int ex_alloc(ExBuffers *b, int most, int E, int F) {
     const int K = E > F ? E : F, np = (most + 7) / 8 * 8 + 8;
     const long vf = vec_floats(K);
@@ -57,14 +61,14 @@ static int ex_alloc(ExBuffers *b, int most, int E, int F) {
     b->yrow = malloc(sizeof(float *) * (size_t)most);
     b->gu = malloc(sizeof(float) * (size_t)most * 2 * F);
     b->hid = malloc(sizeof(float) * (size_t)most * F);
-    b->vbuf = aligned_alloc(64, ex_up64(sizeof(float) * (size_t)vf * EX_VECS));
-    b->xq = aligned_alloc(64, ex_up64((size_t)np * K * 2));
-    b->xd = aligned_alloc(64, ex_up64((size_t)np * (K / 16) * 4));
-    b->xs = aligned_alloc(64, ex_up64((size_t)np * (K / 16) * 4));
-    b->w = aligned_alloc(64, ex_up64((size_t)32 * K * 2));
-    b->ws = aligned_alloc(64, ex_up64((size_t)(K / 16) * 32 * 4));
-    b->wo = aligned_alloc(64, ex_up64((size_t)(K / 16) * 32 * 4));
-    b->q8 = aligned_alloc(64, ex_up64((size_t)most * K));
+    b->vbuf = aligned_alloc(64, up64(sizeof(float) * (size_t)vf * EX_VECS));
+    b->xq = aligned_alloc(64, up64((size_t)np * K * 2));
+    b->xd = aligned_alloc(64, up64((size_t)np * (K / 16) * 4));
+    b->xs = aligned_alloc(64, up64((size_t)np * (K / 16) * 4));
+    b->w = aligned_alloc(64, up64((size_t)32 * K * 2));
+    b->ws = aligned_alloc(64, up64((size_t)(K / 16) * 32 * 4));
+    b->wo = aligned_alloc(64, up64((size_t)(K / 16) * 32 * 4));
+    b->q8 = aligned_alloc(64, up64((size_t)most * K));
     b->q8d = malloc(sizeof(float) * ((size_t)most * (K / QK_K) + 1));
     b->q8s = malloc(sizeof(float) * ((size_t)most * (K / 16) + 16));
     if (!b->xrow || !b->yrow || !b->gu || !b->hid || !b->vbuf || !b->xq || !b->xd || !b->xs || !b->w || !b->ws ||
@@ -94,17 +98,7 @@ static void ex_matmul(const Mat *m, int nt, const float *const *xrow, float *con
                 b->xd[t * nu + u] = b->xs[t * nu + u] = 0.0f;
                 continue;
             }
-            const float *x = xrow[t] + u * unit;
-            float amax = 0.0f;
-            for (int i = 0; i < unit; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-            const float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-            int sum = 0;
-            for (int i = 0; i < unit; i++) {
-                q[i] = (int16_t)nearbyintf(x[i] * id);
-                sum += q[i];
-            }
-            b->xd[t * nu + u] = d;
-            b->xs[t * nu + u] = d * (float)sum;
+            mm_quantize(xrow[t] + u * unit, unit, q, b->xd + t * nu + u, b->xs + t * nu + u);
         }
     }
     int16_t stage[MM_ROWS * QK_K] __attribute__((aligned(64)));
@@ -291,33 +285,13 @@ static inline __attribute__((always_inline)) void ex_unpack(const int fmt, const
     }
 }
 
-/* x (k values) as int8 per super-block of 256 (dx[i] = amax / 127, rounded to nearest even:
- * prepare_k's ACT_Q8 values) into q in order, and the sums times dx: Q4_K per block of 32
+/* x (k values) as int8 per super-block of 256 (q8_super: prepare_k's ACT_Q8 values, as
+ * x8_quantize) into q in order, dx[i] the scale, and the sums times dx: Q4_K per block of 32
  * (then 8 zeros), Q6_K per 16. */
 static void ex_quantize(int fmt, const float *x, int k, int8_t *q, float *dx, float *sums) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int i = 0; i < k / QK_K; i++) {
-        const float *b = x + (size_t)i * QK_K;
-        __m256 mx = _mm256_setzero_ps();
-        for (int t = 0; t < QK_K; t += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(b + t)));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        const __m256 vid = _mm256_set1_ps(id);
-        dx[i] = d;
-        int bs[16];
-        for (int g = 0; g < 16; g++) {
-            const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(b + 16 * g), vid));
-            const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(b + 16 * g + 8), vid));
-            const __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(q0), _mm256_extracti128_si256(q0, 1));
-            const __m128i p16b = _mm_packs_epi32(_mm256_castsi256_si128(q1), _mm256_extracti128_si256(q1, 1));
-            _mm_storeu_si128((__m128i *)(q + (size_t)i * QK_K + 16 * g), _mm_packs_epi16(p16, p16b));
-            __m256i s = _mm256_add_epi32(q0, q1);
-            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-            bs[g] = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1)));
-        }
+        int16_t bs[16];
+        const float d = dx[i] = q8_super(x + (size_t)i * QK_K, q + (size_t)i * QK_K, bs);
         for (int j = 0; j < 16; j++)
             sums[16 * i + j] = fmt == FMT_Q4_K ? (j < 8 ? d * (float)(bs[2 * j] + bs[2 * j + 1]) : 0.0f) : d * (float)bs[j];
     }
@@ -387,6 +361,76 @@ static void ex_product_q8(const Mat *m, int nt, const float *const *xrow, float 
 }
 #endif
 
+#if defined(CB_AVX2)
+/* ---- MXFP4 rows x several int16 or int8 inputs (gpt-oss's experts of fewer than
+ * EX_MM_MIN_MXFP4 tokens, or int8 inputs): a block's codes looked up once (mxfp4_bytes) for up to EX_FP4_TOK
+ * inputs, where the one-input product looks them up per input. Each input's products, scales
+ * and sums are dot_mxfp4_i16's / dot_mxfp4_q8's, in their order (blocks alternately into two
+ * accumulators, added at the end), so its result is theirs bit for bit. */
+#define EX_FP4_TOK 4
+
+static inline __attribute__((always_inline)) float ex_fp4_sum(__m256 acc0, __m256 acc1) {
+    return hsum256(_mm256_add_ps(acc0, acc1));
+}
+
+/* row . v[t] into y[t] for n (a constant, 1..EX_FP4_TOK) inputs of the form i8 ? ACT_Q8 : ACT_I16 */
+static inline __attribute__((always_inline)) void ex_row_mxfp4(const int n, const int i8, const uint8_t *row, int k, const Vec *v, float *y) {
+    const int nb = k / QK;
+    __m256 acc[EX_FP4_TOK][2];
+    for (int t = 0; t < n; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int j = 0; j < nb; j++, row += 17) {
+        if (!(j & 1)) _mm_prefetch((const char *)row + PREFETCH, _MM_HINT_T0);
+        const __m256i w = mxfp4_bytes(row + 1);
+        const float e = e8m0_half(row[0]);
+        if (i8) {
+            const __m256i aw = _mm256_sign_epi8(w, w);
+            for (int t = 0; t < n; t++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(v[t].q + j * QK));
+                const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w));
+                acc[t][j & 1] = _mm256_fmadd_ps(_mm256_set1_ps(e * v[t].qd[j]), sum_i16_pairs_ps(p), acc[t][j & 1]);
+            }
+        } else {
+            const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
+            const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
+            for (int t = 0; t < n; t++)
+                acc[t][j & 1] = _mm256_fmadd_ps(_mm256_set1_ps(e * v[t].qd[j]), i16_block_sums(w0, w1, v[t].q16 + j * QK), acc[t][j & 1]);
+        }
+    }
+    for (int t = 0; t < n; t++) y[t] = ex_fp4_sum(acc[t][0], acc[t][1]);
+}
+
+#define EX_FP4_CASES(i8)                                                    \
+    switch (n) {                                                            \
+    case 1: ex_row_mxfp4(1, i8, row, k, v, y); break;                      \
+    case 2: ex_row_mxfp4(2, i8, row, k, v, y); break;                      \
+    case 3: ex_row_mxfp4(3, i8, row, k, v, y); break;                      \
+    default: ex_row_mxfp4(EX_FP4_TOK, i8, row, k, v, y); break;            \
+    }
+
+/* yrow[t][r] = row r of m (MXFP4) . v[t] for nt (<= EX_VECS) inputs made ready, all of one
+ * form (ACT_I16 or ACT_Q8): each row read once, for all of them in groups of up to EX_FP4_TOK */
+static void ex_rows_mxfp4(const Mat *m, const Vec *v, int nt, float *const *yrow) {
+    const int k = m->cols, i8 = v[0].act == ACT_Q8, groups = (nt + EX_FP4_TOK - 1) / EX_FP4_TOK;
+    const size_t rb = row_bytes(m);
+    for (int r = 0; r < m->rows; r++) {
+        const uint8_t *row = (const uint8_t *)m->data + (size_t)r * rb;
+        for (int g = 0, t0 = 0; g < groups; g++) {
+            const int n = (nt - t0) / (groups - g); /* the inputs shared out evenly: 5 as 2 + 3 */
+            float y[EX_FP4_TOK];
+            if (i8) {
+                EX_FP4_CASES(1)
+            } else {
+                EX_FP4_CASES(0)
+            }
+            for (int t = 0; t < n; t++) yrow[t0 + t][r] = y[t];
+            v += n, t0 += n;
+        }
+        v -= nt;
+    }
+}
+#undef EX_FP4_CASES
+#endif
+
 /* yrow[t][r] = row r of m . xrow[t] for nt inputs in the form `act`, every row read once. */
 static void ex_product(const Mat *m, int act, int nt, const float *const *xrow, float *const *yrow, ExBuffers *b) {
 #ifdef EX_Q8
@@ -396,7 +440,7 @@ static void ex_product(const Mat *m, int act, int nt, const float *const *xrow, 
     }
 #endif
 #if defined(CB_AVX2)
-    if (nt >= EX_MM_MIN && act == ACT_I16 && !m->x8 && mm_unit(m->fmt) && m->cols % block_len(m->fmt) == 0) {
+    if (nt >= (m->fmt == FMT_MXFP4 ? EX_MM_MIN_MXFP4 : EX_MM_MIN) && act == ACT_I16 && !m->x8 && mm_unit(m->fmt) && m->cols % block_len(m->fmt) == 0) {
         ex_matmul(m, nt, xrow, yrow, b);
         return;
     }
@@ -407,6 +451,12 @@ static void ex_product(const Mat *m, int act, int nt, const float *const *xrow, 
             prepare_vec(&b->v[t], xrow[t0 + t], m->cols, act);
             ready_for(&b->v[t], m);
         }
+#if defined(CB_AVX2)
+        if (m->fmt == FMT_MXFP4 && (b->v[0].act == ACT_I16 || b->v[0].act == ACT_Q8)) {
+            ex_rows_mxfp4(m, b->v, nb, yrow + t0);
+            continue;
+        }
+#endif
         for (int r = 0; r < m->rows; r++)
             for (int t = 0; t < nb; t++) yrow[t0 + t][r] = dot_vec(m, r, &b->v[t]);
     }

@@ -125,6 +125,37 @@ static void prepare_blocks(Vec *v) {
 static inline float k_top(const Vec *v) { return v->act == ACT_Q8 ? 127.0f : 32767.0f; }
 
 #ifdef CB_AVX2
+/* the largest |x| of a super-block's 256 values */
+static inline float amax_super(const float *b) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 mx = _mm256_setzero_ps();
+    for (int t = 0; t < QK_K; t += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(b + t)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+}
+
+/* A super-block's 256 values b as int8 (ggml's Q8_K, ACT_Q8's K-quant form: scale amax / 127,
+ * rounded to nearest even as nearbyintf, as prepare_k) into q in order, and the sums of its
+ * 16 runs of 16 values into s16 (|.| <= 16 x 127); returns the scale. The batched int8
+ * products' inputs (prefill_x8.c, experts.c) are made by it. */
+static inline float q8_super(const float *b, int8_t *q, int16_t *s16) {
+    const float d = amax_super(b) / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+    const __m256 vid = _mm256_set1_ps(id);
+    for (int j = 0; j < QK_K; j += 16) {
+        const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(b + j), vid));
+        const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(b + j + 8), vid));
+        const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8); /* 16 int16 in order */
+        _mm_storeu_si128((__m128i *)(q + j), _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+        __m128i s = _mm_add_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+        s = _mm_add_epi16(s, _mm_shuffle_epi32(s, 0x4e));
+        s = _mm_add_epi16(s, _mm_shuffle_epi32(s, 0xb1));
+        s = _mm_add_epi16(s, _mm_srli_epi32(s, 16));
+        s16[j / 16] = (int16_t)_mm_cvtsi128_si32(s);
+    }
+    return d;
+}
+
 /* The K-quant form of an ACT_I16 or ACT_Q8 vector (once per vector, before its first K-quant product;
  * a vector shared by threads must be made ready before they start). One scale per
  * super-block lets a whole super-block's products add up in int32 before one conversion to
@@ -132,15 +163,9 @@ static inline float k_top(const Vec *v) { return v->act == ACT_Q8 ? 127.0f : 327
  * llama.cpp's int8 per 256 (ggml's Q8_K), which ACT_Q8 is. */
 static void prepare_k(Vec *v) {
     if (v->kready) return; /* ready_for calls it for int16 inputs of whole super-blocks only */
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int i = 0; i < v->k / QK_K; i++) {
         const float *b = v->x + i * QK_K;
-        __m256 mx = _mm256_setzero_ps();
-        for (int t = 0; t < QK_K; t += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(b + t)));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-        const float d = amax / k_top(v), id = d > 0.0f ? 1.0f / d : 0.0f;
+        const float d = amax_super(b) / k_top(v), id = d > 0.0f ? 1.0f / d : 0.0f;
         const __m256 vid = _mm256_set1_ps(id);
         for (int j = 0; j < QK_K / QK; j++) {
             __m256i sum = _mm256_setzero_si256();

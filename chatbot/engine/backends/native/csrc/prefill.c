@@ -347,6 +347,21 @@ typedef struct {
     atomic_int failed; /* a thread without its buffers */
 } MatmulJob;
 
+/* One unit of an input (`unit` values b) as int16 q for the batched product: scale *d =
+ * amax / 32767, rounded to nearest even (as prepare_blocks' ACT_I16), *s = *d times their sum. */
+static void mm_quantize(const float *b, int unit, int16_t *q, float *d, float *s) {
+    float amax = 0.0f;
+    for (int i = 0; i < unit; i++) amax = fabsf(b[i]) > amax ? fabsf(b[i]) : amax;
+    const float dq = amax / 32767.0f, id = dq > 0.0f ? 1.0f / dq : 0.0f;
+    int sum = 0;
+    for (int i = 0; i < unit; i++) {
+        q[i] = (int16_t)nearbyintf(b[i] * id);
+        sum += q[i];
+    }
+    *d = dq;
+    *s = dq * (float)sum;
+}
+
 /* chatbot_matmul on each thread of its team: a share of the inputs as int16, then groups of
  * MM_ROWS rows, each to the next thread free (a dynamic schedule). */
 static void matmul_team(void *arg) {
@@ -369,17 +384,7 @@ static void matmul_team(void *arg) {
                 xd[t * nu + u] = xs[t * nu + u] = 0.0f;
                 continue;
             }
-            const float *b = x + (size_t)t * k + u * unit;
-            float amax = 0.0f;
-            for (int i = 0; i < unit; i++) amax = fabsf(b[i]) > amax ? fabsf(b[i]) : amax;
-            const float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-            int sum = 0;
-            for (int i = 0; i < unit; i++) {
-                q[i] = (int16_t)nearbyintf(b[i] * id);
-                sum += q[i];
-            }
-            xd[t * nu + u] = d;
-            xs[t * nu + u] = d * (float)sum;
+            mm_quantize(x + (size_t)t * k + u * unit, unit, q, xd + t * nu + u, xs + t * nu + u);
         }
     }
     team_barrier();

@@ -27,34 +27,10 @@ typedef struct {
     int16_t *s32, *s16;
 } X8Inputs;
 
-/* input x (k values) into row t of `in`: as prepare_k rounds for ACT_Q8 (amax / 127, round
- * to nearest even) */
+/* input x (k values) into row t of `in` (q8_super: ACT_Q8's K-quant form) */
 static void x8_quantize(const float *x, int k, X8Inputs *in, int t) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    int8_t *q = in->q + (size_t)t * k;
-    for (int i = 0; i < k / QK_K; i++) {
-        const float *b = x + i * QK_K;
-        __m256 mx = _mm256_setzero_ps();
-        for (int j = 0; j < QK_K; j += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(b + j)));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        const __m256 vid = _mm256_set1_ps(id);
-        for (int j = 0; j < QK_K; j += 16) {
-            const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(b + j), vid));
-            const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(b + j + 8), vid));
-            const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8); /* 16 int16 in order */
-            const __m128i b8 = _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
-            _mm_storeu_si128((__m128i *)(q + i * QK_K + j), b8);
-            __m128i s = _mm_add_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
-            s = _mm_add_epi16(s, _mm_shuffle_epi32(s, 0x4e));
-            s = _mm_add_epi16(s, _mm_shuffle_epi32(s, 0xb1));
-            s = _mm_add_epi16(s, _mm_srli_epi32(s, 16));
-            in->s16[(size_t)t * (k / 16) + (i * QK_K + j) / 16] = (int16_t)_mm_cvtsi128_si32(s);
-        }
-        in->d[(size_t)t * (k / QK_K) + i] = d;
-    }
+    for (int i = 0; i < k / QK_K; i++)
+        in->d[(size_t)t * (k / QK_K) + i] = q8_super(x + i * QK_K, in->q + (size_t)t * k + i * QK_K, in->s16 + (size_t)t * (k / 16) + 16 * i);
     for (int u = 0; u < k / QK; u++) {
         const int16_t *s = in->s16 + (size_t)t * (k / 16) + 2 * u;
         in->s32[(size_t)t * (k / QK) + u] = (int16_t)(s[0] + s[1]);
