@@ -71,6 +71,9 @@ void chatbot_dequantize(const Mat *m, float *out, int n_threads) {
  * float32 bands took 4. On Zen 4 cores that measured 1.2x the float32 bands for Q4_K and Q8_0,
  * 0.96-1.0x for Q6_K (units of 16): vpmaddwd seems to issue less often there than FMA. */
 
+/* Round n up to a multiple of 64 (aligned_alloc wants whole alignments). */
+static size_t up64(size_t n) { return (n + 63) / 64 * 64; }
+
 #if defined(CB_AVX2)
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define MM_512 1
@@ -332,9 +335,6 @@ static void mm_lay_out(const int16_t *stage, int16_t *w, int blk, int bl) {
         }
 #endif
 }
-
-/* Round n up to a multiple of 64 (aligned_alloc wants whole alignments). */
-static size_t up64(size_t n) { return (n + 63) / 64 * 64; }
 
 typedef struct {
     const Mat *m;
