@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,21 @@ def _no_bar(iterable: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 @contextmanager
+def _quiet_warnings() -> Iterator[None]:
+    """Python's warnings ignored, and accelerate's logger at errors only (it warns that
+    offloaded weights sit on the meta device: the banner says so), for one block."""
+    acc = logging.getLogger("accelerate")
+    acc_level = acc.level
+    acc.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        acc.setLevel(acc_level)
+
+
+@contextmanager
 def quiet_transformers(gguf: bool = False):
     """Silence progress bars and info logs of a load; errors still raise. `gguf`: the load
     reads a GGUF file through transformers, whose reader has a bare tqdm bar of its own
@@ -85,18 +101,12 @@ def quiet_transformers(gguf: bool = False):
 
         gguf_tqdm = gguf_utils.tqdm
         gguf_utils.tqdm = _no_bar
-    # accelerate warns that offloaded weights sit on the meta device: the banner says so
-    acc = logging.getLogger("accelerate")
-    acc_level = acc.level
-    acc.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with _quiet_warnings():
             yield
     finally:
         hf_logging.set_verbosity(level)
         hf_logging.enable_progress_bar()
-        acc.setLevel(acc_level)
         if gguf_utils is not None:
             gguf_utils.tqdm = gguf_tqdm
 
@@ -108,19 +118,14 @@ def _quiet_if_imported():
     and progress bars are set back after it as `quiet_transformers` sets them."""
     saved = os.environ.get("TRANSFORMERS_VERBOSITY")
     os.environ["TRANSFORMERS_VERBOSITY"] = "error"
-    acc = logging.getLogger("accelerate")
-    acc_level = acc.level
-    acc.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with _quiet_warnings():
             yield
     finally:
         if saved is None:
             os.environ.pop("TRANSFORMERS_VERBOSITY", None)
         else:
             os.environ["TRANSFORMERS_VERBOSITY"] = saved
-        acc.setLevel(acc_level)
         hf_logging = sys.modules.get("transformers.utils.logging")
         if hf_logging is not None:
             hf_logging.set_verbosity(hf_logging._get_default_logging_level())
